@@ -1,0 +1,223 @@
+"""Composing configs outside a Hydra run, and checking a command line before any work starts.
+
+``preflight`` parses the overrides like Hydra does, checks every key, group option and value type against
+the schema, expands sweeps (command line and a recipe's ``hydra.sweeper.params``) and validates every
+resulting config, so a bad sweep fails at once, with every problem listed, before the first job runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from l2l_cli.config import L2LConfig, Problem, register, validate
+from l2l_cli.paths import conf_dir, recipes_dir
+
+GROUPS = ("model", "mode", "precision", "task", "optim", "hardware", "recipe")
+MAX_SWEEP_JOBS = 512
+
+_registered = False
+
+
+def setup() -> None:
+    """Register the schema, resolvers and recipes with Hydra (once per process)."""
+    global _registered
+    if _registered:
+        return
+    register()
+    OmegaConf.register_new_resolver("l2l.mul", lambda *a: math.prod(int(x) for x in a), replace=True)
+    OmegaConf.register_new_resolver("l2l.div", lambda a, b: int(a) // int(b), replace=True)
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    for path in sorted(recipes_dir().glob("*.yaml")):
+        cs.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
+    _registered = True
+
+
+def group_options(group: str) -> list[str]:
+    if group == "recipe":
+        return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
+    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+
+
+@contextmanager
+def _hydra() -> Iterator[None]:
+    setup()
+    if GlobalHydra.instance().is_initialized():
+        yield  # inside a running Hydra app (e.g. a test harness): reuse it
+        return
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        yield
+
+
+def compose(overrides: list[str] | tuple[str, ...] = (), *, hydra: bool = False) -> DictConfig:
+    """The composed config for ``overrides`` (as ``l2l train`` would see it), without running anything."""
+    with _hydra():
+        return hydra_compose("config", overrides=list(overrides), return_hydra_config=hydra)
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def _schema_node(key: str) -> tuple[bool, Any]:
+    node: Any = OmegaConf.structured(L2LConfig)
+    for part in key.split("."):
+        if not isinstance(node, DictConfig) or part not in node:
+            return False, node
+        node = node._get_node(part)
+    return True, node
+
+
+def _unknown_key(key: str) -> Problem:
+    parent = key.rsplit(".", 1)[0] if "." in key else ""
+    ok, node = _schema_node(parent) if parent else (True, OmegaConf.structured(L2LConfig))
+    allowed = ", ".join(node.keys()) if ok and isinstance(node, DictConfig) else ""
+    where = f" in {parent}" if parent else ""
+    return Problem(key, f"unknown key; allowed{where}: {allowed}")
+
+
+def _type_check(key: str, raw: str) -> Problem | None:
+    probe = OmegaConf.structured(L2LConfig)
+    try:
+        value = OverridesParser.create().parse_override(f"{key}={raw}").value()
+        OmegaConf.update(probe, key, value, merge=True)
+    except OmegaConfBaseException as e:
+        msg = str(e).splitlines()[0]
+        return Problem(key, f"got {raw!r}: {msg}")
+    except Exception as e:
+        return Problem(key, f"got {raw!r}: {str(e).splitlines()[0]}")
+    return None
+
+
+def _values(ov: Override) -> list[str]:
+    return list(ov.sweep_string_iterator()) if ov.is_sweep_override() else [ov.get_value_element_as_str()]
+
+
+def check_overrides(overrides: list[str]) -> tuple[list[Problem], list[Override]]:
+    """Problems with the keys, group options and value types of ``overrides``; and the parsed overrides."""
+    problems: list[Problem] = []
+    parsed: list[Override] = []
+    parser = OverridesParser.create()
+    for raw in overrides:
+        try:
+            parsed.append(parser.parse_override(raw))
+        except Exception as e:
+            problems.append(
+                Problem(raw.split("=", 1)[0] or raw, f"cannot parse {raw!r}: {str(e).splitlines()[0]}")
+            )
+    for ov in parsed:
+        key = ov.key_or_group
+        if key == "hydra" or key.startswith(("hydra.", "hydra/")):
+            continue
+        if key in GROUPS:
+            if ov.is_delete():
+                continue
+            allowed = group_options(key)
+            for v in _values(ov):
+                if v not in allowed and not (key == "recipe" and v == "null"):
+                    problems.append(Problem(key, f"unknown option {v!r}; allowed: {', '.join(allowed)}"))
+            continue
+        known, _ = _schema_node(key)
+        if not known:
+            problems.append(_unknown_key(key))
+            continue
+        if ov.is_add() or ov.is_force_add():
+            problems.append(Problem(key, f"is a known key; set it without '+' ({key}=...)"))
+            continue
+        if ov.is_delete():
+            problems.append(Problem(key, "keys of the schema cannot be deleted; set a value instead"))
+            continue
+        for v in _values(ov):
+            p = _type_check(key, v)
+            if p:
+                problems.append(p)
+    return problems, parsed
+
+
+def _sweep_jobs(parsed: list[Override], config_params: dict[str, str]) -> Iterator[list[str]]:
+    """Every job's overrides, as Hydra's basic sweeper would build them (command line wins over config)."""
+    fixed, axes = [], []
+    cli_keys = {ov.key_or_group for ov in parsed}
+    for key, value in config_params.items():
+        if key not in cli_keys:
+            ov = OverridesParser.create().parse_override(f"{key}={value}")
+            axes.append([f"{key}={v}" for v in _values(ov)])
+    for ov in parsed:
+        if ov.key_or_group.startswith("hydra"):
+            continue
+        if ov.is_sweep_override():
+            axes.append([f"{ov.get_key_element()}={v}" for v in _values(ov)])
+        else:
+            fixed.append(ov.input_line)
+    for combo in itertools.product(*axes):
+        yield fixed + list(combo)
+
+
+def _extra_keys(cfg: DictConfig) -> list[Problem]:
+    """Keys that are in the composed config but not in the schema (a recipe's typo, say)."""
+    schema = OmegaConf.structured(L2LConfig)
+    out = []
+
+    def walk(node: Any, ref: Any, path: str) -> None:
+        for k in node:
+            full = f"{path}{k}"
+            if k == "hydra" and not path:
+                continue
+            if not isinstance(ref, DictConfig) or k not in ref:
+                out.append(_unknown_key(full))
+            elif isinstance(node._get_node(k), DictConfig):
+                walk(node._get_node(k), ref._get_node(k), full + ".")
+
+    walk(cfg, schema, "")
+    return out
+
+
+def preflight(overrides: list[str], multirun: bool) -> list[Problem]:
+    """All problems with an ``l2l train`` command line (empty: safe to start)."""
+    problems, parsed = check_overrides(overrides)
+    if problems:
+        return problems
+    plain = [
+        ov.input_line
+        for ov in parsed
+        if not ov.is_sweep_override() and not ov.key_or_group.startswith("hydra")
+    ]
+    try:
+        base = compose(plain, hydra=True)
+    except Exception as e:
+        return [Problem("config", str(e).splitlines()[0])]
+    sweeper = OmegaConf.select(base, "hydra.sweeper.params") or {}
+    multirun = multirun or str(OmegaConf.select(base, "hydra.mode")) == "RunMode.MULTIRUN"
+    sweeps = [ov for ov in parsed if ov.is_sweep_override()]
+    if sweeps and not multirun:
+        keys = ", ".join(ov.key_or_group for ov in sweeps)
+        return [Problem(keys, "a list of values is a sweep; add -m (--multirun) to run one job per value")]
+    jobs = list(itertools.islice(_sweep_jobs(parsed, dict(sweeper) if multirun else {}), MAX_SWEEP_JOBS + 1))
+    if len(jobs) > MAX_SWEEP_JOBS:
+        return [Problem("sweep", f"more than {MAX_SWEEP_JOBS} jobs; split the sweep")]
+    seen: set[str] = set()
+    for job in jobs:
+        try:
+            cfg = compose(job)
+        except Exception as e:
+            found = [Problem("config", f"{' '.join(job)}: {str(e).splitlines()[0]}")]
+        else:
+            found = _extra_keys(cfg) + validate(cfg)
+        for p in found:
+            label = str(p) if len(jobs) == 1 else f"{p} [job: {' '.join(job)}]"
+            if str(p) not in seen:
+                seen.add(str(p))
+                problems.append(Problem(p.key, p.message if len(jobs) == 1 else label.split(": ", 1)[1]))
+    return problems

@@ -1,0 +1,281 @@
+"""The accelerator a runner executes on: CPU, CUDA, or the simulated accelerator (``device=sim``).
+
+Runners never branch on the device: they ask the accelerator for device and host buffers, copy through its
+copy engines, seed dropout through it, and measure with its meter.
+
+- ``cpu``: the device tier is the CPU itself; copies are done inline; a storage meter measures memory.
+- ``cuda``: a side stream per copy direction with events; pinned host buffers; the allocator's statistics.
+- ``sim``: compute on the CPU, but the storage meter enforces a device-memory budget (exceeding it is an
+  out-of-memory, like CUDA's) and host<->device copies go through copy-engine threads, one per direction
+  like a GPU's, each taking ``bytes / link bandwidth``, so prefetch overlap and exposed transfer are real.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+
+from l2l_cli.profiling.memory import CudaMeter, DeviceOutOfMemory, MemoryMeter, StorageMeter
+
+
+class CopyHandle:
+    """A copy in flight; ``wait()`` blocks until its destination may be used by the caller."""
+
+    def wait(self) -> None:
+        return None
+
+    def done(self) -> bool:
+        return True
+
+
+DONE = CopyHandle()
+
+
+class CopyEngine:
+    """Inline copies (CPU device): the copy happens in ``copy()``; the handle is already done."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.busy_s = 0.0
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> CopyHandle:
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        self.busy_s += time.perf_counter() - t0
+        self.bytes += src.nbytes
+        return DONE
+
+    def close(self) -> None:
+        return None
+
+
+class _ThreadHandle(CopyHandle):
+    __slots__ = ("error", "event")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.error: BaseException | None = None
+
+    def wait(self) -> None:
+        self.event.wait()
+        if self.error is not None:
+            raise self.error
+
+    def done(self) -> bool:
+        return self.event.is_set()
+
+
+class LinkCopyEngine(CopyEngine):
+    """A copy engine thread behind a link of ``gbps`` GB/s: each copy takes max(memcpy, bytes / bandwidth).
+
+    Copies run in submission order (one DMA queue per direction), so a prefetch issued early overlaps the
+    compute that follows it, and a wait on it measures exactly the transfer time compute could not hide.
+    """
+
+    def __init__(self, gbps: float, name: str):
+        super().__init__()
+        self.bytes_per_s = gbps * 1e9
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"l2l-copy-{name}", daemon=True)
+        self._thread.start()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> CopyHandle:
+        h = _ThreadHandle()
+        self._q.put((dst, src, h))
+        return h
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            dst, src, h = job
+            t0 = time.perf_counter()
+            try:
+                with torch.no_grad():
+                    dst.copy_(src)
+                link_s = src.nbytes / self.bytes_per_s
+                rest = link_s - (time.perf_counter() - t0)
+                if rest > 0:
+                    time.sleep(rest)
+                self.bytes += src.nbytes
+            except BaseException as e:  # surfaced to the waiter
+                h.error = e
+            self.busy_s += time.perf_counter() - t0
+            del dst, src
+            h.event.set()
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=5)
+
+
+class _CudaHandle(CopyHandle):
+    __slots__ = ("event", "host")
+
+    def __init__(self, event: Any, host: bool):
+        self.event, self.host = event, host
+
+    def wait(self) -> None:
+        # a host consumer blocks; a device consumer only orders its stream after the copy
+        if self.host:
+            self.event.synchronize()
+        else:
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def done(self) -> bool:
+        return self.event.query()
+
+
+class CudaCopyEngine(CopyEngine):
+    """A side stream per direction; ``after`` is an event the copy must wait for (buffer reuse)."""
+
+    def __init__(self, device: torch.device, to_host: bool):
+        super().__init__()
+        self.stream = torch.cuda.Stream(device)
+        self.to_host = to_host
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> CopyHandle:
+        producer = torch.cuda.current_stream()
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_stream(producer) if after is None else self.stream.wait_event(after)
+            dst.copy_(src, non_blocking=True)
+            src.record_stream(self.stream) if src.is_cuda else dst.record_stream(self.stream)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        self.bytes += src.nbytes
+        return _CudaHandle(ev, host=self.to_host)
+
+
+class Accelerator:
+    """The CPU as the device tier (and the base of the others)."""
+
+    kind = "cpu"
+
+    def __init__(self, device: torch.device, meter: MemoryMeter, h2d: CopyEngine, d2h: CopyEngine):
+        self.device, self.meter, self.h2d, self.d2h = device, meter, h2d, d2h
+
+    @property
+    def half_dtype(self) -> torch.dtype:
+        """The half type for AMP/CMP: bf16 on CPUs (fp16 matmuls are ~100x slower there)."""
+        return torch.bfloat16
+
+    @property
+    def copies_inputs(self) -> bool:
+        """Whether moving a batch to this device must copy it (a CPU device tier owns its inputs)."""
+        return True
+
+    def host_empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A host-tier buffer (not device memory): pinned where that speeds up copies."""
+        with self.meter.paused():
+            return torch.empty(numel, dtype=dtype)
+
+    def empty(self, numel: int, dtype: torch.dtype, part: str) -> torch.Tensor:
+        """A device-tier buffer counted under ``part``."""
+        with self.meter.part(part):
+            return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def seed(self, seed: int) -> None:
+        """Seed this device's dropout RNG (layer-by-layer runners reseed per layer and micro-batch)."""
+        torch.random.default_generator.manual_seed(seed)
+
+    def autocast(self, dtype: torch.dtype | None) -> Any:
+        if dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def synchronize(self) -> None:
+        return None
+
+    def record_event(self) -> Any:
+        return None
+
+    def is_oom(self, exc: BaseException) -> bool:
+        return isinstance(exc, DeviceOutOfMemory | torch.OutOfMemoryError)
+
+    def memory_stats(self) -> dict[str, Any]:
+        return {"h2d_bytes": self.h2d.bytes, "d2h_bytes": self.d2h.bytes}
+
+    @contextmanager
+    def running(self) -> Iterator[Accelerator]:
+        """Meter on for the block (on this thread); copy engines shut down at the end."""
+        try:
+            with self.meter:
+                yield self
+        finally:
+            self.h2d.close()
+            self.d2h.close()
+
+    def describe(self) -> str:
+        return "cpu"
+
+
+class SimAccelerator(Accelerator):
+    kind = "sim"
+
+    def __init__(self, memory_gb: float, link_gbps: float):
+        super().__init__(
+            torch.device("cpu"),
+            StorageMeter(budget_bytes=int(memory_gb * 2**30)),
+            LinkCopyEngine(link_gbps, "h2d"),
+            LinkCopyEngine(link_gbps, "d2h"),
+        )
+        self.memory_gb, self.link_gbps = memory_gb, link_gbps
+
+    def describe(self) -> str:
+        return f"sim ({self.memory_gb:g} GiB device budget, {self.link_gbps:g} GB/s link per direction)"
+
+
+class CudaAccelerator(Accelerator):
+    kind = "cuda"
+
+    def __init__(self, index: int):
+        device = torch.device("cuda", index)
+        torch.cuda.set_device(device)
+        super().__init__(
+            device, CudaMeter(device), CudaCopyEngine(device, False), CudaCopyEngine(device, True)
+        )
+
+    @property
+    def half_dtype(self) -> torch.dtype:
+        return torch.float16
+
+    @property
+    def copies_inputs(self) -> bool:
+        return False
+
+    def host_empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+    def seed(self, seed: int) -> None:
+        torch.cuda.default_generators[self.device.index].manual_seed(seed)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def record_event(self) -> Any:
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
+
+    def describe(self) -> str:
+        return f"cuda:{self.device.index} ({torch.cuda.get_device_name(self.device)})"
+
+
+def make_accelerator(cfg: Any, local_rank: int = 0) -> Accelerator:
+    """The accelerator for ``cfg.device`` (auto = CUDA when present, else the CPU)."""
+    kind = cfg.device
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda":
+        return CudaAccelerator(local_rank % max(1, torch.cuda.device_count()))
+    if kind == "sim":
+        return SimAccelerator(cfg.sim.memory_gb, cfg.sim.link_gbps)
+    meter = StorageMeter() if cfg.profile.memory else MemoryMeter()
+    return Accelerator(torch.device("cpu"), meter, CopyEngine(), CopyEngine())

@@ -1,0 +1,134 @@
+"""Optimizers (AdamW, LAMB), the learning-rate schedule, and gradient clipping / non-finite checks.
+
+The baselines and the eager param-server use the same optimizer classes over the same parameter tensors
+(the EPS passes views into its flat per-layer buffers), so every mode computes the same update.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def no_decay(name: str) -> bool:
+    """BERT's rule: no weight decay on biases and LayerNorm weights."""
+    return name.endswith("bias") or "LayerNorm" in name or "layer_norm" in name
+
+
+def param_groups(named: Iterable[tuple[str, torch.Tensor]], weight_decay: float) -> list[dict[str, Any]]:
+    decay, plain = [], []
+    for n, p in named:
+        (plain if no_decay(n) else decay).append(p)
+    return [
+        g
+        for g in ({"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0})
+        if g["params"]
+    ]
+
+
+class Lamb(torch.optim.Optimizer):
+    """LAMB (You et al. 2019), as L2L v2 trains BERT-Large: Adam moments with bias correction, decoupled
+    weight decay inside the update, and a layer-wise trust ratio ||w|| / ||update|| applied per parameter
+    tensor. Multi-tensor (foreach) kernels; no Python loop over the elements of a layer."""
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+    ):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            grads = [p.grad for p in params]
+            for p in params:
+                st = self.state[p]
+                if not st:
+                    st["step"] = torch.tensor(0.0)
+                    st["exp_avg"] = torch.zeros_like(p)
+                    st["exp_avg_sq"] = torch.zeros_like(p)
+            states = [self.state[p] for p in params]
+            m = [s["exp_avg"] for s in states]
+            v = [s["exp_avg_sq"] for s in states]
+            for s in states:
+                s["step"] += 1
+            t = float(states[0]["step"])
+            b1, b2 = group["betas"]
+            torch._foreach_lerp_(m, grads, 1 - b1)
+            torch._foreach_mul_(v, b2)
+            torch._foreach_addcmul_(v, grads, grads, value=1 - b2)
+            # update = m_hat / (sqrt(v_hat) + eps) + wd * w
+            denom = torch._foreach_sqrt(v)
+            torch._foreach_div_(denom, math.sqrt(1 - b2**t))
+            torch._foreach_add_(denom, group["eps"])
+            update = torch._foreach_div(m, denom)
+            torch._foreach_mul_(update, 1.0 / (1 - b1**t))
+            if group["weight_decay"]:
+                torch._foreach_add_(update, params, alpha=group["weight_decay"])
+            w_norm = torch.stack(torch._foreach_norm(params))
+            u_norm = torch.stack(torch._foreach_norm(update))
+            trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
+            torch._foreach_mul_(update, list((trust * -group["lr"]).unbind()))
+            torch._foreach_add_(params, update)
+
+
+def make_optimizer(groups: list[dict[str, Any]], cfg: Any) -> torch.optim.Optimizer:
+    o = cfg.optim
+    betas = (o.beta1, o.beta2)
+    if o.name == "lamb":
+        return Lamb(groups, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)
+    # torch's fused AdamW kernel runs on CPU too and is ~5x faster there than the default for-loop one
+    return torch.optim.AdamW(groups, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay, fused=True)
+
+
+def lr_at(step: int, total_steps: int, cfg: Any) -> float:
+    """Learning rate for optimizer step ``step`` (0-based): linear warmup, then linear decay to 0."""
+    o = cfg.optim
+    warmup = o.warmup_steps if o.warmup_steps is not None else int(o.warmup_ratio * total_steps)
+    if warmup and step < warmup:
+        return o.lr * (step + 1) / warmup
+    if o.schedule == "constant":
+        return o.lr
+    return o.lr * max(0.0, (total_steps - step) / max(1, total_steps - warmup))
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for g in opt.param_groups:
+        g["lr"] = lr
+
+
+def layer_norms(layers: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+    """The L2 norm of each layer's gradients (one value per layer, float32)."""
+    out = []
+    for grads in layers:
+        if len(grads) == 1:
+            out.append(torch.linalg.vector_norm(grads[0], dtype=torch.float32))
+        else:
+            out.append(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float()))
+    return torch.stack(out)
+
+
+def clip_coefficients(norms: torch.Tensor, clip: str, max_norm: float) -> torch.Tensor | None:
+    """Per-layer multipliers for ``clip`` (global: one shared coefficient from the total norm, as
+    torch.nn.utils.clip_grad_norm_; layer: each layer by its own norm), or None for no clipping."""
+    if clip == "none":
+        return None
+    if clip == "global":
+        total = torch.linalg.vector_norm(norms)
+        return (max_norm / (total + 1e-6)).clamp(max=1.0).expand_as(norms)
+    return (max_norm / (norms + 1e-6)).clamp(max=1.0)
+
+
+def module_grads(module: nn.Module) -> list[torch.Tensor]:
+    return [p.grad for p in module.parameters() if p.grad is not None]

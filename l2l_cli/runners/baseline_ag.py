@@ -1,0 +1,24 @@
+"""Algorithm 2 (L2L v1; Alg. 1 in v2): the baseline with accumulated gradients. Each micro-batch runs
+forward and backward through the whole model, its gradients accumulate, and one update follows."""
+
+from __future__ import annotations
+
+import time
+
+from l2l_cli.data.batches import Batch
+from l2l_cli.runners.common import DeviceResident, StepReport
+
+
+class BaselineAGRunner(DeviceResident):
+    def step(self, minibatch: Batch) -> StepReport:
+        t0 = time.perf_counter()
+        ubatches = self.to_device(minibatch).split(self.num_ubatches)
+        lr = self.lr()
+        loss = 0.0
+        # Alg. 2: for u in ubatches: (for l in layers: forward) (for l in reversed(layers): backward)
+        for u, ub in enumerate(ubatches):
+            loss = loss + self.forward_backward(ub, u, scale=1.0 / self.num_ubatches) / self.num_ubatches
+        # Alg. 2: for l in layers: w_l = optimizer(w_l, acc_grads_l)
+        with self.timer("optimizer"):
+            applied, norm = self.update()
+        return self.finish(loss, len(minibatch), t0, lr, skipped=not applied, grad_norm=norm)

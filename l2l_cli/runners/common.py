@@ -1,0 +1,142 @@
+"""What every runner shares: the step report, dropout seeding, and the device-resident model of the
+baselines (its placement, update, evaluation). The schedules themselves live in the runner files."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from l2l_cli.config import effective_clip
+from l2l_cli.data.batches import Batch
+from l2l_cli.engine.device import Accelerator
+from l2l_cli.engine.optim import (
+    clip_coefficients,
+    layer_norms,
+    lr_at,
+    make_optimizer,
+    module_grads,
+    param_groups,
+    set_lr,
+)
+from l2l_cli.engine.precision import Precision
+from l2l_cli.models.bert import LayeredModel, ModelSpec
+from l2l_cli.profiling.timers import PhaseTimer
+
+
+@dataclass
+class StepReport:
+    loss: float
+    samples: int
+    step_time_s: float
+    phases: dict[str, float]
+    lr: float
+    skipped: bool = False  # non-finite gradients: no update was applied
+    grad_norm: float | None = None
+    loss_scale: float = 1.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def ubatch_seed(seed: int, step: int, layer: int, ubatch: int) -> int:
+    """The dropout seed of (step, layer, micro-batch): a layer-by-layer runner and a whole-model runner
+    that reseed with it draw the same dropout masks, and a recompute reproduces its forward exactly."""
+    return ((seed * 1_000_003 + step) * 1_000_033 + layer * 8_191 + ubatch) % (2**63 - 1)
+
+
+class Runner:
+    """Base: ``step(minibatch) -> StepReport`` and ``predict(batch) -> logits``."""
+
+    def __init__(self, cfg: Any, acc: Accelerator, spec: ModelSpec, precision: Precision, total_steps: int):
+        self.cfg, self.acc, self.spec, self.precision = cfg, acc, spec, precision
+        self.total_steps = total_steps
+        self.num_ubatches = cfg.batch.size // cfg.batch.ubatch_size
+        self.clip = effective_clip(cfg)
+        self.timer = PhaseTimer(acc.synchronize if cfg.profile.sync_timers else None)
+        self.step_count = 0  # optimizer steps taken (the dropout seed and the lr schedule follow it)
+        self.seed = cfg.trainer.seed
+
+    def seed_dropout(self, layer: int, ubatch: int) -> None:
+        self.acc.seed(ubatch_seed(self.seed, self.step_count, layer, ubatch))
+
+    def to_device(self, batch: Batch) -> Batch:
+        return batch.to(self.acc.device, copy=self.acc.copies_inputs)
+
+    def lr(self) -> float:
+        return lr_at(self.step_count, self.total_steps, self.cfg)
+
+    def finish(self, loss: torch.Tensor, samples: int, t0: float, lr: float, **kw: Any) -> StepReport:
+        self.step_count += 1
+        return StepReport(
+            loss=float(loss), samples=samples, step_time_s=time.perf_counter() - t0, phases=self.timer.pop(),
+            lr=lr, loss_scale=self.precision.scaler.scale, **kw,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        return None
+
+
+class DeviceResident(Runner):
+    """The baselines' arrangement: the whole model, its gradients and optimizer state on the device."""
+
+    def __init__(self, cfg: Any, acc: Accelerator, spec: ModelSpec, precision: Precision, total_steps: int):
+        super().__init__(cfg, acc, spec, precision, total_steps)
+        with acc.meter.part("weights"):
+            self.model = LayeredModel(spec, seed=cfg.trainer.seed, device=acc.device)
+        self.model.train()
+        named = [(n, p) for n, p in self.model.named_parameters()]
+        with acc.meter.part("optimizer_state"):
+            self.optimizer = make_optimizer(param_groups(named, cfg.optim.weight_decay), cfg)
+
+    @torch.no_grad()
+    def load_hf(self, tensors: Any) -> list[str]:
+        return self.model.load_hf_state_dict(tensors)
+
+    def hf_tensors(self) -> Any:
+        return self.model.hf_state_dict().items()
+
+    def forward_backward(self, ub: Batch, u: int, scale: float) -> torch.Tensor:
+        """One (micro-)batch through the whole model and back; returns its loss (detached)."""
+        seed_fn = lambda layer: self.seed_dropout(layer, u)  # noqa: E731
+        with self.timer("forward"), self.acc.meter.part("activations"), self.precision.autocast():
+            loss, _ = self.model(ub, seed_fn=seed_fn)
+        with self.timer("backward"), self.acc.meter.part("backward"):
+            self.precision.scaler.scale_loss(loss * scale).backward()
+        return loss.detach()
+
+    def update(self) -> tuple[bool, float]:
+        """Unscale, check for non-finite gradients, clip, and step; returns (applied, grad norm)."""
+        scaler = self.precision.scaler
+        layers = [module_grads(m) for _, m in self.model.layers()]
+        for grads in layers:
+            for g in grads:
+                self.acc.meter.tag(g, "grads")
+        if scaler.scale != 1.0:
+            torch._foreach_mul_([g for gs in layers for g in gs], 1.0 / scaler.scale)
+        norms = layer_norms(layers)
+        finite = bool(torch.isfinite(norms).all())
+        scaler.update(not finite)
+        if finite:
+            coefs = clip_coefficients(norms, self.clip, self.cfg.optim.max_grad_norm)
+            if coefs is not None:
+                for grads, c in zip(layers, coefs):
+                    torch._foreach_mul_(grads, c)
+            set_lr(self.optimizer, self.lr())
+            with self.acc.meter.part("optimizer_state"):
+                self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return finite, float(torch.linalg.vector_norm(norms))
+
+    @torch.no_grad()
+    def predict(self, batch: Batch) -> torch.Tensor:
+        self.model.eval()
+        try:
+            with self.precision.autocast(), self.acc.meter.part("activations"):
+                _, logits = self.model(self.to_device(batch))
+            return logits.float().cpu()
+        finally:
+            self.model.train()
+
+    def memory_parts(self) -> dict[str, int]:
+        return {}
