@@ -73,8 +73,8 @@ class Precision:
 def make_precision(cfg: Any, acc: Accelerator) -> Precision:
     p = cfg.precision
     half = {"auto": acc.half_dtype, "bf16": torch.bfloat16, "fp16": torch.float16}[p.dtype]
-    dynamic = (
-        (p.loss_scale == "dynamic" and half == torch.float16) or (p.loss_scale == "dynamic" and p.name == "cmp")
+    dynamic = (p.loss_scale == "dynamic" and half == torch.float16) or (
+        p.loss_scale == "dynamic" and p.name == "cmp"
     )
     if p.name == "fp32":
         return Precision("fp32", torch.float32, None, LossScaler(), acc)

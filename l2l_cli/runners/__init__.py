@@ -15,6 +15,11 @@ def make_runner(
 ) -> Runner:
     from l2l_cli.runners.baseline import BaselineRunner
     from l2l_cli.runners.baseline_ag import BaselineAGRunner
+    from l2l_cli.runners.l2l import L2LRunner
 
-    runners: dict[str, type[Runner]] = {"baseline": BaselineRunner, "baseline_ag": BaselineAGRunner}
+    runners: dict[str, type[Runner]] = {
+        "baseline": BaselineRunner,
+        "baseline_ag": BaselineAGRunner,
+        "l2l": L2LRunner,
+    }
     return runners[cfg.mode.name](cfg, acc, spec, precision, total_steps)

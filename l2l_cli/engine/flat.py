@@ -1,0 +1,61 @@
+"""Flat per-layer buffers: one contiguous tensor holds all of a layer's parameters, in a fixed order.
+
+The eager param-server keeps each layer's master weights, gradients and optimizer moments in flat host
+buffers with this layout, and the relay's device slots use the same layout, so moving a layer is a
+single copy. Modules never own storage here: ``bind`` makes their parameters views of a flat buffer
+("a flexible encoder layer that receives each layer's weights", L2L v2 §2.1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from l2l_cli.engine.optim import no_decay
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    numel: int
+
+
+class FlatLayout:
+    """Where each parameter of a layer type sits in its flat buffer (weight-decayed ones first)."""
+
+    def __init__(self, module: nn.Module):
+        named = list(module.named_parameters())
+        ordered = [x for x in named if not no_decay(x[0])] + [x for x in named if no_decay(x[0])]
+        entries, offset = [], 0
+        for name, p in ordered:
+            entries.append(Entry(name, tuple(p.shape), offset, p.numel()))
+            offset += p.numel()
+        self.entries: tuple[Entry, ...] = tuple(entries)
+        self.numel = offset
+
+    def views(self, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """(name, view of ``flat``) per parameter, in layout order."""
+        return [(e.name, flat[e.offset : e.offset + e.numel].view(e.shape)) for e in self.entries]
+
+    @torch.no_grad()
+    def pack(self, module: nn.Module, flat: torch.Tensor) -> None:
+        """Copy ``module``'s parameters into ``flat`` (any dtype; cast on copy)."""
+        params = dict(module.named_parameters())
+        for name, view in self.views(flat):
+            view.copy_(params[name])
+
+    def bind(self, module: nn.Module, w: torch.Tensor, g: torch.Tensor | None = None) -> nn.Module:
+        """Make ``module``'s parameters views of ``w`` (and their ``.grad`` views of ``g``, so autograd
+        accumulates every micro-batch's gradient in place, straight into the flat buffer)."""
+        grads = dict(self.views(g)) if g is not None else {}
+        for name, view in self.views(w):
+            owner, _, leaf = name.rpartition(".")
+            p = nn.Parameter(view, requires_grad=g is not None)
+            if g is not None:
+                p.grad = grads[name]
+            module.get_submodule(owner)._parameters[leaf] = p
+        return module

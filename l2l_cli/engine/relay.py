@@ -1,0 +1,112 @@
+"""The relay: device slots that hold the executing layer and the next one, fed from the EPS.
+
+Each slot is one flat weight buffer and one flat gradient buffer on the device, sized for the largest
+layer, plus one reusable module per layer type whose parameters are views of the slot. Loading layer
+l into a slot is a single host->device copy of the EPS's send buffer; while layer l computes from one
+slot, layer l+1 is copied into the other (prefetch), so with enough micro-batches per layer the copy is
+hidden (L2L v2 eqs. 4-6). A slot remembers which layer and which version of it it holds, so a layer used
+twice in a row (the last block around the turn into backward) is not copied again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from l2l_cli.engine.device import DONE, Accelerator, CopyHandle
+from l2l_cli.engine.eps import EagerParamServer
+from l2l_cli.models.bert import BLOCK, POST, PRE, ModelSpec, new_layer, reset_buffers
+from l2l_cli.profiling.timers import PhaseTimer
+
+
+class Slot:
+    def __init__(self, acc: Accelerator, spec: ModelSpec, eps: EagerParamServer, dtype: torch.dtype):
+        n = eps.max_layer_numel
+        self.w = acc.empty(n, dtype, part="layer_slots")
+        self.g = acc.empty(n, dtype, part="layer_slots")
+        self.shells: dict[str, nn.Module] = {}
+        with acc.meter.part("layer_slots"):
+            for kind in (PRE, BLOCK, POST):
+                layout = eps.layouts[kind]
+                shell = new_layer(spec, kind, device="meta")
+                layout.bind(shell, self.w[: layout.numel], self.g[: layout.numel])
+                for owner in shell.modules():  # index buffers (position ids) become real device tensors
+                    for name, buf in list(owner._buffers.items()):
+                        if buf is not None and buf.device.type == "meta":
+                            owner._buffers[name] = torch.empty_like(buf, device=acc.device)
+                reset_buffers(shell)
+                self.shells[kind] = shell.to(dtype)
+        self.layer: int | None = None
+        self.version = -1
+        self.loaded: CopyHandle = DONE  # host->device copy of the weights
+        self.grads_out: CopyHandle = DONE  # device->host copy of the gradient
+        self.released: Any = None  # CUDA event: compute finished with this slot's previous layer
+
+
+class Relay:
+    """``acquire(l, prefetch=next)`` returns the module that runs layer l, and starts copying ``next``."""
+
+    def __init__(
+        self, acc: Accelerator, spec: ModelSpec, eps: EagerParamServer, dtype: torch.dtype, prefetch: bool,
+        timer: PhaseTimer,
+    ):  # fmt: skip
+        self.acc, self.spec, self.eps, self.timer = acc, spec, eps, timer
+        self.prefetch = prefetch
+        self.slots = [Slot(acc, spec, eps, dtype) for _ in range(2 if prefetch else 1)]
+        self.current: Slot | None = None
+        self.loads = 0  # layers copied to the device (for tests and reports)
+
+    def _holding(self, i: int) -> Slot | None:
+        version = self.eps[i].version
+        for s in self.slots:
+            if s.layer == i and s.version == version:
+                return s
+        return None
+
+    def _load(self, i: int) -> Slot:
+        """Start copying layer i into a slot other than the one computing now."""
+        slot = self._holding(i)
+        if slot is not None:
+            return slot
+        slot = next((s for s in self.slots if s is not self.current), self.slots[0])
+        st = self.eps[i]
+        n = st.layout.numel
+        slot.loaded = self.acc.h2d.copy(slot.w[:n], st.send, after=slot.released)
+        slot.layer, slot.version = i, st.version
+        self.loads += 1
+        return slot
+
+    def acquire(self, i: int, *, prefetch: int | None = None, grads: bool = False) -> nn.Module:
+        """The module for layer i, its weights on the device. ``grads``: its gradient buffer is zeroed for a
+        backward pass (after the previous occupant's gradient has left for the host)."""
+        if self.current is not None:
+            self.current.released = self.acc.record_event()
+        with self.timer("transfer"):
+            slot = self._load(i)
+            slot.loaded.wait()
+        self.current = slot
+        if prefetch is not None and self.prefetch:
+            with self.timer("transfer"):
+                self._load(prefetch)
+        if grads:
+            n = self.eps[i].layout.numel
+            with self.timer("transfer"):
+                slot.grads_out.wait()
+            slot.g[:n].zero_()
+        return slot.shells[self.spec.kind(i)]
+
+    def send_grads(self, i: int) -> None:
+        """Hand layer i's accumulated gradient to the EPS (asynchronously); the slot is free for reuse."""
+        slot = self._holding(i)
+        assert slot is not None, f"layer {i} is not on the device"
+        st = self.eps[i]
+        n = st.layout.numel
+        slot.released = self.acc.record_event()
+        slot.grads_out = st.grad_in = self.acc.d2h.copy(st.g, slot.g[:n], after=slot.released)
+
+    def train(self, mode: bool) -> None:
+        for s in self.slots:
+            for shell in s.shells.values():
+                shell.train(mode)
