@@ -51,9 +51,12 @@ def train(argv: list[str]) -> int:
                 f"unknown option {unknown_flags[0]}; allowed: -m/--multirun, --help, --cfg job, --info"
             )
         overrides = [a for a in argv if not a.startswith("-")]
-        problems = preflight(overrides, multirun)
+        warnings: list[str] = []
+        problems = preflight(overrides, multirun, warnings)
         if problems:
             return _fail([f"config error: {p}" for p in problems])
+        for w in warnings:
+            print(f"l2l: warning: {w}", file=sys.stderr)
     _STATUSES.clear()
     _run_hydra(["l2l-train", *argv])
     if not _STATUSES:

@@ -184,8 +184,13 @@ def _extra_keys(cfg: DictConfig) -> list[Problem]:
     return out
 
 
-def preflight(overrides: list[str], multirun: bool) -> list[Problem]:
-    """All problems with an ``l2l train`` command line (empty: safe to start)."""
+def preflight(overrides: list[str], multirun: bool, warn: list[str] | None = None) -> list[Problem]:
+    """All problems with an ``l2l train`` command line (empty: safe to start).
+
+    In a sweep, a job whose own combination is invalid (say mode=baseline with micro-batches) does not
+    stop the others: it is listed in ``warn`` and will end as a failed job. Problems every job shares
+    (unknown keys, options, types), or a sweep with no valid job, are errors.
+    """
     problems, parsed = check_overrides(overrides)
     if problems:
         return problems
@@ -207,17 +212,24 @@ def preflight(overrides: list[str], multirun: bool) -> list[Problem]:
     jobs = list(itertools.islice(_sweep_jobs(parsed, dict(sweeper) if multirun else {}), MAX_SWEEP_JOBS + 1))
     if len(jobs) > MAX_SWEEP_JOBS:
         return [Problem("sweep", f"more than {MAX_SWEEP_JOBS} jobs; split the sweep")]
-    seen: set[str] = set()
+    failing: list[tuple[list[str], list[Problem]]] = []
     for job in jobs:
         try:
             cfg = compose(job)
         except Exception as e:
-            found = [Problem("config", f"{' '.join(job)}: {str(e).splitlines()[0]}")]
+            found = [Problem("config", f"{str(e).splitlines()[0]}")]
         else:
             found = _extra_keys(cfg) + validate(cfg)
-        for p in found:
-            label = str(p) if len(jobs) == 1 else f"{p} [job: {' '.join(job)}]"
-            if str(p) not in seen:
-                seen.add(str(p))
-                problems.append(Problem(p.key, p.message if len(jobs) == 1 else label.split(": ", 1)[1]))
-    return problems
+        if found:
+            failing.append((job, found))
+    if len(jobs) == 1 or len(failing) == len(jobs):
+        seen: dict[str, Problem] = {}
+        for job, found in failing:
+            for p in found:
+                suffix = f" [job: {' '.join(job)}]" if len(jobs) > 1 else ""
+                seen.setdefault(str(p), Problem(p.key, p.message + suffix))
+        return list(seen.values())
+    if warn is not None:
+        for job, found in failing:
+            warn.append(f"job {' '.join(job)} will fail: " + "; ".join(map(str, found)))
+    return []

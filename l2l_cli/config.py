@@ -143,24 +143,40 @@ class ProfileConfig:
 
 @dataclass
 class HardwareConfig:
-    """Hardware model for ``l2l plan`` (see conf/hardware)."""
+    """Hardware model for ``l2l plan`` (see conf/hardware). Defaults: the L2L v1 paper's V100 (§3.1.2).
+
+    Rates are *effective* (what a transformer layer achieves), except ``device_peak_tflops``, which the
+    layered-GA analysis uses at perfect efficiency. Optimizer work is counted in the L2L v1 paper's units
+    (an update of BERT-Large's ~335M parameters = 100 GFLOP, i.e. 300 FLOP per parameter).
+    """
 
     name: str = "v100-16g"
-    device_tflops: float = 30.0  # effective device throughput for layer matmuls
-    device_memory_gb: float = 16.0
+    device_tflops: float = 30.0  # effective device throughput for layer matmuls, fp32
+    device_tflops_half: float = 30.0  # the same under precision=amp|cmp
+    device_peak_tflops: float = 125.0  # half-precision peak (layered-GA: compute time, intensity thresholds)
+    backward_factor: float = 2.0  # backward time / forward time of a layer (the papers: 2)
+    device_memory_gb: float = 16.0  # GiB
+    device_optim_gflops: float = 480.0  # the baselines' on-device update (elementwise, memory-bound)
     host_gflops: float = 300.0  # EPS (host optimizer) throughput
-    host_memory_gb: float = 512.0
+    host_memory_gb: float = 512.0  # GiB
     h2d_gbps: float = 16.0  # host<->device link, GB/s per direction
-    network_gbps: float = 12.5  # data-parallel reduction bandwidth per device, GB/s
-    measured: bool = False
+    network_gbps: float = 12.5  # data-parallel / pipeline network per device, GB/s (input + output)
+    tensor_link_gbps: float = 0.0  # tensor-parallel interconnect (NVLink), GB/s (input + output); 0: none
+    offload_gbps: float = 32.0  # CPU<->GPU for offloading (layered-GA eq. 13), GB/s (input + output)
+    async_copy: bool = True  # copies run beside compute (GPU copy engines, device=sim); false: inline
+    measured: bool = False  # hardware=measure: time this machine and use those numbers instead
 
 
 @dataclass
 class PlanConfig:
-    max_transfer_overhead: float = 0.10
+    """``l2l plan``: recommendation target, 3d-parallel degrees (layered-GA §5), measurement repeats."""
+
+    max_transfer_overhead: float = 0.10  # bound on L2L's transfer share of the step (L2L v2 eq. 4)
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     data_parallel: int = 1
+    train_steps: int = 100_000  # steps for the layered-GA training-time estimate (the paper's 100k)
+    measure_repeats: int = 5  # hardware=measure: timed repetitions per primitive (the median is used)
 
 
 @dataclass
@@ -302,6 +318,23 @@ def validate(cfg: Any, *, check_files: bool = True) -> list[Problem]:
             p.append(Problem(f"task.{k}", f"got {v}; must be >= 1 or unset"))
     _at_least(p, "task.num_train", task.num_train, 1)
     _at_least(p, "task.num_eval", task.num_eval, 1)
+    if task.name == "synthetic":
+        from l2l_cli.data.loading import SYNTHETIC_MIN_LEN, SYNTHETIC_MIN_VOCAB
+
+        if task.max_seq_len < SYNTHETIC_MIN_LEN:
+            p.append(
+                Problem(
+                    "task.max_seq_len",
+                    f"got {task.max_seq_len}; the synthetic task needs >= {SYNTHETIC_MIN_LEN}",
+                )
+            )
+        if m.vocab_size < SYNTHETIC_MIN_VOCAB:
+            p.append(
+                Problem(
+                    "model.vocab_size",
+                    f"got {m.vocab_size}; the synthetic task needs >= {SYNTHETIC_MIN_VOCAB}",
+                )
+            )
     if task.name in TASKS and check_files:
         p.extend(TASKS[task.name].check_source(task.data_dir))
 
@@ -402,8 +435,32 @@ def validate(cfg: Any, *, check_files: bool = True) -> list[Problem]:
         p.append(
             Problem("plan.max_transfer_overhead", f"got {cfg.plan.max_transfer_overhead}; must be in (0, 1)")
         )
-    for k in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
+    for k in ("tensor_parallel", "pipeline_parallel", "data_parallel", "train_steps", "measure_repeats"):
         _at_least(p, f"plan.{k}", getattr(cfg.plan, k), 1)
+    na, nl = cfg.plan.tensor_parallel, cfg.plan.pipeline_parallel
+    if na >= 1 and m.num_heads >= 1 and m.num_heads % na:
+        p.append(
+            Problem(
+                "plan.tensor_parallel",
+                f"{na} does not divide model.num_heads={m.num_heads} (tensor parallelism splits the heads); "
+                f"allowed: a divisor of {m.num_heads} ({_divisors(m.num_heads)})",
+            )
+        )
+    if nl > m.num_layers >= 1:
+        p.append(
+            Problem(
+                "plan.pipeline_parallel",
+                f"got {nl}; a pipeline stage needs at least one layer: must be <= model.num_layers={m.num_layers}",
+            )
+        )
+    hw = cfg.hardware
+    for k in ("device_tflops", "device_tflops_half", "device_peak_tflops", "backward_factor",
+              "device_memory_gb", "device_optim_gflops", "host_gflops", "host_memory_gb", "h2d_gbps",
+              "network_gbps", "offload_gbps"):  # fmt: skip
+        if getattr(hw, k) <= 0:
+            p.append(Problem(f"hardware.{k}", f"got {getattr(hw, k)}; must be > 0"))
+    if hw.tensor_link_gbps < 0:
+        p.append(Problem("hardware.tensor_link_gbps", f"got {hw.tensor_link_gbps}; must be >= 0 (0: none)"))
     return p
 
 

@@ -99,7 +99,8 @@ def run_dir_of(cfg: DictConfig) -> Path:
 
 
 def run_job(cfg: DictConfig, run_dir: Path, rank: int = 0, world: int = 1) -> str:
-    """One training run. Returns its status; failures are written to summary.json, not raised."""
+    """One training run. Returns its status (ok | oom | error, or config for bad input); failures are
+    written to summary.json, not raised."""
     files = RunFiles(run_dir, enabled=rank == 0)
     t_start = time.perf_counter()
     summary: dict[str, Any] = {"status": "error", "run_dir": str(run_dir), "steps": 0}
@@ -146,6 +147,7 @@ def run_job(cfg: DictConfig, run_dir: Path, rank: int = 0, world: int = 1) -> st
         summary.setdefault("device_peak_bytes", acc.meter.peak_bytes)
         summary["device_peak_bytes"] = max(summary["device_peak_bytes"], acc.meter.peak_bytes)
     files.write("summary.json", summary)
+    status = "config" if summary.get("exit_code") == 2 else summary["status"]
     if rank == 0:
         console.print(summary_table(summary))
         if summary["status"] != "ok":

@@ -85,6 +85,9 @@ class DeviceResident(Runner):
         with acc.meter.part("weights"):
             self.model = LayeredModel(spec, seed=cfg.trainer.seed, device=acc.device)
         self.model.train()
+        with acc.meter.part("grads"):  # resident gradient buffers, zeroed (not freed) after each update
+            for p in self.model.parameters():
+                p.grad = torch.zeros_like(p)
         named = [(n, p) for n, p in self.model.named_parameters()]
         with acc.meter.part("optimizer_state"):
             self.optimizer = make_optimizer(param_groups(named, cfg.optim.weight_decay), cfg)
@@ -109,9 +112,6 @@ class DeviceResident(Runner):
         """Unscale, check for non-finite gradients, clip, and step; returns (applied, grad norm)."""
         scaler = self.precision.scaler
         layers = [module_grads(m) for _, m in self.model.layers()]
-        for grads in layers:
-            for g in grads:
-                self.acc.meter.tag(g, "grads")
         if scaler.scale != 1.0:
             torch._foreach_mul_([g for gs in layers for g in gs], 1.0 / scaler.scale)
         norms = layer_norms(layers)
@@ -125,7 +125,7 @@ class DeviceResident(Runner):
             set_lr(self.optimizer, self.lr())
             with self.acc.meter.part("optimizer_state"):
                 self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=False)
         return finite, float(torch.linalg.vector_norm(norms))
 
     @torch.no_grad()

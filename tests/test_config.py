@@ -1,0 +1,157 @@
+"""Config composition and validation: every group option composes; every bad input is one clear line."""
+
+from __future__ import annotations
+
+import pytest
+
+from l2l_cli.compose import GROUPS, compose, group_options, preflight
+from l2l_cli.config import validate
+from l2l_cli.paths import conf_dir
+from tests.util import GLUE, TINY, l2l
+
+GROUP_FILES = sorted(p for p in conf_dir().glob("*/*.yaml"))
+
+
+REQUIRED = {
+    "model": {
+        "bert-tiny",
+        "bert-mini",
+        "bert-base",
+        "bert-large",
+        "bert-large-48",
+        "bert-large-96",
+        "bert-large-384",
+        "tnlg",
+        "x",
+    },
+    "mode": {"baseline", "baseline_ag", "l2l", "l2l_stash_cpu"},
+    "precision": {"fp32", "amp", "cmp"},
+    "task": {"cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "qnli", "rte", "wnli", "synthetic"},
+    "optim": {"adamw", "lamb"},
+}
+
+
+def test_every_group_option_is_tested() -> None:
+    # every YAML under conf/<group>/ belongs to a known group (so the parametrized test below covers it)
+    assert len(GROUP_FILES) == sum(len(group_options(g)) for g in GROUPS if g != "recipe")
+    for group, names in REQUIRED.items():
+        assert names <= set(group_options(group)), group
+
+
+@pytest.mark.parametrize("path", GROUP_FILES, ids=lambda p: f"{p.parent.name}={p.stem}")
+def test_group_option_composes_and_validates(path) -> None:
+    group, option = path.parent.name, path.stem
+    extra = []
+    if group == "task" and option != "synthetic":
+        src = GLUE / {"cola": "CoLA", "sst2": "SST-2", "mrpc": "MRPC", "rte": "RTE", "wnli": "WNLI"}.get(
+            option, "none"
+        )
+        if src.is_dir():
+            extra.append(f"task.data_dir={src}")
+    if group == "precision" and option == "cmp":
+        extra.append("mode=l2l")
+    cfg = compose([f"{group}={option}", *extra])
+    assert cfg[group].name == (option if group not in ("mode",) else cfg.mode.name)
+    assert validate(cfg, check_files=bool(extra)) == []
+
+
+def test_x_family_derives_sizes() -> None:
+    cfg = compose(["model=x", "model.x=32"])
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.num_heads, m.intermediate_size, m.seq_len) == (
+        32,
+        1024,
+        16,
+        4096,
+        512,
+    )
+
+
+def messages(*overrides: str, multirun: bool = False) -> str:
+    return "\n".join(str(p) for p in preflight(list(overrides), multirun))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["batch.ubatch_size=3"],
+            "batch.ubatch_size: 3 does not divide batch.size=32; allowed: a divisor of 32",
+        ),
+        (
+            ["mode=baseline", "batch.ubatch_size=8"],
+            "batch.ubatch_size: mode=baseline runs the whole minibatch",
+        ),
+        (["batch.foo=1"], "batch.foo: unknown key; allowed in batch: size, ubatch_size, eval_size"),
+        (["+batch.foo=1"], "batch.foo: unknown key"),
+        (["+foo=1"], "foo: unknown key; allowed: model, mode"),
+        (["model=bert-giant"], "model: unknown option 'bert-giant'; allowed: bert-base"),
+        (["mode=l3l"], "mode: unknown option 'l3l'; allowed: baseline, baseline_ag, l2l"),
+        (["batch.size=0"], "batch.size: got 0; must be >= 1"),
+        (["model.num_layers=0"], "model.num_layers: got 0; must be >= 1"),
+        (
+            ["model.hidden_size=100", "model.num_heads=3"],
+            "model.num_heads: 3 heads do not divide model.hidden_size=100",
+        ),
+        (["batch.size=abc"], "batch.size: got 'abc'"),
+        (["mode=baseline_ag", "mode.stash=cpu"], "mode.stash: applies to the L2L modes"),
+        (["mode=l2l", "mode.stash=disk"], "mode.stash: got 'disk'; allowed: device, cpu"),
+        (
+            ["mode=baseline_ag", "precision=cmp"],
+            "precision: cmp keeps the FP32 master in the eager param-server",
+        ),
+        (
+            ["task=rte", "task.data_dir=/nonexistent/RTE"],
+            "task.data_dir: /nonexistent/RTE is not a directory",
+        ),
+        (["device=tpu"], "device: got 'tpu'; allowed: auto, cpu, cuda, sim"),
+        (["sim.memory_gb=-1"], "sim.memory_gb: got -1.0; must be > 0"),
+        (["model.dropout=1.5"], "model.dropout: got 1.5; must be in [0, 1)"),
+        (["trainer.max_steps=0"], "trainer.max_steps: got 0; must be >= 1, or -1"),
+        (
+            ["model.pretrained=/no/such/dir"],
+            "model.pretrained: /no/such/dir is neither an existing directory",
+        ),
+        (["batch.size=4,8"], "a list of values is a sweep; add -m"),
+    ],
+)
+def test_config_error_names_key_and_allowed(overrides: list[str], expected: str) -> None:
+    assert expected in messages(*overrides)
+
+
+def test_missing_and_malformed_data_files(tmp_path) -> None:
+    (tmp_path / "train.tsv").write_text("index\tsentence1\tsentence2\tlabel\n0\ta\tb\tentailment\n")
+    assert "has no dev.tsv" in messages("task=rte", f"task.data_dir={tmp_path}")
+    (tmp_path / "dev.tsv").write_text("idx\tpremise\tlabel\n")
+    assert "malformed header: missing column(s) sentence1, sentence2" in messages(
+        "task=rte", f"task.data_dir={tmp_path}"
+    )
+
+
+def test_every_problem_reported_at_once() -> None:
+    out = messages("batch.size=30", "batch.ubatch_size=7", "model.num_layers=0", "optim.lr=-1", "device=gpu")
+    for key in ("batch.ubatch_size", "model.num_layers", "optim.lr", "device"):
+        assert key in out
+
+
+def test_sweep_validates_every_job() -> None:
+    warn: list[str] = []
+    # one invalid combination (baseline with micro-batches) fails alone; the others run
+    assert preflight(["mode=baseline,baseline_ag", "batch.ubatch_size=4,8", "batch.size=8"], True, warn) == []
+    assert len(warn) == 1 and "mode=baseline batch.ubatch_size=4" in warn[0]
+    # a sweep in which no job can run is an error, naming the jobs
+    out = messages("mode=baseline", "batch.ubatch_size=2,4", "batch.size=8", multirun=True)
+    assert "mode=baseline runs the whole minibatch" in out and "job: " in out
+    # problems every job shares are errors at once
+    assert "batch.foo: unknown key" in messages("batch.foo=1", "batch.size=8,16", multirun=True)
+
+
+def test_cli_config_errors_exit_2_without_traceback() -> None:
+    r = l2l("train", *TINY, "batch.ubatch_size=3", "+batch.foo=1", "model=nope")
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr + r.stdout
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("l2l: config error:")]
+    assert len(lines) == 2 and "batch.foo" in r.stderr and "model: unknown option 'nope'" in r.stderr
+    # the group error is reported with the key errors
+    r = l2l("train", "batch.ubatch_size=3", "model.num_layers=-2")
+    assert r.returncode == 2 and "batch.ubatch_size" in r.stderr and "model.num_layers" in r.stderr

@@ -1,0 +1,153 @@
+"""GLUE files (original TSV layout, quoting off), the hub path, metrics, and minibatch streams."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import pearsonr, spearmanr
+
+from l2l_cli.data.batches import TrainStream
+from l2l_cli.data.loading import load_task, synthetic
+from l2l_cli.data.metrics import compute
+from l2l_cli.data.tasks import TASKS
+from tests.util import tiny_cfg
+
+ROWS = {
+    "cola": (8551, 1043),
+    "mrpc": (3668, 408),
+    "rte": (2490, 277),
+    "sst2": (67349, 872),
+    "wnli": (635, 71),
+}
+DIRS = {"cola": "CoLA", "mrpc": "MRPC", "rte": "RTE", "sst2": "SST-2", "wnli": "WNLI", "qnli": "QNLI"}
+
+
+@pytest.mark.parametrize("task", sorted(ROWS))
+def test_real_glue_tsv_row_counts(glue, task: str) -> None:
+    spec = TASKS[task]
+    train, dev = (
+        spec.read_tsv(glue / DIRS[task] / "train.tsv"),
+        spec.read_tsv(glue / DIRS[task] / spec.dev_file),
+    )
+    assert (len(train), len(dev)) == ROWS[task]
+    assert {e.label for e in dev} == set(range(spec.num_labels))
+    assert all(e.text_a for e in dev) and ((dev[0].text_b is None) == (len(spec.tsv) == 2))
+
+
+def test_qnli_dev_only_dir_is_refused(glue) -> None:
+    problems = TASKS["qnli"].check_source(str(glue / "QNLI"))
+    assert len(problems) == 1 and "has no train.tsv" in problems[0].message
+    assert len(TASKS["qnli"].read_tsv(glue / "QNLI" / "dev.tsv")) == 5463
+
+
+def _write(path, header, rows) -> None:
+    path.write_text("\n".join(["\t".join(header), *("\t".join(map(str, r)) for r in rows)]) + "\n")
+
+
+def test_generated_stsb_mnli_qqp_layouts(tmp_path) -> None:
+    sts = [
+        "index",
+        "genre",
+        "filename",
+        "year",
+        "old_index",
+        "source1",
+        "source2",
+        "sentence1",
+        "sentence2",
+        "score",
+    ]
+    _write(tmp_path / "s.tsv", sts, [[0, "g", "f", "y", 0, "a", "b", 'He said "hi', "she ran", "3.8"]])
+    (ex,) = TASKS["stsb"].read_tsv(tmp_path / "s.tsv")
+    assert ex.label == pytest.approx(3.8) and ex.text_a == 'He said "hi'  # an unbalanced quote stays text
+    mnli = [
+        "index",
+        "promptID",
+        "pairID",
+        "genre",
+        "s1bp",
+        "s2bp",
+        "s1p",
+        "s2p",
+        "sentence1",
+        "sentence2",
+        "label1",
+        "gold_label",
+    ]
+    _write(tmp_path / "m.tsv", mnli, [[0, 1, 2, "g", "", "", "", "", "p", "h", "neutral", "neutral"]])
+    assert TASKS["mnli"].read_tsv(tmp_path / "m.tsv")[0].label == 1
+    _write(
+        tmp_path / "q.tsv",
+        ["id", "qid1", "qid2", "question1", "question2", "is_duplicate"],
+        [[0, 1, 2, "a?", "b?", 1]],
+    )
+    assert TASKS["qqp"].read_tsv(tmp_path / "q.tsv")[0].label == 1
+
+
+def test_malformed_rows_are_an_error(tmp_path) -> None:
+    rows = [[i, "a", "b", "entailment" if i % 2 else "maybe"] for i in range(20)]
+    _write(tmp_path / "train.tsv", ["index", "sentence1", "sentence2", "label"], rows)
+    with pytest.raises(ValueError, match="10 malformed rows of 20"):
+        TASKS["rte"].read_tsv(tmp_path / "train.tsv")
+
+
+def test_metrics_are_sklearn_and_scipy() -> None:
+    rng = np.random.default_rng(0)
+    y, p = rng.integers(0, 2, 200), rng.integers(0, 2, 200)
+    got = compute(["accuracy", "f1", "mcc"], p, y)
+    tp, fp, fn = ((p == 1) & (y == 1)).sum(), ((p == 1) & (y == 0)).sum(), ((p == 0) & (y == 1)).sum()
+    assert got["accuracy"] == pytest.approx((p == y).mean())
+    assert got["f1"] == pytest.approx(2 * tp / (2 * tp + fp + fn))
+    assert -1 <= got["mcc"] <= 1
+    s, t = rng.normal(size=50), rng.normal(size=50)
+    reg = compute(["pearson", "spearmanr"], s, t)
+    assert reg["pearson"] == pytest.approx(pearsonr(s, t)[0]) and reg["spearmanr"] == pytest.approx(
+        spearmanr(s, t)[0]
+    )
+
+
+def test_hub_path_uses_datasets(monkeypatch, minilm) -> None:
+    import datasets
+
+    rows = {"sentence1": ["a cat", "a dog"] * 8, "sentence2": ["an animal", "a car"] * 8, "label": [0, 1] * 8}
+    fake = datasets.DatasetDict(
+        {"train": datasets.Dataset.from_dict(rows), "validation": datasets.Dataset.from_dict(rows)}
+    )
+    calls = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: calls.append(a) or fake)
+    cfg = tiny_cfg("task=rte", "task.max_seq_len=16")
+    data = load_task(cfg.task, cfg.model)
+    assert calls == [("nyu-mll/glue", "rte")] and data.source == "hub:nyu-mll/glue/rte"
+    assert len(data.train) == 16 and data.train.input_ids[0][0] == 101  # [CLS] of the bundled vocabulary
+
+
+def test_synthetic_is_deterministic_and_balanced() -> None:
+    a, b = synthetic(500, 32, 512, seed=3), synthetic(500, 32, 512, seed=3)
+    assert a.input_ids == b.input_ids and 0.4 < np.mean(a.labels) < 0.6
+    assert max(max(x) for x in a.input_ids) < 512 and max(len(x) for x in a.input_ids) <= 32
+
+
+def test_ranks_see_the_slices_of_the_single_process_minibatch() -> None:
+    data = synthetic(256, 32, 512, seed=1)
+    one = TrainStream(data, 16, seed=5).batches()
+    two = [TrainStream(data, 8, seed=5, world=2, rank=r).batches() for r in (0, 1)]
+    for _ in range(5):
+        full, r0, r1 = next(one), next(two[0]), next(two[1])
+        assert torch.equal(full.input_ids, torch.cat([r0.input_ids, r1.input_ids]))
+        assert torch.equal(full.labels, torch.cat([r0.labels, r1.labels]))
+
+
+def test_stream_resumes_at_a_step() -> None:
+    data = synthetic(100, 32, 512, seed=1)
+    s = TrainStream(data, 8, seed=2)
+    it = s.batches()
+    seq = [next(it) for _ in range(20)]  # crosses the epoch boundary (12 steps per epoch)
+    later = s.batches(start_step=13)
+    assert torch.equal(next(later).input_ids, seq[13].input_ids)
+    ub = seq[0].split(4)
+    assert (
+        len(ub) == 4
+        and all(len(u) == 2 for u in ub)
+        and torch.equal(torch.cat([u.input_ids for u in ub]), seq[0].input_ids)
+    )

@@ -1,0 +1,50 @@
+"""CMP: FP32 master in the EPS, pure half (bf16 on CPU) on the device, dynamic loss scaling."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+
+from tests.util import batches, built, tiny_cfg, train
+
+LEARN = [
+    "mode=l2l", "model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=128",
+    "task.max_seq_len=24", "batch.size=16", "batch.ubatch_size=8", "optim.lr=2e-3", "optim.warmup_ratio=0.05",
+]  # fmt: skip
+
+
+def test_cmp_trains_like_fp32() -> None:
+    curves = {}
+    for prec in ("fp32", "cmp"):
+        losses = train(tiny_cfg(*LEARN, f"precision={prec}"), steps=100, total_steps=100)["losses"]
+        curves[prec] = [statistics.mean(losses[i : i + 10]) for i in range(0, 100, 10)]
+    assert curves["fp32"][-1] < 0.25 and curves["cmp"][-1] < 0.25  # both learned (chance is 0.69)
+    for a, b in zip(curves["fp32"], curves["cmp"]):
+        assert abs(a - b) < 0.12, curves
+
+
+def test_cmp_keeps_half_on_device_and_fp32_master() -> None:
+    with built(tiny_cfg("mode=l2l", "precision=cmp")) as runner:
+        assert runner.relay.slots[0].w.dtype == torch.bfloat16
+        assert all(
+            st.w.dtype == torch.float32 and st.w_send.dtype == torch.bfloat16 for st in runner.eps.layers
+        )
+        assert runner.precision.scaler.dynamic
+
+
+def test_overflow_skips_step_without_touching_master() -> None:
+    cfg = tiny_cfg("mode=l2l", "precision=cmp", "precision.init_scale=1e38")
+    with built(cfg) as runner:
+        before = [st.w.clone() for st in runner.eps.layers]
+        moments = [st.m.clone() for st in runner.eps.layers]
+        report = runner.step(next(batches(cfg)))
+        assert report.skipped
+        assert runner.precision.scaler.scale == pytest.approx(0.5e38)
+        for st, w, m in zip(runner.eps.layers, before, moments):
+            assert torch.equal(st.w, w) and torch.equal(st.m, m)
+        # a sane scale trains again
+        runner.precision.scaler.scale = 1024.0
+        assert not runner.step(next(batches(cfg, seed=2))).skipped
+        assert not torch.equal(runner.eps.layers[1].w, before[1])
