@@ -154,7 +154,7 @@ def run_job(cfg: DictConfig, run_dir: Path, rank: int = 0, world: int = 1) -> st
             console.print(
                 f"[bold red]l2l: {summary['status']}[/]: {summary.get('error')}  (see {run_dir}/train.log)"
             )
-    return summary["status"]
+    return status
 
 
 def run_header(cfg: Any, spec: ModelSpec, acc: Accelerator, data: TaskData, world: int) -> dict[str, Any]:

@@ -71,9 +71,10 @@ def test_l2l_dropout_gradients_equal_autograd_with_same_masks() -> None:
     model = LayeredModel(spec, seed=cfg.trainer.seed).train()
     n = cfg.batch.size // cfg.batch.ubatch_size
     for u, ub in enumerate(mb.split(n)):
-        seed_fn = lambda layer, u=u: torch.random.default_generator.manual_seed(
-            ubatch_seed(cfg.trainer.seed, 0, layer, u)
-        )
+
+        def seed_fn(layer: int, u: int = u) -> None:
+            torch.random.default_generator.manual_seed(ubatch_seed(cfg.trainer.seed, 0, layer, u))
+
         loss, _ = model(ub, seed_fn=seed_fn)
         (loss / n).backward()
     ref = {name: p.grad for name, p in model.hf_state_dict().items()}
