@@ -57,6 +57,15 @@ def train(argv: list[str]) -> int:
             return _fail([f"config error: {p}" for p in problems])
         for w in warnings:
             print(f"l2l: warning: {w}", file=sys.stderr)
+    rank = int(os.environ.get("RANK", "0"))
+    if rank > 0 and "WORLD_SIZE" in os.environ:  # under torchrun: only rank 0 owns the run dir
+        import tempfile
+
+        argv = [
+            *argv,
+            "hydra.output_subdir=null",
+            f"hydra.run.dir={tempfile.gettempdir()}/l2l-rank{rank}-{os.getpid()}",
+        ]
     _STATUSES.clear()
     _run_hydra(["l2l-train", *argv])
     if not _STATUSES:

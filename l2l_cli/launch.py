@@ -1,24 +1,75 @@
-"""One Hydra job: run it in this process, or (dist.nproc > 1) launch the ranks and wait for them."""
+"""One Hydra job: run it in this process, or with ``dist.nproc > 1`` launch that many ranks through torch's
+elastic launcher (as ``torchrun`` would) and wait for them. Under ``torchrun`` each process is a rank.
+
+A rank that dies makes the agent stop the others; the job then ends with an error naming the rank.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
-from typing import Any
+import sys
+from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from l2l_cli.train import run_dir_of, run_job
+from l2l_cli.train import RunFiles, run_dir_of, run_job
 
 
 def run_task(cfg: DictConfig) -> str:
     """Run the job for the composed ``cfg``; returns its status (ok | oom | error | config)."""
     run_dir = run_dir_of(cfg)
-    status = run_job(cfg, run_dir)
+    if cfg.dist.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return launch_ranks(cfg, run_dir)
+    return run_job(cfg, run_dir)
+
+
+def launch_ranks(cfg: DictConfig, run_dir: Path) -> str:
+    from l2l_cli.engine.dist import failure_message, launch
+
+    for name in ("torch.distributed.elastic", "torch.multiprocessing"):  # their tracebacks go to train.log
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    cfg_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+    try:
+        results = launch(cfg.dist.nproc, _rank_main, (cfg_yaml, str(run_dir)))
+        return results[0]
+    except Exception as e:  # ChildFailedError (a rank died or failed), or the launcher itself
+        msg = failure_message(e)
+        logging.getLogger("l2l").error("data-parallel job failed: %s", msg)
+        path = run_dir / "summary.json"
+        summary = json.loads(path.read_text()) if path.exists() else {"run_dir": str(run_dir), "steps": 0}
+        if summary.get("status") == "oom":  # every rank ran out of memory alike: rank 0 said so
+            return "oom"
+        if summary.get("error"):  # rank 0's own error is a consequence; the failed rank is the cause
+            summary["rank0_error"] = summary["error"]
+        summary.update(status="error", error=msg)
+        RunFiles(run_dir).write("summary.json", summary)
+        print(f"l2l: error: {msg} (see {run_dir}/train.log)", file=sys.stderr)
+        return "error"
+
+
+def _rank_main(cfg_yaml: str, run_dir: str) -> str:
+    """Entry point of each rank spawned by the elastic launcher."""
+    from l2l_cli.compose import setup
+
+    setup()
+    rank = int(os.environ.get("RANK", "0"))
+    log_file = Path(run_dir) / ("train.log" if rank == 0 else f"train-rank{rank}.log")
+    logging.basicConfig(
+        filename=log_file,
+        level=logging.INFO,
+        format=f"[%(asctime)s][rank {rank}][%(name)s][%(levelname)s] %(message)s",
+    )
+    if "OMP_NUM_THREADS" not in os.environ:  # ranks share the cores: oversubscribed OpenMP threads crawl
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    logging.getLogger("l2l").info("rank %d of %s, pid %d", rank, os.environ.get("WORLD_SIZE"), os.getpid())
+    cfg = OmegaConf.create(cfg_yaml)
+    status = run_job(cfg, Path(run_dir))
+    if status != "ok":
+        # a failed rank must not leave the others waiting in a collective: exit non-zero, the agent
+        # stops them (when every rank failed the same way, rank 0's summary already says why)
+        sys.exit({"oom": 3, "config": 2}.get(status, 1))
     return status
-
-
-def env_rank() -> tuple[int, int]:
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-
-
-__all__ = ["Any", "env_rank", "run_task"]

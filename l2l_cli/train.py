@@ -27,6 +27,9 @@ from l2l_cli.config import ConfigError, effective_clip, validate
 from l2l_cli.data.batches import TrainStream, eval_batches
 from l2l_cli.data.loading import TaskData, load_task
 from l2l_cli.engine.device import Accelerator, make_accelerator
+from l2l_cli.engine.dist import DistContext
+from l2l_cli.engine.dist import from_env as dist_from_env
+from l2l_cli.engine.dist import shutdown as dist_shutdown
 from l2l_cli.engine.precision import make_precision
 from l2l_cli.models.bert import ModelSpec, resolve_pretrained, save_hf
 from l2l_cli.profiling.memory import fmt_bytes
@@ -71,6 +74,13 @@ def evaluate(runner: Runner, data: TaskData, cfg: Any) -> dict[str, float]:
     return compute(data.spec.metrics, preds, labels)
 
 
+def evaluate_on_rank0(runner: Runner, data: TaskData, cfg: Any, ctx: DistContext) -> dict[str, float]:
+    """Rank 0 evaluates (the weights are identical on every rank); the others wait for it."""
+    metrics = evaluate(runner, data, cfg) if ctx.rank == 0 else {}
+    ctx.barrier()
+    return metrics
+
+
 class RunFiles:
     """Writers for the run directory's files."""
 
@@ -98,19 +108,22 @@ def run_dir_of(cfg: DictConfig) -> Path:
     return Path(HydraConfig.get().runtime.output_dir)
 
 
-def run_job(cfg: DictConfig, run_dir: Path, rank: int = 0, world: int = 1) -> str:
-    """One training run. Returns its status (ok | oom | error, or config for bad input); failures are
-    written to summary.json, not raised."""
+def run_job(cfg: DictConfig, run_dir: Path) -> str:
+    """One training run (one rank of it, under data parallel). Returns its status (ok | oom | error, or
+    config for bad input); failures are written to summary.json, not raised."""
+    rank = int(os.environ.get("RANK", "0"))
     files = RunFiles(run_dir, enabled=rank == 0)
     t_start = time.perf_counter()
     summary: dict[str, Any] = {"status": "error", "run_dir": str(run_dir), "steps": 0}
     acc: Accelerator | None = None
     runner: Runner | None = None
-    progress_enabled = rank == 0
+    ctx = DistContext()
     try:
         problems = validate(cfg)
         if problems:
             raise ConfigError(problems)
+        ctx = dist_from_env(cfg)
+        world = ctx.world
         torch.manual_seed(cfg.trainer.seed)
         data = load_task(cfg.task, cfg.model)
         spec = model_spec(cfg, data.spec.num_labels)
@@ -119,16 +132,16 @@ def run_job(cfg: DictConfig, run_dir: Path, rank: int = 0, world: int = 1) -> st
             pad_to_max=cfg.task.max_seq_len if cfg.task.pad_to_max else None,
         )  # fmt: skip
         steps = total_steps(cfg, stream)
-        acc = make_accelerator(cfg, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+        acc = make_accelerator(cfg, local_rank=ctx.local_rank)
         summary.update(run_header(cfg, spec, acc, data, world))
         log.info("run %s on %s: %s", run_dir, acc.describe(), json.dumps(summary["config"]))
         with acc.running():
             precision = make_precision(cfg, acc)
-            runner = make_runner(cfg, acc, spec, precision, steps)
+            runner = make_runner(cfg, acc, spec, precision, steps, dist=ctx)
             summary["params"] = runner_params(spec)
             if cfg.model.pretrained:
                 load_pretrained(runner, cfg.model.pretrained)
-            train_loop(cfg, runner, stream, data, steps, files, summary, progress_enabled)
+            train_loop(cfg, runner, stream, data, steps, files, summary, ctx)
             summary["status"] = "ok"
     except ConfigError as e:
         summary.update(status="error", error=f"config: {e}", exit_code=2)
@@ -143,9 +156,14 @@ def run_job(cfg: DictConfig, run_dir: Path, rank: int = 0, world: int = 1) -> st
             runner.close()
     summary["wall_time_s"] = time.perf_counter() - t_start
     if acc is not None:
-        files.write("memory.json", memory_report(acc, runner))
+        memory = memory_report(acc, runner)
+        if ctx.enabled and summary["status"] == "ok":  # per-rank memory and timing, gathered on rank 0
+            ranks = ctx.gather({"rank": rank, **memory, "time_breakdown_s": summary.get("time_breakdown_s")})
+            memory["ranks"] = ranks
+        files.write("memory.json", memory)
         summary.setdefault("device_peak_bytes", acc.meter.peak_bytes)
         summary["device_peak_bytes"] = max(summary["device_peak_bytes"], acc.meter.peak_bytes)
+    dist_shutdown(ctx)
     files.write("summary.json", summary)
     status = "config" if summary.get("exit_code") == 2 else summary["status"]
     if rank == 0:
@@ -225,7 +243,7 @@ class _SafeTensors:
 
 def train_loop(
     cfg: Any, runner: Runner, stream: TrainStream, data: TaskData, steps: int, files: RunFiles,
-    summary: dict[str, Any], progress_enabled: bool,
+    summary: dict[str, Any], ctx: DistContext,
 ) -> None:  # fmt: skip
     tr = cfg.trainer
     meter = runner.acc.meter
@@ -235,11 +253,11 @@ def train_loop(
     loss = float("nan")
     title = f"{method_label(cfg)} {cfg.model.name} {cfg.task.name}"
     batches = stream.batches(start_step=runner.step_count)
-    with RunProgress(tr.progress, steps, title, enabled=progress_enabled) as progress:
+    with RunProgress(tr.progress, steps, title, enabled=ctx.rank == 0) as progress:
         while runner.step_count < steps:
             report = runner.step(next(batches))
             step = runner.step_count
-            loss = report.loss
+            report.loss = loss = ctx.mean(report.loss)  # the global minibatch's loss
             skipped += int(report.skipped)
             bad_in_row = bad_in_row + 1 if report.skipped else 0
             if bad_in_row >= tr.max_bad_steps:
@@ -267,8 +285,8 @@ def train_loop(
                 )  # fmt: skip
             progress.update(step, report.loss, sps, meter.peak_bytes)
             if tr.eval_every and step % tr.eval_every == 0 and step < steps:
-                files.append("eval.jsonl", {"step": step, **evaluate(runner, data, cfg)})
-    metrics = evaluate(runner, data, cfg)
+                files.append("eval.jsonl", {"step": step, **evaluate_on_rank0(runner, data, cfg, ctx)})
+    metrics = evaluate_on_rank0(runner, data, cfg, ctx)
     files.append("eval.jsonl", {"step": runner.step_count, **metrics})
     if tr.save_final and files.enabled:
         save_hf(files.dir / "final", runner.spec, runner.hf_tensors(), data.spec)

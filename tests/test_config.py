@@ -24,7 +24,7 @@ REQUIRED = {
         "tnlg",
         "x",
     },
-    "mode": {"baseline", "baseline_ag", "l2l", "l2l_stash_cpu"},
+    "mode": {"baseline", "baseline_ag", "l2l", "l2l_stash_cpu", "l2l_p"},
     "precision": {"fp32", "amp", "cmp"},
     "task": {"cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "qnli", "rte", "wnli", "synthetic"},
     "optim": {"adamw", "lamb"},
@@ -113,6 +113,11 @@ def messages(*overrides: str, multirun: bool = False) -> str:
             "model.pretrained: /no/such/dir is neither an existing directory",
         ),
         (["batch.size=4,8"], "a list of values is a sweep; add -m"),
+        (
+            ["mode=l2l_p", "optim.clip=global"],
+            "optim.clip: global-norm clipping needs every layer's gradient before",
+        ),
+        (["mode=baseline_ag", "trainer.realtime_ckpt=true"], "trainer.realtime_ckpt: needs an L2L mode"),
     ],
 )
 def test_config_error_names_key_and_allowed(overrides: list[str], expected: str) -> None:

@@ -9,13 +9,18 @@ whose training state fits in host RAM trains, however deep. It also holds the CP
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+import torch.distributed as torch_dist
 from torch import nn
 
 from l2l_cli.engine.device import DONE, Accelerator, CopyHandle
+from l2l_cli.engine.dist import DistContext
 from l2l_cli.engine.flat import FlatLayout
 from l2l_cli.engine.optim import clip_coefficients, make_optimizer, param_groups, set_lr
 from l2l_cli.engine.precision import LossScaler
@@ -38,6 +43,8 @@ class LayerState:
         self.w_send = acc.host_empty(n, send_dtype) if send_dtype != torch.float32 else None
         self.version = 0  # bumped by every update; the relay reloads a layer whose version moved on
         self.grad_in: CopyHandle = DONE  # the device->host copy of this step's gradient
+        self.undo: list[torch.Tensor] | None = None
+        self.undo_step = 0.0
         named = []
         grads, ms, vs = dict(layout.views(self.g)), dict(layout.views(self.m)), dict(layout.views(self.v))
         for name, view in layout.views(self.w):
@@ -70,20 +77,50 @@ class LayerState:
         self.version += 1
         self.refresh_send()
 
+    def save_undo(self, acc: Accelerator) -> None:
+        """Keep this layer's pre-update state (L2L-p updates before the step is known to be finite)."""
+        if self.undo is None:
+            self.undo = [acc.host_empty(self.w.numel()) for _ in range(3)]
+        for dst, src in zip(self.undo, (self.w, self.m, self.v)):
+            dst.copy_(src)
+        self.undo_step = float(next(iter(self.optimizer.state.values()))["step"])
+
+    def restore_undo(self) -> None:
+        assert self.undo is not None
+        for dst, src in zip((self.w, self.m, self.v), self.undo):
+            dst.copy_(src)
+        for state in self.optimizer.state.values():
+            state["step"].fill_(self.undo_step)
+        self.version += 1
+        self.refresh_send()
+
     def nbytes(self) -> dict[str, int]:
         return {
             "master": self.w.nbytes,
             "grads": self.g.nbytes,
             "optimizer_state": self.m.nbytes + self.v.nbytes,
             "send_copy": self.w_send.nbytes if self.w_send is not None else 0,
+            "undo_log": sum(t.nbytes for t in self.undo) if self.undo is not None else 0,
         }
 
 
 class EagerParamServer:
     """All layers' host state, the host update, and the CPU activation stash."""
 
-    def __init__(self, spec: ModelSpec, cfg: Any, acc: Accelerator, device_dtype: torch.dtype, seed: int):
+    def __init__(
+        self, spec: ModelSpec, cfg: Any, acc: Accelerator, device_dtype: torch.dtype, seed: int,
+        dist: DistContext | None = None,
+    ):  # fmt: skip
         self.spec, self.acc = spec, acc
+        self.dist = dist or DistContext()
+        # the EPS's own thread: reduces (and, for L2L-p, updates) each layer while the device computes
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l2l-eps")
+        self._jobs: list[Future] = []
+        self._lock = threading.Lock()
+        self.busy_s = 0.0  # time the worker spent this step (reduction and background updates)
+        self._bad = False
+        self._updated: list[int] = []
+        self._norms: dict[int, torch.Tensor] = {}
         self.layouts = {k: FlatLayout(new_layer(spec, k, "meta")) for k in (PRE, BLOCK, POST)}
         self.layers: list[LayerState] = []
         with acc.meter.paused():  # host tier
@@ -107,17 +144,51 @@ class EagerParamServer:
 
     # ---- the update (Alg. 3: for l in layers: w_l = optimizer(w_l, g_l)) --------------------------
 
+    # ---- the EPS's background work: eager ("parallel") reduction and, for L2L-p, the update ---------
+
+    def _timed(self, fn: Any, *args: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            fn(*args)
+        finally:
+            with self._lock:
+                self.busy_s += time.perf_counter() - t0
+
+    def _reduce(self, i: int) -> None:
+        """Wait for layer i's gradient to land, then sum it over the data-parallel ranks."""
+        st = self.layers[i]
+        st.grad_in.wait()
+        if self.dist.enabled:
+            torch_dist.all_reduce(st.g, group=self.dist.eps_group)
+
+    def reduce_async(self, i: int) -> None:
+        """Layer i's gradient is on its way to the host: reduce it in the background (L2L: the update
+        waits for the whole step; the reduction overlaps the backward of the layers below)."""
+        self._jobs.append(self._worker.submit(self._timed, self._reduce, i))
+
+    def wait_background(self) -> None:
+        jobs, self._jobs = self._jobs, []
+        for job in jobs:
+            job.result()
+
+    def pop_busy(self) -> float:
+        with self._lock:
+            busy, self.busy_s = self.busy_s, 0.0
+        return busy
+
     def grad_norms(self, scaler: LossScaler) -> torch.Tensor:
-        """Unscaled L2 norm of each layer's gradient."""
-        return torch.stack([torch.linalg.vector_norm(st.g) for st in self.layers]) / scaler.scale
+        """Unscaled L2 norm of each layer's (rank-averaged) gradient."""
+        return torch.stack([torch.linalg.vector_norm(st.g) for st in self.layers]) / (
+            scaler.scale * self.dist.world
+        )
 
     def step(
         self, lr: float, scaler: LossScaler, clip: str, max_norm: float, timer: PhaseTimer
     ) -> tuple[bool, float]:
-        """Wait for every layer's gradient, skip the step on a non-finite one, clip, update every layer."""
+        """Alg. 3's update: once every layer's gradient is reduced, skip the step on a non-finite one,
+        clip (globally or per layer), update every layer."""
         with timer("transfer"):
-            for st in self.layers:
-                st.grad_in.wait()
+            self.wait_background()
         with timer("optimizer"), self.acc.meter.paused():
             norms = self.grad_norms(scaler)
             finite = bool(torch.isfinite(norms).all())
@@ -128,10 +199,49 @@ class EagerParamServer:
                     st.update(lr, self.grad_mult(scaler, None if coefs is None else coefs[i]))
         return finite, float(torch.linalg.vector_norm(norms))
 
-    @staticmethod
-    def grad_mult(scaler: LossScaler, coef: torch.Tensor | None) -> torch.Tensor | float | None:
-        """The one multiplier that unscales and clips a layer's gradient (None: leave it as is)."""
-        inv = 1.0 / scaler.scale
+    # ---- L2L-p: update layer l+1 while the device runs backward on layer l --------------------------
+
+    def update_async(self, i: int, lr: float, scaler: LossScaler, clip: str, max_norm: float) -> None:
+        """Reduce and update layer i in the background (Alg. 4, Process 2). Per-layer decisions only:
+        clipping by the layer's own norm; a non-finite gradient marks the step bad, and the layers already
+        updated this step are restored from their undo copies at the end (see ``finish_async``)."""
+        self._jobs.append(
+            self._worker.submit(self._timed, self._reduce_and_update, i, lr, scaler.scale, clip, max_norm)
+        )
+
+    def _reduce_and_update(self, i: int, lr: float, scale: float, clip: str, max_norm: float) -> None:
+        self._reduce(i)
+        st = self.layers[i]
+        norm = torch.linalg.vector_norm(st.g) / (scale * self.dist.world)
+        self._norms[i] = norm
+        if self._bad or not bool(torch.isfinite(norm)):
+            self._bad = True
+            return
+        coef = clip_coefficients(norm[None], clip, max_norm)
+        inv = 1.0 / (scale * self.dist.world)
+        st.save_undo(self.acc)
+        st.update(lr, (coef[0] * inv) if coef is not None else (None if inv == 1.0 else inv))
+        self._updated.append(i)
+
+    def finish_async(self, scaler: LossScaler) -> tuple[bool, float]:
+        """The trailing update: wait for the background updates; roll the step back if any layer's
+        gradient was non-finite. Returns (applied, gradient norm)."""
+        self.wait_background()
+        bad, updated, norms = self._bad, self._updated, self._norms
+        self._bad, self._updated, self._norms = False, [], {}
+        if bad:
+            for i in updated:
+                self.layers[i].restore_undo()
+        scaler.update(bad)
+        total = torch.linalg.vector_norm(torch.stack(list(norms.values()))) if norms else torch.tensor(0.0)
+        return not bad, float(total)
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+
+    def grad_mult(self, scaler: LossScaler, coef: torch.Tensor | None) -> torch.Tensor | float | None:
+        """The one multiplier that unscales, averages over ranks and clips a gradient (None: as is)."""
+        inv = 1.0 / (scaler.scale * self.dist.world)
         if coef is None:
             return None if inv == 1.0 else inv
         return coef * inv

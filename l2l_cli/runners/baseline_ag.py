@@ -17,7 +17,8 @@ class BaselineAGRunner(DeviceResident):
         loss = 0.0
         # Alg. 2: for u in ubatches: (for l in layers: forward) (for l in reversed(layers): backward)
         for u, ub in enumerate(ubatches):
-            loss = loss + self.forward_backward(ub, u, scale=1.0 / self.num_ubatches) / self.num_ubatches
+            last = u == self.num_ubatches - 1  # data parallel: reduce during the last micro-batch only
+            loss = loss + self.forward_backward(ub, u, 1.0 / self.num_ubatches, sync=last) / self.num_ubatches
         # Alg. 2: for l in layers: w_l = optimizer(w_l, acc_grads_l)
         with self.timer("optimizer"):
             applied, norm = self.update()

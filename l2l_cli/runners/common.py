@@ -4,6 +4,7 @@ baselines (its placement, update, evaluation). The schedules themselves live in 
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,7 @@ import torch
 from l2l_cli.config import effective_clip
 from l2l_cli.data.batches import Batch
 from l2l_cli.engine.device import Accelerator
+from l2l_cli.engine.dist import DistContext
 from l2l_cli.engine.optim import (
     clip_coefficients,
     layer_norms,
@@ -48,8 +50,12 @@ def ubatch_seed(seed: int, step: int, layer: int, ubatch: int) -> int:
 class Runner:
     """Base: ``step(minibatch) -> StepReport`` and ``predict(batch) -> logits``."""
 
-    def __init__(self, cfg: Any, acc: Accelerator, spec: ModelSpec, precision: Precision, total_steps: int):
+    def __init__(
+        self, cfg: Any, acc: Accelerator, spec: ModelSpec, precision: Precision, total_steps: int,
+        dist: DistContext | None = None,
+    ):  # fmt: skip
         self.cfg, self.acc, self.spec, self.precision = cfg, acc, spec, precision
+        self.dist = dist or DistContext()
         self.total_steps = total_steps
         self.num_ubatches = cfg.batch.size // cfg.batch.ubatch_size
         self.clip = effective_clip(cfg)
@@ -58,7 +64,10 @@ class Runner:
         self.seed = cfg.trainer.seed
 
     def seed_dropout(self, layer: int, ubatch: int) -> None:
-        self.acc.seed(ubatch_seed(self.seed, self.step_count, layer, ubatch))
+        """Reseed dropout for (layer, micro-batch), numbering micro-batches across data-parallel ranks, so
+        N ranks draw the masks one process with the whole global minibatch draws."""
+        global_ubatch = self.dist.rank * self.num_ubatches + ubatch
+        self.acc.seed(ubatch_seed(self.seed, self.step_count, layer, global_ubatch))
 
     def to_device(self, batch: Batch) -> Batch:
         return batch.to(self.acc.device, copy=self.acc.copies_inputs)
@@ -80,8 +89,11 @@ class Runner:
 class DeviceResident(Runner):
     """The baselines' arrangement: the whole model, its gradients and optimizer state on the device."""
 
-    def __init__(self, cfg: Any, acc: Accelerator, spec: ModelSpec, precision: Precision, total_steps: int):
-        super().__init__(cfg, acc, spec, precision, total_steps)
+    def __init__(
+        self, cfg: Any, acc: Accelerator, spec: ModelSpec, precision: Precision, total_steps: int,
+        dist: DistContext | None = None,
+    ):  # fmt: skip
+        super().__init__(cfg, acc, spec, precision, total_steps, dist)
         with acc.meter.part("weights"):
             self.model = LayeredModel(spec, seed=cfg.trainer.seed, device=acc.device)
         self.model.train()
@@ -91,6 +103,13 @@ class DeviceResident(Runner):
         named = [(n, p) for n, p in self.model.named_parameters()]
         with acc.meter.part("optimizer_state"):
             self.optimizer = make_optimizer(param_groups(named, cfg.optim.weight_decay), cfg)
+        self.net: torch.nn.Module = self.model
+        if self.dist.enabled:  # data parallel: DDP averages gradients over the ranks during backward
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [acc.device.index] if acc.device.type == "cuda" else None
+            with acc.meter.part("grads"):
+                self.net = DistributedDataParallel(self.model, device_ids=ids, broadcast_buffers=False)
 
     @torch.no_grad()
     def load_hf(self, tensors: Any) -> list[str]:
@@ -99,13 +118,19 @@ class DeviceResident(Runner):
     def hf_tensors(self) -> Any:
         return self.model.hf_state_dict().items()
 
-    def forward_backward(self, ub: Batch, u: int, scale: float) -> torch.Tensor:
-        """One (micro-)batch through the whole model and back; returns its loss (detached)."""
-        seed_fn = lambda layer: self.seed_dropout(layer, u)  # noqa: E731
-        with self.timer("forward"), self.acc.meter.part("activations"), self.precision.autocast():
-            loss, _ = self.model(ub, seed_fn=seed_fn)
-        with self.timer("backward"), self.acc.meter.part("backward"):
-            self.precision.scaler.scale_loss(loss * scale).backward()
+    def forward_backward(self, ub: Batch, u: int, scale: float, sync: bool = True) -> torch.Tensor:
+        """One (micro-)batch through the whole model and back; returns its loss (detached). ``sync``:
+        whether data-parallel ranks reduce gradients in this backward (only the last micro-batch)."""
+
+        def seed_fn(layer: int) -> None:
+            self.seed_dropout(layer, u)
+
+        no_sync = self.net.no_sync() if self.dist.enabled and not sync else nullcontext()
+        with no_sync:
+            with self.timer("forward"), self.acc.meter.part("activations"), self.precision.autocast():
+                loss, _ = self.net(ub, seed_fn=seed_fn)
+            with self.timer("backward"), self.acc.meter.part("backward"):
+                self.precision.scaler.scale_loss(loss * scale).backward()
         return loss.detach()
 
     def update(self) -> tuple[bool, float]:
@@ -138,5 +163,7 @@ class DeviceResident(Runner):
         finally:
             self.model.train()
 
-    def memory_parts(self) -> dict[str, int]:
-        return {}
+    def close(self) -> None:
+        # drop DDP while its process group is alive: a Reducer that outlives the group tears the group
+        # down itself, holding the GIL, and can deadlock against gloo's worker threads
+        self.net = self.model

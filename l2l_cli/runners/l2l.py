@@ -19,6 +19,7 @@ from torch import nn
 
 from l2l_cli.data.batches import Batch
 from l2l_cli.engine.device import Accelerator
+from l2l_cli.engine.dist import DistContext
 from l2l_cli.engine.eps import EagerParamServer
 from l2l_cli.engine.precision import Precision
 from l2l_cli.engine.relay import Relay
@@ -28,9 +29,14 @@ from l2l_cli.runners.common import Runner, StepReport
 
 
 class L2LRunner(Runner):
-    def __init__(self, cfg: Any, acc: Accelerator, spec: ModelSpec, precision: Precision, total_steps: int):
-        super().__init__(cfg, acc, spec, precision, total_steps)
-        self.eps = EagerParamServer(spec, cfg, acc, precision.device_dtype, seed=cfg.trainer.seed)
+    def __init__(
+        self, cfg: Any, acc: Accelerator, spec: ModelSpec, precision: Precision, total_steps: int,
+        dist: DistContext | None = None,
+    ):  # fmt: skip
+        super().__init__(cfg, acc, spec, precision, total_steps, dist)
+        self.eps = EagerParamServer(
+            spec, cfg, acc, precision.device_dtype, seed=cfg.trainer.seed, dist=self.dist
+        )
         self.relay = Relay(acc, spec, self.eps, precision.device_dtype, cfg.mode.prefetch, self.timer)
         self.stash = (
             CpuStash(acc, self.eps, self.timer) if cfg.mode.stash == "cpu" else DeviceStash(acc, self.timer)
@@ -47,65 +53,87 @@ class L2LRunner(Runner):
             return layer(x, mask)
 
     def step(self, minibatch: Batch) -> StepReport:
-        t0 = time.perf_counter()
-        lr = self.lr()
-        n, relay, stash, head = self.num_ubatches, self.relay, self.stash, self.head
-        ubatches = self.to_device(minibatch).split(n)
-        masks = [extended_mask(ub.attention_mask, self.precision.device_dtype) for ub in ubatches]
-        scale = self.precision.scaler.scale_loss
-
-        # Alg. 3 forward: for l in layers: for u in ubatches: act_l = forward(act_{l-1})
-        x: list[Any] = [None] * n
-        for i in range(head):
-            layer = relay.acquire(i, prefetch=i + 1)
-            for u in range(n):
-                if i > 0:
-                    stash.put(i, u, x[u])  # stash only the layer's input (the previous layer's output)
-                self.seed_dropout(i, u)
-                with self.timer("forward"), torch.no_grad(), self.acc.meter.part("activations"):
-                    x[u] = self.run_layer(layer, i, x[u], ubatches[u], masks[u])
-
-        # The turn: the head runs forward and backward per micro-batch, giving dLoss/d(last block output).
-        g: list[Any] = [None] * n
-        loss = torch.zeros(())
-        layer = relay.acquire(head, prefetch=head - 1, grads=True)
-        for u in range(n):
-            x_in = x[u].detach().requires_grad_()
-            self.seed_dropout(head, u)
-            with self.timer("forward"), self.acc.meter.part("activations"), self.precision.autocast():
-                loss_u, _ = layer(x_in, ubatches[u].labels)
-            with self.timer("backward"), self.acc.meter.part("workspace"):
-                scale(loss_u / n).backward()
-            g[u], x[u] = x_in.grad, None
-            loss += loss_u.detach().float().cpu() / n
-        relay.send_grads(head)
-
-        # Alg. 3 backward: for l in reversed(layers): for u in ubatches: recompute layer l, g_l = backward(g_{l+1})
-        for i in range(head - 1, -1, -1):
-            layer = relay.acquire(i, prefetch=i - 1 if i > 0 else None, grads=True)
-            if i > 0:
-                stash.prefetch(i, 0)
-            for u in range(n):
-                x_in = None
-                if i > 0:
-                    x_in = stash.pop(i, u).detach().requires_grad_()
-                    if u + 1 < n:
-                        stash.prefetch(i, u + 1)
-                    elif i > 1:
-                        stash.prefetch(i - 1, 0)
-                self.seed_dropout(i, u)  # the same dropout masks as in the forward pass
-                with self.timer("recompute"), self.acc.meter.part("workspace"):
-                    y = self.run_layer(layer, i, x_in, ubatches[u], masks[u])
-                with self.timer("backward"), self.acc.meter.part("workspace"):
-                    torch.autograd.backward(y, g[u])
-                g[u] = x_in.grad if x_in is not None else None
-            relay.send_grads(i)  # the layer's gradient goes to the EPS; its device buffer is reused next
-
-        # Alg. 3: for l in layers: w_l = optimizer(w_l, g_l), on the host
+        t0, lr = time.perf_counter(), self.lr()
+        ubatches, masks = self.split(minibatch)
+        x = self.forward_pass(ubatches, masks)  # Alg. 3: for l in layers: for u in ubatches: forward
+        g, loss = self.turn(x, ubatches)  # the head: forward and backward per micro-batch
+        self.eps.reduce_async(self.head)  # the EPS reduces each gradient as soon as it lands
+        for i in reversed(range(self.head)):  # Alg. 3: for l in reversed(layers): for u in ubatches
+            self.backward_layer(i, g, ubatches, masks)
+            self.eps.reduce_async(i)
+        # Alg. 3: for l in layers: w_l = optimizer(w_l, g_l), on the host, once every gradient is in
         applied, norm = self.eps.step(
             lr, self.precision.scaler, self.clip, self.cfg.optim.max_grad_norm, self.timer
         )
-        return self.finish(loss, len(minibatch), t0, lr, skipped=not applied, grad_norm=norm)
+        return self.finish(
+            loss, len(minibatch), t0, lr, skipped=not applied, grad_norm=norm, extra=self.background()
+        )
+
+    # ---- the pieces of Algorithms 3 and 4 -----------------------------------------------------------
+
+    def split(self, minibatch: Batch) -> tuple[list[Batch], list[torch.Tensor]]:
+        ubatches = self.to_device(minibatch).split(self.num_ubatches)
+        return ubatches, [extended_mask(ub.attention_mask, self.precision.device_dtype) for ub in ubatches]
+
+    def forward_pass(self, ubatches: list[Batch], masks: list[torch.Tensor]) -> list[torch.Tensor]:
+        """for l in layers: for u in ubatches: act_l = forward(act_{l-1}), stashing only each layer's
+        input. Returns the last block's output per micro-batch."""
+        x: list[Any] = [None] * len(ubatches)
+        for i in range(self.head):
+            layer = self.relay.acquire(i, prefetch=i + 1)
+            for u, ub in enumerate(ubatches):
+                if i > 0:
+                    self.stash.put(i, u, x[u])  # the input of layer i (the output of layer i-1)
+                self.seed_dropout(i, u)
+                with self.timer("forward"), torch.no_grad(), self.acc.meter.part("activations"):
+                    x[u] = self.run_layer(layer, i, x[u], ub, masks[u])
+        return x
+
+    def turn(self, x: list[torch.Tensor], ubatches: list[Batch]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The head runs forward and backward per micro-batch right away (nothing to recompute): gives
+        dLoss/d(last block output) per micro-batch, and sends the head's gradient to the EPS."""
+        n, head = len(ubatches), self.head
+        g: list[Any] = [None] * n
+        loss = torch.zeros(())
+        layer = self.relay.acquire(head, prefetch=head - 1, grads=True)
+        for u, ub in enumerate(ubatches):
+            x_in = x[u].detach().requires_grad_()
+            self.seed_dropout(head, u)
+            with self.timer("forward"), self.acc.meter.part("activations"), self.precision.autocast():
+                loss_u, _ = layer(x_in, ub.labels)
+            with self.timer("backward"), self.acc.meter.part("workspace"):
+                self.precision.scaler.scale_loss(loss_u / n).backward()
+            g[u], x[u] = x_in.grad, None
+            loss += loss_u.detach().float().cpu() / n
+        self.relay.send_grads(head)
+        return g, loss
+
+    def backward_layer(self, i: int, g: list[Any], ubatches: list[Batch], masks: list[torch.Tensor]) -> None:
+        """for u in ubatches: recompute layer i from its stashed input, g_i = backward(g_{i+1}); then the
+        layer's accumulated gradient leaves for the EPS and its device buffer is reused."""
+        n = len(ubatches)
+        layer = self.relay.acquire(i, prefetch=i - 1 if i > 0 else None, grads=True)
+        if i > 0:
+            self.stash.prefetch(i, 0)
+        for u, ub in enumerate(ubatches):
+            x_in = None
+            if i > 0:
+                x_in = self.stash.pop(i, u).detach().requires_grad_()
+                if u + 1 < n:
+                    self.stash.prefetch(i, u + 1)
+                elif i > 1:
+                    self.stash.prefetch(i - 1, 0)
+            self.seed_dropout(i, u)  # the same dropout masks as in the forward pass
+            with self.timer("recompute"), self.acc.meter.part("workspace"):
+                y = self.run_layer(layer, i, x_in, ub, masks[u])
+            with self.timer("backward"), self.acc.meter.part("workspace"):
+                torch.autograd.backward(y, g[u])
+            g[u] = x_in.grad if x_in is not None else None
+        self.relay.send_grads(i)
+
+    def background(self) -> dict[str, float]:
+        """Seconds the EPS thread worked this step (reduction, and L2L-p's hidden updates)."""
+        return {"eps_background_s": self.eps.pop_busy()}
 
     @torch.no_grad()
     def predict(self, batch: Batch) -> torch.Tensor:
@@ -137,3 +165,6 @@ class L2LRunner(Runner):
 
     def host_parts(self) -> dict[str, int]:
         return self.eps.host_parts()
+
+    def close(self) -> None:
+        self.eps.close()

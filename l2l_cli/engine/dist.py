@@ -1,0 +1,112 @@
+"""Data parallel on torch.distributed: the process group, and launching ranks through torch's elastic
+launcher (the same machinery as ``torchrun``) on a free port.
+
+gloo on CPU, NCCL between GPUs for the baselines' DDP. The eager param-server reduces its host gradient
+buffers on a gloo group of its own (the paper's "parallel reduce" runs on the EPS, in the background), so
+its collectives never interleave with the main thread's.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistContext:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    eps_group: Any = None  # gloo group for the EPS's host-side gradient reduction
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+    def mean(self, value: float) -> float:
+        """The mean of a scalar over ranks (main thread, between steps)."""
+        if not self.enabled:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t) / self.world
+
+    def gather(self, obj: Any) -> list[Any]:
+        if not self.enabled:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
+
+def from_env(cfg: Any) -> DistContext:
+    """Join the process group described by the environment (set by the elastic launcher or torchrun)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return DistContext()
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    backend = cfg.dist.backend
+    if backend == "auto":
+        backend = "nccl" if cfg.device in ("auto", "cuda") and torch.cuda.is_available() else "gloo"
+    timeout = timedelta(seconds=cfg.dist.timeout_s)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timeout)
+    eps_group = dist.new_group(backend="gloo", timeout=timeout)
+    return DistContext(rank, world, local_rank, eps_group)
+
+
+def shutdown(ctx: DistContext) -> None:
+    if ctx.enabled and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(nproc: int, entrypoint: Any, args: tuple, monitor_s: float = 0.5) -> dict[int, Any]:
+    """Run ``entrypoint(*args)`` in ``nproc`` local processes with torch's elastic launcher.
+
+    If a rank dies, the agent stops the others and raises ChildFailedError; the caller turns it into a
+    clear message. Returns each rank's return value.
+    """
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        run_id=f"l2l-{os.getpid()}",
+        max_restarts=0,
+        monitor_interval=monitor_s,
+        start_method="spawn",
+    )
+    return elastic_launch(config, entrypoint)(*args)
+
+
+def failure_message(exc: BaseException) -> str:
+    """One line naming the rank that failed, from a ChildFailedError."""
+    failures = getattr(exc, "failures", None)
+    if not failures:
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    rank, info = sorted(failures.items())[0]
+    how = f"exit code {info.exitcode}"
+    if info.exitcode is not None and info.exitcode < 0:
+        how = f"killed by signal {-info.exitcode}"
+    msg = info.message if isinstance(info.message, str) else ""
+    detail = f": {msg.splitlines()[0]}" if msg and "Signal" not in msg else ""
+    return f"rank {rank} failed ({how}){detail}; the other ranks were stopped"
