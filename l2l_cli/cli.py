@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 USAGE = """\
 usage: l2l <command> [args]
@@ -57,6 +58,10 @@ def train(argv: list[str]) -> int:
             return _fail([f"config error: {p}" for p in problems])
         for w in warnings:
             print(f"l2l: warning: {w}", file=sys.stderr)
+        try:
+            argv = _resolve_resume(argv, multirun)
+        except Exception as e:  # CheckpointError: no checkpoint to resume
+            return _fail(f"config error: trainer.resume: {e}")
     rank = int(os.environ.get("RANK", "0"))
     if rank > 0 and "WORLD_SIZE" in os.environ:  # under torchrun: only rank 0 owns the run dir
         import tempfile
@@ -71,8 +76,31 @@ def train(argv: list[str]) -> int:
     if not _STATUSES:
         return 0  # --help, --cfg and friends
     if len(_STATUSES) == 1:
-        return {"ok": 0, "oom": 3, "config": 2}.get(_STATUSES[0], 1)
+        from l2l_cli.train import exit_code
+
+        return exit_code(_STATUSES[0])
     return 0 if all(s in ("ok", "oom") for s in _STATUSES) else 1
+
+
+def _resolve_resume(argv: list[str], multirun: bool) -> list[str]:
+    """``trainer.resume=<run dir>|latest`` continues that run in its own directory: the run dir is
+    resolved once here (``latest``: the run under outputs/ with the newest checkpoint) and becomes
+    Hydra's run dir, so metrics.jsonl and the checkpoints carry on where they stopped."""
+    from l2l_cli.checkpoint import find_latest_run
+
+    out = list(argv)
+    for k, arg in enumerate(argv):
+        if not arg.startswith("trainer.resume="):
+            continue
+        value = arg.split("=", 1)[1]
+        if value in ("", "null", "None"):
+            return out
+        run_dir = find_latest_run(Path("outputs")) if value == "latest" else Path(value)
+        run_dir = run_dir.resolve()
+        out[k] = f"trainer.resume={run_dir}"
+        if not multirun and not any(a.startswith("hydra.run.dir=") for a in argv):
+            out.append(f"hydra.run.dir={run_dir}")
+    return out
 
 
 def _run_hydra(argv: list[str]) -> None:

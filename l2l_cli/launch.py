@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from l2l_cli.train import RunFiles, run_dir_of, run_job
+from l2l_cli.train import RunFiles, exit_code, job_status, run_dir_of, run_job
 
 
 def run_task(cfg: DictConfig) -> str:
@@ -39,8 +40,8 @@ def launch_ranks(cfg: DictConfig, run_dir: Path) -> str:
         logging.getLogger("l2l").error("data-parallel job failed: %s", msg)
         path = run_dir / "summary.json"
         summary = json.loads(path.read_text()) if path.exists() else {"run_dir": str(run_dir), "steps": 0}
-        if summary.get("status") == "oom":  # every rank ran out of memory alike: rank 0 said so
-            return "oom"
+        if summary.get("status") in ("oom", "interrupted"):  # rank 0 said what happened to every rank
+            return job_status(summary)
         if summary.get("error"):  # rank 0's own error is a consequence; the failed rank is the cause
             summary["rank0_error"] = summary["error"]
         summary.update(status="error", error=msg)
@@ -66,10 +67,11 @@ def _rank_main(cfg_yaml: str, run_dir: str) -> str:
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     logging.getLogger("l2l").info("rank %d of %s, pid %d", rank, os.environ.get("WORLD_SIZE"), os.getpid())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent turns the user's Ctrl-C into one SIGTERM
     cfg = OmegaConf.create(cfg_yaml)
-    status = run_job(cfg, Path(run_dir))
+    status = run_job(cfg, Path(run_dir), handle_sigint=False)
     if status != "ok":
         # a failed rank must not leave the others waiting in a collective: exit non-zero, the agent
         # stops them (when every rank failed the same way, rank 0's summary already says why)
-        sys.exit({"oom": 3, "config": 2}.get(status, 1))
+        sys.exit(exit_code(status))
     return status

@@ -4,7 +4,9 @@ Run dir contract (later issues and users rely on it):
   metrics.jsonl  one object per logged step: step, loss, lr, samples_per_s, step_time_s, device_peak_bytes, ...
   eval.jsonl     one object per evaluation: step, metrics
   memory.json    {"device": {peak_bytes, method, parts}, "host": {bytes, parts}, ...}
-  summary.json   status (ok | oom | error), steps, samples_per_s, device_peak_bytes, time_breakdown_s, eval, params
+  summary.json   status (ok | oom | error | interrupted), steps, samples_per_s, device_peak_bytes,
+                 time_breakdown_s, eval, params
+  checkpoints/   step_<k>/ (trainer.save_every) and realtime/step_<k>/ (trainer.realtime_ckpt)
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import logging
 import math
 import os
 import resource
+import signal
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -23,6 +27,8 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from l2l_cli import checkpoint as ckpt
+from l2l_cli.checkpoint import CheckpointError, RealtimeWriter
 from l2l_cli.config import ConfigError, effective_clip, validate
 from l2l_cli.data.batches import TrainStream, eval_batches
 from l2l_cli.data.loading import TaskData, load_task
@@ -108,9 +114,9 @@ def run_dir_of(cfg: DictConfig) -> Path:
     return Path(HydraConfig.get().runtime.output_dir)
 
 
-def run_job(cfg: DictConfig, run_dir: Path) -> str:
-    """One training run (one rank of it, under data parallel). Returns its status (ok | oom | error, or
-    config for bad input); failures are written to summary.json, not raised."""
+def run_job(cfg: DictConfig, run_dir: Path, handle_sigint: bool = True) -> str:
+    """One training run (one rank of it, under data parallel). Returns its status (ok | oom | error |
+    interrupted, or config for bad input); failures are written to summary.json, not raised."""
     rank = int(os.environ.get("RANK", "0"))
     files = RunFiles(run_dir, enabled=rank == 0)
     t_start = time.perf_counter()
@@ -118,33 +124,44 @@ def run_job(cfg: DictConfig, run_dir: Path) -> str:
     acc: Accelerator | None = None
     runner: Runner | None = None
     ctx = DistContext()
+    stop = StopSignals(handle_sigint)
     try:
         problems = validate(cfg)
         if problems:
             raise ConfigError(problems)
         ctx = dist_from_env(cfg)
-        world = ctx.world
         torch.manual_seed(cfg.trainer.seed)
         data = load_task(cfg.task, cfg.model)
         spec = model_spec(cfg, data.spec.num_labels)
         stream = TrainStream(
-            data.train, cfg.batch.size, seed=cfg.trainer.seed, world=world, rank=rank,
+            data.train, cfg.batch.size, seed=cfg.trainer.seed, world=ctx.world, rank=ctx.rank,
             pad_to_max=cfg.task.max_seq_len if cfg.task.pad_to_max else None,
         )  # fmt: skip
         steps = total_steps(cfg, stream)
         acc = make_accelerator(cfg, local_rank=ctx.local_rank)
-        summary.update(run_header(cfg, spec, acc, data, world))
+        summary.update(run_header(cfg, spec, acc, data, ctx.world))
         log.info("run %s on %s: %s", run_dir, acc.describe(), json.dumps(summary["config"]))
         with acc.running():
             precision = make_precision(cfg, acc)
             runner = make_runner(cfg, acc, spec, precision, steps, dist=ctx)
             summary["params"] = runner_params(spec)
-            if cfg.model.pretrained:
+            trainer = Trainer(cfg, runner, stream, data, steps, files, summary, ctx, stop)
+            if cfg.trainer.resume:
+                trainer.resume(Path(cfg.trainer.resume))
+            elif cfg.model.pretrained:
                 load_pretrained(runner, cfg.model.pretrained)
-            train_loop(cfg, runner, stream, data, steps, files, summary, ctx)
+            trainer.run()
             summary["status"] = "ok"
     except ConfigError as e:
         summary.update(status="error", error=f"config: {e}", exit_code=2)
+    except CheckpointError as e:
+        summary.update(status="error", error=f"checkpoint: {e}", exit_code=2)
+    except TrainingError as e:
+        summary.update(status="error", error=str(e))
+    except Interrupted as e:
+        summary.update(
+            status="interrupted", error=str(e), exit_code=128 + e.signum, resume_with=e.resume_with
+        )
     except Exception as e:
         if acc is not None and acc.is_oom(e):
             summary.update(status="oom", error=oom_message(e))
@@ -152,6 +169,7 @@ def run_job(cfg: DictConfig, run_dir: Path) -> str:
             summary.update(status="error", error=f"{type(e).__name__}: {e}")
             log.error("run failed:\n%s", traceback.format_exc())
     finally:
+        stop.restore()
         if runner is not None:
             runner.close()
     summary["wall_time_s"] = time.perf_counter() - t_start
@@ -165,14 +183,71 @@ def run_job(cfg: DictConfig, run_dir: Path) -> str:
         summary["device_peak_bytes"] = max(summary["device_peak_bytes"], acc.meter.peak_bytes)
     dist_shutdown(ctx)
     files.write("summary.json", summary)
-    status = "config" if summary.get("exit_code") == 2 else summary["status"]
     if rank == 0:
         console.print(summary_table(summary))
-        if summary["status"] != "ok":
+        if summary["status"] == "interrupted":
+            console.print(f"[bold yellow]l2l: {summary['error']}[/]\n  resume with: {summary['resume_with']}")
+        elif summary["status"] != "ok":
             console.print(
                 f"[bold red]l2l: {summary['status']}[/]: {summary.get('error')}  (see {run_dir}/train.log)"
             )
-    return status
+    return job_status(summary)
+
+
+def job_status(summary: dict[str, Any]) -> str:
+    """What a job reports to the CLI: its status, ``config`` for bad input, ``interrupted:<signal>``."""
+    if summary.get("exit_code") == 2:
+        return "config"
+    if summary["status"] == "interrupted":
+        return f"interrupted:{summary['exit_code'] - 128}"
+    return summary["status"]
+
+
+def exit_code(status: str) -> int:
+    if status.startswith("interrupted:"):
+        return 128 + int(status.split(":")[1])
+    return {"ok": 0, "oom": 3, "config": 2}.get(status, 1)
+
+
+class TrainingError(Exception):
+    """Training cannot go on (a clear, expected failure: reported without a traceback)."""
+
+
+class Interrupted(Exception):
+    def __init__(self, msg: str, signum: int, resume_with: str):
+        super().__init__(msg)
+        self.signum, self.resume_with = signum, resume_with
+
+
+class StopSignals:
+    """SIGINT/SIGTERM: the first asks the loop to stop at the next step boundary (and save); a second one
+    exits at once. Under the elastic launcher, ranks take SIGTERM from the agent and ignore SIGINT."""
+
+    def __init__(self, handle_sigint: bool = True):
+        self.signum = 0
+        self._saved: dict[int, Any] = {}
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM) if handle_sigint else (signal.SIGTERM,):
+            self._saved[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum:
+            print(
+                f"\nl2l: second signal ({signal.Signals(signum).name}): exiting now, without a checkpoint",
+                flush=True,
+            )
+            os._exit(128 + signum)
+        self.signum = signum
+        print(
+            f"\nl2l: {signal.Signals(signum).name}: stopping after this step (again to exit at once)",
+            flush=True,
+        )
+
+    def restore(self) -> None:
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+        self._saved.clear()
 
 
 def run_header(cfg: Any, spec: ModelSpec, acc: Accelerator, data: TaskData, world: int) -> dict[str, Any]:
@@ -216,11 +291,20 @@ def runner_params(spec: ModelSpec) -> int:
 
 
 def load_pretrained(runner: Runner, ref: str) -> None:
+    """Stream a Hugging Face checkpoint's tensors in: safetensors, or a legacy ``pytorch_model.bin`` read
+    with ``torch.load(weights_only=True)``, which refuses anything but tensors (no code runs from a file)."""
     from safetensors import safe_open
 
-    path = resolve_pretrained(ref) / "model.safetensors"
-    with safe_open(str(path), framework="pt") as f:
-        missing = runner.load_hf(_SafeTensors(f))
+    root = resolve_pretrained(ref)
+    if (root / "model.safetensors").is_file():
+        with safe_open(str(root / "model.safetensors"), framework="pt") as f:
+            missing = runner.load_hf(_SafeTensors(f))
+    else:
+        try:
+            tensors = torch.load(root / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"{root}/pytorch_model.bin: refused ({str(e).splitlines()[0]})") from e
+        missing = runner.load_hf(tensors)
     log.info("loaded %s; newly initialized: %s", ref, ", ".join(missing) or "none")
 
 
@@ -241,68 +325,191 @@ class _SafeTensors:
         return self.h.get_tensor(name)
 
 
-def train_loop(
-    cfg: Any, runner: Runner, stream: TrainStream, data: TaskData, steps: int, files: RunFiles,
-    summary: dict[str, Any], ctx: DistContext,
-) -> None:  # fmt: skip
-    tr = cfg.trainer
-    meter = runner.acc.meter
-    steady_time, steady_samples, n_steady = 0.0, 0, 0
-    phase_sum: dict[str, float] = {}
-    skipped = bad_in_row = 0
-    loss = float("nan")
-    title = f"{method_label(cfg)} {cfg.model.name} {cfg.task.name}"
-    batches = stream.batches(start_step=runner.step_count)
-    with RunProgress(tr.progress, steps, title, enabled=ctx.rank == 0) as progress:
-        while runner.step_count < steps:
-            report = runner.step(next(batches))
-            step = runner.step_count
-            report.loss = loss = ctx.mean(report.loss)  # the global minibatch's loss
-            skipped += int(report.skipped)
-            bad_in_row = bad_in_row + 1 if report.skipped else 0
-            if bad_in_row >= tr.max_bad_steps:
-                raise RuntimeError(
-                    f"non-finite loss or gradients at step {step}: {bad_in_row} steps in a row skipped "
-                    f"(trainer.max_bad_steps={tr.max_bad_steps}); lower optim.lr or check the data"
-                )
-            sps = report.samples * stream.world / report.step_time_s
-            if step > 1 or steps == 1:
-                steady_time += report.step_time_s
-                steady_samples += report.samples * stream.world
-                n_steady += 1
-                for k, v in report.phases.items():
-                    phase_sum[k] = phase_sum.get(k, 0.0) + v
-            if step % tr.log_every == 0 or step == steps:
-                files.append(
-                    "metrics.jsonl",
-                    {
-                        "step": step, "loss": report.loss, "lr": report.lr, "samples_per_s": sps,
-                        "step_time_s": report.step_time_s, "device_peak_bytes": meter.peak_bytes,
-                        "device_bytes": meter.current_bytes, "skipped": report.skipped,
-                        "grad_norm": report.grad_norm, "loss_scale": report.loss_scale,
-                        "phases": report.phases, **report.extra,
-                    },
-                )  # fmt: skip
-            progress.update(step, report.loss, sps, meter.peak_bytes)
-            if tr.eval_every and step % tr.eval_every == 0 and step < steps:
-                files.append("eval.jsonl", {"step": step, **evaluate_on_rank0(runner, data, cfg, ctx)})
-    metrics = evaluate_on_rank0(runner, data, cfg, ctx)
-    files.append("eval.jsonl", {"step": runner.step_count, **metrics})
-    if tr.save_final and files.enabled:
-        save_hf(files.dir / "final", runner.spec, runner.hf_tensors(), data.spec)
-    breakdown = {k: v / n_steady for k, v in sorted(phase_sum.items())} if n_steady else {}
-    if n_steady:
-        breakdown["other"] = max(0.0, steady_time / n_steady - sum(breakdown.values()))
-    summary.update(
-        steps=runner.step_count,
-        skipped_steps=skipped,
-        final_loss=loss if math.isfinite(loss) else None,
-        samples_per_s=steady_samples / steady_time if steady_time else 0.0,
-        step_time_s=steady_time / n_steady if n_steady else None,
-        time_breakdown_s=breakdown,
-        eval=metrics,
-        device_peak_bytes=meter.peak_bytes,
-    )
+class Trainer:
+    """The loop: step -> log -> eval -> checkpoint, with exact resume, real-time checkpoints (L2L), a stop
+    at a step boundary on SIGINT/SIGTERM, and the non-finite-step policy."""
+
+    def __init__(
+        self, cfg: Any, runner: Runner, stream: TrainStream, data: TaskData, steps: int, files: RunFiles,
+        summary: dict[str, Any], ctx: DistContext, stop: StopSignals,
+    ):  # fmt: skip
+        self.cfg, self.runner, self.stream, self.data, self.steps = cfg, runner, stream, data, steps
+        self.files, self.summary, self.ctx, self.stop = files, summary, ctx, stop
+        self.ckpt_root = files.dir / "checkpoints"
+        self.config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+        self.skipped = self.bad_in_row = 0
+        self.steady = {"time": 0.0, "samples": 0, "n": 0}
+        self.phase_sum: dict[str, float] = {}
+        self.loss = float("nan")
+        self.realtime: RealtimeWriter | None = None
+
+    # ---- checkpoint state --------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """Everything besides the weights and moments that an exact resume needs (plain JSON)."""
+        return {
+            "step": self.runner.step_count,  # also the data position: the stream is a function of it
+            "scaler": self.runner.precision.scaler.state_dict(),
+            "rng": ckpt.rng_state(),
+            "skipped": self.skipped,
+            "bad_in_row": self.bad_in_row,
+            "steady": self.steady,
+            "phase_sum": self.phase_sum,
+            "world_size": self.ctx.world,
+            "global_batch_size": self.stream.global_batch,
+        }
+
+    def resume(self, run_dir: Path) -> None:
+        path, manifest = ckpt.latest_valid(run_dir)
+        ckpt.check_identity(path, manifest, self.runner, self.cfg)
+        state = json.loads(ckpt._read_checked(path, "state.json", manifest))
+        if state["global_batch_size"] != self.stream.global_batch:
+            raise CheckpointError(
+                f"{path} was trained with a global batch of {state['global_batch_size']}; this run has "
+                f"{self.stream.global_batch} (batch.size x dist.nproc): the data position would not match"
+            )
+        self.runner.load_state(path, manifest)
+        self.runner.step_count = state["step"]
+        self.runner.precision.scaler.load_state_dict(state["scaler"])
+        ckpt.set_rng_state(state["rng"])
+        self.skipped, self.bad_in_row = state["skipped"], state["bad_in_row"]
+        self.steady, self.phase_sum = state["steady"], state["phase_sum"]
+        for name in ("metrics.jsonl", "eval.jsonl"):  # the logs continue from the checkpoint's step
+            self._truncate(name, state["step"])
+        log.info("resumed from %s at step %d", path, state["step"])
+        self.summary["resumed_from"] = {"checkpoint": str(path), "step": state["step"]}
+
+    def _truncate(self, name: str, step: int) -> None:
+        path = self.files.dir / name
+        if self.files.enabled and path.exists():
+            keep = [
+                ln for ln in path.read_text().splitlines() if ln and json.loads(ln).get("step", 0) <= step
+            ]
+            path.write_text("".join(f"{ln}\n" for ln in keep))
+
+    def save(self) -> Path | None:
+        if not self.files.enabled:  # rank 0 writes (the state is identical on every rank)
+            return None
+        if self.realtime is not None:
+            self.realtime.wait_commit()
+        return ckpt.save(
+            self.ckpt_root, self.runner.step_count, self.runner, self.cfg, self.state(),
+            self.cfg.trainer.keep_checkpoints, self.config_yaml,
+        )  # fmt: skip
+
+    # ---- the loop -------------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        cfg, tr, runner, meter = self.cfg, self.cfg.trainer, self.runner, self.runner.acc.meter
+        if tr.realtime_ckpt and self.files.enabled:
+            self.realtime = RealtimeWriter(self.ckpt_root, runner, cfg, self.config_yaml)
+            runner.eps.realtime = self.realtime  # type: ignore[attr-defined]
+        title = f"{method_label(cfg)} {cfg.model.name} {cfg.task.name}"
+        batches = self.stream.batches(start_step=runner.step_count)
+        try:
+            with RunProgress(tr.progress, self.steps, title, enabled=self.ctx.rank == 0) as progress:
+                while runner.step_count < self.steps:
+                    if self.realtime is not None:
+                        self.realtime.begin(runner.step_count + 1)
+                    report = runner.step(next(batches))
+                    step = runner.step_count
+                    report.loss, stop_now = self.ctx.mean_and_any(report.loss, self.stop.signum)
+                    if self.realtime is not None:
+                        self.realtime.commit(step, self.state(), self._all_layer_files)
+                        report.extra["realtime_ckpt_s"] = self.realtime.pop_busy()
+                    self.account(report, step)
+                    progress.update(
+                        step,
+                        report.loss,
+                        report.samples * self.ctx.world / report.step_time_s,
+                        meter.peak_bytes,
+                    )
+                    if tr.save_every and step % tr.save_every == 0 and step < self.steps:
+                        self.save()
+                    if stop_now:
+                        self.interrupt(step)
+                    if tr.eval_every and step % tr.eval_every == 0 and step < self.steps:
+                        self.files.append(
+                            "eval.jsonl",
+                            {"step": step, **evaluate_on_rank0(runner, self.data, cfg, self.ctx)},
+                        )
+        finally:
+            if self.realtime is not None:
+                self.realtime.wait_commit()
+                self.realtime.close()
+        self.finish()
+
+    def _all_layer_files(self) -> list[tuple[str, Any]]:
+        eps = self.runner.eps  # type: ignore[attr-defined]
+        return [eps.layer_file(i) for i in range(len(eps.layers))]
+
+    def account(self, report: Any, step: int) -> None:
+        """Bookkeeping of one step: the bad-step policy, throughput, metrics.jsonl."""
+        tr, meter, world = self.cfg.trainer, self.runner.acc.meter, self.ctx.world
+        self.loss = report.loss
+        self.skipped += int(report.skipped)
+        scaler = self.runner.precision.scaler
+        # with dynamic loss scaling a skip is routine (the scale adapts); it is a failure once the scale
+        # cannot go lower, or without loss scaling
+        hopeless = report.skipped and (not scaler.dynamic or scaler.scale <= 1.0)
+        self.bad_in_row = self.bad_in_row + 1 if hopeless else 0
+        sps = report.samples * world / report.step_time_s
+        if step > 1 or self.steps == 1:
+            self.steady["time"] += report.step_time_s
+            self.steady["samples"] += report.samples * world
+            self.steady["n"] += 1
+            for k, v in report.phases.items():
+                self.phase_sum[k] = self.phase_sum.get(k, 0.0) + v
+        if step % tr.log_every == 0 or step == self.steps or report.skipped:
+            self.files.append(
+                "metrics.jsonl",
+                {
+                    "step": step, "loss": report.loss, "lr": report.lr, "samples_per_s": sps,
+                    "step_time_s": report.step_time_s, "device_peak_bytes": meter.peak_bytes,
+                    "device_bytes": meter.current_bytes, "skipped": report.skipped,
+                    "grad_norm": report.grad_norm, "loss_scale": report.loss_scale,
+                    "phases": report.phases, **report.extra,
+                },
+            )  # fmt: skip
+        if self.bad_in_row >= tr.max_bad_steps:
+            raise TrainingError(
+                f"non-finite loss or gradients at step {step}: {self.bad_in_row} steps in a row skipped "
+                f"(trainer.max_bad_steps={tr.max_bad_steps}); lower optim.lr, check the data, or use precision=fp32"
+            )
+
+    def interrupt(self, step: int) -> None:
+        path = self.save()
+        self.ctx.barrier()
+        signum = self.stop.signum or signal.SIGTERM
+        where = f"; checkpoint {path}" if path else ""
+        raise Interrupted(
+            f"stopped by {signal.Signals(signum).name} after step {step}{where}",
+            signum,
+            f"l2l train <the same overrides> trainer.resume={self.files.dir}",
+        )
+
+    def finish(self) -> None:
+        cfg, runner = self.cfg, self.runner
+        metrics = evaluate_on_rank0(runner, self.data, cfg, self.ctx)
+        self.files.append("eval.jsonl", {"step": runner.step_count, **metrics})
+        if cfg.trainer.save_every and self.files.enabled:
+            self.save()  # the final state is resumable too (e.g. to train further with more steps)
+        if cfg.trainer.save_final and self.files.enabled:
+            save_hf(self.files.dir / "final", runner.spec, runner.hf_tensors(), self.data.spec)
+        n, total = self.steady["n"], self.steady["time"]
+        breakdown = {k: v / n for k, v in sorted(self.phase_sum.items())} if n else {}
+        if n:
+            breakdown["other"] = max(0.0, total / n - sum(breakdown.values()))
+        self.summary.update(
+            steps=runner.step_count,
+            skipped_steps=self.skipped,
+            final_loss=self.loss if math.isfinite(self.loss) else None,
+            samples_per_s=self.steady["samples"] / total if total else 0.0,
+            step_time_s=total / n if n else None,
+            time_breakdown_s=breakdown,
+            eval=metrics,
+            device_peak_bytes=runner.acc.meter.peak_bytes,
+        )
 
 
 def memory_report(acc: Accelerator, runner: Runner | None) -> dict[str, Any]:

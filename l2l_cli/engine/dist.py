@@ -29,13 +29,14 @@ class DistContext:
     def enabled(self) -> bool:
         return self.world > 1
 
-    def mean(self, value: float) -> float:
-        """The mean of a scalar over ranks (main thread, between steps)."""
+    def mean_and_any(self, value: float, flag: int) -> tuple[float, bool]:
+        """The mean of a scalar over ranks, and whether any rank raised ``flag`` (one collective per step:
+        every rank learns of a stop request at the same step boundary)."""
         if not self.enabled:
-            return value
-        t = torch.tensor([value], dtype=torch.float64)
+            return value, bool(flag)
+        t = torch.tensor([value, float(bool(flag))], dtype=torch.float64)
         dist.all_reduce(t)
-        return float(t) / self.world
+        return float(t[0]) / self.world, bool(t[1] > 0)
 
     def gather(self, obj: Any) -> list[Any]:
         if not self.enabled:
@@ -93,6 +94,7 @@ def launch(nproc: int, entrypoint: Any, args: tuple, monitor_s: float = 0.5) -> 
         run_id=f"l2l-{os.getpid()}",
         max_restarts=0,
         monitor_interval=monitor_s,
+        shutdown_timeout=120,  # time for ranks to finish the step and checkpoint after a SIGTERM
         start_method="spawn",
     )
     return elastic_launch(config, entrypoint)(*args)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
+from l2l_cli.checkpoint import CheckpointError, read_tensors, tensors_bytes
 from l2l_cli.engine.device import DONE, Accelerator, CopyHandle
 from l2l_cli.engine.dist import DistContext
 from l2l_cli.engine.flat import FlatLayout
@@ -121,6 +122,7 @@ class EagerParamServer:
         self._bad = False
         self._updated: list[int] = []
         self._norms: dict[int, torch.Tensor] = {}
+        self.realtime: Any = None  # checkpoint.RealtimeWriter: saves each layer right after its update
         self.layouts = {k: FlatLayout(new_layer(spec, k, "meta")) for k in (PRE, BLOCK, POST)}
         self.layers: list[LayerState] = []
         with acc.meter.paused():  # host tier
@@ -195,8 +197,8 @@ class EagerParamServer:
             scaler.update(not finite)
             if finite:
                 coefs = clip_coefficients(norms, clip, max_norm)
-                for i, st in enumerate(self.layers):
-                    st.update(lr, self.grad_mult(scaler, None if coefs is None else coefs[i]))
+                for i in range(len(self.layers)):
+                    self.update_layer(i, lr, self.grad_mult(scaler, None if coefs is None else coefs[i]))
         return finite, float(torch.linalg.vector_norm(norms))
 
     # ---- L2L-p: update layer l+1 while the device runs backward on layer l --------------------------
@@ -220,7 +222,7 @@ class EagerParamServer:
         coef = clip_coefficients(norm[None], clip, max_norm)
         inv = 1.0 / (scale * self.dist.world)
         st.save_undo(self.acc)
-        st.update(lr, (coef[0] * inv) if coef is not None else (None if inv == 1.0 else inv))
+        self.update_layer(i, lr, (coef[0] * inv) if coef is not None else (None if inv == 1.0 else inv))
         self._updated.append(i)
 
     def finish_async(self, scaler: LossScaler) -> tuple[bool, float]:
@@ -231,13 +233,54 @@ class EagerParamServer:
         self._bad, self._updated, self._norms = False, [], {}
         if bad:
             for i in updated:
+                if self.realtime is not None:
+                    self.realtime.before_update(i)
                 self.layers[i].restore_undo()
+                if self.realtime is not None:
+                    self.realtime.layer_updated(i, *self.layer_file(i))
         scaler.update(bad)
         total = torch.linalg.vector_norm(torch.stack(list(norms.values()))) if norms else torch.tensor(0.0)
         return not bad, float(total)
 
+    def update_layer(self, i: int, lr: float, grad_mult: torch.Tensor | float | None) -> None:
+        if self.realtime is not None:
+            self.realtime.before_update(i)  # last step's file of this layer is complete
+        self.layers[i].update(lr, grad_mult)
+        if self.realtime is not None:
+            self.realtime.layer_updated(i, *self.layer_file(i))
+
     def close(self) -> None:
         self._worker.shutdown(wait=True)
+
+    # ---- checkpoints: one file per layer (w, m, v, step), the same for full and real-time ones --------
+
+    def layer_file(self, i: int) -> tuple[str, Any]:
+        """(file name, a function giving its bytes), read from the live buffers when called."""
+        st = self.layers[i]
+
+        def payload() -> bytes:
+            step = next(iter(st.optimizer.state.values()))["step"]
+            return tensors_bytes({"w": st.w, "m": st.m, "v": st.v, "step": step.reshape(())})
+
+        return f"layer_{i}.safetensors", payload
+
+    def state_files(self) -> Iterator[tuple[str, bytes]]:
+        for i in range(len(self.layers)):
+            name, payload = self.layer_file(i)
+            yield name, payload()
+
+    @torch.no_grad()
+    def load_state(self, ckpt: Any, manifest: dict[str, Any]) -> None:
+        for st in self.layers:
+            t = read_tensors(ckpt, f"layer_{st.index}.safetensors", manifest)
+            for key, buf in (("w", st.w), ("m", st.m), ("v", st.v)):
+                if key not in t or t[key].shape != buf.shape:
+                    raise CheckpointError(f"{ckpt}: layer {st.index} {key} does not match this model")
+                buf.copy_(t[key])
+            for state in st.optimizer.state.values():
+                state["step"].fill_(float(t["step"]))
+            st.version += 1
+            st.refresh_send()
 
     def grad_mult(self, scaler: LossScaler, coef: torch.Tensor | None) -> torch.Tensor | float | None:
         """The one multiplier that unscales, averages over ranks and clips a gradient (None: as is)."""

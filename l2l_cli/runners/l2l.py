@@ -166,5 +166,13 @@ class L2LRunner(Runner):
     def host_parts(self) -> dict[str, int]:
         return self.eps.host_parts()
 
+    state_layout = "eps-flat-v1"  # shared by l2l and l2l_p: either resumes the other's checkpoints
+
+    def state_files(self) -> Any:
+        return self.eps.state_files()
+
+    def load_state(self, ckpt: Any, manifest: dict[str, Any]) -> None:
+        self.eps.load_state(ckpt, manifest)
+
     def close(self) -> None:
         self.eps.close()

@@ -1,0 +1,359 @@
+"""Checkpoints: written atomically, verified before use, never unpickled.
+
+A checkpoint is a directory ``checkpoints/step_<k>/`` holding
+  manifest.json   format, step, mode, state layout, model shape, and every file's size and sha256
+  state.json      the trainer: step, data position, loss scaler, RNG states, counters (plain JSON)
+  config.yaml     the resolved config it was written with (for the record)
+  *.safetensors   the training state: weights and optimizer moments (the runner's own layout)
+It is written into a temporary directory, every file fsynced, then renamed into place, so a crash
+leaves either the old set of checkpoints or the new one, never half of one. Loading checks the
+manifest (sizes, checksums, file names), the model shape and the state layout before anything is read.
+
+Real-time checkpoints (L2L modes, layered-GA paper §8.2): the EPS already holds the master weights on
+the host, so a background writer saves each layer right after its update; a step's files become a
+checkpoint (``checkpoints/realtime/step_<k>/``) once all its layers are written, so a SIGKILL loses at
+most the step in flight.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+FORMAT = 1
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used (corrupt, truncated, tampered with, or for another model/mode)."""
+
+
+# ---- files ----------------------------------------------------------------------------------------
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes(path: Path, data: bytes) -> dict[str, Any]:
+    """Write and fsync one file; returns its manifest entry (size, sha256)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def tensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
+    return st_save({k: v.detach().contiguous() for k, v in tensors.items()}, metadata=metadata)
+
+
+def read_tensors(ckpt: Path, name: str, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Load one safetensors file of a verified checkpoint, checking it against the manifest again."""
+    data = _read_checked(ckpt, name, manifest)
+    try:
+        return st_load(data)
+    except Exception as e:
+        raise CheckpointError(f"{ckpt / name}: not a valid safetensors file ({e})") from e
+
+
+def _read_checked(ckpt: Path, name: str, manifest: dict[str, Any]) -> bytes:
+    entry = manifest["files"].get(name)
+    if entry is None:
+        raise CheckpointError(f"{ckpt}: {name} is not in the manifest")
+    data = (ckpt / name).read_bytes()
+    if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise CheckpointError(
+            f"{ckpt / name}: size or checksum differs from the manifest (corrupt or truncated)"
+        )
+    return data
+
+
+# ---- trainer state --------------------------------------------------------------------------------
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG state in plain JSON (torch's are byte lists; no pickle anywhere)."""
+    state: dict[str, Any] = {
+        "torch_cpu": torch.get_rng_state().tolist(),
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+        "numpy": _numpy_state(),
+    }
+    if torch.cuda.is_available():
+        state["torch_cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def _numpy_state() -> list[Any]:
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(torch.tensor(state["torch_cpu"], dtype=torch.uint8))
+    v, internal, gauss = state["python"]
+    random.setstate((v, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, g = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, g))
+    if "torch_cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["torch_cuda"]])
+
+
+# ---- what identifies a checkpoint's kind --------------------------------------------------------
+
+
+def identity(runner: Any, cfg: Any) -> dict[str, Any]:
+    """What must match for a checkpoint to load into ``runner``: the model's shape and the state layout."""
+    s = runner.spec
+    return {
+        "model": {
+            "num_layers": s.num_layers, "hidden_size": s.hidden_size, "num_heads": s.num_heads,
+            "intermediate_size": s.intermediate_size, "vocab_size": s.vocab_size, "seq_len": s.seq_len,
+            "type_vocab_size": s.type_vocab_size, "num_labels": s.num_labels,
+        },
+        "state_layout": runner.state_layout,
+        "optimizer": cfg.optim.name,
+        "mode": cfg.mode.name,
+    }  # fmt: skip
+
+
+def check_identity(ckpt: Path, manifest: dict[str, Any], runner: Any, cfg: Any) -> None:
+    want = identity(runner, cfg)
+    have_model, want_model = manifest.get("model", {}), want["model"]
+    diff = [
+        f"{k} {have_model.get(k)} (checkpoint) vs {v} (this run)"
+        for k, v in want_model.items()
+        if have_model.get(k) != v
+    ]
+    if diff:
+        raise CheckpointError(f"{ckpt} is for another model shape: {'; '.join(diff)}")
+    if manifest.get("state_layout") != want["state_layout"]:
+        raise CheckpointError(
+            f"{ckpt} holds mode={manifest.get('mode')}'s state layout ({manifest.get('state_layout')}); this run is "
+            f"mode={want['mode']} ({want['state_layout']}): resume with a mode of the same family"
+        )
+    if manifest.get("optimizer") != want["optimizer"]:
+        raise CheckpointError(
+            f"{ckpt} holds {manifest.get('optimizer')} state; this run uses optim={want['optimizer']}"
+        )
+
+
+def verify(ckpt: Path) -> dict[str, Any]:
+    """The manifest of a complete, intact checkpoint (sizes and checksums of every file), or an error."""
+    path = ckpt / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{ckpt}: no manifest.json (an incomplete checkpoint)") from e
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable manifest ({e})") from e
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != FORMAT
+        or not isinstance(manifest.get("files"), dict)
+    ):
+        raise CheckpointError(f"{path}: not an l2l checkpoint manifest (format {FORMAT})")
+    for name in manifest["files"]:
+        if not isinstance(name, str) or not _NAME.match(name) or name in (".", ".."):
+            raise CheckpointError(
+                f"{path}: refuses file name {name!r} (files must stay inside the checkpoint)"
+            )
+        _read_checked(ckpt, name, manifest)
+    return manifest
+
+
+# ---- writing ----------------------------------------------------------------------------------------
+
+
+def _commit(tmp: Path, final: Path, files: dict[str, Any], meta: dict[str, Any]) -> Path:
+    """Write the manifest last, fsync, and rename the directory into place (atomic on POSIX)."""
+    write_bytes(
+        tmp / "manifest.json", json.dumps({"format": FORMAT, **meta, "files": files}, indent=1).encode()
+    )
+    _fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    return final
+
+
+def save(
+    root: Path, step: int, runner: Any, cfg: Any, trainer_state: dict[str, Any], keep: int, config_yaml: str
+) -> Path:
+    """A full checkpoint of ``runner`` after ``step`` steps, under ``root`` (``<run dir>/checkpoints``)."""
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-step_{step}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    files = {name: write_bytes(tmp / name, data) for name, data in runner.state_files()}
+    files["state.json"] = write_bytes(tmp / "state.json", json.dumps(trainer_state).encode())
+    files["config.yaml"] = write_bytes(tmp / "config.yaml", config_yaml.encode())
+    meta = {"step": step, "created": time.time(), **identity(runner, cfg)}
+    final = _commit(tmp, root / f"step_{step}", files, meta)
+    prune(root, keep)
+    return final
+
+
+def prune(root: Path, keep: int) -> None:
+    steps = sorted(_steps(root))
+    for _, path in steps[:-keep] if keep > 0 else []:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _steps(root: Path) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and p.is_dir():
+            out.append((int(m.group(1)), p))
+    return out
+
+
+def candidates(run_dir: Path) -> list[tuple[int, Path]]:
+    """Complete-looking checkpoints of a run (full and real-time), newest step first."""
+    root = run_dir / "checkpoints"
+    found = _steps(root) + _steps(root / "realtime")
+    return sorted((x for x in found if (x[1] / "manifest.json").exists()), key=lambda x: -x[0])
+
+
+def latest_valid(run_dir: Path) -> tuple[Path, dict[str, Any]]:
+    """The newest checkpoint of ``run_dir`` that verifies; corrupt ones are skipped with a warning."""
+    errors = []
+    for _, path in candidates(run_dir):
+        try:
+            return path, verify(path)
+        except CheckpointError as e:
+            errors.append(str(e))
+    detail = f" ({'; '.join(errors)})" if errors else ""
+    raise CheckpointError(f"{run_dir} has no usable checkpoint{detail}")
+
+
+def run_dir_of_checkpoint(ckpt: Path) -> Path:
+    """``<run>/checkpoints/step_k`` or ``<run>/checkpoints/realtime/step_k`` -> ``<run>``."""
+    for parent in ckpt.parents:
+        if parent.name == "checkpoints":
+            return parent.parent
+    raise CheckpointError(f"{ckpt} is not inside a checkpoints/ folder")
+
+
+def find_latest_run(outputs: Path) -> Path:
+    """The run directory under ``outputs`` holding the most recently written checkpoint."""
+    manifests = list(outputs.glob("**/checkpoints/step_*/manifest.json")) + list(
+        outputs.glob("**/checkpoints/realtime/step_*/manifest.json")
+    )
+    if not manifests:
+        raise CheckpointError(f"trainer.resume=latest: no checkpoint under {outputs}/")
+    newest = max(manifests, key=lambda m: m.stat().st_mtime)
+    return run_dir_of_checkpoint(newest.parent)
+
+
+# ---- real-time checkpoints ----------------------------------------------------------------------
+
+
+class RealtimeWriter:
+    """Writes each layer of the EPS right after its update, on a thread of its own; ``commit(step)``
+    turns a step's layer files into a checkpoint once they are all on disk.
+
+    The runner calls ``before_update(i)`` before it updates layer i again, so the previous step's file
+    for layer i is complete before its buffers change (the writer reads the EPS buffers in place)."""
+
+    def __init__(self, root: Path, runner: Any, cfg: Any, config_yaml: str):
+        self.root = root / "realtime"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.runner, self.cfg, self.config_yaml = runner, cfg, config_yaml
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l2l-rtckpt")
+        self._layer_jobs: dict[int, Future] = {}
+        self._commit_job: Future | None = None
+        self._files: dict[int, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+        self.busy_s = 0.0
+        self.step: int | None = None
+
+    def _tmp(self, step: int) -> Path:
+        return self.root / f".tmp-step_{step}"
+
+    def begin(self, step: int) -> None:
+        """Layers updated from now on belong to the checkpoint of ``step``."""
+        self.step = step
+        tmp = self._tmp(step)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        self._files[step] = {}
+
+    def layer_updated(self, i: int, name: str, payload: Callable[[], bytes]) -> None:
+        step = self.step
+        assert step is not None
+
+        def job() -> None:
+            t0 = time.perf_counter()
+            entry = write_bytes(self._tmp(step) / name, payload())
+            with self._lock:
+                self._files[step][name] = entry
+                self.busy_s += time.perf_counter() - t0
+
+        self._layer_jobs[i] = self._pool.submit(job)
+
+    def before_update(self, i: int) -> None:
+        """Layer i's buffers are about to change: its pending write, and the last commit, must be done."""
+        job = self._layer_jobs.pop(i, None)
+        if job is not None:
+            job.result()
+        self.wait_commit()
+
+    def commit(
+        self, step: int, trainer_state: dict[str, Any], layer_files: Callable[[], list[tuple[str, Callable]]]
+    ) -> None:
+        """After ``step``: write the layers it did not update (a skipped step), its state and manifest,
+        then rename it into place and drop the older real-time checkpoint."""
+
+        def job() -> None:
+            t0 = time.perf_counter()
+            tmp = self._tmp(step)
+            for name, payload in layer_files():
+                if name not in self._files[step]:
+                    self._files[step][name] = write_bytes(tmp / name, payload())
+            files = dict(self._files.pop(step))
+            files["state.json"] = write_bytes(tmp / "state.json", json.dumps(trainer_state).encode())
+            files["config.yaml"] = write_bytes(tmp / "config.yaml", self.config_yaml.encode())
+            meta = {"step": step, "created": time.time(), "realtime": True, **identity(self.runner, self.cfg)}
+            _commit(tmp, self.root / f"step_{step}", files, meta)
+            prune(self.root, 1)
+            self.busy_s += time.perf_counter() - t0
+
+        self._commit_job = self._pool.submit(job)  # one thread, FIFO: after this step's layer writes
+
+    def wait_commit(self) -> None:
+        if self._commit_job is not None:
+            self._commit_job.result()
+            self._commit_job = None
+
+    def pop_busy(self) -> float:
+        with self._lock:
+            busy, self.busy_s = self.busy_s, 0.0
+        return busy
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

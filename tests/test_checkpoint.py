@@ -1,0 +1,157 @@
+"""Checkpoints: exact resume in every mode, verification before use, refusal of hostile or foreign files."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from l2l_cli import checkpoint as ckpt
+from l2l_cli.checkpoint import CheckpointError
+from l2l_cli.train import run_job
+from tests.util import TINY, l2l, tiny_cfg
+
+RUN = [
+    "trainer.max_steps=6",
+    "trainer.save_every=3",
+    "trainer.keep_checkpoints=5",
+    "task.num_train=128",
+    "task.num_eval=16",
+    "model.dropout=0.1",
+]
+
+
+def _weights(step_dir: Path) -> dict:
+    return {
+        f"{f.name}:{k}": v for f in sorted(step_dir.glob("*.safetensors")) for k, v in load_file(f).items()
+    }
+
+
+def _assert_equal_dirs(a: Path, b: Path) -> None:
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys() and len(wa) > 0
+    for k in wa:
+        assert (wa[k] == wb[k]).all(), k  # bitwise: the resumed run is the run that never stopped
+
+
+@pytest.mark.parametrize("mode", ["baseline_ag", "l2l", "l2l_p"])
+def test_resume_is_exact(tmp_path, mode: str) -> None:
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert run_job(tiny_cfg(f"mode={mode}", *RUN), full) == "ok"
+    # a run stopped after step 3 leaves what this copy holds: the step-3 checkpoint and logs up to step 3
+    shutil.copytree(full, cut)
+    shutil.rmtree(cut / "checkpoints" / "step_6")
+    assert run_job(tiny_cfg(f"mode={mode}", *RUN, f"trainer.resume={cut}"), cut) == "ok"
+    _assert_equal_dirs(full / "checkpoints" / "step_6", cut / "checkpoints" / "step_6")
+    summary = json.loads((cut / "summary.json").read_text())
+    assert summary["resumed_from"]["step"] == 3 and summary["steps"] == 6
+    steps = [json.loads(line)["step"] for line in (cut / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_l2l_and_l2l_p_share_a_layout_but_not_with_baselines(tmp_path) -> None:
+    assert run_job(tiny_cfg("mode=l2l", *RUN), tmp_path) == "ok"
+    cfg = tiny_cfg("mode=l2l_p", *RUN, "trainer.max_steps=7", f"trainer.resume={tmp_path}")
+    assert run_job(cfg, tmp_path) == "ok"
+    assert run_job(tiny_cfg("mode=baseline_ag", *RUN, f"trainer.resume={tmp_path}"), tmp_path) == "config"
+    err = json.loads((tmp_path / "summary.json").read_text())["error"]
+    assert "state layout (eps-flat-v1)" in err and "mode=baseline_ag (module-v1)" in err
+    assert (
+        run_job(tiny_cfg("mode=l2l", *RUN, "model.num_layers=4", f"trainer.resume={tmp_path}"), tmp_path)
+        == "config"
+    )
+    assert (
+        "another model shape: num_layers 3 (checkpoint) vs 4 (this run)"
+        in json.loads((tmp_path / "summary.json").read_text())["error"]
+    )
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("saved")
+    assert run_job(tiny_cfg("mode=l2l", *RUN, "trainer.max_steps=3"), run) == "ok"
+    return run
+
+
+def _copy(saved: Path, tmp_path: Path) -> Path:
+    shutil.copytree(saved, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def test_truncated_and_bit_flipped_files_are_refused(saved, tmp_path) -> None:
+    run = _copy(saved, tmp_path)
+    step = run / "checkpoints" / "step_3"
+    ckpt.verify(step)
+    data = bytearray((step / "layer_1.safetensors").read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (step / "layer_1.safetensors").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum differs"):
+        ckpt.verify(step)
+    (step / "layer_1.safetensors").write_bytes(bytes(data[:100]))
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        ckpt.verify(step)
+    r = l2l("train", *TINY, "mode=l2l", "trainer.max_steps=4", f"trainer.resume={run}")
+    assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr
+    assert "has no usable checkpoint" in r.stdout and "checksum differs" in r.stdout
+
+
+def test_incomplete_checkpoint_and_escaping_names_are_refused(saved, tmp_path) -> None:
+    run = _copy(saved, tmp_path)
+    step = run / "checkpoints" / "step_3"
+    manifest = json.loads((step / "manifest.json").read_text())
+    manifest["files"]["../../../etc/passwd"] = {"bytes": 1, "sha256": "0"}
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="must stay inside the checkpoint"):
+        ckpt.verify(step)
+    (step / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="no manifest.json"):
+        ckpt.verify(step)
+
+
+class _Evil:
+    def __reduce__(self):  # unpickling this would create the marker file
+        return (Path.touch, (Path(__file__).parent / ".pwned",))
+
+
+def test_a_pickle_that_would_run_code_is_never_executed(saved, tmp_path) -> None:
+    marker = Path(__file__).parent / ".pwned"
+    marker.unlink(missing_ok=True)
+    payload = pickle.dumps(_Evil())
+    # 1. an attacker rewrites a checkpoint file and its manifest entry consistently
+    run = _copy(saved, tmp_path)
+    step = run / "checkpoints" / "step_3"
+    manifest = json.loads((step / "manifest.json").read_text())
+    manifest["files"]["layer_2.safetensors"] = ckpt.write_bytes(step / "layer_2.safetensors", payload)
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    assert run_job(tiny_cfg("mode=l2l", *RUN, f"trainer.resume={run}"), run) == "config"
+    assert "not a valid safetensors file" in json.loads((run / "summary.json").read_text())["error"]
+    # 2. a "pretrained" model directory whose weights are a malicious pytorch_model.bin
+    evil = tmp_path / "evil_model"
+    evil.mkdir()
+    (evil / "pytorch_model.bin").write_bytes(payload)
+    cfg_json = {
+        "num_hidden_layers": 3,
+        "hidden_size": 32,
+        "num_attention_heads": 2,
+        "intermediate_size": 64,
+        "vocab_size": 512,
+    }
+    (evil / "config.json").write_text(json.dumps(cfg_json))
+    out = tmp_path / "out"
+    assert run_job(tiny_cfg("mode=l2l", f"model.pretrained={evil}", "trainer.max_steps=1"), out) == "config"
+    assert "pytorch_model.bin: refused" in json.loads((out / "summary.json").read_text())["error"]
+    assert not marker.exists()
+
+
+def test_resume_latest_finds_the_newest_run(tmp_path) -> None:
+    outputs = tmp_path / "outputs" / "2026-01-01"
+    for name in ("a", "b"):
+        assert run_job(tiny_cfg("mode=l2l", *RUN, "trainer.max_steps=3"), outputs / name) == "ok"
+    assert ckpt.find_latest_run(tmp_path / "outputs") == outputs / "b"
+    r = l2l("train", *TINY, "mode=l2l", *RUN, "trainer.resume=latest", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((outputs / "b" / "summary.json").read_text())["resumed_from"]["step"] == 3

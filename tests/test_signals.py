@@ -1,0 +1,121 @@
+"""Runs that survive: signals stop at a step boundary and save; SIGKILL loses at most the step in flight
+with real-time checkpoints; non-finite steps are skipped, then stop the run with a clear error."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from l2l_cli import checkpoint as ckpt
+from l2l_cli.train import run_job
+from tests.util import REPO, TINY, l2l, tiny_cfg
+
+LONG = [*TINY, "trainer.max_steps=100000", "task.num_train=256", "task.num_eval=16"]
+
+
+def _start(run: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "l2l_cli", "train", *LONG, *args, f"hydra.run.dir={run}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+
+
+def _logged_steps(run: Path) -> list[int]:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def _wait_steps(run: Path, n: int, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while len(_logged_steps(run)) < n:
+        assert time.time() < deadline, "the run did not get going"
+        time.sleep(0.2)
+
+
+def test_sigterm_stops_at_a_step_boundary_saves_and_says_how_to_resume(tmp_path) -> None:
+    proc = _start(tmp_path, "mode=l2l")
+    _wait_steps(tmp_path, 3)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    stopped = (
+        summary["steps"] if summary["steps"] else int(summary["error"].split("after step ")[1].split(";")[0])
+    )
+    assert summary["status"] == "interrupted" and "stopped by SIGTERM after step" in summary["error"]
+    assert f"trainer.resume={tmp_path}" in out and "Traceback" not in out + err
+    path, manifest = ckpt.latest_valid(tmp_path)
+    assert manifest["step"] == stopped == _logged_steps(tmp_path)[-1]
+    r = l2l("train", *TINY, "mode=l2l", f"trainer.max_steps={stopped + 2}", "task.num_train=256", "task.num_eval=16",
+            f"trainer.resume={tmp_path}")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert _logged_steps(tmp_path) == list(range(1, stopped + 3))
+
+
+def test_a_second_signal_exits_at_once(tmp_path) -> None:
+    proc = _start(tmp_path, "mode=baseline_ag", "model.num_layers=24", "model.hidden_size=256", "model.num_heads=4",
+                  "model.intermediate_size=1024")  # fmt: skip
+    _wait_steps(tmp_path, 1)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGINT
+    assert "second signal (SIGINT): exiting now" in out
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_sigkill_at_a_random_moment_loses_at_most_the_step_in_flight(tmp_path, trial: int) -> None:
+    mode = ["l2l", "l2l_p", "l2l_stash_cpu"][trial]
+    proc = _start(tmp_path, f"mode={mode}", "trainer.realtime_ckpt=true", "trainer.save_every=4")
+    _wait_steps(tmp_path, 2)
+    time.sleep(random.Random(trial).uniform(0.0, 3.0))
+    proc.kill()
+    proc.communicate(timeout=30)
+    done = _logged_steps(tmp_path)[-1]
+    path, manifest = ckpt.latest_valid(tmp_path)  # the latest checkpoint always loads
+    assert manifest["step"] >= done - 1, (manifest["step"], done)
+    cfg = tiny_cfg(f"mode={mode}", f"trainer.max_steps={manifest['step'] + 2}", "task.num_train=256",
+                   "task.num_eval=16", f"trainer.resume={tmp_path}")  # fmt: skip
+    assert run_job(cfg, tmp_path) == "ok"  # and training continues from it
+
+
+def test_sigkill_without_realtime_resumes_from_the_last_full_checkpoint(tmp_path) -> None:
+    proc = _start(tmp_path, "mode=baseline_ag", "trainer.save_every=2")
+    _wait_steps(tmp_path, 5)
+    proc.kill()
+    proc.communicate(timeout=30)
+    path, manifest = ckpt.latest_valid(tmp_path)
+    assert manifest["step"] >= 4 and manifest["step"] % 2 == 0
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*/manifest.json"))
+
+
+def test_non_finite_steps_are_skipped_then_stop_with_the_step(tmp_path) -> None:
+    cfg = tiny_cfg("mode=l2l", "optim.lr=1e30", "optim.warmup_ratio=0", "trainer.max_steps=50", "trainer.max_bad_steps=3",
+                   "task.num_train=256", "task.num_eval=16")  # fmt: skip
+    assert run_job(cfg, tmp_path) == "error"
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (
+        "non-finite loss or gradients at step" in summary["error"]
+        and "3 steps in a row skipped" in summary["error"]
+    )
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped"] for r in rows[-3:]] == [True, True, True]
+
+
+def test_cmp_overflow_skips_are_counted_not_fatal(tmp_path) -> None:
+    cfg = tiny_cfg("mode=l2l", "precision=cmp", "precision.init_scale=1e38", "precision.dtype=bf16",
+                   "trainer.max_steps=8", "trainer.max_bad_steps=2", "task.num_train=256", "task.num_eval=16")  # fmt: skip
+    assert run_job(cfg, tmp_path) == "ok"
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["skipped_steps"] >= 1 and summary["status"] == "ok"
