@@ -54,7 +54,7 @@ def test_sigterm_stops_at_a_step_boundary_saves_and_says_how_to_resume(tmp_path)
     )
     assert summary["status"] == "interrupted" and "stopped by SIGTERM after step" in summary["error"]
     assert f"trainer.resume={tmp_path}" in out and "Traceback" not in out + err
-    path, manifest = ckpt.latest_valid(tmp_path)
+    _, manifest = ckpt.latest_valid(tmp_path)
     assert manifest["step"] == stopped == _logged_steps(tmp_path)[-1]
     r = l2l("train", *TINY, "mode=l2l", f"trainer.max_steps={stopped + 2}", "task.num_train=256", "task.num_eval=16",
             f"trainer.resume={tmp_path}")  # fmt: skip
@@ -83,7 +83,7 @@ def test_sigkill_at_a_random_moment_loses_at_most_the_step_in_flight(tmp_path, t
     proc.kill()
     proc.communicate(timeout=30)
     done = _logged_steps(tmp_path)[-1]
-    path, manifest = ckpt.latest_valid(tmp_path)  # the latest checkpoint always loads
+    _, manifest = ckpt.latest_valid(tmp_path)  # the latest checkpoint always loads
     assert manifest["step"] >= done - 1, (manifest["step"], done)
     cfg = tiny_cfg(f"mode={mode}", f"trainer.max_steps={manifest['step'] + 2}", "task.num_train=256",
                    "task.num_eval=16", f"trainer.resume={tmp_path}")  # fmt: skip
@@ -95,7 +95,7 @@ def test_sigkill_without_realtime_resumes_from_the_last_full_checkpoint(tmp_path
     _wait_steps(tmp_path, 5)
     proc.kill()
     proc.communicate(timeout=30)
-    path, manifest = ckpt.latest_valid(tmp_path)
+    _, manifest = ckpt.latest_valid(tmp_path)
     assert manifest["step"] >= 4 and manifest["step"] % 2 == 0
     assert not list((tmp_path / "checkpoints").glob(".tmp-*/manifest.json"))
 
