@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.util import TINY, l2l
+from tests.util import REPO, TINY, l2l
 
 METRICS_KEYS = {"step", "loss", "lr", "samples_per_s", "step_time_s", "device_peak_bytes"}
 SUMMARY_KEYS = {"status", "steps", "samples_per_s", "device_peak_bytes", "time_breakdown_s", "eval", "params"}
@@ -115,3 +115,33 @@ def test_readme_default_run_learns(tmp_path) -> None:
     r = l2l("train", f"hydra.run.dir={tmp_path}", timeout=600)
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "summary.json").read_text())["eval"]["accuracy"] > 0.9
+
+
+def test_installed_wheel_finds_its_config(tmp_path) -> None:
+    """A non-editable install carries conf/ and recipes/ inside the package."""
+    import subprocess
+    import sys
+
+    wheel_dir, site = tmp_path / "wheel", tmp_path / "site"
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheel_dir), str(REPO)],
+                       capture_output=True, text=True)  # fmt: skip
+    if r.returncode != 0:
+        pytest.skip(f"cannot build a wheel here: {r.stderr[-300:]}")
+    (wheel,) = wheel_dir.glob("l2l-*.whl")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+        check=True,
+    )
+    assert (site / "l2l_cli" / "conf" / "config.yaml").is_file() and (site / "l2l_cli" / "recipes").is_dir()
+    env = {"PYTHONPATH": str(site)}
+    code = "import l2l_cli.paths as p; print(p.conf_dir())"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**__import__("os").environ, **env},
+    )
+    assert out.stdout.strip() == str(site / "l2l_cli" / "conf")
+    r = l2l("train", "--help", cwd=tmp_path, env=env)
+    assert r.returncode == 0 and "mode: baseline, baseline_ag, l2l" in r.stdout

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -119,3 +120,28 @@ def test_killing_one_rank_ends_the_job_with_a_clear_error(tmp_path) -> None:
     assert "rank 1 failed (killed by signal 9)" in err
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "error" and "rank 1 failed" in summary["error"]
+
+
+def test_two_rank_resume_is_exact(tmp_path) -> None:
+    args = ["mode=l2l", "dist.nproc=2", "batch.size=4", *DP[:-1], "trainer.max_steps=4", "trainer.save_every=2",
+            "trainer.keep_checkpoints=3"]  # fmt: skip
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    r = subprocess.run(
+        [sys.executable, "-m", "l2l_cli", "train", *args, f"hydra.run.dir={full}"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    shutil.copytree(full, cut)
+    shutil.rmtree(cut / "checkpoints" / "step_4")
+    r = subprocess.run(
+        [sys.executable, "-m", "l2l_cli", "train", *args, f"trainer.resume={cut}"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    for f in (full / "checkpoints" / "step_4").glob("layer_*.safetensors"):
+        a, b = load_file(f), load_file(cut / "checkpoints" / "step_4" / f.name)
+        assert all(torch.equal(a[k], b[k]) for k in a), f.name

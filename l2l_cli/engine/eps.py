@@ -123,6 +123,8 @@ class EagerParamServer:
         self._updated: list[int] = []
         self._norms: dict[int, torch.Tensor] = {}
         self.realtime: Any = None  # checkpoint.RealtimeWriter: saves each layer right after its update
+        self.eager_reduce = cfg.dist.eager_reduce
+        self._deferred: list[int] = []
         self.layouts = {k: FlatLayout(new_layer(spec, k, "meta")) for k in (PRE, BLOCK, POST)}
         self.layers: list[LayerState] = []
         with acc.meter.paused():  # host tier
@@ -165,8 +167,12 @@ class EagerParamServer:
 
     def reduce_async(self, i: int) -> None:
         """Layer i's gradient is on its way to the host: reduce it in the background (L2L: the update
-        waits for the whole step; the reduction overlaps the backward of the layers below)."""
-        self._jobs.append(self._worker.submit(self._timed, self._reduce, i))
+        waits for the whole step; the reduction overlaps the backward of the layers below). With
+        ``dist.eager_reduce=false`` the reductions wait until the backward is over (for comparison)."""
+        if self.eager_reduce:
+            self._jobs.append(self._worker.submit(self._timed, self._reduce, i))
+        else:
+            self._deferred.append(i)
 
     def wait_background(self) -> None:
         jobs, self._jobs = self._jobs, []
@@ -189,7 +195,10 @@ class EagerParamServer:
     ) -> tuple[bool, float]:
         """Alg. 3's update: once every layer's gradient is reduced, skip the step on a non-finite one,
         clip (globally or per layer), update every layer."""
-        with timer("transfer"):
+        for i in self._deferred:
+            self._jobs.append(self._worker.submit(self._timed, self._reduce, i))
+        self._deferred = []
+        with timer("reduce" if self.dist.enabled else "transfer"):  # the reductions not hidden by backward
             self.wait_background()
         with timer("optimizer"), self.acc.meter.paused():
             norms = self.grad_norms(scaler)

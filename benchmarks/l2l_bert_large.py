@@ -1,0 +1,92 @@
+"""Issue 3's benchmark: L2L on BERT-Large-shaped layers (hidden 1024, 16 heads, intermediate 4096), seq 128,
+8 layers, on this CPU, one run. Prints throughput and device-tier peak per config and the ratios against
+the targets. Usage: python benchmarks/l2l_bert_large.py [--steps 3]
+
+Targets: l2l >= 0.75x baseline_ag at the same ubatch (recompute costs one forward); l2l at ubatch 16 faster
+than baseline_ag at ubatch 2; CMP >= 2x FP32 l2l (bf16 matmuls are ~4x here); the EPS's host optimizer step
+within 1.5x of torch's fused AdamW on the same parameter count.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from harness import BERT_LARGE_8, gib, measure, timeit
+
+from l2l_cli.compose import compose
+from l2l_cli.engine.device import make_accelerator
+from l2l_cli.engine.eps import EagerParamServer
+from l2l_cli.engine.precision import LossScaler
+from l2l_cli.models.bert import ModelSpec
+from l2l_cli.profiling.timers import PhaseTimer
+
+CONFIGS = {
+    "baseline_ag fp32 ub2": ["mode=baseline_ag", "batch.ubatch_size=2"],
+    "l2l fp32 ub2": ["mode=l2l", "batch.ubatch_size=2"],
+    "l2l fp32 ub16": ["mode=l2l", "batch.ubatch_size=16"],
+    "l2l stash=cpu fp32 ub16": ["mode=l2l_stash_cpu", "batch.ubatch_size=16"],
+    "l2l cmp(bf16) ub16": ["mode=l2l", "precision=cmp", "batch.ubatch_size=16"],
+    "baseline_ag amp(bf16) ub16": ["mode=baseline_ag", "precision=amp", "batch.ubatch_size=16"],
+}
+
+
+def optimizer_ratio() -> tuple[float, float, int]:
+    """Seconds of one EPS update (every layer) vs torch's fused AdamW on one tensor of the same size."""
+    cfg = compose([*BERT_LARGE_8, "mode=l2l"])
+    acc = make_accelerator(cfg)
+    eps = EagerParamServer(ModelSpec.from_config(cfg.model, 2), cfg, acc, torch.float32, seed=0)
+    for st in eps.layers:
+        st.g.normal_()
+    n = sum(st.w.numel() for st in eps.layers)
+    eps_s = timeit(lambda: eps.step(1e-4, LossScaler(), "none", 1.0, PhaseTimer()))
+    p = torch.nn.Parameter(torch.randn(n))
+    p.grad = torch.randn(n)
+    ref = torch.optim.AdamW([p], lr=1e-4, fused=True)
+    ref_s = timeit(ref.step)
+    eps.close()
+    return eps_s, ref_s, n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=3, help="steps per config (the first is a warm-up)")
+    ap.add_argument("--batch", type=int, default=32)
+    args = ap.parse_args()
+    res = {}
+    print(f"{'config':30s} {'samples/s':>10s} {'step s':>8s} {'device peak':>12s}")
+    for name, ov in CONFIGS.items():
+        r = res[name] = measure([*BERT_LARGE_8, f"batch.size={args.batch}", *ov], steps=args.steps)
+        print(
+            f"{name:30s} {r['samples_per_s']:10.2f} {r['step_time_s']:8.2f} {gib(r['peak_bytes']):>12s}",
+            flush=True,
+        )
+    t = {k: v["samples_per_s"] for k, v in res.items()}
+    eps_s, ref_s, n = optimizer_ratio()
+    print()
+    checks = [
+        ("l2l / baseline_ag at ubatch 2", t["l2l fp32 ub2"] / t["baseline_ag fp32 ub2"], ">= 0.75"),
+        ("l2l ub16 / baseline_ag ub2", t["l2l fp32 ub16"] / t["baseline_ag fp32 ub2"], "> 1"),
+        ("cmp / fp32 l2l (ub16)", t["l2l cmp(bf16) ub16"] / t["l2l fp32 ub16"], ">= 2"),
+        (
+            "cmp l2l / amp baseline_ag (ub16)",
+            t["l2l cmp(bf16) ub16"] / t["baseline_ag amp(bf16) ub16"],
+            "(paper: 2x)",
+        ),
+        ("stash cpu / stash device (ub16)", t["l2l stash=cpu fp32 ub16"] / t["l2l fp32 ub16"], "(~1)"),
+        (f"EPS update / fused AdamW ({n / 1e6:.0f}M params)", eps_s / ref_s, "<= 1.5"),
+    ]
+    for label, ratio, target in checks:
+        print(f"{label:45s} {ratio:6.2f}   target {target}")
+    peaks = {k: v["peak_bytes"] for k, v in res.items()}
+    print(
+        f"\ndevice peak: baseline_ag {gib(peaks['baseline_ag fp32 ub2'])}, l2l ub16 {gib(peaks['l2l fp32 ub16'])}, "
+        f"stash=cpu {gib(peaks['l2l stash=cpu fp32 ub16'])}, cmp {gib(peaks['l2l cmp(bf16) ub16'])}"
+    )
+    print(
+        f"EPS update {eps_s * 1e3:.0f} ms vs fused AdamW {ref_s * 1e3:.0f} ms; threads {torch.get_num_threads()}"
+    )
+
+
+if __name__ == "__main__":
+    main()
