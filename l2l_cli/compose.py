@@ -30,6 +30,16 @@ MAX_SWEEP_JOBS = 512
 _registered = False
 
 
+def pick(key: Any, choices: dict[str, Any]) -> Any:
+    """``${l2l.pick:KEY,{a: 1, b: 2}}``: the value of ``choices`` for KEY. Recipes use it to choose a size by
+    the root ``scale`` key (``${l2l.pick:${scale},{cpu: 4, paper: 24}}``, also in ``hydra.sweeper.params``)
+    and to tie a value to a swept one (``${l2l.pick:${mode.name},{baseline_ag: 2, l2l: 64}}``), which
+    Hydra's sweeper, a cartesian product, cannot express."""
+    if str(key) not in choices:
+        raise ValueError(f"l2l.pick: got {key!r}; allowed: {', '.join(map(str, choices))}")
+    return choices[str(key)]
+
+
 def setup() -> None:
     """Register the schema, resolvers and recipes with Hydra (once per process)."""
     global _registered
@@ -38,6 +48,7 @@ def setup() -> None:
     register()
     OmegaConf.register_new_resolver("l2l.mul", lambda *a: math.prod(int(x) for x in a), replace=True)
     OmegaConf.register_new_resolver("l2l.div", lambda a, b: int(a) // int(b), replace=True)
+    OmegaConf.register_new_resolver("l2l.pick", pick, replace=True)
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
@@ -130,6 +141,9 @@ def check_overrides(overrides: list[str]) -> tuple[list[Problem], list[Override]
                     problems.append(Problem(key, f"unknown option {v!r}; allowed: {', '.join(allowed)}"))
             continue
         known, _ = _schema_node(key)
+        if not key:
+            problems.append(Problem(ov.input_line, "an override needs a key: key=value or group=option"))
+            continue
         if not known:
             problems.append(_unknown_key(key))
             continue
@@ -184,6 +198,11 @@ def _extra_keys(cfg: DictConfig) -> list[Problem]:
     return out
 
 
+def _resolution_problem(e: OmegaConfBaseException) -> Problem:
+    msg = str(e).splitlines()[0].removeprefix("ValueError raised while resolving interpolation: ")
+    return Problem(getattr(e, "full_key", None) or "config", msg)
+
+
 def preflight(overrides: list[str], multirun: bool, warn: list[str] | None = None) -> list[Problem]:
     """All problems with an ``l2l train`` command line (empty: safe to start).
 
@@ -203,23 +222,29 @@ def preflight(overrides: list[str], multirun: bool, warn: list[str] | None = Non
         base = compose(plain, hydra=True)
     except Exception as e:
         return [Problem("config", str(e).splitlines()[0])]
-    sweeper = OmegaConf.select(base, "hydra.sweeper.params") or {}
+    try:  # a recipe's sweep may be computed (``${l2l.pick:...}``): resolve it here, not in Hydra
+        sweeper = dict(OmegaConf.select(base, "hydra.sweeper.params") or {})
+    except OmegaConfBaseException as e:
+        return [_resolution_problem(e)]
     multirun = multirun or str(OmegaConf.select(base, "hydra.mode")) == "RunMode.MULTIRUN"
     sweeps = [ov for ov in parsed if ov.is_sweep_override()]
     if sweeps and not multirun:
         keys = ", ".join(ov.key_or_group for ov in sweeps)
         return [Problem(keys, "a list of values is a sweep; add -m (--multirun) to run one job per value")]
-    jobs = list(itertools.islice(_sweep_jobs(parsed, dict(sweeper) if multirun else {}), MAX_SWEEP_JOBS + 1))
+    jobs = list(itertools.islice(_sweep_jobs(parsed, sweeper if multirun else {}), MAX_SWEEP_JOBS + 1))
     if len(jobs) > MAX_SWEEP_JOBS:
         return [Problem("sweep", f"more than {MAX_SWEEP_JOBS} jobs; split the sweep")]
     failing: list[tuple[list[str], list[Problem]]] = []
     for job in jobs:
         try:
-            cfg = compose(job)
+            cfg = base if job == plain else compose(job)  # a single job: the config composed above
         except Exception as e:
             found = [Problem("config", f"{str(e).splitlines()[0]}")]
         else:
-            found = _extra_keys(cfg) + validate(cfg)
+            try:
+                found = _extra_keys(cfg) + validate(cfg)
+            except OmegaConfBaseException as e:  # an interpolation that cannot resolve for this job
+                found = [_resolution_problem(e)]
         if found:
             failing.append((job, found))
     if len(jobs) == 1 or len(failing) == len(jobs):

@@ -8,6 +8,7 @@ at once, each naming the key and what is allowed, before any work starts.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ CLIP = ("auto", "global", "layer", "none")
 DEVICES = ("auto", "cpu", "cuda", "sim")
 PROGRESS = ("auto", "rich", "plain", "none")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
+SCALES = ("cpu", "paper")
 
 
 @dataclass
@@ -132,7 +134,8 @@ class SimConfig:
 class DistConfig:
     nproc: int = 1
     backend: str = "auto"  # auto = nccl on CUDA, gloo otherwise
-    timeout_s: float = 120.0  # a collective that waits longer ends the job
+    timeout_s: float = 600.0  # a collective that waits longer ends the job (a dead rank ends it at once)
+    eager_reduce: bool = True  # L2L: reduce each layer's gradient as it lands (false: all after backward)
 
 
 @dataclass
@@ -194,6 +197,7 @@ class L2LConfig:
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     device: str = "auto"
+    scale: str = "cpu"  # recipes/: cpu (minutes on a small CPU) | paper (the papers' sizes); see l2l.pick
 
 
 def register() -> None:
@@ -232,6 +236,40 @@ def _at_least(problems: list[Problem], key: str, value: Any, lo: float, what: st
         problems.append(Problem(key, f"got {value!r}; must be >= {lo}{what}"))
 
 
+# Sizes beyond these are typos, not models: refuse them before a run tries to allocate them.
+LIMITS = {
+    "model.num_layers": 100_000, "model.hidden_size": 65_536, "model.num_heads": 4_096,
+    "model.intermediate_size": 1_048_576, "model.vocab_size": 10_000_000, "model.seq_len": 1_048_576,
+    "model.type_vocab_size": 1_024, "task.max_seq_len": 1_048_576, "batch.size": 1_048_576,
+    "batch.ubatch_size": 1_048_576, "dist.nproc": 4_096, "trainer.epochs": 1_000_000,
+}  # fmt: skip
+
+
+def _limits(problems: list[Problem], cfg: Any) -> None:
+    for key, hi in LIMITS.items():
+        value = OmegaConf.select(cfg, key) if isinstance(cfg, DictConfig) else _select(cfg, key)
+        if isinstance(value, int) and value > hi:
+            problems.append(Problem(key, f"got {value}; must be <= {hi}"))
+
+
+def _select(cfg: Any, key: str) -> Any:
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _finite(problems: list[Problem], cfg: Any, prefix: str = "") -> None:
+    """Every float in the config is a real number (nan and inf pass most range checks silently)."""
+    items = cfg.items() if isinstance(cfg, DictConfig) else vars(cfg).items()
+    for k, v in items:
+        if k == "hydra" and not prefix:  # Hydra's own node, when composed with it
+            continue
+        if isinstance(v, DictConfig) or hasattr(v, "__dataclass_fields__"):
+            _finite(problems, v, f"{prefix}{k}.")
+        elif isinstance(v, float) and not math.isfinite(v):
+            problems.append(Problem(f"{prefix}{k}", f"got {v}; must be a finite number"))
+
+
 def _divisors(n: int) -> str:
     ds = [d for d in range(1, n + 1) if n % d == 0]
     return ", ".join(map(str, ds[:12])) + (", ..." if len(ds) > 12 else "")
@@ -247,6 +285,8 @@ def effective_clip(cfg: Any) -> str:
 def validate(cfg: Any, *, check_files: bool = True) -> list[Problem]:
     """Cross-field rules of the composed config. Returns every problem found (empty when valid)."""
     p: list[Problem] = []
+    _finite(p, cfg)
+    _limits(p, cfg)
     m, mode, prec, task, opt, b, tr = (
         cfg.model,
         cfg.mode,
@@ -412,6 +452,7 @@ def validate(cfg: Any, *, check_files: bool = True) -> list[Problem]:
 
     # device
     _one_of(p, "device", cfg.device, DEVICES)
+    _one_of(p, "scale", cfg.scale, SCALES)
     if cfg.device == "cuda":
         import torch
 

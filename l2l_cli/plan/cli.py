@@ -1,0 +1,122 @@
+"""``l2l plan [overrides] [--json] [--compare RUN_DIR]``: the analytic memory and time model for a config.
+
+Takes the same overrides as ``l2l train`` and rejects bad ones the same way (``l2l: config error: ...``
+on stderr, exit 2). A config that does not fit is an answer, not an error: the verdict says so and why
+(exit 0; ``fits`` is false in ``--json``). Exit 2 for bad input, including a ``hardware=measure`` that
+cannot time one layer on this machine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from l2l_cli.plan import PlanError
+
+USAGE = """\
+usage: l2l plan [group=option] [key=value ...] [--json] [--compare RUN_DIR]
+
+  Parameter count, memory per tier (device / host), step time by phase, samples/s, the recommended
+  #ubatches and ubatch size, every mode side by side, and the layered-GA 3d-parallel view, for the
+  config `l2l train` would compose from the same overrides.
+
+  --json              print the plan as one JSON object on stdout
+  --compare RUN_DIR   predicted vs measured per phase for a finished run (its overrides, then these)
+
+examples:
+  l2l plan model=bert-large batch.size=64 batch.ubatch_size=4 task.max_seq_len=512
+  l2l plan model=x model.x=64 hardware=a100-80g plan.tensor_parallel=16 plan.data_parallel=64
+  l2l plan mode=l2l hardware=measure --json
+  l2l plan --compare outputs/2026-01-01/12-00-00-l2l-synthetic hardware=measure
+"""
+
+
+def _fail(lines: list[str]) -> int:
+    for line in lines:
+        print(f"l2l: {line}", file=sys.stderr)
+    return 2
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+def parse(argv: list[str]) -> tuple[dict[str, Any], list[str], list[str]]:
+    """(flags, overrides, errors)."""
+    flags: dict[str, Any] = {"json": False, "compare": None, "help": False}
+    overrides, errors = [], []
+    it = iter(argv)
+    for a in it:
+        if a in ("-h", "--help"):
+            flags["help"] = True
+        elif a == "--json":
+            flags["json"] = True
+        elif a == "--compare" or a.startswith("--compare="):
+            value = a.split("=", 1)[1] if "=" in a else next(it, None)
+            if not value:
+                errors.append("--compare needs a run directory")
+            flags["compare"] = value
+        elif a.startswith("-"):
+            errors.append(f"unknown option {a}; allowed: --json, --compare RUN_DIR, --help")
+        else:
+            overrides.append(a)
+    return flags, overrides, errors
+
+
+def main(argv: list[str]) -> int:
+    flags, overrides, errors = parse(argv)
+    if flags["help"]:
+        print(USAGE, end="")
+        return 0
+    if errors:
+        return _fail(errors)
+    from l2l_cli.compose import check_overrides, compose, preflight
+
+    run_dir = Path(flags["compare"]).expanduser() if flags["compare"] else None
+    if run_dir is not None:
+        from l2l_cli.plan.compare import run_overrides
+
+        base, problems = run_overrides(run_dir)
+        if problems:
+            return _fail([f"config error: {p}" for p in problems])
+        overrides = base + overrides
+    _, parsed = check_overrides(overrides)
+    sweeps = [ov.key_or_group for ov in parsed if ov.is_sweep_override()]
+    if sweeps:
+        return _fail([f"config error: {', '.join(sweeps)}: l2l plan takes one config; give one value"])
+    problems = preflight(overrides, multirun=False)
+    if problems:
+        return _fail([f"config error: {p}" for p in problems])
+    cfg = compose(overrides)
+    from l2l_cli.plan.planner import make_plan
+
+    try:
+        plan = make_plan(cfg)
+    except PlanError as e:
+        return _fail([f"plan error: {e}"])
+    out: dict[str, Any] = plan
+    if run_dir is not None:
+        from l2l_cli.plan.compare import predicted_vs_measured
+
+        out = {**plan, "compare": predicted_vs_measured(run_dir, plan)}
+    if flags["json"]:
+        print(json.dumps(_jsonable(out)))
+        return 0
+    from rich.console import Console
+
+    from l2l_cli.plan.render import render, render_compare
+
+    console = Console(highlight=False)
+    render(plan, console)
+    if run_dir is not None:
+        render_compare(out["compare"], console)
+    return 0

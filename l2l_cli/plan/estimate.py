@@ -1,0 +1,392 @@
+"""The plan for one config: memory per tier, step time by phase, and the recommendation.
+
+The step-time model is the papers' (l2l-v1 eqs. 5-7, l2l-v2 eq. 4) applied layer by layer to the
+schedule the runners execute: the embeddings and the head are layers too, a copy hides only behind the
+compute it overlaps (the relay's prefetch window, the other link direction), and the L2L-p update of
+layer l+1 hides behind the recompute + backward of layer l, except the trailing one. The papers' closed
+forms are reported beside it (``equations``) for the same inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from l2l_cli.plan import costmodel as cm
+from l2l_cli.plan.hardware import Rates, fmt_bytes
+from l2l_cli.plan.shapes import ModelShape, device_weight_bytes
+
+PHASES = ("forward", "backward", "recompute", "optimizer", "transfer", "reduce")
+FP32_STATE = 16  # bytes per parameter: FP32 weights, gradients, and the two Adam/LAMB moments
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The config's execution knobs."""
+
+    mode: str
+    stash: str | None
+    prefetch: bool
+    precision: str
+    seq: int
+    batch: int
+    ubatch: int
+    nproc: int = 1
+
+    @classmethod
+    def from_cfg(cls, cfg: Any) -> Setup:
+        return cls(
+            cfg.mode.name, cfg.mode.stash, bool(cfg.mode.prefetch), cfg.precision.name, cfg.task.max_seq_len,
+            cfg.batch.size, cfg.batch.ubatch_size, cfg.dist.nproc,
+        )  # fmt: skip
+
+    @property
+    def num_ubatches(self) -> int:
+        return max(1, self.batch // self.ubatch)
+
+    @property
+    def l2l(self) -> bool:
+        return self.mode in ("l2l", "l2l_p")
+
+    @property
+    def label(self) -> str:
+        name = {"baseline": "baseline", "baseline_ag": "baseline-ag", "l2l": "l2l", "l2l_p": "l2l-p"}[
+            self.mode
+        ]
+        return name + ("-stash-cpu" if self.stash == "cpu" else "")
+
+    def but(self, **kw: Any) -> Setup:
+        return replace(self, **kw)
+
+
+# --------------------------------------------------------------------------------------------------
+# Memory
+
+
+def memory(shape: ModelShape, s: Setup) -> dict[str, dict[str, float]]:
+    """Device and host bytes by part, at the step's peak. The parts follow the layered-GA breakdown:
+    training state, activation stash (checkpoints), parameter + gradient buffers, working activations."""
+    P, N = shape.total_params, shape.num_layers
+    ub, mb = s.ubatch, s.batch
+    A = shape.output_bytes(s.seq, s.precision)
+    working = shape.block_working_bytes(s.seq, s.precision)
+    saved = shape.block_saved_bytes(s.seq, s.precision)
+    pre = shape.pre_saved_bytes(s.seq, s.precision)
+    dev: dict[str, float] = {}
+    host: dict[str, float] = {}
+    if not s.l2l:
+        # l2l-v1 eq. 1: the whole training state on the device, every layer's activations for one ubatch
+        dev["training_state"] = FP32_STATE * P
+        if s.precision == "amp":  # autocast's half copies of the weights, cached through the step
+            dev["param_grad_buffers"] = 2.0 * (shape.blocks_params + shape.post_params)
+        dev["working_activations"] = ub * (N * saved + pre + (working - saved))
+    else:
+        # l2l-v1 eqs. 2-4: relay slots (weights + gradient of the largest layer; a second slot to prefetch)
+        slots = 2 if s.prefetch else 1
+        dev["param_grad_buffers"] = 2.0 * slots * shape.max_layer_params * device_weight_bytes(s.precision)
+        if s.stash == "cpu":
+            dev["stash"] = 2.0 * ub * A  # the micro-batch being recomputed and the next one, prefetched
+            host["stash"] = N * mb * A
+        else:
+            dev["stash"] = N * mb * A
+        # one layer's working set for one micro-batch, plus every micro-batch's layer output / gradient
+        dev["working_activations"] = ub * working + mb * A
+        host["training_state"] = FP32_STATE * P
+        if s.mode == "l2l_p":
+            host["undo_copies"] = 12.0 * P  # weights and moments before the early update (skip on overflow)
+        if s.precision == "cmp":
+            host["send_copy"] = 2.0 * P  # the half copy the relay sends
+    return {"device": dev, "host": host}
+
+
+# --------------------------------------------------------------------------------------------------
+# Step time
+
+
+@dataclass
+class Phase:
+    exposed: float = 0.0
+    hidden: float = 0.0
+
+    def add(self, total: float, exposed: float) -> None:
+        """``total`` seconds of work of which ``exposed`` lengthen the step (more than ``total`` when
+        the work also slows what it overlaps: L2L-p's update on cores shared with compute)."""
+        exposed = max(exposed, 0.0)
+        self.exposed += exposed
+        self.hidden += max(total - exposed, 0.0)
+
+
+def step_time(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Phase]:
+    """Seconds per optimizer step by phase: ``exposed`` is on the critical path, ``hidden`` overlapped."""
+    ph = {p: Phase() for p in PHASES}
+    N, u = shape.num_layers, s.num_ubatches
+    lt = rates.layer_times(shape, s.seq, s.ubatch)
+    P = shape.total_params
+    # forward: pre, blocks, post (the head's forward runs with autograd, at the turn in L2L)
+    if not s.l2l:
+        # l2l-v1 eq. 5: N·u·(Ft + Bt) + Ot
+        fwd = u * (lt.pre_fwd_grad + N * lt.block_fwd_grad + lt.post_fwd_grad)
+        bwd = u * (lt.pre_bwd + N * lt.block_bwd + lt.post_bwd)
+        ph["forward"].add(fwd, fwd)
+        ph["backward"].add(bwd, bwd)
+        t = rates.device_update_time(P)
+        ph["optimizer"].add(t, t)
+        _reduce(ph, s, rates, P, hide=bwd / u)
+        return ph
+
+    # l2l-v1 eqs. 6 / 7, per layer: forward, then recompute + backward, relayed from the EPS
+    fwd_c = [u * lt.pre_fwd] + [u * lt.block_fwd] * N + [u * lt.post_fwd_grad]
+    rec_c = [u * lt.pre_fwd_grad] + [u * lt.block_fwd_grad] * N + [0.0]
+    bwd_c = [u * lt.pre_bwd] + [u * lt.block_bwd] * N + [u * lt.post_bwd]
+    for name, c in (("forward", fwd_c), ("recompute", rec_c), ("backward", bwd_c)):
+        ph[name].add(sum(c), sum(c))
+    win_b = [r + b for r, b in zip(rec_c, bwd_c)]
+    e = device_weight_bytes(s.precision)
+    params = [shape.pre_params] + [shape.block_params] * N + [shape.post_params]
+    load = [rates.copy_time(p * e) for p in params]
+    stash = [0.0] + [rates.copy_time(s.batch * shape.output_bytes(s.seq, s.precision))] * N + [0.0]
+    if s.stash != "cpu":
+        stash = [0.0] * len(params)
+    _transfer(ph["transfer"], s, rates, fwd_c, win_b, load, stash)
+
+    t_upd = [rates.host_update_time(p) for p in params]
+    if s.mode == "l2l_p":
+        # l2l-v1 eq. 7: the update of layer l+1 runs on the host during layer l's recompute + backward;
+        # the last layer's (the embeddings') update trails the step. When the host shares the device's
+        # cores, what an overlapped update costs was measured (its exposed part may exceed its own time).
+        cost = rates.measured.overlap_cost if rates.measured is not None else None
+        for j in range(len(params) - 1, 0, -1):
+            if rates.host_shares_device:
+                ph["optimizer"].add(t_upd[j], (1.0 if cost is None else cost) * t_upd[j])
+            else:
+                ph["optimizer"].add(t_upd[j], t_upd[j] - win_b[j - 1])
+        ph["optimizer"].add(t_upd[0], t_upd[0])
+    else:
+        ph["optimizer"].add(sum(t_upd), sum(t_upd))
+    _reduce(ph, s, rates, P, hide=0.0 if rates.host_shares_device else sum(win_b))
+    return ph
+
+
+def _transfer(
+    out: Phase, s: Setup, rates: Rates, fwd: list[float], win_b: list[float], load: list[float],
+    stash: list[float],
+) -> None:  # fmt: skip
+    """Layer loads (h2d), gradients (d2h) and the CPU stash (d2h in forward, h2d in backward).
+
+    Inline copies (a CPU device tier) are all exposed. With copy engines, a copy hides behind the compute
+    it overlaps: with prefetch, layer l+1 loads while layer l computes (eq. 7's max(0, L/Hb − u·Ft));
+    without, each load is waited for (eq. 6). Gradients and the stash use the other direction.
+    """
+    n = len(load)
+    if not rates.async_copy:
+        # forward loads every layer; backward all but the head (and the last block, still in the other
+        # slot with prefetch); every gradient goes back; the stash goes out and comes back
+        loads = sum(load) + sum(load[:-1]) - (load[-2] if s.prefetch else 0.0)
+        total = loads + sum(load) + 2 * sum(stash)
+        out.add(total, total)
+        return
+    # forward: layer 0 is waited for; then layer i computes while layer i+1 loads (prefetch) and layer
+    # i's input goes out to the host stash (the other direction)
+    out.add(load[0], load[0])
+    for i in range(n):
+        nxt = load[i + 1] if i + 1 < n else 0.0
+        if s.prefetch:
+            out.add(nxt + stash[i], max(nxt - fwd[i], stash[i] - fwd[i], 0.0))
+        else:
+            out.add(nxt, nxt)
+            out.add(stash[i], stash[i] - fwd[i])
+    # backward, from the head down (the head is still on the device after the turn)
+    for i in range(n - 1, -1, -1):
+        grad_above = load[i + 1] if i + 1 < n else 0.0  # the layer above's gradient leaving for the EPS
+        if s.prefetch:
+            # layer i's recompute + backward hides the load of layer i-1 (the last block is still in the
+            # other slot after the turn), its own stash coming back, and the gradient above going out
+            nxt = load[i - 1] if i >= 1 and i - 1 != n - 2 else 0.0
+            out.add(nxt + stash[i] + grad_above, max(nxt + stash[i] - win_b[i], grad_above - win_b[i], 0.0))
+        else:
+            # one slot: layer i is loaded and waited for, while the gradient above drains
+            if i < n - 1:
+                out.add(load[i] + grad_above, load[i] + max(grad_above - load[i], 0.0))
+            out.add(stash[i], stash[i] - win_b[i])
+    out.add(load[0], load[0])  # the embeddings' gradient: the update waits for it
+
+
+def _reduce(ph: dict[str, Phase], s: Setup, rates: Rates, params: int, hide: float) -> None:
+    """Data parallelism (dist.nproc): a ring all-reduce of FP32 gradients, 2·(n−1)/n of them per device,
+    overlapped with the last micro-batch's backward (baselines) or the layers' backward (the EPS reduces
+    eagerly, layer by layer)."""
+    if s.nproc <= 1:
+        return
+    t = 2 * (s.nproc - 1) / s.nproc * 4.0 * params / rates.network
+    ph["reduce"].add(t, t - hide)
+
+
+# --------------------------------------------------------------------------------------------------
+# The plan
+
+
+def evaluate(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Any]:
+    """Memory, fit and time of one setup."""
+    mem = memory(shape, s)
+    dev, host = sum(mem["device"].values()), sum(mem["host"].values())
+    phases = step_time(shape, s, rates)
+    total = sum(p.exposed for p in phases.values())
+    fits = dev <= rates.device_memory and host <= rates.host_memory
+    return {
+        "label": s.label,
+        "setup": s,
+        "memory": mem,
+        "device_bytes": dev,
+        "host_bytes": host,
+        "fits": fits,
+        "phases": phases,
+        "step_time_s": total,
+        "samples_per_s": s.batch * s.nproc / total if total > 0 else float("inf"),
+    }
+
+
+def fits(shape: ModelShape, s: Setup, rates: Rates) -> bool:
+    mem = memory(shape, s)
+    return (
+        sum(mem["device"].values()) <= rates.device_memory and sum(mem["host"].values()) <= rates.host_memory
+    )
+
+
+def largest_ubatch(shape: ModelShape, s: Setup, rates: Rates) -> int | None:
+    """The largest micro-batch (a divisor of batch.size) that fits the budgets, or None."""
+    for ub in sorted((d for d in range(1, s.batch + 1) if s.batch % d == 0), reverse=True):
+        if s.mode == "baseline" and ub != s.batch:
+            break
+        if fits(shape, s.but(ubatch=ub), rates):
+            return ub
+    return None
+
+
+def largest_ubatch_any(shape: ModelShape, s: Setup, rates: Rates, cap: int = 1 << 16) -> int | None:
+    """The largest micro-batch that fits with the same number of micro-batches (batch.size scaled)."""
+    u = s.num_ubatches
+    if not fits(shape, s.but(ubatch=1, batch=u), rates):
+        return None
+    lo, hi = 1, 2
+    while hi <= cap and fits(shape, s.but(ubatch=hi, batch=hi * u), rates):
+        lo, hi = hi, hi * 2
+    if hi > cap:
+        return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(shape, s.but(ubatch=mid, batch=mid * u), rates) else (lo, mid)
+    return lo
+
+
+def single_layer_need(shape: ModelShape, s: Setup) -> float:
+    """Device bytes L2L needs at the least: one slot for the largest layer and its gradient, and one
+    sample's working set with the stash on the host."""
+    m = memory(shape, s.but(mode="l2l", stash="cpu", prefetch=False, ubatch=1, batch=1))
+    return sum(m["device"].values())
+
+
+def recommend(shape: ModelShape, s: Setup, rates: Rates, max_overhead: float) -> dict[str, Any]:
+    """The #ubatches that bounds L2L's transfer share (l2l-v2 eq. 4) and the largest ubatch that fits."""
+    ub = largest_ubatch(shape, s, rates)
+    ub_any = largest_ubatch_any(shape, s, rates)
+    basis = ub or s.ubatch
+    lt = rates.layer_times(shape, s.seq, basis)
+    C = lt.block_fwd
+    X = rates.copy_time(shape.block_params * device_weight_bytes(s.precision))
+    u_min = cm.min_ubatches(C, X, max_overhead) if C > 0 else None
+    return {
+        "max_transfer_overhead": max_overhead,
+        "layer_forward_s": C,
+        "layer_transfer_s": X,
+        "num_ubatches_min": u_min,
+        "transfer_overhead_now": cm.transfer_overhead(s.num_ubatches, C, X) if C > 0 else None,
+        "ubatch_basis": basis,
+        "batch_size_for_overhead": u_min * basis if u_min else None,
+        "max_ubatch_size": ub,
+        "max_ubatch_size_any": ub_any,
+        "single_layer_device_bytes": single_layer_need(shape, s),
+    }
+
+
+def equations(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, float]:
+    """The papers' closed forms for this config (N blocks only, as the papers count them)."""
+    N, u, mb, ub = shape.num_layers, s.num_ubatches, s.batch, s.ubatch
+    lt = rates.layer_times(shape, s.seq, ub)
+    L = shape.block_params * device_weight_bytes(s.precision)
+    Hb = L / rates.copy_time(L) if L else rates.h2d
+    X, A = shape.block_saved_bytes(s.seq, s.precision), shape.output_bytes(s.seq, s.precision)
+    L_state = shape.block_params * 4.0
+    P = shape.total_params
+    Ft, Bt = lt.block_fwd, lt.block_bwd
+    return {
+        "eq1_baseline_memory_bytes": cm.baseline_memory(N, L_state, mb, X, A, ubatch=ub),
+        "eq2_l2l_memory_bytes": cm.l2l_memory(N, L, mb, X, A, ubatch=ub),
+        "eq3_l2l_p_memory_bytes": cm.l2l_p_memory(N, L, mb, X, A, ubatch=ub),
+        "eq4_l2l_p_stash_cpu_memory_bytes": cm.l2l_p_memory_stash_cpu(L, mb, X, ubatch=ub),
+        "eq5_baseline_s": cm.baseline_time(N, u, Ft, Bt, rates.device_update_time(P)),
+        "eq6_l2l_s": cm.l2l_time(N, u, Ft, Bt, L, Hb, rates.host_update_time(P)),
+        "eq7_l2l_p_s": cm.l2l_p_time(N, u, Ft, Bt, L, Hb, rates.host_update_time(P)),
+        "v2_eq4_total_s": cm.v2_total_time(N, u, Ft, L / Hb),
+        "v2_eq6_samples_per_s": cm.v2_training_throughput(N, u, ub, Ft, L / Hb) if Ft > 0 else 0.0,
+    }
+
+
+COMPARE = (
+    ("baseline", None, "batch"),
+    ("baseline_ag", None, None),
+    ("l2l", "device", None),
+    ("l2l", "cpu", None),
+    ("l2l_p", "device", None),
+    ("l2l_p", "cpu", None),
+)
+
+
+def compare_modes(shape: ModelShape, s: Setup, rates: Rates) -> list[dict[str, Any]]:
+    """Every mode at the config's batch (the baseline runs it whole; the others split it as configured)."""
+    rows = []
+    for mode, stash, ub in COMPARE:
+        alt = s.but(mode=mode, stash=stash, ubatch=s.batch if ub == "batch" else s.ubatch)
+        r = evaluate(shape, alt, rates)
+        rows.append(
+            {
+                "method": r["label"], "ubatch_size": alt.ubatch, "num_ubatches": alt.num_ubatches,
+                "device_bytes": r["device_bytes"], "host_bytes": r["host_bytes"], "fits": r["fits"],
+                "step_time_s": r["step_time_s"], "samples_per_s": r["samples_per_s"],
+                "configured": alt == s,
+            }
+        )  # fmt: skip
+    return rows
+
+
+def verdict(shape: ModelShape, s: Setup, rates: Rates, result: dict[str, Any]) -> str:
+    """One line: fits, or why not and what to change."""
+    if result["fits"]:
+        return "fits"
+    dev_budget, host_budget = rates.device_memory, rates.host_memory
+    need = single_layer_need(shape, s)
+    if need > dev_budget:
+        fix = "precision=cmp (half-size device copies) or " if s.precision != "cmp" else ""
+        return (
+            f"does not fit: a single layer needs {fmt_bytes(need)} on the device (the largest layer, "
+            f"{shape.max_layer_params / 1e6:.1f}M parameters, and its gradient, with one sample) > budget "
+            f"{fmt_bytes(dev_budget)}, so no mode or micro-batch fits; try {fix}a device with more memory"
+        )
+    if result["host_bytes"] > host_budget:
+        return (
+            f"does not fit: host memory needs {fmt_bytes(result['host_bytes'])} > {fmt_bytes(host_budget)} "
+            f"(the EPS keeps 16 bytes per parameter)"
+        )
+    parts = result["memory"]["device"]
+    worst = max(parts, key=parts.get)
+    hints = {
+        "training_state": "mode=l2l (the training state moves to host memory)",
+        "stash": "mode.stash=cpu (the stash moves to host memory)",
+        "working_activations": "a smaller batch.ubatch_size",
+        "param_grad_buffers": "mode.prefetch=false (one relay slot)"
+        if s.precision == "cmp"
+        else "precision=cmp",
+    }
+    return (
+        f"does not fit: device needs {fmt_bytes(result['device_bytes'])} > budget {fmt_bytes(dev_budget)} "
+        f"(largest part: {worst.replace('_', ' ')}, {fmt_bytes(parts[worst])}); try {hints[worst]}"
+    )

@@ -1,0 +1,247 @@
+"""The machine a plan is for: rates from ``conf/hardware`` (or measured here), and per-micro-batch layer
+times derived from them.
+
+Units inside the plan: seconds, bytes, FLOP/s and bytes/s. Memory sizes in the configs are GiB (as
+``sim.memory_gb`` is); link rates are GB/s (1e9 bytes), as ``sim.link_gbps`` and the papers' PCIe are.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from l2l_cli.plan.shapes import OPT_FLOP_PER_PARAM, ModelShape
+
+GiB = 2**30
+GB = 1e9
+
+
+def fmt_bytes(n: float) -> str:
+    """Binary units, 3 significant digits."""
+    for unit, k in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= k:
+            return f"{n / k:.3g} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    """Seconds for one layer on one micro-batch: forward without autograd (L2L's forward pass), forward
+    with autograd (the baselines' forward, L2L's recompute), and backward; per layer kind."""
+
+    pre_fwd: float
+    pre_fwd_grad: float
+    pre_bwd: float
+    block_fwd: float
+    block_fwd_grad: float
+    block_bwd: float
+    post_fwd_grad: float
+    post_bwd: float
+    ubatch: int  # the micro-batch size these are for
+
+    def scaled(self, ubatch: int) -> LayerTimes:
+        """The same per-sample cost at another micro-batch size (linear in the samples)."""
+        k = ubatch / self.ubatch
+        vals = {f: getattr(self, f) * k for f in self.__dataclass_fields__ if f != "ubatch"}
+        return LayerTimes(**vals, ubatch=ubatch)
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Resolved hardware: what the time and memory models consume."""
+
+    name: str
+    device_flops: float  # effective, for the config's precision
+    backward_factor: float
+    peak_flops: float
+    device_memory: float  # bytes (the budget the plan checks against)
+    device_optim_flops: float
+    host_flops: float
+    host_memory: float
+    h2d: float  # bytes/s per direction
+    network: float  # bytes/s, input + output
+    tensor_link: float  # bytes/s, input + output (0: none)
+    offload: float  # bytes/s, input + output
+    async_copy: bool
+    host_shares_device: bool = False  # the EPS update competes with device compute (a CPU device tier)
+    measured: MeasuredTimes | None = None
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def layer_times(self, shape: ModelShape, seq: int, ubatch: int) -> LayerTimes:
+        """Per-micro-batch layer times: measured ones (scaled to ``ubatch``), or FLOPs / throughput."""
+        if self.measured is not None:
+            return self.measured.layers.scaled(ubatch)
+        f_blk = ubatch * shape.block_flops(seq) / self.device_flops
+        f_post = ubatch * shape.post_flops() / self.device_flops
+        bwd = self.backward_factor
+        return LayerTimes(0.0, 0.0, 0.0, f_blk, f_blk, bwd * f_blk, f_post, bwd * f_post, ubatch)
+
+    def copy_time(self, nbytes: float) -> float:
+        """Host<->device copy of ``nbytes`` in one direction."""
+        if self.measured is not None:
+            return max(nbytes / self.measured.memcpy_bytes_per_s, nbytes / self.h2d)
+        return nbytes / self.h2d
+
+    def host_update_time(self, params: float) -> float:
+        """The EPS (host) optimizer over ``params`` parameters."""
+        if self.measured is not None:
+            return self.measured.host_fixed_s + params * self.measured.host_s_per_param
+        return params * OPT_FLOP_PER_PARAM / self.host_flops
+
+    def device_update_time(self, params: float) -> float:
+        """The baselines' optimizer over ``params`` parameters, on the device."""
+        if self.measured is not None:
+            return self.measured.device_fixed_s + params * self.measured.device_s_per_param
+        return params * OPT_FLOP_PER_PARAM / self.device_optim_flops
+
+    def summary(self) -> dict[str, Any]:
+        out = {
+            "name": self.name,
+            "device_tflops": self.device_flops / 1e12,
+            "device_memory_gib": self.device_memory / GiB,
+            "device_optim_gflops": self.device_optim_flops / 1e9,
+            "host_gflops": self.host_flops / 1e9,
+            "host_memory_gib": self.host_memory / GiB,
+            "h2d_gbps": self.h2d / GB,
+            "async_copy": self.async_copy,
+            "host_shares_device": self.host_shares_device,
+        }
+        if self.measured is not None:
+            out["measured"] = self.measured.summary()
+        if self.notes:
+            out["notes"] = list(self.notes)
+        return out
+
+
+@dataclass(frozen=True)
+class MeasuredTimes:
+    """What ``hardware=measure`` timed on this machine (medians), for the config's shapes."""
+
+    layers: LayerTimes
+    host_s_per_param: float
+    device_s_per_param: float
+    memcpy_bytes_per_s: float
+    repeats: int
+    threads: int
+    host_fixed_s: float = 0.0  # per layer update (Python and kernel launches), beside the per-parameter cost
+    device_fixed_s: float = 0.0  # per optimizer step
+    # L2L-p on shared cores: step time an update run beside recompute + backward costs, per second of the
+    # update alone (0: fully hidden, 1: as if serial, > 1: it also slows the compute it overlaps)
+    overlap_cost: float | None = None
+
+    def summary(self) -> dict[str, Any]:
+        lt = self.layers
+        return {
+            "ubatch": lt.ubatch,
+            "block_forward_s": lt.block_fwd,
+            "block_forward_grad_s": lt.block_fwd_grad,
+            "block_backward_s": lt.block_bwd,
+            "embeddings_forward_s": lt.pre_fwd,
+            "embeddings_backward_s": lt.pre_bwd,
+            "head_forward_s": lt.post_fwd_grad,
+            "head_backward_s": lt.post_bwd,
+            "host_update_ns_per_param": self.host_s_per_param * 1e9,
+            "host_update_fixed_s": self.host_fixed_s,
+            "device_update_ns_per_param": self.device_s_per_param * 1e9,
+            "device_update_fixed_s": self.device_fixed_s,
+            "memcpy_gbps": self.memcpy_bytes_per_s / GB,
+            "l2l_p_overlap_cost": self.overlap_cost,
+            "repeats": self.repeats,
+            "threads": self.threads,
+        }
+
+
+def physical_memory() -> float:
+    """This machine's RAM in bytes (the device budget of a CPU device tier)."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 16.0 * GiB
+
+
+def resolve(cfg: Any, shape: ModelShape) -> Rates:
+    """Rates for the composed config. ``device=sim`` takes the device budget and the link from ``sim.*``
+    (the accelerator being simulated); ``hardware=measure`` times this machine for the config's shapes."""
+    hw = cfg.hardware
+    half = cfg.precision.name in ("amp", "cmp")
+    notes: list[str] = []
+    rates = Rates(
+        name=hw.name,
+        device_flops=(hw.device_tflops_half if half else hw.device_tflops) * 1e12,
+        backward_factor=hw.backward_factor,
+        peak_flops=hw.device_peak_tflops * 1e12,
+        device_memory=hw.device_memory_gb * GiB,
+        device_optim_flops=hw.device_optim_gflops * 1e9,
+        host_flops=hw.host_gflops * 1e9,
+        host_memory=hw.host_memory_gb * GiB,
+        h2d=hw.h2d_gbps * GB,
+        network=hw.network_gbps * GB,
+        tensor_link=hw.tensor_link_gbps * GB,
+        offload=hw.offload_gbps * GB,
+        async_copy=hw.async_copy,
+    )
+    if hw.measured:
+        from l2l_cli.plan.measure import measure
+
+        measured = measure(cfg, shape)
+        on_cpu = cfg.device in ("cpu", "sim") or (cfg.device == "auto" and not _cuda())
+        ram = physical_memory()
+        rates = replace(
+            rates,
+            name="measure",
+            measured=measured,
+            device_flops=ubatch_flops(shape, cfg, measured.layers),
+            device_memory=ram if on_cpu else _cuda_memory(),
+            host_memory=ram,
+            h2d=measured.memcpy_bytes_per_s,
+            host_flops=block_update_flops(shape) / measured_update(measured, shape, host=True),
+            device_optim_flops=block_update_flops(shape) / measured_update(measured, shape, host=False),
+            async_copy=not on_cpu or cfg.device == "sim",  # device=cpu copies inline; the sim's are threads
+            host_shares_device=on_cpu,
+        )
+        notes.append(f"measured on this machine ({measured.threads} threads, median of {measured.repeats})")
+        if on_cpu:
+            notes.append(
+                "the device tier is this CPU: the EPS update shares its cores, so what L2L-p's overlapped "
+                "update costs is measured, not assumed hidden"
+            )
+    if cfg.device == "sim":
+        rates = replace(
+            rates, device_memory=cfg.sim.memory_gb * GiB, h2d=cfg.sim.link_gbps * GB, async_copy=True
+        )
+        notes.append(
+            f"device=sim: budget {cfg.sim.memory_gb:g} GiB and link {cfg.sim.link_gbps:g} GB/s from sim.*"
+        )
+    return replace(rates, notes=tuple(notes))
+
+
+def block_update_flops(shape: ModelShape) -> float:
+    return OPT_FLOP_PER_PARAM * shape.block_params
+
+
+def measured_update(m: MeasuredTimes, shape: ModelShape, host: bool) -> float:
+    """Seconds to update one block (for display as an effective GFLOP/s)."""
+    if host:
+        return max(m.host_fixed_s + shape.block_params * m.host_s_per_param, 1e-12)
+    return max(m.device_fixed_s + shape.block_params * m.device_s_per_param, 1e-12)
+
+
+def ubatch_flops(shape: ModelShape, cfg: Any, lt: LayerTimes) -> float:
+    """The effective FLOP/s a measured block forward achieved (for display)."""
+    return lt.ubatch * shape.block_flops(cfg.task.max_seq_len) / max(lt.block_fwd_grad, 1e-12)
+
+
+def _cuda_memory() -> float:
+    import torch
+
+    return float(torch.cuda.get_device_properties(0).total_memory)
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False

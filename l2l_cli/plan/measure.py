@@ -1,0 +1,282 @@
+"""``hardware=measure``: time the primitives of a step on this machine, for the config's shapes.
+
+What is timed (median of ``plan.measure_repeats`` after a warm-up), each as the runners execute it:
+- one transformer block, the embeddings and the head on one micro-batch: forward without autograd (L2L's
+  forward pass), forward with autograd (the baselines' forward, L2L's recompute), and backward;
+- the host optimizer on one block's flat FP32 buffers (the EPS update: norm, clip, AdamW/LAMB step), and
+  the device-resident optimizer on one block's separate tensors (the baselines' update), per parameter;
+- a host->device copy of one block's device copy (a plain memcpy when the device tier is the CPU).
+
+The plan then scales these by the layer counts and micro-batches; nothing else is calibrated.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from l2l_cli.plan import PlanError
+from l2l_cli.plan.hardware import LayerTimes, MeasuredTimes
+from l2l_cli.plan.shapes import ModelShape, act_bytes
+
+
+def _device(cfg: Any) -> torch.device:
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def _median_s(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> float:
+    """Median seconds of ``fn`` over ``repeats`` calls, after two warm-up calls (allocator, kernels,
+    lazy optimizer state)."""
+    fn()
+    fn()
+    samples = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def _fwd_bwd(
+    run: Callable[[bool], torch.Tensor], grad_of: Callable[[torch.Tensor], torch.Tensor], repeats: int,
+    sync: Callable[[], None],
+) -> tuple[float, float, float]:  # fmt: skip
+    """(forward without autograd, forward with autograd, backward) medians of one layer call."""
+    with torch.no_grad():
+        f = _median_s(lambda: run(False), repeats, sync)
+    fg = _median_s(lambda: run(True), repeats, sync)
+    samples = []
+    for i in range(repeats + 2):
+        y = run(True)
+        g = grad_of(y)
+        sync()
+        t0 = time.perf_counter()
+        y.backward(g)
+        sync()
+        if i >= 2:  # the first two are warm-ups
+            samples.append(time.perf_counter() - t0)
+        del y
+    return f, fg, statistics.median(samples)
+
+
+def _fit(small: tuple[int, float], large: tuple[int, float]) -> tuple[float, float]:
+    """(fixed seconds per call, seconds per parameter) through two (parameters, seconds) points."""
+    (n1, t1), (n2, t2) = sorted([small, large])
+    if n2 <= n1 or t2 <= t1:
+        return 0.0, max(t1, t2) / max(n2, 1)
+    per = (t2 - t1) / (n2 - n1)
+    return max(0.0, t1 - per * n1), per
+
+
+def available_memory() -> float:
+    """Bytes this machine can still allocate (MemAvailable), or its RAM when that is unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    from l2l_cli.plan.hardware import physical_memory
+
+    return physical_memory()
+
+
+def measure_bytes(cfg: Any, shape: ModelShape) -> float:
+    """What timing the layers and the updates needs here: a block's and the embeddings' weights,
+    gradients and moments twice (the host and the device-resident optimizer), the head, and one
+    micro-batch's activations."""
+    ub, seq = cfg.batch.ubatch_size, cfg.task.max_seq_len
+    state = 2 * 16.0 * (shape.block_params + shape.pre_params) + 8.0 * shape.post_params
+    acts = ub * (
+        shape.block_working_bytes(seq, cfg.precision.name) + 4 * seq * shape.hidden * act_bytes("fp32")
+    )
+    return state + 2 * acts
+
+
+def measure(cfg: Any, shape: ModelShape) -> MeasuredTimes:
+    """Time this machine for ``cfg`` (see the module doc)."""
+    need, free = measure_bytes(cfg, shape), available_memory()
+    if need > 0.5 * free:
+        raise PlanError(
+            f"hardware=measure would need ~{need / 2**30:.1f} GiB to time one layer of this model here "
+            f"(available {free / 2**30:.1f} GiB); use an analytic hardware (hardware=a100-80g, ...) or a "
+            f"smaller batch.ubatch_size / model"
+        )
+    from l2l_cli.engine.flat import FlatLayout
+    from l2l_cli.engine.optim import make_optimizer, param_groups
+    from l2l_cli.models.bert import BLOCK, PRE, ModelSpec, build_layer, extended_mask, new_layer
+    from l2l_cli.profiling.memory import MemoryMeter, StorageMeter
+
+    device = _device(cfg)
+    repeats = int(cfg.plan.measure_repeats)
+    sync = _sync(device)
+
+    def median_s(fn: Callable[[], Any]) -> float:
+        return _median_s(fn, repeats, sync)
+
+    prec = cfg.precision.name
+    half = torch.float16 if device.type == "cuda" else torch.bfloat16
+    if cfg.precision.dtype in ("bf16", "fp16"):
+        half = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision.dtype]
+    dtype = half if prec == "cmp" else torch.float32
+    autocast = (lambda: torch.autocast(device.type, dtype=half)) if prec == "amp" else nullcontext
+    ub, seq = cfg.batch.ubatch_size, cfg.task.max_seq_len
+    spec = ModelSpec(
+        shape.num_layers, shape.hidden, shape.heads, shape.intermediate, shape.vocab, shape.max_positions,
+        shape.type_vocab, float(cfg.model.dropout), num_labels=shape.num_labels,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    # a CPU device tier runs under the storage meter (profile.memory; always for device=sim): time with it
+    metered = device.type == "cpu" and (cfg.profile.memory or cfg.device == "sim")
+    meter = StorageMeter() if metered else MemoryMeter()
+
+    # -- layers ------------------------------------------------------------------------------------
+    block = build_layer(spec, 1, 0).to(device, dtype)
+    x = torch.randn(ub, seq, shape.hidden, device=device, dtype=dtype)
+    mask = extended_mask(torch.ones(ub, seq, device=device), dtype)
+
+    def run_block(grad: bool) -> torch.Tensor:
+        with autocast():
+            return block(x.detach().requires_grad_(grad), mask)
+
+    with meter:
+        blk = _fwd_bwd(run_block, torch.ones_like, repeats, sync)
+
+    pre = build_layer(spec, 0, 0).to(device, dtype)
+    ids = torch.randint(0, shape.vocab, (ub, seq), device=device)
+    types = torch.zeros_like(ids)
+
+    def run_pre(grad: bool) -> torch.Tensor:
+        with autocast():
+            return pre(input_ids=ids, token_type_ids=types)
+
+    with meter:
+        emb = _fwd_bwd(run_pre, torch.ones_like, repeats, sync)
+
+    post = build_layer(spec, shape.num_layers + 1, 0).to(device, dtype)
+    labels = torch.zeros(ub, dtype=torch.float32 if shape.num_labels == 1 else torch.long, device=device)
+
+    def run_post(grad: bool) -> torch.Tensor:
+        with autocast():
+            return post(x.detach().requires_grad_(grad), labels)[0]
+
+    with meter:
+        head = _fwd_bwd(run_post, lambda y: torch.ones((), device=device, dtype=y.dtype), repeats, sync)
+    layers = LayerTimes(emb[0], emb[1], emb[2], blk[0], blk[1], blk[2], head[1], head[2], ub)
+
+    # -- the EPS update: a layer's flat FP32 buffers (engine/eps.py LayerState), for two layer sizes ----
+    l2l_p = cfg.mode.name == "l2l_p"
+
+    def host_update_fn(kind: str) -> tuple[int, Callable[[], None]]:
+        layout = FlatLayout(new_layer(spec, kind, "meta"))
+        n = layout.numel
+        w, g = torch.randn(n) * 0.02, torch.randn(n) * 1e-3
+        m, v = torch.zeros(n), torch.zeros(n)
+        grads = dict(layout.views(g))
+        named = []
+        for name, view in layout.views(w):
+            p = nn.Parameter(view)
+            p.grad = grads[name]
+            named.append((name, p))
+        opt = make_optimizer(param_groups(named, cfg.optim.weight_decay), cfg)
+        w_send = torch.empty(n, dtype=dtype) if prec == "cmp" else None
+        undo = [torch.empty(n) for _ in range(3)] if l2l_p else []
+
+        def update() -> None:  # norm, clip (unscale), [L2L-p: undo copy], step, refresh the half send copy
+            norm = torch.linalg.vector_norm(g)
+            g.mul_(1.0 / (1.0 + float(norm)))
+            for dst, src in zip(undo, (w, m, v)):
+                dst.copy_(src)
+            opt.step()
+            if w_send is not None:
+                w_send.copy_(w)
+
+        return n, update
+
+    def host_update_s(kind: str) -> tuple[int, float]:
+        n, update = host_update_fn(kind)
+        if l2l_p:  # on the EPS thread, outside the compute thread's meter
+            return n, median_s(update)
+        with meter, meter.paused():  # on the compute thread, the meter paused (engine/eps.py step)
+            return n, median_s(update)
+
+    host_fixed, host_per = _fit(host_update_s(BLOCK), host_update_s(PRE))
+
+    # -- L2L-p on a CPU device tier: the update of layer l+1 runs on the EPS thread while layer l runs
+    #    recompute + backward over the micro-batches; on shared cores it costs more than it hides
+    overlap_cost = None
+    if l2l_p and device.type == "cpu":
+        u = max(1, cfg.batch.size // ub)
+        _, update = host_update_fn(BLOCK)
+
+        def window() -> None:
+            for _ in range(u):
+                y = run_block(True)
+                y.backward(torch.ones_like(y))
+
+        def overlapped() -> None:
+            t = threading.Thread(target=update)
+            t.start()
+            window()
+            t.join()
+
+        with meter:
+            alone = median_s(window)
+            together = median_s(overlapped)
+        upd = median_s(update)
+        overlap_cost = max(0.0, together - alone) / max(upd, 1e-9)
+
+    # -- the baselines' update: a layer's separate tensors on the device (runners/common.py) ----------
+    def device_update_s(index: int) -> tuple[int, float]:
+        layer = build_layer(spec, index, 0).to(device)
+        for p in layer.parameters():
+            p.grad = torch.randn_like(p) * 1e-3
+        params = list(layer.named_parameters())
+        opt = make_optimizer(param_groups(params, cfg.optim.weight_decay), cfg)
+        grads = [p.grad for _, p in params]
+
+        def update() -> None:  # per-layer norms, clip, one step over all tensors
+            norms = torch.stack(torch._foreach_norm(grads))
+            torch._foreach_mul_(grads, float(1.0 / (1.0 + torch.linalg.vector_norm(norms))))
+            opt.step()
+
+        with meter:
+            return sum(p.numel() for _, p in params), median_s(update)
+
+    dev_fixed, dev_per = _fit(device_update_s(1), device_update_s(0))
+
+    # -- a host->device copy of the largest layer's device copy --------------------------------------
+    n = shape.max_layer_params
+    pin = device.type == "cuda"
+    src = torch.randn(n).to(dtype)
+    if pin:
+        src = src.pin_memory()
+    dst = torch.empty(n, dtype=dtype, device=device)
+    copy_s = median_s(lambda: dst.copy_(src, non_blocking=pin))
+    return MeasuredTimes(
+        layers=layers,
+        host_s_per_param=host_per,
+        device_s_per_param=dev_per,
+        host_fixed_s=host_fixed,
+        overlap_cost=overlap_cost,
+        device_fixed_s=dev_fixed,
+        memcpy_bytes_per_s=src.nbytes / max(copy_s, 1e-9),
+        repeats=repeats,
+        threads=torch.get_num_threads(),
+    )

@@ -1,0 +1,112 @@
+"""``make_plan(cfg)``: everything ``l2l plan`` prints, as one JSON-ready dict."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from l2l_cli.plan import estimate as est
+from l2l_cli.plan import scaling
+from l2l_cli.plan.hardware import Rates, resolve
+from l2l_cli.plan.shapes import ModelShape
+
+
+def model_shape(cfg: Any) -> tuple[ModelShape, list[str]]:
+    """The model's shape as ``l2l train`` would build it (models/bert.py ModelSpec: a local pretrained
+    dir's config.json wins). Read directly, so planning never imports transformers."""
+    from l2l_cli.data.tasks import TASKS
+
+    notes = []
+    num_labels = TASKS[cfg.task.name].num_labels
+    m = cfg.model
+    ref = m.pretrained
+    path = Path(ref).expanduser() / "config.json" if ref else None
+    if path is not None and path.is_file():
+        c = json.loads(path.read_text())
+        shape = ModelShape(
+            c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"], c["intermediate_size"],
+            c.get("vocab_size", 30522), c.get("max_position_embeddings", 512), c.get("type_vocab_size", 2),
+            num_labels,
+        )  # fmt: skip
+        return shape, notes
+    if ref:
+        notes.append(f"model.pretrained={ref} is not a local directory: sizes from model.* (no download)")
+    shape = ModelShape(
+        m.num_layers, m.hidden_size, m.num_heads, m.intermediate_size, m.vocab_size, m.seq_len,
+        m.type_vocab_size, num_labels,
+    )  # fmt: skip
+    return shape, notes
+
+
+def links_of(rates: Rates, cfg: Any) -> scaling.Links:
+    hw = cfg.hardware
+    return scaling.Links(
+        peak_flops=rates.peak_flops if not hw.measured else rates.device_flops,
+        network_gbps=hw.network_gbps,
+        tensor_gbps=hw.tensor_link_gbps,
+        offload_gbps=hw.offload_gbps,
+        device_memory_gib=rates.device_memory / scaling.GiB,
+    )
+
+
+def _phases(phases: dict[str, est.Phase]) -> tuple[dict[str, float], dict[str, float]]:
+    exposed = {k: p.exposed for k, p in phases.items()}
+    hidden = {k: p.hidden for k, p in phases.items()}
+    return exposed, hidden
+
+
+def make_plan(cfg: Any, rates: Rates | None = None) -> dict[str, Any]:
+    """The plan for a composed (and validated) config. ``rates`` overrides the hardware (tests, reuse)."""
+    shape, notes = model_shape(cfg)
+    rates = rates or resolve(cfg, shape)
+    s = est.Setup.from_cfg(cfg)
+    r = est.evaluate(shape, s, rates)
+    exposed, hidden = _phases(r["phases"])
+    ga = scaling.for_config(cfg, shape, links_of(rates, cfg))
+    if cfg.model.x is not None:
+        ga["critical_batch_size"] = scaling.x_critical_batch_size(int(cfg.model.x))  # Table B.1's form
+        ga["batch_vs_critical"] = ga["batch"] / ga["critical_batch_size"]
+    mem = r["memory"]
+    return {
+        "config": {
+            "model": cfg.model.name,
+            "method": s.label,
+            "mode": s.mode,
+            "stash": s.stash,
+            "prefetch": s.prefetch,
+            "precision": s.precision,
+            "optimizer": cfg.optim.name,
+            "num_layers": shape.num_layers,
+            "hidden_size": shape.hidden,
+            "seq_len": s.seq,
+            "batch_size": s.batch,
+            "ubatch_size": s.ubatch,
+            "num_ubatches": s.num_ubatches,
+            "nproc": s.nproc,
+            "device": cfg.device,
+        },
+        "hardware": rates.summary(),
+        "params": {
+            "total": shape.total_params,
+            "embeddings": shape.pre_params,
+            "blocks": shape.blocks_params,
+            "per_block": shape.block_params,
+            "head": shape.post_params,
+        },
+        "memory_bytes": {
+            "device": {"total": r["device_bytes"], "parts": mem["device"], "budget": rates.device_memory},
+            "host": {"total": r["host_bytes"], "parts": mem["host"], "budget": rates.host_memory},
+        },
+        "fits": r["fits"],
+        "verdict": est.verdict(shape, s, rates, r),
+        "step_time_s": {"total": r["step_time_s"], **exposed},
+        "hidden_s": hidden,
+        "samples_per_s": r["samples_per_s"],
+        "recommendation": est.recommend(shape, s, rates, cfg.plan.max_transfer_overhead),
+        "modes": est.compare_modes(shape, s, rates),
+        "equations": est.equations(shape, s, rates),
+        "critical_batch_size": ga["critical_batch_size"],
+        "layered_ga": ga,
+        "notes": notes + list(rates.notes),
+    }

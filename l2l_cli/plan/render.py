@@ -1,0 +1,167 @@
+"""The terminal view of a plan: rich tables, one per question (size, memory, time, what to change)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from l2l_cli.plan.hardware import fmt_bytes
+
+GiB = 2**30
+PART_NAMES = {
+    "training_state": "training state (weights, grads, moments)",
+    "param_grad_buffers": "parameter + gradient buffers",
+    "stash": "activation stash",
+    "working_activations": "working activations",
+    "send_copy": "half send copy (cmp)",
+    "undo_copies": "L2L-p undo copies",
+}
+
+
+def fmt_s(t: float | None) -> str:
+    if t is None:
+        return "-"
+    if t == 0:
+        return "0"
+    for unit, k in (("d", 86400.0), ("h", 3600.0), ("min", 60.0), ("s", 1.0), ("ms", 1e-3)):
+        if t >= k:
+            return f"{t / k:.3g} {unit}"
+    return f"{t * 1e6:.3g} µs"
+
+
+def fmt_n(n: float) -> str:
+    for unit, k in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= k:
+            return f"{n / k:.3g}{unit}"
+    return f"{n:.3g}"
+
+
+def _table(title: str, *cols: str, **kw: Any) -> Table:
+    t = Table(title=title, title_justify="left", title_style="bold", **kw)
+    for i, c in enumerate(cols):
+        t.add_column(c, justify="left" if i == 0 else "right")
+    return t
+
+
+def render(plan: dict[str, Any], console: Console) -> None:
+    c, hw = plan["config"], plan["hardware"]
+    head = (
+        f"[bold]{c['model']}[/] ({fmt_n(plan['params']['total'])} parameters) · {c['method']} · {c['precision']} · "
+        f"seq {c['seq_len']} · batch {c['batch_size']} = {c['num_ubatches']} × ubatch {c['ubatch_size']}"
+        + (f" × {c['nproc']} processes" if c["nproc"] > 1 else "")
+        + f"\nhardware [bold]{hw['name']}[/]: {hw['device_tflops']:.3g} TFLOP/s, "
+        f"{hw['device_memory_gib']:.3g} GiB device, link {hw['h2d_gbps']:.3g} GB/s, "
+        f"host update {hw['host_gflops']:.3g} GFLOP/s"
+    )
+    ok = plan["fits"]
+    verdict = Text(("✓ " if ok else "✗ ") + plan["verdict"], style="bold green" if ok else "bold red")
+    console.print(Panel(Group(Text.from_markup(head), verdict), title="l2l plan", title_align="left"))
+
+    p = plan["params"]
+    t = _table("Parameters", "layer", "parameters")
+    t.add_row("embeddings", fmt_n(p["embeddings"]))
+    t.add_row(f"{c['num_layers']} blocks × {fmt_n(p['per_block'])}", fmt_n(p["blocks"]))
+    t.add_row("head (pooler, classifier)", fmt_n(p["head"]))
+    t.add_row("[bold]total", f"[bold]{p['total']:,}")
+    console.print(t)
+
+    m = plan["memory_bytes"]
+    t = _table("Memory at the step's peak", "part", "device", "host (offloaded)")
+    for k in dict.fromkeys([*m["device"]["parts"], *m["host"]["parts"]]):
+        d, h = m["device"]["parts"].get(k), m["host"]["parts"].get(k)
+        t.add_row(PART_NAMES.get(k, k), fmt_bytes(d) if d else "-", fmt_bytes(h) if h else "-")
+    t.add_row(
+        "[bold]total", f"[bold]{fmt_bytes(m['device']['total'])}", f"[bold]{fmt_bytes(m['host']['total'])}"
+    )
+    t.add_row("budget", fmt_bytes(m["device"]["budget"]), fmt_bytes(m["host"]["budget"]))
+    console.print(t)
+
+    st, hid = plan["step_time_s"], plan["hidden_s"]
+    t = _table("Step time by phase", "phase", "exposed", "hidden (overlapped)")
+    for k in ("forward", "recompute", "backward", "transfer", "optimizer", "reduce"):
+        if st[k] or hid[k]:
+            t.add_row(k, fmt_s(st[k]), fmt_s(hid[k]) if hid[k] else "-")
+    t.add_row("[bold]step", f"[bold]{fmt_s(st['total'])}", "")
+    t.add_row("[bold]samples/s", f"[bold]{plan['samples_per_s']:.4g}", "")
+    console.print(t)
+
+    r = plan["recommendation"]
+    t = _table("Recommendation", "", "")
+    if r["num_ubatches_min"] is not None:
+        t.add_row(
+            f"#ubatches for L2L transfer ≤ {r['max_transfer_overhead']:.0%} (v2 eq. 4)",
+            f"{r['num_ubatches_min']}  (now {c['num_ubatches']}: {r['transfer_overhead_now']:.1%})",
+        )
+        t.add_row(
+            "  per layer: forward / transfer",
+            f"{fmt_s(r['layer_forward_s'])} / {fmt_s(r['layer_transfer_s'])}",
+        )
+    t.add_row(
+        f"largest ubatch dividing batch {c['batch_size']} that fits", str(r["max_ubatch_size"] or "none")
+    )
+    t.add_row(
+        f"largest ubatch at {c['num_ubatches']} ubatches (batch scales)",
+        str(r["max_ubatch_size_any"] or "none"),
+    )
+    t.add_row("device floor: one layer + one sample", fmt_bytes(r["single_layer_device_bytes"]))
+    console.print(t)
+
+    t = _table(
+        "All modes at this batch", "method", "ubatch × n", "device", "host", "fits", "step", "samples/s"
+    )
+    for row in plan["modes"]:
+        style = "bold" if row["configured"] else ""
+        t.add_row(
+            row["method"], f"{row['ubatch_size']} × {row['num_ubatches']}", fmt_bytes(row["device_bytes"]),
+            fmt_bytes(row["host_bytes"]) if row["host_bytes"] else "-", "yes" if row["fits"] else "[red]no",
+            fmt_s(row["step_time_s"]), f"{row['samples_per_s']:.4g}", style=style,
+        )  # fmt: skip
+    console.print(t)
+
+    ga = plan["layered_ga"]
+    t = _table(
+        f"Layered-GA view (d_s={ga['d_s']}, p={fmt_n(ga['params'])}): critical batch {plan['critical_batch_size']:.4g}, "
+        f"batch {ga['batch']} = {ga['batch_vs_critical']:.2g}× critical; memory in GiB per device",
+        "method", "GPUs", "state", "ckpt", "buffers", "acts", "on-dev", "eff", "time",
+    )  # fmt: skip
+    for row in ga["methods"]:
+        mb = {k: f"{v / GiB:.3g}" for k, v in row["memory_bytes"].items()}
+        t.add_row(
+            row["method"], str(row["config"]["n_gpu"]), mb["state"], mb["checkpoints"], mb["buffers"],
+            mb["activations"], mb["non_offloadable"], f"{row['efficiency']:.2f}", fmt_s(row["train_time_s"]),
+        )  # fmt: skip
+    console.print(t)
+    console.print(
+        f"[dim]  (ckpt = activation checkpoints; state and ckpt can be offloaded, on-dev cannot; time = "
+        f"{ga['methods'][0]['steps']:,} steps at peak × efficiency)"
+    )
+    for note in plan["notes"]:
+        console.print(f"[dim]note: {note}")
+
+
+def render_compare(cmp: dict[str, Any], console: Console) -> None:
+    t = _table(
+        f"Predicted vs measured: {cmp['run_dir']}", "phase", "predicted", "measured", "measured / predicted"
+    )
+    for k, row in cmp["phases"].items():
+        ratio = row["ratio"]
+        t.add_row(
+            k, fmt_s(row["predicted"]), fmt_s(row["measured"]), f"{ratio:.2f}" if ratio is not None else "-"
+        )
+    tot = cmp["step"]
+    t.add_row(
+        "[bold]step",
+        f"[bold]{fmt_s(tot['predicted'])}",
+        f"[bold]{fmt_s(tot['measured'])}",
+        f"[bold]{tot['ratio']:.2f}",
+    )
+    sp = cmp["samples_per_s"]
+    t.add_row("samples/s", f"{sp['predicted']:.4g}", f"{sp['measured']:.4g}", f"{sp['ratio']:.2f}")
+    if cmp.get("device_peak"):
+        dp = cmp["device_peak"]
+        t.add_row("device peak", fmt_bytes(dp["predicted"]), fmt_bytes(dp["measured"]), f"{dp['ratio']:.2f}")
+    console.print(t)
