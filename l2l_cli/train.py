@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from l2l_cli import checkpoint as ckpt
 from l2l_cli.checkpoint import CheckpointError, RealtimeWriter
-from l2l_cli.config import ConfigError, effective_clip, validate
+from l2l_cli.config import ConfigError, effective_clip, effective_precision, validate
 from l2l_cli.data.batches import TrainStream, eval_batches
 from l2l_cli.data.loading import TaskData, load_task
 from l2l_cli.engine.device import Accelerator, make_accelerator
@@ -140,11 +140,11 @@ def run_job(cfg: DictConfig, run_dir: Path, handle_sigint: bool = True) -> str:
         steps = total_steps(cfg, stream)
         acc = make_accelerator(cfg, local_rank=ctx.local_rank)
         summary.update(run_header(cfg, spec, acc, data, ctx.world))
+        summary["params"] = runner_params(spec)  # known even when building the runner runs out of memory
         log.info("run %s on %s: %s", run_dir, acc.describe(), json.dumps(summary["config"]))
         with acc.running():
             precision = make_precision(cfg, acc)
             runner = make_runner(cfg, acc, spec, precision, steps, dist=ctx)
-            summary["params"] = runner_params(spec)
             trainer = Trainer(cfg, runner, stream, data, steps, files, summary, ctx, stop)
             if cfg.trainer.resume:
                 trainer.resume(Path(cfg.trainer.resume))
@@ -258,7 +258,7 @@ def run_header(cfg: Any, spec: ModelSpec, acc: Accelerator, data: TaskData, worl
             "method": method_label(cfg),
             "mode": cfg.mode.name,
             "stash": cfg.mode.stash,
-            "precision": cfg.precision.name,
+            "precision": effective_precision(cfg),
             "model": cfg.model.name if not cfg.model.pretrained else f"pretrained:{cfg.model.pretrained}",
             "num_layers": spec.num_layers,
             "hidden_size": spec.hidden_size,
@@ -269,6 +269,7 @@ def run_header(cfg: Any, spec: ModelSpec, acc: Accelerator, data: TaskData, worl
             "seq_len": cfg.task.max_seq_len,
             "task": cfg.task.name,
             "data_source": data.source,
+            "train_samples": len(data.train),
             "optimizer": cfg.optim.name,
             "clip": effective_clip(cfg),
             "device": cfg.device,

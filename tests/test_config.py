@@ -160,3 +160,19 @@ def test_cli_config_errors_exit_2_without_traceback() -> None:
     # the group error is reported with the key errors
     r = l2l("train", "batch.ubatch_size=3", "model.num_layers=-2")
     assert r.returncode == 2 and "batch.ubatch_size" in r.stderr and "model.num_layers" in r.stderr
+
+
+@pytest.mark.parametrize(("mode", "expected"), [("baseline_ag", "amp"), ("l2l", "cmp"), ("l2l_p", "cmp")])
+def test_mixed_precision_is_the_modes_own(mode: str, expected: str) -> None:
+    from l2l_cli.config import effective_precision
+
+    cfg = compose([f"mode={mode}", "precision=mixed"])
+    assert effective_precision(cfg) == expected and validate(cfg, check_files=False) == []
+
+
+def test_a_broken_recipe_fails_only_when_used(monkeypatch) -> None:
+    from l2l_cli import compose as c
+
+    monkeypatch.setitem(c.BROKEN_RECIPES, "bad_recipe", "recipes/bad_recipe.yaml: mapping values are not allowed here")
+    assert "recipe: bad_recipe cannot be read: recipes/bad_recipe.yaml: mapping values" in messages("recipe=bad_recipe")
+    assert messages("batch.size=16") == ""

@@ -203,6 +203,21 @@ class Accelerator:
         return {"h2d_bytes": self.h2d.bytes, "d2h_bytes": self.d2h.bytes}
 
     @contextmanager
+    def host_overlap(self) -> Iterator[None]:
+        """While host work (the EPS's update) overlaps device compute: here the device *is* the host's
+        cores, so split them (half the intra-op threads each) instead of oversubscribing them, which
+        makes OpenMP's spinning threads slow both sides down several-fold."""
+        n = torch.get_num_threads()
+        if n < 2:
+            yield
+            return
+        torch.set_num_threads(n // 2)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(n)
+
+    @contextmanager
     def running(self) -> Iterator[Accelerator]:
         """Meter on for the block (on this thread); copy engines shut down at the end."""
         try:
@@ -255,6 +270,10 @@ class CudaAccelerator(Accelerator):
 
     def seed(self, seed: int) -> None:
         torch.cuda.default_generators[self.device.index].manual_seed(seed)
+
+    @contextmanager
+    def host_overlap(self) -> Iterator[None]:
+        yield  # the GPU computes; the host's cores are the EPS's
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

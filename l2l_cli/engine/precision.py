@@ -71,14 +71,15 @@ class Precision:
 
 
 def make_precision(cfg: Any, acc: Accelerator) -> Precision:
+    from l2l_cli.config import effective_precision
+
     p = cfg.precision
+    name = effective_precision(cfg)
     half = {"auto": acc.half_dtype, "bf16": torch.bfloat16, "fp16": torch.float16}[p.dtype]
-    dynamic = (p.loss_scale == "dynamic" and half == torch.float16) or (
-        p.loss_scale == "dynamic" and p.name == "cmp"
-    )
-    if p.name == "fp32":
+    dynamic = p.loss_scale == "dynamic" and (half == torch.float16 or name == "cmp")
+    if name == "fp32":
         return Precision("fp32", torch.float32, None, LossScaler(), acc)
     scaler = LossScaler(p.init_scale, True, p.growth_interval) if dynamic else LossScaler()
-    if p.name == "amp":
+    if name == "amp":
         return Precision("amp", torch.float32, half, scaler, acc)
     return Precision("cmp", half, None, scaler, acc)

@@ -15,6 +15,7 @@ from typing import Any
 from l2l_cli.plan import costmodel as cm
 from l2l_cli.plan.hardware import Rates, fmt_bytes
 from l2l_cli.plan.shapes import ModelShape, device_weight_bytes
+from l2l_cli.config import effective_precision
 
 PHASES = ("forward", "backward", "recompute", "optimizer", "transfer", "reduce")
 FP32_STATE = 16  # bytes per parameter: FP32 weights, gradients, and the two Adam/LAMB moments
@@ -36,7 +37,7 @@ class Setup:
     @classmethod
     def from_cfg(cls, cfg: Any) -> Setup:
         return cls(
-            cfg.mode.name, cfg.mode.stash, bool(cfg.mode.prefetch), cfg.precision.name, cfg.task.max_seq_len,
+            cfg.mode.name, cfg.mode.stash, bool(cfg.mode.prefetch), effective_precision(cfg), cfg.task.max_seq_len,
             cfg.batch.size, cfg.batch.ubatch_size, cfg.dist.nproc,
         )  # fmt: skip
 

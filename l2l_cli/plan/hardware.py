@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from l2l_cli.plan.shapes import OPT_FLOP_PER_PARAM, ModelShape
+from l2l_cli.config import effective_precision
 
 GiB = 2**30
 GB = 1e9
@@ -164,7 +165,7 @@ def resolve(cfg: Any, shape: ModelShape) -> Rates:
     """Rates for the composed config. ``device=sim`` takes the device budget and the link from ``sim.*``
     (the accelerator being simulated); ``hardware=measure`` times this machine for the config's shapes."""
     hw = cfg.hardware
-    half = cfg.precision.name in ("amp", "cmp")
+    half = effective_precision(cfg) in ("amp", "cmp")
     notes: list[str] = []
     rates = Rates(
         name=hw.name,

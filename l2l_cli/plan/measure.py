@@ -26,6 +26,7 @@ from torch import nn
 from l2l_cli.plan import PlanError
 from l2l_cli.plan.hardware import LayerTimes, MeasuredTimes
 from l2l_cli.plan.shapes import ModelShape, act_bytes
+from l2l_cli.config import effective_precision
 
 
 def _device(cfg: Any) -> torch.device:
@@ -104,7 +105,7 @@ def measure_bytes(cfg: Any, shape: ModelShape) -> float:
     ub, seq = cfg.batch.ubatch_size, cfg.task.max_seq_len
     state = 2 * 16.0 * (shape.block_params + shape.pre_params) + 8.0 * shape.post_params
     acts = ub * (
-        shape.block_working_bytes(seq, cfg.precision.name) + 4 * seq * shape.hidden * act_bytes("fp32")
+        shape.block_working_bytes(seq, effective_precision(cfg)) + 4 * seq * shape.hidden * act_bytes("fp32")
     )
     return state + 2 * acts
 
@@ -130,7 +131,7 @@ def measure(cfg: Any, shape: ModelShape) -> MeasuredTimes:
     def median_s(fn: Callable[[], Any]) -> float:
         return _median_s(fn, repeats, sync)
 
-    prec = cfg.precision.name
+    prec = effective_precision(cfg)
     half = torch.float16 if device.type == "cuda" else torch.bfloat16
     if cfg.precision.dtype in ("bf16", "fp16"):
         half = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision.dtype]

@@ -1,0 +1,238 @@
+"""PNG plots of a set of runs: the papers' sweeps (memory and throughput against depth, #ubatches, ubatch
+size and batch size), the time breakdown per phase (L2L v1 Figure 6), and loss and eval curves.
+
+A plot is drawn only when the runs hold what it shows (a sweep axis that varies within a series, a
+breakdown, logged steps), so a report of one run is not padded with empty figures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; never a window
+import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
+from matplotlib.ticker import FixedLocator, MaxNLocator, NullLocator
+
+from l2l_cli.report.runs import Run
+from l2l_cli.report.table import breakdown_columns, memory_unit
+
+# how a run is named in legends: the fields that differ between the runs of the report
+LABEL_FIELDS = (
+    ("method", "{}"), ("precision", "{}"), ("ubatch_size", "ub{}"), ("num_ubatches", "x{}"),
+    ("batch_size", "b{}"), ("num_layers", "L{}"), ("hidden_size", "H{}"), ("seq_len", "S{}"), ("task", "{}"),
+)  # fmt: skip
+
+# sweep axis -> (axis label, file, fields that move with it and so do not split series)
+SWEEPS = {
+    "num_layers": ("#LAYER", "vs_depth.png", {"num_layers"}),
+    "num_ubatches": ("#UBATCHES", "vs_num_ubatches.png", {"num_ubatches", "batch_size"}),
+    "ubatch_size": ("UBATCH SIZE", "vs_ubatch_size.png", {"ubatch_size", "num_ubatches"}),
+    "batch_size": ("DEVICE BATCH SIZE", "vs_batch_size.png", {"batch_size", "ubatch_size", "num_ubatches"}),
+}
+PHASE_COLORS = {
+    "forward": "#4c72b0", "recompute": "#8172b3", "backward": "#55a868", "optimizer": "#c44e52",
+    "transfer": "#dd8452", "other": "#b0b0b0",
+}  # fmt: skip
+
+
+def varying(runs: list[Run]) -> list[str]:
+    return [k for k, _ in LABEL_FIELDS if len({r.get(k) for r in runs}) > 1]
+
+
+def label(run: Run, fields: list[str]) -> str:
+    fmt = dict(LABEL_FIELDS)
+    parts = [fmt[k].format(run.get(k)) for k in fields if run.get(k) is not None]
+    return " ".join(parts) or run.name
+
+
+def write_plots(runs: list[Run], out: Path) -> list[tuple[str, str]]:
+    """Draw every plot these runs support into ``out``; returns (file name, caption) per plot written."""
+    written: list[tuple[str, str]] = []
+    for axis in SWEEPS:
+        item = sweep_plot(runs, axis, out)
+        if item:
+            written.append(item)
+    for fn in (breakdown_plot, loss_plot, eval_plot):
+        item = fn(runs, out)
+        if item:
+            written.append(item)
+    return written
+
+
+def _save(fig: Any, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _series(runs: list[Run], axis: str) -> dict[str, list[Run]]:
+    """Runs grouped into lines: same value of every varying field except the axis and what moves with it."""
+    moves = SWEEPS[axis][2]
+    keys = [k for k in varying(runs) if k not in moves]
+    groups: dict[str, list[Run]] = {}
+    for r in runs:
+        if r.get(axis) is not None:
+            groups.setdefault(label(r, keys or ["method", "precision"]), []).append(r)
+    return groups
+
+
+def _x_axis(ax: Axes, xs: list[float], name: str) -> None:
+    xs = sorted(set(xs))
+    if xs and min(xs) > 0 and max(xs) / min(xs) >= 8:
+        ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(FixedLocator(xs))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticklabels([f"{x:g}" for x in xs])
+    ax.set_xlabel(name)
+    ax.grid(True, alpha=0.3)
+
+
+def sweep_plot(runs: list[Run], axis: str, out: Path) -> tuple[str, str] | None:
+    """Memory and throughput (and time per epoch, against batch size) along one sweep axis; OOM runs are
+    crosses on the device budget line, as the papers' tables list them as OOM rows."""
+    name, fname, _ = SWEEPS[axis]
+    groups = _series(runs, axis)
+    if not any(len({r.get(axis) for r in g}) > 1 for g in groups.values()):
+        return None
+    unit, div = memory_unit(runs)
+    panels: list[tuple[str, Callable[[Run], float | None]]] = [
+        (f"device memory ({unit})", lambda r: None if r.peak_bytes is None else r.peak_bytes / div),
+        ("throughput (samples/s)", lambda r: r.throughput),
+    ]
+    if axis != "num_layers":
+        panels.reverse()
+    if axis == "batch_size" and any(r.epoch_time_s for r in runs):
+        panels.append(("time per epoch (s)", lambda r: r.epoch_time_s))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
+    budgets = {r.budget_bytes for r in runs if r.budget_bytes}
+    for ax, (ylabel, value) in zip(axes[0], panels, strict=True):
+        is_memory = ylabel.startswith("device memory")
+        for i, (series, members) in enumerate(groups.items()):
+            color = f"C{i % 10}"
+            ok = sorted((r.get(axis), value(r)) for r in members if r.ok and value(r) is not None)
+            if ok:
+                ax.plot([x for x, _ in ok], [y for _, y in ok], "o-", color=color, label=series)
+            if is_memory:
+                ooms = [r for r in members if r.status == "oom"]
+                for r in ooms:
+                    y = (r.budget_bytes or r.peak_bytes or 0) / div
+                    ax.plot([r.get(axis)], [y], "x", color=color, markersize=11, markeredgewidth=2.5)
+                    ax.annotate("OOM", (r.get(axis), y), textcoords="offset points", xytext=(4, 6),
+                                color=color, fontsize=8)  # fmt: skip
+        if is_memory and len(budgets) == 1:
+            ax.axhline(next(iter(budgets)) / div, color="gray", ls="--", lw=1, label="device budget")
+        _x_axis(ax, [r.get(axis) for r in runs if r.get(axis) is not None], name)
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.08)  # room for the OOM labels on the budget line
+        ax.set_title(f"{ylabel.split(' (')[0]} vs {name}")
+    for ax in axes[0]:
+        ax.legend(fontsize=8)
+    _save(fig, out / fname)
+    return fname, f"device memory and throughput vs {name} (OOM: a cross on the device budget)"
+
+
+def breakdown_plot(runs: list[Run], out: Path) -> tuple[str, str] | None:
+    """Each run's step split into phases, as shares of the step (L2L v1 Figure 6 is one such split, as a
+    pie), the step's length in ms at the end of its bar: shares compare across runs of any speed."""
+    done = [r for r in runs if r.breakdown]
+    if not done:
+        return None
+    keys = varying(runs)
+    phases = breakdown_columns(done)  # the papers' order: forward, recompute, backward, optimizer, ...
+    fig, ax = plt.subplots(figsize=(9, 1.6 + 0.42 * len(done)))
+    labels = [label(r, keys) if keys else r.name for r in done]
+    totals = [sum(r.breakdown.values()) for r in done]
+    left = [0.0] * len(done)
+    for j, p in enumerate(phases):
+        pct = [100 * r.breakdown.get(p, 0.0) / t if t > 0 else 0.0 for r, t in zip(done, totals, strict=True)]
+        ax.barh(range(len(done)), pct, left=left, color=PHASE_COLORS.get(p, f"C{j % 10}"), label=p)
+        for i, (x0, w) in enumerate(zip(left, pct, strict=True)):
+            if w >= 6:
+                ax.text(x0 + w / 2, i, f"{w:.0f}%", ha="center", va="center", fontsize=7, color="white")
+        left = [a + b for a, b in zip(left, pct, strict=True)]
+    for i, t in enumerate(totals):
+        ax.text(101, i, f"{1e3 * t:.0f} ms", va="center", fontsize=7)
+    ax.set_yticks(range(len(done)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 112)
+    ax.set_xticks(range(0, 101, 20))
+    ax.set_xlabel("share of the mean step time (%)")
+    ax.set_title("time per step by phase")
+    handles, names = ax.get_legend_handles_labels()
+    fig.legend(handles, names, ncol=min(6, len(phases)), fontsize=8, loc="lower center", frameon=False)
+    fig.tight_layout(rect=(0, 0.12 if len(done) < 4 else 0.06, 1, 1))
+    fig.savefig(out / "time_breakdown.png", dpi=110)
+    plt.close(fig)
+    return (
+        "time_breakdown.png",
+        "each run's mean step split by phase (forward, recompute, backward, optimizer, transfer)",
+    )
+
+
+def loss_plot(runs: list[Run], out: Path) -> tuple[str, str] | None:
+    curves = [(r, [(m["step"], m["loss"]) for m in r.metrics if _finite(m.get("loss"))]) for r in runs]
+    curves = [(r, c) for r, c in curves if c]
+    if not curves:
+        return None
+    keys = varying(runs)
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for r, c in curves:
+        ax.plot([s for s, _ in c], [v for _, v in c], "o-" if len(c) < 30 else "-", ms=3,
+                label=label(r, keys) if keys else r.name)  # fmt: skip
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title("training loss")
+    ax.grid(True, alpha=0.3)
+    if len(curves) <= 16:
+        ax.legend(fontsize=7)
+    _save(fig, out / "loss.png")
+    return "loss.png", "training loss per logged step"
+
+
+def eval_plot(runs: list[Run], out: Path) -> tuple[str, str] | None:
+    """Eval metrics over steps; bars when every run evaluated once (at the end)."""
+    names: list[str] = []
+    for r in runs:
+        for e in r.evals:
+            names += [k for k in e if k != "step" and _finite(e[k]) and k not in names]
+    if not names:
+        return None
+    keys = varying(runs)
+    with_evals = [r for r in runs if r.evals]
+    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4.2), squeeze=False)
+    once = all(len(r.evals) <= 1 for r in with_evals)
+    for ax, m in zip(axes[0], names, strict=True):
+        if once:
+            having = [r for r in with_evals if _finite(r.evals[-1].get(m))]  # F1 only where the task has it
+            labels = [label(r, keys) if keys else r.name for r in having]
+            vals = [r.evals[-1][m] for r in having]
+            ax.bar(range(len(vals)), vals, color=[f"C{i % 10}" for i in range(len(vals))])
+            ax.set_xticks(range(len(vals)), labels, rotation=30, ha="right", fontsize=7)
+            for i, v in enumerate(vals):
+                if _finite(v):
+                    ax.text(i, v, f"{v:.3f}", ha="center", va="bottom", fontsize=7)
+        else:
+            for r in with_evals:
+                pts = [(e["step"], e[m]) for e in r.evals if _finite(e.get(m))]
+                if not pts:
+                    continue
+                ax.plot([s for s, _ in pts], [v for _, v in pts], "o-", ms=3,
+                        label=label(r, keys) if keys else r.name)  # fmt: skip
+            ax.set_xlabel("step")
+            if len(with_evals) <= 16:
+                ax.legend(fontsize=7)
+        ax.set_ylabel(m)
+        ax.set_title(f"eval {m}")
+        ax.grid(True, alpha=0.3)
+    _save(fig, out / "eval.png")
+    return "eval.png", "evaluation metrics (dev split)"
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, int | float) and v == v and abs(v) != float("inf")

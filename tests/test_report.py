@@ -1,0 +1,187 @@
+"""``l2l report`` on real run directories: its numbers are the run files' numbers, OOM runs (a real
+out-of-memory on the simulated device) and crashed runs are rows, plots are real images, bad input is
+one line and exit code 2."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from l2l_cli.report import build
+from l2l_cli.report import main as report_main
+from tests.util import TINY, l2l
+
+# 3 steps of 4 samples: one epoch of the 12-sample synthetic task (so the report shows its accuracy).
+# baseline keeps all layers, gradients and optimizer state on the device: 2 layers fit in 1.5 MiB, 6 do
+# not; L2L with the stash in host memory needs the same ~0.7 MiB at any depth
+BUDGET_GB = 1.5 / 1024
+SWEEP = [
+    "-m", *TINY, "mode=baseline,l2l_stash_cpu", "model.num_layers=2,6", "batch.size=4", "batch.ubatch_size=4",
+    "trainer.max_steps=3", "task.num_train=12", "task.num_eval=8", "device=sim", f"sim.memory_gb={BUDGET_GB}",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real multirun: 4 jobs, one of them out of memory."""
+    out = tmp_path_factory.mktemp("runs") / "sweep"
+    r = l2l("train", *SWEEP, f"hydra.sweep.dir={out}")
+    assert r.returncode == 0, r.stderr  # an OOM job is a result, not a failure of the sweep
+    return out
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def md_rows(path: Path) -> list[dict[str, str]]:
+    """The first markdown table of report.md, as header -> cell dicts."""
+    lines = [ln for ln in path.read_text().splitlines() if ln.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    body = []
+    for ln in lines[2:]:
+        cells = [c.strip() for c in ln.strip("|").split(" | ")]
+        if len(cells) != len(header):
+            break  # the next table
+        body.append(dict(zip(header, cells, strict=True)))
+    return body
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_report_numbers_are_the_run_files_numbers(sweep: Path, tmp_path: Path) -> None:
+    assert report_main([str(sweep), "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "report.csv")
+    assert [r["run"] for r in rows] == ["0", "1", "2", "3"]
+    for row in rows:
+        s = summary(sweep / row["run"])
+        memory = json.loads((sweep / row["run"] / "memory.json").read_text())
+        assert row["status"] == s["status"]
+        assert int(row["device_peak_bytes"]) == s["device_peak_bytes"]
+        assert int(row["device_budget_bytes"]) == memory["device"]["budget_bytes"]
+        for key in ("method", "precision", "num_layers", "ubatch_size", "num_ubatches", "batch_size"):
+            assert row[key] == str(s["config"][key])
+        if s["status"] == "ok":
+            assert float(row["samples_per_s"]) == s["samples_per_s"]
+            assert float(row["step_time_s"]) == s["step_time_s"]
+            assert int(row["params"]) == s["params"]
+            assert float(row["eval_accuracy"]) == s["eval"]["accuracy"]
+            for phase, seconds in s["time_breakdown_s"].items():
+                assert float(row[f"time_{phase}_s"]) == seconds
+            assert int(row["h2d_bytes"]) == memory["transfer"]["h2d_bytes"]
+
+    table = md_rows(tmp_path / "report.md")
+    assert len(table) == 4
+    for cells in table:
+        s = summary(sweep / cells["RUN"])
+        if s["status"] == "ok":
+            assert cells["THROUGHPUT (SAMPLES/S)"] == f"{s['samples_per_s']:.2f}"
+            assert cells["MEMORY (MiB)"] == f"{s['device_peak_bytes'] / 2**20:.1f}"
+            assert cells["ACCURACY (%)"] == f"{100 * s['eval']['accuracy']:.2f}"
+        assert cells["#LAYER"] == str(s["config"]["num_layers"])
+
+
+def test_oom_runs_are_oom_rows_and_the_stash_on_cpu_is_flat(sweep: Path, tmp_path: Path) -> None:
+    report = build([str(sweep)], tmp_path, plots=False)
+    by = {(r.get("method"), r.get("num_layers")): r for r in report.runs}
+    assert by[("baseline", 2)].ok and by[("baseline", 6)].status == "oom"
+    assert by[("l2l-stash-cpu", 2)].ok and by[("l2l-stash-cpu", 6)].ok
+    assert by[("l2l-stash-cpu", 6)].peak_bytes == by[("l2l-stash-cpu", 2)].peak_bytes
+    cells = {(c["METHOD"], c["#LAYER"]): c for c in md_rows(tmp_path / "report.md")}
+    oom = cells[("baseline", "6")]
+    assert oom["MEMORY (MiB)"] == "OOM" and oom["THROUGHPUT (SAMPLES/S)"] == "-"
+    assert oom["NOTE"].startswith("oom: device out of memory")
+    assert cells[("baseline", "2")]["NOTE"] == ""
+    assert "## Out of memory and failed runs" in (tmp_path / "report.md").read_text()
+
+
+def test_plots_are_written_and_are_images(sweep: Path, tmp_path: Path) -> None:
+    import matplotlib.image
+
+    report = build([str(sweep)], tmp_path)
+    names = {name for name, _ in report.plots}
+    assert names == {"vs_depth.png", "time_breakdown.png", "loss.png", "eval.png"}
+    for name in names:
+        png = tmp_path / name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+        pixels = matplotlib.image.imread(png)
+        assert pixels.std() > 0.05, f"{name} is blank"
+        assert f"]({name})" in (tmp_path / "report.md").read_text()
+
+
+def test_crashed_and_config_failed_runs_are_error_rows(sweep: Path, tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    crashed = root / "crashed"
+    job = next(d for d in sorted(sweep.iterdir()) if d.is_dir() and summary(d)["config"]["mode"] == "l2l")
+    shutil.copytree(job, crashed)  # an L2L job that "died" before writing its summary
+    (crashed / "summary.json").unlink()
+    with (crashed / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 4, "loss": 0.6')  # torn by the crash
+    refused = root / "refused"
+    refused.mkdir()
+    (refused / "summary.json").write_text(json.dumps({"status": "error", "error": "config: bad", "steps": 0}))
+    report = build([str(root)], tmp_path / "out", plots=False)
+    by = {r.name: r for r in report.runs}
+    assert set(by) == {"crashed", "refused"}
+    assert by["crashed"].status == "error" and "no summary.json" in (by["crashed"].error or "")
+    expected = summary(job)["config"]
+    for key in ("method", "num_layers", "precision", "batch_size", "ubatch_size", "seq_len"):  # from .hydra/
+        assert by["crashed"].get(key) == expected[key]
+    assert [m["step"] for m in by["crashed"].metrics] == [1, 2, 3]
+    assert by["refused"].status == "error" and by["refused"].error == "config: bad"
+    cells = {c["RUN"]: c for c in md_rows(tmp_path / "out" / "report.md")}
+    assert cells["crashed"]["MEMORY (MiB)"] == "ERROR" and cells["crashed"]["METHOD"] == "l2l-stash-cpu"
+    assert cells["refused"]["NOTE"] == "error: config: bad"
+
+
+def test_a_folder_of_sweeps_and_single_runs(sweep: Path, tmp_path: Path) -> None:
+    root = tmp_path / "outputs"
+    shutil.copytree(sweep, root / "sweep")
+    shutil.copytree(sweep / "0", root / "single")
+    (root / "sweep" / "report").mkdir()  # an earlier report inside the sweep is not a run
+    for n in (10, 9):  # numbered runs sort as numbers, not as text
+        shutil.copytree(sweep / "1", root / "sweep" / str(n))
+    report = build([str(root)])
+    assert [r.name for r in report.runs] == [
+        "single", "sweep/0", "sweep/1", "sweep/2", "sweep/3", "sweep/9", "sweep/10",
+    ]  # fmt: skip
+    assert report.out == root / "report" and (root / "report" / "report.csv").is_file()
+
+
+def test_the_cli_prints_the_table(sweep: Path, tmp_path: Path) -> None:
+    r = l2l("report", str(sweep), "--out", str(tmp_path), "--no-plots")
+    assert r.returncode == 0, r.stderr
+    for header in ("METHOD", "PRECISION", "UBATCH SIZE", "#UBATCHES", "DEVICE BATCH SIZE", "#LAYER",
+                   "#PARAMETERS", "THROUGHPUT (SAMPLES/S)", "MEMORY (MiB)"):  # fmt: skip
+        assert header in r.stdout
+    assert "OOM" in r.stdout and "l2l-stash-cpu" in r.stdout and "wrote report.md, report.csv" in r.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["{tmp}/nope"], "does not exist"),
+        (["{tmp}/empty"], "no runs under"),
+        (["{tmp}/file.txt"], "is not a directory"),
+        ([], "the following arguments are required"),
+        (["--bogus", "{tmp}"], "unrecognized arguments"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(args: list[str], message: str, tmp_path: Path, capsys) -> None:
+    (tmp_path / "empty" / "deeper").mkdir(parents=True)
+    (tmp_path / "file.txt").write_text("x")
+    code = report_main([a.format(tmp=tmp_path) for a in args])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("l2l: ") and message in err and err.count("\n") == 1
+
+
+def test_bad_input_through_the_real_cli(tmp_path: Path) -> None:
+    r = l2l("report", str(tmp_path / "nope"))
+    assert r.returncode == 2 and r.stderr.startswith("l2l: ") and "Traceback" not in r.stderr
