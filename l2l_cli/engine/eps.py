@@ -46,9 +46,12 @@ class LayerState:
         self.grad_in: CopyHandle = DONE  # the device->host copy of this step's gradient
         self.undo: list[torch.Tensor] | None = None
         self.undo_step = 0.0
+        # AdamW is elementwise: two flat tensors per layer (decayed, not) give the fused kernel long runs.
+        # LAMB's trust ratio is per parameter tensor, so it gets a view per tensor.
+        split = layout.segments if cfg.optim.name == "adamw" else layout.views
         named = []
-        grads, ms, vs = dict(layout.views(self.g)), dict(layout.views(self.m)), dict(layout.views(self.v))
-        for name, view in layout.views(self.w):
+        grads, ms, vs = dict(split(self.g)), dict(split(self.m)), dict(split(self.v))
+        for name, view in split(self.w):
             p = nn.Parameter(view)
             p.grad = grads[name]
             named.append((name, p))
@@ -122,6 +125,7 @@ class EagerParamServer:
         self._bad = False
         self._updated: list[int] = []
         self._norms: dict[int, torch.Tensor] = {}
+        self._raw_norms: dict[int, torch.Tensor] = {}  # L2L: per layer, taken as each gradient landed
         self.realtime: Any = None  # checkpoint.RealtimeWriter: saves each layer right after its update
         self.eager_reduce = cfg.dist.eager_reduce
         self._deferred: list[int] = []
@@ -165,12 +169,18 @@ class EagerParamServer:
         if self.dist.enabled:
             torch_dist.all_reduce(st.g, group=self.dist.eps_group)
 
+    def _reduce_and_norm(self, i: int) -> None:
+        """L2L's background work per layer: reduce, and take the norm the update will need (a full pass
+        over the gradient, done here while the device runs the layers below)."""
+        self._reduce(i)
+        self._raw_norms[i] = torch.linalg.vector_norm(self.layers[i].g)
+
     def reduce_async(self, i: int) -> None:
         """Layer i's gradient is on its way to the host: reduce it in the background (L2L: the update
         waits for the whole step; the reduction overlaps the backward of the layers below). With
         ``dist.eager_reduce=false`` the reductions wait until the backward is over (for comparison)."""
         if self.eager_reduce:
-            self._jobs.append(self._worker.submit(self._timed, self._reduce, i))
+            self._jobs.append(self._worker.submit(self._timed, self._reduce_and_norm, i))
         else:
             self._deferred.append(i)
 
@@ -185,10 +195,11 @@ class EagerParamServer:
         return busy
 
     def grad_norms(self, scaler: LossScaler) -> torch.Tensor:
-        """Unscaled L2 norm of each layer's (rank-averaged) gradient."""
-        return torch.stack([torch.linalg.vector_norm(st.g) for st in self.layers]) / (
-            scaler.scale * self.dist.world
-        )
+        """Unscaled L2 norm of each layer's (rank-averaged) gradient: taken by the EPS thread as each
+        gradient landed, or here for any layer it has not seen."""
+        raw, self._raw_norms = self._raw_norms, {}
+        norms = [raw[st.index] if st.index in raw else torch.linalg.vector_norm(st.g) for st in self.layers]
+        return torch.stack(norms) / (scaler.scale * self.dist.world)
 
     def step(
         self, lr: float, scaler: LossScaler, clip: str, max_norm: float, timer: PhaseTimer
@@ -196,7 +207,7 @@ class EagerParamServer:
         """Alg. 3's update: once every layer's gradient is reduced, skip the step on a non-finite one,
         clip (globally or per layer), update every layer."""
         for i in self._deferred:
-            self._jobs.append(self._worker.submit(self._timed, self._reduce, i))
+            self._jobs.append(self._worker.submit(self._timed, self._reduce_and_norm, i))
         self._deferred = []
         with timer("reduce" if self.dist.enabled else "transfer"):  # the reductions not hidden by backward
             self.wait_background()

@@ -36,6 +36,13 @@ class FlatLayout:
             offset += p.numel()
         self.entries: tuple[Entry, ...] = tuple(entries)
         self.numel = offset
+        self.n_decay = sum(p.numel() for name, p in ordered if not no_decay(name))  # the decayed prefix
+
+    def segments(self, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The flat buffer as its two contiguous optimizer groups: weight-decayed, then not."""
+        return [
+            (n, t) for n, t in (("decay", flat[: self.n_decay]), ("bias", flat[self.n_decay :])) if t.numel()
+        ]
 
     def views(self, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """(name, view of ``flat``) per parameter, in layout order."""
