@@ -173,6 +173,10 @@ def test_mixed_precision_is_the_modes_own(mode: str, expected: str) -> None:
 def test_a_broken_recipe_fails_only_when_used(monkeypatch) -> None:
     from l2l_cli import compose as c
 
-    monkeypatch.setitem(c.BROKEN_RECIPES, "bad_recipe", "recipes/bad_recipe.yaml: mapping values are not allowed here")
-    assert "recipe: bad_recipe cannot be read: recipes/bad_recipe.yaml: mapping values" in messages("recipe=bad_recipe")
+    monkeypatch.setitem(
+        c.BROKEN_RECIPES, "bad_recipe", "recipes/bad_recipe.yaml: mapping values are not allowed here"
+    )
+    assert "recipe: bad_recipe cannot be read: recipes/bad_recipe.yaml: mapping values" in messages(
+        "recipe=bad_recipe"
+    )
     assert messages("batch.size=16") == ""

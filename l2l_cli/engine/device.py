@@ -202,20 +202,12 @@ class Accelerator:
     def memory_stats(self) -> dict[str, Any]:
         return {"h2d_bytes": self.h2d.bytes, "d2h_bytes": self.d2h.bytes}
 
-    @contextmanager
-    def host_overlap(self) -> Iterator[None]:
-        """While host work (the EPS's update) overlaps device compute: here the device *is* the host's
-        cores, so split them (half the intra-op threads each) instead of oversubscribing them, which
-        makes OpenMP's spinning threads slow both sides down several-fold."""
-        n = torch.get_num_threads()
-        if n < 2:
-            yield
-            return
-        torch.set_num_threads(n // 2)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(n)
+    @property
+    def host_threads(self) -> int:
+        """Intra-op threads for the EPS's own thread. Here the device *is* the host's cores: the EPS
+        takes a share instead of a full team, since two OpenMP teams on the same cores spin against
+        each other and slow both sides down several-fold."""
+        return max(1, torch.get_num_threads() // 2)
 
     @contextmanager
     def running(self) -> Iterator[Accelerator]:
@@ -271,9 +263,9 @@ class CudaAccelerator(Accelerator):
     def seed(self, seed: int) -> None:
         torch.cuda.default_generators[self.device.index].manual_seed(seed)
 
-    @contextmanager
-    def host_overlap(self) -> Iterator[None]:
-        yield  # the GPU computes; the host's cores are the EPS's
+    @property
+    def host_threads(self) -> int:
+        return torch.get_num_threads()  # the GPU computes; the host's cores are the EPS's
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

@@ -118,7 +118,12 @@ class EagerParamServer:
         self.spec, self.acc = spec, acc
         self.dist = dist or DistContext()
         # the EPS's own thread: reduces (and, for L2L-p, updates) each layer while the device computes
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l2l-eps")
+        self._worker = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="l2l-eps",
+            initializer=torch.set_num_threads,
+            initargs=(acc.host_threads,),
+        )
         self._jobs: list[Future] = []
         self._lock = threading.Lock()
         self.busy_s = 0.0  # time the worker spent this step (reduction and background updates)
@@ -231,7 +236,11 @@ class EagerParamServer:
             self._worker.submit(self._timed, self._reduce_and_update, i, lr, scaler.scale, clip, max_norm)
         )
 
-    def _reduce_and_update(self, i: int, lr: float, scale: float, clip: str, max_norm: float) -> None:
+    def _reduce_and_update(
+        self, i: int, lr: float, scale: float, clip: str, max_norm: float, last: bool = False
+    ) -> None:
+        """Reduce, check and update layer i. Unless it is the ``last`` of the step (every other verdict is
+        in by then), its pre-update state goes to the undo log first."""
         self._reduce(i)
         st = self.layers[i]
         norm = torch.linalg.vector_norm(st.g) / (scale * self.dist.world)
@@ -241,14 +250,19 @@ class EagerParamServer:
             return
         coef = clip_coefficients(norm[None], clip, max_norm)
         inv = 1.0 / (scale * self.dist.world)
-        st.save_undo(self.acc)
+        if not last:
+            st.save_undo(self.acc)
         self.update_layer(i, lr, (coef[0] * inv) if coef is not None else (None if inv == 1.0 else inv))
-        self._updated.append(i)
+        if not last:
+            self._updated.append(i)
 
-    def finish_async(self, scaler: LossScaler) -> tuple[bool, float]:
-        """The trailing update: wait for the background updates; roll the step back if any layer's
-        gradient was non-finite. Returns (applied, gradient norm)."""
+    def finish_async(self, scaler: LossScaler, trailing: tuple[int, float, str, float]) -> tuple[bool, float]:
+        """The trailing update: wait for the background updates, then update the last layer, ``trailing`` =
+        (layer, lr, clip, max_norm), here with every core (nothing is left for it to hide behind); roll the
+        whole step back if any layer's gradient was non-finite. Returns (applied, gradient norm)."""
         self.wait_background()
+        i, lr, clip, max_norm = trailing
+        self._timed(self._reduce_and_update, i, lr, scaler.scale, clip, max_norm, True)
         bad, updated, norms = self._bad, self._updated, self._norms
         self._bad, self._updated, self._norms = False, [], {}
         if bad:

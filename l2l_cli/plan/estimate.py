@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from l2l_cli.config import effective_precision
 from l2l_cli.plan import costmodel as cm
 from l2l_cli.plan.hardware import Rates, fmt_bytes
 from l2l_cli.plan.shapes import ModelShape, device_weight_bytes
-from l2l_cli.config import effective_precision
 
 PHASES = ("forward", "backward", "recompute", "optimizer", "transfer", "reduce")
 FP32_STATE = 16  # bytes per parameter: FP32 weights, gradients, and the two Adam/LAMB moments

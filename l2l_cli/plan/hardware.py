@@ -11,8 +11,8 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from l2l_cli.plan.shapes import OPT_FLOP_PER_PARAM, ModelShape
 from l2l_cli.config import effective_precision
+from l2l_cli.plan.shapes import OPT_FLOP_PER_PARAM, ModelShape
 
 GiB = 2**30
 GB = 1e9

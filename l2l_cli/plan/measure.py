@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from l2l_cli.config import effective_precision
 from l2l_cli.plan import PlanError
 from l2l_cli.plan.hardware import LayerTimes, MeasuredTimes
 from l2l_cli.plan.shapes import ModelShape, act_bytes
-from l2l_cli.config import effective_precision
 
 
 def _device(cfg: Any) -> torch.device:

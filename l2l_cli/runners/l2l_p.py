@@ -25,15 +25,13 @@ class L2LPRunner(L2LRunner):
         ubatches, masks = self.split(minibatch)
         x = self.forward_pass(ubatches, masks)  # Alg. 4: for l in layers: for u in ubatches: forward
         g, loss = self.turn(x, ubatches)
-        with self.acc.host_overlap():  # the EPS works alongside the device from here to the step's end
-            for i in reversed(range(self.head)):  # Alg. 4: for l in reversed(layers):
-                # Process 2 (EPS thread): w_{l+1} = optimizer(w_{l+1}, g_{l+1}) ...
-                self.eps.update_async(i + 1, lr, scaler, clip, max_norm)
-                # ... while Process 1 (device): for u in ubatches: g_l = backward(g_{l+1})
-                self.backward_layer(i, g, ubatches, masks)
-            self.eps.update_async(0, lr, scaler, clip, max_norm)
-            with self.timer("optimizer"):  # the trailing update: the only exposed part of the optimizer
-                applied, norm = self.eps.finish_async(scaler)
+        for i in reversed(range(self.head)):  # Alg. 4: for l in reversed(layers):
+            # Process 2 (the EPS thread): w_{l+1} = optimizer(w_{l+1}, g_{l+1}) ...
+            self.eps.update_async(i + 1, lr, scaler, clip, max_norm)
+            # ... while Process 1 (the device): for u in ubatches: g_l = backward(g_{l+1})
+            self.backward_layer(i, g, ubatches, masks)
+        with self.timer("optimizer"):  # the trailing update (layer 0): the only exposed part of the optimizer
+            applied, norm = self.eps.finish_async(scaler, trailing=(0, lr, clip, max_norm))
         return self.finish(
             loss, len(minibatch), t0, lr, skipped=not applied, grad_norm=norm, extra=self.background()
         )
