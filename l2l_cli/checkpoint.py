@@ -2,6 +2,7 @@
 
 A checkpoint is a directory ``checkpoints/step_<k>/`` holding
   manifest.json   format, step, mode, state layout, model shape, and every file's size and sha256
+                  (crc32 for real-time files, whose checksum is on the per-step CPU budget)
   state.json      the trainer: step, data position, loss scaler, RNG states, counters (plain JSON)
   config.yaml     the resolved config it was written with (for the record)
   *.safetensors   the training state: weights and optimizer moments (the runner's own layout)
@@ -17,14 +18,18 @@ most the step in flight.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import mmap
 import os
 import random
 import re
 import shutil
+import struct
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -64,6 +69,93 @@ def write_bytes(path: Path, data: bytes) -> dict[str, Any]:
     return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
+_ALIGN = 4096  # O_DIRECT wants block-aligned buffers, offsets and lengths
+_CHUNK = 32 << 20
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+              torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}  # fmt: skip
+_staging = threading.local()
+
+
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Stream tensors into a safetensors file without building it in memory; returns its manifest
+    entry (size, crc32).
+
+    Why not ``write_bytes(st_save(...))``: on this class of machine a buffered write costs ~3 ms of
+    kernel CPU per MB (page-cache copies), which a background writer steals from training. Here each
+    32 MiB chunk is copied into a page-aligned staging buffer and written with O_DIRECT (DMA, almost
+    no CPU); the header is padded with spaces (allowed by the format) so the data starts block-aligned.
+    Where O_DIRECT is refused (tmpfs, some network filesystems) the same loop uses ordinary writes."""
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    header: dict[str, Any] = {}
+    offset = 0
+    for key, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[key] = {
+            "dtype": _ST_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    hlen = -(-(8 + len(text)) // _ALIGN) * _ALIGN - 8
+    head = struct.pack("<Q", hlen) + text + b" " * (hlen - len(text))
+    total = len(head) + offset
+    stage = getattr(_staging, "buf", None)
+    if stage is None:
+        stage = _staging.buf = mmap.mmap(-1, _CHUNK)  # anonymous mmap: page-aligned
+    view = torch.frombuffer(stage, dtype=torch.uint8)
+    pieces = [torch.frombuffer(bytearray(head), dtype=torch.uint8)]
+    pieces += [t.reshape(-1).view(torch.uint8) for t in tensors.values() if t.numel()]
+    direct = getattr(os, "O_DIRECT", 0)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | direct, 0o644)
+    except OSError:
+        fd, direct = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 0
+    crc, pos, fill = 0, 0, 0
+    try:
+
+        def flush(n: int) -> None:
+            nonlocal direct, pos
+            padded = -(-n // _ALIGN) * _ALIGN if direct else n  # the tail is padded, then truncated
+            data = memoryview(stage)[:padded]
+            try:
+                written = os.pwrite(fd, data, pos)
+            except OSError:
+                if not direct:
+                    raise
+                direct = 0  # the filesystem accepted the flag but not the write: fall back
+                _set_direct(fd, False)
+                written = os.pwrite(fd, data[:n], pos)
+            if written < n:
+                raise OSError(f"{path}: short write")
+            pos += n
+
+        for piece in pieces:
+            done = 0
+            while done < piece.numel():
+                k = min(_CHUNK - fill, piece.numel() - done)
+                view[fill : fill + k].copy_(piece[done : done + k])
+                crc = zlib.crc32(memoryview(stage)[fill : fill + k], crc)
+                fill, done = fill + k, done + k
+                if fill == _CHUNK:
+                    flush(fill)
+                    fill = 0
+        if fill:
+            flush(fill)
+        os.ftruncate(fd, total)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return {"bytes": total, "crc32": f"{crc:08x}"}
+
+
+def _set_direct(fd: int, on: bool) -> None:
+    import fcntl
+
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
+
+
 def tensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
     return st_save({k: v.detach().contiguous() for k, v in tensors.items()}, metadata=metadata)
 
@@ -81,8 +173,14 @@ def _read_checked(ckpt: Path, name: str, manifest: dict[str, Any]) -> bytes:
     entry = manifest["files"].get(name)
     if entry is None:
         raise CheckpointError(f"{ckpt}: {name} is not in the manifest")
+    if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int):
+        raise CheckpointError(f"{ckpt}/manifest.json: malformed entry for {name}")
     data = (ckpt / name).read_bytes()
-    if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+    if "crc32" in entry:  # real-time files (write_tensors)
+        intact = f"{zlib.crc32(data):08x}" == entry["crc32"]
+    else:
+        intact = hashlib.sha256(data).hexdigest() == entry.get("sha256")
+    if len(data) != entry["bytes"] or not intact:
         raise CheckpointError(
             f"{ckpt / name}: size or checksum differs from the manifest (corrupt or truncated)"
         )
@@ -273,6 +371,13 @@ def find_latest_run(outputs: Path) -> Path:
 # ---- real-time checkpoints ----------------------------------------------------------------------
 
 
+def _background() -> None:
+    """Lower this thread's CPU priority (Linux nice is per thread): the writer should take the cores
+    only when training leaves them idle, not preempt an intra-op worker that a whole matmul waits on."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+
+
 class RealtimeWriter:
     """Writes each layer of the EPS right after its update, on a thread of its own; ``commit(step)``
     turns a step's layer files into a checkpoint once they are all on disk.
@@ -284,7 +389,9 @@ class RealtimeWriter:
         self.root = root / "realtime"
         self.root.mkdir(parents=True, exist_ok=True)
         self.runner, self.cfg, self.config_yaml = runner, cfg, config_yaml
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l2l-rtckpt")
+        self._pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="l2l-rtckpt", initializer=_background
+        )
         self._layer_jobs: dict[int, Future] = {}
         self._commit_job: Future | None = None
         self._files: dict[int, dict[str, Any]] = {}
@@ -303,13 +410,13 @@ class RealtimeWriter:
         tmp.mkdir()
         self._files[step] = {}
 
-    def layer_updated(self, i: int, name: str, payload: Callable[[], bytes]) -> None:
+    def layer_updated(self, i: int, name: str, payload: Callable[[], dict[str, torch.Tensor]]) -> None:
         step = self.step
         assert step is not None
 
         def job() -> None:
             t0 = time.perf_counter()
-            entry = write_bytes(self._tmp(step) / name, payload())
+            entry = write_tensors(self._tmp(step) / name, payload())
             with self._lock:
                 self._files[step][name] = entry
                 self.busy_s += time.perf_counter() - t0
@@ -334,7 +441,7 @@ class RealtimeWriter:
             tmp = self._tmp(step)
             for name, payload in layer_files():
                 if name not in self._files[step]:
-                    self._files[step][name] = write_bytes(tmp / name, payload())
+                    self._files[step][name] = write_tensors(tmp / name, payload())
             files = dict(self._files.pop(step))
             files["state.json"] = write_bytes(tmp / "state.json", json.dumps(trainer_state).encode())
             files["config.yaml"] = write_bytes(tmp / "config.yaml", self.config_yaml.encode())

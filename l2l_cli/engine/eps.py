@@ -289,19 +289,19 @@ class EagerParamServer:
     # ---- checkpoints: one file per layer (w, m, v, step), the same for full and real-time ones --------
 
     def layer_file(self, i: int) -> tuple[str, Any]:
-        """(file name, a function giving its bytes), read from the live buffers when called."""
+        """(file name, a function giving its tensors): views of the live buffers, taken when called."""
         st = self.layers[i]
 
-        def payload() -> bytes:
+        def payload() -> dict[str, torch.Tensor]:
             step = next(iter(st.optimizer.state.values()))["step"]
-            return tensors_bytes({"w": st.w, "m": st.m, "v": st.v, "step": step.reshape(())})
+            return {"w": st.w, "m": st.m, "v": st.v, "step": step.reshape(())}
 
         return f"layer_{i}.safetensors", payload
 
     def state_files(self) -> Iterator[tuple[str, bytes]]:
         for i in range(len(self.layers)):
             name, payload = self.layer_file(i)
-            yield name, payload()
+            yield name, tensors_bytes(payload())
 
     @torch.no_grad()
     def load_state(self, ckpt: Any, manifest: dict[str, Any]) -> None:
