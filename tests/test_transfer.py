@@ -24,12 +24,14 @@ def exposed_transfer(num_ubatches: int, *extra: str) -> tuple[float, float]:
 
 
 def test_exposed_transfer_falls_as_ubatches_grow() -> None:
-    (t1, c1), (t4, _), (t8, c8) = (exposed_transfer(u) for u in (1, 4, 8))
+    (t1, c1), (t4, _), (t16, c16) = (exposed_transfer(u) for u in (1, 4, 16))
     # a block is 0.8 MB: 16 ms on the 0.05 GB/s link, longer than one micro-batch's compute on it
     assert t1 > 0.25 * c1
-    assert t1 > 1.3 * t4 and t4 > t8
-    assert t8 < t1 / 2
-    assert c8 > 4 * c1  # the work grew; the exposed copy time did not
+    # at 16 a layer's compute covers its copy (what stays exposed is the first load and the last
+    # gradient's return, which nothing can overlap); 8 sits on the edge on a fast machine
+    assert t1 > 1.3 * t4 and t4 > t16
+    assert t16 < t1 / 2
+    assert c16 > 4 * c1  # the work grew; the exposed copy time did not
 
 
 def test_without_prefetch_copies_are_fully_exposed() -> None:
