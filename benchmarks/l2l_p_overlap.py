@@ -1,6 +1,6 @@
 """Issue 4's benchmark: how much of the host optimizer L2L-p hides behind the backward pass, and how much
 eager per-layer ("parallel") reduction hides in 2-rank data parallel. One run on this CPU.
-Usage: python benchmarks/l2l_p_overlap.py [--steps 3] [--skip-dp]
+Usage: python benchmarks/l2l_p_overlap.py [--steps 3] [--skip-dp] [--layers 8]
 
 On 2 cores the device (compute) and the EPS (optimizer, reduction) share the same cores, so a hidden
 update still slows the backward it overlaps; both the exposed time and the step time are printed.
@@ -21,9 +21,10 @@ from harness import BERT_LARGE_8, measure
 COMMON = [*BERT_LARGE_8, "batch.size=32", "batch.ubatch_size=16", "optim.clip=layer"]
 
 
-def overlap(steps: int) -> None:
-    l2l = measure([*COMMON, "mode=l2l"], steps=steps)
-    l2lp = measure([*COMMON, "mode=l2l_p"], steps=steps)
+def overlap(steps: int, layers: int) -> None:
+    common = [f"model.num_layers={layers}" if o.startswith("model.num_layers=") else o for o in COMMON]
+    l2l = measure([*common, "mode=l2l"], steps=steps)
+    l2lp = measure([*common, "mode=l2l_p"], steps=steps)
     print(f"{'phase (s/step)':22s} {'l2l':>8s} {'l2l_p':>8s}")
     for k in ("forward", "recompute", "backward", "transfer", "optimizer", "eps_background_s"):
         print(f"{k:22s} {l2l['phases'].get(k, 0):8.2f} {l2lp['phases'].get(k, 0):8.2f}")
@@ -58,8 +59,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--skip-dp", action="store_true")
+    ap.add_argument(
+        "--layers", type=int, default=8, help="BERT-Large blocks (the embeddings stay the trailing update)"
+    )
     args = ap.parse_args()
-    overlap(args.steps)
+    overlap(args.steps, args.layers)
     if not args.skip_dp:
         dp_reduce_wait(args.steps + 1)
 
