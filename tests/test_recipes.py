@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from l2l_cli.compose import preflight
+from l2l_cli.compose import compose, preflight
 from l2l_cli.report import main as report_main
 from tests.util import GLUE, REPO, l2l
 
@@ -201,6 +201,10 @@ def test_recipe_header_and_both_scales_compose(name: str) -> None:
         warnings: list[str] = []
         assert preflight([f"recipe={name}", f"scale={scale}"], False, warnings) == []
         assert all("precision=cmp" in w for w in warnings)  # only Table 2's refused baseline-ag + cmp
+    # the header's `l2l report outputs/<name>` finds the runs: the recipe's sweep dir beats the default one
+    assert re.search(rf"^#\s+l2l report outputs/{name}\s", header, re.M)
+    sweep_dir = compose([f"recipe={name}"], hydra=True).hydra.sweep._get_node("dir")._value()
+    assert sweep_dir.startswith(f"outputs/{name}/"), sweep_dir
 
 
 @pytest.mark.parametrize("name", recipe_names())
