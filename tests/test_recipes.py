@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from omegaconf import OmegaConf
 
 from l2l_cli.compose import compose, preflight
 from l2l_cli.report import main as report_main
@@ -203,7 +204,8 @@ def test_recipe_header_and_both_scales_compose(name: str) -> None:
         assert all("precision=cmp" in w for w in warnings)  # only Table 2's refused baseline-ag + cmp
     # the header's `l2l report outputs/<name>` finds the runs: the recipe's sweep dir beats the default one
     assert re.search(rf"^#\s+l2l report outputs/{name}\s", header, re.M)
-    sweep_dir = compose([f"recipe={name}"], hydra=True).hydra.sweep._get_node("dir")._value()
+    hydra_cfg = compose([f"recipe={name}"], hydra=True).hydra
+    sweep_dir = OmegaConf.to_container(hydra_cfg.sweep, resolve=False)["dir"]  # ${now:...} left as written
     assert sweep_dir.startswith(f"outputs/{name}/"), sweep_dir
 
 
