@@ -10,11 +10,9 @@ import torch
 
 from l2l_cli.compose import compose
 from l2l_cli.data.batches import TrainStream
-from l2l_cli.data.loading import synthetic
-from l2l_cli.engine.device import make_accelerator
-from l2l_cli.engine.precision import make_precision
-from l2l_cli.models.bert import ModelSpec
-from l2l_cli.runners import make_runner
+from l2l_cli.data.loading import TaskData, synthetic
+from l2l_cli.data.tasks import TASKS
+from l2l_cli.session import Session, build
 
 # L2L v1 Table 1 widths (BERT-Large), 8 layers, sequence 128: what issues 3 and 4 benchmark on this CPU
 BERT_LARGE_8 = [
@@ -26,23 +24,27 @@ BERT_LARGE_8 = [
 ]
 
 
+def session(overrides: list[str], samples: int = 256) -> Session:
+    """The built session for ``overrides`` on a small synthetic task (``with session([...]) as s:``)."""
+    cfg = compose([*overrides, "trainer.max_steps=100"])
+    data = synthetic(samples, cfg.task.max_seq_len, cfg.model.vocab_size, seed=1)
+    return build(cfg, data=TaskData(TASKS["synthetic"], data, data, "synthetic"))
+
+
 def measure(overrides: list[str], steps: int = 3, warmup: int = 1) -> dict[str, Any]:
     """Median samples/s and mean phase times over ``steps - warmup`` steps, and the device-tier peak."""
-    cfg = compose(overrides)
-    acc = make_accelerator(cfg)
-    spec = ModelSpec.from_config(cfg.model, 2)
+    cfg = compose([*overrides, "trainer.max_steps=100"])
     data = synthetic(
         max(256, cfg.batch.size * (steps + 1)), cfg.task.max_seq_len, cfg.model.vocab_size, seed=1
     )
+    task = TaskData(TASKS["synthetic"], data, data, "synthetic")
     stream = TrainStream(data, cfg.batch.size, seed=0, pad_to_max=cfg.task.max_seq_len)
-    with acc.running():
-        runner = make_runner(cfg, acc, spec, make_precision(cfg, acc), total_steps=100)
-        try:
-            it = stream.batches()
-            reports = [runner.step(next(it)) for _ in range(steps)][warmup:]
-        finally:
-            runner.close()
-        peak = acc.meter.peak_bytes
+    with build(cfg, data=task) as session:
+        runner = session.runner
+        assert runner is not None
+        it = stream.batches()
+        reports = [runner.step(next(it)) for _ in range(steps)][warmup:]
+        peak = runner.acc.meter.peak_bytes
     phases: dict[str, float] = {}
     for r in reports:
         for k, v in {**r.phases, **r.extra}.items():

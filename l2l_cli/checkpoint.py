@@ -220,23 +220,21 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # ---- what identifies a checkpoint's kind --------------------------------------------------------
 
 
-def identity(runner: Any, cfg: Any) -> dict[str, Any]:
-    """What must match for a checkpoint to load into ``runner``: the model's shape and the state layout."""
-    s = runner.spec
+def identity(model: Any, mode: Any, optimizer: str) -> dict[str, Any]:
+    """What must match for a checkpoint to load: the model's family and shape (``ModelSpec.identity``), the
+    mode's state layout (``ModeSpec.state_layout``: modes sharing one resume each other's) and optimizer."""
     return {
-        "model": {
-            "num_layers": s.num_layers, "hidden_size": s.hidden_size, "num_heads": s.num_heads,
-            "intermediate_size": s.intermediate_size, "vocab_size": s.vocab_size, "seq_len": s.seq_len,
-            "type_vocab_size": s.type_vocab_size, "num_labels": s.num_labels,
-        },
-        "state_layout": runner.state_layout,
-        "optimizer": cfg.optim.name,
-        "mode": cfg.mode.name,
-    }  # fmt: skip
+        "model": model.identity(),
+        "family": model.family,
+        "state_layout": mode.state_layout,
+        "optimizer": optimizer,
+        "mode": mode.name,
+    }
 
 
-def check_identity(ckpt: Path, manifest: dict[str, Any], runner: Any, cfg: Any) -> None:
-    want = identity(runner, cfg)
+def check_identity(ckpt: Path, manifest: dict[str, Any], want: dict[str, Any]) -> None:
+    if manifest.get("family", want["family"]) != want["family"]:  # written before families: BERT
+        raise CheckpointError(f"{ckpt} holds a {manifest.get('family')} model; this run is {want['family']}")
     have_model, want_model = manifest.get("model", {}), want["model"]
     diff = [
         f"{k} {have_model.get(k)} (checkpoint) vs {v} (this run)"
@@ -297,8 +295,9 @@ def _commit(tmp: Path, final: Path, files: dict[str, Any], meta: dict[str, Any])
 
 
 def save(
-    root: Path, step: int, runner: Any, cfg: Any, trainer_state: dict[str, Any], keep: int, config_yaml: str
-) -> Path:
+    root: Path, step: int, runner: Any, ident: dict[str, Any], trainer_state: dict[str, Any], keep: int,
+    config_yaml: str,
+) -> Path:  # fmt: skip
     """A full checkpoint of ``runner`` after ``step`` steps, under ``root`` (``<run dir>/checkpoints``)."""
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-step_{step}-{os.getpid()}"
@@ -307,7 +306,7 @@ def save(
     files = {name: write_bytes(tmp / name, data) for name, data in runner.state_files()}
     files["state.json"] = write_bytes(tmp / "state.json", json.dumps(trainer_state).encode())
     files["config.yaml"] = write_bytes(tmp / "config.yaml", config_yaml.encode())
-    meta = {"step": step, "created": time.time(), **identity(runner, cfg)}
+    meta = {"step": step, "created": time.time(), **ident}
     final = _commit(tmp, root / f"step_{step}", files, meta)
     prune(root, keep)
     return final
@@ -385,10 +384,10 @@ class RealtimeWriter:
     The runner calls ``before_update(i)`` before it updates layer i again, so the previous step's file
     for layer i is complete before its buffers change (the writer reads the EPS buffers in place)."""
 
-    def __init__(self, root: Path, runner: Any, cfg: Any, config_yaml: str):
+    def __init__(self, root: Path, ident: dict[str, Any], config_yaml: str):
         self.root = root / "realtime"
         self.root.mkdir(parents=True, exist_ok=True)
-        self.runner, self.cfg, self.config_yaml = runner, cfg, config_yaml
+        self.ident, self.config_yaml = ident, config_yaml
         self._pool = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="l2l-rtckpt", initializer=_background
         )
@@ -445,7 +444,7 @@ class RealtimeWriter:
             files = dict(self._files.pop(step))
             files["state.json"] = write_bytes(tmp / "state.json", json.dumps(trainer_state).encode())
             files["config.yaml"] = write_bytes(tmp / "config.yaml", self.config_yaml.encode())
-            meta = {"step": step, "created": time.time(), "realtime": True, **identity(self.runner, self.cfg)}
+            meta = {"step": step, "created": time.time(), "realtime": True, **self.ident}
             _commit(tmp, self.root / f"step_{step}", files, meta)
             prune(self.root, 1)
             self.busy_s += time.perf_counter() - t0

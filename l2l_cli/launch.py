@@ -6,7 +6,6 @@ A rank that dies makes the agent stop the others; the job then ends with an erro
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -15,7 +14,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from l2l_cli.train import RunFiles, exit_code, job_status, run_dir_of, run_job
+from l2l_cli.rundir import RunFiles
+from l2l_cli.schema import Summary, read_json
+from l2l_cli.train import exit_code, run_dir_of, run_job
 
 
 def run_task(cfg: DictConfig) -> str:
@@ -38,14 +39,14 @@ def launch_ranks(cfg: DictConfig, run_dir: Path) -> str:
     except Exception as e:  # ChildFailedError (a rank died or failed), or the launcher itself
         msg = failure_message(e)
         logging.getLogger("l2l").error("data-parallel job failed: %s", msg)
-        path = run_dir / "summary.json"
-        summary = json.loads(path.read_text()) if path.exists() else {"run_dir": str(run_dir), "steps": 0}
-        if summary.get("status") in ("oom", "interrupted"):  # rank 0 said what happened to every rank
-            return job_status(summary)
-        if summary.get("error"):  # rank 0's own error is a consequence; the failed rank is the cause
-            summary["rank0_error"] = summary["error"]
-        summary.update(status="error", error=msg)
-        RunFiles(run_dir).write("summary.json", summary)
+        obj, _ = read_json(run_dir / "summary.json")
+        summary = Summary.from_json(obj) if obj else Summary(run_dir=str(run_dir))
+        if summary.status in ("oom", "interrupted"):  # rank 0 said what happened to every rank
+            return summary.code
+        if summary.error:  # rank 0's own error is a consequence; the failed rank is the cause
+            summary.rank0_error = summary.error
+        summary.status, summary.error = "error", msg
+        RunFiles(run_dir).write("summary.json", summary.to_json())
         print(f"l2l: error: {msg} (see {run_dir}/train.log)", file=sys.stderr)
         return "error"
 

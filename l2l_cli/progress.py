@@ -18,6 +18,7 @@ from rich.progress import (
 from rich.table import Table
 
 from l2l_cli.profiling.memory import fmt_bytes
+from l2l_cli.schema import Summary
 
 console = Console(stderr=False, highlight=False)
 
@@ -78,31 +79,29 @@ class RunProgress:
             self._bar.__exit__(None, None, None)
 
 
-def summary_table(summary: dict[str, Any]) -> Table:
-    t = Table(title=f"l2l run: {summary.get('status')}", show_header=False, title_justify="left")
+def summary_table(summary: Summary) -> Table:
+    t = Table(title=f"l2l run: {summary.status}", show_header=False, title_justify="left")
     t.add_column(style="bold")
     t.add_column()
-    cfg = summary.get("config", {})
+    cfg = summary.config
     rows = [
-        ("mode", f"{cfg.get('method')}  ({cfg.get('precision')}, device {summary.get('device')})"),
-        (
-            "model",
-            f"{cfg.get('model')}: {cfg.get('num_layers')} layers, {summary.get('params', 0) / 1e6:.2f}M params",
-        ),
-        ("batch", f"{cfg.get('batch_size')} = {cfg.get('num_ubatches')} x ubatch {cfg.get('ubatch_size')}"),
-        ("steps", f"{summary.get('steps')}  (skipped {summary.get('skipped_steps', 0)})"),
-        ("final loss", f"{summary['final_loss']:.4f}" if summary.get("final_loss") is not None else "-"),
-        ("throughput", f"{summary.get('samples_per_s', 0):.1f} samples/s"),
-        ("device peak", fmt_bytes(summary.get("device_peak_bytes", 0))),
+        ("mode", f"{cfg.method}  ({cfg.precision}, device {summary.device})"),
+        ("model", f"{cfg.model}: {cfg.num_layers} layers, {(summary.params or 0) / 1e6:.2f}M params"),
+        ("batch", f"{cfg.batch_size} = {cfg.num_ubatches} x ubatch {cfg.ubatch_size}"),
+        ("steps", f"{summary.steps}  (skipped {summary.skipped_steps})"),
+        ("final loss", f"{summary.final_loss:.4f}" if summary.final_loss is not None else "-"),
+        ("throughput", f"{summary.samples_per_s or 0:.1f} samples/s"),
+        ("device peak", fmt_bytes(summary.device_peak_bytes)),
     ]
-    phases = summary.get("time_breakdown_s") or {}
-    if phases:
-        rows.append(("time per step", "  ".join(f"{k} {v * 1e3:.1f}ms" for k, v in phases.items())))
-    for name, value in (summary.get("eval") or {}).items():
+    if summary.time_breakdown_s:
+        rows.append(
+            ("time per step", "  ".join(f"{k} {v * 1e3:.1f}ms" for k, v in summary.time_breakdown_s.items()))
+        )
+    for name, value in summary.eval.items():
         rows.append((f"eval {name}", f"{value:.4f}"))
-    if summary.get("error"):
-        rows.append(("error", summary["error"]))
-    rows.append(("run dir", summary.get("run_dir", "")))
+    if summary.error:
+        rows.append(("error", summary.error))
+    rows.append(("run dir", summary.run_dir))
     for k, v in rows:
         t.add_row(k, str(v))
     return t

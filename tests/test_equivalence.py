@@ -7,8 +7,8 @@ import functools
 import pytest
 import torch
 
-from l2l_cli.models.bert import LayeredModel, ModelSpec, hf_name
-from l2l_cli.runners.common import ubatch_seed
+from l2l_cli.models import LayeredModel, make_spec
+from l2l_cli.modes.base import ubatch_seed
 from tests.util import assert_same_weights, batches, built, tiny_cfg, train
 
 UBATCHES = {1: 8, 2: 4, 4: 2}  # #ubatches -> ubatch size, batch.size 8
@@ -63,11 +63,11 @@ def test_l2l_dropout_gradients_equal_autograd_with_same_masks() -> None:
     with built(cfg) as runner:
         runner.step(mb)
         got = {
-            hf_name(runner.spec, st.index, n): v.clone()
+            runner.spec.hf_name(st.index, n): v.clone()
             for st in runner.eps.layers
             for n, v in st.layout.views(st.g)
         }
-    spec = ModelSpec.from_config(cfg.model, 2)
+    spec = make_spec(cfg.model, 2)
     model = LayeredModel(spec, seed=cfg.trainer.seed).train()
     n = cfg.batch.size // cfg.batch.ubatch_size
     for u, ub in enumerate(mb.split(n)):

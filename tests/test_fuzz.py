@@ -39,7 +39,9 @@ def schema_keys(node: object = L2LConfig, prefix: str = "") -> list[tuple[str, t
     out = []
     for f in fields(node):  # type: ignore[arg-type]
         typ = (
-            f.type if not isinstance(f.type, str) else eval(f.type, vars(__import__("l2l_cli.config").config))
+            f.type
+            if not isinstance(f.type, str)
+            else eval(f.type, vars(__import__("l2l_cli.config.schema").config.schema))
         )
         default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
         if is_dataclass(default):

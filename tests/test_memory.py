@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from l2l_cli.models.bert import ModelSpec, new_layer
+from l2l_cli.models import make_spec
 from l2l_cli.profiling.memory import DeviceOutOfMemory, StorageMeter
 from l2l_cli.train import run_job
 from tests.util import tiny_cfg, train
@@ -62,8 +62,8 @@ def test_stash_device_grows_by_one_layer_output_per_ubatch_per_layer() -> None:
 
 def test_baseline_grows_with_weights_grads_optimizer_and_activations() -> None:
     (b4, parts4), (b16, parts16) = peak("baseline_ag", 4), peak("baseline_ag", 16)
-    spec = ModelSpec.from_config(tiny_cfg().model, 2)
-    block = sum(p.numel() for p in new_layer(spec, "block", "meta").parameters())
+    spec = make_spec(tiny_cfg().model, 2)
+    block = sum(p.numel() for p in spec.new_layer("block", "meta").parameters())
     state = 12 * block * 4 * 4  # 12 more blocks: weights, grads, two Adam moments, fp32
     assert b16 - b4 >= state
     for part in ("weights", "grads", "optimizer_state"):

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors import safe_open
 from transformers import BertForSequenceClassification
 
+from l2l_cli.config import ModelConfig
 from l2l_cli.data.batches import Batch
-from l2l_cli.models.bert import LayeredModel, ModelSpec, save_hf
-from l2l_cli.train import _SafeTensors
-from tests.util import batches, built, tiny_cfg
+from l2l_cli.models import FAMILIES, LayeredModel
+from l2l_cli.session import SafeTensors
+from tests.util import batches, bert_spec, built, tiny_cfg
 
 
 def _batch(n_labels: int) -> Batch:
@@ -25,7 +28,7 @@ def _batch(n_labels: int) -> Batch:
 
 @pytest.mark.parametrize("num_labels", [1, 2, 3])
 def test_layered_model_logits_equal_hf(num_labels: int) -> None:
-    spec = ModelSpec(2, 64, 4, 128, vocab_size=512, seq_len=64, num_labels=num_labels)
+    spec = bert_spec(2, 64, 4, 128, num_labels=num_labels, vocab_size=512, seq_len=64)
     model = LayeredModel(spec, seed=3).eval()
     hf = BertForSequenceClassification(spec.hf_config()).eval()
     assert hf.load_state_dict(model.hf_state_dict(), strict=True)
@@ -46,7 +49,7 @@ def test_save_final_round_trips_through_from_pretrained(tmp_path, mode: str) -> 
     cfg = tiny_cfg(f"mode={mode}")
     with built(cfg) as runner:
         runner.step(next(batches(cfg)))
-        save_hf(tmp_path, runner.spec, runner.hf_tensors())
+        runner.spec.save_hf(tmp_path, runner.hf_tensors())
         probe = next(batches(cfg, seed=9))
         ours = runner.predict(probe)
     hf = BertForSequenceClassification.from_pretrained(tmp_path).eval()
@@ -57,12 +60,12 @@ def test_save_final_round_trips_through_from_pretrained(tmp_path, mode: str) -> 
 
 
 def test_pretrained_minilm_loads_into_every_mode(minilm) -> None:
-    spec = ModelSpec.from_hf_dir(minilm, dropout=0.0, num_labels=2)
+    spec = FAMILIES["bert"].from_hf_dir(Path(minilm), ModelConfig(dropout=0.0), 2)
     assert (spec.num_layers, spec.hidden_size, spec.num_heads) == (6, 384, 12)
     hf = BertForSequenceClassification.from_pretrained(minilm, num_labels=2).eval()
     with safe_open(f"{minilm}/model.safetensors", framework="pt") as f:
         model = LayeredModel(spec)
-        missing = model.load_hf_state_dict(_SafeTensors(f))
+        missing = model.load_hf_state_dict(SafeTensors(f))
     assert sorted(missing) == ["classifier.bias", "classifier.weight"]
     model.post.classifier.load_state_dict(hf.classifier.state_dict())
     b = _batch(2)

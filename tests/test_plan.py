@@ -21,7 +21,7 @@ from l2l_cli.plan.planner import make_plan, model_shape
 from l2l_cli.plan.shapes import ModelShape
 
 REPO = Path(__file__).resolve().parent.parent
-BERT_LARGE = ModelShape(24, 1024, 16, 4096)
+BERT_LARGE = ModelShape.bert(24, 1024, 16, 4096)
 V1_EXAMPLE = [
     "model=bert-large",
     "batch.size=64",
@@ -193,12 +193,15 @@ def test_arithmetic_intensity_thresholds_of_table_a1() -> None:
     "sizes", [(2, 128, 2, 512), (24, 1024, 16, 4096), (3, 96, 4, 200)], ids=["tiny", "large", "odd"]
 )
 def test_parameter_counts_match_the_modules(sizes: tuple[int, int, int, int]) -> None:
-    from l2l_cli.models.bert import ModelSpec
-    from l2l_cli.train import runner_params
+    from tests.util import bert_spec
 
-    spec = ModelSpec(*sizes, num_labels=3)
+    spec = bert_spec(*sizes, num_labels=3)
     shape = ModelShape.from_spec(spec)
-    assert shape.total_params == runner_params(spec)
+    modules = {
+        k: sum(p.numel() for p in spec.new_layer(k, "meta").parameters()) for k in ("pre", "block", "post")
+    }
+    assert shape.total_params == modules["pre"] + sizes[0] * modules["block"] + modules["post"]
+    assert shape.total_params == spec.total_params
     h = sizes[1]
     if sizes[3] == 4 * h:
         assert shape.block_params == 12 * h * h + 13 * h
@@ -207,11 +210,12 @@ def test_parameter_counts_match_the_modules(sizes: tuple[int, int, int, int]) ->
 def test_block_activation_bytes_match_the_storage_meter() -> None:
     import torch
 
-    from l2l_cli.models.bert import ModelSpec, build_layer, extended_mask
+    from l2l_cli.models.bert import extended_mask
     from l2l_cli.profiling.memory import StorageMeter
+    from tests.util import bert_spec
 
-    spec = ModelSpec(1, 192, 3, 768, num_labels=2)
-    block = build_layer(spec, 1, 0)
+    spec = bert_spec(1, 192, 3, 768)
+    block = spec.build_layer(1, 0)
     b, s = 4, 96
     x = torch.randn(b, s, 192, requires_grad=True)
     mask = extended_mask(torch.ones(b, s), torch.float32)
@@ -267,10 +271,15 @@ def test_stash_on_cpu_is_constant_in_depth_and_the_device_stash_grows_as_in_v2_t
     """v2 Table 4 (ubatch 64, batch 64): stash on GPU 5.22 / 6.76 / 9.83 GB at 24 / 48 / 96 layers, i.e.
     0.064 GB per layer (64 samples × 512 × 1024 half values); stash on CPU 3.69 GB at 24, 96 and 384."""
     s = est.Setup("l2l", "device", True, "cmp", 512, 64, 64)
-    dev = {n: sum(est.memory(ModelShape(n, 1024, 16, 4096), s)["device"].values()) for n in (24, 48, 96, 384)}
+    dev = {
+        n: sum(est.memory(ModelShape.bert(n, 1024, 16, 4096), s)["device"].values())
+        for n in (24, 48, 96, 384)
+    }
     slope = (dev[96] - dev[24]) / 72 / 1e9
     assert slope == pytest.approx((9.83 - 5.22) / 72, rel=0.06)
-    cpu = {n: est.memory(ModelShape(n, 1024, 16, 4096), s.but(stash="cpu"))["device"] for n in (24, 96, 384)}
+    cpu = {
+        n: est.memory(ModelShape.bert(n, 1024, 16, 4096), s.but(stash="cpu"))["device"] for n in (24, 96, 384)
+    }
     assert cpu[24] == cpu[96] == cpu[384]
 
 

@@ -134,7 +134,7 @@ def test_crashed_and_config_failed_runs_are_error_rows(sweep: Path, tmp_path: Pa
     expected = summary(job)["config"]
     for key in ("method", "num_layers", "precision", "batch_size", "ubatch_size", "seq_len"):  # from .hydra/
         assert by["crashed"].get(key) == expected[key]
-    assert [m["step"] for m in by["crashed"].metrics] == [1, 2, 3]
+    assert [m.step for m in by["crashed"].metrics] == [1, 2, 3]
     assert by["refused"].status == "error" and by["refused"].error == "config: bad"
     cells = {c["RUN"]: c for c in md_rows(tmp_path / "out" / "report.md")}
     assert cells["crashed"]["MEMORY (MiB)"] == "ERROR" and cells["crashed"]["METHOD"] == "l2l-stash-cpu"

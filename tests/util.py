@@ -7,6 +7,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +15,13 @@ import torch
 from omegaconf import DictConfig
 
 from l2l_cli.compose import compose
+from l2l_cli.config import ModelConfig
 from l2l_cli.data.batches import Batch, TrainStream
-from l2l_cli.data.loading import synthetic
-from l2l_cli.engine.device import make_accelerator
-from l2l_cli.engine.precision import make_precision
-from l2l_cli.models.bert import ModelSpec
-from l2l_cli.runners import make_runner
-from l2l_cli.runners.common import Runner
+from l2l_cli.data.loading import TaskData, synthetic
+from l2l_cli.data.tasks import TASKS
+from l2l_cli.models import FAMILIES, ModelSpec
+from l2l_cli.modes import Runner
+from l2l_cli.session import build
 
 REPO = Path(__file__).resolve().parent.parent
 GLUE = REPO.parent / "shared" / "data" / "glue"
@@ -44,17 +45,31 @@ def tiny_cfg(*overrides: str) -> DictConfig:
     return compose([*TINY, *overrides])
 
 
+def bert_spec(
+    num_layers: int, hidden: int, heads: int, intermediate: int, num_labels: int = 2, **sizes: Any
+) -> ModelSpec:
+    """A BERT spec of these sizes, the rest from the schema's defaults (``model.*``)."""
+    m = replace(ModelConfig(), num_layers=num_layers, hidden_size=hidden, num_heads=heads,
+                intermediate_size=intermediate, **sizes)  # fmt: skip
+    return FAMILIES["bert"].from_config(m, num_labels)
+
+
+def tiny_data(cfg: DictConfig, n_train: int = 256, n_dev: int = 64) -> TaskData:
+    """A small synthetic task for ``cfg`` (building the default 8192 examples each time is wasted)."""
+    train = synthetic(n_train, cfg.task.max_seq_len, cfg.model.vocab_size, seed=1)
+    dev = synthetic(n_dev, cfg.task.max_seq_len, cfg.model.vocab_size, seed=2)
+    return TaskData(TASKS["synthetic"], train, dev, "synthetic")
+
+
 @contextmanager
 def built(cfg: DictConfig, total_steps: int = 10) -> Iterator[Runner]:
-    """A runner for ``cfg`` on its accelerator (meter on), closed afterwards."""
-    acc = make_accelerator(cfg)
-    spec = ModelSpec.from_config(cfg.model, 2)
-    with acc.running():
-        runner = make_runner(cfg, acc, spec, make_precision(cfg, acc), total_steps)
-        try:
-            yield runner
-        finally:
-            runner.close()
+    """A runner for ``cfg`` built by the session builder (meter on), closed afterwards. ``total_steps``
+    sets the learning-rate schedule's length (trainer.max_steps)."""
+    cfg = cfg.copy()
+    cfg.trainer.max_steps = total_steps
+    with build(cfg, data=tiny_data(cfg)) as session:
+        assert session.runner is not None
+        yield session.runner
 
 
 def batches(cfg: DictConfig, n: int = 256, seed: int = 1) -> Iterator[Batch]:

@@ -279,14 +279,17 @@ class CudaAccelerator(Accelerator):
         return f"cuda:{self.device.index} ({torch.cuda.get_device_name(self.device)})"
 
 
-def make_accelerator(cfg: Any, local_rank: int = 0) -> Accelerator:
-    """The accelerator for ``cfg.device`` (auto = CUDA when present, else the CPU)."""
-    kind = cfg.device
+def make_accelerator(
+    kind: str, *, local_rank: int = 0, sim_memory_gb: float = 16.0, sim_link_gbps: float = 16.0,
+    measure_memory: bool = True,
+) -> Accelerator:  # fmt: skip
+    """The accelerator for ``device=kind`` (auto = CUDA when present, else the CPU). ``measure_memory``
+    (profile.memory) turns the CPU's storage meter on; the simulator always meters (it enforces a budget)."""
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cuda":
         return CudaAccelerator(local_rank % max(1, torch.cuda.device_count()))
     if kind == "sim":
-        return SimAccelerator(cfg.sim.memory_gb, cfg.sim.link_gbps)
-    meter = StorageMeter() if cfg.profile.memory else MemoryMeter()
+        return SimAccelerator(sim_memory_gb, sim_link_gbps)
+    meter = StorageMeter() if measure_memory else MemoryMeter()
     return Accelerator(torch.device("cpu"), meter, CopyEngine(), CopyEngine())

@@ -23,9 +23,9 @@ from l2l_cli.checkpoint import CheckpointError, read_tensors, tensors_bytes
 from l2l_cli.engine.device import DONE, Accelerator, CopyHandle
 from l2l_cli.engine.dist import DistContext
 from l2l_cli.engine.flat import FlatLayout
-from l2l_cli.engine.optim import clip_coefficients, make_optimizer, param_groups, set_lr
+from l2l_cli.engine.optim import OptimSettings, clip_coefficients, make_optimizer, param_groups, set_lr
 from l2l_cli.engine.precision import LossScaler
-from l2l_cli.models.bert import BLOCK, POST, PRE, ModelSpec, build_layer, hf_name, lookup_hf, new_layer
+from l2l_cli.models.base import BLOCK, POST, PRE, ModelSpec
 from l2l_cli.profiling.timers import PhaseTimer
 
 
@@ -33,8 +33,9 @@ class LayerState:
     """One layer's training state in host memory, and the optimizer that updates it."""
 
     def __init__(
-        self, index: int, kind: str, layout: FlatLayout, acc: Accelerator, send_dtype: torch.dtype, cfg: Any
-    ):
+        self, index: int, kind: str, layout: FlatLayout, acc: Accelerator, send_dtype: torch.dtype,
+        optim: OptimSettings,
+    ):  # fmt: skip
         n = layout.numel
         self.index, self.kind, self.layout = index, kind, layout
         self.w = acc.host_empty(n)  # FP32 master
@@ -48,14 +49,14 @@ class LayerState:
         self.undo_step = 0.0
         # AdamW is elementwise: two flat tensors per layer (decayed, not) give the fused kernel long runs.
         # LAMB's trust ratio is per parameter tensor, so it gets a view per tensor.
-        split = layout.segments if cfg.optim.name == "adamw" else layout.views
+        split = layout.segments if optim.name == "adamw" else layout.views
         named = []
         grads, ms, vs = dict(split(self.g)), dict(split(self.m)), dict(split(self.v))
         for name, view in split(self.w):
             p = nn.Parameter(view)
             p.grad = grads[name]
             named.append((name, p))
-        self.optimizer = make_optimizer(param_groups(named, cfg.optim.weight_decay), cfg)
+        self.optimizer = make_optimizer(param_groups(named, optim.weight_decay), optim)
         for name, p in named:  # the moments live in the flat buffers (checkpointable per layer as 4 tensors)
             self.optimizer.state[p] = {
                 "step": torch.zeros((), dtype=torch.float32),
@@ -112,8 +113,8 @@ class EagerParamServer:
     """All layers' host state, the host update, and the CPU activation stash."""
 
     def __init__(
-        self, spec: ModelSpec, cfg: Any, acc: Accelerator, device_dtype: torch.dtype, seed: int,
-        dist: DistContext | None = None,
+        self, spec: ModelSpec, optim: OptimSettings, acc: Accelerator, device_dtype: torch.dtype, seed: int,
+        dist: DistContext | None = None, eager_reduce: bool = True,
     ):  # fmt: skip
         self.spec, self.acc = spec, acc
         self.dist = dist or DistContext()
@@ -132,15 +133,15 @@ class EagerParamServer:
         self._norms: dict[int, torch.Tensor] = {}
         self._raw_norms: dict[int, torch.Tensor] = {}  # L2L: per layer, taken as each gradient landed
         self.realtime: Any = None  # checkpoint.RealtimeWriter: saves each layer right after its update
-        self.eager_reduce = cfg.dist.eager_reduce
+        self.eager_reduce = eager_reduce
         self._deferred: list[int] = []
-        self.layouts = {k: FlatLayout(new_layer(spec, k, "meta")) for k in (PRE, BLOCK, POST)}
+        self.layouts = {k: FlatLayout(spec.new_layer(k, "meta")) for k in (PRE, BLOCK, POST)}
         self.layers: list[LayerState] = []
         with acc.meter.paused():  # host tier
             for i in range(spec.num_all_layers):
                 kind = spec.kind(i)
-                st = LayerState(i, kind, self.layouts[kind], acc, device_dtype, cfg)
-                st.layout.pack(build_layer(spec, i, seed), st.w)  # one layer's module at a time
+                st = LayerState(i, kind, self.layouts[kind], acc, device_dtype, optim)
+                st.layout.pack(spec.build_layer(i, seed), st.w)  # one layer's module at a time
                 st.refresh_send()
                 self.layers.append(st)
         self.stash_bytes = 0
@@ -328,7 +329,7 @@ class EagerParamServer:
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for st in self.layers:
             for name, view in st.layout.views(st.w):
-                yield hf_name(self.spec, st.index, name), view
+                yield self.spec.hf_name(st.index, name), view
 
     @torch.no_grad()
     def load_hf(self, tensors: Any) -> list[str]:
@@ -336,8 +337,8 @@ class EagerParamServer:
         missing = []
         for st in self.layers:
             for name, view in st.layout.views(st.w):
-                full = hf_name(self.spec, st.index, name)
-                t = lookup_hf(tensors, full)
+                full = self.spec.hf_name(st.index, name)
+                t = self.spec.lookup_hf(tensors, full)
                 if t is None:
                     missing.append(full)
                 else:

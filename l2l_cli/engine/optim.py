@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -83,8 +84,27 @@ class Lamb(torch.optim.Optimizer):
             torch._foreach_add_(params, update)
 
 
-def make_optimizer(groups: list[dict[str, Any]], cfg: Any) -> torch.optim.Optimizer:
-    o = cfg.optim
+@dataclass(frozen=True)
+class OptimSettings:
+    """The optimizer and its schedule (``optim.*``), as the runners and the EPS take them."""
+
+    name: str
+    lr: float
+    weight_decay: float
+    beta1: float
+    beta2: float
+    eps: float
+    warmup_ratio: float
+    warmup_steps: int | None
+    schedule: str
+
+    @classmethod
+    def from_cfg(cls, o: Any) -> OptimSettings:
+        return cls(o.name, o.lr, o.weight_decay, o.beta1, o.beta2, o.eps, o.warmup_ratio, o.warmup_steps,
+                   o.schedule)  # fmt: skip
+
+
+def make_optimizer(groups: list[dict[str, Any]], o: OptimSettings) -> torch.optim.Optimizer:
     betas = (o.beta1, o.beta2)
     if o.name == "lamb":
         return Lamb(groups, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)
@@ -92,9 +112,8 @@ def make_optimizer(groups: list[dict[str, Any]], cfg: Any) -> torch.optim.Optimi
     return torch.optim.AdamW(groups, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay, fused=True)
 
 
-def lr_at(step: int, total_steps: int, cfg: Any) -> float:
+def lr_at(step: int, total_steps: int, o: OptimSettings) -> float:
     """Learning rate for optimizer step ``step`` (0-based): linear warmup, then linear decay to 0."""
-    o = cfg.optim
     warmup = o.warmup_steps if o.warmup_steps is not None else int(o.warmup_ratio * total_steps)
     if warmup and step < warmup:
         return o.lr * (step + 1) / warmup

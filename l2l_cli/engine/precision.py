@@ -70,16 +70,17 @@ class Precision:
         return f"{self.name} ({str(half).removeprefix('torch.')})"
 
 
-def make_precision(cfg: Any, acc: Accelerator) -> Precision:
-    from l2l_cli.config import effective_precision
-
-    p = cfg.precision
-    name = effective_precision(cfg)
-    half = {"auto": acc.half_dtype, "bf16": torch.bfloat16, "fp16": torch.float16}[p.dtype]
-    dynamic = p.loss_scale == "dynamic" and (half == torch.float16 or name == "cmp")
+def make_precision(
+    name: str, acc: Accelerator, *, dtype: str = "auto", loss_scale: str = "dynamic", init_scale: float = 65536.0,
+    growth_interval: int = 2000,
+) -> Precision:  # fmt: skip
+    """The policy for ``name`` (fp32 | amp | cmp: precision.name as the mode runs it). ``dtype``: the half
+    type (auto: the accelerator's); loss scaling is dynamic for fp16, and for CMP, whose gradients are half."""
+    half = {"auto": acc.half_dtype, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    dynamic = loss_scale == "dynamic" and (half == torch.float16 or name == "cmp")
     if name == "fp32":
         return Precision("fp32", torch.float32, None, LossScaler(), acc)
-    scaler = LossScaler(p.init_scale, True, p.growth_interval) if dynamic else LossScaler()
+    scaler = LossScaler(init_scale, True, growth_interval) if dynamic else LossScaler()
     if name == "amp":
         return Precision("amp", torch.float32, half, scaler, acc)
     return Precision("cmp", half, None, scaler, acc)

@@ -17,7 +17,7 @@ from torch import nn
 
 from l2l_cli.engine.device import DONE, Accelerator, CopyHandle
 from l2l_cli.engine.eps import EagerParamServer
-from l2l_cli.models.bert import BLOCK, POST, PRE, ModelSpec, new_layer, reset_buffers
+from l2l_cli.models.base import BLOCK, POST, PRE, ModelSpec
 from l2l_cli.profiling.timers import PhaseTimer
 
 
@@ -30,13 +30,13 @@ class Slot:
         with acc.meter.part("layer_slots"):
             for kind in (PRE, BLOCK, POST):
                 layout = eps.layouts[kind]
-                shell = new_layer(spec, kind, device="meta")
+                shell = spec.new_layer(kind, device="meta")
                 layout.bind(shell, self.w[: layout.numel], self.g[: layout.numel])
                 for owner in shell.modules():  # index buffers (position ids) become real device tensors
                     for name, buf in list(owner._buffers.items()):
                         if buf is not None and buf.device.type == "meta":
                             owner._buffers[name] = torch.empty_like(buf, device=acc.device)
-                reset_buffers(shell)
+                spec.reset_buffers(shell)
                 self.shells[kind] = shell.to(dtype)
         self.layer: int | None = None
         self.version = -1

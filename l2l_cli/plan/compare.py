@@ -8,15 +8,14 @@ machine). ``l2l report`` can call :func:`compare_run` (one run dir in, the same 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
 from l2l_cli.config import Problem
-
-PHASES = ("forward", "recompute", "backward", "transfer", "optimizer", "reduce", "other")
+from l2l_cli.plan import PlanError
+from l2l_cli.schema import OTHER, PHASES, Summary, read_json
 
 
 def run_overrides(run_dir: Path) -> tuple[list[str], list[Problem]]:
@@ -40,18 +39,21 @@ def _ratio(measured: float | None, predicted: float | None) -> float | None:
 
 def predicted_vs_measured(run_dir: Path, plan: dict[str, Any]) -> dict[str, Any]:
     """Per-phase seconds per step, predicted (``plan``) and measured (the run's summary.json)."""
-    summary = json.loads((run_dir / "summary.json").read_text())
-    measured = summary.get("time_breakdown_s") or {}
+    obj, problem = read_json(run_dir / "summary.json")
+    if obj is None:
+        raise PlanError(f"{run_dir}: {problem or 'no summary.json'}")
+    summary = Summary.from_json(obj)
+    measured = summary.time_breakdown_s
     predicted = dict(plan["step_time_s"])
     phases = {}
-    for k in PHASES:
+    for k in (*PHASES, OTHER):
         p, m = predicted.get(k, 0.0), measured.get(k)
         if p or m:
             phases[k] = {"predicted": p, "measured": m, "ratio": _ratio(m, p)}
-    step_m = summary.get("step_time_s") or sum(measured.values())
+    step_m = summary.step_time_s or sum(measured.values())
     out: dict[str, Any] = {
         "run_dir": str(run_dir),
-        "status": summary.get("status"),
+        "status": summary.status,
         "phases": phases,
         "step": {
             "predicted": predicted["total"],
@@ -60,11 +62,11 @@ def predicted_vs_measured(run_dir: Path, plan: dict[str, Any]) -> dict[str, Any]
         },
         "samples_per_s": {
             "predicted": plan["samples_per_s"],
-            "measured": summary.get("samples_per_s"),
-            "ratio": _ratio(summary.get("samples_per_s"), plan["samples_per_s"]),
+            "measured": summary.samples_per_s,
+            "ratio": _ratio(summary.samples_per_s, plan["samples_per_s"]),
         },
     }
-    peak = summary.get("device_peak_bytes")
+    peak = summary.device_peak_bytes
     if peak:
         pred = plan["memory_bytes"]["device"]["total"]
         out["device_peak"] = {"predicted": pred, "measured": peak, "ratio": _ratio(peak, pred)}

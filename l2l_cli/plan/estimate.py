@@ -12,12 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from l2l_cli.config import effective_precision
+from l2l_cli.config import effective_precision, effective_stash
+from l2l_cli.modes import MODES, ModeSpec, find_mode
 from l2l_cli.plan import costmodel as cm
 from l2l_cli.plan.hardware import Rates, fmt_bytes
 from l2l_cli.plan.shapes import ModelShape, device_weight_bytes
+from l2l_cli.schema import PHASES
 
-PHASES = ("forward", "backward", "recompute", "optimizer", "transfer", "reduce")
 FP32_STATE = 16  # bytes per parameter: FP32 weights, gradients, and the two Adam/LAMB moments
 
 
@@ -37,7 +38,7 @@ class Setup:
     @classmethod
     def from_cfg(cls, cfg: Any) -> Setup:
         return cls(
-            cfg.mode.name, cfg.mode.stash, bool(cfg.mode.prefetch), effective_precision(cfg), cfg.task.max_seq_len,
+            cfg.mode.name, effective_stash(cfg), bool(cfg.mode.prefetch), effective_precision(cfg), cfg.task.max_seq_len,
             cfg.batch.size, cfg.batch.ubatch_size, cfg.dist.nproc,
         )  # fmt: skip
 
@@ -46,15 +47,17 @@ class Setup:
         return max(1, self.batch // self.ubatch)
 
     @property
+    def spec(self) -> ModeSpec:
+        return MODES[self.mode]
+
+    @property
     def l2l(self) -> bool:
-        return self.mode in ("l2l", "l2l_p")
+        """The training state lives in the EPS and layers are relayed (the L2L modes)."""
+        return self.spec.host_state == "eps"
 
     @property
     def label(self) -> str:
-        name = {"baseline": "baseline", "baseline_ag": "baseline-ag", "l2l": "l2l", "l2l_p": "l2l-p"}[
-            self.mode
-        ]
-        return name + ("-stash-cpu" if self.stash == "cpu" else "")
+        return self.spec.method(self.stash)
 
     def but(self, **kw: Any) -> Setup:
         return replace(self, **kw)
@@ -93,7 +96,7 @@ def memory(shape: ModelShape, s: Setup) -> dict[str, dict[str, float]]:
         # one layer's working set for one micro-batch, plus every micro-batch's layer output / gradient
         dev["working_activations"] = ub * working + mb * A
         host["training_state"] = FP32_STATE * P
-        if s.mode == "l2l_p":
+        if s.spec.undo_log:
             host["undo_copies"] = 12.0 * P  # weights and moments before the early update (skip on overflow)
         if s.precision == "cmp":
             host["send_copy"] = 2.0 * P  # the half copy the relay sends
@@ -151,7 +154,7 @@ def step_time(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Phase]:
     _transfer(ph["transfer"], s, rates, fwd_c, win_b, load, stash)
 
     t_upd = [rates.host_update_time(p) for p in params]
-    if s.mode == "l2l_p":
+    if s.spec.overlapped_update:
         # l2l-v1 eq. 7: the update of layer l+1 runs on the host during layer l's recompute + backward;
         # the last layer's (the embeddings') update trails the step. When the host shares the device's
         # cores, what an overlapped update costs was measured (its exposed part may exceed its own time).
@@ -256,7 +259,7 @@ def fits(shape: ModelShape, s: Setup, rates: Rates) -> bool:
 def largest_ubatch(shape: ModelShape, s: Setup, rates: Rates) -> int | None:
     """The largest micro-batch (a divisor of batch.size) that fits the budgets, or None."""
     for ub in sorted((d for d in range(1, s.batch + 1) if s.batch % d == 0), reverse=True):
-        if s.mode == "baseline" and ub != s.batch:
+        if not s.spec.microbatches and ub != s.batch:
             break
         if fits(shape, s.but(ubatch=ub), rates):
             return ub
@@ -282,7 +285,8 @@ def largest_ubatch_any(shape: ModelShape, s: Setup, rates: Rates, cap: int = 1 <
 def single_layer_need(shape: ModelShape, s: Setup) -> float:
     """Device bytes L2L needs at the least: one slot for the largest layer and its gradient, and one
     sample's working set with the stash on the host."""
-    m = memory(shape, s.but(mode="l2l", stash="cpu", prefetch=False, ubatch=1, batch=1))
+    relay = find_mode(host_state="eps", overlapped_update=False).name  # plain L2L (Alg. 3)
+    m = memory(shape, s.but(mode=relay, stash="cpu", prefetch=False, ubatch=1, batch=1))
     return sum(m["device"].values())
 
 
@@ -332,21 +336,21 @@ def equations(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, float]:
     }
 
 
-COMPARE = (
-    ("baseline", None, "batch"),
-    ("baseline_ag", None, None),
-    ("l2l", "device", None),
-    ("l2l", "cpu", None),
-    ("l2l_p", "device", None),
-    ("l2l_p", "cpu", None),
-)
+def compare_setups(s: Setup) -> list[Setup]:
+    """Every registered mode at the config's batch, once per stash option (a mode without micro-batches
+    runs the batch whole; the others split it as configured)."""
+    out = []
+    for spec in MODES.values():
+        ub = s.ubatch if spec.microbatches else s.batch
+        for stash in spec.stash or (None,):
+            out.append(s.but(mode=spec.name, stash=stash, ubatch=ub))
+    return out
 
 
 def compare_modes(shape: ModelShape, s: Setup, rates: Rates) -> list[dict[str, Any]]:
-    """Every mode at the config's batch (the baseline runs it whole; the others split it as configured)."""
+    """Every mode at the config's batch, side by side."""
     rows = []
-    for mode, stash, ub in COMPARE:
-        alt = s.but(mode=mode, stash=stash, ubatch=s.batch if ub == "batch" else s.ubatch)
+    for alt in compare_setups(s):
         r = evaluate(shape, alt, rates)
         rows.append(
             {

@@ -119,9 +119,11 @@ def measure(cfg: Any, shape: ModelShape) -> MeasuredTimes:
             f"(available {free / 2**30:.1f} GiB); use an analytic hardware (hardware=a100-80g, ...) or a "
             f"smaller batch.ubatch_size / model"
         )
+    from l2l_cli.data.batches import Batch
     from l2l_cli.engine.flat import FlatLayout
-    from l2l_cli.engine.optim import make_optimizer, param_groups
-    from l2l_cli.models.bert import BLOCK, PRE, ModelSpec, build_layer, extended_mask, new_layer
+    from l2l_cli.engine.optim import OptimSettings, make_optimizer, param_groups
+    from l2l_cli.models import BLOCK, PRE
+    from l2l_cli.modes import MODES
     from l2l_cli.profiling.memory import MemoryMeter, StorageMeter
 
     device = _device(cfg)
@@ -138,54 +140,52 @@ def measure(cfg: Any, shape: ModelShape) -> MeasuredTimes:
     dtype = half if prec == "cmp" else torch.float32
     autocast = (lambda: torch.autocast(device.type, dtype=half)) if prec == "amp" else nullcontext
     ub, seq = cfg.batch.ubatch_size, cfg.task.max_seq_len
-    spec = ModelSpec(
-        shape.num_layers, shape.hidden, shape.heads, shape.intermediate, shape.vocab, shape.max_positions,
-        shape.type_vocab, float(cfg.model.dropout), num_labels=shape.num_labels,
-    )  # fmt: skip
+    spec = shape.spec
+    optim = OptimSettings.from_cfg(cfg.optim)
+    labels = torch.zeros(ub, dtype=torch.float32 if shape.num_labels == 1 else torch.long, device=device)
+    ids = torch.randint(0, spec.vocab_size, (ub, seq), device=device)
+    batch = Batch(ids, torch.zeros_like(ids), torch.ones_like(ids), labels)
     torch.manual_seed(0)
     # a CPU device tier runs under the storage meter (profile.memory; always for device=sim): time with it
     metered = device.type == "cpu" and (cfg.profile.memory or cfg.device == "sim")
     meter = StorageMeter() if metered else MemoryMeter()
 
     # -- layers ------------------------------------------------------------------------------------
-    block = build_layer(spec, 1, 0).to(device, dtype)
+    block = spec.build_layer(1, 0).to(device, dtype)
     x = torch.randn(ub, seq, shape.hidden, device=device, dtype=dtype)
-    mask = extended_mask(torch.ones(ub, seq, device=device), dtype)
+    side = spec.side_inputs(batch, dtype)
 
     def run_block(grad: bool) -> torch.Tensor:
         with autocast():
-            return block(x.detach().requires_grad_(grad), mask)
+            return spec.run_layer(block, 1, x.detach().requires_grad_(grad), batch, side)
 
     with meter:
         blk = _fwd_bwd(run_block, torch.ones_like, repeats, sync)
 
-    pre = build_layer(spec, 0, 0).to(device, dtype)
-    ids = torch.randint(0, shape.vocab, (ub, seq), device=device)
-    types = torch.zeros_like(ids)
+    pre = spec.build_layer(0, 0).to(device, dtype)
 
     def run_pre(grad: bool) -> torch.Tensor:
         with autocast():
-            return pre(input_ids=ids, token_type_ids=types)
+            return spec.run_layer(pre, 0, None, batch, None)
 
     with meter:
         emb = _fwd_bwd(run_pre, torch.ones_like, repeats, sync)
 
-    post = build_layer(spec, shape.num_layers + 1, 0).to(device, dtype)
-    labels = torch.zeros(ub, dtype=torch.float32 if shape.num_labels == 1 else torch.long, device=device)
+    post = spec.build_layer(shape.num_layers + 1, 0).to(device, dtype)
 
     def run_post(grad: bool) -> torch.Tensor:
         with autocast():
-            return post(x.detach().requires_grad_(grad), labels)[0]
+            return spec.run_head(post, x.detach().requires_grad_(grad), batch)[0]
 
     with meter:
         head = _fwd_bwd(run_post, lambda y: torch.ones((), device=device, dtype=y.dtype), repeats, sync)
     layers = LayerTimes(emb[0], emb[1], emb[2], blk[0], blk[1], blk[2], head[1], head[2], ub)
 
     # -- the EPS update: a layer's flat FP32 buffers (engine/eps.py LayerState), for two layer sizes ----
-    l2l_p = cfg.mode.name == "l2l_p"
+    mode = MODES[cfg.mode.name]
 
     def host_update_fn(kind: str) -> tuple[int, Callable[[], None]]:
-        layout = FlatLayout(new_layer(spec, kind, "meta"))
+        layout = FlatLayout(spec.new_layer(kind, "meta"))
         n = layout.numel
         w, g = torch.randn(n) * 0.02, torch.randn(n) * 1e-3
         m, v = torch.zeros(n), torch.zeros(n)
@@ -195,9 +195,9 @@ def measure(cfg: Any, shape: ModelShape) -> MeasuredTimes:
             p = nn.Parameter(view)
             p.grad = grads[name]
             named.append((name, p))
-        opt = make_optimizer(param_groups(named, cfg.optim.weight_decay), cfg)
+        opt = make_optimizer(param_groups(named, optim.weight_decay), optim)
         w_send = torch.empty(n, dtype=dtype) if prec == "cmp" else None
-        undo = [torch.empty(n) for _ in range(3)] if l2l_p else []
+        undo = [torch.empty(n) for _ in range(3)] if mode.undo_log else []
 
         def update() -> None:  # norm, clip (unscale), [L2L-p: undo copy], step, refresh the half send copy
             norm = torch.linalg.vector_norm(g)
@@ -212,7 +212,7 @@ def measure(cfg: Any, shape: ModelShape) -> MeasuredTimes:
 
     def host_update_s(kind: str) -> tuple[int, float]:
         n, update = host_update_fn(kind)
-        if l2l_p:  # on the EPS thread, outside the compute thread's meter
+        if mode.overlapped_update:  # on the EPS thread, outside the compute thread's meter
             return n, median_s(update)
         with meter, meter.paused():  # on the compute thread, the meter paused (engine/eps.py step)
             return n, median_s(update)
@@ -222,7 +222,7 @@ def measure(cfg: Any, shape: ModelShape) -> MeasuredTimes:
     # -- L2L-p on a CPU device tier: the update of layer l+1 runs on the EPS thread while layer l runs
     #    recompute + backward over the micro-batches; on shared cores it costs more than it hides
     overlap_cost = None
-    if l2l_p and device.type == "cpu":
+    if mode.overlapped_update and device.type == "cpu":
         u = max(1, cfg.batch.size // ub)
         _, update = host_update_fn(BLOCK)
 
@@ -243,13 +243,13 @@ def measure(cfg: Any, shape: ModelShape) -> MeasuredTimes:
         upd = median_s(update)
         overlap_cost = max(0.0, together - alone) / max(upd, 1e-9)
 
-    # -- the baselines' update: a layer's separate tensors on the device (runners/common.py) ----------
+    # -- the baselines' update: a layer's separate tensors on the device (modes/base.py) --------------
     def device_update_s(index: int) -> tuple[int, float]:
-        layer = build_layer(spec, index, 0).to(device)
+        layer = spec.build_layer(index, 0).to(device)
         for p in layer.parameters():
             p.grad = torch.randn_like(p) * 1e-3
         params = list(layer.named_parameters())
-        opt = make_optimizer(param_groups(params, cfg.optim.weight_decay), cfg)
+        opt = make_optimizer(param_groups(params, optim.weight_decay), optim)
         grads = [p.grad for _, p in params]
 
         def update() -> None:  # per-layer norms, clip, one step over all tensors

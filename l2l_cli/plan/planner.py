@@ -2,41 +2,36 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from l2l_cli.plan import PlanError, scaling
 from l2l_cli.plan import estimate as est
-from l2l_cli.plan import scaling
 from l2l_cli.plan.hardware import Rates, resolve
 from l2l_cli.plan.shapes import ModelShape
 
 
 def model_shape(cfg: Any) -> tuple[ModelShape, list[str]]:
-    """The model's shape as ``l2l train`` would build it (models/bert.py ModelSpec: a local pretrained
-    dir's config.json wins). Read directly, so planning never imports transformers."""
+    """The model's shape as ``l2l train`` would build it (its family's spec: a local pretrained dir's
+    config.json wins). Nothing is downloaded: a hub id plans with the ``model.*`` sizes."""
     from l2l_cli.data.tasks import TASKS
+    from l2l_cli.models import FAMILIES, UnsupportedModel, family_for_dir
 
     notes = []
     num_labels = TASKS[cfg.task.name].num_labels
     m = cfg.model
     ref = m.pretrained
-    path = Path(ref).expanduser() / "config.json" if ref else None
-    if path is not None and path.is_file():
-        c = json.loads(path.read_text())
-        shape = ModelShape(
-            c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"], c["intermediate_size"],
-            c.get("vocab_size", 30522), c.get("max_position_embeddings", 512), c.get("type_vocab_size", 2),
-            num_labels,
-        )  # fmt: skip
-        return shape, notes
+    path = Path(ref).expanduser() if ref else None
+    if path is not None and (path / "config.json").is_file():
+        try:
+            return ModelShape.from_spec(
+                family_for_dir(path, ref, m.family).from_hf_dir(path, m, num_labels)
+            ), notes
+        except UnsupportedModel as e:
+            raise PlanError(f"model.pretrained: {e}") from e
     if ref:
         notes.append(f"model.pretrained={ref} is not a local directory: sizes from model.* (no download)")
-    shape = ModelShape(
-        m.num_layers, m.hidden_size, m.num_heads, m.intermediate_size, m.vocab_size, m.seq_len,
-        m.type_vocab_size, num_labels,
-    )  # fmt: skip
-    return shape, notes
+    return ModelShape.from_spec(FAMILIES[m.family].from_config(m, num_labels)), notes
 
 
 def links_of(rates: Rates, cfg: Any) -> scaling.Links:

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 GiB = 2**30
-METHODS = ("baseline", "partitioned", "improved")
+# The layered-GA paper's §5 methods (how a 3d configuration places the training state), not l2l modes.
+GA_BASELINE, GA_PARTITIONED, GA_IMPROVED = METHODS = ("baseline", "partitioned", "improved")
 
 # The layer-activation memory per token, m0 (C.3). The extracted paper text lost its formula; Table 6.2
 # fixes it for X160 at 102·d_m bytes (all five activation entries agree to 3 digits). We keep Megatron-LM's
@@ -174,9 +175,9 @@ def intensities(m: Transformer, c: Parallel) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     bds = c.b * m.d_s
     if c.n_b > 1:
-        if c.method == "baseline" and c.n_l > 1:
+        if c.method == GA_BASELINE and c.n_l > 1:
             out["data"] = {"eq": 6, "value": bds / c.n_b, "overlapped": False}
-        elif c.method == "baseline":
+        elif c.method == GA_BASELINE:
             out["data"] = {"eq": 5, "value": 3 * bds / (4 * c.n_b * c.n_mu), "overlapped": True}
         elif c.method == "partitioned":
             out["data"] = {"eq": 7, "value": bds / (2 * c.n_b * c.n_mu), "overlapped": True}

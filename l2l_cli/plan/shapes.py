@@ -1,15 +1,17 @@
 """What the config's model costs, counted from its shape: parameters, FLOPs and activation bytes.
 
-Parameter counts follow the modules ``models/bert.py`` builds (HF BertEmbeddings, BertLayer, pooler +
-classifier), so they match the run's ``params`` exactly. FLOPs count the matmuls (2 per multiply-add);
+Parameter counts are the model family's formula (``ModelSpec.param_counts``), so they match the run's
+``params`` exactly. FLOPs count the matmuls (2 per multiply-add);
 elementwise work is left out, as the papers do. Activation bytes per token were measured once with the
 project's StorageMeter on HF BertLayer (CPU, math attention) and are kept here as coefficients.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from l2l_cli.models.base import ModelSpec
 
 # Optimizer work in the L2L v1 paper's units (§3.1.2: "Optimization requires 100 GFLOP" for BERT-Large's
 # ~335M parameters, i.e. ~300 FLOP-equivalents per parameter for an Adam-family update and its clipping).
@@ -41,42 +43,60 @@ def device_weight_bytes(precision: str) -> int:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A BERT encoder with a classification head: the sizes that set its costs."""
+    """The sizes that set a model's costs, with its parameter counts from its family's formula
+    (``ModelSpec.param_counts``), so they match the run's ``params`` exactly."""
 
-    num_layers: int
-    hidden: int
-    heads: int
-    intermediate: int
-    vocab: int = 30522
-    max_positions: int = 512
-    type_vocab: int = 2
-    num_labels: int = 2
+    spec: ModelSpec = field(
+        compare=False, repr=False
+    )  # the family's spec (builds layers for hardware=measure)
 
     @classmethod
-    def from_spec(cls, spec: Any) -> ModelShape:
-        return cls(
-            spec.num_layers, spec.hidden_size, spec.num_heads, spec.intermediate_size, spec.vocab_size,
-            spec.seq_len, spec.type_vocab_size, spec.num_labels,
-        )  # fmt: skip
+    def from_spec(cls, spec: ModelSpec) -> ModelShape:
+        return cls(spec)
+
+    @classmethod
+    def bert(cls, num_layers: int, hidden: int, heads: int, intermediate: int, **sizes: Any) -> ModelShape:
+        """A BERT encoder of these widths, the other sizes from the schema's defaults (``model.*``)."""
+        from l2l_cli.config import ModelConfig
+        from l2l_cli.models import FAMILIES
+
+        m = replace(ModelConfig(), num_layers=num_layers, hidden_size=hidden, num_heads=heads,
+                    intermediate_size=intermediate, **sizes)  # fmt: skip
+        return cls(FAMILIES["bert"].from_config(m, 2))
+
+    @property
+    def num_layers(self) -> int:
+        return self.spec.num_layers
+
+    @property
+    def hidden(self) -> int:
+        return self.spec.hidden_size
+
+    @property
+    def heads(self) -> int:
+        return self.spec.num_heads
+
+    @property
+    def intermediate(self) -> int:
+        return self.spec.intermediate_size
+
+    @property
+    def num_labels(self) -> int:
+        return self.spec.num_labels
 
     # ---- parameters -------------------------------------------------------------------------------
 
     @property
-    def block_params(self) -> int:
-        """Q, K, V, output (4·h² + 4·h), the MLP (2·h·I + I + h), two LayerNorms (4·h): 12h² + 13h at I = 4h."""
-        h, i = self.hidden, self.intermediate
-        return 4 * h * h + 2 * h * i + 9 * h + i
+    def pre_params(self) -> int:
+        return self.spec.param_counts()[0]
 
     @property
-    def pre_params(self) -> int:
-        """Word, position and token-type embeddings and their LayerNorm."""
-        return (self.vocab + self.max_positions + self.type_vocab) * self.hidden + 2 * self.hidden
+    def block_params(self) -> int:
+        return self.spec.param_counts()[1]
 
     @property
     def post_params(self) -> int:
-        """Pooler (h² + h) and classifier."""
-        h = self.hidden
-        return h * h + h + h * self.num_labels + self.num_labels
+        return self.spec.param_counts()[2]
 
     @property
     def blocks_params(self) -> int:
@@ -100,7 +120,7 @@ class ModelShape:
         return 2.0 * seq * (4 * h * h + 2 * h * i) + 4.0 * seq * seq * h
 
     def post_flops(self) -> float:
-        return 2.0 * (self.hidden * self.hidden + self.hidden * self.num_labels)
+        return self.spec.head_flops()
 
     # ---- activations (per sample) ----------------------------------------------------------------
 

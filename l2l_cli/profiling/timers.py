@@ -7,8 +7,6 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-PHASES = ("forward", "backward", "recompute", "optimizer", "transfer")
-
 
 class PhaseTimer:
     """``with timer("forward"): ...`` accumulates seconds in ``forward``; a phase entered inside another

@@ -175,7 +175,7 @@ def breakdown_plot(runs: list[Run], out: Path) -> tuple[str, str] | None:
 
 
 def loss_plot(runs: list[Run], out: Path) -> tuple[str, str] | None:
-    curves = [(r, [(m["step"], m["loss"]) for m in r.metrics if _finite(m.get("loss"))]) for r in runs]
+    curves = [(r, [(m.step, m.loss) for m in r.metrics if _finite(m.loss)]) for r in runs]
     curves = [(r, c) for r, c in curves if c]
     if not curves:
         return None

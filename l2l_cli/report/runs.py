@@ -7,7 +7,6 @@ has ``multirun.yaml`` and one numbered run directory per job. A run that died ha
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -15,7 +14,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-PHASES = ("forward", "recompute", "backward", "optimizer", "transfer", "other")
+from l2l_cli.modes import effective_precision, method_label
+from l2l_cli.schema import (
+    OTHER,
+    PHASES,
+    MemoryReport,
+    MetricsRow,
+    RunConfig,
+    Summary,
+    read_json,
+    read_jsonl,
+    read_metrics,
+)
 
 
 class ReportError(Exception):
@@ -30,10 +40,10 @@ class Run:
     name: str  # the path shown in the table (relative to the inputs' common folder)
     status: str  # ok | oom | error
     error: str | None
-    config: dict[str, Any]  # summary.json's "config" block (derived from .hydra/config.yaml when missing)
-    summary: dict[str, Any] = field(default_factory=dict)
-    memory: dict[str, Any] = field(default_factory=dict)
-    metrics: list[dict[str, Any]] = field(default_factory=list)
+    config: RunConfig  # summary.json's "config" block (derived from .hydra/config.yaml when missing)
+    summary: Summary = field(default_factory=Summary)
+    memory: MemoryReport | None = None  # None: the run wrote no memory.json
+    metrics: list[MetricsRow] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
     overrides: list[str] = field(default_factory=list)
     train_samples: int | None = None  # one epoch's samples, for time per epoch (None: unknown)
@@ -48,32 +58,33 @@ class Run:
 
     @property
     def throughput(self) -> float | None:
-        return _num(self.summary.get("samples_per_s")) if self.ok else None
+        return _num(self.summary.samples_per_s) if self.ok else None
 
     @property
     def peak_bytes(self) -> int | None:
         if self.status == "error":
             return None
-        v = self.summary.get("device_peak_bytes", self.memory.get("device", {}).get("peak_bytes"))
+        v = self.summary.device_peak_bytes or (self.memory.device.peak_bytes if self.memory else None)
         return int(v) if isinstance(v, int | float) else None
 
     @property
     def budget_bytes(self) -> int | None:
-        v = self.memory.get("device", {}).get("budget_bytes")
+        v = self.memory.device.budget_bytes if self.memory else None
         if v is None and self.get("sim_memory_gb"):
             v = self.get("sim_memory_gb") * 2**30  # same rule as the simulated device's meter
         return int(v) if v else None
 
     @property
     def params(self) -> int | None:
-        v = self.summary.get("params")
+        v = self.summary.params
         return int(v) if isinstance(v, int | float) else None
 
     @property
     def breakdown(self) -> dict[str, float]:
         """Mean seconds per step by phase (steady state), phases in the papers' order."""
-        raw = (self.summary.get("time_breakdown_s") or {}) if self.ok else {}
-        order = [p for p in PHASES if p in raw] + sorted(set(raw) - set(PHASES))
+        raw = self.summary.time_breakdown_s if self.ok else {}
+        known = (*PHASES, OTHER)
+        order = [p for p in known if p in raw] + sorted(set(raw) - set(known))
         return {p: float(raw[p]) for p in order}
 
     @property
@@ -144,52 +155,29 @@ def _display_name(d: Path, root: Path) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
-def _read_json(path: Path) -> tuple[dict[str, Any] | None, str | None]:
-    if not path.is_file():
-        return None, None
-    try:
-        obj = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        return None, f"unreadable {path.name} ({e})"
-    return (obj, None) if isinstance(obj, dict) else (None, f"unreadable {path.name} (not an object)")
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """One object per line; a torn last line (a run killed mid-write) is skipped."""
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(obj, dict):
-            out.append(obj)
-    return out
-
-
 def _num(v: Any) -> float | None:
     return float(v) if isinstance(v, int | float) and math.isfinite(v) else None
 
 
 def load_run(d: Path, name: str) -> Run:
-    """Read one run dir. A missing or unreadable summary makes it an error row, never an exception."""
-    summary, problem = _read_json(d / "summary.json")
-    memory, _ = _read_json(d / "memory.json")
+    """Read one run dir (any schema version). A missing or unreadable summary makes it an error row,
+    never an exception."""
+    obj, problem = read_json(d / "summary.json")
+    mem, _ = read_json(d / "memory.json")
     hydra_cfg = _hydra_config(d)
-    summary = summary or {}
-    config = dict(summary.get("config") or {})
+    summary = Summary.from_json(obj) if obj else Summary(run_dir=str(d))
+    config = summary.config
     if hydra_cfg is not None:
         for k, v in config_from_hydra(hydra_cfg).items():
-            config.setdefault(k, v)  # fills what a run that failed early never wrote
+            if config.get(k) is None:
+                setattr(config, k, v)  # fills what a run that failed early never wrote
     if problem:
         status, error = "error", problem
-    elif not summary:
+    elif not obj:
         status, error = "error", "no summary.json: the run crashed hard or is still running"
     else:
-        status = summary.get("status") if summary.get("status") in ("ok", "oom", "error") else "error"
-        error = summary.get("error") or (None if status == "ok" else f"status {summary.get('status')!r}")
+        status = summary.status if summary.status in ("ok", "oom", "error") else "error"
+        error = summary.error or (None if status == "ok" else f"status {summary.status!r}")
     return Run(
         dir=d,
         name=name,
@@ -197,9 +185,9 @@ def load_run(d: Path, name: str) -> Run:
         error=error,
         config=config,
         summary=summary,
-        memory=memory or {},
-        metrics=_read_jsonl(d / "metrics.jsonl"),
-        evals=_read_jsonl(d / "eval.jsonl"),
+        memory=MemoryReport.from_json(mem) if mem else None,
+        metrics=read_metrics(d / "metrics.jsonl"),
+        evals=read_jsonl(d / "eval.jsonl"),
         overrides=_overrides(d),
         train_samples=_train_samples(summary, hydra_cfg),
     )
@@ -242,9 +230,6 @@ def _select(cfg: Any, key: str) -> Any:
         return None
 
 
-_METHOD = {"baseline": "baseline", "baseline_ag": "baseline-ag", "l2l": "l2l", "l2l_p": "l2l-p"}
-
-
 def config_from_hydra(cfg: Any) -> dict[str, Any]:
     """The summary's config block, rebuilt from .hydra/config.yaml (for runs that never wrote it)."""
     mode, stash = _select(cfg, "mode.name"), _select(cfg, "mode.stash")
@@ -253,10 +238,11 @@ def config_from_hydra(cfg: Any) -> dict[str, Any]:
     pretrained = _select(cfg, "model.pretrained")
     device = _select(cfg, "device")
     out = {
-        "method": (_METHOD.get(mode, mode) + ("-stash-cpu" if stash == "cpu" else "")) if mode else None,
+        "method": method_label(mode, stash),
         "mode": mode,
         "stash": stash,
         "precision": _precision(_select(cfg, "precision.name"), mode),
+        "family": None if pretrained else _select(cfg, "model.family"),
         "model": f"pretrained:{pretrained}" if pretrained else _select(cfg, "model.name"),
         "num_layers": None if pretrained else _select(cfg, "model.num_layers"),
         "hidden_size": None if pretrained else _select(cfg, "model.hidden_size"),
@@ -274,11 +260,11 @@ def config_from_hydra(cfg: Any) -> dict[str, Any]:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def _train_samples(summary: dict[str, Any], cfg: Any) -> int | None:
+def _train_samples(summary: Summary, cfg: Any) -> int | None:
     """One epoch's training samples: the summary's count when it has one, else the synthetic task's size."""
-    for v in (summary.get("train_samples"), (summary.get("config") or {}).get("train_samples")):
-        if isinstance(v, int) and v > 0:
-            return v
+    v = summary.config.train_samples
+    if isinstance(v, int) and v > 0:
+        return v
     if cfg is None or _select(cfg, "task.name") != "synthetic":
         return None
     n, cap = _select(cfg, "task.num_train"), _select(cfg, "task.max_train_samples")
@@ -288,7 +274,7 @@ def _train_samples(summary: dict[str, Any], cfg: Any) -> int | None:
 
 
 def _precision(name: str | None, mode: str | None) -> str | None:
-    """``mixed`` is the mode's own mixed precision: CMP for the L2L modes, AMP for the baselines."""
-    if name != "mixed":
+    """``mixed`` is the mode's own mixed precision (the registry says which)."""
+    if name is None or mode is None:
         return name
-    return "cmp" if mode in ("l2l", "l2l_p") else "amp"
+    return effective_precision(mode, name)

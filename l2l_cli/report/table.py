@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from l2l_cli.report.runs import PHASES, Run
+from l2l_cli.report.runs import Run
+from l2l_cli.schema import OTHER, PHASES
 
 DASH = "-"
 
@@ -51,7 +52,7 @@ def _varies(runs: list[Run], key: str) -> bool:
 def eval_metrics(runs: list[Run]) -> list[str]:
     names: list[str] = []
     for r in runs:
-        for k in (r.summary.get("eval") or {}) if r.ok else {}:
+        for k in r.summary.eval if r.ok else {}:
             if k not in names:
                 names.append(k)
     return names
@@ -88,7 +89,7 @@ def columns(runs: list[Run]) -> list[Column]:
         Column("#UBATCHES", lambda r: _int(r.get("num_ubatches"))),
         Column("DEVICE BATCH SIZE", lambda r: _int(r.get("batch_size"))),
     ]
-    if any((r.summary.get("world_size") or 1) > 1 for r in runs):
+    if any((r.summary.world_size or 1) > 1 for r in runs):
         cols.append(Column("TOTAL BATCH SIZE", lambda r: _int(r.get("global_batch_size"))))
     cols += [
         Column("#LAYER", lambda r: _int(r.get("num_layers"))),
@@ -105,7 +106,7 @@ def columns(runs: list[Run]) -> list[Column]:
         Column(f"MEMORY ({unit})", memory),
     ]
     for m in eval_metrics(runs) if _evals_tell(runs) else []:
-        cols.append(Column(f"{m.upper()} (%)", lambda r, m=m: _pct((r.summary.get("eval") or {}).get(m))))
+        cols.append(Column(f"{m.upper()} (%)", lambda r, m=m: _pct(r.summary.eval.get(m))))
     if _epoch_study(runs):
         cols.append(
             Column("EPOCH TIME (S)", lambda r: DASH if r.epoch_time_s is None else f"{r.epoch_time_s:.1f}")
@@ -121,7 +122,7 @@ def _evals_tell(runs: list[Run]) -> bool:
     for r in runs:
         if r.get("task") not in (None, "synthetic"):
             return True
-        steps, batch = r.summary.get("steps") or 0, r.get("global_batch_size") or r.get("batch_size") or 0
+        steps, batch = r.summary.steps or 0, r.get("global_batch_size") or r.get("batch_size") or 0
         if r.train_samples and steps * batch >= r.train_samples:
             return True
     return False
@@ -150,7 +151,8 @@ def breakdown_columns(runs: list[Run]) -> list[str]:
         for p in r.breakdown:
             if p not in phases:
                 phases.append(p)
-    return [p for p in PHASES if p in phases] + [p for p in phases if p not in PHASES]
+    known = (*PHASES, OTHER)
+    return [p for p in known if p in phases] + [p for p in phases if p not in known]
 
 
 def breakdown_rows(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
@@ -184,6 +186,11 @@ def md_table(header: list[str], body: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+CONFIG_FIELDS = (
+    "method", "mode", "stash", "precision", "model", "task", "num_layers", "hidden_size", "seq_len",
+    "ubatch_size", "num_ubatches", "batch_size", "global_batch_size",
+)  # fmt: skip
+
 CSV_FIELDS = [
     "run", "dir", "status", "error", "method", "mode", "stash", "precision", "model", "task", "num_layers",
     "hidden_size", "seq_len", "ubatch_size", "num_ubatches", "batch_size", "global_batch_size", "world_size",
@@ -195,52 +202,34 @@ CSV_FIELDS = [
 
 def csv_record(r: Run, metrics: list[str], phases: list[str]) -> dict[str, Any]:
     """Every number of one run, as the run files hold it."""
-    s, cfg = r.summary, r.config
-    transfer = r.memory.get("transfer") or {}
+    s, cfg, mem = r.summary, r.config, r.memory
     rec: dict[str, Any] = {
         "run": r.name,
         "dir": str(r.dir),
         "status": r.status,
         "error": r.error,
-        **{
-            k: cfg.get(k)
-            for k in (
-                "method",
-                "mode",
-                "stash",
-                "precision",
-                "model",
-                "task",
-                "num_layers",
-                "hidden_size",
-                "seq_len",
-                "ubatch_size",
-                "num_ubatches",
-                "batch_size",
-                "global_batch_size",
-            )
-        },
-        "world_size": s.get("world_size"),
-        "params": s.get("params"),
-        "samples_per_s": s.get("samples_per_s"),
-        "step_time_s": s.get("step_time_s"),
-        "device_peak_bytes": s.get("device_peak_bytes"),
+        **{k: cfg.get(k) for k in CONFIG_FIELDS},
+        "world_size": s.world_size,
+        "params": s.params,
+        "samples_per_s": s.samples_per_s,
+        "step_time_s": s.step_time_s,
+        "device_peak_bytes": s.device_peak_bytes,
         "device_budget_bytes": r.budget_bytes,
-        "host_bytes": (r.memory.get("host") or {}).get("bytes"),
-        "h2d_bytes": transfer.get("h2d_bytes"),
-        "d2h_bytes": transfer.get("d2h_bytes"),
+        "host_bytes": mem.host.bytes if mem else None,
+        "h2d_bytes": mem.transfer.h2d_bytes if mem else None,
+        "d2h_bytes": mem.transfer.d2h_bytes if mem else None,
         "train_samples": r.train_samples,
         "epoch_time_s": r.epoch_time_s,
-        "steps": s.get("steps"),
-        "final_loss": s.get("final_loss"),
-        "skipped_steps": s.get("skipped_steps"),
-        "wall_time_s": s.get("wall_time_s"),
-        "device": s.get("device") or cfg.get("device"),
+        "steps": s.steps,
+        "final_loss": s.final_loss,
+        "skipped_steps": s.skipped_steps,
+        "wall_time_s": s.wall_time_s,
+        "device": s.device or cfg.get("device"),
     }
     for m in metrics:
-        rec[f"eval_{m}"] = (s.get("eval") or {}).get(m)
+        rec[f"eval_{m}"] = s.eval.get(m)
     for p in phases:
-        rec[f"time_{p}_s"] = (s.get("time_breakdown_s") or {}).get(p)
+        rec[f"time_{p}_s"] = s.time_breakdown_s.get(p)
     rec["overrides"] = " ".join(r.overrides)
     return rec
 

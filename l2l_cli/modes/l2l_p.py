@@ -14,14 +14,15 @@ from __future__ import annotations
 import time
 
 from l2l_cli.data.batches import Batch
-from l2l_cli.runners.common import StepReport
-from l2l_cli.runners.l2l import L2LRunner
+from l2l_cli.modes.base import StepReport
+from l2l_cli.modes.l2l import L2L_PRECISIONS, L2LRunner
+from l2l_cli.modes.registry import ModeSpec, register_mode
 
 
 class L2LPRunner(L2LRunner):
     def step(self, minibatch: Batch) -> StepReport:
         t0, lr = time.perf_counter(), self.lr()
-        scaler, clip, max_norm = self.precision.scaler, self.clip, self.cfg.optim.max_grad_norm
+        scaler, clip, max_norm = self.precision.scaler, self.clip, self.settings.max_grad_norm
         ubatches, masks = self.split(minibatch)
         x = self.forward_pass(ubatches, masks)  # Alg. 4: for l in layers: for u in ubatches: forward
         g, loss = self.turn(x, ubatches)
@@ -35,3 +36,24 @@ class L2LPRunner(L2LRunner):
         return self.finish(
             loss, len(minibatch), t0, lr, skipped=not applied, grad_norm=norm, extra=self.background()
         )
+
+
+SPEC = register_mode(
+    ModeSpec(
+        name="l2l_p",
+        label="l2l-p",
+        runner=L2LPRunner,
+        description="Alg. 4: L2L with the host update of layer l+1 overlapped with the backward of layer l",
+        precisions=L2L_PRECISIONS,
+        default_clip="layer",
+        clips=("layer", "none"),
+        clip_note="global-norm clipping needs every layer's gradient before the first update, but l2l_p "
+        "updates layer l+1 while layer l runs backward; use optim.clip=layer (or none), or mode=l2l",
+        stash=("device", "cpu"),
+        host_state="eps",
+        undo_log=True,
+        overlapped_update=True,
+        distribute="eps",
+        state_layout="eps-flat-v1",
+    )
+)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 
 from l2l_cli.data.batches import Batch
-from l2l_cli.runners.common import DeviceResident, StepReport
+from l2l_cli.modes.base import DeviceResident, StepReport
+from l2l_cli.modes.registry import ModeSpec, register_mode
 
 
 class BaselineAGRunner(DeviceResident):
@@ -23,3 +24,14 @@ class BaselineAGRunner(DeviceResident):
         with self.timer("optimizer"):
             applied, norm = self.update()
         return self.finish(loss, len(minibatch), t0, lr, skipped=not applied, grad_norm=norm)
+
+
+SPEC = register_mode(
+    ModeSpec(
+        name="baseline_ag",
+        label="baseline-ag",
+        runner=BaselineAGRunner,
+        description="Alg. 2: each micro-batch through the whole model on the device, gradients accumulated",
+        precision_note="cmp keeps the FP32 master in the eager param-server, which only the L2L modes have",
+    )
+)

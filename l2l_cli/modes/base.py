@@ -1,23 +1,24 @@
-"""What every runner shares: the step report, dropout seeding, and the device-resident model of the
-baselines (its placement, update, evaluation). The schedules themselves live in the runner files."""
+"""What every runner shares: the typed arguments it is built from, the step report, the ``Runner``
+protocol the trainer drives, dropout seeding, and the device-resident model of the baselines (placement,
+update, evaluation, checkpoints). The schedules themselves live in the mode files."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from l2l_cli.checkpoint import CheckpointError, read_tensors, tensors_bytes
-from l2l_cli.config import effective_clip
 from l2l_cli.data.batches import Batch
 from l2l_cli.engine.device import Accelerator
 from l2l_cli.engine.dist import DistContext
 from l2l_cli.engine.optim import (
+    OptimSettings,
     clip_coefficients,
     layer_norms,
     lr_at,
@@ -27,8 +28,36 @@ from l2l_cli.engine.optim import (
     set_lr,
 )
 from l2l_cli.engine.precision import Precision
-from l2l_cli.models.bert import LayeredModel, ModelSpec
+from l2l_cli.models.base import LayeredModel, ModelSpec
 from l2l_cli.profiling.timers import PhaseTimer
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """How a runner executes a step: the config's execution keys, resolved for its mode."""
+
+    num_ubatches: int
+    ubatch_size: int
+    seed: int
+    total_steps: int  # the lr schedule's length
+    clip: str  # global | layer | none (optim.clip=auto resolved by the mode)
+    max_grad_norm: float
+    stash: str | None = None  # device | cpu (the L2L modes)
+    prefetch: bool = True  # relay: copy layer l+1 while layer l computes
+    eager_reduce: bool = True  # EPS: reduce each layer's gradient as it lands
+    sync_timers: bool = False
+
+
+@dataclass(frozen=True)
+class RunnerArgs:
+    """Everything a runner is built from (typed; never the whole config)."""
+
+    spec: ModelSpec
+    acc: Accelerator
+    precision: Precision
+    settings: StepSettings
+    optim: OptimSettings
+    dist: DistContext = field(default_factory=DistContext)
 
 
 @dataclass
@@ -44,27 +73,52 @@ class StepReport:
     extra: dict[str, float] = field(default_factory=dict)
 
 
+@runtime_checkable
+class Runner(Protocol):
+    """What the trainer, the checkpointer and the evaluator drive. ``step_count`` is the number of
+    optimizer steps taken (the dropout seed, the lr schedule and the data position follow it)."""
+
+    spec: ModelSpec
+    acc: Accelerator
+    precision: Precision
+    step_count: int
+
+    def step(self, minibatch: Batch) -> StepReport: ...
+
+    def predict(self, batch: Batch) -> torch.Tensor: ...
+
+    def load_hf(self, tensors: Any) -> list[str]: ...
+
+    def hf_tensors(self) -> Iterable[tuple[str, torch.Tensor]]: ...
+
+    def host_parts(self) -> dict[str, int]: ...
+
+    def state_files(self) -> Iterator[tuple[str, bytes]]: ...
+
+    def load_state(self, ckpt: Path, manifest: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 def ubatch_seed(seed: int, step: int, layer: int, ubatch: int) -> int:
     """The dropout seed of (step, layer, micro-batch): a layer-by-layer runner and a whole-model runner
     that reseed with it draw the same dropout masks, and a recompute reproduces its forward exactly."""
     return ((seed * 1_000_003 + step) * 1_000_033 + layer * 8_191 + ubatch) % (2**63 - 1)
 
 
-class Runner:
-    """Base: ``step(minibatch) -> StepReport`` and ``predict(batch) -> logits``."""
+class RunnerBase:
+    """Shared mechanics: dropout seeding, inputs to the device, the lr schedule, the step report."""
 
-    def __init__(
-        self, cfg: Any, acc: Accelerator, spec: ModelSpec, precision: Precision, total_steps: int,
-        dist: DistContext | None = None,
-    ):  # fmt: skip
-        self.cfg, self.acc, self.spec, self.precision = cfg, acc, spec, precision
-        self.dist = dist or DistContext()
-        self.total_steps = total_steps
-        self.num_ubatches = cfg.batch.size // cfg.batch.ubatch_size
-        self.clip = effective_clip(cfg)
-        self.timer = PhaseTimer(acc.synchronize if cfg.profile.sync_timers else None)
-        self.step_count = 0  # optimizer steps taken (the dropout seed and the lr schedule follow it)
-        self.seed = cfg.trainer.seed
+    def __init__(self, args: RunnerArgs):
+        self.args = args
+        self.spec, self.acc, self.precision, self.dist = args.spec, args.acc, args.precision, args.dist
+        self.settings, self.optim = args.settings, args.optim
+        self.total_steps = args.settings.total_steps
+        self.num_ubatches = args.settings.num_ubatches
+        self.clip = args.settings.clip
+        self.seed = args.settings.seed
+        self.timer = PhaseTimer(args.acc.synchronize if args.settings.sync_timers else None)
+        self.step_count = 0
 
     def seed_dropout(self, layer: int, ubatch: int) -> None:
         """Reseed dropout for (layer, micro-batch), numbering micro-batches across data-parallel ranks, so
@@ -76,7 +130,7 @@ class Runner:
         return batch.to(self.acc.device, copy=self.acc.copies_inputs)
 
     def lr(self) -> float:
-        return lr_at(self.step_count, self.total_steps, self.cfg)
+        return lr_at(self.step_count, self.total_steps, self.optim)
 
     def finish(self, loss: torch.Tensor, samples: int, t0: float, lr: float, **kw: Any) -> StepReport:
         self.step_count += 1
@@ -85,27 +139,28 @@ class Runner:
             lr=lr, loss_scale=self.precision.scaler.scale, **kw,
         )  # fmt: skip
 
+    def host_parts(self) -> dict[str, int]:
+        return {}
+
     def close(self) -> None:
         return None
 
 
-class DeviceResident(Runner):
+class DeviceResident(RunnerBase):
     """The baselines' arrangement: the whole model, its gradients and optimizer state on the device."""
 
-    def __init__(
-        self, cfg: Any, acc: Accelerator, spec: ModelSpec, precision: Precision, total_steps: int,
-        dist: DistContext | None = None,
-    ):  # fmt: skip
-        super().__init__(cfg, acc, spec, precision, total_steps, dist)
+    def __init__(self, args: RunnerArgs):
+        super().__init__(args)
+        acc = self.acc
         with acc.meter.part("weights"):
-            self.model = LayeredModel(spec, seed=cfg.trainer.seed, device=acc.device)
+            self.model = LayeredModel(self.spec, seed=self.seed, device=acc.device)
         self.model.train()
         with acc.meter.part("grads"):  # resident gradient buffers, zeroed (not freed) after each update
             for p in self.model.parameters():
                 p.grad = torch.zeros_like(p)
         named = [(n, p) for n, p in self.model.named_parameters()]
         with acc.meter.part("optimizer_state"):
-            self.optimizer = make_optimizer(param_groups(named, cfg.optim.weight_decay), cfg)
+            self.optimizer = make_optimizer(param_groups(named, self.optim.weight_decay), self.optim)
         self.net: torch.nn.Module = self.model
         if self.dist.enabled:  # data parallel: DDP averages gradients over the ranks during backward
             from torch.nn.parallel import DistributedDataParallel
@@ -118,7 +173,7 @@ class DeviceResident(Runner):
     def load_hf(self, tensors: Any) -> list[str]:
         return self.model.load_hf_state_dict(tensors)
 
-    def hf_tensors(self) -> Any:
+    def hf_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
         return self.model.hf_state_dict().items()
 
     def forward_backward(self, ub: Batch, u: int, scale: float, sync: bool = True) -> torch.Tensor:
@@ -146,7 +201,7 @@ class DeviceResident(Runner):
         finite = bool(torch.isfinite(norms).all())
         scaler.update(not finite)
         if finite:
-            coefs = clip_coefficients(norms, self.clip, self.cfg.optim.max_grad_norm)
+            coefs = clip_coefficients(norms, self.clip, self.settings.max_grad_norm)
             if coefs is not None:
                 for grads, c in zip(layers, coefs):
                     torch._foreach_mul_(grads, c)
@@ -167,8 +222,6 @@ class DeviceResident(Runner):
             self.model.train()
 
     # ---- checkpoints: the model and optimizer state by Hugging Face parameter name -----------------
-
-    state_layout = "module-v1"
 
     def state_files(self) -> Iterator[tuple[str, bytes]]:
         named = self.model.hf_state_dict()

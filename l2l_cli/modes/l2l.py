@@ -18,39 +18,40 @@ import torch
 from torch import nn
 
 from l2l_cli.data.batches import Batch
-from l2l_cli.engine.device import Accelerator
-from l2l_cli.engine.dist import DistContext
 from l2l_cli.engine.eps import EagerParamServer
-from l2l_cli.engine.precision import Precision
 from l2l_cli.engine.relay import Relay
 from l2l_cli.engine.stash import CpuStash, DeviceStash
-from l2l_cli.models.bert import ModelSpec, extended_mask
-from l2l_cli.runners.common import Runner, StepReport
+from l2l_cli.modes.base import RunnerArgs, RunnerBase, StepReport
+from l2l_cli.modes.registry import ModeSpec, register_mode
 
 
-class L2LRunner(Runner):
-    def __init__(
-        self, cfg: Any, acc: Accelerator, spec: ModelSpec, precision: Precision, total_steps: int,
-        dist: DistContext | None = None,
-    ):  # fmt: skip
-        super().__init__(cfg, acc, spec, precision, total_steps, dist)
+class L2LRunner(RunnerBase):
+    def __init__(self, args: RunnerArgs):
+        super().__init__(args)
+        acc, spec, dtype = self.acc, self.spec, self.precision.device_dtype
         self.eps = EagerParamServer(
-            spec, cfg, acc, precision.device_dtype, seed=cfg.trainer.seed, dist=self.dist
+            spec,
+            self.optim,
+            acc,
+            dtype,
+            seed=self.seed,
+            dist=self.dist,
+            eager_reduce=self.settings.eager_reduce,
         )
-        self.relay = Relay(acc, spec, self.eps, precision.device_dtype, cfg.mode.prefetch, self.timer)
+        self.relay = Relay(acc, spec, self.eps, dtype, self.settings.prefetch, self.timer)
         self.stash = (
-            CpuStash(acc, self.eps, self.timer) if cfg.mode.stash == "cpu" else DeviceStash(acc, self.timer)
+            CpuStash(acc, self.eps, self.timer)
+            if self.settings.stash == "cpu"
+            else DeviceStash(acc, self.timer)
         )
         self.head = spec.num_layers + 1  # layer indices: 0 = embeddings, 1..N = blocks, N+1 = head
 
     def run_layer(
-        self, layer: nn.Module, i: int, x: torch.Tensor | None, ub: Batch, mask: torch.Tensor
+        self, layer: nn.Module, i: int, x: torch.Tensor | None, ub: Batch, side: Any
     ) -> torch.Tensor:
         """Layer i's forward on one micro-batch (embeddings read the token ids, blocks the hidden states)."""
         with self.precision.autocast():
-            if i == 0:
-                return layer(input_ids=ub.input_ids, token_type_ids=ub.token_type_ids)
-            return layer(x, mask)
+            return self.spec.run_layer(layer, i, x, ub, side)
 
     def step(self, minibatch: Batch) -> StepReport:
         t0, lr = time.perf_counter(), self.lr()
@@ -63,7 +64,7 @@ class L2LRunner(Runner):
             self.eps.reduce_async(i)
         # Alg. 3: for l in layers: w_l = optimizer(w_l, g_l), on the host, once every gradient is in
         applied, norm = self.eps.step(
-            lr, self.precision.scaler, self.clip, self.cfg.optim.max_grad_norm, self.timer
+            lr, self.precision.scaler, self.clip, self.settings.max_grad_norm, self.timer
         )
         return self.finish(
             loss, len(minibatch), t0, lr, skipped=not applied, grad_norm=norm, extra=self.background()
@@ -73,7 +74,7 @@ class L2LRunner(Runner):
 
     def split(self, minibatch: Batch) -> tuple[list[Batch], list[torch.Tensor]]:
         ubatches = self.to_device(minibatch).split(self.num_ubatches)
-        return ubatches, [extended_mask(ub.attention_mask, self.precision.device_dtype) for ub in ubatches]
+        return ubatches, [self.spec.side_inputs(ub, self.precision.device_dtype) for ub in ubatches]
 
     def forward_pass(self, ubatches: list[Batch], masks: list[torch.Tensor]) -> list[torch.Tensor]:
         """for l in layers: for u in ubatches: act_l = forward(act_{l-1}), stashing only each layer's
@@ -100,7 +101,7 @@ class L2LRunner(Runner):
             x_in = x[u].detach().requires_grad_()
             self.seed_dropout(head, u)
             with self.timer("forward"), self.acc.meter.part("activations"), self.precision.autocast():
-                loss_u, _ = layer(x_in, ub.labels)
+                loss_u, _ = self.spec.run_head(layer, x_in, ub)
             with self.timer("backward"), self.acc.meter.part("workspace"):
                 self.precision.scaler.scale_loss(loss_u / n).backward()
             g[u], x[u] = x_in.grad, None
@@ -138,9 +139,9 @@ class L2LRunner(Runner):
     @torch.no_grad()
     def predict(self, batch: Batch) -> torch.Tensor:
         """Logits, layer by layer over the micro-batches (no stash, no gradients)."""
-        ub_size = self.cfg.batch.ubatch_size
+        ub_size = self.settings.ubatch_size
         ubatches = self.to_device(batch).split(max(1, -(-len(batch) // ub_size)))
-        masks = [extended_mask(ub.attention_mask, self.precision.device_dtype) for ub in ubatches]
+        masks = [self.spec.side_inputs(ub, self.precision.device_dtype) for ub in ubatches]
         x: list[Any] = [None] * len(ubatches)
         self.relay.train(False)
         try:
@@ -151,7 +152,7 @@ class L2LRunner(Runner):
                         x[u] = self.run_layer(layer, i, x[u], ub, masks[u])
             layer = self.relay.acquire(self.head, prefetch=0)
             with self.precision.autocast():
-                logits = [layer.logits(x[u]) for u in range(len(ubatches))]
+                logits = [self.spec.head_logits(layer, x[u]) for u in range(len(ubatches))]
         finally:
             self.relay.train(True)
             self.timer.pop()
@@ -166,8 +167,6 @@ class L2LRunner(Runner):
     def host_parts(self) -> dict[str, int]:
         return self.eps.host_parts()
 
-    state_layout = "eps-flat-v1"  # shared by l2l and l2l_p: either resumes the other's checkpoints
-
     def state_files(self) -> Any:
         return self.eps.state_files()
 
@@ -176,3 +175,20 @@ class L2LRunner(Runner):
 
     def close(self) -> None:
         self.eps.close()
+
+
+L2L_PRECISIONS = {"fp32": "fp32", "amp": "amp", "cmp": "cmp", "mixed": "cmp"}
+
+SPEC = register_mode(
+    ModeSpec(
+        name="l2l",
+        label="l2l",
+        runner=L2LRunner,
+        description="Alg. 3: layers relayed from the eager param-server, every micro-batch through layer l first",
+        precisions=L2L_PRECISIONS,
+        stash=("device", "cpu"),
+        host_state="eps",
+        distribute="eps",
+        state_layout="eps-flat-v1",  # shared by l2l and l2l_p: either resumes the other's checkpoints
+    )
+)

@@ -1,0 +1,206 @@
+"""The config schema: the single home of defaults.
+
+Group YAMLs under conf/ extend these dataclasses; unknown keys (also via ``+key=``) are rejected by the
+structured-config merge. Cross-field rules live in :mod:`l2l_cli.config.validate`, one function per group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+PRECISIONS = ("fp32", "amp", "cmp", "mixed")
+HALF_DTYPES = ("auto", "bf16", "fp16")
+LOSS_SCALE = ("dynamic", "none")
+OPTIMIZERS = ("adamw", "lamb")
+SCHEDULES = ("linear", "constant")
+CLIP = ("auto", "global", "layer", "none")
+DEVICES = ("auto", "cpu", "cuda", "sim")
+PROGRESS = ("auto", "rich", "plain", "none")
+DIST_BACKENDS = ("auto", "gloo", "nccl")
+SCALES = ("cpu", "paper")
+
+
+@dataclass
+class ModelConfig:
+    """The model: a family (``bert``) and its sizes, or a pretrained checkpoint. ``x`` selects the
+    layered-GA paper's X[x] family of sizes (derived from x)."""
+
+    name: str = "bert-tiny"
+    family: str = "bert"  # the model family; with model.pretrained, the checkpoint's model_type decides
+    num_layers: int = 2
+    hidden_size: int = 128
+    num_heads: int = 2
+    intermediate_size: int = 512
+    dropout: float = 0.1  # hidden and attention dropout
+    vocab_size: int = 30522
+    seq_len: int = 512  # max positions (the papers' d_s for tnlg / X[x])
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    init_std: float = 0.02
+    pretrained: str | None = None  # hub id or local HF directory
+    x: int | None = None
+
+
+@dataclass
+class ModeConfig:
+    """Execution algorithm (a registered mode). ``stash`` and ``prefetch`` belong to the L2L runners."""
+
+    name: str = "l2l"
+    stash: str | None = None  # device | cpu (modes with a stash; unset: the mode's default)
+    prefetch: bool = True  # relay: copy layer l+1 while layer l computes
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "fp32"  # fp32 | amp (autocast, master on device) | cmp (half device copy, FP32 master in EPS)
+    dtype: str = (
+        "auto"  # half type for amp/cmp: auto = fp16 on CUDA, bf16 elsewhere (fp16 is unusable on CPU)
+    )
+    loss_scale: str = "dynamic"  # dynamic | none (for half precision)
+    init_scale: float = 65536.0
+    growth_interval: int = 2000
+
+
+@dataclass
+class TaskConfig:
+    name: str = "synthetic"
+    data_dir: str | None = None  # original GLUE TSV layout; unset = the hub (GLUE) or generated (synthetic)
+    max_seq_len: int = 64
+    tokenizer: str | None = None  # unset: model.pretrained's, else the bundled uncased WordPiece vocab
+    max_train_samples: int | None = None
+    max_eval_samples: int | None = None
+    pad_to_max: bool = False  # pad every batch to max_seq_len (constant shapes, for memory studies)
+    num_train: int = 8192  # synthetic task size
+    num_eval: int = 1024
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-6
+    warmup_ratio: float = 0.1
+    warmup_steps: int | None = None
+    schedule: str = "linear"
+    clip: str = "auto"  # auto (global; per layer for l2l_p) | global | layer | none
+    max_grad_norm: float = 1.0
+
+
+@dataclass
+class BatchConfig:
+    size: int = 32  # samples per optimizer step per device
+    ubatch_size: int = 8  # micro-batch; #ubatches = size / ubatch_size
+    eval_size: int | None = None  # eval batch; unset = batch.size
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = -1  # -1: run trainer.epochs
+    epochs: int = 1
+    seed: int = 0
+    eval_every: int = 0  # 0: evaluate once, at the end
+    log_every: int = 1
+    save_final: bool = False
+    save_every: int = 0
+    keep_checkpoints: int = 2
+    resume: str | None = None  # a run dir, or "latest"
+    realtime_ckpt: bool = False
+    max_bad_steps: int = 3
+    progress: str = "auto"
+
+
+@dataclass
+class SimConfig:
+    """Simulated accelerator: a device-memory budget and a host<->device link, on the CPU."""
+
+    memory_gb: float = 16.0
+    link_gbps: float = 16.0  # GB/s (bytes), per direction, like the papers' "16 GB/sec PCIe"
+
+
+@dataclass
+class DistConfig:
+    nproc: int = 1
+    backend: str = "auto"  # auto = nccl on CUDA, gloo otherwise
+    timeout_s: float = 600.0  # a collective that waits longer ends the job (a dead rank ends it at once)
+    eager_reduce: bool = True  # L2L: reduce each layer's gradient as it lands (false: all after backward)
+
+
+@dataclass
+class ProfileConfig:
+    memory: bool = True  # device-tier memory meter (always on for device=sim: it enforces the budget)
+    sync_timers: bool = False  # CUDA: synchronize at phase boundaries for exact phase times
+
+
+@dataclass
+class HardwareConfig:
+    """Hardware model for ``l2l plan`` (see conf/hardware). Defaults: the L2L v1 paper's V100 (§3.1.2).
+
+    Rates are *effective* (what a transformer layer achieves), except ``device_peak_tflops``, which the
+    layered-GA analysis uses at perfect efficiency. Optimizer work is counted in the L2L v1 paper's units
+    (an update of BERT-Large's ~335M parameters = 100 GFLOP, i.e. 300 FLOP per parameter).
+    """
+
+    name: str = "v100-16g"
+    device_tflops: float = 30.0  # effective device throughput for layer matmuls, fp32
+    device_tflops_half: float = 30.0  # the same under precision=amp|cmp
+    device_peak_tflops: float = 125.0  # half-precision peak (layered-GA: compute time, intensity thresholds)
+    backward_factor: float = 2.0  # backward time / forward time of a layer (the papers: 2)
+    device_memory_gb: float = 16.0  # GiB
+    device_optim_gflops: float = 480.0  # the baselines' on-device update (elementwise, memory-bound)
+    host_gflops: float = 300.0  # EPS (host optimizer) throughput
+    host_memory_gb: float = 512.0  # GiB
+    h2d_gbps: float = 16.0  # host<->device link, GB/s per direction
+    network_gbps: float = 12.5  # data-parallel / pipeline network per device, GB/s (input + output)
+    tensor_link_gbps: float = 0.0  # tensor-parallel interconnect (NVLink), GB/s (input + output); 0: none
+    offload_gbps: float = 32.0  # CPU<->GPU for offloading (layered-GA eq. 13), GB/s (input + output)
+    async_copy: bool = True  # copies run beside compute (GPU copy engines, device=sim); false: inline
+    measured: bool = False  # hardware=measure: time this machine and use those numbers instead
+
+
+@dataclass
+class PlanConfig:
+    """``l2l plan``: recommendation target, 3d-parallel degrees (layered-GA §5), measurement repeats."""
+
+    max_transfer_overhead: float = 0.10  # bound on L2L's transfer share of the step (L2L v2 eq. 4)
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    data_parallel: int = 1
+    train_steps: int = 100_000  # steps for the layered-GA training-time estimate (the paper's 100k)
+    measure_repeats: int = 5  # hardware=measure: timed repetitions per primitive (the median is used)
+
+
+@dataclass
+class L2LConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mode: ModeConfig = field(default_factory=ModeConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    device: str = "auto"
+    scale: str = "cpu"  # recipes/: cpu (minutes on a small CPU) | paper (the papers' sizes); see l2l.pick
+
+
+def register() -> None:
+    """Put the schema in Hydra's ConfigStore; conf/config.yaml names it first in its defaults."""
+    ConfigStore.instance().store(name="l2l_schema", node=L2LConfig)
+
+
+def to_container(cfg: Any) -> dict[str, Any]:
+    """Plain dict of a config (for JSON files)."""
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]

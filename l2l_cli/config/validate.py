@@ -1,0 +1,471 @@
+"""Validation of the composed config: one function per group, each returning its problems; ``validate``
+runs them all and reports every problem at once, each one line naming the key and what is allowed.
+
+Mode- and family-specific rules come from the registries (a mode's stash options, precisions, clipping
+rules and its own ``validate``; the families a checkpoint may be), never from a list of names here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from l2l_cli.config.schema import (
+    CLIP,
+    DEVICES,
+    DIST_BACKENDS,
+    HALF_DTYPES,
+    LOSS_SCALE,
+    OPTIMIZERS,
+    PRECISIONS,
+    PROGRESS,
+    SCALES,
+    SCHEDULES,
+)
+
+
+@dataclass
+class Problem:
+    key: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.message}"
+
+
+class ConfigError(Exception):
+    """Bad user input: reported as one line per problem, exit code 2, no traceback."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        super().__init__("; ".join(str(p) for p in problems))
+
+
+def one_of(p: list[Problem], key: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        p.append(Problem(key, f"got {value!r}; allowed: {', '.join(allowed)}"))
+
+
+def at_least(p: list[Problem], key: str, value: Any, lo: float, what: str = "") -> None:
+    if value is None or value < lo:
+        p.append(Problem(key, f"got {value!r}; must be >= {lo}{what}"))
+
+
+def positive(p: list[Problem], key: str, value: Any) -> None:
+    if value <= 0:
+        p.append(Problem(key, f"got {value}; must be > 0"))
+
+
+def divisors(n: int) -> str:
+    ds = [d for d in range(1, n + 1) if n % d == 0]
+    return ", ".join(map(str, ds[:12])) + (", ..." if len(ds) > 12 else "")
+
+
+# Sizes beyond these are typos, not models: refuse them before a run tries to allocate them.
+LIMITS = {
+    "model.num_layers": 100_000, "model.hidden_size": 65_536, "model.num_heads": 4_096,
+    "model.intermediate_size": 1_048_576, "model.vocab_size": 10_000_000, "model.seq_len": 1_048_576,
+    "model.type_vocab_size": 1_024, "task.max_seq_len": 1_048_576, "batch.size": 1_048_576,
+    "batch.ubatch_size": 1_048_576, "dist.nproc": 4_096, "trainer.epochs": 1_000_000,
+}  # fmt: skip
+
+
+def _select(cfg: Any, key: str) -> Any:
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.select(cfg, key)
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _limits(cfg: Any) -> list[Problem]:
+    p = []
+    for key, hi in LIMITS.items():
+        value = _select(cfg, key)
+        if isinstance(value, int) and value > hi:
+            p.append(Problem(key, f"got {value}; must be <= {hi}"))
+    return p
+
+
+def _finite(cfg: Any, prefix: str = "") -> list[Problem]:
+    """Every float in the config is a real number (nan and inf pass most range checks silently)."""
+    p = []
+    items = cfg.items() if isinstance(cfg, DictConfig) else vars(cfg).items()
+    for k, v in items:
+        if k == "hydra" and not prefix:  # Hydra's own node, when composed with it
+            continue
+        if isinstance(v, DictConfig) or hasattr(v, "__dataclass_fields__"):
+            p.extend(_finite(v, f"{prefix}{k}."))
+        elif isinstance(v, float) and not math.isfinite(v):
+            p.append(Problem(f"{prefix}{k}", f"got {v}; must be a finite number"))
+    return p
+
+
+# ---- the mode's view of the config (resolved through the registry) --------------------------------
+
+
+def _mode(cfg: Any) -> Any:
+    from l2l_cli.modes import MODES
+
+    return MODES.get(cfg.mode.name)
+
+
+def effective_precision(cfg: Any) -> str:
+    """precision.name with ``mixed`` resolved: the mode's own mixed precision (AMP for the baselines,
+    CMP for the L2L modes, as in L2L v2 Table 2)."""
+    spec = _mode(cfg)
+    return spec.precisions.get(cfg.precision.name, cfg.precision.name) if spec else cfg.precision.name
+
+
+def effective_clip(cfg: Any) -> str:
+    """optim.clip with ``auto`` resolved by the mode (global-norm clipping, unless the mode says)."""
+    if cfg.optim.clip != "auto":
+        return cfg.optim.clip
+    spec = _mode(cfg)
+    return spec.default_clip if spec else "global"
+
+
+def effective_stash(cfg: Any) -> str | None:
+    """mode.stash, or the mode's default stash when unset (None for modes without one)."""
+    spec = _mode(cfg)
+    if cfg.mode.stash is not None or spec is None or not spec.stash:
+        return cfg.mode.stash
+    return spec.stash[0]
+
+
+# ---- one check per group -------------------------------------------------------------------------
+
+Check = Callable[[Any, bool], list[Problem]]
+CHECKS: list[tuple[str, Check]] = []
+
+
+def check(group: str) -> Callable[[Check], Check]:
+    """Register ``fn(cfg, check_files) -> problems`` as the validation of ``group``."""
+
+    def deco(fn: Check) -> Check:
+        CHECKS.append((group, fn))
+        return fn
+
+    return deco
+
+
+@check("model")
+def _model(cfg: Any, check_files: bool) -> list[Problem]:
+    from l2l_cli.models import family_names
+
+    p: list[Problem] = []
+    m = cfg.model
+    one_of(p, "model.family", m.family, family_names())
+    if m.x is not None:
+        at_least(p, "model.x", m.x, 2)
+        if m.x % 2:
+            p.append(Problem("model.x", f"got {m.x}; X[x] needs an even x (heads = x/2)"))
+    for k in ("num_layers", "hidden_size", "num_heads", "intermediate_size", "vocab_size", "seq_len"):
+        at_least(p, f"model.{k}", getattr(m, k), 1)
+    at_least(p, "model.type_vocab_size", m.type_vocab_size, 1)
+    if m.hidden_size >= 1 and m.num_heads >= 1 and m.hidden_size % m.num_heads:
+        p.append(
+            Problem(
+                "model.num_heads",
+                f"{m.num_heads} heads do not divide model.hidden_size={m.hidden_size}; "
+                f"allowed: a divisor of {m.hidden_size} ({divisors(m.hidden_size)})",
+            )
+        )
+    if not (0.0 <= m.dropout < 1.0):
+        p.append(Problem("model.dropout", f"got {m.dropout}; must be in [0, 1)"))
+    positive(p, "model.init_std", m.init_std)
+    if m.pretrained is not None and check_files:
+        p.extend(check_pretrained(m.pretrained, m.family))
+    return p
+
+
+@check("mode")
+def _mode_group(cfg: Any, check_files: bool) -> list[Problem]:
+    from l2l_cli.modes import MODES
+
+    p: list[Problem] = []
+    mode = cfg.mode
+    spec = MODES.get(mode.name)
+    if spec is None:
+        return [Problem("mode.name", f"got {mode.name!r}; allowed: {', '.join(MODES)}")]
+    if spec.stash:
+        if mode.stash is not None:
+            one_of(p, "mode.stash", mode.stash, spec.stash)
+    elif mode.stash is not None:
+        with_stash = ", ".join(m.name for m in MODES.values() if m.stash)
+        p.append(Problem("mode.stash", f"applies to the L2L modes ({with_stash}), not mode={mode.name}"))
+    if spec.validate is not None:
+        p.extend(spec.validate(cfg))
+    return p
+
+
+@check("precision")
+def _precision(cfg: Any, check_files: bool) -> list[Problem]:
+    p: list[Problem] = []
+    prec = cfg.precision
+    one_of(p, "precision.name", prec.name, PRECISIONS)
+    one_of(p, "precision.dtype", prec.dtype, HALF_DTYPES)
+    one_of(p, "precision.loss_scale", prec.loss_scale, LOSS_SCALE)
+    positive(p, "precision.init_scale", prec.init_scale)
+    at_least(p, "precision.growth_interval", prec.growth_interval, 1)
+    spec = _mode(cfg)
+    if spec is not None and prec.name in PRECISIONS and prec.name not in spec.precisions:
+        note = (
+            f"{spec.precision_note} (mode={spec.name})"
+            if spec.precision_note
+            else f"not with mode={spec.name}"
+        )
+        p.append(Problem("precision", f"{note}; allowed for mode={spec.name}: {', '.join(spec.precisions)}"))
+    return p
+
+
+@check("task")
+def _task(cfg: Any, check_files: bool) -> list[Problem]:
+    from l2l_cli.data.loading import SYNTHETIC_MIN_LEN, SYNTHETIC_MIN_VOCAB
+    from l2l_cli.data.tasks import TASKS
+
+    p: list[Problem] = []
+    task, m = cfg.task, cfg.model
+    one_of(p, "task.name", task.name, tuple(TASKS))
+    at_least(p, "task.max_seq_len", task.max_seq_len, 4)
+    if task.max_seq_len > m.seq_len and m.pretrained is None:
+        p.append(Problem("task.max_seq_len", f"got {task.max_seq_len}; must be <= model.seq_len={m.seq_len}"))
+    for k in ("max_train_samples", "max_eval_samples"):
+        v = getattr(task, k)
+        if v is not None and v < 1:
+            p.append(Problem(f"task.{k}", f"got {v}; must be >= 1 or unset"))
+    at_least(p, "task.num_train", task.num_train, 1)
+    at_least(p, "task.num_eval", task.num_eval, 1)
+    if task.name == "synthetic":
+        if task.max_seq_len < SYNTHETIC_MIN_LEN:
+            p.append(
+                Problem(
+                    "task.max_seq_len",
+                    f"got {task.max_seq_len}; the synthetic task needs >= {SYNTHETIC_MIN_LEN}",
+                )
+            )
+        if m.vocab_size < SYNTHETIC_MIN_VOCAB:
+            p.append(
+                Problem(
+                    "model.vocab_size",
+                    f"got {m.vocab_size}; the synthetic task needs >= {SYNTHETIC_MIN_VOCAB}",
+                )
+            )
+    if task.name in TASKS and check_files:
+        p.extend(TASKS[task.name].check_source(task.data_dir))
+    return p
+
+
+@check("optim")
+def _optim(cfg: Any, check_files: bool) -> list[Problem]:
+    p: list[Problem] = []
+    opt = cfg.optim
+    one_of(p, "optim.name", opt.name, OPTIMIZERS)
+    one_of(p, "optim.schedule", opt.schedule, SCHEDULES)
+    one_of(p, "optim.clip", opt.clip, CLIP)
+    positive(p, "optim.lr", opt.lr)
+    if opt.weight_decay < 0:
+        p.append(Problem("optim.weight_decay", f"got {opt.weight_decay}; must be >= 0"))
+    for k in ("beta1", "beta2"):
+        v = getattr(opt, k)
+        if not (0.0 <= v < 1.0):
+            p.append(Problem(f"optim.{k}", f"got {v}; must be in [0, 1)"))
+    positive(p, "optim.eps", opt.eps)
+    if not (0.0 <= opt.warmup_ratio <= 1.0):
+        p.append(Problem("optim.warmup_ratio", f"got {opt.warmup_ratio}; must be in [0, 1]"))
+    if opt.warmup_steps is not None and opt.warmup_steps < 0:
+        p.append(Problem("optim.warmup_steps", f"got {opt.warmup_steps}; must be >= 0 or unset"))
+    positive(p, "optim.max_grad_norm", opt.max_grad_norm)
+    spec = _mode(cfg)
+    if spec is not None and opt.clip in CLIP and effective_clip(cfg) not in spec.clips:
+        why = spec.clip_note or f"{opt.clip} is not available with mode={spec.name}"
+        p.append(Problem("optim.clip", f"{why}; allowed: {', '.join(spec.clips)}"))
+    return p
+
+
+@check("batch")
+def _batch(cfg: Any, check_files: bool) -> list[Problem]:
+    p: list[Problem] = []
+    b = cfg.batch
+    at_least(p, "batch.size", b.size, 1)
+    at_least(p, "batch.ubatch_size", b.ubatch_size, 1)
+    spec = _mode(cfg)
+    if b.size >= 1 and b.ubatch_size >= 1:
+        if b.size % b.ubatch_size:
+            p.append(
+                Problem(
+                    "batch.ubatch_size",
+                    f"{b.ubatch_size} does not divide batch.size={b.size}; allowed: a divisor of "
+                    f"{b.size} ({divisors(b.size)})",
+                )
+            )
+        elif spec is not None and not spec.microbatches and b.ubatch_size != b.size:
+            p.append(
+                Problem(
+                    "batch.ubatch_size",
+                    f"mode={spec.name} runs the whole minibatch at once, so "
+                    f"batch.ubatch_size must equal batch.size={b.size}; use mode=baseline_ag for micro-batches",
+                )
+            )
+    if b.eval_size is not None and b.eval_size < 1:
+        p.append(Problem("batch.eval_size", f"got {b.eval_size}; must be >= 1 or unset"))
+    return p
+
+
+@check("trainer")
+def _trainer(cfg: Any, check_files: bool) -> list[Problem]:
+    from l2l_cli.modes import MODES
+
+    p: list[Problem] = []
+    tr = cfg.trainer
+    if tr.max_steps == 0 or tr.max_steps < -1:
+        p.append(Problem("trainer.max_steps", f"got {tr.max_steps}; must be >= 1, or -1 for trainer.epochs"))
+    at_least(p, "trainer.epochs", tr.epochs, 1)
+    for k in ("eval_every", "save_every", "seed"):
+        at_least(p, f"trainer.{k}", getattr(tr, k), 0)
+    at_least(p, "trainer.log_every", tr.log_every, 1)
+    at_least(p, "trainer.max_bad_steps", tr.max_bad_steps, 1)
+    at_least(p, "trainer.keep_checkpoints", tr.keep_checkpoints, 1)
+    one_of(p, "trainer.progress", tr.progress, PROGRESS)
+    spec = _mode(cfg)
+    if tr.realtime_ckpt and spec is not None and not spec.realtime_ckpt:
+        with_eps = ", ".join(m.name for m in MODES.values() if m.realtime_ckpt)
+        p.append(
+            Problem(
+                "trainer.realtime_ckpt",
+                f"needs an L2L mode ({with_eps}): the EPS writes each layer as it is updated",
+            )
+        )
+    if tr.resume is not None and check_files:
+        p.extend(check_resume(tr.resume))
+    return p
+
+
+@check("device")
+def _device(cfg: Any, check_files: bool) -> list[Problem]:
+    p: list[Problem] = []
+    one_of(p, "device", cfg.device, DEVICES)
+    one_of(p, "scale", cfg.scale, SCALES)
+    if cfg.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            p.append(
+                Problem("device", "cuda requested but no CUDA device is available; allowed: auto, cpu, sim")
+            )
+    positive(p, "sim.memory_gb", cfg.sim.memory_gb)
+    positive(p, "sim.link_gbps", cfg.sim.link_gbps)
+    return p
+
+
+@check("dist")
+def _dist(cfg: Any, check_files: bool) -> list[Problem]:
+    from l2l_cli.modes import MODES
+
+    p: list[Problem] = []
+    at_least(p, "dist.nproc", cfg.dist.nproc, 1)
+    one_of(p, "dist.backend", cfg.dist.backend, DIST_BACKENDS)
+    positive(p, "dist.timeout_s", cfg.dist.timeout_s)
+    spec = _mode(cfg)
+    if not cfg.dist.eager_reduce and spec is not None and spec.distribute != "eps":
+        with_eps = ", ".join(m.name for m in MODES.values() if m.distribute == "eps")
+        p.append(
+            Problem(
+                "dist.eager_reduce",
+                f"applies to the modes whose EPS reduces layer by layer ({with_eps}); mode={spec.name} "
+                f"reduces with DDP during backward",
+            )
+        )
+    return p
+
+
+@check("plan")
+def _plan(cfg: Any, check_files: bool) -> list[Problem]:
+    p: list[Problem] = []
+    m, plan = cfg.model, cfg.plan
+    if not (0.0 < plan.max_transfer_overhead < 1.0):
+        p.append(
+            Problem("plan.max_transfer_overhead", f"got {plan.max_transfer_overhead}; must be in (0, 1)")
+        )
+    for k in ("tensor_parallel", "pipeline_parallel", "data_parallel", "train_steps", "measure_repeats"):
+        at_least(p, f"plan.{k}", getattr(plan, k), 1)
+    na, nl = plan.tensor_parallel, plan.pipeline_parallel
+    if na >= 1 and m.num_heads >= 1 and m.num_heads % na:
+        p.append(
+            Problem(
+                "plan.tensor_parallel",
+                f"{na} does not divide model.num_heads={m.num_heads} (tensor parallelism splits the heads); "
+                f"allowed: a divisor of {m.num_heads} ({divisors(m.num_heads)})",
+            )
+        )
+    if nl > m.num_layers >= 1:
+        p.append(
+            Problem(
+                "plan.pipeline_parallel",
+                f"got {nl}; a pipeline stage needs at least one layer: must be <= model.num_layers={m.num_layers}",
+            )
+        )
+    hw = cfg.hardware
+    for k in ("device_tflops", "device_tflops_half", "device_peak_tflops", "backward_factor",
+              "device_memory_gb", "device_optim_gflops", "host_gflops", "host_memory_gb", "h2d_gbps",
+              "network_gbps", "offload_gbps"):  # fmt: skip
+        positive(p, f"hardware.{k}", getattr(hw, k))
+    if hw.tensor_link_gbps < 0:
+        p.append(Problem("hardware.tensor_link_gbps", f"got {hw.tensor_link_gbps}; must be >= 0 (0: none)"))
+    return p
+
+
+def validate(cfg: Any, *, check_files: bool = True) -> list[Problem]:
+    """Cross-field rules of the composed config. Returns every problem found (empty when valid)."""
+    problems = _finite(cfg) + _limits(cfg)
+    for _, fn in CHECKS:
+        problems.extend(fn(cfg, check_files))
+    return problems
+
+
+# ---- files the config points at -------------------------------------------------------------------
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def check_pretrained(ref: str, family: str = "bert") -> list[Problem]:
+    """A local Hugging Face directory of a supported architecture, or something shaped like a hub id."""
+    from l2l_cli.models import UnsupportedModel, family_for_dir
+
+    path = Path(ref).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            return [
+                Problem("model.pretrained", f"{ref} has no config.json; expected a Hugging Face model dir")
+            ]
+        try:
+            json.loads((path / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            return [Problem("model.pretrained", f"{ref}/config.json is not valid JSON ({e})")]
+        try:
+            family_for_dir(path, ref, family)
+        except UnsupportedModel as e:
+            return [Problem("model.pretrained", str(e))]
+        if not any((path / n).is_file() for n in ("model.safetensors", "pytorch_model.bin")):
+            return [Problem("model.pretrained", f"{ref} has no model.safetensors (or pytorch_model.bin)")]
+        return []
+    if ref.startswith((".", "/", "~")) or not _HUB_ID.match(ref):
+        return [
+            Problem("model.pretrained", f"{ref} is neither an existing directory nor a hub id (org/name)")
+        ]
+    return []
+
+
+def check_resume(ref: str) -> list[Problem]:
+    if ref == "latest":
+        return []
+    if not Path(ref).is_dir():
+        return [Problem("trainer.resume", f"{ref} is not a run directory; allowed: a run dir or 'latest'")]
+    return []

@@ -1,0 +1,221 @@
+"""The training loop: step -> log -> eval -> checkpoint, with exact resume, real-time checkpoints (modes
+with an EPS), a stop at a step boundary on SIGINT/SIGTERM, and the non-finite-step policy."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from l2l_cli import checkpoint as ckpt
+from l2l_cli.checkpoint import CheckpointError, RealtimeWriter
+from l2l_cli.data.batches import TrainStream
+from l2l_cli.data.loading import TaskData
+from l2l_cli.engine.dist import DistContext
+from l2l_cli.modes.base import Runner, StepReport
+from l2l_cli.modes.registry import ModeSpec
+from l2l_cli.progress import RunProgress
+from l2l_cli.rundir import Logger, RunFiles
+from l2l_cli.schema import OTHER, MetricsRow, Summary
+
+log = logging.getLogger("l2l")
+
+
+class TrainingError(Exception):
+    """Training cannot go on (a clear, expected failure: reported without a traceback)."""
+
+
+class Interrupted(Exception):
+    def __init__(self, msg: str, signum: int, resume_with: str):
+        super().__init__(msg)
+        self.signum, self.resume_with = signum, resume_with
+
+
+class StopFlag(Protocol):
+    signum: int  # nonzero once a stop was requested
+
+
+class NoStop:
+    signum = 0
+
+
+class Trainer:
+    """Drives ``runner`` over ``stream`` for ``steps`` optimizer steps."""
+
+    def __init__(
+        self, *, runner: Runner, mode: ModeSpec, stream: TrainStream, data: TaskData, steps: int,
+        evaluate: Callable[[], dict[str, float]], files: RunFiles, loggers: list[Logger], summary: Summary,
+        ctx: DistContext, ident: dict[str, Any], config_yaml: str, save_every: int = 0, keep_checkpoints: int = 2,
+        realtime_ckpt: bool = False, save_final: bool = False, eval_every: int = 0, log_every: int = 1,
+        max_bad_steps: int = 3, progress: str = "auto", title: str = "", stop: StopFlag | None = None,
+    ):  # fmt: skip
+        self.runner, self.mode, self.stream, self.data, self.steps = runner, mode, stream, data, steps
+        self.evaluate_fn, self.files, self.loggers, self.summary = evaluate, files, loggers, summary
+        self.ctx, self.ident, self.config_yaml = ctx, ident, config_yaml
+        self.save_every, self.keep, self.realtime_ckpt = save_every, keep_checkpoints, realtime_ckpt
+        self.save_final, self.eval_every, self.log_every = save_final, eval_every, log_every
+        self.max_bad_steps, self.progress, self.title = max_bad_steps, progress, title
+        self.stop = stop or NoStop()
+        self.ckpt_root = files.dir / "checkpoints"
+        self.skipped = self.bad_in_row = 0
+        self.steady = {"time": 0.0, "samples": 0, "n": 0}
+        self.phase_sum: dict[str, float] = {}
+        self.loss = float("nan")
+        self.realtime: RealtimeWriter | None = None
+
+    # ---- checkpoint state --------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """Everything besides the weights and moments that an exact resume needs (plain JSON)."""
+        return {
+            "step": self.runner.step_count,  # also the data position: the stream is a function of it
+            "scaler": self.runner.precision.scaler.state_dict(),
+            "rng": ckpt.rng_state(),
+            "skipped": self.skipped,
+            "bad_in_row": self.bad_in_row,
+            "steady": self.steady,
+            "phase_sum": self.phase_sum,
+            "world_size": self.ctx.world,
+            "global_batch_size": self.stream.global_batch,
+        }
+
+    def resume(self, run_dir: Path) -> None:
+        path, manifest = ckpt.latest_valid(run_dir)
+        ckpt.check_identity(path, manifest, self.ident)
+        state = json.loads(ckpt._read_checked(path, "state.json", manifest))
+        if state["global_batch_size"] != self.stream.global_batch:
+            raise CheckpointError(
+                f"{path} was trained with a global batch of {state['global_batch_size']}; this run has "
+                f"{self.stream.global_batch} (batch.size x dist.nproc): the data position would not match"
+            )
+        self.runner.load_state(path, manifest)
+        self.runner.step_count = state["step"]
+        self.runner.precision.scaler.load_state_dict(state["scaler"])
+        ckpt.set_rng_state(state["rng"])
+        self.skipped, self.bad_in_row = state["skipped"], state["bad_in_row"]
+        self.steady, self.phase_sum = state["steady"], state["phase_sum"]
+        for logger in self.loggers:  # the logs continue from the checkpoint's step
+            logger.resume_at(state["step"])
+        log.info("resumed from %s at step %d", path, state["step"])
+        self.summary.resumed_from = {"checkpoint": str(path), "step": state["step"]}
+
+    def save(self) -> Path | None:
+        if not self.files.enabled:  # rank 0 writes (the state is identical on every rank)
+            return None
+        if self.realtime is not None:
+            self.realtime.wait_commit()
+        return ckpt.save(
+            self.ckpt_root, self.runner.step_count, self.runner, self.ident, self.state(), self.keep,
+            self.config_yaml,
+        )  # fmt: skip
+
+    # ---- the loop -------------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        runner, meter = self.runner, self.runner.acc.meter
+        if self.realtime_ckpt and self.files.enabled:
+            self.realtime = RealtimeWriter(self.ckpt_root, self.ident, self.config_yaml)
+            runner.eps.realtime = self.realtime  # type: ignore[attr-defined]
+        batches = self.stream.batches(start_step=runner.step_count)
+        try:
+            with RunProgress(self.progress, self.steps, self.title, enabled=self.ctx.rank == 0) as progress:
+                while runner.step_count < self.steps:
+                    if self.realtime is not None:
+                        self.realtime.begin(runner.step_count + 1)
+                    report = runner.step(next(batches))
+                    step = runner.step_count
+                    report.loss, stop_now = self.ctx.mean_and_any(report.loss, self.stop.signum)
+                    if self.realtime is not None:
+                        self.realtime.commit(step, self.state(), self._all_layer_files)
+                        report.extra["realtime_ckpt_s"] = self.realtime.pop_busy()
+                    self.account(report, step)
+                    sps = report.samples * self.ctx.world / report.step_time_s
+                    progress.update(step, report.loss, sps, meter.peak_bytes)
+                    if self.save_every and step % self.save_every == 0 and step < self.steps:
+                        self.save()
+                    if stop_now:
+                        self.interrupt(step)
+                    if self.eval_every and step % self.eval_every == 0 and step < self.steps:
+                        self._log_eval(step, self.evaluate_fn())
+        finally:
+            if self.realtime is not None:
+                self.realtime.wait_commit()
+                self.realtime.close()
+        self.finish()
+
+    def _log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        for logger in self.loggers:
+            logger.log_eval(step, metrics)
+
+    def _all_layer_files(self) -> list[tuple[str, Any]]:
+        eps = self.runner.eps  # type: ignore[attr-defined]
+        return [eps.layer_file(i) for i in range(len(eps.layers))]
+
+    def account(self, report: StepReport, step: int) -> None:
+        """Bookkeeping of one step: the bad-step policy, throughput, the step's metrics row."""
+        meter, world = self.runner.acc.meter, self.ctx.world
+        self.loss = report.loss
+        self.skipped += int(report.skipped)
+        scaler = self.runner.precision.scaler
+        # with dynamic loss scaling a skip is routine (the scale adapts); it is a failure once the scale
+        # cannot go lower, or without loss scaling
+        hopeless = report.skipped and (not scaler.dynamic or scaler.scale <= 1.0)
+        self.bad_in_row = self.bad_in_row + 1 if hopeless else 0
+        sps = report.samples * world / report.step_time_s
+        if step > 1 or self.steps == 1:
+            self.steady["time"] += report.step_time_s
+            self.steady["samples"] += report.samples * world
+            self.steady["n"] += 1
+            for k, v in report.phases.items():
+                self.phase_sum[k] = self.phase_sum.get(k, 0.0) + v
+        if step % self.log_every == 0 or step == self.steps or report.skipped:
+            row = MetricsRow(
+                step=step, loss=report.loss, lr=report.lr, samples_per_s=sps, step_time_s=report.step_time_s,
+                device_peak_bytes=meter.peak_bytes, device_bytes=meter.current_bytes, skipped=report.skipped,
+                grad_norm=report.grad_norm, loss_scale=report.loss_scale, phases=report.phases,
+                extra=report.extra,
+            )  # fmt: skip
+            for logger in self.loggers:
+                logger.log_step(row)
+        if self.bad_in_row >= self.max_bad_steps:
+            raise TrainingError(
+                f"non-finite loss or gradients at step {step}: {self.bad_in_row} steps in a row skipped "
+                f"(trainer.max_bad_steps={self.max_bad_steps}); lower optim.lr, check the data, or use precision=fp32"
+            )
+
+    def interrupt(self, step: int) -> None:
+        path = self.save()
+        self.ctx.barrier()
+        signum = self.stop.signum or signal.SIGTERM
+        where = f"; checkpoint {path}" if path else ""
+        raise Interrupted(
+            f"stopped by {signal.Signals(signum).name} after step {step}{where}",
+            signum,
+            f"l2l train <the same overrides> trainer.resume={self.files.dir}",
+        )
+
+    def finish(self) -> None:
+        runner = self.runner
+        metrics = self.evaluate_fn()
+        self._log_eval(runner.step_count, metrics)
+        if self.save_every and self.files.enabled:
+            self.save()  # the final state is resumable too (e.g. to train further with more steps)
+        if self.save_final and self.files.enabled:
+            runner.spec.save_hf(self.files.dir / "final", runner.hf_tensors(), self.data.spec)
+        n, total = self.steady["n"], self.steady["time"]
+        breakdown = {k: v / n for k, v in sorted(self.phase_sum.items())} if n else {}
+        if n:
+            breakdown[OTHER] = max(0.0, total / n - sum(breakdown.values()))
+        s = self.summary
+        s.steps = runner.step_count
+        s.skipped_steps = self.skipped
+        s.final_loss = self.loss if math.isfinite(self.loss) else None
+        s.samples_per_s = self.steady["samples"] / total if total else 0.0
+        s.step_time_s = total / n if n else None
+        s.time_breakdown_s = breakdown
+        s.eval = metrics
+        s.device_peak_bytes = runner.acc.meter.peak_bytes

@@ -1,0 +1,169 @@
+"""What every model family gives the engine: a :class:`ModelSpec` (the sizes, and how each layer is built,
+run, named in a Hugging Face checkpoint and saved) and :class:`LayeredModel` = pre · blocks · post over it.
+
+Layer indices are global: 0 = pre (embeddings), 1..N = transformer blocks, N+1 = post (head and loss).
+Every runner builds layer i the same way from the same seed, so all modes start from the same weights.
+Nothing here knows about L2L: where layers live and when they run is decided by ``engine/`` and ``modes/``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+PRE, BLOCK, POST = "pre", "block", "post"
+
+
+class ModelSpec(ABC):
+    """A model as the runners see it. Subclasses (one per family) are frozen dataclasses of sizes that
+    define ``num_layers``, ``hidden_size``, ``num_heads``, ``intermediate_size``, ``vocab_size`` and
+    ``num_labels``."""
+
+    family: ClassVar[str]
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    vocab_size: int
+    num_labels: int
+
+    @property
+    def num_all_layers(self) -> int:
+        return self.num_layers + 2
+
+    def kind(self, index: int) -> str:
+        return PRE if index == 0 else POST if index == self.num_layers + 1 else BLOCK
+
+    # ---- building --------------------------------------------------------------------------------
+
+    @abstractmethod
+    def new_layer(self, kind: str, device: torch.device | str | None = None) -> nn.Module:
+        """An uninitialized layer module of ``kind`` (parameters allocated on ``device``)."""
+
+    @abstractmethod
+    def init_layer(self, module: nn.Module, index: int, seed: int) -> nn.Module:
+        """The family's initialization of layer ``index``, seeded per layer (every mode builds it alike)."""
+
+    def build_layer(self, index: int, seed: int, device: torch.device | str | None = None) -> nn.Module:
+        return self.init_layer(self.new_layer(self.kind(index), device), index, seed)
+
+    def reset_buffers(self, module: nn.Module) -> None:  # noqa: B027  (most families have none)
+        """Re-create non-persistent buffers (position ids, say) of a module built on the meta device."""
+
+    # ---- running ---------------------------------------------------------------------------------
+
+    @abstractmethod
+    def side_inputs(self, ub: Any, dtype: torch.dtype) -> Any:
+        """What every block of a micro-batch reads besides the hidden states (BERT: the attention mask)."""
+
+    @abstractmethod
+    def run_layer(
+        self, layer: nn.Module, index: int, x: torch.Tensor | None, ub: Any, side: Any
+    ) -> torch.Tensor:
+        """Forward of the pre layer (``x`` is None: it reads the batch) or of a block."""
+
+    @abstractmethod
+    def run_head(self, layer: nn.Module, x: torch.Tensor, ub: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The post layer: (loss, logits) of a micro-batch."""
+
+    @abstractmethod
+    def head_logits(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The post layer's outputs without a loss (evaluation, prediction)."""
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+
+    @abstractmethod
+    def hf_name(self, index: int, name: str) -> str:
+        """The Hugging Face checkpoint name of layer ``index``'s parameter ``name``."""
+
+    def lookup_hf(self, tensors: Any, name: str) -> torch.Tensor | None:
+        """A tensor by HF name from a dict or a safetensors handle (None when absent)."""
+        if name in tensors.keys():  # noqa: SIM118  (a safetensors handle has keys(), not __contains__)
+            return tensors[name] if isinstance(tensors, dict) else tensors.get_tensor(name)
+        return None
+
+    @abstractmethod
+    def save_hf(
+        self, out_dir: Path, named_tensors: Iterable[tuple[str, torch.Tensor]], task: Any = None
+    ) -> None:
+        """Write a Hugging Face model directory of the trained weights."""
+
+    @abstractmethod
+    def identity(self) -> dict[str, Any]:
+        """The sizes a checkpoint must match to load into this model."""
+
+    # ---- planner and evaluation ------------------------------------------------------------------
+
+    @abstractmethod
+    def param_counts(self) -> tuple[int, int, int]:
+        """Parameters of (pre, one block, post), by formula: the planner's count and the run's ``params``."""
+
+    @abstractmethod
+    def head_flops(self) -> float:
+        """Forward FLOPs of the post layer for one sample (its matmuls, 2 per multiply-add)."""
+
+    @property
+    def total_params(self) -> int:
+        pre, block, post = self.param_counts()
+        return pre + self.num_layers * block + post
+
+    @abstractmethod
+    def evaluate(self, predict: Callable[[Any], torch.Tensor], dev: Any, task: Any, batch_size: int,
+                 pad_to: int | None) -> dict[str, float]:  # fmt: skip
+        """The task's metrics of the head's predictions on the dev split."""
+
+
+class LayeredModel(nn.Module):
+    """The whole model, resident in one place: how the baselines (Alg. 1 and 2) hold it."""
+
+    def __init__(self, spec: ModelSpec, seed: int = 0, device: torch.device | str | None = None):
+        super().__init__()
+        self.spec = spec
+        self.pre = spec.build_layer(0, seed, device)
+        self.blocks = nn.ModuleList(spec.build_layer(i, seed, device) for i in range(1, spec.num_layers + 1))
+        self.post = spec.build_layer(spec.num_layers + 1, seed, device)
+
+    def layers(self) -> Iterator[tuple[int, nn.Module]]:
+        """(global index, module) for pre, blocks, post."""
+        yield 0, self.pre
+        yield from enumerate(self.blocks, start=1)
+        yield self.spec.num_layers + 1, self.post
+
+    def forward(
+        self, batch: Any, seed_fn: Callable[[int], None] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss, logits) of a (micro-)batch. ``seed_fn(layer)`` reseeds dropout before each layer, so a
+        layer-by-layer runner can reproduce the exact dropout masks."""
+        spec = self.spec
+        if seed_fn:
+            seed_fn(0)
+        x = spec.run_layer(self.pre, 0, None, batch, None)
+        side = spec.side_inputs(batch, x.dtype)
+        for i, block in enumerate(self.blocks, start=1):
+            if seed_fn:
+                seed_fn(i)
+            x = spec.run_layer(block, i, x, batch, side)
+        if seed_fn:
+            seed_fn(spec.num_layers + 1)
+        return spec.run_head(self.post, x, batch)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return {self.spec.hf_name(i, n): p for i, layer in self.layers() for n, p in layer.named_parameters()}
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, tensors: Any) -> list[str]:
+        """Copy matching HF tensors in; returns the names left at their initialization."""
+        missing = []
+        for i, layer in self.layers():
+            for n, p in layer.named_parameters():
+                t = self.spec.lookup_hf(tensors, self.spec.hf_name(i, n))
+                if t is None:
+                    missing.append(self.spec.hf_name(i, n))
+                else:
+                    p.copy_(t)
+        return missing

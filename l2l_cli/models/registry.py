@@ -1,0 +1,88 @@
+"""The model-family registry. A family is one file that calls :func:`register_family` with how to make
+its :class:`~l2l_cli.models.base.ModelSpec` from the ``model.*`` keys or from a Hugging Face directory.
+
+The family of a run comes from ``model.family``, or, with ``model.pretrained``, from the checkpoint's
+``config.json`` ``model_type``; a type no family loads is refused in one line that lists the ones that do
+(never a random-weight run of the wrong architecture).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from l2l_cli.models.base import ModelSpec
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str  # model.family
+    model_types: tuple[str, ...]  # the config.json model_type values it loads
+    description: str
+    from_config: Callable[[Any, int], ModelSpec]  # (model.* keys, num_labels) -> spec
+    from_hf_dir: Callable[[Path, Any, int], ModelSpec]  # (HF dir, model.* keys, num_labels) -> spec
+
+
+FAMILIES: dict[str, ModelFamily] = {}
+
+
+def register_family(family: ModelFamily) -> ModelFamily:
+    FAMILIES[family.name] = family
+    return family
+
+
+def family_names() -> tuple[str, ...]:
+    return tuple(FAMILIES)
+
+
+def supported_model_types() -> list[str]:
+    return sorted(t for f in FAMILIES.values() for t in f.model_types)
+
+
+class UnsupportedModel(ValueError):
+    """A checkpoint of an architecture no family loads (bad input: exit 2)."""
+
+
+def model_type_of(path: Path) -> str | None:
+    """``model_type`` of a Hugging Face directory's config.json (None when it has none)."""
+    value = json.loads((path / "config.json").read_text()).get("model_type")
+    return str(value) if value is not None else None
+
+
+def family_for_dir(path: Path, ref: str, default: str = "bert") -> ModelFamily:
+    """The family that loads the checkpoint in ``path`` (``ref``: what the user wrote, for the message);
+    a config.json without ``model_type`` (some early BERT conversions) is taken as ``default``
+    (``model.family``)."""
+    model_type = model_type_of(path)
+    if model_type is None and default in FAMILIES:
+        return FAMILIES[default]
+    for family in FAMILIES.values():
+        if model_type in family.model_types:
+            return family
+    raise UnsupportedModel(
+        f"{ref} is a {model_type!r} checkpoint (config.json model_type); supported: "
+        f"{', '.join(supported_model_types())}"
+    )
+
+
+def resolve_pretrained(ref: str) -> Path:
+    """A local dir holding config.json and the weights for ``ref`` (a dir, or a hub id downloaded)."""
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(ref, allow_patterns=["config.json", "*.safetensors", "*.txt", "*.json"]))
+
+
+def make_spec(model_cfg: Any, num_labels: int) -> ModelSpec:
+    """The run's model: from the checkpoint's config.json with ``model.pretrained``, else from ``model.*``
+    of the family ``model.family``."""
+    if model_cfg.pretrained:
+        path = resolve_pretrained(model_cfg.pretrained)
+        family = family_for_dir(path, model_cfg.pretrained, model_cfg.family)
+        return family.from_hf_dir(path, model_cfg, num_labels)
+    return FAMILIES[model_cfg.family].from_config(model_cfg, num_labels)

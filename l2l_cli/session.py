@@ -1,0 +1,250 @@
+"""``build(cfg) -> Session``: the one place that wires a run's parts together (data, model, accelerator,
+precision, runner, trainer, checkpoints, loggers), for ``l2l train``, the tests and the benchmarks alike.
+
+A session opens in order and keeps what it has built, so a start that fails half-way (out of device memory
+while the runner allocates, say) still reports the run's header and memory; ``close`` releases it all.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from l2l_cli.checkpoint import CheckpointError, identity
+from l2l_cli.config import (
+    ConfigError,
+    Problem,
+    effective_clip,
+    effective_precision,
+    effective_stash,
+    validate,
+)
+from l2l_cli.data.batches import TrainStream
+from l2l_cli.data.loading import TaskData, load_task
+from l2l_cli.engine.device import Accelerator, make_accelerator
+from l2l_cli.engine.dist import DistContext
+from l2l_cli.engine.dist import from_env as dist_from_env
+from l2l_cli.engine.optim import OptimSettings
+from l2l_cli.engine.precision import Precision, make_precision
+from l2l_cli.loop import StopFlag, Trainer
+from l2l_cli.models import ModelSpec, UnsupportedModel, make_spec, resolve_pretrained
+from l2l_cli.modes import MODES, ModeSpec, Runner, RunnerArgs, StepSettings
+from l2l_cli.rundir import JsonlLogger, Logger, RunFiles
+from l2l_cli.schema import DeviceMemory, HostMemory, MemoryReport, RunConfig, Summary, Transfer
+
+log = logging.getLogger("l2l")
+
+
+def total_steps(cfg: Any, stream: TrainStream) -> int:
+    return cfg.trainer.max_steps if cfg.trainer.max_steps > 0 else cfg.trainer.epochs * stream.steps_per_epoch
+
+
+def step_settings(cfg: Any, steps: int) -> StepSettings:
+    """The config's execution keys as the mode runs them (auto clipping and the default stash resolved)."""
+    return StepSettings(
+        num_ubatches=cfg.batch.size // cfg.batch.ubatch_size, ubatch_size=cfg.batch.ubatch_size,
+        seed=cfg.trainer.seed, total_steps=steps, clip=effective_clip(cfg), max_grad_norm=cfg.optim.max_grad_norm,
+        stash=effective_stash(cfg), prefetch=bool(cfg.mode.prefetch), eager_reduce=bool(cfg.dist.eager_reduce),
+        sync_timers=bool(cfg.profile.sync_timers),
+    )  # fmt: skip
+
+
+def run_config(cfg: Any, mode: ModeSpec, spec: ModelSpec, data: TaskData, world: int) -> RunConfig:
+    """The summary's ``config`` block: what the run was, in the papers' terms."""
+    stash = effective_stash(cfg)
+    return RunConfig(
+        method=mode.method(stash), mode=mode.name, stash=stash, precision=effective_precision(cfg),
+        model=cfg.model.name if not cfg.model.pretrained else f"pretrained:{cfg.model.pretrained}",
+        family=spec.family, num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+        ubatch_size=cfg.batch.ubatch_size, num_ubatches=cfg.batch.size // cfg.batch.ubatch_size,
+        batch_size=cfg.batch.size, global_batch_size=cfg.batch.size * world, seq_len=cfg.task.max_seq_len,
+        task=cfg.task.name, data_source=data.source, train_samples=len(data.train), optimizer=cfg.optim.name,
+        clip=effective_clip(cfg), device=cfg.device,
+        sim_memory_gb=cfg.sim.memory_gb if cfg.device == "sim" else None,
+        sim_link_gbps=cfg.sim.link_gbps if cfg.device == "sim" else None,
+    )  # fmt: skip
+
+
+class Session:
+    """One run's parts. ``open()`` builds them (``build(cfg)`` does it for you); ``close()`` releases them."""
+
+    def __init__(
+        self, cfg: DictConfig, run_dir: Path | None = None, *, data: TaskData | None = None,
+        stop: StopFlag | None = None, write_files: bool | None = None,
+    ):  # fmt: skip
+        self.cfg, self.stop = cfg, stop
+        self.dist = DistContext()
+        self.run_dir = run_dir
+        rank0 = int(os.environ.get("RANK", "0")) == 0
+        enabled = rank0 if write_files is None else write_files and rank0
+        self.files = RunFiles(run_dir or Path("."), enabled=enabled and run_dir is not None)
+        self.summary = Summary(run_dir=str(run_dir or ""))
+        self.data = data
+        self.mode: ModeSpec | None = MODES.get(cfg.mode.name)
+        self.model: ModelSpec | None = None
+        self.acc: Accelerator | None = None
+        self.precision: Precision | None = None
+        self.runner: Runner | None = None
+        self.stream: TrainStream | None = None
+        self.trainer: Trainer | None = None
+        self.loggers: list[Logger] = []
+        self.steps = 0
+        self._stack = ExitStack()
+
+    # ---- building ----------------------------------------------------------------------------------
+
+    def open(self) -> Session:
+        cfg = self.cfg
+        try:
+            problems = validate(cfg)
+            if problems:
+                raise ConfigError(problems)
+            self.mode = MODES[cfg.mode.name]
+            self.dist = dist_from_env(cfg)
+            torch.manual_seed(cfg.trainer.seed)
+            data = self.data = self.data or load_task(cfg.task, cfg.model)
+            try:
+                self.model = make_spec(cfg.model, data.spec.num_labels)
+            except UnsupportedModel as e:
+                raise ConfigError([Problem("model.pretrained", str(e))]) from e
+            self.stream = TrainStream(
+                data.train, cfg.batch.size, seed=cfg.trainer.seed, world=self.dist.world, rank=self.dist.rank,
+                pad_to_max=cfg.task.max_seq_len if cfg.task.pad_to_max else None,
+            )  # fmt: skip
+            self.steps = total_steps(cfg, self.stream)
+            self.acc = make_accelerator(
+                cfg.device, local_rank=self.dist.local_rank, sim_memory_gb=cfg.sim.memory_gb,
+                sim_link_gbps=cfg.sim.link_gbps, measure_memory=cfg.profile.memory,
+            )  # fmt: skip
+            self.summary.device = self.acc.describe()
+            self.summary.world_size = self.dist.world
+            self.summary.config = run_config(cfg, self.mode, self.model, data, self.dist.world)
+            self.summary.params = self.model.total_params  # known even when the runner runs out of memory
+            log.info("run %s on %s: %s", self.run_dir, self.acc.describe(), self.summary.config.to_json())
+            self._stack.enter_context(self.acc.running())
+            p = cfg.precision
+            self.precision = make_precision(
+                effective_precision(cfg), self.acc, dtype=p.dtype, loss_scale=p.loss_scale,
+                init_scale=p.init_scale, growth_interval=p.growth_interval,
+            )  # fmt: skip
+            args = RunnerArgs(
+                self.model, self.acc, self.precision, step_settings(cfg, self.steps),
+                OptimSettings.from_cfg(cfg.optim), self.dist,
+            )  # fmt: skip
+            self.runner = self.mode.runner(args)
+            self.loggers = [JsonlLogger(self.files)]
+            self.trainer = self._trainer()
+            if cfg.trainer.resume:
+                self.trainer.resume(Path(cfg.trainer.resume))
+            elif cfg.model.pretrained:
+                load_pretrained(self.runner, cfg.model.pretrained)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _trainer(self) -> Trainer:
+        cfg, tr = self.cfg, self.cfg.trainer
+        assert self.runner is not None and self.stream is not None and self.data is not None
+        ident = identity(self.model, self.mode, cfg.optim.name)
+        return Trainer(
+            runner=self.runner, mode=self.mode, stream=self.stream, data=self.data, steps=self.steps,
+            evaluate=self.evaluate, files=self.files, loggers=self.loggers, summary=self.summary, ctx=self.dist,
+            ident=ident, config_yaml=OmegaConf.to_yaml(cfg, resolve=True), save_every=tr.save_every,
+            keep_checkpoints=tr.keep_checkpoints, realtime_ckpt=tr.realtime_ckpt, save_final=tr.save_final,
+            eval_every=tr.eval_every, log_every=tr.log_every, max_bad_steps=tr.max_bad_steps,
+            progress=tr.progress, title=f"{self.summary.config.method} {cfg.model.name} {cfg.task.name}",
+            stop=self.stop,
+        )  # fmt: skip
+
+    # ---- what a run does with it ------------------------------------------------------------------------
+
+    def evaluate(self) -> dict[str, float]:
+        """The task's metrics on the dev split: rank 0 evaluates (the weights are identical on every
+        rank), the others wait for it."""
+        assert self.runner is not None and self.data is not None and self.model is not None
+        cfg = self.cfg
+        metrics: dict[str, float] = {}
+        if self.dist.rank == 0:
+            pad = cfg.task.max_seq_len if cfg.task.pad_to_max else None
+            size = cfg.batch.eval_size or cfg.batch.size
+            metrics = self.model.evaluate(self.runner.predict, self.data.dev, self.data.spec, size, pad)
+        self.dist.barrier()
+        return metrics
+
+    def memory_report(self) -> MemoryReport:
+        """memory.json: the device meter's peak and parts, the host tier's bytes, the link's bytes."""
+        import resource
+
+        acc = self.acc
+        assert acc is not None
+        host_parts = self.runner.host_parts() if self.runner is not None else {}
+        dev = acc.meter.report()
+        budget = acc.meter.budget_bytes if acc.kind == "sim" else None  # type: ignore[attr-defined]
+        return MemoryReport(
+            device=DeviceMemory(dev["peak_bytes"], dev["method"], dev["parts"], acc.kind, budget),
+            host=HostMemory(
+                sum(host_parts.values()),
+                host_parts,
+                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            ),
+            transfer=Transfer(**acc.memory_stats()),
+        )
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+        self._stack.close()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def build(cfg: DictConfig, run_dir: Path | None = None, **kw: Any) -> Session:
+    """The opened session for ``cfg`` (use it as ``with build(cfg) as s:``). ``run_dir`` None: nothing is
+    written; ``data``: a task's data already loaded (tests, benchmarks)."""
+    return Session(cfg, run_dir, **kw).open()
+
+
+def load_pretrained(runner: Runner, ref: str) -> None:
+    """Stream a Hugging Face checkpoint's tensors in: safetensors, or a legacy ``pytorch_model.bin`` read
+    with ``torch.load(weights_only=True)``, which refuses anything but tensors (no code runs from a file)."""
+    from safetensors import safe_open
+
+    root = resolve_pretrained(ref)
+    if (root / "model.safetensors").is_file():
+        with safe_open(str(root / "model.safetensors"), framework="pt") as f:
+            missing = runner.load_hf(SafeTensors(f))
+    else:
+        try:
+            tensors = torch.load(root / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"{root}/pytorch_model.bin: refused ({str(e).splitlines()[0]})") from e
+        missing = runner.load_hf(tensors)
+    log.info("loaded %s; newly initialized: %s", ref, ", ".join(missing) or "none")
+
+
+class SafeTensors:
+    """A safetensors handle that reads one tensor at a time (never the whole checkpoint at once)."""
+
+    def __init__(self, handle: Any):
+        self.h = handle
+        self._keys = set(handle.keys())
+
+    def keys(self) -> set[str]:
+        return self._keys
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.h.get_tensor(name)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.h.get_tensor(name)
