@@ -219,3 +219,4 @@ class Trainer:
         s.time_breakdown_s = breakdown
         s.eval = metrics
         s.device_peak_bytes = runner.acc.meter.peak_bytes
+        s.sections.update(runner.sections())

@@ -113,10 +113,6 @@ def messages(*overrides: str, multirun: bool = False) -> str:
             "model.pretrained: /no/such/dir is neither an existing directory",
         ),
         (["batch.size=4,8"], "a list of values is a sweep; add -m"),
-        (
-            ["mode=l2l_p", "optim.clip=global"],
-            "optim.clip: global-norm clipping needs every layer's gradient before",
-        ),
         (["mode=baseline_ag", "trainer.realtime_ckpt=true"], "trainer.realtime_ckpt: needs an L2L mode"),
     ],
 )

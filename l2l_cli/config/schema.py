@@ -89,7 +89,7 @@ class OptimConfig:
     warmup_ratio: float = 0.1
     warmup_steps: int | None = None
     schedule: str = "linear"
-    clip: str = "auto"  # auto (global; per layer for l2l_p) | global | layer | none
+    clip: str = "auto"  # auto (the mode's default: global in every built-in mode) | global | layer | none
     max_grad_norm: float = 1.0
 
 

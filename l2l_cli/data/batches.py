@@ -30,9 +30,18 @@ class Batch:
         return [Batch(*p) for p in zip(*parts)]
 
     def to(self, device: torch.device, *, copy: bool = False) -> Batch:
-        """On ``device``; ``copy`` forces a real copy (a device tier on the CPU must own its inputs)."""
-        move = (lambda t: t.to(device, copy=True)) if copy else (lambda t: t.to(device, non_blocking=True))
-        return Batch(*(move(getattr(self, f.name)) for f in fields(self)))
+        """On ``device``; ``copy`` forces a real copy (a device tier on the CPU must own its inputs). To a
+        GPU the batch goes through pinned memory (the caching host allocator reuses it), so the copy is
+        asynchronous rather than a synchronous copy from pageable memory."""
+        if copy:
+            return Batch(*(getattr(self, f.name).to(device, copy=True) for f in fields(self)))
+        pin = device.type == "cuda"
+        return Batch(
+            *(
+                (t.pin_memory() if pin and t.device.type == "cpu" else t).to(device, non_blocking=True)
+                for t in (getattr(self, f.name) for f in fields(self))
+            )
+        )
 
 
 @dataclass

@@ -25,10 +25,15 @@ from l2l_cli.profiling.memory import CudaMeter, DeviceOutOfMemory, MemoryMeter, 
 
 
 class CopyHandle:
-    """A copy in flight; ``wait()`` blocks until its destination may be used by the caller."""
+    """A copy in flight; ``wait()`` blocks until its destination may be used by the caller;
+    ``wait_device()`` only orders the device's later work after it (a stream wait on CUDA; on a CPU device
+    tier, where the host is the device, the same as ``wait()``)."""
 
     def wait(self) -> None:
         return None
+
+    def wait_device(self) -> None:
+        self.wait()
 
     def done(self) -> bool:
         return True
@@ -45,6 +50,11 @@ class CopyEngine:
         self.busy_s = 0.0
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> CopyHandle:
+        """Copy ``src`` into ``dst`` (same dtype: a conversion belongs on one side of the link, never
+        on it) once ``after`` (a CopyHandle, or a CUDA event) is done."""
+        _same_dtype(dst, src)
+        if isinstance(after, CopyHandle):
+            after.wait()
         t0 = time.perf_counter()
         dst.copy_(src)
         self.busy_s += time.perf_counter() - t0
@@ -86,8 +96,9 @@ class LinkCopyEngine(CopyEngine):
         self._thread.start()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> CopyHandle:
+        _same_dtype(dst, src)
         h = _ThreadHandle()
-        self._q.put((dst, src, h))
+        self._q.put((dst, src, h, after if isinstance(after, CopyHandle) else None))
         return h
 
     def _run(self) -> None:
@@ -95,7 +106,14 @@ class LinkCopyEngine(CopyEngine):
             job = self._q.get()
             if job is None:
                 return
-            dst, src, h = job
+            dst, src, h, after = job
+            try:
+                if after is not None:  # e.g. a stash coming back waits for its trip out (the other engine)
+                    after.wait()
+            except BaseException as e:
+                h.error = e
+                h.event.set()
+                continue
             t0 = time.perf_counter()
             try:
                 with torch.no_grad():
@@ -129,6 +147,9 @@ class _CudaHandle(CopyHandle):
         else:
             torch.cuda.current_stream().wait_event(self.event)
 
+    def wait_device(self) -> None:
+        torch.cuda.current_stream().wait_event(self.event)  # no host synchronize: the stream waits
+
     def done(self) -> bool:
         return self.event.query()
 
@@ -142,15 +163,30 @@ class CudaCopyEngine(CopyEngine):
         self.to_host = to_host
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> CopyHandle:
+        """On this engine's stream, after ``after`` (a CUDA event, or another copy's handle: an event
+        dependency, never a host wait) or, without one, after the work queued so far on the compute stream.
+        The host side must be pinned for the copy to be asynchronous."""
+        _same_dtype(dst, src)
         producer = torch.cuda.current_stream()
         with torch.cuda.stream(self.stream):
-            self.stream.wait_stream(producer) if after is None else self.stream.wait_event(after)
+            if after is None:
+                self.stream.wait_stream(producer)
+            else:
+                self.stream.wait_event(after.event if isinstance(after, _CudaHandle) else after)
             dst.copy_(src, non_blocking=True)
             src.record_stream(self.stream) if src.is_cuda else dst.record_stream(self.stream)
             ev = torch.cuda.Event()
             ev.record(self.stream)
         self.bytes += src.nbytes
         return _CudaHandle(ev, host=self.to_host)
+
+
+def _same_dtype(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.dtype != src.dtype:
+        raise ValueError(
+            f"a copy over the link converts {src.dtype} to {dst.dtype}: convert on one side (CMP gradients "
+            "cross in half precision and become FP32 on the host)"
+        )
 
 
 class Accelerator:

@@ -13,6 +13,8 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -27,6 +29,13 @@ from l2l_cli.engine.optim import OptimSettings, clip_coefficients, make_optimize
 from l2l_cli.engine.precision import LossScaler
 from l2l_cli.models.base import BLOCK, POST, PRE, ModelSpec
 from l2l_cli.profiling.timers import PhaseTimer
+
+_THREAD = threading.local()
+
+
+def _worker_init(threads: int) -> None:
+    torch.set_num_threads(threads)
+    _THREAD.eps_worker = True
 
 
 class LayerState:
@@ -43,6 +52,9 @@ class LayerState:
         self.m = acc.host_empty(n).zero_()  # optimizer moments (AdamW / LAMB)
         self.v = acc.host_empty(n).zero_()
         self.w_send = acc.host_empty(n, send_dtype) if send_dtype != torch.float32 else None
+        # CMP: the gradient crosses the link in the device's half type and becomes FP32 here, on the host
+        # (a conversion on the device would need an FP32 temporary there and twice the link's bytes)
+        self.g_recv = acc.host_empty(n, send_dtype) if send_dtype != torch.float32 else None
         self.version = 0  # bumped by every update; the relay reloads a layer whose version moved on
         self.grad_in: CopyHandle = DONE  # the device->host copy of this step's gradient
         self.undo: list[torch.Tensor] | None = None
@@ -73,14 +85,60 @@ class LayerState:
         if self.w_send is not None:
             self.w_send.copy_(self.w)
 
-    def update(self, lr: float, grad_mult: torch.Tensor | float | None) -> None:
-        """Apply this step's gradient (times ``grad_mult``: unscale and clip) to the master."""
+    @property
+    def recv(self) -> torch.Tensor:
+        """Where the device's gradient lands: the FP32 gradient, or its half receive buffer under CMP."""
+        return self.g if self.g_recv is None else self.g_recv
+
+    def land_grad(self) -> None:
+        """The gradient has arrived: widen a half one to FP32 (on the host, off the device)."""
+        if self.g_recv is not None:
+            self.g.copy_(self.g_recv)
+
+    def update(self, lr: float, grad_mult: torch.Tensor | float | None, bump: bool = True) -> None:
+        """Apply this step's gradient (times ``grad_mult``: unscale and clip) to the master. ``bump``: a
+        device copy loaded before is stale now (False: it already holds the rows it reads, see
+        ``preview_rows``)."""
         if grad_mult is not None:
             self.g.mul_(grad_mult)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
-        self.version += 1
+        if bump:
+            self.version += 1
         self.refresh_send()
+
+    def preview_rows(
+        self, lr: float, grad_mult: torch.Tensor | float | None, rows: dict[str, torch.Tensor]
+    ) -> None:
+        """Write into the send copy what this step's update will make of the rows a batch reads (``rows``:
+        parameter -> row indices; every other parameter whole), leaving the state itself alone: the device
+        can load them now while ``update`` computes the whole layer behind it. AdamW is elementwise, so a row
+        updated alone equals the same row updated with its table, bit for bit. (Why not update the rows in
+        place and the rest by range: thousands of row ranges cost more than the whole fused update.)"""
+        from torch.optim.adamw import adamw
+
+        assert self.w_send is not None, "preview_rows writes the send copy: make_send_copy() first"
+        step = next(iter(self.optimizer.state.values()))["step"]
+        group = self.optimizer.param_groups[0]
+        decay = max(g["weight_decay"] for g in self.optimizer.param_groups)
+        with torch.no_grad():
+            for lo, hi, width, idx in self.layout.row_blocks(rows):
+                views = [t[lo:hi].view(-1, width) for t in (self.w, self.g, self.m, self.v)]
+                w, g, m, v = (t.index_select(0, idx) for t in views)
+                if grad_mult is not None:
+                    g.mul_(grad_mult)
+                adamw(
+                    [w], [g], [m], [v], [], [step.clone()], fused=True, amsgrad=False, beta1=group["betas"][0],
+                    beta2=group["betas"][1], lr=lr, weight_decay=decay if lo < self.layout.n_decay else 0.0,
+                    eps=group["eps"], maximize=False,
+                )  # fmt: skip
+                self.w_send[lo:hi].view(-1, width).index_copy_(0, idx, w.to(self.w_send.dtype))
+
+    def make_send_copy(self, acc: Accelerator) -> None:
+        """A separate send buffer even in FP32 (what the device loads can then run ahead of the master)."""
+        if self.w_send is None:
+            self.w_send = acc.host_empty(self.w.numel())
+            self.w_send.copy_(self.w)
 
     def save_undo(self, acc: Accelerator) -> None:
         """Keep this layer's pre-update state (L2L-p updates before the step is known to be finite)."""
@@ -105,6 +163,7 @@ class LayerState:
             "grads": self.g.nbytes,
             "optimizer_state": self.m.nbytes + self.v.nbytes,
             "send_copy": self.w_send.nbytes if self.w_send is not None else 0,
+            "recv_copy": self.g_recv.nbytes if self.g_recv is not None else 0,
             "undo_log": sum(t.nbytes for t in self.undo) if self.undo is not None else 0,
         }
 
@@ -122,15 +181,33 @@ class EagerParamServer:
         self._worker = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="l2l-eps",
-            initializer=torch.set_num_threads,
+            initializer=_worker_init,
             initargs=(acc.host_threads,),
         )
         self._jobs: list[Future] = []
         self._lock = threading.Lock()
         self.busy_s = 0.0  # time the worker spent this step (reduction and background updates)
+        # host update work this step: on the compute thread (exposed), on the EPS thread (overlapped), and
+        # the compute thread's waits on the EPS (exposed)
+        self._times = {"main_s": 0.0, "eps_s": 0.0, "trailing_s": 0.0, "wait_s": 0.0}
+        self.elementwise = (
+            optim.name == "adamw"
+        )  # an update can be split by element (LAMB's trust ratio can't)
+        # L2L-p's speculation: the step's per-layer norms, the layers updated before the verdict (undo
+        # log kept), those held back once global clipping was certain, and the rollbacks so far
         self._bad = False
         self._updated: list[int] = []
+        self._held: list[int] = []
         self._norms: dict[int, torch.Tensor] = {}
+        self.rollbacks = 0  # steps whose speculative updates were undone (clipping, or a non-finite gradient)
+        self.rollback_layers = 0
+        self.last_rollback: str | None = None  # why the last step rolled back (None: it did not)
+        # background work that still writes a layer: until it is done, the device may not load that layer
+        # (device) or nothing else may read or overwrite its host buffers (host)
+        self._device_jobs: dict[int, Future] = {}
+        self._host_jobs: dict[int, Future] = {}
+        self._trailing: tuple[int, float, torch.Tensor | float | None] | None = None  # decided, not applied
+        self._stale: set[int] = set()  # layers whose device copy may hold rows updated after it was loaded
         self._raw_norms: dict[int, torch.Tensor] = {}  # L2L: per layer, taken as each gradient landed
         self.realtime: Any = None  # checkpoint.RealtimeWriter: saves each layer right after its update
         self.eager_reduce = eager_reduce
@@ -172,6 +249,7 @@ class EagerParamServer:
         """Wait for layer i's gradient to land, then sum it over the data-parallel ranks."""
         st = self.layers[i]
         st.grad_in.wait()
+        st.land_grad()
         if self.dist.enabled:
             torch_dist.all_reduce(st.g, group=self.dist.eps_group)
 
@@ -217,7 +295,7 @@ class EagerParamServer:
         self._deferred = []
         with timer("reduce" if self.dist.enabled else "transfer"):  # the reductions not hidden by backward
             self.wait_background()
-        with timer("optimizer"), self.acc.meter.paused():
+        with timer("optimizer"), self._work():
             norms = self.grad_norms(scaler)
             finite = bool(torch.isfinite(norms).all())
             scaler.update(not finite)
@@ -230,18 +308,16 @@ class EagerParamServer:
     # ---- L2L-p: update layer l+1 while the device runs backward on layer l --------------------------
 
     def update_async(self, i: int, lr: float, scaler: LossScaler, clip: str, max_norm: float) -> None:
-        """Reduce and update layer i in the background (Alg. 4, Process 2). Per-layer decisions only:
-        clipping by the layer's own norm; a non-finite gradient marks the step bad, and the layers already
-        updated this step are restored from their undo copies at the end (see ``finish_async``)."""
-        self._jobs.append(
-            self._worker.submit(self._timed, self._reduce_and_update, i, lr, scaler.scale, clip, max_norm)
-        )
+        """Reduce and update layer i in the background (Alg. 4, Process 2), speculatively: with global
+        clipping the factor is known only once every gradient is in, so layer i is updated as if no
+        clipping applied, its pre-update state kept in the undo log; ``finish_async`` rolls it back and
+        redoes it with the right factor when the finished norm says clipping applies, and rolls back
+        the whole step on a non-finite gradient (SuperOffload's speculation-then-validation)."""
+        job = self._worker.submit(self._timed, self._reduce_and_update, i, lr, scaler.scale, clip, max_norm)
+        self._jobs.append(job)
+        self._device_jobs[i] = self._host_jobs[i] = job
 
-    def _reduce_and_update(
-        self, i: int, lr: float, scale: float, clip: str, max_norm: float, last: bool = False
-    ) -> None:
-        """Reduce, check and update layer i. Unless it is the ``last`` of the step (every other verdict is
-        in by then), its pre-update state goes to the undo log first."""
+    def _reduce_and_update(self, i: int, lr: float, scale: float, clip: str, max_norm: float) -> None:
         self._reduce(i)
         st = self.layers[i]
         norm = torch.linalg.vector_norm(st.g) / (scale * self.dist.world)
@@ -249,33 +325,233 @@ class EagerParamServer:
         if self._bad or not bool(torch.isfinite(norm)):
             self._bad = True
             return
-        coef = clip_coefficients(norm[None], clip, max_norm)
         inv = 1.0 / (scale * self.dist.world)
-        if not last:
+        if clip == "global":
+            norms = torch.stack(list(self._norms.values()))
+            if float(clip_coefficients(norms, clip, max_norm)[0]) < 1.0:
+                # the norm so far already exceeds max_grad_norm: clipping is certain, and any update
+                # made now would be undone; wait for the factor instead
+                self._held.append(i)
+                return
+            mult = None if inv == 1.0 else inv  # as if the factor were 1; checked in finish_async
+        else:
+            coef = clip_coefficients(norm[None], clip, max_norm)
+            mult = (coef[0] * inv) if coef is not None else (None if inv == 1.0 else inv)
+        with self._work():
             st.save_undo(self.acc)
-        self.update_layer(i, lr, (coef[0] * inv) if coef is not None else (None if inv == 1.0 else inv))
-        if not last:
-            self._updated.append(i)
+            self.update_layer(i, lr, mult)
+        self._updated.append(i)
 
-    def finish_async(self, scaler: LossScaler, trailing: tuple[int, float, str, float]) -> tuple[bool, float]:
-        """The trailing update: wait for the background updates, then update the last layer, ``trailing`` =
-        (layer, lr, clip, max_norm), here with every core (nothing is left for it to hide behind); roll the
-        whole step back if any layer's gradient was non-finite. Returns (applied, gradient norm)."""
-        self.wait_background()
-        i, lr, clip, max_norm = trailing
-        self._timed(self._reduce_and_update, i, lr, scaler.scale, clip, max_norm, True)
-        bad, updated, norms = self._bad, self._updated, self._norms
-        self._bad, self._updated, self._norms = False, [], {}
-        if bad:
-            for i in updated:
-                if self.realtime is not None:
-                    self.realtime.before_update(i)
-                self.layers[i].restore_undo()
-                if self.realtime is not None:
-                    self.realtime.layer_updated(i, *self.layer_file(i))
+    def finish_async(
+        self, scaler: LossScaler, trailing: tuple[int, float, str, float], defer: bool = False
+    ) -> tuple[bool, float]:
+        """The end of an L2L-p step: wait for the background updates, take the trailing layer's gradient
+        (``trailing`` = (layer, lr, clip, max_norm)), and judge the step on every layer's norm:
+        non-finite -> undo every speculative update (the step is skipped); global clipping applies ->
+        undo and redo them with the right factor, in forward order on the EPS thread, each layer ready
+        before the next forward loads it. The trailing layer's own update is applied here, or with
+        ``defer`` held for ``start_step`` (it then runs behind the next forward). Returns (applied, norm)."""
+        with self.acc.meter.paused():  # host-tier work on the compute thread
+            return self._finish(scaler, trailing, defer)
+
+    def _finish(
+        self, scaler: LossScaler, trailing: tuple[int, float, str, float], defer: bool
+    ) -> tuple[bool, float]:
+        i0, lr, clip, max_norm = trailing
+        self.apply_trailing()  # one no step started after (not in a normal run): apply it first
+        self._wait_jobs()
+        self._reduce(i0)
+        scale = scaler.scale * self.dist.world
+        self._norms[i0] = torch.linalg.vector_norm(self.layers[i0].g) / scale
+        norms = torch.stack([self._norms[i] for i in sorted(self._norms)])  # in layer order, as Alg. 3
+        bad, updated, held = self._bad or not bool(torch.isfinite(norms).all()), self._updated, self._held
+        self._bad, self._updated, self._held, self._norms = False, [], [], {}
+        self.last_rollback = None
         scaler.update(bad)
-        total = torch.linalg.vector_norm(torch.stack(list(norms.values()))) if norms else torch.tensor(0.0)
-        return not bad, float(total)
+        if bad:
+            with self._work():
+                for i in updated:
+                    self._restore(i)
+            self._count_rollback(updated, "a non-finite gradient")
+            return False, float(torch.linalg.vector_norm(norms))
+        coefs = clip_coefficients(norms, clip, max_norm)
+        if clip == "global":
+            factor = coefs[0]  # type: ignore[index]
+            redo = updated if float(factor) < 1.0 else []
+            for i in sorted(held + redo):  # forward order: the next forward needs layer 1 first
+                job = self._worker.submit(self._timed, self._redo, i, lr, factor, i in redo, 1.0 / scale)
+                self._jobs.append(job)
+                self._device_jobs[i] = self._host_jobs[i] = job
+            if redo:
+                total = float(torch.linalg.vector_norm(norms))
+                self._count_rollback(
+                    redo, f"global gradient norm {total:.4g} > optim.max_grad_norm {max_norm:g}"
+                )
+        mult = self.grad_mult_for(scale, None if coefs is None else coefs[i0])
+        if defer and self.elementwise and self.realtime is None:
+            self._trailing = (i0, lr, mult)
+        else:
+            with self._work():
+                self.update_layer(i0, lr, mult)
+        if self.realtime is not None:  # the step's checkpoint is committed next: every layer must be in
+            self._wait_jobs()
+        return True, float(torch.linalg.vector_norm(norms))
+
+    @staticmethod
+    def grad_mult_for(scale: float, coef: torch.Tensor | None) -> torch.Tensor | float | None:
+        inv = 1.0 / scale
+        if coef is None:
+            return None if inv == 1.0 else inv
+        return coef * inv
+
+    def _restore(self, i: int, announce: bool = True) -> None:
+        if self.realtime is not None:
+            self.realtime.before_update(i)
+        self.layers[i].restore_undo()
+        if self.realtime is not None and announce:  # (a redo that follows writes the layer's file itself)
+            self.realtime.layer_updated(i, *self.layer_file(i))
+
+    def _redo(self, i: int, lr: float, factor: torch.Tensor, rollback: bool, inv: float) -> None:
+        """Layer i with the step's clipping factor: undo its speculative update first (its gradient
+        already carries the unscaling then), or update it for the first time (it was held back)."""
+        with self._work():
+            if rollback:
+                self._restore(i, announce=False)
+                self.update_layer(i, lr, factor)
+            else:
+                self.update_layer(i, lr, factor * inv if inv != 1.0 else factor)
+
+    def _count_rollback(self, layers: list[int], why: str) -> None:
+        if layers:
+            self.rollbacks += 1
+            self.rollback_layers += len(layers)
+            self.last_rollback = f"{why}: {len(layers)} speculative layer updates undone"
+
+    # ---- the trailing update behind the next forward ------------------------------------------------
+
+    def start_step(self, batch: Any) -> None:
+        """A step begins with ``batch``: the last step's held trailing update goes first to the rows this
+        batch reads (written to the layer's send copy on the compute thread: the forward needs them now),
+        then, whole, to the layer's state on the EPS thread, behind the forward pass. The device never reads
+        the other rows in this step; everything else that reads the layer waits for it (``settle``, the
+        layer's next gradient)."""
+        if self._trailing is None:
+            return
+        i, lr, mult = self._trailing
+        self._trailing = None
+        st = self.layers[i]
+        rows = self.spec.rows_read(i, batch)
+        if rows is None:
+            with self._work():
+                self.update_layer(i, lr, mult)
+            return
+        with self._work():
+            st.make_send_copy(self.acc)
+            st.preview_rows(lr, mult, rows)
+            st.version += 1  # the device reloads it: the rows it reads are current
+        job = self._worker.submit(self._timed, self._update_behind, i, lr, mult)
+        self._jobs.append(job)
+        self._host_jobs[i] = job
+        self._stale.add(i)
+
+    def _update_behind(self, i: int, lr: float, mult: torch.Tensor | float | None) -> None:
+        with self._work(trailing=True):
+            if self.realtime is not None:
+                self.realtime.before_update(i)
+            self.layers[i].update(lr, mult, bump=False)
+            if self.realtime is not None:
+                self.realtime.layer_updated(i, *self.layer_file(i))
+
+    def apply_trailing(self) -> None:
+        """A held trailing update no step has started: apply it whole, here."""
+        if self._trailing is not None:
+            i, lr, mult = self._trailing
+            self._trailing = None
+            with self._work():
+                self.update_layer(i, lr, mult)
+
+    def settle(self) -> None:
+        """Finish every update in flight (held, partial or in the background) before anything outside
+        the step reads the EPS: evaluation, checkpoints, exported weights."""
+        self.apply_trailing()
+        self._wait_jobs()
+        for i in self._stale:  # its rows are all current now; a device copy loaded earlier is not
+            self.layers[i].version += 1
+        self._stale.clear()
+
+    def wait_device(self, i: int, block: bool = True) -> bool:
+        """Whether layer i may be loaded onto the device now (its update is in); ``block``: wait for it."""
+        job = self._device_jobs.get(i)
+        if job is None:
+            return True
+        if not job.done():
+            if not block:
+                return False
+            self._wait(job)
+        del self._device_jobs[i]
+        job.result()  # surface a failure of the background update
+        return True
+
+    def host_busy(self, i: int) -> bool:
+        """Whether background work still writes layer i's host buffers."""
+        job = self._host_jobs.get(i)
+        return job is not None and not job.done()
+
+    def wait_host(self, i: int) -> None:
+        """Before layer i's host buffers are overwritten (its next gradient lands): its update is done."""
+        job = self._host_jobs.pop(i, None)
+        if job is not None:
+            self._wait(job)
+            job.result()
+
+    def _wait(self, job: Future) -> None:
+        t0 = time.perf_counter()
+        futures_wait([job])
+        with self._lock:
+            self._times["wait_s"] += time.perf_counter() - t0
+
+    def _wait_jobs(self) -> None:
+        """The compute thread waits for all background work (the time is exposed optimizer time)."""
+        jobs, self._jobs = self._jobs, []
+        t0 = time.perf_counter()
+        try:
+            for job in jobs:
+                job.result()
+        finally:
+            with self._lock:
+                self._times["wait_s"] += time.perf_counter() - t0
+            self._device_jobs.clear()
+            self._host_jobs.clear()
+
+    @contextmanager
+    def _work(self, trailing: bool = False) -> Iterator[None]:
+        """Host update work: counted in ``optimizer_s``, and in ``exposed_s`` when the compute thread does
+        it itself (the EPS thread's share is hidden behind the device's work). The meter is paused: this is
+        host-tier work, whichever thread runs it."""
+        t0 = time.perf_counter()
+        try:
+            with self.acc.meter.paused():
+                yield
+        finally:
+            dt = time.perf_counter() - t0
+            on_eps = getattr(_THREAD, "eps_worker", False)
+            with self._lock:
+                self._times[("trailing_s" if trailing else "eps_s") if on_eps else "main_s"] += dt
+
+    def pop_optimizer(self) -> dict[str, float]:
+        """Since the last call: ``optimizer_s`` (host update work, any thread), ``optimizer_exposed_s``
+        (the compute thread's share: updates it ran itself and its waits on the EPS thread), and the parts:
+        ``eps_update_s`` (update work on the EPS thread behind the backward pass), ``trailing_update_s``
+        (the trailing layer's, on the EPS thread behind the next forward) and ``optimizer_wait_s``."""
+        with self._lock:
+            t, self._times = self._times, dict.fromkeys(self._times, 0.0)
+        return {
+            "optimizer_s": t["main_s"] + t["eps_s"] + t["trailing_s"],
+            "optimizer_exposed_s": t["main_s"] + t["wait_s"],
+            "eps_update_s": t["eps_s"],
+            "trailing_update_s": t["trailing_s"],
+            "optimizer_wait_s": t["wait_s"],
+        }
 
     def update_layer(self, i: int, lr: float, grad_mult: torch.Tensor | float | None) -> None:
         if self.realtime is not None:

@@ -55,6 +55,27 @@ class FlatLayout:
         for name, view in self.views(flat):
             view.copy_(params[name])
 
+    def row_blocks(self, rows: dict[str, torch.Tensor]) -> list[tuple[int, int, int, torch.Tensor]]:
+        """The flat buffer as 2-D blocks of rows and the rows a batch reads from each: ``rows`` names the
+        parameters read only in part (embedding tables: row indices, dim 0); the others are read whole (a
+        1-D parameter is one row). Adjacent parameters of one row width and one optimizer group share a
+        block, so a few gathers cover a whole layer. Returns (start, end, width, sorted unique row indices
+        within the block) per block."""
+        blocks: list[tuple[int, int, int, list[torch.Tensor]]] = []
+        for e in self.entries:
+            n_rows = e.shape[0] if len(e.shape) > 1 else 1
+            width = e.numel // n_rows
+            idx = rows.get(e.name)
+            idx = torch.arange(n_rows) if idx is None else idx.reshape(-1).to("cpu", torch.long)
+            last = blocks[-1] if blocks else None
+            same_group = last is not None and (last[1] <= self.n_decay) == (e.offset < self.n_decay)
+            if last is not None and last[1] == e.offset and last[2] == width and same_group:
+                base = (e.offset - last[0]) // width
+                blocks[-1] = (last[0], e.offset + e.numel, width, [*last[3], idx + base])
+            else:
+                blocks.append((e.offset, e.offset + e.numel, width, [idx]))
+        return [(lo, hi, width, torch.unique(torch.cat(ix))) for lo, hi, width, ix in blocks]
+
     def bind(self, module: nn.Module, w: torch.Tensor, g: torch.Tensor | None = None) -> nn.Module:
         """Make ``module``'s parameters views of ``w`` (and their ``.grad`` views of ``g``, so autograd
         accumulates every micro-batch's gradient in place, straight into the flat buffer)."""

@@ -65,8 +65,15 @@ class Relay:
                 return s
         return None
 
-    def _load(self, i: int) -> Slot:
-        """Start copying layer i into a slot other than the one computing now."""
+    def _load(self, i: int, block: bool = True) -> Slot | None:
+        """Start copying layer i into a slot other than the one computing now. A layer the EPS is still
+        updating (L2L-p: a rolled-back layer redone behind the forward) is waited for, or with ``block``
+        False left for later (a prefetch must not stall the compute it should overlap)."""
+        if not self.eps.wait_device(i, block=False):
+            if not block:
+                return None
+            with self.timer("optimizer"):  # the compute thread waits on the EPS
+                self.eps.wait_device(i)
         slot = self._holding(i)
         if slot is not None:
             return slot
@@ -85,15 +92,16 @@ class Relay:
             self.current.released = self.acc.record_event()
         with self.timer("transfer"):
             slot = self._load(i)
+            assert slot is not None
             slot.loaded.wait()
         self.current = slot
         if prefetch is not None and self.prefetch:
             with self.timer("transfer"):
-                self._load(prefetch)
+                self._load(prefetch, block=False)
         if grads:
             n = self.eps[i].layout.numel
             with self.timer("transfer"):
-                slot.grads_out.wait()
+                slot.grads_out.wait_device()  # the previous occupant's gradient has left (a stream wait on CUDA)
             slot.g[:n].zero_()
         return slot.shells[self.spec.kind(i)]
 
@@ -103,9 +111,13 @@ class Relay:
         assert slot is not None, f"layer {i} is not on the device"
         st = self.eps[i]
         n = st.layout.numel
+        if self.eps.host_busy(i):
+            with self.timer("optimizer"):  # its host buffers are still being written (L2L-p)
+                self.eps.wait_host(i)
         slot.released = self.acc.record_event()
         with self.timer("transfer"):  # inline on a CPU device; queued on CUDA and the simulator
-            slot.grads_out = st.grad_in = self.acc.d2h.copy(st.g, slot.g[:n], after=slot.released)
+            # in the device's dtype (CMP: half; the EPS widens it to FP32 on the host)
+            slot.grads_out = st.grad_in = self.acc.d2h.copy(st.recv, slot.g[:n], after=slot.released)
 
     def train(self, mode: bool) -> None:
         for s in self.slots:

@@ -29,7 +29,8 @@ class DeviceStash:
 
 class CpuStash:
     """Stash in host memory: ``put`` copies device->host in the background, ``prefetch`` copies back ahead
-    of the recompute that needs it, ``pop`` waits for that copy (the wait is exposed transfer time)."""
+    of the recompute that needs it, ``pop`` waits for that copy (the wait is exposed transfer time). The host
+    buffers are the EPS's (pinned on CUDA hosts) and reused step after step."""
 
     def __init__(self, acc: Accelerator, eps: EagerParamServer, timer: PhaseTimer):
         self.acc, self.eps, self.timer = acc, eps, timer
@@ -53,9 +54,10 @@ class CpuStash:
             return
         view, shape, out = self._out.pop(key)
         with self.timer("transfer"):
-            out.wait()  # its device->host copy must land before it can come back
             x = self.acc.empty(view.numel(), view.dtype, part="stash").view(shape)
-            self._back[key] = (x, self.acc.h2d.copy(x, view))
+            # its trip out must land before it comes back: an event dependency between the copy engines
+            # (a stream wait on CUDA), not a host wait per micro-batch
+            self._back[key] = (x, self.acc.h2d.copy(x, view, after=out))
 
     def pop(self, layer: int, ubatch: int) -> torch.Tensor:
         self.prefetch(layer, ubatch)

@@ -75,6 +75,14 @@ class ModelSpec(ABC):
     def head_logits(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """The post layer's outputs without a loss (evaluation, prediction)."""
 
+    def rows_read(self, index: int, batch: Any) -> dict[str, torch.Tensor] | None:
+        """The rows of layer ``index``'s parameters that a forward and backward on ``batch`` read, for the
+        parameters read only in part (embedding tables: ``{name: row indices}``; the others are read whole);
+        None when the layer reads all of its parameters. L2L-p updates the rows the next batch reads first
+        and the rest behind its forward pass. Only the weights are meant: an embedding's backward does not
+        read its table."""
+        return None
+
     # ---- checkpoints -----------------------------------------------------------------------------
 
     @abstractmethod

@@ -115,6 +115,17 @@ class BertSpec(ModelSpec):
     def head_logits(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return layer.logits(x)
 
+    def rows_read(self, index: int, batch: Any) -> dict[str, torch.Tensor] | None:
+        """BertEmbeddings gathers the batch's tokens, positions 0..S-1 and its token types; the LayerNorm
+        is read whole."""
+        if self.kind(index) != PRE:
+            return None
+        return {
+            "word_embeddings.weight": batch.input_ids,
+            "position_embeddings.weight": torch.arange(batch.seq_len),
+            "token_type_embeddings.weight": batch.token_type_ids,
+        }
+
     # ---- checkpoints -----------------------------------------------------------------------------
 
     def hf_name(self, index: int, name: str) -> str:

@@ -97,6 +97,8 @@ class Runner(Protocol):
 
     def load_state(self, ckpt: Path, manifest: dict[str, Any]) -> None: ...
 
+    def sections(self) -> dict[str, dict[str, Any]]: ...
+
     def close(self) -> None: ...
 
 
@@ -140,6 +142,10 @@ class RunnerBase:
         )  # fmt: skip
 
     def host_parts(self) -> dict[str, int]:
+        return {}
+
+    def sections(self) -> dict[str, dict[str, Any]]:
+        """The mode's own summary.json sections (``{name: {field: value}}``), written at the end."""
         return {}
 
     def close(self) -> None:

@@ -45,6 +45,7 @@ class L2LRunner(RunnerBase):
             else DeviceStash(acc, self.timer)
         )
         self.head = spec.num_layers + 1  # layer indices: 0 = embeddings, 1..N = blocks, N+1 = head
+        self.steady = {"steps": 0, "optimizer_s": 0.0, "optimizer_exposed_s": 0.0}
 
     def run_layer(
         self, layer: nn.Module, i: int, x: torch.Tensor | None, ub: Batch, side: Any
@@ -95,7 +96,7 @@ class L2LRunner(RunnerBase):
         dLoss/d(last block output) per micro-batch, and sends the head's gradient to the EPS."""
         n, head = len(ubatches), self.head
         g: list[Any] = [None] * n
-        loss = torch.zeros(())
+        loss = torch.zeros((), device=self.acc.device)  # summed on the device: no host sync per micro-batch
         layer = self.relay.acquire(head, prefetch=head - 1, grads=True)
         for u, ub in enumerate(ubatches):
             x_in = x[u].detach().requires_grad_()
@@ -105,7 +106,7 @@ class L2LRunner(RunnerBase):
             with self.timer("backward"), self.acc.meter.part("workspace"):
                 self.precision.scaler.scale_loss(loss_u / n).backward()
             g[u], x[u] = x_in.grad, None
-            loss += loss_u.detach().float().cpu() / n
+            loss += loss_u.detach().float() / n
         self.relay.send_grads(head)
         return g, loss
 
@@ -133,12 +134,29 @@ class L2LRunner(RunnerBase):
         self.relay.send_grads(i)
 
     def background(self) -> dict[str, float]:
-        """Seconds the EPS thread worked this step (reduction, and L2L-p's hidden updates)."""
-        return {"eps_background_s": self.eps.pop_busy()}
+        """Seconds the EPS thread worked this step (reduction, and L2L-p's hidden updates), and the host
+        update's seconds (``optimizer_s``, any thread; ``optimizer_exposed_s``, what the compute thread ran
+        itself or waited for; see ``EagerParamServer.pop_optimizer``)."""
+        times = self.eps.pop_optimizer()
+        if self.step_count > 0:  # steady state, like the summary's throughput (the first step excluded)
+            self.steady["steps"] += 1
+            self.steady["optimizer_s"] += times["optimizer_s"]
+            self.steady["optimizer_exposed_s"] += times["optimizer_exposed_s"]
+        return {"eps_background_s": self.eps.pop_busy(), **times}
+
+    def sections(self) -> dict[str, dict[str, Any]]:
+        """summary.json's ``optimizer`` section: the host update's seconds per steady-state step, the part
+        on the compute thread's path, and the hidden share = 1 - exposed / total."""
+        n = self.steady["steps"]
+        total = self.steady["optimizer_s"] / n if n else None
+        exposed = self.steady["optimizer_exposed_s"] / n if n else None
+        hidden = min(1.0, max(0.0, 1.0 - exposed / total)) if total and exposed is not None else None
+        return {"optimizer": {"optimizer_s": total, "optimizer_exposed_s": exposed, "hidden_share": hidden}}
 
     @torch.no_grad()
     def predict(self, batch: Batch) -> torch.Tensor:
         """Logits, layer by layer over the micro-batches (no stash, no gradients)."""
+        self.eps.settle()  # every update in flight is in before the weights are read
         ub_size = self.settings.ubatch_size
         ubatches = self.to_device(batch).split(max(1, -(-len(batch) // ub_size)))
         masks = [self.spec.side_inputs(ub, self.precision.device_dtype) for ub in ubatches]
@@ -159,22 +177,29 @@ class L2LRunner(RunnerBase):
         return torch.cat(logits).float().cpu()
 
     def load_hf(self, tensors: Any) -> list[str]:
+        self.eps.settle()
         return self.eps.load_hf(tensors)
 
     def hf_tensors(self) -> Any:
+        self.eps.settle()
         return self.eps.hf_tensors()
 
     def host_parts(self) -> dict[str, int]:
         return self.eps.host_parts()
 
     def state_files(self) -> Any:
+        self.eps.settle()
         return self.eps.state_files()
 
     def load_state(self, ckpt: Any, manifest: dict[str, Any]) -> None:
+        self.eps.settle()
         self.eps.load_state(ckpt, manifest)
 
     def close(self) -> None:
-        self.eps.close()
+        try:
+            self.eps.settle()
+        finally:
+            self.eps.close()
 
 
 L2L_PRECISIONS = {"fp32": "fp32", "amp": "amp", "cmp": "cmp", "mixed": "cmp"}

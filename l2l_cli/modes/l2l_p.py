@@ -2,27 +2,44 @@
 
 The forward pass and the per-layer backward are Algorithm 3's. The difference is when the EPS updates:
 as soon as layer l+1's gradient has left the device, the EPS reduces and updates layer l+1 on its own
-thread (Process 2) while the device runs backward on layer l (Process 1), so only the trailing update is
-exposed. Every decision is per layer: clipping by the layer's own norm (global-norm clipping would need
-every gradient first and is refused by the config), LAMB's trust ratio is per layer by nature. A
-non-finite gradient still skips the whole step: each layer's pre-update state is kept until the step
-is known to be finite, and restored if it is not.
+thread (Process 2) while the device runs backward on layer l (Process 1).
+
+Exact, with global-norm clipping (the default, as in every mode): the clipping factor is known only once
+the last layer's gradient is in, so each update is *speculative* (SuperOffload, ASPLOS'26): made as if no
+clipping applied, with the layer's pre-update state in the undo log. When the finished norm says clipping
+applies, the updated layers are rolled back and redone with the right factor on the EPS thread, in forward
+order, behind the next step's forward (the relay waits for a layer only if its redo is not in yet); once
+the norm seen so far already exceeds ``optim.max_grad_norm`` the remaining layers are not updated
+speculatively at all. A non-finite gradient rolls the whole step back (skipped). The result equals
+``mode=l2l``'s. ``optim.clip=layer`` (per-layer norms, never rolled back) stays available.
+
+The trailing update (layer 0, the embeddings: nothing is left to overlap it with) is held to the next step:
+the rows of the embedding tables that the next batch reads (and the small tensors) are updated before its
+forward starts, the rest on the EPS thread behind that forward; nothing reads them before they are in
+(the next update of the layer, evaluation and checkpoints wait for them). AdamW only: LAMB's trust ratio
+needs the whole tensor, so with LAMB the trailing update stays at the end of the step.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from typing import Any
 
 from l2l_cli.data.batches import Batch
 from l2l_cli.modes.base import StepReport
 from l2l_cli.modes.l2l import L2L_PRECISIONS, L2LRunner
 from l2l_cli.modes.registry import ModeSpec, register_mode
 
+log = logging.getLogger("l2l")
+
 
 class L2LPRunner(L2LRunner):
     def step(self, minibatch: Batch) -> StepReport:
         t0, lr = time.perf_counter(), self.lr()
         scaler, clip, max_norm = self.precision.scaler, self.clip, self.settings.max_grad_norm
+        with self.timer("optimizer"):  # the last step's trailing update: the rows this batch reads
+            self.eps.start_step(minibatch)
         ubatches, masks = self.split(minibatch)
         x = self.forward_pass(ubatches, masks)  # Alg. 4: for l in layers: for u in ubatches: forward
         g, loss = self.turn(x, ubatches)
@@ -31,11 +48,18 @@ class L2LPRunner(L2LRunner):
             self.eps.update_async(i + 1, lr, scaler, clip, max_norm)
             # ... while Process 1 (the device): for u in ubatches: g_l = backward(g_{l+1})
             self.backward_layer(i, g, ubatches, masks)
-        with self.timer("optimizer"):  # the trailing update (layer 0): the only exposed part of the optimizer
-            applied, norm = self.eps.finish_async(scaler, trailing=(0, lr, clip, max_norm))
-        return self.finish(
-            loss, len(minibatch), t0, lr, skipped=not applied, grad_norm=norm, extra=self.background()
-        )
+        with self.timer("optimizer"):  # the verdict on the speculative updates; layer 0's update held
+            applied, norm = self.eps.finish_async(scaler, trailing=(0, lr, clip, max_norm), defer=True)
+        extra = self.background()
+        if self.eps.last_rollback is not None:
+            log.info("l2l_p: step %d rolled back: %s", self.step_count + 1, self.eps.last_rollback)
+            extra["rollback"] = 1.0
+        return self.finish(loss, len(minibatch), t0, lr, skipped=not applied, grad_norm=norm, extra=extra)
+
+    def sections(self) -> dict[str, dict[str, Any]]:
+        """summary.json's ``l2l_p`` section (steps rolled back, layer updates undone) besides L2L's."""
+        rollbacks = {"rollbacks": self.eps.rollbacks, "rolled_back_layer_updates": self.eps.rollback_layers}
+        return {**super().sections(), "l2l_p": rollbacks}
 
 
 SPEC = register_mode(
@@ -45,10 +69,8 @@ SPEC = register_mode(
         runner=L2LPRunner,
         description="Alg. 4: L2L with the host update of layer l+1 overlapped with the backward of layer l",
         precisions=L2L_PRECISIONS,
-        default_clip="layer",
-        clips=("layer", "none"),
-        clip_note="global-norm clipping needs every layer's gradient before the first update, but l2l_p "
-        "updates layer l+1 while layer l runs backward; use optim.clip=layer (or none), or mode=l2l",
+        default_clip="global",  # exact: speculative updates, rolled back and redone when clipping applies
+        clips=("global", "layer", "none"),
         stash=("device", "cpu"),
         host_state="eps",
         undo_log=True,
