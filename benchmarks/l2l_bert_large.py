@@ -1,6 +1,6 @@
 """Issue 3's benchmark: L2L on BERT-Large-shaped layers (hidden 1024, 16 heads, intermediate 4096), seq 128,
 8 layers, on this CPU, one run. Prints throughput and device-tier peak per config and the ratios against
-the targets. Usage: python benchmarks/l2l_bert_large.py [--steps 3]
+the targets. Usage: python benchmarks/l2l_bert_large.py [--steps 3] [--json out.json]
 
 Targets: l2l >= 0.75x baseline_ag at the same ubatch (recompute costs one forward); l2l at ubatch 16 faster
 than baseline_ag at ubatch 2; CMP >= 2x FP32 l2l (bf16 matmuls are ~4x here); the EPS's host optimizer step
@@ -10,6 +10,8 @@ within 1.5x of torch's fused AdamW on the same parameter count.
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import torch
 from harness import BERT_LARGE_8, gib, measure, session, timeit
@@ -54,6 +56,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=3, help="steps per config (the first is a warm-up)")
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--json", help="also write every number to this file (scripts/gpu_check.sh reads it)")
     args = ap.parse_args()
     res = {}
     print(f"{'config':30s} {'samples/s':>10s} {'step s':>8s} {'device peak':>12s}")
@@ -80,6 +83,15 @@ def main() -> None:
     ]
     for label, ratio, target in checks:
         print(f"{label:45s} {ratio:6.2f}   target {target}")
+    if args.json:
+        out = {
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "configs": {k: {"samples_per_s": v["samples_per_s"], "step_time_s": v["step_time_s"],
+                            "device_peak_bytes": v["peak_bytes"], "phases": v["phases"]} for k, v in res.items()},
+            "checks": [{"check": c, "ratio": r, "target": t} for c, r, t in checks],
+            "eps_update_s": eps_s, "fused_adamw_s": ref_s, "grad_norm_s": norm_s,
+        }  # fmt: skip
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     peaks = {k: v["peak_bytes"] for k, v in res.items()}
     print(
         f"\ndevice peak: baseline_ag {gib(peaks['baseline_ag fp32 ub2'])}, l2l ub16 {gib(peaks['l2l fp32 ub16'])}, "

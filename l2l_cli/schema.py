@@ -143,6 +143,7 @@ class DeviceMemory:
     parts: dict[str, int] = field(default_factory=dict)  # breakdown at the peak
     kind: str | None = None  # cpu | cuda | sim
     budget_bytes: int | None = None  # device=sim
+    note: str | None = None  # how the peak was taken, when worth saying (sampled windows)
 
 
 @dataclass
@@ -171,8 +172,9 @@ class MemoryReport:
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"schema_version": self.schema_version}
         device = asdict(self.device)
-        if device["budget_bytes"] is None:
-            del device["budget_bytes"]
+        for key in ("budget_bytes", "note"):
+            if device[key] is None:
+                del device[key]
         out.update(device=device, host=asdict(self.host), transfer=asdict(self.transfer))
         if self.ranks is not None:
             out["ranks"] = self.ranks

@@ -121,6 +121,7 @@ class Session:
             self.acc = make_accelerator(
                 cfg.device, local_rank=self.dist.local_rank, sim_memory_gb=cfg.sim.memory_gb,
                 sim_link_gbps=cfg.sim.link_gbps, measure_memory=cfg.profile.memory,
+                sample_memory=cfg.profile.memory_sample,
             )  # fmt: skip
             self.summary.device = self.acc.describe()
             self.summary.world_size = self.dist.world
@@ -137,13 +138,15 @@ class Session:
                 self.model, self.acc, self.precision, step_settings(cfg, self.steps),
                 OptimSettings.from_cfg(cfg.optim), self.dist,
             )  # fmt: skip
-            self.runner = self.mode.runner(args)
+            with self.acc.meter.window():  # what the runner allocates on the device as it is built
+                self.runner = self.mode.runner(args)
             self.loggers = [JsonlLogger(self.files)]
             self.trainer = self._trainer()
-            if cfg.trainer.resume:
-                self.trainer.resume(Path(cfg.trainer.resume))
-            elif cfg.model.pretrained:
-                load_pretrained(self.runner, cfg.model.pretrained)
+            with self.acc.meter.window():
+                if cfg.trainer.resume:
+                    self.trainer.resume(Path(cfg.trainer.resume))
+                elif cfg.model.pretrained:
+                    load_pretrained(self.runner, cfg.model.pretrained)
         except BaseException:
             self.close()
             raise
@@ -188,7 +191,9 @@ class Session:
         dev = acc.meter.report()
         budget = acc.meter.budget_bytes if acc.kind == "sim" else None  # type: ignore[attr-defined]
         return MemoryReport(
-            device=DeviceMemory(dev["peak_bytes"], dev["method"], dev["parts"], acc.kind, budget),
+            device=DeviceMemory(
+                dev["peak_bytes"], dev["method"], dev["parts"], acc.kind, budget, acc.meter.note
+            ),
             host=HostMemory(
                 sum(host_parts.values()),
                 host_parts,

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from l2l_cli.models import make_spec
-from l2l_cli.profiling.memory import DeviceOutOfMemory, StorageMeter
+from l2l_cli.profiling.memory import CudaMeter, DeviceOutOfMemory, StorageMeter
 from l2l_cli.train import run_job
-from tests.util import tiny_cfg, train
+from tests.util import batches, built, tiny_cfg, train
 
 FIXED = ["task.pad_to_max=true", "task.max_seq_len=16", "batch.size=8", "batch.ubatch_size=2"]  # 4 ubatches
 
@@ -92,3 +92,86 @@ def test_sim_budget_baseline_ooms_while_l2l_stash_cpu_trains(tmp_path, mode: str
         assert summary["steps"] == 2 and memory["device"]["peak_bytes"] <= memory["device"]["budget_bytes"]
         assert set(memory["host"]["parts"]) >= {"master", "grads", "optimizer_state", "cpu_stash"}
         assert set(memory["device"]["parts"]) >= {"layer_slots", "workspace"}
+
+
+# ---- the meter: sampled vs every op, windows, CUDA's parts ---------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["l2l", "baseline_ag"])
+def test_sampled_meter_reads_what_the_every_op_meter_reads(mode: str) -> None:
+    """The same run (batches of varying length) under both meters: the same peak and parts, while the
+    sampled one counted op by op in only some of the steps."""
+    runs = {}
+    for sample in (True, False):
+        cfg = tiny_cfg(
+            f"mode={mode}",
+            f"profile.memory_sample={str(sample).lower()}",
+            "batch.ubatch_size=4",
+            "task.max_seq_len=32",
+        )
+        with built(cfg) as runner:
+            it = batches(cfg)
+            shapes = []
+            for _ in range(6):
+                b = next(it)
+                shapes.append(b.input_ids.shape[1])
+                runner.step(b)
+            meter = runner.acc.meter
+            runs[sample] = (meter.peak_bytes, meter.peak_parts, meter.note)
+    assert len(set(shapes)) > 1  # lengths vary, so sampling had shapes to decide on
+    (p_s, parts_s, note), (p_x, parts_x, none) = runs[True], runs[False]
+    assert p_s == pytest.approx(p_x, rel=0.02) and parts_s.keys() == parts_x.keys()
+    for k in parts_x:
+        assert parts_s[k] == pytest.approx(parts_x[k], rel=0.02, abs=1024), k
+    metered, total = (int(x) for x in note.split(": ")[1].split(" windows")[0].split(" of "))
+    assert total >= 7 and metered < total - 2 and none is None  # building the runner + 6 steps
+
+
+def test_meter_counts_inside_windows_and_allocation_points_only() -> None:
+    m = StorageMeter(sample=True)
+    outside = torch.zeros(1000)  # host work between windows (batch collation, say): not counted
+    with m.window():
+        a = torch.zeros(2000)
+    owned = torch.empty(500)
+    m.count(owned, "layer_slots")  # an allocation point a runner owns: counted wherever it happens
+    assert m.current_bytes == 8000 + 2000 and m.peak_parts == {"workspace": 8000, "layer_slots": 2000}
+    for _ in range(3):  # the same shape again and again: metered twice, then skipped
+        with m.window(("train", (8, 16))):
+            torch.ones(100)
+    with m.window(("train", (8, 32))):  # a longer sequence than any metered: metered
+        torch.ones(100)
+    with m.window(("train", (4, 16))):  # fewer rows, no longer: skipped
+        torch.ones(100)
+    assert m.note is not None and m.note.startswith("sampled: 4 of 6 windows")
+    del outside, a
+
+
+def test_l2l_p_host_work_is_not_device_memory() -> None:
+    """L2L-p's trailing update and speculative bookkeeping run on the compute thread too, but are host work:
+    the device peak and its parts equal L2L's."""
+    common = ["optim.max_grad_norm=0.24", "profile.memory_sample=false"]  # a rollback in step 1
+    a, b = train(tiny_cfg("mode=l2l", *common)), train(tiny_cfg("mode=l2l_p", *common))
+    assert a["peak"] == b["peak"] and a["parts"] == b["parts"]
+
+
+def test_cuda_meter_parts_are_the_owned_tensors_at_the_peak(monkeypatch) -> None:
+    """CudaMeter's logic with the allocator's counters faked: the parts at the peak are the tensors the
+    runner counted as they stood when the peak was marked, the rest of the peak is workspace."""
+    alloc = {"now": 1000, "peak": 1000}
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: alloc["now"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: alloc["peak"])
+    monkeypatch.setattr(
+        torch.cuda, "reset_peak_memory_stats", lambda device=None: alloc.update(peak=alloc["now"])
+    )
+    m = CudaMeter(torch.device("cuda", 0))
+    slots = torch.empty(250)  # stands for a device tensor: the meter only reads its storage's size
+    m.count(slots, "layer_slots")
+    stash = torch.empty(100)
+    m.tag(stash, "stash")
+    with m.window(("train", (8, 16))):
+        alloc.update(now=1000 + 1400 + 5000, peak=1000 + 1400 + 5000)  # slots + stash + 5000 of workspace
+    del stash  # freed after the peak: the parts at the peak keep it
+    alloc.update(now=1000 + 1000)
+    m.mark()
+    assert m.peak_bytes == 6400
+    assert m.peak_parts == {"layer_slots": 1000, "stash": 400, "workspace": 5000}

@@ -48,3 +48,17 @@ def test_overflow_skips_step_without_touching_master() -> None:
         runner.precision.scaler.scale = 1024.0
         assert not runner.step(next(batches(cfg, seed=2))).skipped
         assert not torch.equal(runner.eps.layers[1].w, before[1])
+
+
+def test_cmp_gradients_cross_the_link_in_half_precision() -> None:
+    """The gradient leaves the device in its half type (2 bytes per parameter over the link, counted as
+    such) and becomes FP32 on the host, in the EPS; the master stays FP32."""
+    cfg = tiny_cfg("mode=l2l", "precision=cmp")
+    with built(cfg) as runner:
+        assert not runner.step(next(batches(cfg))).skipped
+        params = sum(st.w.numel() for st in runner.eps.layers)
+        assert runner.acc.d2h.bytes == 2 * params
+        unscale = 1.0 / runner.precision.scaler.scale  # the update unscaled the FP32 gradient in place
+        for st in runner.eps.layers:
+            assert st.g_recv.dtype == torch.bfloat16 and st.g.dtype == torch.float32
+            torch.testing.assert_close(st.g_recv.float() * unscale, st.g, rtol=0, atol=0)  # widened exactly

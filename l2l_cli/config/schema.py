@@ -135,6 +135,9 @@ class DistConfig:
 @dataclass
 class ProfileConfig:
     memory: bool = True  # device-tier memory meter (always on for device=sim: it enforces the budget)
+    # device=cpu: count op by op only in the steps that can set a new peak (the first two, and each batch
+    # shape no metered step covered); false: every op of every step (slower; device=sim always does)
+    memory_sample: bool = True
     sync_timers: bool = False  # CUDA: synchronize at phase boundaries for exact phase times
 
 

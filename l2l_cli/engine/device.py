@@ -213,9 +213,12 @@ class Accelerator:
             return torch.empty(numel, dtype=dtype)
 
     def empty(self, numel: int, dtype: torch.dtype, part: str) -> torch.Tensor:
-        """A device-tier buffer counted under ``part``."""
+        """A device-tier buffer counted under ``part`` (an allocation point the runner owns: counted whether
+        or not the meter is looking at ops just now)."""
         with self.meter.part(part):
-            return torch.empty(numel, dtype=dtype, device=self.device)
+            t = torch.empty(numel, dtype=dtype, device=self.device)
+        self.meter.count(t, part)
+        return t
 
     def seed(self, seed: int) -> None:
         """Seed this device's dropout RNG (layer-by-layer runners reseed per layer and micro-batch)."""
@@ -247,10 +250,10 @@ class Accelerator:
 
     @contextmanager
     def running(self) -> Iterator[Accelerator]:
-        """Meter on for the block (on this thread); copy engines shut down at the end."""
+        """The accelerator in use for the block; its copy engines shut down at the end. (The meter counts
+        in the windows the runners open: a step, an evaluation batch, building the runner.)"""
         try:
-            with self.meter:
-                yield self
+            yield self
         finally:
             self.h2d.close()
             self.d2h.close()
@@ -317,15 +320,17 @@ class CudaAccelerator(Accelerator):
 
 def make_accelerator(
     kind: str, *, local_rank: int = 0, sim_memory_gb: float = 16.0, sim_link_gbps: float = 16.0,
-    measure_memory: bool = True,
+    measure_memory: bool = True, sample_memory: bool = True,
 ) -> Accelerator:  # fmt: skip
     """The accelerator for ``device=kind`` (auto = CUDA when present, else the CPU). ``measure_memory``
-    (profile.memory) turns the CPU's storage meter on; the simulator always meters (it enforces a budget)."""
+    (profile.memory) turns the CPU's storage meter on, ``sample_memory`` (profile.memory_sample) lets it
+    skip the op-by-op count in steps that repeat a metered one; the simulator always meters every op (it
+    enforces a budget)."""
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cuda":
         return CudaAccelerator(local_rank % max(1, torch.cuda.device_count()))
     if kind == "sim":
         return SimAccelerator(sim_memory_gb, sim_link_gbps)
-    meter = StorageMeter() if measure_memory else MemoryMeter()
+    meter = StorageMeter(sample=sample_memory) if measure_memory else MemoryMeter()
     return Accelerator(torch.device("cpu"), meter, CopyEngine(), CopyEngine())

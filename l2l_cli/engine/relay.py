@@ -90,6 +90,7 @@ class Relay:
         backward pass (after the previous occupant's gradient has left for the host)."""
         if self.current is not None:
             self.current.released = self.acc.record_event()
+        self.acc.meter.mark()
         with self.timer("transfer"):
             slot = self._load(i)
             assert slot is not None

@@ -4,6 +4,7 @@ update, evaluation, checkpoints). The schedules themselves live in the mode file
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import nullcontext
@@ -108,8 +109,30 @@ def ubatch_seed(seed: int, step: int, layer: int, ubatch: int) -> int:
     return ((seed * 1_000_003 + step) * 1_000_033 + layer * 8_191 + ubatch) % (2**63 - 1)
 
 
+def _metered(fn: Any, kind: str) -> Any:
+    """``fn(self, batch, ...)`` inside a meter window keyed by the batch's shape (see ``MemoryMeter.window``)."""
+
+    @functools.wraps(fn)
+    def run(self: Any, batch: Batch, *args: Any, **kw: Any) -> Any:
+        with self.acc.meter.window((kind, tuple(batch.input_ids.shape))):
+            return fn(self, batch, *args, **kw)
+
+    run._metered = True  # type: ignore[attr-defined]
+    return run
+
+
 class RunnerBase:
-    """Shared mechanics: dropout seeding, inputs to the device, the lr schedule, the step report."""
+    """Shared mechanics: dropout seeding, inputs to the device, the lr schedule, the step report.
+
+    Every subclass's ``step`` and ``predict`` run in a device-memory meter window (wrapped here, so a new
+    mode cannot forget it): the meter counts the device tier's allocations there and nowhere else."""
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        for name, kind in (("step", "train"), ("predict", "eval")):
+            fn = cls.__dict__.get(name)
+            if fn is not None and not getattr(fn, "_metered", False):
+                setattr(cls, name, _metered(fn, kind))
 
     def __init__(self, args: RunnerArgs):
         self.args = args
@@ -164,6 +187,10 @@ class DeviceResident(RunnerBase):
         with acc.meter.part("grads"):  # resident gradient buffers, zeroed (not freed) after each update
             for p in self.model.parameters():
                 p.grad = torch.zeros_like(p)
+        for p in self.model.parameters():  # allocation points this runner owns (CUDA's meter parts)
+            acc.meter.count(p, "weights")
+            acc.meter.count(p.grad, "grads")
+        self._state_counted = False
         named = [(n, p) for n, p in self.model.named_parameters()]
         with acc.meter.part("optimizer_state"):
             self.optimizer = make_optimizer(param_groups(named, self.optim.weight_decay), self.optim)
@@ -214,6 +241,12 @@ class DeviceResident(RunnerBase):
             set_lr(self.optimizer, self.lr())
             with self.acc.meter.part("optimizer_state"):
                 self.optimizer.step()
+            if not self._state_counted:  # the moments exist from the first step on
+                self._state_counted = True
+                for st in self.optimizer.state.values():
+                    for t in st.values():
+                        if isinstance(t, torch.Tensor) and t.device == self.acc.device and t.dim():
+                            self.acc.meter.count(t, "optimizer_state")
         self.optimizer.zero_grad(set_to_none=False)
         return finite, float(torch.linalg.vector_norm(norms))
 

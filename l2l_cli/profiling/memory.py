@@ -8,6 +8,15 @@ the storage subtracts it when it is freed. Work the host tier does (the EPS opti
 runs outside the meter (other threads, or inside :meth:`paused`), so it is excluded by construction.
 Every allocation carries a *part* label (weights, activations, stash, ...), and the breakdown at the
 moment of the peak is kept.
+
+The meter runs in *windows* the runners own (``window(key)``: building the runner, each training step,
+each evaluation batch; ``RunnerBase`` opens one around every ``step`` and ``predict``), so the data
+loader's batch collation, checkpoint serialisation and other host work between them are never counted.
+Buffers the runners allocate themselves (the relay's slots, the baselines' weights, gradients and
+optimizer state) are counted at their allocation points as well. Sampled (``profile.memory_sample``, the
+default on ``device=cpu``), the per-op dispatch, which costs ~10 us per op, runs only in windows that can
+set a new peak: the first two of each kind and any batch shape no metered window's shape covers (a step
+with the same shapes allocates the same tensors in the same order); other windows run at full speed.
 """
 
 from __future__ import annotations
@@ -61,6 +70,19 @@ class MemoryMeter:
         """Host-tier work on the compute thread: allocations inside are not device memory."""
         yield
 
+    @contextmanager
+    def window(self, key: Any = None) -> Iterator[None]:
+        """Device-tier work the runner owns (a step, an evaluation batch, building the runner): the meter
+        counts what ops allocate inside it. ``key`` = (kind, batch shape) lets a sampling meter skip windows
+        that cannot set a new peak; None: always metered."""
+        yield
+
+    def mark(self) -> None:
+        """A point where the parts in use are worth noting against the peak (CUDA: see ``CudaMeter``)."""
+
+    def count(self, t: torch.Tensor, part: str | None = None) -> None:
+        """Count a device tensor the runner allocated itself (an allocation point it owns)."""
+
     def tag(self, t: torch.Tensor, part: str) -> None:
         """Re-label an already-counted tensor (e.g. a layer output kept as stash)."""
 
@@ -82,15 +104,23 @@ class MemoryMeter:
     def report(self) -> dict[str, Any]:
         return {"peak_bytes": self.peak_bytes, "method": self.method, "parts": self.peak_parts}
 
+    @property
+    def note(self) -> str | None:
+        """How the peak was taken, when that is worth saying (sampling)."""
+        return None
+
 
 class StorageMeter(MemoryMeter):
     """Counts storages created by ops on the compute thread; optional budget raises DeviceOutOfMemory."""
 
     method = "torch_dispatch_storage_tracking"
 
-    def __init__(self, budget_bytes: int | None = None):
+    def __init__(self, budget_bytes: int | None = None, sample: bool = False):
         super().__init__()
         self.budget_bytes = budget_bytes
+        self.sample = sample
+        self._windows = {"metered": 0, "skipped": 0}
+        self._kinds: dict[Any, list[Any]] = {}  # kind -> [windows seen, shapes of metered steady windows]
         self._lock = threading.RLock()
         self._live: dict[int, tuple[Any, int, str]] = {}  # storage key -> (weakref, nbytes, part)
         self._by_part: dict[str, int] = defaultdict(int)
@@ -109,6 +139,50 @@ class StorageMeter(MemoryMeter):
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
+
+    @contextmanager
+    def window(self, key: Any = None) -> Iterator[None]:
+        if self._mode is not None or getattr(self._paused, "window", False):  # already metering here
+            yield
+            return
+        if not self._wanted(key):
+            self._windows["skipped"] += 1
+            yield
+            return
+        self._windows["metered"] += 1
+        mode = _AllocationMode(self)
+        self._paused.window = True
+        try:
+            with mode:
+                yield
+        finally:
+            self._paused.window = False
+
+    def _wanted(self, key: Any) -> bool:
+        """Whether to meter a window: always unless sampling; sampled, the first two windows of a kind
+        (the first allocates lazily: optimizer state, buffers) and any batch shape (rows, sequence) that no
+        steady metered window's shape covers (fewer rows and no longer sequence allocate no more)."""
+        if not self.sample or key is None:
+            return True
+        kind, shape = key
+        seen = self._kinds.setdefault(kind, [0, []])
+        seen[0] += 1
+        if seen[0] == 1:
+            return True
+        covered = any(all(a <= b for a, b in zip(shape, big)) for big in seen[1])
+        if not covered:
+            seen[1].append(tuple(shape))
+        return not covered
+
+    @property
+    def note(self) -> str | None:
+        if not self.sample:
+            return None
+        m, k = self._windows["metered"], self._windows["skipped"]
+        return (
+            f"sampled: {m} of {m + k} windows metered op by op (the first two of each kind and every batch "
+            "shape not covered by one metered before); profile.memory_sample=false meters every one"
+        )
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -218,24 +292,64 @@ def _aliases(func: Any) -> bool:
 
 
 class CudaMeter(MemoryMeter):
-    """CUDA allocator statistics; parts are the tensors tagged by the runners, the rest is workspace."""
+    """CUDA: the peak is the allocator's ``max_memory_allocated``. Its parts are the tensors the runners own
+    (counted where they allocate them: layer slots, stash, weights, gradients, optimizer state), as they
+    stood at the first ``mark`` after the peak last rose (marks: every window's end and every layer the
+    relay loads); ``workspace`` is the rest of the peak (activations, autograd's buffers, kernels')."""
 
     method = "cuda_allocator_max_memory_allocated"
 
     def __init__(self, device: torch.device):
         super().__init__()
         self.device = device
-        self._tagged: dict[int, tuple[Any, int, str]] = {}
+        self._lock = threading.Lock()
+        self._live: dict[int, tuple[Any, int, str]] = {}  # storage key -> (weakref, nbytes, part)
+        self._by_part: dict[str, int] = defaultdict(int)
         self._peak_parts: dict[str, int] = {}
+        self._marked_peak = -1
         self._base = torch.cuda.memory_allocated(device)
 
-    def tag(self, t: torch.Tensor, part: str) -> None:
-        st = t.untyped_storage()
-        key = st._cdata
-        self._tagged[key] = (weakref.ref(st, lambda _r, k=key: self._tagged.pop(k, None)), st.nbytes(), part)
-
     def count(self, t: torch.Tensor, part: str | None = None) -> None:
-        self.tag(t, part or self.current_part)
+        st = t.untyped_storage()
+        key, nbytes, part = st._cdata, st.nbytes(), part or self.current_part
+        with self._lock:
+            if key in self._live or nbytes == 0:
+                return
+            self._live[key] = (weakref.ref(st, lambda _r, k=key: self._free(k)), nbytes, part)
+            self._by_part[part] += nbytes
+
+    def _free(self, key: int) -> None:
+        with self._lock:
+            entry = self._live.pop(key, None)
+            if entry is not None:
+                self._by_part[entry[2]] -= entry[1]
+
+    def tag(self, t: torch.Tensor, part: str) -> None:
+        key = t.untyped_storage()._cdata
+        with self._lock:
+            entry = self._live.get(key)
+            if entry is not None:
+                ref, nbytes, old = entry
+                self._live[key] = (ref, nbytes, part)
+                self._by_part[old] -= nbytes
+                self._by_part[part] += nbytes
+                return
+        self.count(t, part)
+
+    @contextmanager
+    def window(self, key: Any = None) -> Iterator[None]:
+        try:
+            yield
+        finally:
+            self.mark()
+
+    def mark(self) -> None:
+        peak = self.peak_bytes
+        if peak > self._marked_peak:
+            with self._lock:
+                owned = {k: v for k, v in self._by_part.items() if v > 0}
+            self._marked_peak = peak
+            self._peak_parts = {**owned, "workspace": max(0, peak - sum(owned.values()))}
 
     @property
     def current_bytes(self) -> int:
@@ -247,14 +361,12 @@ class CudaMeter(MemoryMeter):
 
     @property
     def peak_parts(self) -> dict[str, int]:
-        parts: dict[str, int] = defaultdict(int)
-        for _, nbytes, part in list(self._tagged.values()):
-            parts[part] += nbytes
-        parts["workspace"] = max(0, self.peak_bytes - sum(parts.values()))
-        return dict(parts)
+        self.mark()
+        return dict(self._peak_parts)
 
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
+        self._marked_peak = -1
 
 
 def _fmt(n: float) -> str:

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Does the CUDA path hold? One command on a machine with a GPU: the `gpu` tests (equivalence on the device,
+# copies overlapped on streams without host waits, half-precision gradients over the link, allocator-measured
+# memory), then the BERT-Large benchmark, summarised in one JSON file (default outputs/gpu_check.json).
+#   bash scripts/gpu_check.sh [out.json]
+# Without a CUDA device it says so in one line and exits 0 (nothing to check). Exit 1: a test or the
+# benchmark failed (the JSON says which).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+OUT=${1:-outputs/gpu_check.json}
+mkdir -p "$(dirname "$OUT")"
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+
+if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  torch_v=$("$PY" -c "import torch; print(torch.__version__)" 2>/dev/null || echo "not installed")
+  echo "gpu_check: no CUDA device (torch $torch_v): nothing to check"
+  printf '{"cuda": false, "torch": "%s", "ok": true, "note": "no CUDA device"}\n' "$torch_v" > "$OUT"
+  exit 0
+fi
+
+echo "gpu_check: pytest -m gpu"
+"$PY" -m pytest -m gpu -q -rs --junitxml="$TMP/gpu.xml" tests 2>&1 | tee "$TMP/pytest.log"
+tests_rc=${PIPESTATUS[0]}
+
+echo "gpu_check: benchmarks/l2l_bert_large.py"
+(cd benchmarks && "$PY" l2l_bert_large.py --json "$TMP/bench.json") 2>&1 | tee "$TMP/bench.log"
+bench_rc=${PIPESTATUS[0]}
+
+"$PY" - "$TMP" "$OUT" "$tests_rc" "$bench_rc" <<'PYEOF'
+import json, sys, xml.etree.ElementTree as ET
+from pathlib import Path
+import torch
+tmp, out, tests_rc, bench_rc = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+tests = {"returncode": tests_rc}
+if (tmp / "gpu.xml").is_file():
+    suite = ET.parse(tmp / "gpu.xml").getroot()
+    suite = suite.find("testsuite") if suite.tag == "testsuites" else suite
+    tests.update({k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")})
+    tests["failed"] = [
+        f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
+        if c.find("failure") is not None or c.find("error") is not None
+    ]
+bench = json.loads((tmp / "bench.json").read_text()) if (tmp / "bench.json").is_file() else None
+summary = {
+    "cuda": True, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    "ok": tests_rc == 0 and bench_rc == 0, "tests": tests,
+    "benchmark": {"returncode": bench_rc, **(bench or {})},
+}
+out.write_text(json.dumps(summary, indent=2) + "\n")
+print(f"gpu_check: {'OK' if summary['ok'] else 'FAILED'}: tests {tests}, benchmark exit {bench_rc}; wrote {out}")
+PYEOF
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

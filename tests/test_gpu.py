@@ -1,0 +1,135 @@
+"""The CUDA path (``pytest -m gpu``; skipped where no CUDA device is present): equivalence on the GPU,
+copies that overlap compute without host waits, half-precision gradients over the link, and memory
+measured by the allocator. ``scripts/gpu_check.sh`` runs these and the BERT-Large benchmark."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+
+import pytest
+import torch
+
+from tests.util import assert_same_weights, batches, built, tiny_cfg, train
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+]
+
+CUDA = ["device=cuda"]
+# big enough that a layer's copy takes as long as some of its compute, small enough for any GPU
+WIDE = [
+    "model.num_layers=6", "model.hidden_size=1024", "model.num_heads=16", "model.intermediate_size=4096",
+    "model.vocab_size=30522", "task.max_seq_len=128", "task.pad_to_max=true", "batch.size=32",
+]  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32() -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False  # FP32 equivalence: no TF32 matmuls
+    torch.backends.cudnn.allow_tf32 = False
+
+
+@pytest.mark.parametrize("mode", ["l2l", "l2l_p", "l2l_stash_cpu"])
+def test_l2l_modes_equal_baseline_ag_on_the_gpu(mode: str) -> None:
+    ref = train(tiny_cfg("mode=baseline_ag", *CUDA))
+    got = train(tiny_cfg(f"mode={mode}", *CUDA))
+    assert got["losses"] == pytest.approx(ref["losses"], rel=1e-4)
+    assert_same_weights(got["weights"], ref["weights"], rtol=1e-3)
+
+
+def test_l2l_p_equals_l2l_under_cmp_fp16_with_clipping() -> None:
+    common = [*CUDA, "precision=cmp", "optim.max_grad_norm=0.24"]
+    ref, got = train(tiny_cfg("mode=l2l", *common)), train(tiny_cfg("mode=l2l_p", *common))
+    assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    assert_same_weights(got["weights"], ref["weights"])
+
+
+def test_cmp_gradients_cross_the_link_in_half_precision() -> None:
+    """Per step each layer goes down once per pass (forward, backward; the last block is reused at the
+    turn) and its gradient comes back once, in fp16: 2 bytes per parameter each way."""
+    cfg = tiny_cfg("mode=l2l", *CUDA, "precision=cmp")
+    with built(cfg) as runner:
+        d2h0 = runner.acc.d2h.bytes
+        runner.step(next(batches(cfg)))
+        params = sum(st.w.numel() for st in runner.eps.layers)
+        assert runner.acc.d2h.bytes - d2h0 == 2 * params
+        assert all(st.g_recv is not None and st.g_recv.dtype == torch.float16 for st in runner.eps.layers)
+
+
+def test_host_buffers_are_pinned() -> None:
+    cfg = tiny_cfg("mode=l2l_stash_cpu", *CUDA, "precision=cmp")
+    with built(cfg) as runner:
+        runner.step(next(batches(cfg)))
+        for st in runner.eps.layers:
+            assert st.w.is_pinned() and st.send.is_pinned() and st.recv.is_pinned()
+        assert all(buf.is_pinned() for buf in runner.stash._host.values())
+
+
+def test_a_step_never_waits_on_the_device_from_the_compute_thread(monkeypatch) -> None:
+    """Copies and compute are ordered by events on streams: the compute thread does not synchronize with
+    the GPU per layer or per micro-batch (the EPS thread does, to read each gradient: that is its job).
+    Per step it waits once for an event, the last layer's gradient, which the step's verdict (global norm,
+    finite or not) needs; and once for the loss it reports (an .item(), not counted here)."""
+    cfg = tiny_cfg("mode=l2l_p", *CUDA, "mode.stash=cpu", "precision=cmp")
+    main = threading.get_ident()
+    calls: list[str] = []
+    event_sync, device_sync = torch.cuda.Event.synchronize, torch.cuda.synchronize
+
+    def on_event(ev: torch.cuda.Event) -> None:
+        if threading.get_ident() == main:
+            calls.append("event.synchronize")
+        event_sync(ev)
+
+    def on_device(*a: object, **kw: object) -> None:
+        if threading.get_ident() == main:
+            calls.append("torch.cuda.synchronize")
+        device_sync(*a, **kw)
+
+    with built(cfg) as runner:
+        it = batches(cfg)
+        runner.step(next(it))
+        monkeypatch.setattr(torch.cuda.Event, "synchronize", on_event)
+        monkeypatch.setattr(torch.cuda, "synchronize", on_device)
+        runner.step(next(it))
+    assert "torch.cuda.synchronize" not in calls and calls.count("event.synchronize") <= 1, calls
+
+
+def exposed_transfer(*extra: str) -> float:
+    r = train(tiny_cfg("mode=l2l", *CUDA, *WIDE, *extra), steps=4)
+    return statistics.median(rep.phases.get("transfer", 0.0) for rep in r["reports"][1:])
+
+
+def test_prefetch_on_the_copy_stream_hides_layer_copies() -> None:
+    """With profile.sync_timers the phases are exact: the copy of layer l+1 runs on the copy stream while
+    layer l computes, so waiting for loads takes far less time than copying every layer in line."""
+    sync = "profile.sync_timers=true"
+    hidden = exposed_transfer(sync, "batch.ubatch_size=8")
+    inline = exposed_transfer(sync, "batch.ubatch_size=8", "mode.prefetch=false")
+    assert hidden < 0.5 * inline, (hidden, inline)
+
+
+def test_l2l_p_hides_the_update_on_the_gpu() -> None:
+    r = train(tiny_cfg("mode=l2l_p", *CUDA, *WIDE, "batch.ubatch_size=8", "optim.max_grad_norm=1e9"), steps=4)
+    extras = [rep.extra for rep in r["reports"][1:]]
+    hidden = sum(e["eps_update_s"] for e in extras)
+    assert sum(e["optimizer_wait_s"] for e in extras) < hidden / 3
+
+
+def test_cuda_memory_is_constant_in_depth_with_the_cpu_stash_and_parts_add_up() -> None:
+    peaks = []
+    for layers in (2, 8):
+        r = train(tiny_cfg("mode=l2l_stash_cpu", *CUDA, *WIDE, f"model.num_layers={layers}"), steps=2)
+        peaks.append(r["peak"])
+        assert sum(r["parts"].values()) == r["peak"] and r["parts"]["layer_slots"] > 0
+    assert peaks[1] <= 1.05 * peaks[0], peaks
+
+
+def test_baseline_memory_parts_name_weights_grads_and_optimizer_state() -> None:
+    r = train(tiny_cfg("mode=baseline_ag", *CUDA), steps=2)
+    parts = r["parts"]
+    assert (
+        parts["weights"] > 0 and parts["grads"] > 0 and parts["optimizer_state"] >= 2 * parts["grads"] * 0.99
+    )
+    assert sum(parts.values()) == r["peak"]
