@@ -136,3 +136,32 @@ def test_l2l_p_hides_the_update_behind_backward() -> None:
     hidden = sum(e["eps_update_s"] for e in extras)  # the blocks' and the head's updates, EPS thread
     waited = sum(e["optimizer_wait_s"] for e in extras)
     assert waited < hidden / 3, (waited, hidden)
+
+
+def test_run_files_and_report_carry_rollbacks_and_the_hidden_share(tmp_path) -> None:
+    """summary.json's ``l2l_p.rollbacks`` and ``optimizer`` section, metrics.jsonl's per-step
+    ``optimizer_s`` / ``optimizer_exposed_s``, the log line of a rollback, and ``l2l report``'s column."""
+    import csv
+    import json
+
+    from l2l_cli.cli import train as cli_train
+    from l2l_cli.report import build as report_build
+    from tests.util import TINY
+
+    run = tmp_path / "run"
+    common = [*TINY, "trainer.max_steps=3", "task.num_train=64", "task.num_eval=16"]
+    # step 1: head 0.47 < 0.48 < total 0.49 -> rolled back; step 2: the head alone clips; step 3: no clipping
+    assert cli_train(["mode=l2l_p", "optim.max_grad_norm=0.48", *common, f"hydra.run.dir={run}"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["l2l_p"]["rollbacks"] == 1 and summary["l2l_p"]["rolled_back_layer_updates"] == 4
+    opt = summary["optimizer"]
+    assert opt["hidden_share"] == pytest.approx(1 - opt["optimizer_exposed_s"] / opt["optimizer_s"])
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["optimizer_s"] > 0 and r["optimizer_exposed_s"] >= 0 for r in rows[1:])
+    assert rows[0]["rollback"] == 1 and "rollback" not in rows[1]
+    assert "l2l_p: step 1 rolled back: global gradient norm" in (run / "train.log").read_text()
+    report = report_build([str(run)], tmp_path / "report", plots=False)
+    assert "OPTIMIZER HIDDEN (%)" in (report.out / "report.md").read_text()
+    with (report.out / "report.csv").open() as f:
+        row = next(csv.DictReader(f))
+    assert float(row["optimizer_hidden_share"]) == opt["hidden_share"] and row["rollbacks"] == "1"

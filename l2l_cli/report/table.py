@@ -107,6 +107,8 @@ def columns(runs: list[Run]) -> list[Column]:
     ]
     for m in eval_metrics(runs) if _evals_tell(runs) else []:
         cols.append(Column(f"{m.upper()} (%)", lambda r, m=m: _pct(r.summary.eval.get(m))))
+    if any(hidden_share(r) is not None for r in runs):
+        cols.append(Column("OPTIMIZER HIDDEN (%)", lambda r: _pct(hidden_share(r))))
     if _epoch_study(runs):
         cols.append(
             Column("EPOCH TIME (S)", lambda r: DASH if r.epoch_time_s is None else f"{r.epoch_time_s:.1f}")
@@ -114,6 +116,13 @@ def columns(runs: list[Run]) -> list[Column]:
     if any(not r.ok for r in runs):
         cols.append(Column("NOTE", note, numeric=False))
     return cols
+
+
+def hidden_share(run: Run) -> float | None:
+    """Share of the host update the compute thread neither ran nor waited for (summary's ``optimizer``
+    section: 1 - optimizer_exposed_s / optimizer_s; runs with an EPS)."""
+    v = run.summary.sections.get("optimizer", {}).get("hidden_share") if run.ok else None
+    return float(v) if isinstance(v, int | float) else None
 
 
 def _evals_tell(runs: list[Run]) -> bool:
@@ -196,7 +205,7 @@ CSV_FIELDS = [
     "hidden_size", "seq_len", "ubatch_size", "num_ubatches", "batch_size", "global_batch_size", "world_size",
     "params", "samples_per_s", "step_time_s", "device_peak_bytes", "device_budget_bytes", "host_bytes",
     "h2d_bytes", "d2h_bytes", "train_samples", "epoch_time_s", "steps", "final_loss", "skipped_steps",
-    "wall_time_s", "device",
+    "wall_time_s", "device", "optimizer_s", "optimizer_exposed_s", "optimizer_hidden_share", "rollbacks",
 ]  # fmt: skip
 
 
@@ -225,6 +234,10 @@ def csv_record(r: Run, metrics: list[str], phases: list[str]) -> dict[str, Any]:
         "skipped_steps": s.skipped_steps,
         "wall_time_s": s.wall_time_s,
         "device": s.device or cfg.get("device"),
+        "optimizer_s": s.sections.get("optimizer", {}).get("optimizer_s"),
+        "optimizer_exposed_s": s.sections.get("optimizer", {}).get("optimizer_exposed_s"),
+        "optimizer_hidden_share": s.sections.get("optimizer", {}).get("hidden_share"),
+        "rollbacks": s.sections.get("l2l_p", {}).get("rollbacks"),
     }
     for m in metrics:
         rec[f"eval_{m}"] = s.eval.get(m)
