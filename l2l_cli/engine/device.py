@@ -163,16 +163,20 @@ class CudaCopyEngine(CopyEngine):
         self.to_host = to_host
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> CopyHandle:
-        """On this engine's stream, after ``after`` (a CUDA event, or another copy's handle: an event
-        dependency, never a host wait) or, without one, after the work queued so far on the compute stream.
+        """On this engine's stream, after ``after``: a CUDA event the compute stream recorded (a slot it is
+        done with), or another copy's handle (an event dependency between the streams, never a host wait;
+        the copy also follows the compute queued so far), or, without one, after the compute queued so far.
         The host side must be pinned for the copy to be asynchronous."""
         _same_dtype(dst, src)
         producer = torch.cuda.current_stream()
         with torch.cuda.stream(self.stream):
-            if after is None:
+            if after is None or isinstance(after, CopyHandle):
+                # after the compute queued so far (a buffer it just allocated is free to write) ...
                 self.stream.wait_stream(producer)
+                if isinstance(after, _CudaHandle):  # ... and after another copy, on its engine's stream
+                    self.stream.wait_event(after.event)
             else:
-                self.stream.wait_event(after.event if isinstance(after, _CudaHandle) else after)
+                self.stream.wait_event(after)  # an event the compute stream recorded
             dst.copy_(src, non_blocking=True)
             src.record_stream(self.stream) if src.is_cuda else dst.record_stream(self.stream)
             ev = torch.cuda.Event()
