@@ -3,6 +3,7 @@
 from l2l_cli.config.schema import (
     BatchConfig,
     DistConfig,
+    EpsConfig,
     HardwareConfig,
     L2LConfig,
     ModeConfig,
@@ -24,7 +25,7 @@ from l2l_cli.config.validate import (
 )
 
 __all__ = [
-    "BatchConfig", "ConfigError", "DistConfig", "HardwareConfig", "L2LConfig", "ModeConfig", "ModelConfig",
+    "BatchConfig", "ConfigError", "DistConfig", "EpsConfig", "HardwareConfig", "L2LConfig", "ModeConfig", "ModelConfig",
     "OptimConfig", "PrecisionConfig", "Problem", "TaskConfig", "TrainerConfig", "effective_clip",
     "effective_precision", "effective_stash", "register", "to_container", "validate",
 ]  # fmt: skip

@@ -22,6 +22,7 @@ DEVICES = ("auto", "cpu", "cuda", "sim")
 PROGRESS = ("auto", "rich", "plain", "none")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
 SCALES = ("cpu", "paper")
+EPS_TIERS = ("host", "disk")
 
 
 @dataclass
@@ -133,6 +134,18 @@ class DistConfig:
 
 
 @dataclass
+class EpsConfig:
+    """Where the eager param-server (the L2L modes) keeps the training state: ``host`` RAM, or ``disk``:
+    one file per layer under ``path`` (unset: ``<run dir>/eps``), with ``host_cache_layers`` layers in RAM
+    (the ones about to be used), read ahead and written back behind the compute. The disk state is
+    committed after every step, so it is also the run's checkpoint (``trainer.resume``)."""
+
+    tier: str = "host"  # host | disk
+    path: str | None = None
+    host_cache_layers: int = 2
+
+
+@dataclass
 class ProfileConfig:
     memory: bool = True  # device-tier memory meter (always on for device=sim: it enforces the budget)
     sync_timers: bool = False  # CUDA: synchronize at phase boundaries for exact phase times
@@ -187,6 +200,7 @@ class L2LConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sim: SimConfig = field(default_factory=SimConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    eps: EpsConfig = field(default_factory=EpsConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)

@@ -21,6 +21,7 @@ from l2l_cli.config.schema import (
     CLIP,
     DEVICES,
     DIST_BACKENDS,
+    EPS_TIERS,
     HALF_DTYPES,
     LOSS_SCALE,
     OPTIMIZERS,
@@ -381,6 +382,53 @@ def _dist(cfg: Any, check_files: bool) -> list[Problem]:
                 "dist.eager_reduce",
                 f"applies to the modes whose EPS reduces layer by layer ({with_eps}); mode={spec.name} "
                 f"reduces with DDP during backward",
+            )
+        )
+    return p
+
+
+@check("eps")
+def _eps(cfg: Any, check_files: bool) -> list[Problem]:
+    """The EPS's storage tier. Whether ``eps.path`` can hold the state is checked when the session
+    starts, once the model's size is known (l2l_cli.session.check_eps_path)."""
+    from l2l_cli.modes import MODES
+
+    p: list[Problem] = []
+    e = cfg.eps
+    one_of(p, "eps.tier", e.tier, EPS_TIERS)
+    at_least(p, "eps.host_cache_layers", e.host_cache_layers, 2, " (the layer in use and the one read ahead)")
+    if e.path is not None and not str(e.path).strip():
+        p.append(Problem("eps.path", "got an empty path; allowed: a directory, or unset for <run dir>/eps"))
+    if e.tier != "disk":
+        return p
+    spec = _mode(cfg)
+    if spec is not None and spec.host_state != "eps":
+        with_eps = ", ".join(m.name for m in MODES.values() if m.host_state == "eps")
+        p.append(
+            Problem(
+                "eps.tier",
+                f"disk moves the eager param-server's state to disk; mode={spec.name} keeps its state on the "
+                f"device (modes with an EPS: {with_eps})",
+            )
+        )
+    if cfg.dist.nproc > 1:
+        p.append(
+            Problem("eps.tier", "disk runs in one process (dist.nproc=1): every rank would keep its own copy")
+        )
+    if cfg.trainer.realtime_ckpt:
+        p.append(
+            Problem(
+                "trainer.realtime_ckpt",
+                "not with eps.tier=disk: the disk EPS is committed after every step, it is a real-time "
+                "checkpoint already",
+            )
+        )
+    if not cfg.dist.eager_reduce:
+        p.append(
+            Problem(
+                "dist.eager_reduce",
+                "false is not available with eps.tier=disk (every gradient would wait in RAM for the end of "
+                "the backward); use true",
             )
         )
     return p

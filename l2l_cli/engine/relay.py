@@ -73,7 +73,9 @@ class Relay:
         slot = next((s for s in self.slots if s is not self.current), self.slots[0])
         st = self.eps[i]
         n = st.layout.numel
+        self.eps.tier.pin(i, "w")  # the disk tier: layer i's weights in RAM (read ahead, usually)
         slot.loaded = self.acc.h2d.copy(slot.w[:n], st.send, after=slot.released)
+        self.eps.tier.unpin(i, after=slot.loaded)
         slot.layer, slot.version = i, st.version
         self.loads += 1
         return slot
@@ -105,6 +107,7 @@ class Relay:
         n = st.layout.numel
         slot.released = self.acc.record_event()
         with self.timer("transfer"):  # inline on a CPU device; queued on CUDA and the simulator
+            self.eps.tier.pin(i, "g", fresh=True)  # a host buffer for it (released by the EPS's job)
             slot.grads_out = st.grad_in = self.acc.d2h.copy(st.g, slot.g[:n], after=slot.released)
 
     def train(self, mode: bool) -> None:

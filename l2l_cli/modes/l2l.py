@@ -37,6 +37,8 @@ class L2LRunner(RunnerBase):
             seed=self.seed,
             dist=self.dist,
             eager_reduce=self.settings.eager_reduce,
+            tier=args.eps_tier,
+            timer=self.timer,
         )
         self.relay = Relay(acc, spec, self.eps, dtype, self.settings.prefetch, self.timer)
         self.stash = (
@@ -133,8 +135,9 @@ class L2LRunner(RunnerBase):
         self.relay.send_grads(i)
 
     def background(self) -> dict[str, float]:
-        """Seconds the EPS thread worked this step (reduction, and L2L-p's hidden updates)."""
-        return {"eps_background_s": self.eps.pop_busy()}
+        """Seconds the EPS thread worked this step (reduction, and L2L-p's hidden updates); with the disk
+        tier, its I/O (seconds as phases, bytes here)."""
+        return {"eps_background_s": self.eps.pop_busy(), **self.eps.tier.pop_step(self.timer)}
 
     @torch.no_grad()
     def predict(self, batch: Batch) -> torch.Tensor:
@@ -155,6 +158,7 @@ class L2LRunner(RunnerBase):
                 logits = [self.spec.head_logits(layer, x[u]) for u in range(len(ubatches))]
         finally:
             self.relay.train(True)
+            self.eps.tier.pop_step(self.timer)  # evaluation's I/O is not a training step's
             self.timer.pop()
         return torch.cat(logits).float().cpu()
 
