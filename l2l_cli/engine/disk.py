@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -285,14 +285,15 @@ class IoStats:
     read_s: float = 0.0
     write_s: float = 0.0
     wait_s: float = 0.0  # the compute thread waiting for the disk (exposed)
-    waits: dict[str, float] = field(default_factory=dict)
+    hits: int = 0  # pins served from the cache (read ahead, or still there)
+    misses: int = 0  # pins that waited for a read (or a free slot)
+    parks: int = 0  # gradients written out to wait for their update on disk
+    ahead: int = 0  # reads issued before anyone asked for the layer (read-ahead)
+    demand: int = 0  # reads issued because a pin asked for a layer not read ahead
 
     def add(self, other: IoStats) -> None:
-        self.read_bytes += other.read_bytes
-        self.write_bytes += other.write_bytes
-        self.read_s += other.read_s
-        self.write_s += other.write_s
-        self.wait_s += other.wait_s
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 class DiskLayer(LayerState):
@@ -385,6 +386,12 @@ class DiskTier:
         self.layers: dict[int, DiskLayer] = {}
         self._demands: list[_Demand] = []
         self._streams: dict[str, _Stream] = {}
+        # read-ahead from the last step's trace of pins (a step repeats the same accesses; ZeRO-Infinity
+        # prefetches the same way): this step's pins so far, the last step's, and per thread (compute,
+        # EPS) where in that trace its last pin was, or None when it strayed from it (evaluation, say)
+        self._trace: list[tuple[int, frozenset[str], bool, bool]] = []
+        self._plan: list[tuple[int, frozenset[str], bool, bool]] = []
+        self._cursor: dict[bool, int | None] = {True: -1, False: -1}
         self._clock = 0
         self.stats, self.totals = IoStats(), IoStats()
         self.commits = 0
@@ -497,14 +504,20 @@ class DiskTier:
                 self.cv.notify_all()
 
     def release_grad(self, i: int) -> None:
-        """The EPS is done with layer i's gradient for now: unpin it; one not yet applied (L2L waits for
-        the whole backward) is parked on disk if the slot is needed before the update."""
+        """The EPS is done with layer i's gradient for now: unpin it. One not yet applied (L2L updates after
+        the whole backward) waits for its update on disk: written out at once when the cache cannot hold
+        every layer (so its slot is free by the time the next layer's gradient needs one), else only if the
+        slot is taken before the update."""
         with self.cv:
             s = self.slot_of(i)
             if s is None or s.pins <= 0:
                 return
             s.pins -= 1
-            s.g_dirty = self.grad_live[i]
+            if self.grad_live[i] and not self.parked[i]:
+                if len(self.slots) < len(self.files):
+                    s.writing = self._writer.submit(self._park, s, i)  # FIFO: after any earlier write
+                else:
+                    s.g_dirty = True
             self.cv.notify_all()
 
     def export(self, t: torch.Tensor) -> torch.Tensor:
@@ -521,18 +534,21 @@ class DiskTier:
         with self.cv:
             if self._closed:
                 raise RuntimeError("the disk EPS is closed")
+            self._follow(i, need, fresh)
             if stream is not None:
                 self._note(stream, i, need)
             s = self.slot_of(i)
             if s is not None and (need <= s.valid or (fresh and not s.busy)):
                 if fresh:
                     self._make_fresh(s, i, need - s.valid)
+                self.stats.hits += 1
                 s.pins += 1
                 self._clock += 1
                 s.used = self._clock
                 self.cv.notify_all()
                 return s
             d = _Demand(i, need, fresh)
+            self.stats.misses += 1
             self._demands.append(d)
             self.cv.notify_all()
         self._wait(lambda: self._await(d))
@@ -573,6 +589,19 @@ class DiskTier:
 
     # ---- read-ahead: the layers the relay and the updates will use next -------------------------------
 
+    def _follow(self, i: int, need: frozenset[str], fresh: bool) -> None:
+        """Record this pin in the step's trace and move this thread's place in the last step's trace."""
+        main = threading.get_ident() == self._main
+        entry = (i, need, fresh, main)
+        if not (fresh and "w" in need):  # building or loading the state is not part of a step
+            self._trace.append(entry)
+        start = self._cursor[main]
+        if start is None:
+            start = -1
+        self._cursor[main] = next(
+            (k for k in range(start + 1, len(self._plan)) if self._plan[k] == entry), None
+        )
+
     def _note(self, name: str, i: int, parts: frozenset[str]) -> None:
         prev = self._streams.get(name)
         step = prev.step if prev else 1
@@ -582,28 +611,43 @@ class DiskTier:
         self._streams[name] = _Stream(i, step, parts, name == "relay", self._clock)
 
     def _walk(self, st: _Stream) -> list[int]:
+        """The layers ``st`` uses next. The relay's last layer is on the device already, so its walk starts
+        past it, and turns at the ends as L2L's step does: after the head, the backward goes down from the
+        layer below it (the head runs forward and backward at once); after the embeddings' backward, the
+        next step's forward starts with the embeddings again (they were updated). An update's walk starts
+        at the layer being updated (it is held)."""
         n, j, d = len(self.files), st.last, st.step
-        seq = [j]
-        for _ in range(len(self.slots)):
+        seq = [] if st.reflect else [j]
+        while len(seq) < len(self.slots):
             nj = j + d
             if not 0 <= nj < n:
-                if not st.reflect:
+                if not st.reflect or n < 2:
                     break
                 d = -d
-                nj = j + d
-                if not 0 <= nj < n:
-                    break
+                nj = j + d if d < 0 else j
             j = nj
             seq.append(j)
         return seq
 
     def _predicted(self) -> list[tuple[int, frozenset[str]]]:
-        """The next layers (and parts) to be used, most urgent first, as many as the cache holds."""
+        """The next layers to be used and the parts to read for them (none: a slot for a gradient), most
+        urgent first, as many as the cache holds. From the last step's trace while the threads follow it
+        (then the cache keeps exactly the layers used soonest, Belady's choice); else by the direction
+        each stream walks the layers in."""
+        k = len(self.slots)
         want: dict[int, set[str]] = {}
-        for st in sorted(self._streams.values(), key=lambda s: -s.clock):
-            for j in self._walk(st):
-                want.setdefault(j, set()).update(st.parts)
-        return [(j, frozenset(p)) for j, p in list(want.items())[: len(self.slots)]]
+        if self._plan and self._cursor[True] is not None:
+            cur = self._cursor
+            ahead = [e for n, e in enumerate(self._plan) if n > (cur[e[3]] if cur[e[3]] is not None else -1)]
+            for j, parts, fresh, _ in ahead + self._plan:  # and on into the next step
+                if j not in want and len(want) == k:
+                    break
+                want.setdefault(j, set()).update(() if fresh else parts)
+        else:
+            for st in sorted(self._streams.values(), key=lambda s: -s.clock):
+                for j in self._walk(st):
+                    want.setdefault(j, set()).update(st.parts)
+        return [(j, frozenset(p)) for j, p in list(want.items())[:k]]
 
     def _readable(self, j: int, parts: frozenset[str]) -> frozenset[str]:
         """What of ``parts`` can be read from disk for layer j now."""
@@ -663,8 +707,6 @@ class DiskTier:
                 if missing and not s.busy:
                     s.busy = True
                     return _Job(s, j, missing)
-                continue
-            if not parts:
                 continue
             v = self._victim({x for x, _ in want[: k + 1]}, {x: p for x, p in later.items() if p > k})
             if v is None:
@@ -727,6 +769,11 @@ class DiskTier:
                 self._writer.submit(self._park, s, old).result()
         if not job.parts:
             return
+        with self.cv:
+            if job.demand is None:
+                self.stats.ahead += 1
+            else:
+                self.stats.demand += 1
         if "g" in job.parts and not self.parked[i]:
             raise RuntimeError(f"layer {i}'s gradient is neither in RAM nor parked on disk")
         f = self.files[i]
@@ -802,6 +849,7 @@ class DiskTier:
             os.close(fd)
         with self.cv:
             self.parked[i] = True
+            self.stats.parks += 1
             self.stats.write_s += time.perf_counter() - t0
             self.stats.write_bytes += f.part_bytes
 
@@ -871,16 +919,25 @@ class DiskTier:
     def host_parts(self) -> dict[str, int]:
         return {"eps_cache": sum(s.nbytes for s in self.slots)}
 
-    def pop_step(self, timer: PhaseTimer) -> dict[str, float]:
+    def pop_step(self, timer: PhaseTimer, training: bool = True) -> dict[str, float]:
         """This step's disk I/O: background read/write seconds join the phases (``disk_wait``, the exposed
-        part, is timed where it happens); bytes go to the step's metrics."""
+        part, is timed where it happens); bytes go to the step's metrics. A training step's trace of pins
+        becomes the read-ahead plan of the next (``training=False``: an evaluation; not a plan)."""
         with self.cv:
             st, self.stats = self.stats, IoStats()
             self._streams.pop("update", None)
+            if training and self._trace:
+                self._plan = self._trace
+            self._trace = []
+            self._cursor = {True: -1, False: -1}
             self.totals.add(st)
         timer.add("disk_read", st.read_s)
         timer.add("disk_write", st.write_s)
-        return {"disk_read_bytes": float(st.read_bytes), "disk_write_bytes": float(st.write_bytes)}
+        return {
+            "disk_read_bytes": float(st.read_bytes), "disk_write_bytes": float(st.write_bytes),
+            "disk_reads_ahead": float(st.ahead), "disk_reads_on_demand": float(st.demand),
+            "disk_cache_hits": float(st.hits), "disk_cache_misses": float(st.misses),
+        }  # fmt: skip
 
     def summary(self) -> dict[str, Any]:
         """summary.json's ``eps_disk``: where, how much, how fast, and how much of it compute hid."""
@@ -901,6 +958,11 @@ class DiskTier:
             "read_gbps": t.read_bytes / t.read_s / 1e9 if t.read_s else None,
             "write_gbps": t.write_bytes / t.write_s / 1e9 if t.write_s else None,
             "wait_s": t.wait_s,
+            "reads_ahead": t.ahead,
+            "reads_on_demand": t.demand,
+            "cache_hits": t.hits,
+            "cache_misses": t.misses,
+            "gradients_parked": t.parks,
             "hidden_share": max(0.0, min(1.0, 1.0 - t.wait_s / io_s)) if io_s else None,
             "commits": self.commits,
             "last_commit_step": self.last_commit_step,

@@ -82,7 +82,7 @@ class HostTier:
     def host_parts(self) -> dict[str, int]:
         return {}
 
-    def pop_step(self, timer: PhaseTimer) -> dict[str, float]:
+    def pop_step(self, timer: PhaseTimer, training: bool = True) -> dict[str, float]:
         return {}
 
     def commit(self, step: int, trainer_state: dict[str, Any]) -> None:

@@ -158,7 +158,7 @@ class L2LRunner(RunnerBase):
                 logits = [self.spec.head_logits(layer, x[u]) for u in range(len(ubatches))]
         finally:
             self.relay.train(True)
-            self.eps.tier.pop_step(self.timer)  # evaluation's I/O is not a training step's
+            self.eps.tier.pop_step(self.timer, training=False)  # evaluation's I/O is no training step's
             self.timer.pop()
         return torch.cat(logits).float().cpu()
 
