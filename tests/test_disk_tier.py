@@ -143,7 +143,7 @@ def test_unwritable_paths_and_another_runs_state_are_refused(tmp_path: Path, mon
 
 # ---- acceptance 3: SIGKILL at several points, resumed: the uninterrupted run's weights ----------------
 
-STEPS = 5
+STEPS = 6
 # (mode, how it dies): a layer slot torn mid-write (w written, the moments not), a gradient torn while
 # parked, a commit record written but not yet renamed into place, and a kill from outside at a random time
 KILLS = [
@@ -151,7 +151,7 @@ KILLS = [
     ("l2l", {"crash": "park:4"}),
     ("l2l_p", {"crash": "write:13"}),
     ("l2l_p", {"crash": "commit:3"}),
-    ("l2l_p", {"kill_after_steps": 2, "kill_delay_s": 0.37}),
+    ("l2l_p", {"kill_after_steps": 2, "kill_delay_s": 0.13}),
 ]
 
 
@@ -191,10 +191,9 @@ def test_sigkill_at_any_point_resumes_to_the_uninterrupted_weights(killed: Any, 
     done = record["step"]
     assert 0 <= done < STEPS
     assert {layer["step"] for layer in record["layers"]} == {float(done)}  # every layer at one step
-    logged = [
-        json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines() if x.endswith("}")
-    ]
-    assert done >= (logged[-1] if logged else 0)  # nothing logged was lost: the commit follows the step
+    metrics = run / "metrics.jsonl"
+    logged = [json.loads(x)["step"] for x in metrics.read_text().splitlines()] if metrics.exists() else [0]
+    assert done >= logged[-1] - 1  # at most the step in flight is lost (its commit follows its log line)
     assert run_job(compose(_overrides(mode, f"trainer.resume={run}")), run) == "ok"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["resumed_from"]["step"] == done and summary["eps_disk"]["last_commit_step"] == STEPS
@@ -212,8 +211,9 @@ RSS_MODEL = ["model.hidden_size=384", "model.num_heads=6", "model.intermediate_s
 
 
 def test_host_rss_of_the_disk_tier_stays_flat_as_depth_doubles(tmp_path: Path) -> None:
-    """Peak RSS measured (wait4's ru_maxrss of each run's own process), depth 8 and 16: the host tier grows
-    by the 8 extra layers' 16 bytes per parameter; the disk tier, with 2 layers in RAM, within 10%."""
+    """Peak RSS measured (wait4's ru_maxrss of each run's own process), depth 8 and 16: the host tier's grows
+    by what its EPS holds for the 8 more layers (weights, gradients, moments and L2L-p's undo copies: 28
+    bytes per parameter); the disk tier's, with 2 layers in RAM, stays within 10%."""
     runs = [(tier, depth) for tier in ("host", "disk") for depth in (8, 16)]
     jobs = [{"overrides": [*RSS_MODEL, f"model.num_layers={d}", f"eps.tier={t}"], "run_dir": str(tmp_path / f"{t}{d}")}
             for t, d in runs]  # fmt: skip
@@ -223,9 +223,12 @@ def test_host_rss_of_the_disk_tier_stays_flat_as_depth_doubles(tmp_path: Path) -
     res = dict(zip(runs, json.loads((tmp_path / "res.json").read_text())))
     assert all(r["exit"] == 0 for r in res.values()), res
     rss = {k: r["maxrss_bytes"] for k, r in res.items()}
+    held = {k: json.loads((tmp_path / f"{k[0]}{k[1]}" / "memory.json").read_text())["host"] for k in runs}
     block = bert_spec(8, 384, 6, 1536, vocab_size=512).param_counts()[1]
-    extra_state = 8 * 16 * block  # the 8 more blocks' weights, gradients and moments
+    extra_state = held["host", 16]["bytes"] - held["host", 8]["bytes"]
+    assert extra_state >= 8 * 28 * block  # 8 more blocks' state, as the host EPS accounts it
     host_growth = rss["host", 16] - rss["host", 8]
-    assert 0.8 * extra_state < host_growth < 1.6 * extra_state, (rss, extra_state)
+    assert 0.8 * extra_state < host_growth < 1.3 * extra_state, (rss, extra_state)
     assert abs(rss["disk", 16] - rss["disk", 8]) <= 0.10 * rss["disk", 8], rss
-    assert rss["disk", 16] < rss["host", 16] - 0.5 * 16 * 16 * block, rss
+    assert held["disk", 16]["parts"] == {"eps_cache": held["disk", 8]["parts"]["eps_cache"]}
+    assert rss["disk", 16] < rss["host", 16] - 0.5 * extra_state * 2, rss
