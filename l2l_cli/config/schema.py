@@ -174,6 +174,9 @@ class HardwareConfig:
     tensor_link_gbps: float = 0.0  # tensor-parallel interconnect (NVLink), GB/s (input + output); 0: none
     offload_gbps: float = 32.0  # CPU<->GPU for offloading (layered-GA eq. 13), GB/s (input + output)
     async_copy: bool = True  # copies run beside compute (GPU copy engines, device=sim); false: inline
+    disk_read_gbps: float = 3.0  # the disk EPS tier's sequential read, GB/s (a datacenter NVMe drive)
+    disk_write_gbps: float = 2.0  # ... and write
+    disk_free_gb: float = 3500.0  # GiB free for the disk EPS (hardware=measure: the eps.path filesystem's)
     measured: bool = False  # hardware=measure: time this machine and use those numbers instead
 
 

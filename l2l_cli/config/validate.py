@@ -463,7 +463,7 @@ def _plan(cfg: Any, check_files: bool) -> list[Problem]:
     hw = cfg.hardware
     for k in ("device_tflops", "device_tflops_half", "device_peak_tflops", "backward_factor",
               "device_memory_gb", "device_optim_gflops", "host_gflops", "host_memory_gb", "h2d_gbps",
-              "network_gbps", "offload_gbps"):  # fmt: skip
+              "network_gbps", "offload_gbps", "disk_read_gbps", "disk_write_gbps", "disk_free_gb"):  # fmt: skip
         positive(p, f"hardware.{k}", getattr(hw, k))
     if hw.tensor_link_gbps < 0:
         p.append(Problem("hardware.tensor_link_gbps", f"got {hw.tensor_link_gbps}; must be >= 0 (0: none)"))

@@ -980,3 +980,42 @@ class DiskTier:
         finally:
             if self._tmp is not None:
                 shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+# ---- the disk itself ------------------------------------------------------------------------------------
+
+
+def measure_disk(root: Path, nbytes: int) -> dict[str, Any]:
+    """Sequential write then read bandwidth of ``root``'s filesystem, the way the disk tier does its I/O
+    (O_DIRECT where allowed, 64 MiB calls, fdatasync): a dd-style measurement of the same disk. Writes a
+    temporary file of ``nbytes`` (rounded to 4 KiB) and removes it."""
+    root.mkdir(parents=True, exist_ok=True)
+    nbytes = max(ALIGN, _round(nbytes))
+    io = _Io(probe_direct(root))
+    buf = AlignedBuffer(min(nbytes, CHUNK))
+    buf.tensor.random_(0, 255)  # not zeros: some filesystems and drives shortcut those
+    path = root / f".l2l-disk-bench-{os.getpid()}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if io.direct else 0), 0o644)
+    try:
+        t0 = time.perf_counter()
+        for off in range(0, nbytes, CHUNK):
+            io.write(fd, buf.view(0, min(CHUNK, nbytes - off)), off)
+        io.sync(fd, 0, nbytes)
+        write_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for off in range(0, nbytes, CHUNK):
+            io.read(fd, buf.view(0, min(CHUNK, nbytes - off)), off)
+        read_s = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            path.unlink()
+    st = os.statvfs(root)
+    return {
+        "path": str(root),
+        "bytes": nbytes,
+        "direct_io": io.direct,
+        "write_gbps": nbytes / write_s / 1e9,
+        "read_gbps": nbytes / read_s / 1e9,
+        "free_bytes": st.f_bavail * st.f_frsize,
+    }
