@@ -232,3 +232,71 @@ def test_host_rss_of_the_disk_tier_stays_flat_as_depth_doubles(tmp_path: Path) -
     assert abs(rss["disk", 16] - rss["disk", 8]) <= 0.10 * rss["disk", 8], rss
     assert held["disk", 16]["parts"] == {"eps_cache": held["disk", 8]["parts"]["eps_cache"]}
     assert rss["disk", 16] < rss["host", 16] - 0.5 * extra_state * 2, rss
+
+
+# ---- the disk tier's full checkpoints move between tiers --------------------------------------------
+
+
+def test_a_disk_tier_runs_full_checkpoint_resumes_on_the_host_tier(tmp_path: Path) -> None:
+    """trainer.save_every reads each layer through the cache into an ordinary checkpoint (same state layout
+    as the host tier's), so a run can move from disk to RAM and end where an all-host run ends."""
+    base = [
+        *TINY,
+        "mode=l2l",
+        "task.num_train=256",
+        "task.num_eval=16",
+        "trainer.save_final=true",
+        "optim.schedule=constant",
+        "optim.warmup_ratio=0",
+    ]  # fmt: skip  (the same lr whatever max_steps)
+    assert run_job(compose([*base, "trainer.max_steps=4"]), tmp_path / "host") == "ok"
+    disk_run = tmp_path / "disk"
+    assert (
+        run_job(compose([*base, "trainer.max_steps=2", "trainer.save_every=2", "eps.tier=disk"]), disk_run)
+        == "ok"
+    )
+    assert (disk_run / "checkpoints" / "step_2" / "layer_0.safetensors").is_file()
+    (disk_run / "eps" / "commit.json").unlink()  # continue from the full checkpoint, on the host tier
+    assert run_job(compose([*base, "trainer.max_steps=4", f"trainer.resume={disk_run}"]), disk_run) == "ok"
+    got, ref = (
+        load_file(disk_run / "final" / "model.safetensors"),
+        load_file(tmp_path / "host" / "final" / "model.safetensors"),
+    )
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+# ---- l2l plan: the disk tier's memory and time, and which tier a model needs ----------------------
+
+
+def _plan(*over: str) -> dict[str, Any]:
+    from l2l_cli.plan.planner import make_plan
+
+    return make_plan(compose(["model=bert-base", "mode=l2l_p", "hardware=a100-80g", *over]))
+
+
+def test_plan_says_which_tier_a_model_needs_and_predicts_the_disk_tier() -> None:
+    """BERT-Base's EPS needs ~2 GiB of RAM (16 bytes per parameter, 12 more for L2L-p's undo): with 1 GiB of
+    host memory only the disk tier fits, and the plan says so; on disk it takes 24 bytes per parameter."""
+    small = _plan("hardware.host_memory_gb=1")
+    assert not small["fits"] and "eps.tier=disk fits" in small["verdict"]
+    assert small["eps_tier"]["needed"] == "disk" and small["eps_tier"]["configured"] == "host"
+    on_disk = _plan("hardware.host_memory_gb=1", "eps.tier=disk")
+    assert on_disk["fits"] and on_disk["verdict"] == "fits"
+    params = on_disk["params"]["total"]
+    assert on_disk["memory_bytes"]["disk"]["total"] == 24 * params
+    assert on_disk["memory_bytes"]["host"]["parts"]["eps_cache"] == 2 * 16 * on_disk["params"]["embeddings"]
+    assert _plan()["eps_tier"]["needed"] == "host"
+    # a slow disk is exposed, a fast one hides behind compute
+    slow = _plan("eps.tier=disk", "hardware.disk_read_gbps=0.05", "hardware.disk_write_gbps=0.05")
+    fast = _plan("eps.tier=disk", "hardware.disk_read_gbps=500", "hardware.disk_write_gbps=500")
+    assert slow["step_time_s"]["disk_wait"] > 0.9 * 28 * params / 0.05e9 * 0.5
+    assert fast["step_time_s"]["disk_wait"] < 0.1 * fast["hidden_s"]["disk_wait"] + 1e-3
+    assert slow["step_time_s"]["total"] > fast["step_time_s"]["total"]
+
+
+def test_disk_measurement_times_sequential_direct_io(tmp_path: Path) -> None:
+    from l2l_cli.engine.disk import measure_disk
+
+    m = measure_disk(tmp_path, 8 << 20)
+    assert m["bytes"] == 8 << 20 and m["read_gbps"] > 0 and m["write_gbps"] > 0 and m["free_bytes"] > 0
+    assert list(tmp_path.iterdir()) == []  # the probe and the test file are gone

@@ -11,7 +11,8 @@ The calls, by who makes them:
 - the EPS: ``holding(i, parts, dirty=True)`` around an update (the new state is written back behind the
   compute), ``release_grad(i)`` once its background job is done with layer i's gradient;
 - the runner: ``pop_step(timer)`` at the end of a step (the tier's I/O seconds join the phase breakdown);
-- the trainer: ``commit(step, state)`` after each step (a durable tier makes that step its checkpoint).
+- the trainer: ``commit(step, state, ident)`` after each step (a durable tier makes that step its
+  checkpoint: ``trainer.resume`` continues from it).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class HostTier:
     def pop_step(self, timer: PhaseTimer, training: bool = True) -> dict[str, float]:
         return {}
 
-    def commit(self, step: int, trainer_state: dict[str, Any]) -> None:
+    def commit(self, step: int, trainer_state: dict[str, Any], ident: dict[str, Any] | None = None) -> None:
         return None
 
     def summary(self) -> dict[str, Any] | None:
