@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from l2l_cli.checkpoint import CheckpointError, identity
 from l2l_cli.config import (
     ConfigError,
     Problem,
+    check_eps_path,
     effective_clip,
     effective_precision,
     effective_stash,
@@ -68,42 +70,6 @@ def eps_tier(cfg: Any, run_dir: Path | None) -> TierSettings:
         elif run_dir is not None:
             path = str(run_dir / "eps")
     return TierSettings(e.tier, path, e.host_cache_layers, resume=bool(resume))
-
-
-def check_eps_path(tier: TierSettings, need: int, params: int) -> list[Problem]:
-    """A disk EPS path that cannot hold the state is refused before any work, saying what it needs."""
-    import tempfile
-
-    from l2l_cli.engine.disk import COMMIT
-    from l2l_cli.plan.hardware import fmt_bytes
-
-    root = Path(tier.path or tempfile.gettempdir()).expanduser()
-    what = (
-        f"the disk EPS needs {fmt_bytes(need)} ({need:,} bytes: two versions of the FP32 weights and "
-        f"optimizer moments, 24 bytes per parameter x {params:,})"
-    )
-    if (root / COMMIT).is_file():
-        if tier.resume:
-            return []  # continuing in place: the files are checked when the EPS adopts them
-        return [
-            Problem(
-                "eps.path",
-                f"{root} already holds a disk EPS (commit.json); continue it with trainer.resume=<its run "
-                f"dir>, or choose an empty directory",
-            )
-        ]
-    base = root
-    while not base.exists() and base != base.parent:
-        base = base.parent
-    if not base.is_dir():
-        return [Problem("eps.path", f"{root}: {base} is not a directory; {what}")]
-    st = os.statvfs(base)
-    if st.f_flag & os.ST_RDONLY or not os.access(base, os.W_OK):
-        return [Problem("eps.path", f"{root} is not writable (read-only file system or permissions); {what}")]
-    free = st.f_bavail * st.f_frsize
-    if free < need:
-        return [Problem("eps.path", f"{root} has {fmt_bytes(free)} free; {what}")]
-    return []
 
 
 def run_config(cfg: Any, mode: ModeSpec, spec: ModelSpec, data: TaskData, world: int) -> RunConfig:
@@ -169,7 +135,8 @@ class Session:
             if tier.tier == "disk":
                 from l2l_cli.engine.disk import disk_bytes
 
-                problems = check_eps_path(tier, disk_bytes(self.model), self.model.total_params)
+                root = Path(tier.path) if tier.path else Path(tempfile.gettempdir())
+                problems = check_eps_path(root, disk_bytes(self.model), self.model.total_params, tier.resume)
                 if self.dist.world > 1:
                     problems.append(Problem("eps.tier", "disk runs in one process; this job has more ranks"))
                 if problems:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -389,8 +390,8 @@ def _dist(cfg: Any, check_files: bool) -> list[Problem]:
 
 @check("eps")
 def _eps(cfg: Any, check_files: bool) -> list[Problem]:
-    """The EPS's storage tier. Whether ``eps.path`` can hold the state is checked when the session
-    starts, once the model's size is known (l2l_cli.session.check_eps_path)."""
+    """The EPS's storage tier; with ``check_files``, whether the disk EPS's directory can hold the model's
+    state (the session checks its exact directory again once the run dir exists)."""
     from l2l_cli.modes import MODES
 
     p: list[Problem] = []
@@ -431,6 +432,8 @@ def _eps(cfg: Any, check_files: bool) -> list[Problem]:
                 "the backward); use true",
             )
         )
+    if check_files and not p:
+        p.extend(_eps_space(cfg))
     return p
 
 
@@ -509,6 +512,68 @@ def check_pretrained(ref: str, family: str = "bert") -> list[Problem]:
             Problem("model.pretrained", f"{ref} is neither an existing directory nor a hub id (org/name)")
         ]
     return []
+
+
+def check_eps_path(root: Path, need: int, params: int, resume: bool = False) -> list[Problem]:
+    """A disk EPS directory that cannot hold the state is refused before any work, saying what it needs."""
+    from l2l_cli.engine.disk import COMMIT
+    from l2l_cli.plan.hardware import fmt_bytes
+
+    root = root.expanduser()
+    what = (
+        f"the disk EPS needs {fmt_bytes(need)} ({need:,} bytes: two versions of the FP32 weights and "
+        f"optimizer moments, 24 bytes per parameter x {params:,})"
+    )
+    if (root / COMMIT).is_file():
+        if resume:
+            return []  # continuing in place: the files are checked when the EPS adopts them
+        return [
+            Problem(
+                "eps.path",
+                f"{root} already holds a disk EPS (commit.json); continue it with trainer.resume=<its run "
+                f"dir>, or choose an empty directory",
+            )
+        ]
+    base = root
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        return [Problem("eps.path", f"{root}: {base} is not a directory; {what}")]
+    st = os.statvfs(base)
+    if st.f_flag & os.ST_RDONLY or not os.access(base, os.W_OK):
+        return [Problem("eps.path", f"{root} is not writable (read-only file system or permissions); {what}")]
+    free = st.f_bavail * st.f_frsize
+    if free < need:
+        return [Problem("eps.path", f"{root} has {fmt_bytes(free)} free; {what}")]
+    return []
+
+
+def eps_dir_guess(cfg: Any) -> Path:
+    """Where a disk EPS will live, as far as the config says before the run dir exists: eps.path, the
+    resumed run's eps/, else the run dir Hydra will make (its nearest existing folder is what is checked)."""
+    if cfg.eps.path:
+        return Path(cfg.eps.path)
+    if cfg.trainer.resume and cfg.trainer.resume != "latest":
+        return Path(cfg.trainer.resume) / "eps"
+    try:
+        run_dir = OmegaConf.select(cfg, "hydra.run.dir") if isinstance(cfg, DictConfig) else None
+    except Exception:  # ${now:...} outside a Hydra run
+        run_dir = None
+    return Path(str(run_dir) if run_dir else "outputs") / "eps"
+
+
+def _eps_space(cfg: Any) -> list[Problem]:
+    from l2l_cli.data.tasks import TASKS
+    from l2l_cli.engine.disk import disk_bytes
+    from l2l_cli.models import UnsupportedModel, make_spec
+
+    if cfg.task.name not in TASKS:
+        return []
+    try:
+        spec = make_spec(cfg.model, TASKS[cfg.task.name].num_labels)
+    except (UnsupportedModel, OSError, ValueError, KeyError):
+        return []  # the model's own check says why
+    return check_eps_path(eps_dir_guess(cfg), disk_bytes(spec), spec.total_params, bool(cfg.trainer.resume))
 
 
 def check_resume(ref: str) -> list[Problem]:
