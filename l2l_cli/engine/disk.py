@@ -516,6 +516,7 @@ class DiskTier:
             if self.grad_live[i] and not self.parked[i]:
                 if len(self.slots) < len(self.files):
                     s.writing = self._writer.submit(self._park, s, i)  # FIFO: after any earlier write
+                    self.parked[i] = True  # a read of it waits for the slot's write (eviction does)
                 else:
                     s.g_dirty = True
             self.cv.notify_all()
@@ -531,6 +532,22 @@ class DiskTier:
         return s
 
     def _pin(self, i: int, need: frozenset[str], fresh: bool, stream: str | None) -> _Slot:
+        hit = self._pin_cached(i, need, fresh, stream)
+        if hit is not None:
+            return self._settled(hit, fresh)
+        d = _Demand(i, need, fresh)
+        with self.cv:
+            self.stats.misses += 1
+            self._demands.append(d)
+            self.cv.notify_all()
+        self._wait(lambda: self._await(d))
+        if d.error is not None:
+            raise d.error
+        assert d.slot is not None
+        return self._settled(d.slot, fresh)
+
+    def _pin_cached(self, i: int, need: frozenset[str], fresh: bool, stream: str | None) -> _Slot | None:
+        """Pin layer i if the cache has what is needed (else None: it must be read, or a slot found)."""
         with self.cv:
             if self._closed:
                 raise RuntimeError("the disk EPS is closed")
@@ -547,15 +564,14 @@ class DiskTier:
                 s.used = self._clock
                 self.cv.notify_all()
                 return s
-            d = _Demand(i, need, fresh)
-            self.stats.misses += 1
-            self._demands.append(d)
-            self.cv.notify_all()
-        self._wait(lambda: self._await(d))
-        if d.error is not None:
-            raise d.error
-        assert d.slot is not None
-        return d.slot
+            return None
+
+    def _settled(self, s: _Slot, fresh: bool) -> _Slot:
+        """A slot about to be overwritten (a new gradient) once its last write (a parked gradient) is out."""
+        writing = s.writing
+        if fresh and writing is not None:
+            self._wait(writing.result)
+        return s
 
     def _await(self, d: _Demand) -> None:
         with self.cv:
@@ -767,6 +783,8 @@ class DiskTier:
                 writing.result()
             if park and old is not None:
                 self._writer.submit(self._park, s, old).result()
+                with self.cv:
+                    self.parked[old] = True
         if not job.parts:
             return
         with self.cv:
@@ -848,7 +866,6 @@ class DiskTier:
         finally:
             os.close(fd)
         with self.cv:
-            self.parked[i] = True
             self.stats.parks += 1
             self.stats.write_s += time.perf_counter() - t0
             self.stats.write_bytes += f.part_bytes
