@@ -377,7 +377,8 @@ class DiskTier:
         self.io = _Io(probe_direct(self.root))
         n_max = max(layout.numel for layout in layouts.values())
         with acc.meter.paused():
-            self.slots = [_Slot(n_max, layouts, acc, send_dtype, optim) for _ in range(settings.cache_layers)]
+            k = min(settings.cache_layers, n)  # more slots than layers would never be used
+            self.slots = [_Slot(n_max, layouts, acc, send_dtype, optim) for _ in range(k)]
         self.cv = threading.Condition()
         self.latest: list[int | None] = [None] * n  # the file slot holding each layer's newest version
         self.committed: list[int | None] | None = None  # what commit.json names (None: no commit yet)
