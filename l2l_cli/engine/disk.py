@@ -285,6 +285,7 @@ class IoStats:
     read_s: float = 0.0
     write_s: float = 0.0
     wait_s: float = 0.0  # the compute thread waiting for the disk (exposed)
+    eps_wait_s: float = 0.0  # the EPS thread waiting for it (L2L-p's updates: hidden unless the step waits)
     hits: int = 0  # pins served from the cache (read ahead, or still there)
     misses: int = 0  # pins that waited for a read (or a free slot)
     parks: int = 0  # gradients written out to wait for their update on disk
@@ -581,10 +582,14 @@ class DiskTier:
 
     def _wait(self, fn: Any) -> None:
         """Block in ``fn``; on the compute thread that is exposed disk time (``disk_wait``)."""
-        if threading.get_ident() != self._main:
-            fn()
-            return
         t0 = time.perf_counter()
+        if threading.get_ident() != self._main:
+            try:
+                fn()
+            finally:
+                with self.cv:
+                    self.stats.eps_wait_s += time.perf_counter() - t0
+            return
         try:
             if self.timer is not None:
                 with self.timer("disk_wait"):
@@ -976,6 +981,7 @@ class DiskTier:
             "read_gbps": t.read_bytes / t.read_s / 1e9 if t.read_s else None,
             "write_gbps": t.write_bytes / t.write_s / 1e9 if t.write_s else None,
             "wait_s": t.wait_s,
+            "eps_thread_wait_s": t.eps_wait_s,
             "reads_ahead": t.ahead,
             "reads_on_demand": t.demand,
             "cache_hits": t.hits,
