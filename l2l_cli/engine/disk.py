@@ -20,6 +20,7 @@ pre-update state is still on disk) and, in L2L, as the place a layer's gradient 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -659,9 +660,15 @@ class DiskTier:
         k = len(self.slots)
         want: dict[int, set[str]] = {}
         if self._plan and self._cursor[True] is not None:
-            cur = self._cursor
-            ahead = [e for n, e in enumerate(self._plan) if n > (cur[e[3]] if cur[e[3]] is not None else -1)]
-            for j, parts, fresh, _ in ahead + self._plan:  # and on into the next step
+            plan = self._plan
+            cur = {m: -1 if c is None else c for m, c in self._cursor.items()}
+            first = min(cur.values()) + 1
+            # the entries after each thread's place, then on into the next step (the trace again)
+            this_step = ((True, n) for n in range(first, len(plan)))
+            for now, n in itertools.chain(this_step, ((False, n) for n in range(len(plan)))):
+                j, parts, fresh, main = plan[n]
+                if now and n <= cur[main]:
+                    continue
                 if j not in want and len(want) == k:
                     break
                 want.setdefault(j, set()).update(() if fresh else parts)
