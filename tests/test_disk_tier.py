@@ -204,7 +204,7 @@ def test_sigkill_at_any_point_resumes_to_the_uninterrupted_weights(killed: Any, 
 
 # ---- acceptance 2: host RSS flat in depth with the disk tier, linear with the host tier ------------
 
-RSS_MODEL = ["model.hidden_size=384", "model.num_heads=6", "model.intermediate_size=1536", "model.vocab_size=512",
+RSS_MODEL = ["model.hidden_size=256", "model.num_heads=4", "model.intermediate_size=1024", "model.vocab_size=512",
              "model.dropout=0.0", "task.max_seq_len=16", "batch.size=2", "batch.ubatch_size=2", "trainer.max_steps=1",
              "task.num_train=16", "task.num_eval=4", "trainer.progress=none", "mode=l2l_p"]  # fmt: skip
 
@@ -223,7 +223,7 @@ def test_host_rss_of_the_disk_tier_stays_flat_as_depth_doubles(tmp_path: Path) -
     assert all(r["exit"] == 0 for r in res.values()), res
     rss = {k: r["maxrss_bytes"] for k, r in res.items()}
     held = {k: json.loads((tmp_path / f"{k[0]}{k[1]}" / "memory.json").read_text())["host"] for k in runs}
-    block = bert_spec(8, 384, 6, 1536, vocab_size=512).param_counts()[1]
+    block = bert_spec(8, 256, 4, 1024, vocab_size=512).param_counts()[1]
     extra_state = held["host", 16]["bytes"] - held["host", 8]["bytes"]
     assert extra_state >= 8 * 28 * block  # 8 more blocks' state, as the host EPS accounts it
     host_growth = rss["host", 16] - rss["host", 8]
