@@ -20,7 +20,7 @@ from l2l_cli.modes.base import Runner, StepReport
 from l2l_cli.modes.registry import ModeSpec
 from l2l_cli.progress import RunProgress
 from l2l_cli.rundir import Logger, RunFiles
-from l2l_cli.schema import OTHER, MetricsRow, Summary
+from l2l_cli.schema import BACKGROUND_PHASES, OTHER, MetricsRow, Summary
 
 log = logging.getLogger("l2l")
 
@@ -52,6 +52,7 @@ class Trainer:
         ctx: DistContext, ident: dict[str, Any], config_yaml: str, save_every: int = 0, keep_checkpoints: int = 2,
         realtime_ckpt: bool = False, save_final: bool = False, eval_every: int = 0, log_every: int = 1,
         max_bad_steps: int = 3, progress: str = "auto", title: str = "", stop: StopFlag | None = None,
+        store: Any = None,
     ):  # fmt: skip
         self.runner, self.mode, self.stream, self.data, self.steps = runner, mode, stream, data, steps
         self.evaluate_fn, self.files, self.loggers, self.summary = evaluate, files, loggers, summary
@@ -66,6 +67,8 @@ class Trainer:
         self.phase_sum: dict[str, float] = {}
         self.loss = float("nan")
         self.realtime: RealtimeWriter | None = None
+        # a disk EPS (eps.tier=disk): committed after every step, it is the run's checkpoint by itself
+        self.store = store
 
     # ---- checkpoint state --------------------------------------------------------------------------
 
@@ -84,15 +87,30 @@ class Trainer:
         }
 
     def resume(self, run_dir: Path) -> None:
-        path, manifest = ckpt.latest_valid(run_dir)
-        ckpt.check_identity(path, manifest, self.ident)
-        state = json.loads(ckpt._read_checked(path, "state.json", manifest))
+        """Continue from the newest checkpoint of ``run_dir``; a disk EPS's last commit counts as one, and
+        one the EPS adopted in place needs nothing loaded."""
+        point = self.store.resume_point() if self.store is not None else None
+        try:
+            path, manifest = ckpt.latest_valid(run_dir)
+        except CheckpointError:
+            if point is None:
+                raise
+            path, manifest = None, {}
+        if point is not None and (path is None or point["step"] >= manifest["step"]):
+            path, manifest = self.store.root, point
+            ckpt.check_identity(path, manifest, self.ident)
+            state = point["trainer"]
+        else:
+            assert path is not None
+            ckpt.check_identity(path, manifest, self.ident)
+            state = json.loads(ckpt._read_checked(path, "state.json", manifest))
         if state["global_batch_size"] != self.stream.global_batch:
             raise CheckpointError(
                 f"{path} was trained with a global batch of {state['global_batch_size']}; this run has "
                 f"{self.stream.global_batch} (batch.size x dist.nproc): the data position would not match"
             )
-        self.runner.load_state(path, manifest)
+        if manifest is not point:
+            self.runner.load_state(path, manifest)
         self.runner.step_count = state["step"]
         self.runner.precision.scaler.load_state_dict(state["scaler"])
         ckpt.set_rng_state(state["rng"])
@@ -121,6 +139,8 @@ class Trainer:
             self.realtime = RealtimeWriter(self.ckpt_root, self.ident, self.config_yaml)
             runner.eps.realtime = self.realtime  # type: ignore[attr-defined]
         batches = self.stream.batches(start_step=runner.step_count)
+        if self.store is not None:  # the state the run starts from (initial, pretrained, resumed)
+            self.store.commit(runner.step_count, self.state(), self.ident)
         try:
             with RunProgress(self.progress, self.steps, self.title, enabled=self.ctx.rank == 0) as progress:
                 while runner.step_count < self.steps:
@@ -132,6 +152,8 @@ class Trainer:
                     if self.realtime is not None:
                         self.realtime.commit(step, self.state(), self._all_layer_files)
                         report.extra["realtime_ckpt_s"] = self.realtime.pop_busy()
+                    if self.store is not None:  # after this step's writes: a restart continues here
+                        self.store.commit(step, self.state(), self.ident)
                     self.account(report, step)
                     sps = report.samples * self.ctx.world / report.step_time_s
                     progress.update(step, report.loss, sps, meter.peak_bytes)
@@ -188,7 +210,7 @@ class Trainer:
             )
 
     def interrupt(self, step: int) -> None:
-        path = self.save()
+        path = self.save() if self.store is None else self.store.root  # a disk EPS is committed already
         self.ctx.barrier()
         signum = self.stop.signum or signal.SIGTERM
         where = f"; checkpoint {path}" if path else ""
@@ -209,7 +231,8 @@ class Trainer:
         n, total = self.steady["n"], self.steady["time"]
         breakdown = {k: v / n for k, v in sorted(self.phase_sum.items())} if n else {}
         if n:
-            breakdown[OTHER] = max(0.0, total / n - sum(breakdown.values()))
+            on_path = sum(v for k, v in breakdown.items() if k not in BACKGROUND_PHASES)
+            breakdown[OTHER] = max(0.0, total / n - on_path)
         s = self.summary
         s.steps = runner.step_count
         s.skipped_steps = self.skipped
@@ -220,3 +243,5 @@ class Trainer:
         s.eval = metrics
         s.device_peak_bytes = runner.acc.meter.peak_bytes
         s.sections.update(runner.sections())
+        if self.store is not None:
+            s.sections["eps_disk"] = self.store.summary()

@@ -18,7 +18,7 @@ from rich.progress import (
 from rich.table import Table
 
 from l2l_cli.profiling.memory import fmt_bytes
-from l2l_cli.schema import Summary
+from l2l_cli.schema import BACKGROUND_PHASES, Summary
 
 console = Console(stderr=False, highlight=False)
 
@@ -94,8 +94,21 @@ def summary_table(summary: Summary) -> Table:
         ("device peak", fmt_bytes(summary.device_peak_bytes)),
     ]
     if summary.time_breakdown_s:
+        on_path = {k: v for k, v in summary.time_breakdown_s.items() if k not in BACKGROUND_PHASES}
+        rows.append(("time per step", "  ".join(f"{k} {v * 1e3:.1f}ms" for k, v in on_path.items())))
+    disk = summary.sections.get("eps_disk")
+    if disk:
+        gbps = "  ".join(
+            f"{k} {disk[f'{k}_gbps']:.2f} GB/s" for k in ("read", "write") if disk.get(f"{k}_gbps")
+        )
+        hidden = disk.get("hidden_share")
         rows.append(
-            ("time per step", "  ".join(f"{k} {v * 1e3:.1f}ms" for k, v in summary.time_breakdown_s.items()))
+            (
+                "disk EPS",
+                f"{fmt_bytes(disk['read_bytes'])} read, {fmt_bytes(disk['write_bytes'])} written ({gbps}); "
+                f"{'-' if hidden is None else f'{100 * hidden:.0f}%'} of it hidden behind compute; "
+                f"{disk['host_cache_layers']} layers in RAM",
+            )
         )
     for name, value in summary.eval.items():
         rows.append((f"eval {name}", f"{value:.4f}"))

@@ -20,8 +20,11 @@ from typing import Any
 SCHEMA_VERSION = 2
 
 # The phases of a step, in the papers' order (L2L v1 Figure 6); "other" is the step's remainder.
-PHASES = ("forward", "recompute", "backward", "optimizer", "transfer", "reduce")
+PHASES = ("forward", "recompute", "backward", "optimizer", "transfer", "reduce", "disk_wait")
 OTHER = "other"
+# Seconds of work on background threads (the disk EPS's reader and writer): reported beside the phases,
+# but not part of the step's critical path (their exposed part is ``disk_wait``), so never in "other".
+BACKGROUND_PHASES = ("disk_read", "disk_write")
 STATUSES = ("ok", "oom", "error", "interrupted")
 
 
@@ -56,6 +59,7 @@ class RunConfig:
     device: str | None = None
     sim_memory_gb: float | None = None
     sim_link_gbps: float | None = None
+    eps_tier: str | None = None  # the L2L modes: host | disk (eps.tier)
 
     @classmethod
     def from_json(cls, obj: dict[str, Any] | None) -> RunConfig:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from l2l_cli.checkpoint import CheckpointError, identity
 from l2l_cli.config import (
     ConfigError,
     Problem,
+    check_eps_path,
     effective_clip,
     effective_precision,
     effective_stash,
@@ -32,6 +34,7 @@ from l2l_cli.engine.dist import DistContext
 from l2l_cli.engine.dist import from_env as dist_from_env
 from l2l_cli.engine.optim import OptimSettings
 from l2l_cli.engine.precision import Precision, make_precision
+from l2l_cli.engine.tiers import TierSettings
 from l2l_cli.loop import StopFlag, Trainer
 from l2l_cli.models import ModelSpec, UnsupportedModel, make_spec, resolve_pretrained
 from l2l_cli.modes import MODES, ModeSpec, Runner, RunnerArgs, StepSettings
@@ -55,6 +58,20 @@ def step_settings(cfg: Any, steps: int) -> StepSettings:
     )  # fmt: skip
 
 
+def eps_tier(cfg: Any, run_dir: Path | None) -> TierSettings:
+    """``eps.*`` resolved: a disk EPS lives in ``eps.path``, else in the run's ``eps/`` folder (a resumed
+    run's own: the disk state is that run's checkpoint), else in a temporary folder (no run dir)."""
+    e = cfg.eps
+    path = e.path
+    resume = cfg.trainer.resume
+    if e.tier == "disk" and path is None:
+        if resume and resume != "latest":
+            path = str(Path(resume) / "eps")
+        elif run_dir is not None:
+            path = str(run_dir / "eps")
+    return TierSettings(e.tier, path, e.host_cache_layers, resume=bool(resume))
+
+
 def run_config(cfg: Any, mode: ModeSpec, spec: ModelSpec, data: TaskData, world: int) -> RunConfig:
     """The summary's ``config`` block: what the run was, in the papers' terms."""
     stash = effective_stash(cfg)
@@ -68,6 +85,7 @@ def run_config(cfg: Any, mode: ModeSpec, spec: ModelSpec, data: TaskData, world:
         clip=effective_clip(cfg), device=cfg.device,
         sim_memory_gb=cfg.sim.memory_gb if cfg.device == "sim" else None,
         sim_link_gbps=cfg.sim.link_gbps if cfg.device == "sim" else None,
+        eps_tier=cfg.eps.tier if mode.host_state == "eps" else None,
     )  # fmt: skip
 
 
@@ -113,6 +131,16 @@ class Session:
                 self.model = make_spec(cfg.model, data.spec.num_labels)
             except UnsupportedModel as e:
                 raise ConfigError([Problem("model.pretrained", str(e))]) from e
+            tier = eps_tier(cfg, self.run_dir)
+            if tier.tier == "disk":
+                from l2l_cli.engine.disk import disk_bytes
+
+                root = Path(tier.path) if tier.path else Path(tempfile.gettempdir())
+                problems = check_eps_path(root, disk_bytes(self.model), self.model.total_params, tier.resume)
+                if self.dist.world > 1:
+                    problems.append(Problem("eps.tier", "disk runs in one process; this job has more ranks"))
+                if problems:
+                    raise ConfigError(problems)
             self.stream = TrainStream(
                 data.train, cfg.batch.size, seed=cfg.trainer.seed, world=self.dist.world, rank=self.dist.rank,
                 pad_to_max=cfg.task.max_seq_len if cfg.task.pad_to_max else None,
@@ -136,7 +164,7 @@ class Session:
             )  # fmt: skip
             args = RunnerArgs(
                 self.model, self.acc, self.precision, step_settings(cfg, self.steps),
-                OptimSettings.from_cfg(cfg.optim), self.dist,
+                OptimSettings.from_cfg(cfg.optim), self.dist, tier,
             )  # fmt: skip
             with self.acc.meter.window():  # what the runner allocates on the device as it is built
                 self.runner = self.mode.runner(args)
@@ -163,8 +191,14 @@ class Session:
             keep_checkpoints=tr.keep_checkpoints, realtime_ckpt=tr.realtime_ckpt, save_final=tr.save_final,
             eval_every=tr.eval_every, log_every=tr.log_every, max_bad_steps=tr.max_bad_steps,
             progress=tr.progress, title=f"{self.summary.config.method} {cfg.model.name} {cfg.task.name}",
-            stop=self.stop,
+            stop=self.stop, store=self.store,
         )  # fmt: skip
+
+    @property
+    def store(self) -> Any:
+        """The EPS's disk tier when it keeps the state (committed after every step), else None."""
+        tier = getattr(getattr(self.runner, "eps", None), "tier", None)
+        return tier if getattr(tier, "durable", False) else None
 
     # ---- what a run does with it ------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from l2l_cli.config.schema import (
     BatchConfig,
     DistConfig,
+    EpsConfig,
     HardwareConfig,
     L2LConfig,
     ModeConfig,
@@ -17,6 +18,7 @@ from l2l_cli.config.schema import (
 from l2l_cli.config.validate import (
     ConfigError,
     Problem,
+    check_eps_path,
     effective_clip,
     effective_precision,
     effective_stash,
@@ -24,7 +26,7 @@ from l2l_cli.config.validate import (
 )
 
 __all__ = [
-    "BatchConfig", "ConfigError", "DistConfig", "HardwareConfig", "L2LConfig", "ModeConfig", "ModelConfig",
-    "OptimConfig", "PrecisionConfig", "Problem", "TaskConfig", "TrainerConfig", "effective_clip",
+    "BatchConfig", "ConfigError", "DistConfig", "EpsConfig", "HardwareConfig", "L2LConfig", "ModeConfig", "ModelConfig",
+    "OptimConfig", "PrecisionConfig", "Problem", "TaskConfig", "TrainerConfig", "check_eps_path", "effective_clip",
     "effective_precision", "effective_stash", "register", "to_container", "validate",
 ]  # fmt: skip

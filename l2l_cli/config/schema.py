@@ -22,6 +22,7 @@ DEVICES = ("auto", "cpu", "cuda", "sim")
 PROGRESS = ("auto", "rich", "plain", "none")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
 SCALES = ("cpu", "paper")
+EPS_TIERS = ("host", "disk")
 
 
 @dataclass
@@ -133,6 +134,18 @@ class DistConfig:
 
 
 @dataclass
+class EpsConfig:
+    """Where the eager param-server (the L2L modes) keeps the training state: ``host`` RAM, or ``disk``:
+    one file per layer under ``path`` (unset: ``<run dir>/eps``), with ``host_cache_layers`` layers in RAM
+    (the ones about to be used), read ahead and written back behind the compute. The disk state is
+    committed after every step, so it is also the run's checkpoint (``trainer.resume``)."""
+
+    tier: str = "host"  # host | disk
+    path: str | None = None
+    host_cache_layers: int = 2
+
+
+@dataclass
 class ProfileConfig:
     memory: bool = True  # device-tier memory meter (always on for device=sim: it enforces the budget)
     # device=cpu: count op by op only in the steps that can set a new peak (the first two, and each batch
@@ -164,6 +177,9 @@ class HardwareConfig:
     tensor_link_gbps: float = 0.0  # tensor-parallel interconnect (NVLink), GB/s (input + output); 0: none
     offload_gbps: float = 32.0  # CPU<->GPU for offloading (layered-GA eq. 13), GB/s (input + output)
     async_copy: bool = True  # copies run beside compute (GPU copy engines, device=sim); false: inline
+    disk_read_gbps: float = 3.0  # the disk EPS tier's sequential read, GB/s (a datacenter NVMe drive)
+    disk_write_gbps: float = 2.0  # ... and write
+    disk_free_gb: float = 3500.0  # GiB free for the disk EPS (hardware=measure: the eps.path filesystem's)
     measured: bool = False  # hardware=measure: time this machine and use those numbers instead
 
 
@@ -190,6 +206,7 @@ class L2LConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sim: SimConfig = field(default_factory=SimConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    eps: EpsConfig = field(default_factory=EpsConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)

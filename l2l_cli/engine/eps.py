@@ -27,6 +27,7 @@ from l2l_cli.engine.dist import DistContext
 from l2l_cli.engine.flat import FlatLayout
 from l2l_cli.engine.optim import OptimSettings, clip_coefficients, make_optimizer, param_groups, set_lr
 from l2l_cli.engine.precision import LossScaler
+from l2l_cli.engine.tiers import TierSettings, make_tier
 from l2l_cli.models.base import BLOCK, POST, PRE, ModelSpec
 from l2l_cli.profiling.timers import PhaseTimer
 
@@ -36,6 +37,35 @@ _THREAD = threading.local()
 def _worker_init(threads: int) -> None:
     torch.set_num_threads(threads)
     _THREAD.eps_worker = True
+
+
+def bind_optimizer(
+    layout: FlatLayout,
+    w: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    optim: OptimSettings,
+) -> torch.optim.Optimizer:
+    """The host optimizer of one layer, working in place on flat buffers: parameters are views of ``w``
+    with ``.grad`` views of ``g``, and the moments are views of ``m`` and ``v``."""
+    # AdamW is elementwise: two flat tensors per layer (decayed, not) give the fused kernel long runs.
+    # LAMB's trust ratio is per parameter tensor, so it gets a view per tensor.
+    split = layout.segments if optim.name == "adamw" else layout.views
+    named = []
+    grads, ms, vs = dict(split(g)), dict(split(m)), dict(split(v))
+    for name, view in split(w):
+        p = nn.Parameter(view)
+        p.grad = grads[name]
+        named.append((name, p))
+    optimizer = make_optimizer(param_groups(named, optim.weight_decay), optim)
+    for name, p in named:  # the moments live in the flat buffers (checkpointable per layer as 4 tensors)
+        optimizer.state[p] = {
+            "step": torch.zeros((), dtype=torch.float32),
+            "exp_avg": ms[name],
+            "exp_avg_sq": vs[name],
+        }
+    return optimizer
 
 
 class LayerState:
@@ -59,22 +89,7 @@ class LayerState:
         self.grad_in: CopyHandle = DONE  # the device->host copy of this step's gradient
         self.undo: list[torch.Tensor] | None = None
         self.undo_step = 0.0
-        # AdamW is elementwise: two flat tensors per layer (decayed, not) give the fused kernel long runs.
-        # LAMB's trust ratio is per parameter tensor, so it gets a view per tensor.
-        split = layout.segments if optim.name == "adamw" else layout.views
-        named = []
-        grads, ms, vs = dict(split(self.g)), dict(split(self.m)), dict(split(self.v))
-        for name, view in split(self.w):
-            p = nn.Parameter(view)
-            p.grad = grads[name]
-            named.append((name, p))
-        self.optimizer = make_optimizer(param_groups(named, optim.weight_decay), optim)
-        for name, p in named:  # the moments live in the flat buffers (checkpointable per layer as 4 tensors)
-            self.optimizer.state[p] = {
-                "step": torch.zeros((), dtype=torch.float32),
-                "exp_avg": ms[name],
-                "exp_avg_sq": vs[name],
-            }
+        self.optimizer = bind_optimizer(layout, self.w, self.g, self.m, self.v, optim)
 
     @property
     def send(self) -> torch.Tensor:
@@ -140,6 +155,11 @@ class LayerState:
             self.w_send = acc.host_empty(self.w.numel())
             self.w_send.copy_(self.w)
 
+    def set_step(self, step: float) -> None:
+        """The optimizer's step count for this layer (bias correction), as a checkpoint holds it."""
+        for state in self.optimizer.state.values():
+            state["step"].fill_(step)
+
     def save_undo(self, acc: Accelerator) -> None:
         """Keep this layer's pre-update state (L2L-p updates before the step is known to be finite)."""
         if self.undo is None:
@@ -173,7 +193,8 @@ class EagerParamServer:
 
     def __init__(
         self, spec: ModelSpec, optim: OptimSettings, acc: Accelerator, device_dtype: torch.dtype, seed: int,
-        dist: DistContext | None = None, eager_reduce: bool = True,
+        dist: DistContext | None = None, eager_reduce: bool = True, tier: TierSettings | None = None,
+        timer: PhaseTimer | None = None,
     ):  # fmt: skip
         self.spec, self.acc = spec, acc
         self.dist = dist or DistContext()
@@ -213,13 +234,17 @@ class EagerParamServer:
         self.eager_reduce = eager_reduce
         self._deferred: list[int] = []
         self.layouts = {k: FlatLayout(spec.new_layer(k, "meta")) for k in (PRE, BLOCK, POST)}
+        # where the layers' buffers live: host RAM, or files with a few layers cached (eps.tier)
+        self.tier = make_tier(tier or TierSettings(), spec, self.layouts, acc, device_dtype, optim, timer)
         self.layers: list[LayerState] = []
         with acc.meter.paused():  # host tier
             for i in range(spec.num_all_layers):
                 kind = spec.kind(i)
-                st = LayerState(i, kind, self.layouts[kind], acc, device_dtype, optim)
-                st.layout.pack(spec.build_layer(i, seed), st.w)  # one layer's module at a time
-                st.refresh_send()
+                st = self.tier.new_layer(i, kind, self.layouts[kind], acc, device_dtype, optim)
+                if not self.tier.adopted:  # (a disk tier continuing a run has its state already)
+                    with self.tier.holding(i, "wmv", fresh=True, dirty=True):
+                        st.layout.pack(spec.build_layer(i, seed), st.w)  # one layer's module at a time
+                        st.refresh_send()
                 self.layers.append(st)
         self.stash_bytes = 0
 
@@ -236,6 +261,13 @@ class EagerParamServer:
     # ---- the update (Alg. 3: for l in layers: w_l = optimizer(w_l, g_l)) --------------------------
 
     # ---- the EPS's background work: eager ("parallel") reduction and, for L2L-p, the update ---------
+
+    def _layer_job(self, fn: Any, i: int, *args: Any) -> None:
+        """A background job on layer i's gradient; once it is done the tier may move the gradient out."""
+        try:
+            self._timed(fn, i, *args)
+        finally:
+            self.tier.release_grad(i)
 
     def _timed(self, fn: Any, *args: Any) -> None:
         t0 = time.perf_counter()
@@ -264,7 +296,7 @@ class EagerParamServer:
         waits for the whole step; the reduction overlaps the backward of the layers below). With
         ``dist.eager_reduce=false`` the reductions wait until the backward is over (for comparison)."""
         if self.eager_reduce:
-            self._jobs.append(self._worker.submit(self._timed, self._reduce_and_norm, i))
+            self._jobs.append(self._worker.submit(self._layer_job, self._reduce_and_norm, i))
         else:
             self._deferred.append(i)
 
@@ -291,7 +323,7 @@ class EagerParamServer:
         """Alg. 3's update: once every layer's gradient is reduced, skip the step on a non-finite one,
         clip (globally or per layer), update every layer."""
         for i in self._deferred:
-            self._jobs.append(self._worker.submit(self._timed, self._reduce_and_norm, i))
+            self._jobs.append(self._worker.submit(self._layer_job, self._reduce_and_norm, i))
         self._deferred = []
         with timer("reduce" if self.dist.enabled else "transfer"):  # the reductions not hidden by backward
             self.wait_background()
@@ -313,7 +345,9 @@ class EagerParamServer:
         clipping applied, its pre-update state kept in the undo log; ``finish_async`` rolls it back and
         redoes it with the right factor when the finished norm says clipping applies, and rolls back
         the whole step on a non-finite gradient (SuperOffload's speculation-then-validation)."""
-        job = self._worker.submit(self._timed, self._reduce_and_update, i, lr, scaler.scale, clip, max_norm)
+        job = self._worker.submit(
+            self._layer_job, self._reduce_and_update, i, lr, scaler.scale, clip, max_norm
+        )
         self._jobs.append(job)
         self._device_jobs[i] = self._host_jobs[i] = job
 
@@ -328,9 +362,11 @@ class EagerParamServer:
         inv = 1.0 / (scale * self.dist.world)
         if clip == "global":
             norms = torch.stack(list(self._norms.values()))
-            if float(clip_coefficients(norms, clip, max_norm)[0]) < 1.0:
+            if self.tier.durable or float(clip_coefficients(norms, clip, max_norm)[0]) < 1.0:
                 # the norm so far already exceeds max_grad_norm: clipping is certain, and any update
-                # made now would be undone; wait for the factor instead
+                # made now would be undone; wait for the factor instead. The disk tier always waits: an
+                # update there consumes the gradient it would need to redo one (its undo is the file's
+                # other slot, the state before the update, not the gradient)
                 self._held.append(i)
                 return
             mult = None if inv == 1.0 else inv  # as if the factor were 1; checked in finish_async
@@ -355,6 +391,15 @@ class EagerParamServer:
             return self._finish(scaler, trailing, defer)
 
     def _finish(
+        self, scaler: LossScaler, trailing: tuple[int, float, str, float], defer: bool
+    ) -> tuple[bool, float]:
+        i0 = trailing[0]
+        try:
+            return self._judge(scaler, trailing, defer)
+        finally:
+            self.tier.release_grad(i0)  # (the disk tier may move its gradient out now)
+
+    def _judge(
         self, scaler: LossScaler, trailing: tuple[int, float, str, float], defer: bool
     ) -> tuple[bool, float]:
         i0, lr, clip, max_norm = trailing
@@ -388,13 +433,13 @@ class EagerParamServer:
                     redo, f"global gradient norm {total:.4g} > optim.max_grad_norm {max_norm:g}"
                 )
         mult = self.grad_mult_for(scale, None if coefs is None else coefs[i0])
-        if defer and self.elementwise and self.realtime is None:
+        if defer and self.elementwise and self.realtime is None and not self.tier.durable:
             self._trailing = (i0, lr, mult)
         else:
             with self._work():
                 self.update_layer(i0, lr, mult)
-        if self.realtime is not None:  # the step's checkpoint is committed next: every layer must be in
-            self._wait_jobs()
+        if self.realtime is not None or self.tier.durable:  # the step's checkpoint (a real-time one, or the
+            self._wait_jobs()  # disk tier's commit) is taken next: every layer must be in
         return True, float(torch.linalg.vector_norm(norms))
 
     @staticmethod
@@ -556,12 +601,14 @@ class EagerParamServer:
     def update_layer(self, i: int, lr: float, grad_mult: torch.Tensor | float | None) -> None:
         if self.realtime is not None:
             self.realtime.before_update(i)  # last step's file of this layer is complete
-        self.layers[i].update(lr, grad_mult)
+        with self.tier.holding(i, "wmvg", dirty=True):  # the disk tier writes the new state back
+            self.layers[i].update(lr, grad_mult)
         if self.realtime is not None:
             self.realtime.layer_updated(i, *self.layer_file(i))
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
+        self.tier.close()
 
     # ---- checkpoints: one file per layer (w, m, v, step), the same for full and real-time ones --------
 
@@ -578,20 +625,22 @@ class EagerParamServer:
     def state_files(self) -> Iterator[tuple[str, bytes]]:
         for i in range(len(self.layers)):
             name, payload = self.layer_file(i)
-            yield name, tensors_bytes(payload())
+            with self.tier.holding(i, "wmv"):
+                data = tensors_bytes(payload())
+            yield name, data
 
     @torch.no_grad()
     def load_state(self, ckpt: Any, manifest: dict[str, Any]) -> None:
         for st in self.layers:
             t = read_tensors(ckpt, f"layer_{st.index}.safetensors", manifest)
-            for key, buf in (("w", st.w), ("m", st.m), ("v", st.v)):
-                if key not in t or t[key].shape != buf.shape:
-                    raise CheckpointError(f"{ckpt}: layer {st.index} {key} does not match this model")
-                buf.copy_(t[key])
-            for state in st.optimizer.state.values():
-                state["step"].fill_(float(t["step"]))
-            st.version += 1
-            st.refresh_send()
+            with self.tier.holding(st.index, "wmv", fresh=True, dirty=True):
+                for key, buf in (("w", st.w), ("m", st.m), ("v", st.v)):
+                    if key not in t or t[key].shape != buf.shape:
+                        raise CheckpointError(f"{ckpt}: layer {st.index} {key} does not match this model")
+                    buf.copy_(t[key])
+                st.set_step(float(t["step"]))
+                st.version += 1
+                st.refresh_send()
 
     def grad_mult(self, scaler: LossScaler, coef: torch.Tensor | None) -> torch.Tensor | float | None:
         """The one multiplier that unscales, averages over ranks and clips a gradient (None: as is)."""
@@ -604,23 +653,27 @@ class EagerParamServer:
 
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for st in self.layers:
-            for name, view in st.layout.views(st.w):
-                yield self.spec.hf_name(st.index, name), view
+            with self.tier.holding(st.index, "w"):
+                named = [
+                    (self.spec.hf_name(st.index, n), self.tier.export(t)) for n, t in st.layout.views(st.w)
+                ]
+            yield from named
 
     @torch.no_grad()
     def load_hf(self, tensors: Any) -> list[str]:
         """Stream matching tensors into the masters (one tensor at a time); returns names left at init."""
         missing = []
         for st in self.layers:
-            for name, view in st.layout.views(st.w):
-                full = self.spec.hf_name(st.index, name)
-                t = self.spec.lookup_hf(tensors, full)
-                if t is None:
-                    missing.append(full)
-                else:
-                    view.copy_(t.reshape(view.shape))
-            st.version += 1
-            st.refresh_send()
+            with self.tier.holding(st.index, "wmv", dirty=True):
+                for name, view in st.layout.views(st.w):
+                    full = self.spec.hf_name(st.index, name)
+                    t = self.spec.lookup_hf(tensors, full)
+                    if t is None:
+                        missing.append(full)
+                    else:
+                        view.copy_(t.reshape(view.shape))
+                st.version += 1
+                st.refresh_send()
         return missing
 
     def host_parts(self) -> dict[str, int]:
@@ -628,6 +681,7 @@ class EagerParamServer:
         for st in self.layers:
             for k, v in st.nbytes().items():
                 parts[k] = parts.get(k, 0) + v
+        parts.update(self.tier.host_parts())
         parts["cpu_stash"] = self.stash_bytes
         return {k: v for k, v in parts.items() if v}
 

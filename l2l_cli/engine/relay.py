@@ -80,7 +80,9 @@ class Relay:
         slot = next((s for s in self.slots if s is not self.current), self.slots[0])
         st = self.eps[i]
         n = st.layout.numel
+        self.eps.tier.pin(i, "w")  # the disk tier: layer i's weights in RAM (read ahead, usually)
         slot.loaded = self.acc.h2d.copy(slot.w[:n], st.send, after=slot.released)
+        self.eps.tier.unpin(i, after=slot.loaded)
         slot.layer, slot.version = i, st.version
         self.loads += 1
         return slot
@@ -117,7 +119,7 @@ class Relay:
                 self.eps.wait_host(i)
         slot.released = self.acc.record_event()
         with self.timer("transfer"):  # inline on a CPU device; queued on CUDA and the simulator
-            # in the device's dtype (CMP: half; the EPS widens it to FP32 on the host)
+            self.eps.tier.pin(i, "g", fresh=True)  # a host buffer for it (released by the EPS's job)
             slot.grads_out = st.grad_in = self.acc.d2h.copy(st.recv, slot.g[:n], after=slot.released)
 
     def train(self, mode: bool) -> None:

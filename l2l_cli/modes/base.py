@@ -29,6 +29,7 @@ from l2l_cli.engine.optim import (
     set_lr,
 )
 from l2l_cli.engine.precision import Precision
+from l2l_cli.engine.tiers import TierSettings
 from l2l_cli.models.base import LayeredModel, ModelSpec
 from l2l_cli.profiling.timers import PhaseTimer
 
@@ -59,6 +60,7 @@ class RunnerArgs:
     settings: StepSettings
     optim: OptimSettings
     dist: DistContext = field(default_factory=DistContext)
+    eps_tier: TierSettings = field(default_factory=TierSettings)  # where an EPS keeps the state (eps.*)
 
 
 @dataclass

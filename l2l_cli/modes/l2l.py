@@ -37,6 +37,8 @@ class L2LRunner(RunnerBase):
             seed=self.seed,
             dist=self.dist,
             eager_reduce=self.settings.eager_reduce,
+            tier=args.eps_tier,
+            timer=self.timer,
         )
         self.relay = Relay(acc, spec, self.eps, dtype, self.settings.prefetch, self.timer)
         self.stash = (
@@ -134,15 +136,16 @@ class L2LRunner(RunnerBase):
         self.relay.send_grads(i)
 
     def background(self) -> dict[str, float]:
-        """Seconds the EPS thread worked this step (reduction, and L2L-p's hidden updates), and the host
+        """Seconds the EPS thread worked this step (reduction, and L2L-p's hidden updates), the host
         update's seconds (``optimizer_s``, any thread; ``optimizer_exposed_s``, what the compute thread ran
-        itself or waited for; see ``EagerParamServer.pop_optimizer``)."""
+        itself or waited for; see ``EagerParamServer.pop_optimizer``) and, with the disk tier, its I/O
+        (seconds as phases, bytes here)."""
         times = self.eps.pop_optimizer()
         if self.step_count > 0:  # steady state, like the summary's throughput (the first step excluded)
             self.steady["steps"] += 1
             self.steady["optimizer_s"] += times["optimizer_s"]
             self.steady["optimizer_exposed_s"] += times["optimizer_exposed_s"]
-        return {"eps_background_s": self.eps.pop_busy(), **times}
+        return {"eps_background_s": self.eps.pop_busy(), **times, **self.eps.tier.pop_step(self.timer)}
 
     def sections(self) -> dict[str, dict[str, Any]]:
         """summary.json's ``optimizer`` section: the host update's seconds per steady-state step, the part
@@ -173,6 +176,7 @@ class L2LRunner(RunnerBase):
                 logits = [self.spec.head_logits(layer, x[u]) for u in range(len(ubatches))]
         finally:
             self.relay.train(True)
+            self.eps.tier.pop_step(self.timer, training=False)  # evaluation's I/O is no training step's
             self.timer.pop()
         return torch.cat(logits).float().cpu()
 

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from l2l_cli.config import Problem
 from l2l_cli.plan import PlanError
-from l2l_cli.schema import OTHER, PHASES, Summary, read_json
+from l2l_cli.schema import BACKGROUND_PHASES, OTHER, PHASES, Summary, read_json
 
 
 def run_overrides(run_dir: Path) -> tuple[list[str], list[Problem]]:
@@ -50,7 +50,7 @@ def predicted_vs_measured(run_dir: Path, plan: dict[str, Any]) -> dict[str, Any]
         p, m = predicted.get(k, 0.0), measured.get(k)
         if p or m:
             phases[k] = {"predicted": p, "measured": m, "ratio": _ratio(m, p)}
-    step_m = summary.step_time_s or sum(measured.values())
+    step_m = summary.step_time_s or sum(v for k, v in measured.items() if k not in BACKGROUND_PHASES)
     out: dict[str, Any] = {
         "run_dir": str(run_dir),
         "status": summary.status,

@@ -20,6 +20,7 @@ from l2l_cli.plan.shapes import ModelShape, device_weight_bytes
 from l2l_cli.schema import PHASES
 
 FP32_STATE = 16  # bytes per parameter: FP32 weights, gradients, and the two Adam/LAMB moments
+DISK_STATE = 24  # the disk EPS tier: two versions (slots) of the weights and both moments per layer file
 
 
 @dataclass(frozen=True)
@@ -34,13 +35,20 @@ class Setup:
     batch: int
     ubatch: int
     nproc: int = 1
+    tier: str = "host"  # eps.tier: where the EPS keeps the state (the L2L modes)
+    cache_layers: int = 2  # eps.host_cache_layers (tier=disk)
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> Setup:
         return cls(
             cfg.mode.name, effective_stash(cfg), bool(cfg.mode.prefetch), effective_precision(cfg), cfg.task.max_seq_len,
-            cfg.batch.size, cfg.batch.ubatch_size, cfg.dist.nproc,
+            cfg.batch.size, cfg.batch.ubatch_size, cfg.dist.nproc, cfg.eps.tier, cfg.eps.host_cache_layers,
         )  # fmt: skip
+
+    @property
+    def disk(self) -> bool:
+        """The EPS keeps its state on disk, a few layers cached in RAM (eps.tier=disk)."""
+        return self.l2l and self.tier == "disk"
 
     @property
     def num_ubatches(self) -> int:
@@ -68,7 +76,7 @@ class Setup:
 
 
 def memory(shape: ModelShape, s: Setup) -> dict[str, dict[str, float]]:
-    """Device and host bytes by part, at the step's peak. The parts follow the layered-GA breakdown:
+    """Device, host and disk bytes by part, at the step's peak. The parts follow the layered-GA breakdown:
     training state, activation stash (checkpoints), parameter + gradient buffers, working activations."""
     P, N = shape.total_params, shape.num_layers
     ub, mb = s.ubatch, s.batch
@@ -78,6 +86,7 @@ def memory(shape: ModelShape, s: Setup) -> dict[str, dict[str, float]]:
     pre = shape.pre_saved_bytes(s.seq, s.precision)
     dev: dict[str, float] = {}
     host: dict[str, float] = {}
+    disk: dict[str, float] = {}
     if not s.l2l:
         # l2l-v1 eq. 1: the whole training state on the device, every layer's activations for one ubatch
         dev["training_state"] = FP32_STATE * P
@@ -95,12 +104,22 @@ def memory(shape: ModelShape, s: Setup) -> dict[str, dict[str, float]]:
             dev["stash"] = N * mb * A
         # one layer's working set for one micro-batch, plus every micro-batch's layer output / gradient
         dev["working_activations"] = ub * working + mb * A
-        host["training_state"] = FP32_STATE * P
-        if s.spec.undo_log:
-            host["undo_copies"] = 12.0 * P  # weights and moments before the early update (skip on overflow)
-        if s.precision == "cmp":
-            host["send_copy"] = 2.0 * P  # the half copy the relay sends
-    return {"device": dev, "host": host}
+        if s.disk:
+            # k cache slots of the largest layer (w, m, v, g and the half send copy); the state and L2L-p's
+            # undo (the slot an update does not overwrite) are in the layer files
+            k = min(s.cache_layers, N + 2)
+            per_param = FP32_STATE + (2.0 if s.precision == "cmp" else 0.0)
+            host["eps_cache"] = k * per_param * shape.max_layer_params
+            disk["eps_files"] = DISK_STATE * P
+        else:
+            host["training_state"] = FP32_STATE * P
+            if s.spec.undo_log:
+                host["undo_copies"] = (
+                    12.0 * P
+                )  # weights and moments before the early update (skip on overflow)
+            if s.precision == "cmp":
+                host["send_copy"] = 2.0 * P  # the half copy the relay sends
+    return {"device": dev, "host": host, "disk": disk}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -168,7 +187,40 @@ def step_time(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Phase]:
     else:
         ph["optimizer"].add(sum(t_upd), sum(t_upd))
     _reduce(ph, s, rates, P, hide=0.0 if rates.host_shares_device else sum(win_b))
+    if s.disk:
+        _disk(ph["disk_wait"], s, rates, params, fwd_c, win_b, t_upd)
     return ph
+
+
+def _disk(
+    out: Phase, s: Setup, rates: Rates, params: list[int], fwd: list[float], win_b: list[float],
+    t_upd: list[float],
+) -> None:  # fmt: skip
+    """The disk EPS tier's I/O, read a layer ahead and written back behind the compute: each layer's I/O
+    hides behind the compute of the layer before it in that pass (the first read of a pass is waited for).
+    Per parameter: the forward reads the weights (4 bytes); L2L's backward reads them again and parks the
+    gradient (4 + 4), its update pass reads weights, moments and gradient and writes the new state (16 +
+    12); L2L-p's backward reads the weights and moments and writes the new state (12 + 12). With every
+    layer in the cache only the writes remain (the state is committed every step)."""
+    n = len(params)
+    cached = s.cache_layers >= n  # nothing is ever evicted: no reads after the first step
+
+    def pas(io: list[float], windows: list[float]) -> None:
+        for j, t in enumerate(io):
+            out.add(t, t - (windows[j - 1] if j else 0.0))
+
+    def io(read: float, write: float) -> list[float]:
+        return [rates.disk_time(0.0 if cached else read * p, write * p) for p in params]
+
+    pas(io(4, 0), fwd)  # forward: layer j's weights while layer j-1 computes
+    down = list(reversed(range(n)))  # the backward, from the head down
+    if s.spec.overlapped_update:  # L2L-p: each layer's read and write-back beside the backward below it
+        t = io(12, 12)
+        pas([t[j] for j in down], [win_b[j] for j in down])
+    else:
+        t = io(4, 0 if cached else 4)
+        pas([t[j] for j in down], [win_b[j] for j in down])
+        pas(io(16, 12), t_upd)  # the update pass: layer j+1's I/O while layer j is updated
 
 
 def _transfer(
@@ -232,16 +284,17 @@ def _reduce(ph: dict[str, Phase], s: Setup, rates: Rates, params: int, hide: flo
 def evaluate(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Any]:
     """Memory, fit and time of one setup."""
     mem = memory(shape, s)
-    dev, host = sum(mem["device"].values()), sum(mem["host"].values())
+    dev, host, disk = sum(mem["device"].values()), sum(mem["host"].values()), sum(mem["disk"].values())
     phases = step_time(shape, s, rates)
     total = sum(p.exposed for p in phases.values())
-    fits = dev <= rates.device_memory and host <= rates.host_memory
+    fits = dev <= rates.device_memory and host <= rates.host_memory and disk <= rates.disk_free
     return {
         "label": s.label,
         "setup": s,
         "memory": mem,
         "device_bytes": dev,
         "host_bytes": host,
+        "disk_bytes": disk,
         "fits": fits,
         "phases": phases,
         "step_time_s": total,
@@ -252,8 +305,29 @@ def evaluate(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Any]:
 def fits(shape: ModelShape, s: Setup, rates: Rates) -> bool:
     mem = memory(shape, s)
     return (
-        sum(mem["device"].values()) <= rates.device_memory and sum(mem["host"].values()) <= rates.host_memory
+        sum(mem["device"].values()) <= rates.device_memory
+        and sum(mem["host"].values()) <= rates.host_memory
+        and sum(mem["disk"].values()) <= rates.disk_free
     )
+
+
+def eps_tier(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Any] | None:
+    """Which tier the EPS needs for this model (the L2L modes): ``host`` when its state fits in host RAM,
+    ``disk`` when only the disk tier fits (its layer files on disk, a few layers in RAM), else ``none``;
+    with each tier's host, disk and step-time numbers."""
+    if not s.l2l:
+        return None
+    tiers = {}
+    for tier in ("host", "disk"):
+        r = evaluate(shape, s.but(tier=tier), rates)
+        tiers[tier] = {
+            "host_bytes": r["host_bytes"], "disk_bytes": r["disk_bytes"], "fits": r["fits"],
+            "host_fits": r["host_bytes"] <= rates.host_memory, "disk_fits": r["disk_bytes"] <= rates.disk_free,
+            "step_time_s": r["step_time_s"], "disk_wait_s": r["phases"]["disk_wait"].exposed,
+            "disk_hidden_s": r["phases"]["disk_wait"].hidden,
+        }  # fmt: skip
+    needed = "host" if tiers["host"]["host_fits"] else "disk" if tiers["disk"]["fits"] else "none"
+    return {"configured": s.tier, "needed": needed, "cache_layers": s.cache_layers, **tiers}
 
 
 def largest_ubatch(shape: ModelShape, s: Setup, rates: Rates) -> int | None:
@@ -376,11 +450,23 @@ def verdict(shape: ModelShape, s: Setup, rates: Rates, result: dict[str, Any]) -
             f"{shape.max_layer_params / 1e6:.1f}M parameters, and its gradient, with one sample) > budget "
             f"{fmt_bytes(dev_budget)}, so no mode or micro-batch fits; try {fix}a device with more memory"
         )
-    if result["host_bytes"] > host_budget:
+    if result["disk_bytes"] > rates.disk_free:
         return (
-            f"does not fit: host memory needs {fmt_bytes(result['host_bytes'])} > {fmt_bytes(host_budget)} "
-            f"(the EPS keeps 16 bytes per parameter)"
+            f"does not fit: the disk EPS needs {fmt_bytes(result['disk_bytes'])} on disk > "
+            f"{fmt_bytes(rates.disk_free)} free (24 bytes per parameter: two versions of weights and moments)"
         )
+    if result["host_bytes"] > host_budget:
+        why = f"host memory needs {fmt_bytes(result['host_bytes'])} > {fmt_bytes(host_budget)}"
+        if s.disk:
+            return f"does not fit: {why} (eps.host_cache_layers={s.cache_layers} layers cached); lower it"
+        alt = evaluate(shape, s.but(tier="disk"), rates) if s.l2l else None
+        if alt is not None and alt["fits"]:
+            return (
+                f"does not fit: {why} (the EPS keeps 16 bytes per parameter in RAM); eps.tier=disk fits: "
+                f"{fmt_bytes(alt['disk_bytes'])} on disk, {fmt_bytes(alt['host_bytes'])} in RAM with "
+                f"eps.host_cache_layers={s.cache_layers}, ~{alt['step_time_s']:.3g} s per step"
+            )
+        return f"does not fit: {why} (the EPS keeps 16 bytes per parameter)"
     parts = result["memory"]["device"]
     worst = max(parts, key=parts.get)
     hints = {

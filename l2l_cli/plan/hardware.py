@@ -65,6 +65,9 @@ class Rates:
     tensor_link: float  # bytes/s, input + output (0: none)
     offload: float  # bytes/s, input + output
     async_copy: bool
+    disk_read: float = 3e9  # the disk EPS tier: bytes/s, sequential
+    disk_write: float = 2e9
+    disk_free: float = float("inf")  # bytes the disk EPS may take
     host_shares_device: bool = False  # the EPS update competes with device compute (a CPU device tier)
     measured: MeasuredTimes | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -96,6 +99,10 @@ class Rates:
             return self.measured.device_fixed_s + params * self.measured.device_s_per_param
         return params * OPT_FLOP_PER_PARAM / self.device_optim_flops
 
+    def disk_time(self, read_bytes: float, write_bytes: float) -> float:
+        """The disk EPS tier's I/O: reads and writes share one disk."""
+        return read_bytes / self.disk_read + write_bytes / self.disk_write
+
     def summary(self) -> dict[str, Any]:
         out = {
             "name": self.name,
@@ -107,6 +114,9 @@ class Rates:
             "h2d_gbps": self.h2d / GB,
             "async_copy": self.async_copy,
             "host_shares_device": self.host_shares_device,
+            "disk_read_gbps": self.disk_read / GB,
+            "disk_write_gbps": self.disk_write / GB,
+            "disk_free_gib": self.disk_free / GiB,
         }
         if self.measured is not None:
             out["measured"] = self.measured.summary()
@@ -130,6 +140,8 @@ class MeasuredTimes:
     # L2L-p on shared cores: step time an update run beside recompute + backward costs, per second of the
     # update alone (0: fully hidden, 1: as if serial, > 1: it also slows the compute it overlaps)
     overlap_cost: float | None = None
+    # the disk EPS tier's filesystem (eps.path, else outputs/): sequential O_DIRECT bandwidth and free space
+    disk: dict[str, Any] | None = None
 
     def summary(self) -> dict[str, Any]:
         lt = self.layers
@@ -148,6 +160,7 @@ class MeasuredTimes:
             "device_update_fixed_s": self.device_fixed_s,
             "memcpy_gbps": self.memcpy_bytes_per_s / GB,
             "l2l_p_overlap_cost": self.overlap_cost,
+            "disk": self.disk,
             "repeats": self.repeats,
             "threads": self.threads,
         }
@@ -181,6 +194,9 @@ def resolve(cfg: Any, shape: ModelShape) -> Rates:
         tensor_link=hw.tensor_link_gbps * GB,
         offload=hw.offload_gbps * GB,
         async_copy=hw.async_copy,
+        disk_read=hw.disk_read_gbps * GB,
+        disk_write=hw.disk_write_gbps * GB,
+        disk_free=hw.disk_free_gb * GiB,
     )
     if hw.measured:
         from l2l_cli.plan.measure import measure
@@ -202,6 +218,19 @@ def resolve(cfg: Any, shape: ModelShape) -> Rates:
             host_shares_device=on_cpu,
         )
         notes.append(f"measured on this machine ({measured.threads} threads, median of {measured.repeats})")
+        if measured.disk is not None:
+            d = measured.disk
+            rates = replace(
+                rates,
+                disk_read=d["read_gbps"] * GB,
+                disk_write=d["write_gbps"] * GB,
+                disk_free=d["free_bytes"],
+            )
+            notes.append(
+                f"disk for eps.tier=disk measured at {d['path']}: {d['read_gbps']:.2f} GB/s read, "
+                f"{d['write_gbps']:.2f} GB/s write ({'O_DIRECT' if d['direct_io'] else 'buffered'}, "
+                f"{fmt_bytes(d['bytes'])}), {fmt_bytes(d['free_bytes'])} free"
+            )
         if on_cpu:
             notes.append(
                 "the device tier is this CPU: the EPS update shares its cores, so what L2L-p's overlapped "

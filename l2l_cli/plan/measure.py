@@ -5,7 +5,9 @@ What is timed (median of ``plan.measure_repeats`` after a warm-up), each as the 
   forward pass), forward with autograd (the baselines' forward, L2L's recompute), and backward;
 - the host optimizer on one block's flat FP32 buffers (the EPS update: norm, clip, AdamW/LAMB step), and
   the device-resident optimizer on one block's separate tensors (the baselines' update), per parameter;
-- a host->device copy of one block's device copy (a plain memcpy when the device tier is the CPU).
+- a host->device copy of one block's device copy (a plain memcpy when the device tier is the CPU);
+- the disk the EPS's disk tier would use (``eps.path``, else ``outputs/``): sequential O_DIRECT write and
+  read of one block's state, and its free space.
 
 The plan then scales these by the layer counts and micro-batches; nothing else is calibrated.
 """
@@ -108,6 +110,27 @@ def measure_bytes(cfg: Any, shape: ModelShape) -> float:
         shape.block_working_bytes(seq, effective_precision(cfg)) + 4 * seq * shape.hidden * act_bytes("fp32")
     )
     return state + 2 * acts
+
+
+def eps_disk_dir(cfg: Any) -> Path:
+    """Where a disk EPS of this config would live: eps.path, else outputs/ (where run dirs go); the
+    nearest folder of it that exists (the measurement creates none)."""
+    path = Path(cfg.eps.path).expanduser() if cfg.eps.path else Path("outputs")
+    while not path.is_dir() and path != path.parent:
+        path = path.parent if path.parent != Path("") else Path(".")
+    return path
+
+
+def measure_eps_disk(cfg: Any, shape: ModelShape) -> dict[str, Any] | None:
+    """The disk EPS tier's filesystem: sequential write and read of one block's state (w, m, v: 12 bytes
+    per parameter, 64 MiB to 1 GiB), as the tier does its I/O. None where it cannot be written."""
+    from l2l_cli.engine.disk import measure_disk
+
+    nbytes = int(min(max(12 * shape.block_params, 64 << 20), 1 << 30))
+    try:
+        return measure_disk(eps_disk_dir(cfg), nbytes)
+    except OSError:
+        return None
 
 
 def measure(cfg: Any, shape: ModelShape) -> MeasuredTimes:
@@ -271,6 +294,7 @@ def measure(cfg: Any, shape: ModelShape) -> MeasuredTimes:
     dst = torch.empty(n, dtype=dtype, device=device)
     copy_s = median_s(lambda: dst.copy_(src, non_blocking=pin))
     return MeasuredTimes(
+        disk=measure_eps_disk(cfg, shape),
         layers=layers,
         host_s_per_param=host_per,
         device_s_per_param=dev_per,

@@ -79,6 +79,8 @@ def make_plan(cfg: Any, rates: Rates | None = None) -> dict[str, Any]:
             "ubatch_size": s.ubatch,
             "num_ubatches": s.num_ubatches,
             "nproc": s.nproc,
+            "eps_tier": s.tier if s.l2l else None,
+            "eps_host_cache_layers": s.cache_layers if s.disk else None,
             "device": cfg.device,
         },
         "hardware": rates.summary(),
@@ -92,7 +94,9 @@ def make_plan(cfg: Any, rates: Rates | None = None) -> dict[str, Any]:
         "memory_bytes": {
             "device": {"total": r["device_bytes"], "parts": mem["device"], "budget": rates.device_memory},
             "host": {"total": r["host_bytes"], "parts": mem["host"], "budget": rates.host_memory},
+            "disk": {"total": r["disk_bytes"], "parts": mem["disk"], "budget": rates.disk_free},
         },
+        "eps_tier": est.eps_tier(shape, s, rates),
         "fits": r["fits"],
         "verdict": est.verdict(shape, s, rates, r),
         "step_time_s": {"total": r["step_time_s"], **exposed},

@@ -19,6 +19,8 @@ PART_NAMES = {
     "working_activations": "working activations",
     "send_copy": "half send copy (cmp)",
     "undo_copies": "L2L-p undo copies",
+    "eps_cache": "EPS cache (eps.host_cache_layers)",
+    "eps_files": "EPS layer files (two versions)",
 }
 
 
@@ -70,19 +72,26 @@ def render(plan: dict[str, Any], console: Console) -> None:
     console.print(t)
 
     m = plan["memory_bytes"]
-    t = _table("Memory at the step's peak", "part", "device", "host (offloaded)")
-    for k in dict.fromkeys([*m["device"]["parts"], *m["host"]["parts"]]):
-        d, h = m["device"]["parts"].get(k), m["host"]["parts"].get(k)
-        t.add_row(PART_NAMES.get(k, k), fmt_bytes(d) if d else "-", fmt_bytes(h) if h else "-")
-    t.add_row(
-        "[bold]total", f"[bold]{fmt_bytes(m['device']['total'])}", f"[bold]{fmt_bytes(m['host']['total'])}"
+    tiers = ["device", "host"] + (["disk"] if m.get("disk", {}).get("total") else [])
+    t = _table(
+        "Memory at the step's peak",
+        "part",
+        "device",
+        "host (offloaded)",
+        *(["disk"] if "disk" in tiers else []),
     )
-    t.add_row("budget", fmt_bytes(m["device"]["budget"]), fmt_bytes(m["host"]["budget"]))
+    for k in dict.fromkeys(p for tier in tiers for p in m[tier]["parts"]):
+        t.add_row(
+            PART_NAMES.get(k, k),
+            *(fmt_bytes(m[x]["parts"][k]) if m[x]["parts"].get(k) else "-" for x in tiers),
+        )
+    t.add_row("[bold]total", *(f"[bold]{fmt_bytes(m[x]['total'])}" for x in tiers))
+    t.add_row("budget", *(fmt_bytes(m[x]["budget"]) for x in tiers))
     console.print(t)
 
     st, hid = plan["step_time_s"], plan["hidden_s"]
     t = _table("Step time by phase", "phase", "exposed", "hidden (overlapped)")
-    for k in ("forward", "recompute", "backward", "transfer", "optimizer", "reduce"):
+    for k in ("forward", "recompute", "backward", "transfer", "optimizer", "reduce", "disk_wait"):
         if st[k] or hid[k]:
             t.add_row(k, fmt_s(st[k]), fmt_s(hid[k]) if hid[k] else "-")
     t.add_row("[bold]step", f"[bold]{fmt_s(st['total'])}", "")
@@ -108,6 +117,19 @@ def render(plan: dict[str, Any], console: Console) -> None:
         str(r["max_ubatch_size_any"] or "none"),
     )
     t.add_row("device floor: one layer + one sample", fmt_bytes(r["single_layer_device_bytes"]))
+    tier = plan.get("eps_tier")
+    if tier:
+        host, disk = tier["host"], tier["disk"]
+        t.add_row(
+            f"EPS tier needed (configured: {tier['configured']})",
+            {"host": "host", "disk": "disk (eps.tier=disk)", "none": "none fits"}[tier["needed"]],
+        )
+        t.add_row("  host tier: RAM, step", f"{fmt_bytes(host['host_bytes'])}, {fmt_s(host['step_time_s'])}")
+        t.add_row(
+            f"  disk tier: disk, RAM ({tier['cache_layers']} layers), step",
+            f"{fmt_bytes(disk['disk_bytes'])}, {fmt_bytes(disk['host_bytes'])}, {fmt_s(disk['step_time_s'])} "
+            f"(disk waits {fmt_s(disk['disk_wait_s'])}, hidden {fmt_s(disk['disk_hidden_s'])})",
+        )
     console.print(t)
 
     t = _table(

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from l2l_cli.report.runs import Run
-from l2l_cli.schema import OTHER, PHASES
+from l2l_cli.schema import BACKGROUND_PHASES, OTHER, PHASES
 
 DASH = "-"
 
@@ -173,9 +173,14 @@ def breakdown_rows(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
         b = r.breakdown
         if not b:
             continue
-        total = sum(b.values())
+        total = sum(v for k, v in b.items() if k not in BACKGROUND_PHASES)  # the step's critical path
         cells = [
-            f"{1e3 * b[p]:.1f} ({100 * b[p] / total:.0f}%)" if p in b and total > 0 else DASH for p in phases
+            DASH
+            if p not in b or total <= 0
+            else f"{1e3 * b[p]:.1f} (bg)"
+            if p in BACKGROUND_PHASES
+            else f"{1e3 * b[p]:.1f} ({100 * b[p] / total:.0f}%)"
+            for p in phases
         ]
         out.append([r.name, str(r.get("method") or DASH), *cells, f"{1e3 * total:.1f}"])
     return header, out

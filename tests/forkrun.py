@@ -1,0 +1,82 @@
+"""Training runs that must each be a process of their own (killed with SIGKILL, or measured for peak RSS),
+forked from one fresh interpreter so the imports are paid once.
+
+    python -m tests.forkrun JOBS.json RESULTS.json
+
+JOBS.json: a list of {"overrides": [...], "run_dir": str, "crash": "<event>:<n>" (the disk EPS kills its
+own process there; see l2l_cli.engine.disk), "kill_after_steps": n (SIGKILL from outside once n steps are
+logged, after "kill_delay_s")}. RESULTS.json: per job {"signal", "exit", "maxrss_bytes"} (the child's peak
+RSS, from wait4). The parent only imports: no torch op runs before a fork.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+
+def _logged(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    return sum(1 for line in path.read_text().splitlines() if line.endswith("}"))
+
+
+def _child(job: dict, run_dir: Path) -> None:
+    try:
+        log = os.open(run_dir / "child.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        from l2l_cli.compose import compose
+        from l2l_cli.engine import disk
+        from l2l_cli.train import run_job
+
+        disk._CRASH = job.get("crash", "")
+        status = run_job(compose(job["overrides"]), run_dir)
+        os._exit(0 if status == "ok" else 1)
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+
+
+def main(jobs_path: str, results_path: str) -> None:
+    import l2l_cli.compose
+    import l2l_cli.engine.disk
+    import l2l_cli.train  # noqa: F401  (imported before the forks: each child starts with them)
+
+    results = []
+    for job in json.loads(Path(jobs_path).read_text()):
+        run_dir = Path(job["run_dir"])
+        run_dir.mkdir(parents=True, exist_ok=True)
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            _child(job, run_dir)
+        done = None
+        if job.get("kill_after_steps"):
+            deadline = time.time() + 300
+            while done is None and _logged(run_dir) < job["kill_after_steps"] and time.time() < deadline:
+                reaped = os.wait4(pid, os.WNOHANG)
+                done = reaped if reaped[0] else None
+                time.sleep(0.05)
+            if done is None:
+                time.sleep(job.get("kill_delay_s", 0.0))
+                os.kill(pid, signal.SIGKILL)
+        _, status, usage = done or os.wait4(pid, 0)
+        results.append(
+            {
+                "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+                "exit": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+                "maxrss_bytes": usage.ru_maxrss * 1024,
+            }
+        )
+    Path(results_path).write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,309 @@
+"""The EPS's disk tier (``eps.tier=disk``): the same training as the host tier bit for bit, host RSS flat in
+depth, a SIGKILL at any point resumed to the same weights, and paths that cannot hold the state refused."""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from l2l_cli.compose import compose
+from l2l_cli.config import ConfigError, validate
+from l2l_cli.engine.disk import disk_bytes
+from l2l_cli.session import build
+from l2l_cli.train import run_job
+from tests.util import REPO, TINY, batches, bert_spec, built, l2l, tiny_cfg, tiny_data, train
+
+# ---- acceptance 1: bit-identical to the host tier --------------------------------------------------
+
+
+@functools.cache
+def _host(*overrides: str) -> dict[str, Any]:
+    return train(tiny_cfg(*overrides))
+
+
+def _assert_identical(got: dict[str, Any], ref: dict[str, Any]) -> None:
+    assert got["losses"] == ref["losses"]
+    assert got["weights"].keys() == ref["weights"].keys()
+    for k in ref["weights"]:
+        assert torch.equal(got["weights"][k], ref["weights"][k]), k
+
+
+@pytest.mark.parametrize("optim", ["adamw", "lamb"])
+@pytest.mark.parametrize("mode", ["l2l", "l2l_p"])
+def test_disk_tier_weights_equal_the_host_tier_bit_for_bit(mode: str, optim: str) -> None:
+    ref = _host(f"mode={mode}", f"optim={optim}")
+    got = train(tiny_cfg(f"mode={mode}", f"optim={optim}", "eps.tier=disk"))
+    _assert_identical(got, ref)
+    assert all(r.extra["disk_read_bytes"] > 0 and r.extra["disk_write_bytes"] > 0 for r in got["reports"])
+    assert all("disk_read" in r.phases and "disk_write" in r.phases for r in got["reports"])
+
+
+def test_l2l_p_rollback_restores_from_the_disk_slot_the_update_did_not_overwrite() -> None:
+    """CMP with a huge initial loss scale overflows in the first step: L2L-p has already updated layers when it finds out,
+    and the disk tier's undo is the pre-update slot on disk (no RAM copy); the result equals the host's."""
+    # per-layer clipping: under global clipping the disk tier holds every update for the norm (no speculation)
+    over = (
+        "mode=l2l_p",
+        "optim.clip=layer",
+        "precision=cmp",
+        "precision.dtype=bf16",
+        "precision.init_scale=1e20",
+    )
+    ref = _host(*over)
+    got = train(tiny_cfg(*over, "eps.tier=disk"))
+    assert any(r.skipped for r in got["reports"]) and not all(r.skipped for r in got["reports"])
+    _assert_identical(got, ref)
+
+
+def test_disk_tier_on_the_simulated_accelerator_with_the_stash_on_the_host() -> None:
+    """Asynchronous copies (the sim's copy engines) read from cache slots the tier must not reuse early."""
+    over = ("mode=l2l_p", "mode.stash=cpu", "device=sim", "sim.link_gbps=2")
+    _assert_identical(train(tiny_cfg(*over, "eps.tier=disk")), _host(*over))
+
+
+def test_reads_are_issued_ahead_from_the_last_steps_trace_and_ram_holds_k_layers() -> None:
+    """With 2 of 5 layers in RAM, once a step's trace of accesses is known the next step's reads are
+    issued before the layers are asked for; L2L parks its gradients on disk until the update, and so does
+    L2L-p under global clipping (it waits for the norm on this tier); with per-layer clipping it applies
+    them at once and parks none."""
+    for mode, parks in (("l2l", True), ("l2l_p optim.clip=global", True), ("l2l_p optim.clip=layer", False)):
+        cfg = tiny_cfg(*f"mode={mode}".split(), "eps.tier=disk", "eps.host_cache_layers=2")
+        with built(cfg) as runner:
+            it = batches(cfg)
+            reports = [runner.step(next(it)) for _ in range(3)]
+            tier = runner.eps.tier
+            s = tier.summary()
+            parts = runner.host_parts()
+        last = reports[-1].extra  # (hits depend on timing: a read issued ahead may still be in flight)
+        assert last["disk_reads_ahead"] > last["disk_reads_on_demand"], last
+        assert (s["gradients_parked"] > 0) == parks, s
+        assert "master" not in parts and parts["eps_cache"] == sum(sl.nbytes for sl in tier.slots)
+        assert len(tier.slots) == 2
+
+
+# ---- bad input: refused before any work, one line each -------------------------------------------
+
+
+def test_config_rules_of_the_disk_tier() -> None:
+    def problems(*over: str) -> str:
+        return "\n".join(str(p) for p in validate(tiny_cfg(*over), check_files=False))
+
+    assert "eps.tier: disk moves the eager param-server's state to disk; mode=baseline_ag" in problems(
+        "mode=baseline_ag", "eps.tier=disk"
+    )
+    assert "eps.host_cache_layers: got 1; must be >= 2" in problems(
+        "eps.tier=disk", "eps.host_cache_layers=1"
+    )
+    assert "eps.tier: got 'nvme'; allowed: host, disk" in problems("eps.tier=nvme")
+    assert "trainer.realtime_ckpt: not with eps.tier=disk" in problems(
+        "eps.tier=disk", "trainer.realtime_ckpt=true"
+    )
+    assert "eps.tier: disk runs in one process" in problems("eps.tier=disk", "dist.nproc=2")
+    assert problems("eps.tier=disk", "mode=l2l_p") == ""
+
+
+def test_too_little_free_space_is_refused_with_what_it_needs(tmp_path: Path) -> None:
+    """A 4096-wide, 2000-layer model needs ~9.7 PB on disk: refused in one line, exit 2, before any work."""
+    big = [
+        "model.num_layers=2000",
+        "model.hidden_size=4096",
+        "model.num_heads=16",
+        "model.intermediate_size=16384",
+    ]
+    r = l2l("train", *TINY, *big, "eps.tier=disk", "task.num_train=16", "task.num_eval=16",
+            f"eps.path={tmp_path / 'eps'}", f"hydra.run.dir={tmp_path}")  # fmt: skip
+    assert r.returncode == 2, r.stdout + r.stderr
+    line = next(x for x in r.stderr.splitlines() if "eps.path" in x)
+    need = disk_bytes(bert_spec(2000, 4096, 16, 16384, vocab_size=512))
+    assert f"the disk EPS needs 8.58 PiB ({need:,} bytes" in line or f"({need:,} bytes" in line, line
+    assert "free" in line and "Traceback" not in r.stdout + r.stderr
+    assert not (tmp_path / "eps").exists()
+
+
+def _refused(cfg: Any) -> str:
+    with pytest.raises(ConfigError) as e:
+        build(cfg, data=tiny_data(cfg)).close()
+    return str(e.value)
+
+
+def test_unwritable_paths_and_another_runs_state_are_refused(tmp_path: Path, monkeypatch: Any) -> None:
+    (tmp_path / "file").write_text("x")
+    msg = _refused(tiny_cfg("eps.tier=disk", f"eps.path={tmp_path / 'file' / 'eps'}"))
+    assert "is not a directory" in msg and "the disk EPS needs" in msg
+    monkeypatch.setattr("l2l_cli.session.os.access", lambda *a: False)  # a read-only mount, as root sees it
+    msg = _refused(tiny_cfg("eps.tier=disk", f"eps.path={tmp_path / 'ro'}"))
+    assert "is not writable" in msg and "bytes: two versions of the FP32 weights" in msg
+    monkeypatch.undo()
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "commit.json").write_text("{}")
+    msg = _refused(tiny_cfg("eps.tier=disk", f"eps.path={tmp_path / 'used'}"))
+    assert "already holds a disk EPS" in msg and "trainer.resume" in msg
+
+
+# ---- acceptance 3: SIGKILL at several points, resumed: the uninterrupted run's weights ----------------
+
+STEPS = 6
+# (mode, how it dies): a layer slot torn mid-write (w written, the moments not), a gradient torn while
+# parked, a commit record written but not yet renamed into place, and a kill from outside at a random time
+KILLS = [
+    ("l2l", {"crash": "write:8"}),
+    ("l2l", {"crash": "park:4"}),
+    ("l2l_p", {"crash": "write:13"}),
+    ("l2l_p", {"crash": "commit:3"}),
+    ("l2l_p", {"kill_after_steps": 2, "kill_delay_s": 0.13}),
+]
+
+
+def _overrides(mode: str, *extra: str) -> list[str]:
+    return [*TINY, f"mode={mode}", "eps.tier=disk", f"trainer.max_steps={STEPS}", "trainer.save_final=true",
+            "task.num_train=256", "task.num_eval=16", *extra]  # fmt: skip
+
+
+@functools.cache
+def _uninterrupted(mode: str, root: str) -> dict[str, torch.Tensor]:
+    run = Path(root) / f"ref-{mode}"
+    assert run_job(compose(_overrides(mode)), run) == "ok"
+    return load_file(run / "final" / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: Any) -> tuple[Path, list[dict[str, Any]]]:
+    """Every run of KILLS, killed, from one forked-runs helper process."""
+    root = tmp_path_factory.mktemp("kills")
+    jobs = [
+        {"overrides": _overrides(mode), "run_dir": str(root / f"kill{k}"), **how}
+        for k, (mode, how) in enumerate(KILLS)
+    ]
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    subprocess.run([sys.executable, "-m", "tests.forkrun", str(root / "jobs.json"), str(root / "results.json")],
+                   cwd=REPO, check=True, timeout=600)  # fmt: skip
+    return root, json.loads((root / "results.json").read_text())
+
+
+@pytest.mark.parametrize("k", range(len(KILLS)), ids=[f"{m}-{h.get('crash', 'random')}" for m, h in KILLS])
+def test_sigkill_at_any_point_resumes_to_the_uninterrupted_weights(killed: Any, k: int) -> None:
+    root, results = killed
+    mode = KILLS[k][0]
+    run = root / f"kill{k}"
+    assert results[k]["signal"] == 9, (results[k], (run / "child.log").read_text()[-2000:])
+    record = json.loads((run / "eps" / "commit.json").read_text())
+    done = record["step"]
+    assert 0 <= done < STEPS
+    assert {layer["step"] for layer in record["layers"]} == {float(done)}  # every layer at one step
+    metrics = run / "metrics.jsonl"
+    logged = [json.loads(x)["step"] for x in metrics.read_text().splitlines()] if metrics.exists() else [0]
+    assert done >= logged[-1] - 1  # at most the step in flight is lost (its commit follows its log line)
+    assert run_job(compose(_overrides(mode, f"trainer.resume={run}")), run) == "ok"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["resumed_from"]["step"] == done and summary["eps_disk"]["last_commit_step"] == STEPS
+    got, ref = load_file(run / "final" / "model.safetensors"), _uninterrupted(mode, str(root))
+    assert got.keys() == ref.keys()
+    for name in ref:
+        assert torch.equal(got[name], ref[name]), name
+
+
+# ---- acceptance 2: host RSS flat in depth with the disk tier, linear with the host tier ------------
+
+RSS_MODEL = ["model.hidden_size=256", "model.num_heads=4", "model.intermediate_size=1024", "model.vocab_size=512",
+             "model.dropout=0.0", "task.max_seq_len=16", "batch.size=2", "batch.ubatch_size=2", "trainer.max_steps=1",
+             "task.num_train=16", "task.num_eval=4", "trainer.progress=none", "mode=l2l_p", "optim.clip=layer"]  # fmt: skip
+
+
+def test_host_rss_of_the_disk_tier_stays_flat_as_depth_doubles(tmp_path: Path) -> None:
+    """Peak RSS measured (wait4's ru_maxrss of each run's own process), depth 8 and 16: the host tier's grows
+    by what its EPS holds for the 8 more layers (weights, gradients, moments and L2L-p's undo copies: 28
+    bytes per parameter, under per-layer clipping: every layer updates speculatively); the disk tier's, with 2 layers in RAM, stays within 10%."""
+    runs = [(tier, depth) for tier in ("host", "disk") for depth in (8, 16)]
+    jobs = [{"overrides": [*RSS_MODEL, f"model.num_layers={d}", f"eps.tier={t}"], "run_dir": str(tmp_path / f"{t}{d}")}
+            for t, d in runs]  # fmt: skip
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    subprocess.run([sys.executable, "-m", "tests.forkrun", str(tmp_path / "jobs.json"), str(tmp_path / "res.json")],
+                   cwd=REPO, check=True, timeout=600)  # fmt: skip
+    res = dict(zip(runs, json.loads((tmp_path / "res.json").read_text())))
+    assert all(r["exit"] == 0 for r in res.values()), res
+    rss = {k: r["maxrss_bytes"] for k, r in res.items()}
+    held = {k: json.loads((tmp_path / f"{k[0]}{k[1]}" / "memory.json").read_text())["host"] for k in runs}
+    block = bert_spec(8, 256, 4, 1024, vocab_size=512).param_counts()[1]
+    extra_state = held["host", 16]["bytes"] - held["host", 8]["bytes"]
+    assert extra_state >= 8 * 28 * block  # 8 more blocks' state, as the host EPS accounts it
+    host_growth = rss["host", 16] - rss["host", 8]
+    assert 0.8 * extra_state < host_growth < 1.3 * extra_state, (rss, extra_state)
+    assert abs(rss["disk", 16] - rss["disk", 8]) <= 0.10 * rss["disk", 8], rss
+    assert held["disk", 16]["parts"] == {"eps_cache": held["disk", 8]["parts"]["eps_cache"]}
+    assert rss["disk", 16] < rss["host", 16] - 0.5 * extra_state * 2, rss
+
+
+# ---- the disk tier's full checkpoints move between tiers --------------------------------------------
+
+
+def test_a_disk_tier_runs_full_checkpoint_resumes_on_the_host_tier(tmp_path: Path) -> None:
+    """trainer.save_every reads each layer through the cache into an ordinary checkpoint (same state layout
+    as the host tier's), so a run can move from disk to RAM and end where an all-host run ends."""
+    base = [
+        *TINY,
+        "mode=l2l",
+        "task.num_train=256",
+        "task.num_eval=16",
+        "trainer.save_final=true",
+        "optim.schedule=constant",
+        "optim.warmup_ratio=0",
+    ]  # fmt: skip  (the same lr whatever max_steps)
+    assert run_job(compose([*base, "trainer.max_steps=4"]), tmp_path / "host") == "ok"
+    disk_run = tmp_path / "disk"
+    assert (
+        run_job(compose([*base, "trainer.max_steps=2", "trainer.save_every=2", "eps.tier=disk"]), disk_run)
+        == "ok"
+    )
+    assert (disk_run / "checkpoints" / "step_2" / "layer_0.safetensors").is_file()
+    (disk_run / "eps" / "commit.json").unlink()  # continue from the full checkpoint, on the host tier
+    assert run_job(compose([*base, "trainer.max_steps=4", f"trainer.resume={disk_run}"]), disk_run) == "ok"
+    got, ref = (
+        load_file(disk_run / "final" / "model.safetensors"),
+        load_file(tmp_path / "host" / "final" / "model.safetensors"),
+    )
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+# ---- l2l plan: the disk tier's memory and time, and which tier a model needs ----------------------
+
+
+def _plan(*over: str) -> dict[str, Any]:
+    from l2l_cli.plan.planner import make_plan
+
+    return make_plan(compose(["model=bert-base", "mode=l2l_p", "hardware=a100-80g", *over]))
+
+
+def test_plan_says_which_tier_a_model_needs_and_predicts_the_disk_tier() -> None:
+    """BERT-Base's EPS needs ~2 GiB of RAM (16 bytes per parameter, 12 more for L2L-p's undo): with 1 GiB of
+    host memory only the disk tier fits, and the plan says so; on disk it takes 24 bytes per parameter."""
+    small = _plan("hardware.host_memory_gb=1")
+    assert not small["fits"] and "eps.tier=disk fits" in small["verdict"]
+    assert small["eps_tier"]["needed"] == "disk" and small["eps_tier"]["configured"] == "host"
+    on_disk = _plan("hardware.host_memory_gb=1", "eps.tier=disk")
+    assert on_disk["fits"] and on_disk["verdict"] == "fits"
+    params = on_disk["params"]["total"]
+    assert on_disk["memory_bytes"]["disk"]["total"] == 24 * params
+    assert on_disk["memory_bytes"]["host"]["parts"]["eps_cache"] == 2 * 16 * on_disk["params"]["embeddings"]
+    assert _plan()["eps_tier"]["needed"] == "host"
+    # a slow disk is exposed, a fast one hides behind compute
+    slow = _plan("eps.tier=disk", "hardware.disk_read_gbps=0.05", "hardware.disk_write_gbps=0.05")
+    fast = _plan("eps.tier=disk", "hardware.disk_read_gbps=500", "hardware.disk_write_gbps=500")
+    assert slow["step_time_s"]["disk_wait"] > 0.9 * 28 * params / 0.05e9 * 0.5
+    assert fast["step_time_s"]["disk_wait"] < 0.1 * fast["hidden_s"]["disk_wait"] + 1e-3
+    assert slow["step_time_s"]["total"] > fast["step_time_s"]["total"]
+
+
+def test_disk_measurement_times_sequential_direct_io(tmp_path: Path) -> None:
+    from l2l_cli.engine.disk import measure_disk
+
+    m = measure_disk(tmp_path, 8 << 20)
+    assert m["bytes"] == 8 << 20 and m["read_gbps"] > 0 and m["write_gbps"] > 0 and m["free_bytes"] > 0
+    assert list(tmp_path.iterdir()) == []  # the probe and the test file are gone
