@@ -37,6 +37,22 @@ class CopyHandle:
 DONE = CopyHandle()
 
 
+class AllOf(CopyHandle):
+    """Several copies that one consumer waits for together (a layer loaded in pieces)."""
+
+    __slots__ = ("handles",)
+
+    def __init__(self, *handles: CopyHandle):
+        self.handles = handles
+
+    def wait(self) -> None:
+        for h in self.handles:
+            h.wait()
+
+    def done(self) -> bool:
+        return all(h.done() for h in self.handles)
+
+
 class CopyEngine:
     """Inline copies (CPU device): the copy happens in ``copy()``; the handle is already done."""
 

@@ -25,6 +25,7 @@ from l2l_cli.engine.dist import DistContext
 from l2l_cli.engine.flat import FlatLayout
 from l2l_cli.engine.optim import OptimSettings, clip_coefficients, make_optimizer, param_groups, set_lr
 from l2l_cli.engine.precision import LossScaler
+from l2l_cli.engine.tied import TiedWeights
 from l2l_cli.models.base import BLOCK, POST, PRE, ModelSpec
 from l2l_cli.profiling.timers import PhaseTimer
 
@@ -135,7 +136,13 @@ class EagerParamServer:
         self.realtime: Any = None  # checkpoint.RealtimeWriter: saves each layer right after its update
         self.eager_reduce = eager_reduce
         self._deferred: list[int] = []
-        self.layouts = {k: FlatLayout(spec.new_layer(k, "meta")) for k in (PRE, BLOCK, POST)}
+        # a tied LM head: its tensor lives once, in the pre layer's master (see engine/tied.py)
+        tied = spec.tied_params()
+        self.layouts = {
+            k: FlatLayout(spec.new_layer(k, "meta"), skip=tied if k == POST else ())
+            for k in (PRE, BLOCK, POST)
+        }  # fmt: skip
+        self.ties = TiedWeights(spec, self.layouts[PRE], acc) if tied else None
         self.layers: list[LayerState] = []
         with acc.meter.paused():  # host tier
             for i in range(spec.num_all_layers):
@@ -152,9 +159,14 @@ class EagerParamServer:
     def __getitem__(self, i: int) -> LayerState:
         return self.layers[i]
 
+    def device_numel(self, kind: str) -> int:
+        """Elements of a layer of ``kind`` in a device slot: its own, and the post layer's tied ones."""
+        extra = self.ties.numel if self.ties is not None and kind == POST else 0
+        return self.layouts[kind].numel + extra
+
     @property
     def max_layer_numel(self) -> int:
-        return max(layout.numel for layout in self.layouts.values())
+        return max(self.device_numel(k) for k in self.layouts)
 
     # ---- the update (Alg. 3: for l in layers: w_l = optimizer(w_l, g_l)) --------------------------
 
@@ -172,6 +184,8 @@ class EagerParamServer:
         """Wait for layer i's gradient to land, then sum it over the data-parallel ranks."""
         st = self.layers[i]
         st.grad_in.wait()
+        if i == 0 and self.ties is not None:  # a tied LM head: add the head's use before anything reads g
+            self.ties.add_into(st.g)
         if self.dist.enabled:
             torch_dist.all_reduce(st.g, group=self.dist.eps_group)
 
@@ -352,6 +366,8 @@ class EagerParamServer:
         for st in self.layers:
             for k, v in st.nbytes().items():
                 parts[k] = parts.get(k, 0) + v
+        if self.ties is not None:
+            parts["grads"] += self.ties.g.nbytes
         parts["cpu_stash"] = self.stash_bytes
         return {k: v for k, v in parts.items() if v}
 
