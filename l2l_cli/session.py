@@ -33,7 +33,7 @@ from l2l_cli.engine.dist import from_env as dist_from_env
 from l2l_cli.engine.optim import OptimSettings
 from l2l_cli.engine.precision import Precision, make_precision
 from l2l_cli.loop import StopFlag, Trainer
-from l2l_cli.models import ModelSpec, UnsupportedModel, make_spec, resolve_pretrained
+from l2l_cli.models import ModelSpec, PretrainedUnavailable, UnsupportedModel, make_spec, resolve_pretrained
 from l2l_cli.modes import MODES, ModeSpec, Runner, RunnerArgs, StepSettings
 from l2l_cli.rundir import JsonlLogger, Logger, RunFiles
 from l2l_cli.schema import DeviceMemory, HostMemory, MemoryReport, RunConfig, Summary, Transfer
@@ -52,6 +52,17 @@ def step_settings(cfg: Any, steps: int) -> StepSettings:
         seed=cfg.trainer.seed, total_steps=steps, clip=effective_clip(cfg), max_grad_norm=cfg.optim.max_grad_norm,
         stash=effective_stash(cfg), prefetch=bool(cfg.mode.prefetch), eager_reduce=bool(cfg.dist.eager_reduce),
         sync_timers=bool(cfg.profile.sync_timers),
+    )  # fmt: skip
+
+
+def check_vocab(data: TaskData, spec: ModelSpec, cfg: Any) -> None:
+    """A tokenizer's ids must index the model's embedding (a bundled 2048-id BPE fits any decoder size)."""
+    if data.tokenizer is None or len(data.tokenizer) <= spec.vocab_size:
+        return
+    key = "model.pretrained" if cfg.model.pretrained else "model.vocab_size"
+    raise ConfigError(
+        [Problem(key, f"the model has {spec.vocab_size} token ids, the tokenizer ({data.source}) "
+                      f"{len(data.tokenizer)}; use a model.vocab_size >= {len(data.tokenizer)} or set task.tokenizer")]
     )  # fmt: skip
 
 
@@ -108,11 +119,12 @@ class Session:
             self.mode = MODES[cfg.mode.name]
             self.dist = dist_from_env(cfg)
             torch.manual_seed(cfg.trainer.seed)
-            data = self.data = self.data or load_task(cfg.task, cfg.model)
             try:
+                data = self.data = self.data or load_task(cfg.task, cfg.model)
                 self.model = make_spec(cfg.model, data.spec.num_labels)
-            except UnsupportedModel as e:
+            except (UnsupportedModel, PretrainedUnavailable) as e:
                 raise ConfigError([Problem("model.pretrained", str(e))]) from e
+            check_vocab(data, self.model, cfg)
             self.stream = TrainStream(
                 data.train, cfg.batch.size, seed=cfg.trainer.seed, world=self.dist.world, rank=self.dist.rank,
                 pad_to_max=cfg.task.max_seq_len if cfg.task.pad_to_max else None,
