@@ -75,8 +75,11 @@ class ModelSpec(ABC):
         """Forward of the pre layer (``x`` is None: it reads the batch) or of a block."""
 
     @abstractmethod
-    def run_head(self, layer: nn.Module, x: torch.Tensor, ub: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """The post layer: (loss, logits) of a micro-batch."""
+    def run_head(
+        self, layer: nn.Module, x: torch.Tensor, ub: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The post layer: (loss, logits) of a micro-batch. With gradients on, a family may return no
+        logits (a language model's head takes its loss in chunks rather than keep them all)."""
 
     @abstractmethod
     def head_logits(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -155,7 +158,7 @@ class LayeredModel(nn.Module):
 
     def forward(
         self, batch: Any, seed_fn: Callable[[int], None] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(loss, logits) of a (micro-)batch. ``seed_fn(layer)`` reseeds dropout before each layer, so a
         layer-by-layer runner can reproduce the exact dropout masks."""
         spec = self.spec

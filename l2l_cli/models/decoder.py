@@ -26,6 +26,7 @@ from l2l_cli.models.bert import layer_seed
 
 IGNORE = -100  # label of a position without a next-token target (padding)
 LOGITS_BUDGET = 1 << 26  # evaluation: at most this many logits (256 MB in fp32) per forward
+LOSS_CHUNK = 1 << 22  # training: the loss over chunks of at most this many logits (16 MiB in fp32)
 
 
 @dataclass(frozen=True)
@@ -237,9 +238,39 @@ class LMHead(nn.Module):
     def logits(self, x_BSH: torch.Tensor) -> torch.Tensor:
         return self.lm_head(getattr(self, self.norm_name)(x_BSH))
 
-    def forward(self, x_BSH: torch.Tensor, labels_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x_BSH: torch.Tensor, labels_BS: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(loss, logits). Training (gradients on) returns no logits: the loss is taken over chunks of
+        positions whose logits are recomputed in backward, so the head's device memory is one chunk's
+        (a micro-batch's logits over a 50k vocabulary would outweigh a whole transformer layer)."""
+        if torch.is_grad_enabled():
+            return self.chunked_loss(x_BSH, labels_BS), None
         logits = self.logits(x_BSH)
         return lm_loss(logits, labels_BS), logits
+
+    def chunked_loss(self, x_BSH: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+        """``lm_loss(self.logits(x), labels)`` over chunks of positions of at most ``LOSS_CHUNK`` logits,
+        each chunk's logits recomputed in backward (activation checkpointing); in one piece when they fit
+        (then exactly ``lm_loss``)."""
+        from torch.utils.checkpoint import checkpoint
+
+        b, s, h = x_BSH.shape
+        rows = max(1, LOSS_CHUNK // self.lm_head.out_features)
+        if b * (s - 1) <= rows:
+            return lm_loss(self.logits(x_BSH), labels_BS)
+        x = x_BSH[:, :-1].reshape(-1, h)  # the positions that predict a next token
+        y = labels_BS[:, 1:].reshape(-1)
+        total = x.new_zeros((), dtype=torch.float32)
+        for start in range(0, x.shape[0], rows):
+            end = start + rows
+            total = total + checkpoint(self._nll_sum, x[start:end], y[start:end], use_reentrant=False)
+        return total / (y != IGNORE).sum().clamp(min=1)
+
+    def _nll_sum(self, x_NH: torch.Tensor, y_N: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(
+            self.logits(x_NH).float(), y_N, ignore_index=IGNORE, reduction="sum"
+        )
 
 
 def lm_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
