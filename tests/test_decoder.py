@@ -181,3 +181,85 @@ def test_stash_cpu_device_peak_flat_in_depth_for_a_decoder() -> None:
         data = data or load_task(cfg.task, cfg.model)
         peaks.append(train(cfg, steps=2, data=data)["peak"])
     assert max(peaks) <= 1.05 * min(peaks), peaks
+
+
+def test_chunked_lm_loss_equals_the_whole_loss(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Training takes the LM loss over chunks of positions (logits recomputed in backward): the same loss
+    and gradients as over all the logits at once, ignored labels included."""
+    from l2l_cli.models import decoder
+    from l2l_cli.models.decoder import LMHead, lm_loss
+
+    torch.manual_seed(0)
+    head = LMHead("ln_f", torch.nn.LayerNorm(16), 16, 100)
+    x = torch.randn(3, 10, 16, requires_grad=True)
+    y = torch.randint(0, 100, (3, 10))
+    y[0, 3] = -100
+    ref = lm_loss(head.logits(x), y)
+    ref.backward()
+    grads = [x.grad.clone(), head.lm_head.weight.grad.clone()]
+    x.grad = None
+    head.zero_grad()
+    monkeypatch.setattr(decoder, "LOSS_CHUNK", 4 * 100)  # 4 positions per chunk: 7 chunks of 27 positions
+    loss, logits = head(x, y)
+    loss.backward()
+    assert logits is None  # no logits kept in training
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(x.grad, grads[0])
+    torch.testing.assert_close(head.lm_head.weight.grad, grads[1])
+
+
+GPT2_TINY = [
+    *LM,
+    "model=gpt2-tiny",
+    "model.num_layers=2",
+    "model.vocab_size=2048",
+]  # TINY's vocabulary is 512
+
+
+@pytest.mark.parametrize("mode", ["baseline_ag", "l2l_p"])
+def test_decoder_resume_is_exact(tmp_path: Path, mode: str) -> None:
+    """A tied-head GPT-2 stopped after step 2 and resumed: bitwise the run that never stopped."""
+    import shutil
+
+    from l2l_cli.train import run_job
+    from tests.test_checkpoint import _assert_equal_dirs
+
+    run = [
+        *GPT2_TINY,
+        f"mode={mode}",
+        "trainer.max_steps=4",
+        "trainer.save_every=2",
+        "task.max_eval_samples=8",
+    ]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert run_job(tiny_cfg(*run), full) == "ok"
+    shutil.copytree(full, cut)
+    shutil.rmtree(cut / "checkpoints" / "step_4")
+    assert run_job(tiny_cfg(*run, f"trainer.resume={cut}"), cut) == "ok"
+    _assert_equal_dirs(full / "checkpoints" / "step_4", cut / "checkpoints" / "step_4")
+
+
+@pytest.mark.slow
+def test_decoder_two_ranks_equal_one_process_with_the_global_batch(tmp_path: Path) -> None:
+    """Data parallel for a tied-head decoder: DDP (baseline_ag: the shared parameter reduced once) and the
+    EPS (l2l_p: the embedding's gradient, head's use included, reduced per layer) equal one process."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from tests.util import REPO, TINY
+
+    common = ["-m", "mode=baseline_ag,l2l_p", *TINY, *GPT2_TINY, "trainer.max_steps=3", "trainer.save_final=true",
+              "task.max_eval_samples=8"]  # fmt: skip
+    for name, extra in (("one", ["batch.size=8"]), ("two", ["dist.nproc=2", "batch.size=4"])):
+        r = subprocess.run(
+            [sys.executable, "-m", "l2l_cli", "train", *common, *extra, f"hydra.sweep.dir={tmp_path / name}"],
+            capture_output=True, text=True, timeout=900, cwd=REPO,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+    for job in ("0", "1"):
+        a = load_file(tmp_path / "one" / job / "final" / "model.safetensors")
+        b = load_file(tmp_path / "two" / job / "final" / "model.safetensors")
+        assert "lm_head.weight" not in a
+        assert_same_weights(a, b, rtol=1e-4)
