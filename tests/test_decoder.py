@@ -263,3 +263,37 @@ def test_decoder_two_ranks_equal_one_process_with_the_global_batch(tmp_path: Pat
         b = load_file(tmp_path / "two" / job / "final" / "model.safetensors")
         assert "lm_head.weight" not in a
         assert_same_weights(a, b, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_mistral_and_qwen2_checkpoints_load_through_the_llama_family(tmp_path: Path, kind: str) -> None:
+    """Their own transformers modules (Qwen2's Q/K/V biases) and their sliding windows (shorter than the
+    sequence here; Qwen2's on its upper layers only): the layered model's logits are Hugging Face's."""
+    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+
+    from l2l_cli.data.batches import Batch
+    from l2l_cli.models import LayeredModel, make_spec
+
+    sizes = dict(num_hidden_layers=3, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=64, vocab_size=300, max_position_embeddings=64, sliding_window=4)  # fmt: skip
+    if kind == "mistral":
+        cfg = MistralConfig(**sizes)
+    else:
+        cfg = Qwen2Config(**sizes, use_sliding_window=True, max_window_layers=1)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
+    spec = make_spec(cfg_for(tmp_path).model, 0)
+    assert (spec.family, spec.model_type) == ("llama", kind)  # type: ignore[attr-defined]
+    model = LayeredModel(spec).eval()
+    from safetensors.torch import load_file
+
+    assert model.load_hf_state_dict(load_file(tmp_path / "model.safetensors")) == []
+    ids = torch.randint(0, 300, (2, 16))
+    with torch.no_grad():
+        _, ours = model(Batch(ids, torch.zeros_like(ids), torch.ones_like(ids), ids))
+        ref = theirs(ids).logits
+        full = {"sliding_window": None} if kind == "mistral" else {"layer_types": ["full_attention"] * 3}
+        unwindowed = AutoModelForCausalLM.from_pretrained(tmp_path, **full).eval()(ids, use_cache=False)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(ours, unwindowed.logits, atol=1e-3)  # the window matters at 16 > 4 tokens

@@ -87,15 +87,15 @@ def _config(spec: GPT2Spec) -> Any:
     from transformers import GPT2Config
 
     d = spec.dropout
+    # random init: the token ids come with the tokenizer (set on export), not GPT-2's 50256
+    ids = {} if spec.hf_json else {"bos_token_id": None, "eos_token_id": None}
     cfg = GPT2Config.from_dict({
         **config_dict(spec.hf_json), "n_layer": spec.num_layers, "n_embd": spec.hidden_size,
         "n_head": spec.num_heads, "n_inner": spec.intermediate_size, "vocab_size": spec.vocab_size,
         "n_positions": spec.seq_len, "layer_norm_epsilon": spec.layer_norm_eps,
         "initializer_range": spec.init_std, "resid_pdrop": d, "embd_pdrop": d, "attn_pdrop": d,
-        "tie_word_embeddings": spec.tie_word_embeddings, "use_cache": False,
+        "tie_word_embeddings": spec.tie_word_embeddings, "use_cache": False, **ids,
     })  # fmt: skip
-    if not spec.hf_json:  # random init: the token ids come with the tokenizer (set on export)
-        cfg.bos_token_id = cfg.eos_token_id = None
     cfg._attn_implementation = "sdpa"
     return cfg
 
