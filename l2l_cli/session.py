@@ -227,15 +227,23 @@ def build(cfg: DictConfig, run_dir: Path | None = None, **kw: Any) -> Session:
     return Session(cfg, run_dir, **kw).open()
 
 
+SHARD_INDEX = "model.safetensors.index.json"  # a checkpoint saved in shards (7B and larger)
+
+
 def load_pretrained(runner: Runner, ref: str) -> None:
-    """Stream a Hugging Face checkpoint's tensors in: safetensors, or a legacy ``pytorch_model.bin`` read
-    with ``torch.load(weights_only=True)``, which refuses anything but tensors (no code runs from a file)."""
+    """Stream a Hugging Face checkpoint's tensors in: safetensors (one file, or shards listed by
+    ``model.safetensors.index.json``), or a legacy ``pytorch_model.bin`` read with
+    ``torch.load(weights_only=True)``, which refuses anything but tensors (no code runs from a file)."""
     from safetensors import safe_open
 
     root = resolve_pretrained(ref)
     if (root / "model.safetensors").is_file():
         with safe_open(str(root / "model.safetensors"), framework="pt") as f:
             missing = runner.load_hf(SafeTensors(f))
+    elif (root / SHARD_INDEX).is_file():
+        with ExitStack() as stack:
+            handles = [stack.enter_context(safe_open(str(p), framework="pt")) for p in shard_files(root)]
+            missing = runner.load_hf(SafeTensors(*handles))
     else:
         try:
             tensors = torch.load(root / "pytorch_model.bin", map_location="cpu", weights_only=True)
@@ -245,18 +253,34 @@ def load_pretrained(runner: Runner, ref: str) -> None:
     log.info("loaded %s; newly initialized: %s", ref, ", ".join(missing) or "none")
 
 
-class SafeTensors:
-    """A safetensors handle that reads one tensor at a time (never the whole checkpoint at once)."""
+def shard_files(root: Path) -> list[Path]:
+    """The shard files an index names: plain file names inside ``root`` (no path may lead out of it)."""
+    import json
 
-    def __init__(self, handle: Any):
-        self.h = handle
-        self._keys = set(handle.keys())
+    try:
+        names = sorted(set(json.loads((root / SHARD_INDEX).read_text())["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{root}/{SHARD_INDEX}: unreadable ({e})") from e
+    for name in names:
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise CheckpointError(f"{root}/{SHARD_INDEX}: shard {name!r} is not a file name in that folder")
+        if not (root / name).is_file():
+            raise CheckpointError(f"{root}/{SHARD_INDEX}: shard {name} is missing")
+    return [root / n for n in names]
+
+
+class SafeTensors:
+    """Safetensors handles (one file, or a checkpoint's shards) read one tensor at a time, never the
+    whole checkpoint at once."""
+
+    def __init__(self, *handles: Any):
+        self._where = {k: h for h in handles for k in h.keys()}  # noqa: SIM118  (handles have keys(), not iter)
 
     def keys(self) -> set[str]:
-        return self._keys
+        return set(self._where)
 
     def get_tensor(self, name: str) -> torch.Tensor:
-        return self.h.get_tensor(name)
+        return self._where[name].get_tensor(name)
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self.h.get_tensor(name)
+        return self.get_tensor(name)

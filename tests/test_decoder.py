@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import DictConfig
 
 from l2l_cli.data.batches import TrainStream
 from l2l_cli.data.lm import BUNDLED_TOKENIZER
@@ -51,7 +52,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {kind: write_checkpoint(kind, root) for kind in ("gpt2", "llama")}
 
 
-def cfg_for(path: Path, *overrides: str):
+def cfg_for(path: Path, *overrides: str) -> DictConfig:
     return tiny_cfg(*LM, f"model.pretrained={path}", *overrides)
 
 
@@ -297,3 +298,32 @@ def test_mistral_and_qwen2_checkpoints_load_through_the_llama_family(tmp_path: P
         unwindowed = AutoModelForCausalLM.from_pretrained(tmp_path, **full).eval()(ids, use_cache=False)
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(ours, unwindowed.logits, atol=1e-3)  # the window matters at 16 > 4 tokens
+
+
+def test_sharded_checkpoint_loads_and_an_escaping_shard_is_refused(tmp_path: Path) -> None:
+    """A checkpoint saved in shards (as 7B-and-larger ones are) streams in shard by shard; an index naming
+    a file outside the checkpoint's folder is refused."""
+    from transformers import AutoModelForCausalLM
+
+    from l2l_cli.checkpoint import CheckpointError
+
+    path = write_checkpoint("llama", tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(sharded, max_shard_size="100KB")
+    (path / "tokenizer.json").replace(sharded / "tokenizer.json")
+    (path / "tokenizer_config.json").replace(sharded / "tokenizer_config.json")
+    assert len(list(sharded.glob("model-*.safetensors"))) > 2
+    cfg = cfg_for(sharded, "mode=l2l")
+    with build(cfg, data=lm_data(sharded)) as s:
+        ours = dict(s.runner.hf_tensors())  # type: ignore[union-attr]
+    theirs = model.state_dict()
+    assert ours.keys() == theirs.keys()
+    for k in ours:
+        assert torch.equal(ours[k], theirs[k]), k
+    index = sharded / "model.safetensors.index.json"
+    meta = json.loads(index.read_text())
+    meta["weight_map"]["lm_head.weight"] = "../evil.safetensors"
+    index.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="not a file name in that folder"):
+        build(cfg, data=lm_data(sharded))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from omegaconf import DictConfig
 
 from l2l_cli.config import ConfigError
 from l2l_cli.data import lm
@@ -19,7 +20,7 @@ from tests.util import l2l, tiny_cfg
 DOCS = ["The first document.", "A second one, a little longer than the first.", "Third!"]
 
 
-def cfg_with(*overrides: str):
+def cfg_with(*overrides: str) -> DictConfig:
     return tiny_cfg("task=lm", "model=gpt2-tiny", "task.max_seq_len=8", *overrides)
 
 

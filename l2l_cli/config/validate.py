@@ -545,8 +545,13 @@ def check_pretrained(ref: str, family: str = "bert") -> list[Problem]:
             family_for_dir(path, ref, family)
         except UnsupportedModel as e:
             return [Problem("model.pretrained", str(e))]
-        if not any((path / n).is_file() for n in ("model.safetensors", "pytorch_model.bin")):
-            return [Problem("model.pretrained", f"{ref} has no model.safetensors (or pytorch_model.bin)")]
+        weights = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+        if not any((path / n).is_file() for n in weights):
+            return [
+                Problem(
+                    "model.pretrained", f"{ref} has no model.safetensors (or shards, or pytorch_model.bin)"
+                )
+            ]
         return []
     if ref.startswith((".", "/", "~")) or not _HUB_ID.match(ref):
         return [
