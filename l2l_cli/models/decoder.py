@@ -25,8 +25,10 @@ from l2l_cli.models.base import BLOCK, POST, PRE, ModelSpec
 from l2l_cli.models.bert import layer_seed
 
 IGNORE = -100  # label of a position without a next-token target (padding)
-LOGITS_BUDGET = 1 << 26  # evaluation: at most this many logits (256 MB in fp32) per forward
 LOSS_CHUNK = 1 << 22  # training: the loss over chunks of at most this many logits (16 MiB in fp32)
+# evaluation: rows per forward so that their logits are at most one loss chunk's (at least one row), so an
+# evaluation does not raise the device peak far above training's
+LOGITS_BUDGET = LOSS_CHUNK
 
 
 @dataclass(frozen=True)
