@@ -63,7 +63,7 @@ class Trainer:
         self.stop = stop or NoStop()
         self.ckpt_root = files.dir / "checkpoints"
         self.skipped = self.bad_in_row = 0
-        self.steady = {"time": 0.0, "samples": 0, "n": 0}
+        self.steady = {"time": 0.0, "samples": 0, "tokens": 0, "n": 0}
         self.phase_sum: dict[str, float] = {}
         self.loss = float("nan")
         self.realtime: RealtimeWriter | None = None
@@ -146,7 +146,9 @@ class Trainer:
                 while runner.step_count < self.steps:
                     if self.realtime is not None:
                         self.realtime.begin(runner.step_count + 1)
-                    report = runner.step(next(batches))
+                    batch = next(batches)
+                    tokens = int(batch.attention_mask.sum())  # real tokens (padding excluded)
+                    report = runner.step(batch)
                     step = runner.step_count
                     report.loss, stop_now = self.ctx.mean_and_any(report.loss, self.stop.signum)
                     if self.realtime is not None:
@@ -154,7 +156,7 @@ class Trainer:
                         report.extra["realtime_ckpt_s"] = self.realtime.pop_busy()
                     if self.store is not None:  # after this step's writes: a restart continues here
                         self.store.commit(step, self.state(), self.ident)
-                    self.account(report, step)
+                    self.account(report, step, tokens)
                     sps = report.samples * self.ctx.world / report.step_time_s
                     progress.update(step, report.loss, sps, meter.peak_bytes)
                     if self.save_every and step % self.save_every == 0 and step < self.steps:
@@ -177,8 +179,9 @@ class Trainer:
         eps = self.runner.eps  # type: ignore[attr-defined]
         return [eps.layer_file(i) for i in range(len(eps.layers))]
 
-    def account(self, report: StepReport, step: int) -> None:
-        """Bookkeeping of one step: the bad-step policy, throughput, the step's metrics row."""
+    def account(self, report: StepReport, step: int, tokens: int = 0) -> None:
+        """Bookkeeping of one step: the bad-step policy, throughput (samples and, on ``tokens``, the
+        step's non-padding tokens per second), the step's metrics row."""
         meter, world = self.runner.acc.meter, self.ctx.world
         self.loss = report.loss
         self.skipped += int(report.skipped)
@@ -188,9 +191,11 @@ class Trainer:
         hopeless = report.skipped and (not scaler.dynamic or scaler.scale <= 1.0)
         self.bad_in_row = self.bad_in_row + 1 if hopeless else 0
         sps = report.samples * world / report.step_time_s
+        tps = tokens * world / report.step_time_s
         if step > 1 or self.steps == 1:
             self.steady["time"] += report.step_time_s
             self.steady["samples"] += report.samples * world
+            self.steady["tokens"] = self.steady.get("tokens", 0) + tokens * world  # absent in old checkpoints
             self.steady["n"] += 1
             for k, v in report.phases.items():
                 self.phase_sum[k] = self.phase_sum.get(k, 0.0) + v
@@ -199,7 +204,7 @@ class Trainer:
                 step=step, loss=report.loss, lr=report.lr, samples_per_s=sps, step_time_s=report.step_time_s,
                 device_peak_bytes=meter.peak_bytes, device_bytes=meter.current_bytes, skipped=report.skipped,
                 grad_norm=report.grad_norm, loss_scale=report.loss_scale, phases=report.phases,
-                extra=report.extra,
+                tokens_per_s=tps, extra={**self.data.spec.step_metrics(report.loss), **report.extra},
             )  # fmt: skip
             for logger in self.loggers:
                 logger.log_step(row)
@@ -228,6 +233,10 @@ class Trainer:
             self.save()  # the final state is resumable too (e.g. to train further with more steps)
         if self.save_final and self.files.enabled:
             runner.spec.save_hf(self.files.dir / "final", runner.hf_tensors(), self.data.spec)
+            if self.data.tokenizer is not None:  # a language model's export carries its tokenizer
+                from l2l_cli.data.lm import save_tokenizer
+
+                save_tokenizer(self.data.tokenizer, self.files.dir / "final")
         n, total = self.steady["n"], self.steady["time"]
         breakdown = {k: v / n for k, v in sorted(self.phase_sum.items())} if n else {}
         if n:
@@ -238,6 +247,7 @@ class Trainer:
         s.skipped_steps = self.skipped
         s.final_loss = self.loss if math.isfinite(self.loss) else None
         s.samples_per_s = self.steady["samples"] / total if total else 0.0
+        s.tokens_per_s = self.steady.get("tokens", 0) / total if total else 0.0
         s.step_time_s = total / n if n else None
         s.time_breakdown_s = breakdown
         s.eval = metrics

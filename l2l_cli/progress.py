@@ -90,7 +90,11 @@ def summary_table(summary: Summary) -> Table:
         ("batch", f"{cfg.batch_size} = {cfg.num_ubatches} x ubatch {cfg.ubatch_size}"),
         ("steps", f"{summary.steps}  (skipped {summary.skipped_steps})"),
         ("final loss", f"{summary.final_loss:.4f}" if summary.final_loss is not None else "-"),
-        ("throughput", f"{summary.samples_per_s or 0:.1f} samples/s"),
+        (
+            "throughput",
+            f"{summary.samples_per_s or 0:.1f} samples/s"
+            + (f", {summary.tokens_per_s:.0f} tokens/s" if cfg.task == "lm" and summary.tokens_per_s else ""),
+        ),
         ("device peak", fmt_bytes(summary.device_peak_bytes)),
     ]
     if summary.time_breakdown_s:

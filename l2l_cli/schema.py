@@ -90,6 +90,7 @@ class Summary:
     skipped_steps: int = 0
     final_loss: float | None = None
     samples_per_s: float | None = None
+    tokens_per_s: float | None = None  # non-padding tokens per second (a language model's throughput)
     step_time_s: float | None = None
     time_breakdown_s: dict[str, float] = field(default_factory=dict)  # mean seconds per step and phase
     eval: dict[str, float] = field(default_factory=dict)
@@ -213,6 +214,7 @@ class MetricsRow:
     grad_norm: float | None = None
     loss_scale: float | None = None
     phases: dict[str, float] = field(default_factory=dict)
+    tokens_per_s: float | None = None  # non-padding tokens per second
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:

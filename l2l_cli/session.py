@@ -36,7 +36,7 @@ from l2l_cli.engine.optim import OptimSettings
 from l2l_cli.engine.precision import Precision, make_precision
 from l2l_cli.engine.tiers import TierSettings
 from l2l_cli.loop import StopFlag, Trainer
-from l2l_cli.models import ModelSpec, UnsupportedModel, make_spec, resolve_pretrained
+from l2l_cli.models import ModelSpec, PretrainedUnavailable, UnsupportedModel, make_spec, resolve_pretrained
 from l2l_cli.modes import MODES, ModeSpec, Runner, RunnerArgs, StepSettings
 from l2l_cli.rundir import JsonlLogger, Logger, RunFiles
 from l2l_cli.schema import DeviceMemory, HostMemory, MemoryReport, RunConfig, Summary, Transfer
@@ -70,6 +70,17 @@ def eps_tier(cfg: Any, run_dir: Path | None) -> TierSettings:
         elif run_dir is not None:
             path = str(run_dir / "eps")
     return TierSettings(e.tier, path, e.host_cache_layers, resume=bool(resume))
+
+
+def check_vocab(data: TaskData, spec: ModelSpec, cfg: Any) -> None:
+    """A tokenizer's ids must index the model's embedding (a bundled 2048-id BPE fits any decoder size)."""
+    if data.tokenizer is None or len(data.tokenizer) <= spec.vocab_size:
+        return
+    key = "model.pretrained" if cfg.model.pretrained else "model.vocab_size"
+    raise ConfigError(
+        [Problem(key, f"the model has {spec.vocab_size} token ids, the tokenizer ({data.source}) "
+                      f"{len(data.tokenizer)}; use a model.vocab_size >= {len(data.tokenizer)} or set task.tokenizer")]
+    )  # fmt: skip
 
 
 def run_config(cfg: Any, mode: ModeSpec, spec: ModelSpec, data: TaskData, world: int) -> RunConfig:
@@ -126,10 +137,10 @@ class Session:
             self.mode = MODES[cfg.mode.name]
             self.dist = dist_from_env(cfg)
             torch.manual_seed(cfg.trainer.seed)
-            data = self.data = self.data or load_task(cfg.task, cfg.model)
             try:
+                data = self.data = self.data or load_task(cfg.task, cfg.model)
                 self.model = make_spec(cfg.model, data.spec.num_labels)
-            except UnsupportedModel as e:
+            except (UnsupportedModel, PretrainedUnavailable) as e:
                 raise ConfigError([Problem("model.pretrained", str(e))]) from e
             tier = eps_tier(cfg, self.run_dir)
             if tier.tier == "disk":
@@ -141,6 +152,7 @@ class Session:
                     problems.append(Problem("eps.tier", "disk runs in one process; this job has more ranks"))
                 if problems:
                     raise ConfigError(problems)
+            check_vocab(data, self.model, cfg)
             self.stream = TrainStream(
                 data.train, cfg.batch.size, seed=cfg.trainer.seed, world=self.dist.world, rank=self.dist.rank,
                 pad_to_max=cfg.task.max_seq_len if cfg.task.pad_to_max else None,
@@ -254,15 +266,23 @@ def build(cfg: DictConfig, run_dir: Path | None = None, **kw: Any) -> Session:
     return Session(cfg, run_dir, **kw).open()
 
 
+SHARD_INDEX = "model.safetensors.index.json"  # a checkpoint saved in shards (7B and larger)
+
+
 def load_pretrained(runner: Runner, ref: str) -> None:
-    """Stream a Hugging Face checkpoint's tensors in: safetensors, or a legacy ``pytorch_model.bin`` read
-    with ``torch.load(weights_only=True)``, which refuses anything but tensors (no code runs from a file)."""
+    """Stream a Hugging Face checkpoint's tensors in: safetensors (one file, or shards listed by
+    ``model.safetensors.index.json``), or a legacy ``pytorch_model.bin`` read with
+    ``torch.load(weights_only=True)``, which refuses anything but tensors (no code runs from a file)."""
     from safetensors import safe_open
 
     root = resolve_pretrained(ref)
     if (root / "model.safetensors").is_file():
         with safe_open(str(root / "model.safetensors"), framework="pt") as f:
             missing = runner.load_hf(SafeTensors(f))
+    elif (root / SHARD_INDEX).is_file():
+        with ExitStack() as stack:
+            handles = [stack.enter_context(safe_open(str(p), framework="pt")) for p in shard_files(root)]
+            missing = runner.load_hf(SafeTensors(*handles))
     else:
         try:
             tensors = torch.load(root / "pytorch_model.bin", map_location="cpu", weights_only=True)
@@ -272,18 +292,34 @@ def load_pretrained(runner: Runner, ref: str) -> None:
     log.info("loaded %s; newly initialized: %s", ref, ", ".join(missing) or "none")
 
 
-class SafeTensors:
-    """A safetensors handle that reads one tensor at a time (never the whole checkpoint at once)."""
+def shard_files(root: Path) -> list[Path]:
+    """The shard files an index names: plain file names inside ``root`` (no path may lead out of it)."""
+    import json
 
-    def __init__(self, handle: Any):
-        self.h = handle
-        self._keys = set(handle.keys())
+    try:
+        names = sorted(set(json.loads((root / SHARD_INDEX).read_text())["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{root}/{SHARD_INDEX}: unreadable ({e})") from e
+    for name in names:
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise CheckpointError(f"{root}/{SHARD_INDEX}: shard {name!r} is not a file name in that folder")
+        if not (root / name).is_file():
+            raise CheckpointError(f"{root}/{SHARD_INDEX}: shard {name} is missing")
+    return [root / n for n in names]
+
+
+class SafeTensors:
+    """Safetensors handles (one file, or a checkpoint's shards) read one tensor at a time, never the
+    whole checkpoint at once."""
+
+    def __init__(self, *handles: Any):
+        self._where = {k: h for h in handles for k in h.keys()}  # noqa: SIM118  (handles have keys(), not iter)
 
     def keys(self) -> set[str]:
-        return self._keys
+        return set(self._where)
 
     def get_tensor(self, name: str) -> torch.Tensor:
-        return self.h.get_tensor(name)
+        return self._where[name].get_tensor(name)
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self.h.get_tensor(name)
+        return self.get_tensor(name)

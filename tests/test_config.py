@@ -23,10 +23,18 @@ REQUIRED = {
         "bert-large-384",
         "tnlg",
         "x",
+        "gpt2-tiny",
+        "gpt2-small",
+        "gpt2-medium",
+        "gpt2-xl",
+        "llama-tiny",
+        "llama-1b",
+        "llama-7b",
+        "llama-70b",
     },
     "mode": {"baseline", "baseline_ag", "l2l", "l2l_stash_cpu", "l2l_p"},
     "precision": {"fp32", "amp", "cmp"},
-    "task": {"cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "qnli", "rte", "wnli", "synthetic"},
+    "task": {"cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "qnli", "rte", "wnli", "synthetic", "lm"},
     "optim": {"adamw", "lamb"},
 }
 
@@ -50,6 +58,10 @@ def test_group_option_composes_and_validates(path) -> None:
             extra.append(f"task.data_dir={src}")
     if group == "precision" and option == "cmp":
         extra.append("mode=l2l")
+    if group == "task" and option == "lm":
+        extra.append("model=gpt2-tiny")  # a decoder: the bundled corpus and tokenizer
+    if group == "model" and compose([f"model={option}"]).model.family != "bert":
+        extra.append("task=lm")  # decoders train language modelling
     cfg = compose([f"{group}={option}", *extra])
     assert cfg[group].name == (option if group not in ("mode",) else cfg.mode.name)
     assert validate(cfg, check_files=bool(extra)) == []
@@ -114,6 +126,26 @@ def messages(*overrides: str, multirun: bool = False) -> str:
         ),
         (["batch.size=4,8"], "a list of values is a sweep; add -m"),
         (["mode=baseline_ag", "trainer.realtime_ckpt=true"], "trainer.realtime_ckpt: needs an L2L mode"),
+        (["task=lm"], "task.name: got 'lm'; task=lm needs a decoder (model.family=gpt2, llama"),
+        (["model=gpt2-tiny"], "task.name: got 'synthetic'; model family gpt2 is a decoder language model"),
+        (
+            ["task=lm", "model=gpt2-tiny", "task.files=[/no/such.txt]"],
+            "task.files: /no/such.txt is not a file",
+        ),
+        (
+            ["task=lm", "model=gpt2-tiny", "task.files=notes.docx"],
+            "task.files: notes.docx: unsupported format",
+        ),
+        (["task.files=[a.txt]"], "task.files: applies to task=lm, not task=synthetic"),
+        (
+            ["task=lm", "model=gpt2-tiny", "task.dev_fraction=0"],
+            "task.dev_fraction: got 0 without task.dev_files",
+        ),
+        (["model=llama-tiny", "task=lm", "model.num_kv_heads=3"], "model.num_kv_heads: got 3; must divide"),
+        (
+            ["model=gpt2-tiny", "task=lm", "model.num_kv_heads=2"],
+            "model.num_kv_heads: applies to model.family=llama",
+        ),
     ],
 )
 def test_config_error_names_key_and_allowed(overrides: list[str], expected: str) -> None:

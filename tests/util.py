@@ -62,12 +62,13 @@ def tiny_data(cfg: DictConfig, n_train: int = 256, n_dev: int = 64) -> TaskData:
 
 
 @contextmanager
-def built(cfg: DictConfig, total_steps: int = 10) -> Iterator[Runner]:
+def built(cfg: DictConfig, total_steps: int = 10, data: TaskData | None = None) -> Iterator[Runner]:
     """A runner for ``cfg`` built by the session builder (meter on), closed afterwards. ``total_steps``
-    sets the learning-rate schedule's length (trainer.max_steps)."""
+    sets the learning-rate schedule's length (trainer.max_steps); ``data``: the task's data (default: a
+    small synthetic task)."""
     cfg = cfg.copy()
     cfg.trainer.max_steps = total_steps
-    with build(cfg, data=tiny_data(cfg)) as session:
+    with build(cfg, data=data or tiny_data(cfg)) as session:
         assert session.runner is not None
         yield session.runner
 
@@ -84,10 +85,13 @@ def weights(runner: Runner) -> dict[str, torch.Tensor]:
         return {n: t.detach().float().clone() for n, t in runner.hf_tensors()}
 
 
-def train(cfg: DictConfig, steps: int = 3, total_steps: int = 10) -> dict[str, Any]:
-    """Run ``steps`` steps in-process; returns losses, final weights, reports and the device peak."""
-    with built(cfg, total_steps) as runner:
-        it = batches(cfg)
+def train(
+    cfg: DictConfig, steps: int = 3, total_steps: int = 10, data: TaskData | None = None
+) -> dict[str, Any]:
+    """Run ``steps`` steps in-process; returns losses, final weights, reports and the device peak.
+    ``data``: the task's data (its train split feeds the steps; default: the synthetic task)."""
+    with built(cfg, total_steps, data) as runner:
+        it = batches(cfg) if data is None else TrainStream(data.train, cfg.batch.size, seed=0).batches()
         reports = [runner.step(next(it)) for _ in range(steps)]
         return {
             "losses": [r.loss for r in reports],

@@ -27,8 +27,8 @@ EPS_TIERS = ("host", "disk")
 
 @dataclass
 class ModelConfig:
-    """The model: a family (``bert``) and its sizes, or a pretrained checkpoint. ``x`` selects the
-    layered-GA paper's X[x] family of sizes (derived from x)."""
+    """The model: a family (``bert``, ``gpt2``, ``llama``) and its sizes, or a pretrained checkpoint. ``x``
+    selects the layered-GA paper's X[x] family of sizes (derived from x)."""
 
     name: str = "bert-tiny"
     family: str = "bert"  # the model family; with model.pretrained, the checkpoint's model_type decides
@@ -40,10 +40,13 @@ class ModelConfig:
     vocab_size: int = 30522
     seq_len: int = 512  # max positions (the papers' d_s for tnlg / X[x])
     type_vocab_size: int = 2
-    layer_norm_eps: float = 1e-12
+    layer_norm_eps: float = 1e-12  # LayerNorm (bert, gpt2) or RMSNorm (llama) epsilon
     init_std: float = 0.02
     pretrained: str | None = None  # hub id or local HF directory
     x: int | None = None
+    num_kv_heads: int | None = None  # llama: key/value heads (grouped-query attention); unset = num_heads
+    rope_theta: float = 10000.0  # llama: the rotary embedding's base
+    tie_word_embeddings: bool = True  # decoders: the LM head is the token embedding (one tensor)
 
 
 @dataclass
@@ -71,12 +74,18 @@ class TaskConfig:
     name: str = "synthetic"
     data_dir: str | None = None  # original GLUE TSV layout; unset = the hub (GLUE) or generated (synthetic)
     max_seq_len: int = 64
-    tokenizer: str | None = None  # unset: model.pretrained's, else the bundled uncased WordPiece vocab
+    tokenizer: str | None = None  # unset: model.pretrained's, else the bundled one (WordPiece; lm: byte BPE)
     max_train_samples: int | None = None
     max_eval_samples: int | None = None
     pad_to_max: bool = False  # pad every batch to max_seq_len (constant shapes, for memory studies)
     num_train: int = 8192  # synthetic task size
     num_eval: int = 1024
+    # task=lm: the text files (a path or a list: .txt, .jsonl/.json, .parquet; unset: the bundled corpus),
+    # the field holding the text in .jsonl/.parquet rows, and the dev split: files, or the last fraction
+    files: Any = None
+    text_field: str = "text"
+    dev_fraction: float = 0.05
+    dev_files: Any = None
 
 
 @dataclass

@@ -182,6 +182,22 @@ def _model(cfg: Any, check_files: bool) -> list[Problem]:
         )
     if not (0.0 <= m.dropout < 1.0):
         p.append(Problem("model.dropout", f"got {m.dropout}; must be in [0, 1)"))
+    if m.num_kv_heads is not None:
+        if m.family != "llama" and m.pretrained is None:
+            p.append(
+                Problem(
+                    "model.num_kv_heads", f"applies to model.family=llama, not {m.family}; leave it unset"
+                )
+            )
+        elif m.num_kv_heads < 1 or m.num_heads % m.num_kv_heads:
+            p.append(
+                Problem(
+                    "model.num_kv_heads",
+                    f"got {m.num_kv_heads}; must divide model.num_heads={m.num_heads} "
+                    f"({divisors(m.num_heads)})",
+                )
+            )
+    positive(p, "model.rope_theta", m.rope_theta)
     positive(p, "model.init_std", m.init_std)
     if m.pretrained is not None and check_files:
         p.extend(check_pretrained(m.pretrained, m.family))
@@ -262,6 +278,82 @@ def _task(cfg: Any, check_files: bool) -> list[Problem]:
             )
     if task.name in TASKS and check_files:
         p.extend(TASKS[task.name].check_source(task.data_dir))
+    p.extend(_lm_task(cfg, check_files))
+    family = _family(cfg)
+    if family is not None and task.name in TASKS and TASKS[task.name].objective != family.objective:
+        if family.objective == "lm":
+            why = f"model family {family.name} is a decoder language model: it trains task=lm"
+        else:
+            decoders = ", ".join(f.name for f in _families().values() if f.objective == "lm")
+            why = f"task=lm needs a decoder (model.family={decoders}, or a decoder checkpoint); {family.name} classifies"
+        p.append(Problem("task.name", f"got {task.name!r}; {why}"))
+    return p
+
+
+def _families() -> dict[str, Any]:
+    from l2l_cli.models import FAMILIES
+
+    return FAMILIES
+
+
+def _family(cfg: Any) -> Any:
+    """The run's model family: a local checkpoint's (config.json model_type), else model.family's; None
+    when it cannot be known here (a hub id) or is invalid (reported by the model check)."""
+    from l2l_cli.models import UnsupportedModel, family_for_dir
+
+    m = cfg.model
+    if m.pretrained is not None:
+        path = Path(m.pretrained).expanduser()
+        if not (path / "config.json").is_file():
+            return None
+        try:
+            return family_for_dir(path, m.pretrained, m.family)
+        except (UnsupportedModel, OSError, ValueError):
+            return None
+    return _families().get(m.family)
+
+
+def _lm_task(cfg: Any, check_files: bool) -> list[Problem]:
+    """task.files / dev_files / dev_fraction / text_field: for task=lm, readable text files."""
+    from l2l_cli.data.lm import FORMATS, as_list
+    from l2l_cli.data.tasks import TASKS
+
+    task = cfg.task
+    p: list[Problem] = []
+    lm = task.name in TASKS and TASKS[task.name].objective == "lm"
+    for key in ("files", "dev_files"):
+        value = getattr(task, key)
+        if value is None:
+            continue
+        if not lm:
+            p.append(Problem(f"task.{key}", f"applies to task=lm, not task={task.name}; leave it unset"))
+            continue
+        is_list = OmegaConf.is_list(value) or isinstance(value, list | tuple)
+        if not (isinstance(value, str) or is_list) or not as_list(value):
+            p.append(
+                Problem(f"task.{key}", f"got {value!r}; expected a file or a list of files ([a.txt,b.jsonl])")
+            )
+            continue
+        for f in as_list(value):
+            suffix = Path(f).suffix.lower()
+            if suffix not in FORMATS:
+                p.append(
+                    Problem(
+                        f"task.{key}",
+                        f"{f}: unsupported format {suffix or '(none)'}; allowed: {', '.join(FORMATS)}",
+                    )
+                )
+            elif check_files and not Path(f).expanduser().is_file():
+                p.append(Problem(f"task.{key}", f"{f} is not a file"))
+    if lm:
+        if not (0.0 <= task.dev_fraction < 1.0):
+            p.append(Problem("task.dev_fraction", f"got {task.dev_fraction}; must be in [0, 1)"))
+        elif task.dev_fraction == 0.0 and task.dev_files is None:
+            p.append(
+                Problem("task.dev_fraction", "got 0 without task.dev_files; the dev split needs one of them")
+            )
+        if not task.text_field:
+            p.append(Problem("task.text_field", "must name the field holding the text (.jsonl, .parquet)"))
     return p
 
 
@@ -504,8 +596,13 @@ def check_pretrained(ref: str, family: str = "bert") -> list[Problem]:
             family_for_dir(path, ref, family)
         except UnsupportedModel as e:
             return [Problem("model.pretrained", str(e))]
-        if not any((path / n).is_file() for n in ("model.safetensors", "pytorch_model.bin")):
-            return [Problem("model.pretrained", f"{ref} has no model.safetensors (or pytorch_model.bin)")]
+        weights = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+        if not any((path / n).is_file() for n in weights):
+            return [
+                Problem(
+                    "model.pretrained", f"{ref} has no model.safetensors (or shards, or pytorch_model.bin)"
+                )
+            ]
         return []
     if ref.startswith((".", "/", "~")) or not _HUB_ID.match(ref):
         return [

@@ -15,7 +15,7 @@ class Batch:
     input_ids: torch.Tensor  # [B, S] int64
     token_type_ids: torch.Tensor  # [B, S] int64
     attention_mask: torch.Tensor  # [B, S] int64 (1 = token, 0 = padding)
-    labels: torch.Tensor  # [B] int64 (classification) or float32 (regression)
+    labels: torch.Tensor  # [B] int64 (classification) or float32 (regression); [B, S] token ids (lm)
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])

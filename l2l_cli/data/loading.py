@@ -1,4 +1,5 @@
-"""Where examples come from: the hub (GLUE), an original GLUE TSV directory, or generated (synthetic)."""
+"""Where examples come from: the hub (GLUE), an original GLUE TSV directory, generated (synthetic), or the
+user's text files (lm)."""
 
 from __future__ import annotations
 
@@ -19,13 +20,20 @@ CLS, SEP = 101, 102  # BERT's [CLS] and [SEP] ids in the uncased WordPiece vocab
 @dataclass
 class TaskData:
     spec: TaskSpec
-    train: Encoded
-    dev: Encoded
-    source: str  # "synthetic", "tsv:<dir>", "hub:glue/<name>"
+    train: Any  # Encoded (classification) | lm.Packed (token blocks)
+    dev: Any
+    source: str  # "synthetic", "tsv:<dir>", "hub:glue/<name>", "lm:<files>"
+    tokenizer: Any = None  # lm: the tokenizer (its vocabulary must fit the model's; saved with final/)
 
 
 def load_task(task_cfg: Any, model_cfg: Any) -> TaskData:
     spec = TASKS[task_cfg.name]
+    if spec.objective == "lm":
+        from l2l_cli.data.lm import load_lm
+
+        train_lm, dev_lm, source, tok = load_lm(task_cfg, model_cfg)
+        return TaskData(spec, train_lm.subset(task_cfg.max_train_samples),
+                        dev_lm.subset(task_cfg.max_eval_samples), source, tok)  # fmt: skip
     if spec.name == "synthetic":
         train = synthetic(task_cfg.num_train, task_cfg.max_seq_len, model_cfg.vocab_size, seed=1234)
         dev = synthetic(task_cfg.num_eval, task_cfg.max_seq_len, model_cfg.vocab_size, seed=4321)

@@ -1,4 +1,5 @@
-"""Task registry: the nine GLUE tasks and the built-in synthetic task.
+"""Task registry: the nine GLUE tasks, the built-in synthetic task, and ``lm`` (causal language modelling
+on the user's text files, see :mod:`l2l_cli.data.lm`).
 
 A task knows where its examples come from (hub, original GLUE TSV dir, or generated), how labels map to
 ids, and which official metrics to report. Parsing follows the GLUE TSV layout with quoting off, as the
@@ -8,6 +9,7 @@ transformers GLUE processors do (several files contain unbalanced quotes).
 from __future__ import annotations
 
 import csv
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -37,6 +39,7 @@ class TaskSpec:
     dev_file: str = "dev.tsv"
     hub_dev_split: str = "validation"
     tsv_label_map: dict[str, int] = field(default_factory=dict)  # TSV label string -> id (default int())
+    objective: str = "classify"  # classify (a head over the sequence) | lm (next-token prediction)
 
     @property
     def num_labels(self) -> int:
@@ -44,7 +47,13 @@ class TaskSpec:
 
     @property
     def is_regression(self) -> bool:
-        return self.label_names is None
+        return self.label_names is None and self.objective == "classify"
+
+    def step_metrics(self, loss: float) -> dict[str, float]:
+        """What a training step's loss also says (a language model's perplexity)."""
+        if self.objective == "lm" and math.isfinite(loss):
+            return {"perplexity": math.exp(min(loss, 700.0))}
+        return {}
 
     @property
     def has_header(self) -> bool:
@@ -65,6 +74,14 @@ class TaskSpec:
         """Problems with task.data_dir (missing folder, files, or columns); empty when usable."""
         from l2l_cli.config import Problem
 
+        if self.objective == "lm":
+            if data_dir is not None:
+                return [
+                    Problem(
+                        "task.data_dir", "task=lm reads task.files (text files); leave task.data_dir unset"
+                    )
+                ]
+            return []
         if data_dir is None or self.name == "synthetic":
             if self.name == "synthetic" and data_dir is not None:
                 return [
@@ -154,5 +171,6 @@ TASKS: dict[str, TaskSpec] = {
         TaskSpec("wnli", "WNLI", ("sentence1", "sentence2", "label"), ("sentence1", "sentence2", "label"),
                  ("not_entailment", "entailment"), ("accuracy",), "accuracy"),
         TaskSpec("synthetic", "-", (), (), ("b_more", "a_more"), ("accuracy",), "accuracy"),
+        TaskSpec("lm", "-", (), (), None, ("loss", "perplexity"), "perplexity", objective="lm"),
     )
 }  # fmt: skip

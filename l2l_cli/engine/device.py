@@ -42,6 +42,26 @@ class CopyHandle:
 DONE = CopyHandle()
 
 
+class AllOf(CopyHandle):
+    """Several copies that one consumer waits for together (a layer loaded in pieces)."""
+
+    __slots__ = ("handles",)
+
+    def __init__(self, *handles: CopyHandle):
+        self.handles = handles
+
+    def wait(self) -> None:
+        for h in self.handles:
+            h.wait()
+
+    def wait_device(self) -> None:
+        for h in self.handles:
+            h.wait_device()
+
+    def done(self) -> bool:
+        return all(h.done() for h in self.handles)
+
+
 class CopyEngine:
     """Inline copies (CPU device): the copy happens in ``copy()``; the handle is already done."""
 
@@ -173,8 +193,9 @@ class CudaCopyEngine(CopyEngine):
             if after is None or isinstance(after, CopyHandle):
                 # after the compute queued so far (a buffer it just allocated is free to write) ...
                 self.stream.wait_stream(producer)
-                if isinstance(after, _CudaHandle):  # ... and after another copy, on its engine's stream
-                    self.stream.wait_event(after.event)
+                for h in after.handles if isinstance(after, AllOf) else (after,):
+                    if isinstance(h, _CudaHandle):  # ... and after other copies, on their engines' streams
+                        self.stream.wait_event(h.event)
             else:
                 self.stream.wait_event(after)  # an event the compute stream recorded
             dst.copy_(src, non_blocking=True)

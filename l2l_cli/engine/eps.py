@@ -27,6 +27,7 @@ from l2l_cli.engine.dist import DistContext
 from l2l_cli.engine.flat import FlatLayout
 from l2l_cli.engine.optim import OptimSettings, clip_coefficients, make_optimizer, param_groups, set_lr
 from l2l_cli.engine.precision import LossScaler
+from l2l_cli.engine.tied import TiedWeights
 from l2l_cli.engine.tiers import TierSettings, make_tier
 from l2l_cli.models.base import BLOCK, POST, PRE, ModelSpec
 from l2l_cli.profiling.timers import PhaseTimer
@@ -236,6 +237,13 @@ class EagerParamServer:
         self.layouts = {k: FlatLayout(spec.new_layer(k, "meta")) for k in (PRE, BLOCK, POST)}
         # where the layers' buffers live: host RAM, or files with a few layers cached (eps.tier)
         self.tier = make_tier(tier or TierSettings(), spec, self.layouts, acc, device_dtype, optim, timer)
+        # a tied LM head: its tensor lives once, in the pre layer's master (see engine/tied.py)
+        tied = spec.tied_params()
+        self.layouts = {
+            k: FlatLayout(spec.new_layer(k, "meta"), skip=tied if k == POST else ())
+            for k in (PRE, BLOCK, POST)
+        }  # fmt: skip
+        self.ties = TiedWeights(spec, self.layouts[PRE], acc, device_dtype) if tied else None
         self.layers: list[LayerState] = []
         with acc.meter.paused():  # host tier
             for i in range(spec.num_all_layers):
@@ -254,9 +262,14 @@ class EagerParamServer:
     def __getitem__(self, i: int) -> LayerState:
         return self.layers[i]
 
+    def device_numel(self, kind: str) -> int:
+        """Elements of a layer of ``kind`` in a device slot: its own, and the post layer's tied ones."""
+        extra = self.ties.numel if self.ties is not None and kind == POST else 0
+        return self.layouts[kind].numel + extra
+
     @property
     def max_layer_numel(self) -> int:
-        return max(layout.numel for layout in self.layouts.values())
+        return max(self.device_numel(k) for k in self.layouts)
 
     # ---- the update (Alg. 3: for l in layers: w_l = optimizer(w_l, g_l)) --------------------------
 
@@ -282,6 +295,8 @@ class EagerParamServer:
         st = self.layers[i]
         st.grad_in.wait()
         st.land_grad()
+        if i == 0 and self.ties is not None:  # a tied LM head: add the head's use before anything reads g
+            self.ties.add_into(st.g)
         if self.dist.enabled:
             torch_dist.all_reduce(st.g, group=self.dist.eps_group)
 
@@ -682,6 +697,10 @@ class EagerParamServer:
             for k, v in st.nbytes().items():
                 parts[k] = parts.get(k, 0) + v
         parts.update(self.tier.host_parts())
+        if self.ties is not None:
+            parts["grads"] = parts.get("grads", 0) + self.ties.g.nbytes
+            if self.ties.g_recv is not None:
+                parts["recv_copy"] = parts.get("recv_copy", 0) + self.ties.g_recv.nbytes
         parts["cpu_stash"] = self.stash_bytes
         return {k: v for k, v in parts.items() if v}
 

@@ -8,6 +8,7 @@ single copy. Modules never own storage here: ``bind`` makes their parameters vie
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -25,10 +26,15 @@ class Entry:
 
 
 class FlatLayout:
-    """Where each parameter of a layer type sits in its flat buffer (weight-decayed ones first)."""
+    """Where each parameter of a layer type sits in its flat buffer (weight-decayed ones first).
 
-    def __init__(self, module: nn.Module):
-        named = list(module.named_parameters())
+    ``skip``: parameters left out (a tied LM head: the pre layer owns that tensor); ``only``: just these
+    (the tied ones, laid out after the layer's own in a device slot)."""
+
+    def __init__(self, module: nn.Module, *, skip: Collection[str] = (), only: Collection[str] | None = None):
+        named = [
+            (n, p) for n, p in module.named_parameters() if n not in skip and (only is None or n in only)
+        ]
         ordered = [x for x in named if not no_decay(x[0])] + [x for x in named if no_decay(x[0])]
         entries, offset = [], 0
         for name, p in ordered:

@@ -16,8 +16,10 @@ from torch import nn
 
 
 def no_decay(name: str) -> bool:
-    """BERT's rule: no weight decay on biases and LayerNorm weights."""
-    return name.endswith("bias") or "LayerNorm" in name or "layer_norm" in name
+    """BERT's rule, for every family: no weight decay on biases and normalization weights (BERT's
+    ``LayerNorm``, GPT-2's ``ln_1``/``ln_f``, Llama's RMSNorm ``input_layernorm``/``norm``)."""
+    owner = name.rpartition(".")[0].rpartition(".")[2]
+    return name.endswith("bias") or "norm" in name.lower() or owner.startswith("ln_")
 
 
 def param_groups(named: Iterable[tuple[str, torch.Tensor]], weight_decay: float) -> list[dict[str, Any]]:

@@ -5,7 +5,9 @@ layer, plus one reusable module per layer type whose parameters are views of the
 l into a slot is a single host->device copy of the EPS's send buffer; while layer l computes from one
 slot, layer l+1 is copied into the other (prefetch), so with enough micro-batches per layer the copy is
 hidden (L2L v2 eqs. 4-6). A slot remembers which layer and which version of it it holds, so a layer used
-twice in a row (the last block around the turn into backward) is not copied again.
+twice in a row (the last block around the turn into backward) is not copied again. A tied LM head's tensor
+is the pre layer's: the post layer's slot gets it from the pre layer's copy, and gives its gradient back
+separately (engine/tied.py).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from l2l_cli.engine.device import DONE, Accelerator, CopyHandle
+from l2l_cli.engine.device import DONE, Accelerator, AllOf, CopyHandle
 from l2l_cli.engine.eps import EagerParamServer
 from l2l_cli.models.base import BLOCK, POST, PRE, ModelSpec
 from l2l_cli.profiling.timers import PhaseTimer
@@ -32,6 +34,9 @@ class Slot:
                 layout = eps.layouts[kind]
                 shell = spec.new_layer(kind, device="meta")
                 layout.bind(shell, self.w[: layout.numel], self.g[: layout.numel])
+                if kind == POST and eps.ties is not None:  # the tied tensors, after the post layer's own
+                    tied = slice(layout.numel, eps.device_numel(POST))
+                    eps.ties.layout.bind(shell, self.w[tied], self.g[tied])
                 for owner in shell.modules():  # index buffers (position ids) become real device tensors
                     for name, buf in list(owner._buffers.items()):
                         if buf is not None and buf.device.type == "meta":
@@ -39,7 +44,7 @@ class Slot:
                 spec.reset_buffers(shell)
                 self.shells[kind] = shell.to(dtype)
         self.layer: int | None = None
-        self.version = -1
+        self.version: Any = -1
         self.loaded: CopyHandle = DONE  # host->device copy of the weights
         self.grads_out: CopyHandle = DONE  # device->host copy of the gradient
         self.released: Any = None  # CUDA event: compute finished with this slot's previous layer
@@ -58,8 +63,14 @@ class Relay:
         self.current: Slot | None = None
         self.loads = 0  # layers copied to the device (for tests and reports)
 
+    def _version(self, i: int) -> Any:
+        """What a slot's copy of layer i depends on: its own master, and the pre layer's for a tied head."""
+        if self.eps.ties is not None and self.spec.kind(i) == POST:
+            return (self.eps[i].version, self.eps[0].version)
+        return self.eps[i].version
+
     def _holding(self, i: int) -> Slot | None:
-        version = self.eps[i].version
+        version = self._version(i)
         for s in self.slots:
             if s.layer == i and s.version == version:
                 return s
@@ -82,8 +93,14 @@ class Relay:
         n = st.layout.numel
         self.eps.tier.pin(i, "w")  # the disk tier: layer i's weights in RAM (read ahead, usually)
         slot.loaded = self.acc.h2d.copy(slot.w[:n], st.send, after=slot.released)
+        if self.eps.ties is not None and st.kind == POST:
+            tied = slot.w[n : self.eps.device_numel(POST)]
+            self.eps.tier.pin(0, "w")  # the tied tensors are the pre layer's
+            ties = self.eps.ties.load(self.acc, tied, self.eps[0].send, slot.released)
+            self.eps.tier.unpin(0, after=AllOf(*ties))
+            slot.loaded = AllOf(slot.loaded, *ties)
         self.eps.tier.unpin(i, after=slot.loaded)
-        slot.layer, slot.version = i, st.version
+        slot.layer, slot.version = i, self._version(i)
         self.loads += 1
         return slot
 
@@ -102,7 +119,7 @@ class Relay:
             with self.timer("transfer"):
                 self._load(prefetch, block=False)
         if grads:
-            n = self.eps[i].layout.numel
+            n = self.eps.device_numel(self.spec.kind(i))
             with self.timer("transfer"):
                 slot.grads_out.wait_device()  # the previous occupant's gradient has left (a stream wait on CUDA)
             slot.g[:n].zero_()
@@ -121,6 +138,9 @@ class Relay:
         with self.timer("transfer"):  # inline on a CPU device; queued on CUDA and the simulator
             self.eps.tier.pin(i, "g", fresh=True)  # a host buffer for it (released by the EPS's job)
             slot.grads_out = st.grad_in = self.acc.d2h.copy(st.recv, slot.g[:n], after=slot.released)
+            if self.eps.ties is not None and st.kind == POST:
+                tied = slot.g[n : self.eps.device_numel(POST)]
+                slot.grads_out = AllOf(st.grad_in, self.eps.ties.send_grads(self.acc, tied, slot.released))
 
     def train(self, mode: bool) -> None:
         for s in self.slots:

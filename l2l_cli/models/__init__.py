@@ -2,10 +2,13 @@
 ``LayeredModel`` = pre · blocks · post, built from ``transformers``' own modules."""
 
 from l2l_cli.models import bert as _bert  # noqa: F401  (registers the BERT family)
+from l2l_cli.models import gpt2 as _gpt2  # noqa: F401  (the GPT-2 decoder family)
+from l2l_cli.models import llama as _llama  # noqa: F401  (the Llama decoder family: llama, mistral, qwen2)
 from l2l_cli.models.base import BLOCK, POST, PRE, LayeredModel, ModelSpec
 from l2l_cli.models.registry import (
     FAMILIES,
     ModelFamily,
+    PretrainedUnavailable,
     UnsupportedModel,
     family_for_dir,
     family_names,
@@ -15,6 +18,7 @@ from l2l_cli.models.registry import (
 )
 
 __all__ = [
-    "BLOCK", "FAMILIES", "POST", "PRE", "LayeredModel", "ModelFamily", "ModelSpec", "UnsupportedModel",
+    "BLOCK", "FAMILIES", "POST", "PRE", "LayeredModel", "ModelFamily", "ModelSpec", "PretrainedUnavailable",
+    "UnsupportedModel",
     "family_for_dir", "family_names", "make_spec", "register_family", "resolve_pretrained",
 ]  # fmt: skip

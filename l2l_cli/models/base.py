@@ -55,6 +55,13 @@ class ModelSpec(ABC):
     def reset_buffers(self, module: nn.Module) -> None:  # noqa: B027  (most families have none)
         """Re-create non-persistent buffers (position ids, say) of a module built on the meta device."""
 
+    def tied_params(self) -> dict[str, str]:
+        """Post-layer parameters that *are* pre-layer ones, {post name: pre name} (a tied LM head:
+        ``{"lm_head.weight": "wte.weight"}``). One tensor, two uses: the baselines share the parameter
+        between the two modules; the EPS keeps one master in the pre layer and adds the post layer's
+        gradient of it to the pre layer's before the update (engine/tied.py)."""
+        return {}
+
     # ---- running ---------------------------------------------------------------------------------
 
     @abstractmethod
@@ -68,8 +75,11 @@ class ModelSpec(ABC):
         """Forward of the pre layer (``x`` is None: it reads the batch) or of a block."""
 
     @abstractmethod
-    def run_head(self, layer: nn.Module, x: torch.Tensor, ub: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """The post layer: (loss, logits) of a micro-batch."""
+    def run_head(
+        self, layer: nn.Module, x: torch.Tensor, ub: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The post layer: (loss, logits) of a micro-batch. With gradients on, a family may return no
+        logits (a language model's head takes its loss in chunks rather than keep them all)."""
 
     @abstractmethod
     def head_logits(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -112,8 +122,16 @@ class ModelSpec(ABC):
         """Parameters of (pre, one block, post), by formula: the planner's count and the run's ``params``."""
 
     @abstractmethod
-    def head_flops(self) -> float:
-        """Forward FLOPs of the post layer for one sample (its matmuls, 2 per multiply-add)."""
+    def head_flops(self, seq: int) -> float:
+        """Forward FLOPs of the post layer for one sample of ``seq`` tokens (its matmuls, 2 per
+        multiply-add)."""
+
+    def block_flops(self, seq: int) -> float:
+        """Forward FLOPs of one block for one sample: the weight matmuls (2 per parameter per token) and
+        attention's two s×s products (QKᵀ and the weighted sum of V: 4·s²·h). This is the encoder block's
+        count (4·h² attention + 2·h·I MLP weights); families with other block shapes override it."""
+        h, i = self.hidden_size, self.intermediate_size
+        return 2.0 * seq * (4 * h * h + 2 * h * i) + 4.0 * seq * seq * h
 
     @property
     def total_params(self) -> int:
@@ -135,6 +153,10 @@ class LayeredModel(nn.Module):
         self.pre = spec.build_layer(0, seed, device)
         self.blocks = nn.ModuleList(spec.build_layer(i, seed, device) for i in range(1, spec.num_layers + 1))
         self.post = spec.build_layer(spec.num_layers + 1, seed, device)
+        self.tied = spec.tied_params()
+        for post_name, pre_name in self.tied.items():  # a tied LM head: the post layer uses pre's tensor
+            owner, _, leaf = post_name.rpartition(".")
+            self.post.get_submodule(owner)._parameters[leaf] = self.pre.get_parameter(pre_name)
 
     def layers(self) -> Iterator[tuple[int, nn.Module]]:
         """(global index, module) for pre, blocks, post."""
@@ -144,7 +166,7 @@ class LayeredModel(nn.Module):
 
     def forward(
         self, batch: Any, seed_fn: Callable[[int], None] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(loss, logits) of a (micro-)batch. ``seed_fn(layer)`` reseeds dropout before each layer, so a
         layer-by-layer runner can reproduce the exact dropout masks."""
         spec = self.spec
@@ -160,15 +182,23 @@ class LayeredModel(nn.Module):
             seed_fn(spec.num_layers + 1)
         return spec.run_head(self.post, x, batch)
 
+    def own_parameters(self, index: int, layer: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        """Layer ``index``'s parameters, less the tied ones it borrows from the pre layer (counted, clipped,
+        saved and loaded once: as the pre layer's)."""
+        skip = self.tied if index == self.spec.num_layers + 1 else {}
+        return [(n, p) for n, p in layer.named_parameters() if n not in skip]
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        return {self.spec.hf_name(i, n): p for i, layer in self.layers() for n, p in layer.named_parameters()}
+        return {
+            self.spec.hf_name(i, n): p for i, layer in self.layers() for n, p in self.own_parameters(i, layer)
+        }
 
     @torch.no_grad()
     def load_hf_state_dict(self, tensors: Any) -> list[str]:
         """Copy matching HF tensors in; returns the names left at their initialization."""
         missing = []
         for i, layer in self.layers():
-            for n, p in layer.named_parameters():
+            for n, p in self.own_parameters(i, layer):
                 t = self.spec.lookup_hf(tensors, self.spec.hf_name(i, n))
                 if t is None:
                     missing.append(self.spec.hf_name(i, n))

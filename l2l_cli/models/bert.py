@@ -178,7 +178,7 @@ class BertSpec(ModelSpec):
         post = h * h + h + h * self.num_labels + self.num_labels
         return pre, block, post
 
-    def head_flops(self) -> float:
+    def head_flops(self, seq: int) -> float:  # the pooler reads the first token only
         return 2.0 * (self.hidden_size * self.hidden_size + self.hidden_size * self.num_labels)
 
     def evaluate(self, predict: Callable[[Any], torch.Tensor], dev: Any, task: Any, batch_size: int,

@@ -24,6 +24,7 @@ class ModelFamily:
     description: str
     from_config: Callable[[Any, int], ModelSpec]  # (model.* keys, num_labels) -> spec
     from_hf_dir: Callable[[Path, Any, int], ModelSpec]  # (HF dir, model.* keys, num_labels) -> spec
+    objective: str = "classify"  # the tasks it trains: "classify" (GLUE, synthetic) | "lm" (task=lm)
 
 
 FAMILIES: dict[str, ModelFamily] = {}
@@ -68,14 +69,27 @@ def family_for_dir(path: Path, ref: str, default: str = "bert") -> ModelFamily:
     )
 
 
+class PretrainedUnavailable(ValueError):
+    """A hub id that cannot be downloaded (no network, no such repo): bad input, exit 2."""
+
+
 def resolve_pretrained(ref: str) -> Path:
-    """A local dir holding config.json and the weights for ``ref`` (a dir, or a hub id downloaded)."""
+    """A local dir holding config.json, the weights and the tokenizer for ``ref`` (a dir, or a hub id
+    downloaded); a download that fails says so in one line."""
     path = Path(ref).expanduser()
     if path.is_dir():
         return path
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(ref, allow_patterns=["config.json", "*.safetensors", "*.txt", "*.json"]))
+    patterns = ["config.json", "*.safetensors", "*.txt", "*.json", "*.model"]
+    try:
+        return Path(snapshot_download(ref, allow_patterns=patterns))
+    except Exception as e:  # offline, unknown repo, gated: name the cause and the way out
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise PretrainedUnavailable(
+            f"cannot download {ref!r} from the Hugging Face hub ({type(e).__name__}: {first[:160]}); "
+            f"pass a local Hugging Face directory instead"
+        ) from e
 
 
 def make_spec(model_cfg: Any, num_labels: int) -> ModelSpec:

@@ -24,7 +24,6 @@ from l2l_cli.engine.optim import (
     layer_norms,
     lr_at,
     make_optimizer,
-    module_grads,
     param_groups,
     set_lr,
 )
@@ -229,7 +228,11 @@ class DeviceResident(RunnerBase):
     def update(self) -> tuple[bool, float]:
         """Unscale, check for non-finite gradients, clip, and step; returns (applied, grad norm)."""
         scaler = self.precision.scaler
-        layers = [module_grads(m) for _, m in self.model.layers()]
+        # per layer, a tied LM head's tensor counted once, in the pre layer (as the EPS does)
+        layers = [
+            [p.grad for _, p in self.model.own_parameters(i, m) if p.grad is not None]
+            for i, m in self.model.layers()
+        ]
         if scaler.scale != 1.0:
             torch._foreach_mul_([g for gs in layers for g in gs], 1.0 / scaler.scale)
         norms = layer_norms(layers)

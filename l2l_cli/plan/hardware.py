@@ -77,7 +77,7 @@ class Rates:
         if self.measured is not None:
             return self.measured.layers.scaled(ubatch)
         f_blk = ubatch * shape.block_flops(seq) / self.device_flops
-        f_post = ubatch * shape.post_flops() / self.device_flops
+        f_post = ubatch * shape.post_flops(seq) / self.device_flops
         bwd = self.backward_factor
         return LayerTimes(0.0, 0.0, 0.0, f_blk, f_blk, bwd * f_blk, f_post, bwd * f_post, ubatch)
 

@@ -114,13 +114,11 @@ class ModelShape:
     # ---- compute (per sample, forward) -----------------------------------------------------------
 
     def block_flops(self, seq: int) -> float:
-        """Forward FLOPs of one block for one sample: the weight matmuls (2 per parameter per token) and
-        attention's two s×s products (QKᵀ and the weighted sum of V: 4·s²·h)."""
-        h, i = self.hidden, self.intermediate
-        return 2.0 * seq * (4 * h * h + 2 * h * i) + 4.0 * seq * seq * h
+        """Forward FLOPs of one block for one sample (the family's count, ``ModelSpec.block_flops``)."""
+        return self.spec.block_flops(seq)
 
-    def post_flops(self) -> float:
-        return self.spec.head_flops()
+    def post_flops(self, seq: int) -> float:
+        return self.spec.head_flops(seq)
 
     # ---- activations (per sample) ----------------------------------------------------------------
 

@@ -101,12 +101,20 @@ def columns(runs: list[Run]) -> list[Column]:
         cols.append(Column("SEQ LEN", lambda r: _int(r.get("seq_len"))))
     if _varies(runs, "task") or any(r.get("task") not in (None, "synthetic") for r in runs):
         cols.append(Column("TASK", lambda r: str(r.get("task") or DASH), numeric=False))
-    cols += [
-        Column("THROUGHPUT (SAMPLES/S)", throughput),
-        Column(f"MEMORY ({unit})", memory),
-    ]
+    cols += [Column("THROUGHPUT (SAMPLES/S)", throughput)]
+    if any(r.get("task") == "lm" for r in runs):  # a language model's throughput is in tokens
+
+        def tokens(r: Run) -> str:
+            v = r.summary.tokens_per_s if r.ok else None
+            return DASH if not v else f"{v:.0f}"
+
+        cols.append(Column("THROUGHPUT (TOKENS/S)", tokens))
+    cols += [Column(f"MEMORY ({unit})", memory)]
     for m in eval_metrics(runs) if _evals_tell(runs) else []:
-        cols.append(Column(f"{m.upper()} (%)", lambda r, m=m: _pct(r.summary.eval.get(m))))
+        if m in RAW_METRICS:  # not fractions: shown as they are
+            cols.append(Column(m.upper(), lambda r, m=m: _raw(r.summary.eval.get(m))))
+        else:
+            cols.append(Column(f"{m.upper()} (%)", lambda r, m=m: _pct(r.summary.eval.get(m))))
     if any(hidden_share(r) is not None for r in runs):
         cols.append(Column("OPTIMIZER HIDDEN (%)", lambda r: _pct(hidden_share(r))))
     if _epoch_study(runs):
@@ -146,8 +154,15 @@ def _epoch_study(runs: list[Run]) -> bool:
     return any(len(s) > 1 for s in sizes.values())
 
 
+RAW_METRICS = ("loss", "perplexity")  # eval metrics that are not fractions (task=lm)
+
+
 def _pct(v: Any) -> str:
     return f"{100 * v:.2f}" if isinstance(v, int | float) else DASH
+
+
+def _raw(v: Any) -> str:
+    return f"{v:.3f}" if isinstance(v, int | float) else DASH
 
 
 def rows(runs: list[Run], cols: list[Column]) -> list[list[str]]:
@@ -208,7 +223,7 @@ CONFIG_FIELDS = (
 CSV_FIELDS = [
     "run", "dir", "status", "error", "method", "mode", "stash", "precision", "model", "task", "num_layers",
     "hidden_size", "seq_len", "ubatch_size", "num_ubatches", "batch_size", "global_batch_size", "world_size",
-    "params", "samples_per_s", "step_time_s", "device_peak_bytes", "device_budget_bytes", "host_bytes",
+    "params", "samples_per_s", "tokens_per_s", "step_time_s", "device_peak_bytes", "device_budget_bytes", "host_bytes",
     "h2d_bytes", "d2h_bytes", "train_samples", "epoch_time_s", "steps", "final_loss", "skipped_steps",
     "wall_time_s", "device", "optimizer_s", "optimizer_exposed_s", "optimizer_hidden_share", "rollbacks",
 ]  # fmt: skip
@@ -226,6 +241,7 @@ def csv_record(r: Run, metrics: list[str], phases: list[str]) -> dict[str, Any]:
         "world_size": s.world_size,
         "params": s.params,
         "samples_per_s": s.samples_per_s,
+        "tokens_per_s": s.tokens_per_s,
         "step_time_s": s.step_time_s,
         "device_peak_bytes": s.device_peak_bytes,
         "device_budget_bytes": r.budget_bytes,

@@ -1,0 +1,243 @@
+"""Task ``lm``: causal language modelling on the user's own text.
+
+``task.files`` (.txt, .jsonl/.json with the text in ``task.text_field``, .parquet) are read with
+``datasets``' local loaders, tokenized with the checkpoint's tokenizer (or ``task.tokenizer``), and
+packed GPT-style: every document followed by the tokenizer's EOS, the stream cut into blocks of
+``task.max_seq_len`` tokens (the incomplete tail dropped), so every block is full and no token is padding.
+The dev split is ``task.dev_files``, or the last ``task.dev_fraction`` of the blocks. The packed blocks
+are cached (``$L2L_CACHE_DIR``, default ``~/.cache/l2l``) under a key of the files' paths, sizes and
+modification times, the tokenizer and the packing settings, so a second run starts at once.
+
+In a .txt file a document is a paragraph (text between blank lines); in .jsonl/.parquet, a row. Without
+``task.files`` the bundled corpus is used (``corpus/``: GLUE RTE's premises and a byte-level BPE of 2048
+ids trained on them), so ``l2l train task=lm model=gpt2-tiny`` runs offline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from l2l_cli.config import ConfigError, Problem
+from l2l_cli.data.batches import Batch
+
+log = logging.getLogger(__name__)
+
+CORPUS = Path(__file__).resolve().parent / "corpus"
+BUNDLED_FILES = (CORPUS / "rte_premises.txt",)
+BUNDLED_TOKENIZER = CORPUS / "tokenizer"
+FORMATS = {
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+CACHE_VERSION = 1
+CHUNK = 1000  # documents per tokenizer call
+
+
+@dataclass
+class Packed:
+    """One split's token blocks: ``blocks`` [N, S] (every row a full window of the packed stream). Read by
+    ``TrainStream`` and ``eval_batches`` like the classification tasks' ``Encoded``; a block's labels are
+    its own ids (the LM head shifts them: position t predicts token t+1)."""
+
+    blocks: np.ndarray  # int32 [N, S]
+
+    def __len__(self) -> int:
+        return int(self.blocks.shape[0])
+
+    @property
+    def input_ids(self) -> np.ndarray:
+        return self.blocks
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.blocks.shape[1])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.blocks.size)
+
+    def subset(self, n: int | None) -> Packed:
+        return self if n is None or n >= len(self) else Packed(self.blocks[:n])
+
+    def collate(self, idx: list[int], pad_to: int) -> Batch:
+        """The blocks ``idx`` as a batch (``pad_to`` is moot: every block is already full)."""
+        ids = torch.from_numpy(self.blocks[np.asarray(idx, dtype=np.int64)].astype(np.int64))
+        return Batch(ids, torch.zeros_like(ids), torch.ones_like(ids), ids.clone())
+
+
+def as_list(value: Any) -> list[str]:
+    """``task.files`` / ``task.dev_files``: one path or a list of them (None: none)."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    return [str(v) for v in value]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("L2L_CACHE_DIR") or Path.home() / ".cache" / "l2l")
+
+
+# ---- the tokenizer -----------------------------------------------------------------------------------
+
+
+def has_tokenizer(path: Path) -> bool:
+    return any((path / f).is_file() for f in TOKENIZER_FILES)
+
+
+def tokenizer_ref(task_cfg: Any, model_cfg: Any) -> tuple[str, str]:
+    """(where the tokenizer comes from, the key that chose it): ``task.tokenizer``, else the checkpoint's
+    (``model.pretrained``), else the bundled byte-level BPE."""
+    from l2l_cli.models import resolve_pretrained
+
+    if task_cfg.tokenizer:
+        return str(task_cfg.tokenizer), "task.tokenizer"
+    if model_cfg.pretrained:
+        root = resolve_pretrained(model_cfg.pretrained)
+        if not has_tokenizer(root):
+            raise ConfigError([Problem(
+                "task.tokenizer", f"unset, and model.pretrained={model_cfg.pretrained} has no tokenizer files "
+                f"({', '.join(TOKENIZER_FILES[:3])}); set task.tokenizer=<a tokenizer dir or hub id>",
+            )])  # fmt: skip
+        return str(root), "model.pretrained"
+    return str(BUNDLED_TOKENIZER), "bundled"
+
+
+def load_tokenizer(ref: str, key: str) -> Any:
+    """The tokenizer at ``ref`` (a dir or hub id); ``key``: the config key that named it, for errors."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(ref)
+    except Exception as e:  # offline hub id, not a tokenizer dir
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError([Problem(key, f"cannot load a tokenizer from {ref} ({first[:200]})")]) from e
+    if tok.eos_token_id is None:
+        raise ConfigError(
+            [Problem(key, f"the tokenizer {ref} has no eos_token (packing puts one between documents)")]
+        )
+    return tok
+
+
+def tokenizer_fingerprint(tok: Any) -> str:
+    backend = getattr(tok, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(sorted(tok.get_vocab().items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# ---- reading, tokenizing, packing --------------------------------------------------------------------
+
+
+def documents(path: Path, text_field: str, cache_dir: Path) -> Iterator[list[str]]:
+    """The documents of one file, in chunks, through ``datasets``' local loader for its format."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    fmt = FORMATS[path.suffix.lower()]
+    extra = {"sample_by": "paragraph"} if fmt == "text" else {}
+    ds = datasets.load_dataset(fmt, data_files=[str(path)], split="train", cache_dir=str(cache_dir), **extra)
+    column = "text" if fmt == "text" else text_field
+    if column not in ds.column_names:
+        raise ConfigError([Problem(
+            "task.text_field", f"{path} has no field {column!r}; its fields: {', '.join(ds.column_names)}"
+        )])  # fmt: skip
+    for rows in ds.iter(batch_size=CHUNK):
+        yield [t for t in rows[column] if isinstance(t, str) and t.strip()]
+
+
+def token_stream(files: list[Path], tok: Any, text_field: str, cache_dir: Path) -> np.ndarray:
+    """Every document's tokens followed by EOS, all files in order, as one int32 array."""
+    eos = tok.eos_token_id
+    parts: list[np.ndarray] = []
+    for path in files:
+        for docs in documents(path, text_field, cache_dir):
+            if not docs:
+                continue
+            for ids in tok(docs, add_special_tokens=False)["input_ids"]:
+                parts.append(np.asarray([*ids, eos], dtype=np.int32))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+
+
+def pack(stream: np.ndarray, seq_len: int) -> np.ndarray:
+    """[N, seq_len] blocks of the stream (the tail shorter than a block is dropped)."""
+    n = len(stream) // seq_len
+    return stream[: n * seq_len].reshape(n, seq_len)
+
+
+def file_key(paths: list[Path]) -> list[Any]:
+    out = []
+    for p in paths:
+        st = p.stat()
+        out.append([str(p.resolve()), st.st_size, st.st_mtime_ns])
+    return out
+
+
+def load_lm(task_cfg: Any, model_cfg: Any) -> tuple[Packed, Packed, str, Any]:
+    """(train blocks, dev blocks, source, tokenizer) of ``task=lm``, from the cache when it has them."""
+    ref, chosen_by = tokenizer_ref(task_cfg, model_cfg)
+    tok = load_tokenizer(ref, "task.tokenizer" if chosen_by == "task.tokenizer" else "model.pretrained")
+    files = [Path(f).expanduser() for f in as_list(task_cfg.files)] or list(BUNDLED_FILES)
+    dev_files = [Path(f).expanduser() for f in as_list(task_cfg.dev_files)]
+    seq = int(task_cfg.max_seq_len)
+    key = hashlib.sha256(json.dumps({
+        "v": CACHE_VERSION, "files": file_key(files), "dev_files": file_key(dev_files),
+        "text_field": task_cfg.text_field, "tokenizer": tokenizer_fingerprint(tok), "seq": seq,
+        "dev_fraction": float(task_cfg.dev_fraction),
+    }, sort_keys=True).encode()).hexdigest()[:24]  # fmt: skip
+    root = cache_root() / "lm"
+    cached = root / f"{key}.npz"
+    names = ",".join(p.name for p in files)
+    source = f"lm:{names}" if task_cfg.files else f"lm:bundled:{names}"
+    if cached.is_file():
+        with np.load(cached) as z:
+            train, dev = z["train"], z["dev"]
+        log.info("task lm: packed blocks from the cache %s", cached)
+    else:
+        hf_cache = root / "datasets"
+        blocks = pack(token_stream(files, tok, task_cfg.text_field, hf_cache), seq)
+        if dev_files:
+            train, dev = blocks, pack(token_stream(dev_files, tok, task_cfg.text_field, hf_cache), seq)
+        else:
+            n_dev = max(1, round(task_cfg.dev_fraction * len(blocks))) if len(blocks) > 1 else 0
+            train, dev = blocks[: len(blocks) - n_dev], blocks[len(blocks) - n_dev :]
+        if len(train) < 1 or len(dev) < 1:
+            raise ConfigError([Problem(
+                "task.files", f"{names}: {len(train)} train and {len(dev)} dev block(s) of task.max_seq_len={seq} "
+                f"tokens after packing; add text or lower task.max_seq_len",
+            )])  # fmt: skip
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f".{key}.{os.getpid()}.npz"
+        np.savez(tmp, train=train, dev=dev)
+        os.replace(tmp, cached)  # atomic: data-parallel ranks may pack at the same time
+    log.info(
+        "task lm: %s tokenized by %s (%s, %d ids): %d train and %d dev blocks of %d tokens",
+        source, ref, chosen_by, len(tok), len(train), len(dev), seq,
+    )  # fmt: skip
+    return Packed(train), Packed(dev), source, tok
+
+
+def save_tokenizer(tok: Any, out_dir: Path) -> None:
+    """Put the run's tokenizer beside an exported model and give its config the tokenizer's special ids
+    (an export loads with ``AutoTokenizer`` and ``AutoModelForCausalLM`` from the one directory)."""
+    tok.save_pretrained(str(out_dir))
+    config = out_dir / "config.json"
+    if config.is_file():
+        c = json.loads(config.read_text())
+        c.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        config.write_text(json.dumps(c, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,327 @@
+"""What the decoder families (GPT-2, Llama) share: a causal language model as pre · blocks · post.
+
+pre = the token embeddings (and GPT-2's learned positions); block = ``transformers``' own decoder layer
+(``GPT2Block``, ``LlamaDecoderLayer``, ...), run with the causal mask and the family's position inputs as
+side inputs; post = the final norm, the LM head and the next-token loss. A tied LM head (GPT-2, Llama-3.2-1B)
+is one tensor used by pre and post (``tied_params``). The trained model saves as a Hugging Face directory
+that ``AutoModelForCausalLM.from_pretrained`` loads.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from abc import abstractmethod
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from l2l_cli.models.base import BLOCK, POST, PRE, ModelSpec
+from l2l_cli.models.bert import layer_seed
+
+IGNORE = -100  # label of a position without a next-token target (padding)
+LOSS_CHUNK = 1 << 22  # training: the loss over chunks of at most this many logits (16 MiB in fp32)
+# evaluation: rows per forward so that their logits are at most one loss chunk's (at least one row), so an
+# evaluation does not raise the device peak far above training's
+LOGITS_BUDGET = LOSS_CHUNK
+
+
+@dataclass(frozen=True)
+class DecoderSide:
+    """What every block of a micro-batch reads besides the hidden states."""
+
+    mask: torch.Tensor | None  # None: plain causal attention (SDPA's is_causal); else bool [B|1, 1, S, S]
+    window_mask: torch.Tensor | None = None  # the sliding-window layers' mask (Mistral, Qwen2)
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # rotary (cos, sin), [1, S, head_dim] each
+
+
+class DecoderSpec(ModelSpec):
+    """A causal LM of one decoder family. Subclasses are frozen dataclasses holding the sizes, and
+    ``hf_json``: the checkpoint's config.json ("" for random init), kept so an export round-trips every
+    field the sizes do not cover (rope scaling, token ids, ...)."""
+
+    seq_len: int
+    dropout: float
+    layer_norm_eps: float
+    init_std: float
+    tie_word_embeddings: bool
+    hf_json: str
+
+    base_prefix: str  # HF names: "transformer." (GPT-2) | "model." (Llama)
+    blocks_name: str  # "h" | "layers"
+    norm_name: str  # the final norm: "ln_f" | "norm"
+    embed_name: str  # the token embedding: "wte" | "embed_tokens"
+
+    # ---- what a family defines ---------------------------------------------------------------------
+
+    @abstractmethod
+    def hf_config(self) -> Any:
+        """The transformers config of this model (sizes and dropout from the spec, SDPA attention)."""
+
+    @abstractmethod
+    def causal_lm_class(self) -> str:
+        """The ``architectures`` entry of an exported config.json (``GPT2LMHeadModel``, ...)."""
+
+    @abstractmethod
+    def new_pre(self, cfg: Any) -> nn.Module: ...
+
+    @abstractmethod
+    def new_block(self, cfg: Any) -> nn.Module: ...
+
+    @abstractmethod
+    def new_norm(self, cfg: Any) -> nn.Module: ...
+
+    @abstractmethod
+    def run_block(self, layer: nn.Module, index: int, x: torch.Tensor, side: DecoderSide) -> torch.Tensor: ...
+
+    def rope(self, ub: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Rotary (cos, sin) for the micro-batch's positions (families with rotary embeddings)."""
+        return None
+
+    def sliding_window(self) -> int | None:
+        """The window of the sliding-window layers (None: every layer attends to the whole prefix)."""
+        return None
+
+    def residual_init_scale(self, name: str) -> float:
+        """Init std multiplier of the weight ``name`` (GPT-2 scales the residual projections)."""
+        return 1.0
+
+    # ---- sizes -------------------------------------------------------------------------------------
+
+    @property
+    def num_labels(self) -> int:  # type: ignore[override]  (the head classifies over the vocabulary)
+        return self.vocab_size
+
+    def tied_params(self) -> dict[str, str]:
+        return {"lm_head.weight": f"{self.embed_name}.weight"} if self.tie_word_embeddings else {}
+
+    # ---- building ----------------------------------------------------------------------------------
+
+    def new_layer(self, kind: str, device: torch.device | str | None = None) -> nn.Module:
+        cfg = self.hf_config()
+        with torch.device(device or "cpu"):
+            if kind == PRE:
+                return self.new_pre(cfg)
+            if kind == BLOCK:
+                return self.new_block(cfg)
+            return LMHead(self.norm_name, self.new_norm(cfg), self.hidden_size, self.vocab_size)
+
+    @torch.no_grad()
+    def init_layer(self, module: nn.Module, index: int, seed: int) -> nn.Module:
+        """GPT-style initialization (normal(0, init_std) matrices and embeddings, zero biases, unit norms),
+        seeded per layer so every mode builds layer ``index`` alike, one layer at a time."""
+        g = torch.Generator().manual_seed(layer_seed(seed, index))
+        for name, m in module.named_modules():
+            weight = getattr(m, "weight", None)
+            if isinstance(m, nn.Linear | nn.Embedding) or type(m).__name__ == "Conv1D":
+                std = self.init_std * self.residual_init_scale(name)
+                m.weight.copy_(torch.empty(m.weight.shape).normal_(0.0, std, generator=g))
+                bias = getattr(m, "bias", None)
+                if bias is not None:
+                    bias.zero_()
+                if isinstance(m, nn.Embedding) and m.padding_idx is not None:
+                    m.weight[m.padding_idx].zero_()
+            elif isinstance(m, nn.LayerNorm) or (
+                isinstance(weight, nn.Parameter) and "Norm" in type(m).__name__
+            ):
+                m.weight.fill_(1.0)
+                if getattr(m, "bias", None) is not None:
+                    m.bias.zero_()
+        return module
+
+    # ---- running -----------------------------------------------------------------------------------
+
+    def side_inputs(self, ub: Any, dtype: torch.dtype) -> DecoderSide:
+        window = self.sliding_window()
+        seq = ub.input_ids.shape[1]
+        return DecoderSide(
+            mask=causal_mask(ub.attention_mask, None),
+            window_mask=causal_mask(ub.attention_mask, window)
+            if window is not None and window < seq
+            else None,
+            rope=self.rope(ub, dtype),
+        )
+
+    def run_layer(
+        self, layer: nn.Module, index: int, x: torch.Tensor | None, ub: Any, side: Any
+    ) -> torch.Tensor:
+        if index == 0:  # the embeddings read the token ids
+            return layer(ub.input_ids)
+        assert x is not None
+        return self.run_block(layer, index, x, side)
+
+    def run_head(self, layer: nn.Module, x: torch.Tensor, ub: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return layer(x, ub.labels)
+
+    def head_logits(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return layer.logits(x)
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+
+    def hf_name(self, index: int, name: str) -> str:
+        """The ``*ForCausalLM`` name of layer ``index``'s parameter ``name``."""
+        kind = self.kind(index)
+        if kind == PRE:
+            return self.base_prefix + name
+        if kind == BLOCK:
+            return f"{self.base_prefix}{self.blocks_name}.{index - 1}.{name}"
+        return name if name.startswith("lm_head.") else self.base_prefix + name
+
+    def lookup_hf(self, tensors: Any, name: str) -> torch.Tensor | None:
+        """Accepts base-model files too (names without ``transformer.``/``model.``, as OpenAI's GPT-2)."""
+        keys = tensors.keys()
+        for cand in (name, name.removeprefix(self.base_prefix)):
+            if cand in keys:
+                return tensors[cand] if isinstance(tensors, dict) else tensors.get_tensor(cand)
+        return None
+
+    def save_hf(
+        self, out_dir: Path, named_tensors: Iterable[tuple[str, torch.Tensor]], task: Any = None
+    ) -> None:
+        """Write ``config.json`` + ``model.safetensors`` that ``AutoModelForCausalLM`` loads; a tied head
+        is saved once (as the embedding) and tied again by ``tie_word_embeddings`` on load."""
+        from safetensors.torch import save_file
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        cfg = self.hf_config()
+        cfg.architectures = [self.causal_lm_class()]
+        cfg.save_pretrained(out_dir)
+        tensors = {n: t.detach().to("cpu", torch.float32).contiguous() for n, t in named_tensors}
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+    def identity(self) -> dict[str, Any]:
+        drop = ("dropout", "init_std", "layer_norm_eps", "hf_json")
+        return {k: v for k, v in asdict(self).items() if k not in drop}  # type: ignore[call-overload]
+
+    # ---- planner and evaluation --------------------------------------------------------------------
+
+    def param_counts(self) -> tuple[int, int, int]:
+        """Counted on meta-device layers (exact for every variant: biases, GQA, tied or not)."""
+        return _param_counts(self)
+
+    def head_flops(self, seq: int) -> float:
+        return 2.0 * seq * self.hidden_size * self.vocab_size  # the LM head over every position
+
+    def block_flops(self, seq: int) -> float:
+        """2 FLOPs per weight per token (the block's parameters are its matmuls, up to norms and biases)
+        and attention's two s×s products."""
+        return 2.0 * seq * self.param_counts()[1] + 4.0 * seq * seq * self.hidden_size
+
+    def evaluate(self, predict: Callable[[Any], torch.Tensor], dev: Any, task: Any, batch_size: int,
+                 pad_to: int | None) -> dict[str, float]:  # fmt: skip
+        """Mean next-token loss over the dev tokens, and its perplexity (exp of it)."""
+        from l2l_cli.data.batches import eval_batches
+
+        seq = max(1, dev.seq_len)
+        rows = max(1, min(batch_size, LOGITS_BUDGET // (seq * self.vocab_size)))
+        total, count = 0.0, 0
+        for _, batch in eval_batches(dev, rows, pad_to):
+            nll, n = token_nll(predict(batch), batch.labels)
+            total, count = total + nll, count + n
+        loss = total / max(1, count)
+        return {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}
+
+
+class LMHead(nn.Module):
+    """post: the final norm, the LM head and the next-token cross-entropy (in FP32, whatever the device
+    dtype). ``norm_name`` keeps Hugging Face's parameter names (``ln_f``, ``norm``)."""
+
+    def __init__(self, norm_name: str, norm: nn.Module, hidden: int, vocab: int):
+        super().__init__()
+        self.norm_name = norm_name
+        self.add_module(norm_name, norm)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+
+    def logits(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(getattr(self, self.norm_name)(x_BSH))
+
+    def forward(
+        self, x_BSH: torch.Tensor, labels_BS: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(loss, logits). Training (gradients on) returns no logits: the loss is taken over chunks of
+        positions whose logits are recomputed in backward, so the head's device memory is one chunk's
+        (a micro-batch's logits over a 50k vocabulary would outweigh a whole transformer layer)."""
+        if torch.is_grad_enabled():
+            return self.chunked_loss(x_BSH, labels_BS), None
+        logits = self.logits(x_BSH)
+        return lm_loss(logits, labels_BS), logits
+
+    def chunked_loss(self, x_BSH: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+        """``lm_loss(self.logits(x), labels)`` over chunks of positions of at most ``LOSS_CHUNK`` logits,
+        each chunk's logits recomputed in backward (activation checkpointing); in one piece when they fit
+        (then exactly ``lm_loss``)."""
+        from torch.utils.checkpoint import checkpoint
+
+        b, s, h = x_BSH.shape
+        rows = max(1, LOSS_CHUNK // self.lm_head.out_features)
+        if b * (s - 1) <= rows:
+            return lm_loss(self.logits(x_BSH), labels_BS)
+        x = x_BSH[:, :-1].reshape(-1, h)  # the positions that predict a next token
+        y = labels_BS[:, 1:].reshape(-1)
+        total = x.new_zeros((), dtype=torch.float32)
+        for start in range(0, x.shape[0], rows):
+            end = start + rows
+            total = total + checkpoint(self._nll_sum, x[start:end], y[start:end], use_reentrant=False)
+        return total / (y != IGNORE).sum().clamp(min=1)
+
+    def _nll_sum(self, x_NH: torch.Tensor, y_N: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(
+            self.logits(x_NH).float(), y_N, ignore_index=IGNORE, reduction="sum"
+        )
+
+
+def lm_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of predicting token t+1 from positions <= t (labels are the inputs, unshifted)."""
+    v = logits_BSV.shape[-1]
+    return nn.functional.cross_entropy(
+        logits_BSV[:, :-1].float().reshape(-1, v), labels_BS[:, 1:].reshape(-1), ignore_index=IGNORE
+    )
+
+
+def token_nll(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> tuple[float, int]:
+    """(summed next-token loss, number of predicted tokens) of a batch."""
+    v = logits_BSV.shape[-1]
+    target = labels_BS[:, 1:].reshape(-1)
+    nll = nn.functional.cross_entropy(
+        logits_BSV[:, :-1].float().reshape(-1, v), target, ignore_index=IGNORE, reduction="sum"
+    )
+    return float(nll), int((target != IGNORE).sum())
+
+
+def causal_mask(attention_mask_BS: torch.Tensor, window: int | None) -> torch.Tensor | None:
+    """None for full blocks without a window (SDPA then runs its causal kernel); else a boolean mask
+    [B, 1, S, S] (True: attend) of key <= query, inside the window, and not padding (as transformers'
+    ``create_causal_mask`` / ``create_sliding_window_causal_mask`` build it)."""
+    padded = not bool(attention_mask_BS.all())
+    if window is None and not padded:
+        return None
+    s = attention_mask_BS.shape[1]
+    q = torch.arange(s, device=attention_mask_BS.device)[:, None]
+    k = torch.arange(s, device=attention_mask_BS.device)[None, :]
+    allowed = k <= q
+    if window is not None:
+        allowed = allowed & (k > q - window)
+    mask = allowed[None, None]
+    if padded:
+        mask = mask & attention_mask_BS.bool()[:, None, None, :]
+    return mask
+
+
+@functools.cache
+def _param_counts(spec: DecoderSpec) -> tuple[int, int, int]:
+    tied = spec.tied_params()
+
+    def count(kind: str) -> int:
+        layer = spec.new_layer(kind, "meta")
+        return sum(p.numel() for n, p in layer.named_parameters() if not (kind == POST and n in tied))
+
+    return count(PRE), count(BLOCK), count(POST)
+
+
+def config_dict(hf_json: str) -> dict[str, Any]:
+    return json.loads(hf_json) if hf_json else {}

@@ -1,0 +1,178 @@
+"""The Llama family: RMSNorm, rotary position embeddings, SwiGLU MLP, grouped-query attention; built from
+Hugging Face's own modules of the checkpoint's ``model_type`` (``LlamaDecoderLayer``, ``LlamaRMSNorm``,
+``LlamaRotaryEmbedding``; Mistral's and Qwen2's, which add a sliding window and Q/K/V biases), so their
+checkpoints load unchanged and the trained model saves back as a ``*ForCausalLM`` directory.
+
+pre = the token embedding; block = the decoder layer, given the rotary (cos, sin) and the causal (or
+sliding-window) mask as side inputs; post = the final RMSNorm and the LM head (tied or not).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from l2l_cli.models.decoder import DecoderSide, DecoderSpec, config_dict
+from l2l_cli.models.registry import ModelFamily, UnsupportedModel, register_family
+
+# model_type -> the class-name prefix of its transformers modules (modeling_<type>.<Prefix>DecoderLayer)
+PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+
+
+@dataclass(frozen=True)
+class LlamaSpec(DecoderSpec):
+    """Sizes of a Llama-architecture decoder (``num_kv_heads`` < ``num_heads``: grouped-query attention)."""
+
+    family = "llama"
+    base_prefix = "model."
+    blocks_name = "layers"
+    norm_name = "norm"
+    embed_name = "embed_tokens"
+
+    model_type: str  # llama | mistral | qwen2: whose transformers modules build the layers
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    seq_len: int  # max_position_embeddings
+    dropout: float  # attention dropout (Llama has no other)
+    layer_norm_eps: float  # rms_norm_eps
+    init_std: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    hf_json: str
+
+    def hf_config(self) -> Any:
+        return _config(self)
+
+    def module(self, what: str) -> Any:
+        """``transformers``' class ``<Prefix><what>`` for this model_type (DecoderLayer, RMSNorm, ...)."""
+        mod = importlib.import_module(f"transformers.models.{self.model_type}.modeling_{self.model_type}")
+        return getattr(mod, PREFIX[self.model_type] + what)
+
+    def causal_lm_class(self) -> str:
+        return PREFIX[self.model_type] + "ForCausalLM"
+
+    def new_pre(self, cfg: Any) -> nn.Module:
+        return TokenEmbedding(cfg)
+
+    def new_block(self, cfg: Any) -> nn.Module:
+        return self.module("DecoderLayer")(cfg, layer_idx=0)
+
+    def new_norm(self, cfg: Any) -> nn.Module:
+        return self.module("RMSNorm")(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def rope(self, ub: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the rotary embedding at positions 0..S-1, from the family's own module."""
+        ids = ub.input_ids
+        positions = torch.arange(ids.shape[1], device=ids.device)[None]
+        return _rotary(self, ids.device)(torch.empty(0, dtype=dtype, device=ids.device), positions)
+
+    def sliding_window(self) -> int | None:
+        return _window(self)[0]
+
+    def run_block(self, layer: nn.Module, index: int, x: torch.Tensor, side: DecoderSide) -> torch.Tensor:
+        sliding = side.window_mask is not None and (index - 1) in _window(self)[1]
+        mask = side.window_mask if sliding else side.mask
+        return layer(x, attention_mask=mask, position_embeddings=side.rope)
+
+
+class TokenEmbedding(nn.Module):
+    """pre: ``embed_tokens(ids)`` (Llama adds no positions here: they are rotary, inside attention)."""
+
+    def __init__(self, cfg: Any):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, cfg.pad_token_id)
+
+    def forward(self, input_ids_BS: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids_BS)
+
+
+@functools.cache  # built once per spec: every layer build and the relay's shells share it (read-only)
+def _config(spec: LlamaSpec) -> Any:
+    from transformers import AutoConfig
+
+    fields = {
+        **config_dict(spec.hf_json), "num_hidden_layers": spec.num_layers, "hidden_size": spec.hidden_size,
+        "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
+        "intermediate_size": spec.intermediate_size, "vocab_size": spec.vocab_size,
+        "max_position_embeddings": spec.seq_len, "rms_norm_eps": spec.layer_norm_eps,
+        "initializer_range": spec.init_std, "attention_dropout": spec.dropout,
+        "tie_word_embeddings": spec.tie_word_embeddings, "use_cache": False,
+    }  # fmt: skip
+    if not spec.hf_json:  # random init: rotary base from model.rope_theta; token ids come with the tokenizer
+        fields.update(rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta}, bos_token_id=None,
+                      eos_token_id=None)  # fmt: skip
+    fields.pop("model_type", None)
+    cfg = AutoConfig.for_model(spec.model_type, **fields)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+@functools.cache
+def _rotary(spec: LlamaSpec, device: torch.device) -> nn.Module:
+    return spec.module("RotaryEmbedding")(spec.hf_config()).to(device)
+
+
+@functools.cache
+def _window(spec: LlamaSpec) -> tuple[int | None, frozenset[int]]:
+    """(sliding window, the blocks that use it): Mistral's window applies to every layer, Qwen2's to the
+    layers its ``layer_types`` mark ``sliding_attention``."""
+    cfg = spec.hf_config()
+    window = getattr(cfg, "sliding_window", None)
+    if not window:
+        return None, frozenset()
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        return int(window), frozenset(range(spec.num_layers))
+    sliding = frozenset(i for i, t in enumerate(types) if t == "sliding_attention")
+    return (int(window), sliding) if sliding else (None, frozenset())
+
+
+def from_config(m: Any, num_labels: int) -> LlamaSpec:
+    """The spec from the ``model.*`` keys (random init)."""
+    return LlamaSpec(
+        "llama", m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads or m.num_heads, m.intermediate_size,
+        m.vocab_size, m.seq_len, m.dropout, m.layer_norm_eps, m.init_std, m.rope_theta,
+        bool(m.tie_word_embeddings), "",
+    )  # fmt: skip
+
+
+def from_hf_dir(path: Path, m: Any, num_labels: int) -> LlamaSpec:
+    """The spec from a checkpoint's ``config.json`` (llama, mistral or qwen2); ``model.dropout`` still
+    applies to attention (fine-tuning)."""
+    from transformers import AutoConfig
+
+    raw = (Path(path) / "config.json").read_text()
+    fields = json.loads(raw)
+    model_type = fields.pop("model_type", None) or "llama"
+    if model_type not in PREFIX:
+        raise UnsupportedModel(f"{path}: model_type {model_type!r} is not one the llama family builds")
+    c = AutoConfig.for_model(model_type, **fields)  # the type's own defaults for what the file leaves out
+    rope_theta = float((c.rope_parameters or {}).get("rope_theta", 10000.0))
+    return LlamaSpec(
+        model_type, c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+        c.intermediate_size, c.vocab_size, c.max_position_embeddings, m.dropout, c.rms_norm_eps,
+        c.initializer_range, rope_theta, bool(c.tie_word_embeddings), raw,
+    )  # fmt: skip
+
+
+register_family(
+    ModelFamily(
+        name="llama",
+        model_types=tuple(PREFIX),
+        description="Llama-architecture decoder: RMSNorm, rotary, SwiGLU, GQA (HF LlamaForCausalLM; Mistral, Qwen2)",
+        from_config=from_config,
+        from_hf_dir=from_hf_dir,
+        objective="lm",
+    )
+)
