@@ -19,8 +19,9 @@ from typing import Any
 
 SCHEMA_VERSION = 2
 
-# The phases of a step, in the papers' order (L2L v1 Figure 6); "other" is the step's remainder.
-PHASES = ("forward", "recompute", "backward", "optimizer", "transfer", "reduce")
+# The phases of a step, in the papers' order (L2L v1 Figure 6); "other" is the step's remainder. "bubble": a
+# pipeline rank's time inside the schedule not computing (fill, drain, waits on its neighbours).
+PHASES = ("forward", "recompute", "backward", "optimizer", "transfer", "reduce", "bubble")
 OTHER = "other"
 STATUSES = ("ok", "oom", "error", "interrupted")
 

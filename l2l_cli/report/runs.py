@@ -235,6 +235,7 @@ def config_from_hydra(cfg: Any) -> dict[str, Any]:
     mode, stash = _select(cfg, "mode.name"), _select(cfg, "mode.stash")
     size, ub = _select(cfg, "batch.size"), _select(cfg, "batch.ubatch_size")
     nproc = _select(cfg, "dist.nproc") or 1
+    shards = nproc // max(1, _select(cfg, "dist.pipeline") or 1)  # a pipeline's ranks share one shard
     pretrained = _select(cfg, "model.pretrained")
     device = _select(cfg, "device")
     out = {
@@ -249,7 +250,7 @@ def config_from_hydra(cfg: Any) -> dict[str, Any]:
         "ubatch_size": ub,
         "num_ubatches": size // ub if isinstance(size, int) and isinstance(ub, int) and ub else None,
         "batch_size": size,
-        "global_batch_size": size * nproc if isinstance(size, int) and isinstance(nproc, int) else None,
+        "global_batch_size": size * shards if isinstance(size, int) and isinstance(shards, int) else None,
         "seq_len": _select(cfg, "task.max_seq_len"),
         "task": _select(cfg, "task.name"),
         "optimizer": _select(cfg, "optim.name"),
