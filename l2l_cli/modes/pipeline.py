@@ -167,6 +167,10 @@ def validate(cfg: Any) -> list[Problem]:
     from l2l_cli.config.validate import divisors
 
     d, p = cfg.dist, []
+
+    def bad(key: str, message: str) -> None:
+        p.append(Problem(key, message))
+
     P = d.pipeline
     if P == 1:
         defaults = {
@@ -177,88 +181,49 @@ def validate(cfg: Any) -> list[Problem]:
         }
         for key, default in defaults.items():
             if d[key] != default:
-                p.append(
-                    Problem(f"dist.{key}", "applies to pipeline runs; set dist.pipeline > 1 (and dist.nproc)")
-                )
+                bad(f"dist.{key}", "applies to pipeline runs; set dist.pipeline > 1 (and dist.nproc)")
         return p
-    N, L = d.nproc, _num_layers(cfg)
+    N, L, lps = d.nproc, _num_layers(cfg), d.layers_per_stage
     if N % P:
-        p.append(
-            Problem(
-                "dist.pipeline",
-                f"{P} does not divide dist.nproc={N} (the ranks form nproc/P pipelines); "
-                f"allowed: a divisor of {N} ({divisors(N)})",
-            )
-        )
+        bad("dist.pipeline", f"{P} does not divide dist.nproc={N} (the ranks form nproc/P pipelines); allowed: "
+            f"a divisor of {N} ({divisors(N)})")  # fmt: skip
     if P > L:
-        p.append(
-            Problem(
-                "dist.pipeline",
-                f"got {P}; every pipeline rank needs a layer: must be <= model.num_layers={L}",
-            )
-        )
+        bad("dist.pipeline", f"got {P}; every pipeline rank needs a layer: must be <= model.num_layers={L}")
         return p
-    lps = d.layers_per_stage
-    if d.placement == "modular":
-        if L % lps:
-            p.append(
-                Problem(
-                    "dist.layers_per_stage",
-                    f"{lps} does not divide model.num_layers={L}; allowed: {divisors(L)}",
-                )
-            )
-            return p
-        if (L // lps) % P:
-            ok = [k for k in range(1, L + 1) if L % k == 0 and (L // k) % P == 0]
-            p.append(
-                Problem("dist.layers_per_stage", f"{L // lps} stages do not spread evenly over dist.pipeline={P} "
-                        f"ranks (torch's looped schedules give each rank as many); allowed: {', '.join(map(str, ok))}")
-            )  # fmt: skip
-            return p
-    else:
-        if L % P:
-            p.append(
-                Problem("dist.pipeline", f"placement=contiguous gives each rank L/P layers: {P} does not divide "
-                        f"model.num_layers={L}; allowed: a divisor of {L} ({divisors(L)}), or placement=modular")
-            )  # fmt: skip
-            return p
-        if lps not in (1, L // P):
-            p.append(
-                Problem("dist.layers_per_stage", f"applies to placement=modular; contiguous runs one stage of "
-                        f"L/P={L // P} layers per rank (torch's schedules place stages modularly)")
-            )  # fmt: skip
+    if L % P:
+        bad("dist.pipeline", f"torch's schedules give every rank as many stages: {P} does not divide "
+            f"model.num_layers={L}; allowed: a divisor of {L} ({divisors(L)})")  # fmt: skip
+        return p
+    if d.placement == "modular" and (L % lps or (L // lps) % P):
+        ok = [k for k in range(1, L + 1) if L % k == 0 and (L // k) % P == 0]
+        bad("dist.layers_per_stage", f"{lps} layers per stage do not make a multiple of dist.pipeline={P} "
+            f"stages of model.num_layers={L}; allowed: {', '.join(map(str, ok))}")  # fmt: skip
+        return p
+    if d.placement == "contiguous" and lps not in (1, L // P):
+        bad("dist.layers_per_stage", f"applies to placement=modular; contiguous runs one stage of L/P={L // P} "
+            "layers per rank (torch's multi-stage schedules place stages modularly)")  # fmt: skip
     plan = plan_of(cfg, L)
     schedule = AUTO_SCHEDULE[d.placement] if d.schedule == "auto" else d.schedule
-    multi = [k for k, (_, many) in SCHEDULES.items() if many]
     if plan.stages_per_rank > 1 and not SCHEDULES[schedule][1]:
-        p.append(
-            Problem("dist.schedule", f"{schedule} runs one stage per rank, but placement={d.placement} puts "
-                    f"{plan.stages_per_rank} stages on each; allowed: {', '.join(multi)} (or dist.layers_per_stage="
-                    f"{L // P})")
-        )  # fmt: skip
+        multi = ", ".join(k for k, (_, many) in SCHEDULES.items() if many)
+        bad("dist.schedule", f"{schedule} runs one stage per rank, but placement={d.placement} puts "
+            f"{plan.stages_per_rank} on each; allowed: {multi} (or dist.layers_per_stage={L // P})")  # fmt: skip
     b = cfg.batch
     n = b.size // b.ubatch_size if b.ubatch_size >= 1 and b.size % b.ubatch_size == 0 else None
     if n is not None and n < P:
-        p.append(
-            Problem("batch.ubatch_size", f"{n} micro-batches for dist.pipeline={P}: a pipeline needs at least P "
-                    f"in flight; allowed: batch.size / batch.ubatch_size >= {P}")
-        )  # fmt: skip
+        bad("batch.ubatch_size", f"{n} micro-batches for dist.pipeline={P}: a pipeline needs at least P in "
+            f"flight; allowed: batch.size / batch.ubatch_size >= {P}")  # fmt: skip
     elif n is not None and schedule == "interleaved_1f1b" and n % max(1, n // P):
-        rounds = max(1, n // P)
-        p.append(
-            Problem("batch.ubatch_size", f"interleaved_1f1b runs rounds of P micro-batches: {n} is not a multiple "
-                    f"of its {rounds} rounds; allowed: a multiple of {P}, or dist.schedule=breadth_first")
-        )  # fmt: skip
+        bad("batch.ubatch_size", f"interleaved_1f1b runs rounds of P micro-batches: {n} is not a multiple of "
+            f"its {max(1, n // P)} rounds; allowed: a multiple of {P}, or dist.schedule=breadth_first")  # fmt: skip
     spec = MODES.get(cfg.mode.name)
     if spec is not None and not spec.pipeline_stage:
         stage_modes = ", ".join(m.name for m in MODES.values() if m.pipeline_stage)
-        p.append(Problem("mode.name", f"mode={spec.name} cannot run as a pipeline stage; allowed with "
-                                      f"dist.pipeline > 1: {stage_modes}"))  # fmt: skip
+        bad("mode.name", f"mode={spec.name} cannot run as a pipeline stage; allowed with dist.pipeline > 1: "
+            f"{stage_modes}")  # fmt: skip
     if d.partition_state and cfg.optim.name != "adamw":
-        p.append(
-            Problem("dist.partition_state", f"optim={cfg.optim.name}'s trust ratio needs whole parameter tensors, "
-                    "a shard of the state splits them; use optim=adamw, or dist.partition_state=false")
-        )  # fmt: skip
+        bad("dist.partition_state", f"optim={cfg.optim.name}'s trust ratio needs whole parameter tensors, which "
+            "a shard of the state splits; use optim=adamw, or dist.partition_state=false")  # fmt: skip
     return p
 
 
@@ -649,9 +614,13 @@ class PipelineRunner(RunnerBase):
         }
         args = (mb.input_ids, mb.token_type_ids) if 0 in self.stages else ()
         losses: list[torch.Tensor] = []
+        # the pipeline's window opens and closes together on its ranks: a rank's wait for the first
+        # micro-batch (fill) and for the others to finish (drain) is its bubble, not its neighbour's update
+        dist.barrier(group=self.pp_group)
         t0 = time.perf_counter()
         with self.acc.meter.part("activations"):
             sched.step(*args, target=mb.labels, losses=losses, return_outputs=False, **kwargs)
+        dist.barrier(group=self.pp_group)
         t1 = time.perf_counter()
         times = self.timeline.pop(t0, t1)
         loss = self._pipeline_loss(losses)
@@ -797,14 +766,14 @@ class PipelineRunner(RunnerBase):
         mine: dict[str, dict[str, torch.Tensor]] = {"weights": {}, "moments": {}}
         for st in self.stages.values():
             m, v = st.full_moments(self.dp_group)
-            step = torch.tensor(st.steps_taken(), dtype=torch.float32)
-            for (name, w), (_, mm), (_, vv) in zip(
-                self._named(st, st.w), self._named(st, m), self._named(st, v)
-            ):
+            steps = st.steps_taken()
+            named = zip(self._named(st, st.w), self._named(st, m), self._named(st, v))
+            for (name, w), (_, exp_avg), (_, exp_avg_sq) in named:
                 mine["weights"][name] = w.detach().cpu().clone()
-                if st.steps_taken() > 0:
-                    mine["moments"] |= {f"{name}.exp_avg": mm.detach().cpu().clone(),
-                                        f"{name}.exp_avg_sq": vv.detach().cpu().clone(), f"{name}.step": step}  # fmt: skip
+                if steps > 0:  # as the baselines: moments once the optimizer has stepped
+                    mine["moments"][f"{name}.exp_avg"] = exp_avg.detach().cpu().clone()
+                    mine["moments"][f"{name}.exp_avg_sq"] = exp_avg_sq.detach().cpu().clone()
+                    mine["moments"][f"{name}.step"] = torch.tensor(steps, dtype=torch.float32)
         self._collected_at = self.step_count
         if self.dp_rank != 0:
             return
