@@ -53,8 +53,19 @@ class Run:
         return self.status == "ok"
 
     def get(self, key: str) -> Any:
-        """A config field (method, precision, ubatch_size, num_layers, ...) or None."""
-        return self.config.get(key)
+        """A config field (method, precision, ubatch_size, num_layers, ...), else a field of a mode's
+        summary section (``placement``, ``schedule`` of a pipeline run), or None."""
+        value = self.config.get(key)
+        if value is None:
+            for section in self.summary.sections.values():
+                if key in section and not isinstance(section[key], dict | list):
+                    return section[key]
+        return value
+
+    @property
+    def pipeline(self) -> dict[str, Any]:
+        """summary.json's ``pipeline`` section ({} for runs without a pipeline)."""
+        return self.summary.sections.get("pipeline", {}) if self.ok else {}
 
     @property
     def throughput(self) -> float | None:

@@ -91,6 +91,14 @@ def columns(runs: list[Run]) -> list[Column]:
     ]
     if any((r.summary.world_size or 1) > 1 for r in runs):
         cols.append(Column("TOTAL BATCH SIZE", lambda r: _int(r.get("global_batch_size"))))
+    if any(r.pipeline for r in runs):  # layered-GA §4: the layout and its bubble, measured vs appendix C
+        cols += [
+            Column("PIPELINE", lambda r: _int(r.pipeline.get("pipeline"))),
+            Column("PLACEMENT", lambda r: str(r.pipeline.get("placement") or DASH), numeric=False),
+            Column("SCHEDULE", lambda r: str(r.pipeline.get("schedule") or DASH), numeric=False),
+            Column("BUBBLE (%)", lambda r: _pct(r.pipeline.get("bubble_measured"))),
+            Column("PREDICTED (%)", lambda r: _pct(r.pipeline.get("bubble_predicted"))),
+        ]
     cols += [
         Column("#LAYER", lambda r: _int(r.get("num_layers"))),
         Column("#PARAMETERS", lambda r: fmt_count(r.params)),
@@ -196,8 +204,17 @@ CSV_FIELDS = [
     "hidden_size", "seq_len", "ubatch_size", "num_ubatches", "batch_size", "global_batch_size", "world_size",
     "params", "samples_per_s", "step_time_s", "device_peak_bytes", "device_budget_bytes", "host_bytes",
     "h2d_bytes", "d2h_bytes", "train_samples", "epoch_time_s", "steps", "final_loss", "skipped_steps",
-    "wall_time_s", "device",
+    "wall_time_s", "device", "pipeline", "data_parallel", "placement", "schedule", "bubble_measured",
+    "bubble_predicted",
 ]  # fmt: skip
+PIPELINE_FIELDS = (
+    "pipeline",
+    "data_parallel",
+    "placement",
+    "schedule",
+    "bubble_measured",
+    "bubble_predicted",
+)
 
 
 def csv_record(r: Run, metrics: list[str], phases: list[str]) -> dict[str, Any]:
@@ -225,6 +242,7 @@ def csv_record(r: Run, metrics: list[str], phases: list[str]) -> dict[str, Any]:
         "skipped_steps": s.skipped_steps,
         "wall_time_s": s.wall_time_s,
         "device": s.device or cfg.get("device"),
+        **{k: r.pipeline.get(k) for k in PIPELINE_FIELDS},
     }
     for m in metrics:
         rec[f"eval_{m}"] = s.eval.get(m)
