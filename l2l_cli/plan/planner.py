@@ -79,6 +79,7 @@ def make_plan(cfg: Any, rates: Rates | None = None) -> dict[str, Any]:
             "ubatch_size": s.ubatch,
             "num_ubatches": s.num_ubatches,
             "nproc": s.nproc,
+            "pipeline": s.pipeline,
             "device": cfg.device,
         },
         "hardware": rates.summary(),
@@ -103,5 +104,6 @@ def make_plan(cfg: Any, rates: Rates | None = None) -> dict[str, Any]:
         "equations": est.equations(shape, s, rates),
         "critical_batch_size": ga["critical_batch_size"],
         "layered_ga": ga,
+        "pipeline": est.pipeline_view(shape, s, rates),
         "notes": notes + list(rates.notes),
     }
