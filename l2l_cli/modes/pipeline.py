@@ -254,12 +254,12 @@ class StageModule(nn.Module):
         super().__init__()
         self.spec, self.index = spec, index
         self.layers = nn.ModuleList(layers)
-        self._runner = [runner]  # a list: not a submodule
+        self.runner = runner  # dropout seeding and the precision (a plain object, not a submodule)
 
     def forward(
         self, *x: torch.Tensor, mask: torch.Tensor, ubatch: torch.Tensor, labels: torch.Tensor | None = None
     ) -> torch.Tensor:
-        runner, spec = self._runner[0], self.spec
+        runner, spec = self.runner, self.spec
         u = int(ubatch[0])
         first = self.index[0] == 0
         ub = _ubatch(x[0] if first else None, x[1] if first else None, mask, labels)
@@ -358,12 +358,12 @@ class StageState:
         D = runner.dp_world
         self.numel = offset
         self.padded = -(-offset // D) * D  # equal shards for the reduce-scatter and all-gather
-        shard = self.padded // D if runner.settings_p.partition_state else self.padded
-        self.lo = runner.dp_rank * shard if runner.settings_p.partition_state else 0
+        shard = self.padded // D if runner.pipe.partition_state else self.padded
+        self.lo = runner.dp_rank * shard if runner.pipe.partition_state else 0
         self.hi = self.lo + shard
         self.w = acc.empty(self.padded, torch.float32, part="weights").zero_()
         self.g = acc.empty(self.padded, torch.float32, part="grads").zero_()
-        partitioned = runner.settings_p.partition_state and D > 1
+        partitioned = runner.pipe.partition_state and D > 1
         # the gradient the optimizer reads: the reduce-scatter's output shard, or the stage's own buffer
         self.g_opt = acc.empty(shard, torch.float32, part="grads").zero_() if partitioned else self.g
         self.partitioned = partitioned
@@ -500,7 +500,7 @@ class PipelineRunner(RunnerBase):
     def __init__(self, args: RunnerArgs, mode: ModeSpec):
         super().__init__(args)
         s: PipelineSettings = args.parallel
-        self.settings_p, self.stage_mode = s, mode
+        self.pipe, self.stage_mode = s, mode
         P, world, rank = s.pipeline, self.dist.world, self.dist.rank
         if world % P:
             raise RuntimeError(f"dist.pipeline={P} does not divide the {world} ranks launched")
@@ -579,7 +579,7 @@ class PipelineRunner(RunnerBase):
         n = self.num_ubatches if train else 1
         loss_fn = self._loss if train else None
         if train:
-            cls, many = SCHEDULES[self.settings_p.schedule]
+            cls, many = SCHEDULES[self.pipe.schedule]
         else:  # evaluation: forward only, one micro-batch, through every stage in order
             cls, many = ScheduleLoopedBFS, True
         sched = cls(stages if many else stages[0], n, loss_fn=loss_fn, scale_grads=False)
@@ -711,7 +711,7 @@ class PipelineRunner(RunnerBase):
         ranks = [None] * self.dist.world
         dist.all_gather_object(ranks, self.rank_stats())
         bubbles = [r["bubble"] for r in ranks if r["bubble"] is not None]
-        s, plan, n = self.settings_p, self.plan, self.num_ubatches
+        s, plan, n = self.pipe, self.plan, self.num_ubatches
         cls = SCHEDULES[s.schedule][0].__name__
         return {
             "pipeline": {
@@ -777,7 +777,7 @@ class PipelineRunner(RunnerBase):
         self._collected_at = self.step_count
         if self.dp_rank != 0:
             return
-        parts: list[Any] | None = [None] * self.settings_p.pipeline if self.dist.rank == 0 else None
+        parts: list[Any] | None = [None] * self.pipe.pipeline if self.dist.rank == 0 else None
         dist.gather_object(mine, parts, dst=0, group=self.pp_group)
         if parts is not None:
             self._full = {"weights": {}, "moments": {}}
