@@ -1,8 +1,8 @@
 """Issue 14's benchmark: the pipeline bubble, measured against the layered-GA paper's prediction (appendix
 C: a step lengthened by (P-1)/n_mu of its compute; §4: divided by L/P for the modular pipeline), and the
 throughput, for modular vs contiguous placement x breadth-first vs 1F1B x n_mu in {P, 2P, 4P}, on a
-bert-mini-shaped model (width 256, 4 heads) with 8 layers and P = 2 ranks. One process group runs every
-configuration (starting ranks costs seconds).
+bert-mini-shaped model (width 256, 4 heads; a 2k vocabulary, as the recipe) with 8 layers and P = 2 ranks.
+One process group runs every configuration (starting ranks costs seconds).
 Usage: python benchmarks/pipeline_bubble.py [--steps 6] [--seq 128] [--ubatch 4] [--layers 8] [--json out.json]
 
 Run it alone on the machine: the two ranks need a core each, or the bubble is the scheduler's.
@@ -26,8 +26,9 @@ CONFIGS = [  # (placement, schedule): contiguous runs one stage per rank, so its
 
 
 def jobs(layers: int, seq: int, ubatch: int) -> list[tuple[tuple[str, str, int], list[str]]]:
-    model = ["model=bert-mini", f"model.num_layers={layers}", "model.dropout=0.0", f"task.max_seq_len={seq}",
-             "task.pad_to_max=true", "task.num_train=512", "task.num_eval=8", "trainer.progress=none"]  # fmt: skip
+    model = ["model=bert-mini", f"model.num_layers={layers}", "model.vocab_size=2048", "model.dropout=0.0",
+             f"task.max_seq_len={seq}", "task.pad_to_max=true", "task.num_train=512", "task.num_eval=8",
+             "trainer.progress=none"]  # fmt: skip
     out = []
     for n in (P, 2 * P, 4 * P):
         for placement, schedule in CONFIGS:
