@@ -76,3 +76,56 @@ def _rank_main(cfg_yaml: str, run_dir: str) -> str:
         # stops them (when every rank failed the same way, rank 0's summary already says why)
         sys.exit(exit_code(status))
     return status
+
+
+def run_jobs(
+    nproc: int, jobs: list[list[str]], steps: int, save: dict[int, str] | None = None
+) -> dict[int, list[dict]]:
+    """Run each config of ``jobs`` (overrides) on ``nproc`` local ranks sharing one process group, to
+    ``trainer.max_steps`` (default ``steps``; a resumed job goes on from its checkpoint's step), on the
+    synthetic task (``task.num_train`` examples, seed 1: the tests' reference data). For tests and
+    benchmarks: starting ranks costs seconds, a small config's steps milliseconds. ``save``: job index -> a
+    run directory that gets a checkpoint after its steps (a later job's ``trainer.resume=<dir>`` goes on
+    from it). Returns, per rank, one dict per job: losses, step times and the reports' extras, and on rank
+    0 every weight by Hugging Face name and the mode's summary sections."""
+    from l2l_cli.engine.dist import launch
+
+    return launch(nproc, _jobs_main, (jobs, steps, save or {}))
+
+
+def _jobs_main(jobs: list[list[str]], steps: int, save: dict[int, str]) -> list[dict]:
+    import torch
+
+    from l2l_cli.compose import compose, setup
+    from l2l_cli.data.loading import TaskData, synthetic
+    from l2l_cli.data.tasks import TASKS
+    from l2l_cli.session import build
+
+    setup()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    out = []
+    for k, overrides in enumerate(jobs):
+        cfg = compose([f"trainer.max_steps={steps}", *overrides])
+        train = synthetic(cfg.task.num_train, cfg.task.max_seq_len, cfg.model.vocab_size, seed=1)
+        dev = synthetic(cfg.task.num_eval, cfg.task.max_seq_len, cfg.model.vocab_size, seed=2)
+        run_dir = Path(save[k]) if k in save else None
+        with build(cfg, run_dir, data=TaskData(TASKS["synthetic"], train, dev, "synthetic")) as s:
+            assert s.runner is not None and s.stream is not None and s.trainer is not None
+            batches = s.stream.batches(start_step=s.runner.step_count)
+            reports = [
+                s.runner.step(next(batches)) for _ in range(s.runner.step_count, cfg.trainer.max_steps)
+            ]
+            if run_dir is not None:
+                s.trainer.save()
+            s.runner.collect()
+            sections = s.runner.sections()
+            rank0 = s.dist.rank == 0
+            out.append({
+                "losses": [r.loss for r in reports],
+                "extra": [r.extra for r in reports],
+                "step_time_s": [r.step_time_s for r in reports],
+                "samples": [r.samples * s.dist.data_world for r in reports],
+                "weights": {n: t.detach().float().clone() for n, t in s.runner.hf_tensors()} if rank0 else None,
+                "sections": sections if rank0 else None,
+            })  # fmt: skip
+    return out

@@ -122,6 +122,8 @@ class Trainer:
         self.summary.resumed_from = {"checkpoint": str(path), "step": state["step"]}
 
     def save(self) -> Path | None:
+        """Every rank calls it (a pipeline's ranks first bring their stages to rank 0); rank 0 writes."""
+        self.runner.collect()
         if not self.files.enabled:  # rank 0 writes (the state is identical on every rank)
             return None
         if self.realtime is not None:
@@ -157,7 +159,7 @@ class Trainer:
                     if self.store is not None:  # after this step's writes: a restart continues here
                         self.store.commit(step, self.state(), self.ident)
                     self.account(report, step, tokens)
-                    sps = report.samples * self.ctx.world / report.step_time_s
+                    sps = report.samples * self.ctx.data_world / report.step_time_s
                     progress.update(step, report.loss, sps, meter.peak_bytes)
                     if self.save_every and step % self.save_every == 0 and step < self.steps:
                         self.save()
@@ -182,7 +184,7 @@ class Trainer:
     def account(self, report: StepReport, step: int, tokens: int = 0) -> None:
         """Bookkeeping of one step: the bad-step policy, throughput (samples and, on ``tokens``, the
         step's non-padding tokens per second), the step's metrics row."""
-        meter, world = self.runner.acc.meter, self.ctx.world
+        meter, world = self.runner.acc.meter, self.ctx.data_world  # ranks reading distinct samples
         self.loss = report.loss
         self.skipped += int(report.skipped)
         scaler = self.runner.precision.scaler
@@ -229,14 +231,16 @@ class Trainer:
         runner = self.runner
         metrics = self.evaluate_fn()
         self._log_eval(runner.step_count, metrics)
-        if self.save_every and self.files.enabled:
+        if self.save_every:
             self.save()  # the final state is resumable too (e.g. to train further with more steps)
-        if self.save_final and self.files.enabled:
-            runner.spec.save_hf(self.files.dir / "final", runner.hf_tensors(), self.data.spec)
-            if self.data.tokenizer is not None:  # a language model's export carries its tokenizer
-                from l2l_cli.data.lm import save_tokenizer
+        if self.save_final:
+            runner.collect()  # (collective: a pipeline brings every stage's layers to rank 0)
+            if self.files.enabled:
+                runner.spec.save_hf(self.files.dir / "final", runner.hf_tensors(), self.data.spec)
+                if self.data.tokenizer is not None:  # a language model's export carries its tokenizer
+                    from l2l_cli.data.lm import save_tokenizer
 
-                save_tokenizer(self.data.tokenizer, self.files.dir / "final")
+                    save_tokenizer(self.data.tokenizer, self.files.dir / "final")
         n, total = self.steady["n"], self.steady["time"]
         breakdown = {k: v / n for k, v in sorted(self.phase_sum.items())} if n else {}
         if n:

@@ -114,6 +114,12 @@ def summary_table(summary: Summary) -> Table:
                 f"{disk['host_cache_layers']} layers in RAM",
             )
         )
+    pipe = summary.sections.get("pipeline")
+    if pipe and pipe.get("bubble_measured") is not None:  # layered-GA §4: measured vs appendix C
+        rows.append(
+            ("pipeline", f"{pipe['data_parallel']} x {pipe['pipeline']} ranks, {pipe['placement']} "
+             f"{pipe['schedule']}: bubble {pipe['bubble_measured']:.1%} (predicted {pipe['bubble_predicted']:.1%})")
+        )  # fmt: skip
     for name, value in summary.eval.items():
         rows.append((f"eval {name}", f"{value:.4f}"))
     if summary.error:

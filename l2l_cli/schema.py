@@ -19,8 +19,9 @@ from typing import Any
 
 SCHEMA_VERSION = 2
 
-# The phases of a step, in the papers' order (L2L v1 Figure 6); "other" is the step's remainder.
-PHASES = ("forward", "recompute", "backward", "optimizer", "transfer", "reduce", "disk_wait")
+# The phases of a step, in the papers' order (L2L v1 Figure 6); "other" is the step's remainder. "bubble": a
+# pipeline rank's time inside the schedule not computing (fill, drain, waits on its neighbours).
+PHASES = ("forward", "recompute", "backward", "optimizer", "transfer", "reduce", "disk_wait", "bubble")
 OTHER = "other"
 # Seconds of work on background threads (the disk EPS's reader and writer): reported beside the phases,
 # but not part of the step's critical path (their exposed part is ``disk_wait``), so never in "other".

@@ -37,7 +37,7 @@ from l2l_cli.engine.precision import Precision, make_precision
 from l2l_cli.engine.tiers import TierSettings
 from l2l_cli.loop import StopFlag, Trainer
 from l2l_cli.models import ModelSpec, PretrainedUnavailable, UnsupportedModel, make_spec, resolve_pretrained
-from l2l_cli.modes import MODES, ModeSpec, Runner, RunnerArgs, StepSettings
+from l2l_cli.modes import MODES, ModeSpec, ParallelSpec, Runner, RunnerArgs, StepSettings, parallel_for
 from l2l_cli.rundir import JsonlLogger, Logger, RunFiles
 from l2l_cli.schema import DeviceMemory, HostMemory, MemoryReport, RunConfig, Summary, Transfer
 
@@ -84,7 +84,8 @@ def check_vocab(data: TaskData, spec: ModelSpec, cfg: Any) -> None:
 
 
 def run_config(cfg: Any, mode: ModeSpec, spec: ModelSpec, data: TaskData, world: int) -> RunConfig:
-    """The summary's ``config`` block: what the run was, in the papers' terms."""
+    """The summary's ``config`` block: what the run was, in the papers' terms (``world``: the data-parallel
+    degree, how many minibatches of ``batch.size`` make a global one)."""
     stash = effective_stash(cfg)
     return RunConfig(
         method=mode.method(stash), mode=mode.name, stash=stash, precision=effective_precision(cfg),
@@ -116,6 +117,7 @@ class Session:
         self.summary = Summary(run_dir=str(run_dir or ""))
         self.data = data
         self.mode: ModeSpec | None = MODES.get(cfg.mode.name)
+        self.parallel: ParallelSpec | None = None  # a strategy beyond plain data parallel (pipeline)
         self.model: ModelSpec | None = None
         self.acc: Accelerator | None = None
         self.precision: Precision | None = None
@@ -135,7 +137,11 @@ class Session:
             if problems:
                 raise ConfigError(problems)
             self.mode = MODES[cfg.mode.name]
+            self.parallel = parallel_for(cfg)
+            parallel = self.parallel.settings(cfg) if self.parallel else None
             self.dist = dist_from_env(cfg)
+            if self.parallel:  # which ranks share a data shard (a pipeline's do), which evaluate together
+                self.dist = self.parallel.layout(self.dist, parallel)
             torch.manual_seed(cfg.trainer.seed)
             try:
                 data = self.data = self.data or load_task(cfg.task, cfg.model)
@@ -154,7 +160,8 @@ class Session:
                     raise ConfigError(problems)
             check_vocab(data, self.model, cfg)
             self.stream = TrainStream(
-                data.train, cfg.batch.size, seed=cfg.trainer.seed, world=self.dist.world, rank=self.dist.rank,
+                data.train, cfg.batch.size, seed=cfg.trainer.seed, world=self.dist.data_world,
+                rank=self.dist.data_rank,
                 pad_to_max=cfg.task.max_seq_len if cfg.task.pad_to_max else None,
             )  # fmt: skip
             self.steps = total_steps(cfg, self.stream)
@@ -165,7 +172,7 @@ class Session:
             )  # fmt: skip
             self.summary.device = self.acc.describe()
             self.summary.world_size = self.dist.world
-            self.summary.config = run_config(cfg, self.mode, self.model, data, self.dist.world)
+            self.summary.config = run_config(cfg, self.mode, self.model, data, self.dist.data_world)
             self.summary.params = self.model.total_params  # known even when the runner runs out of memory
             log.info("run %s on %s: %s", self.run_dir, self.acc.describe(), self.summary.config.to_json())
             self._stack.enter_context(self.acc.running())
@@ -176,10 +183,12 @@ class Session:
             )  # fmt: skip
             args = RunnerArgs(
                 self.model, self.acc, self.precision, step_settings(cfg, self.steps),
-                OptimSettings.from_cfg(cfg.optim), self.dist, tier,
+                OptimSettings.from_cfg(cfg.optim), self.dist, tier, parallel,
             )  # fmt: skip
             with self.acc.meter.window():  # what the runner allocates on the device as it is built
-                self.runner = self.mode.runner(args)
+                self.runner = (
+                    self.parallel.runner(args, self.mode) if self.parallel else self.mode.runner(args)
+                )
             self.loggers = [JsonlLogger(self.files)]
             self.trainer = self._trainer()
             with self.acc.meter.window():
@@ -216,11 +225,12 @@ class Session:
 
     def evaluate(self) -> dict[str, float]:
         """The task's metrics on the dev split: rank 0 evaluates (the weights are identical on every
-        rank), the others wait for it."""
+        rank), the others wait for it; ranks that each hold part of the model (a pipeline's) predict
+        together, and rank 0 keeps the metrics."""
         assert self.runner is not None and self.data is not None and self.model is not None
         cfg = self.cfg
         metrics: dict[str, float] = {}
-        if self.dist.rank == 0:
+        if self.dist.rank in self.dist.eval_ranks:
             pad = cfg.task.max_seq_len if cfg.task.pad_to_max else None
             size = cfg.batch.eval_size or cfg.batch.size
             metrics = self.model.evaluate(self.runner.predict, self.data.dev, self.data.spec, size, pad)

@@ -146,6 +146,22 @@ def check_glue(rows: Rows) -> None:
     assert t[("mrpc", "baseline-ag")]["ubatch_size"] == "4" and t[("mrpc", "l2l")]["ubatch_size"] == "8"
 
 
+def check_layered_ga_pipeline(rows: Rows) -> None:
+    (r,) = rows
+    assert r["status"] == "ok" and r["method"] == "baseline-ag" and r["world_size"] == "2"
+    assert (r["pipeline"], r["placement"], r["schedule"], r["num_ubatches"]) == (
+        "2",
+        "modular",
+        "breadth_first",
+        "2",
+    )
+    assert r["global_batch_size"] == "8"  # two ranks, one pipeline: one data shard
+    assert float(r["bubble_predicted"]) == pytest.approx(
+        (1 / 8) / (1 + 1 / 8)
+    )  # (P-1)/n_mu x P/L, as a share
+    assert 0 <= float(r["bubble_measured"]) < 1 and float(r["time_bubble_s"]) >= 0
+
+
 CASES: dict[str, Case] = {
     "l2l_v2_table2": Case(
         [*TINY, "model.num_layers=2", "batch.size=8", "trainer.max_steps=2"], check_v2_table2
@@ -182,6 +198,18 @@ CASES: dict[str, Case] = {
     ),
     "l2l_v1_figure6": Case(
         [*TINY, "model.num_layers=2", "trainer.max_steps=3"], check_v1_figure6, ("time_breakdown.png",)
+    ),
+    # one job of the twelve (two ranks each: ~20 s here)
+    "layered_ga_pipeline": Case(
+        [
+            *TINY,
+            "batch.size=8",
+            "dist.placement=modular",
+            "dist.schedule=breadth_first",
+            "trainer.max_steps=2",
+        ],
+        check_layered_ga_pipeline,
+        ("pipeline_bubble.png",),
     ),
     # one task of the two (each MiniLM job costs ~10 s here); the header test checks RTE's data dir
     "glue_accuracy": Case(

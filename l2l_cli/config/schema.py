@@ -21,6 +21,8 @@ CLIP = ("auto", "global", "layer", "none")
 DEVICES = ("auto", "cpu", "cuda", "sim")
 PROGRESS = ("auto", "rich", "plain", "none")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
+PLACEMENTS = ("modular", "contiguous")  # pipeline stages: layer i on rank i mod P, or blocks of L/P layers
+PIPE_SCHEDULES = ("auto", "breadth_first", "interleaved_1f1b", "gpipe", "1f1b")
 SCALES = ("cpu", "paper")
 EPS_TIERS = ("host", "disk")
 
@@ -140,6 +142,13 @@ class DistConfig:
     backend: str = "auto"  # auto = nccl on CUDA, gloo otherwise
     timeout_s: float = 600.0  # a collective that waits longer ends the job (a dead rank ends it at once)
     eager_reduce: bool = True  # L2L: reduce each layer's gradient as it lands (false: all after backward)
+    # pipeline parallelism (layered-GA §4, on torch.distributed.pipelining): P ranks per pipeline, nproc/P
+    # pipelines side by side (data parallel); mode.name is the algorithm each stage runs
+    pipeline: int = 1  # P: 1 = no pipeline; must divide nproc
+    placement: str = "modular"  # modular: stage s on pipeline rank s mod P (the paper's) | contiguous
+    schedule: str = "auto"  # auto: breadth_first (modular), 1f1b (contiguous) | interleaved_1f1b | gpipe
+    layers_per_stage: int = 1  # transformer layers per stage (modular placement)
+    partition_state: bool = False  # each data-parallel rank keeps the optimizer state of its shard only
 
 
 @dataclass

@@ -26,6 +26,8 @@ from l2l_cli.config.schema import (
     HALF_DTYPES,
     LOSS_SCALE,
     OPTIMIZERS,
+    PIPE_SCHEDULES,
+    PLACEMENTS,
     PRECISIONS,
     PROGRESS,
     SCALES,
@@ -461,12 +463,20 @@ def _device(cfg: Any, check_files: bool) -> list[Problem]:
 
 @check("dist")
 def _dist(cfg: Any, check_files: bool) -> list[Problem]:
-    from l2l_cli.modes import MODES
+    from l2l_cli.modes import MODES, PARALLEL
 
     p: list[Problem] = []
-    at_least(p, "dist.nproc", cfg.dist.nproc, 1)
-    one_of(p, "dist.backend", cfg.dist.backend, DIST_BACKENDS)
-    positive(p, "dist.timeout_s", cfg.dist.timeout_s)
+    d = cfg.dist
+    at_least(p, "dist.nproc", d.nproc, 1)
+    one_of(p, "dist.backend", d.backend, DIST_BACKENDS)
+    positive(p, "dist.timeout_s", d.timeout_s)
+    at_least(p, "dist.pipeline", d.pipeline, 1)
+    at_least(p, "dist.layers_per_stage", d.layers_per_stage, 1)
+    one_of(p, "dist.placement", d.placement, PLACEMENTS)
+    one_of(p, "dist.schedule", d.schedule, PIPE_SCHEDULES)
+    if not p:  # the strategies' cross-field rules (pipeline: P divides nproc, #ubatches >= P, ...)
+        for strategy in PARALLEL.values():
+            p.extend(strategy.validate(cfg))
     spec = _mode(cfg)
     if not cfg.dist.eager_reduce and spec is not None and spec.distribute != "eps":
         with_eps = ", ".join(m.name for m in MODES.values() if m.distribute == "eps")

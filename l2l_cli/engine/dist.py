@@ -20,10 +20,17 @@ import torch.distributed as dist
 
 @dataclass
 class DistContext:
+    """This rank's place among the ranks. Plain data parallel: every rank reads its own shard of each
+    global minibatch and holds the whole model. A parallel strategy (pipeline parallelism) may give
+    several ranks one shard (``data_rank``/``data_world``) and evaluate with several ranks together."""
+
     rank: int = 0
     world: int = 1
     local_rank: int = 0
     eps_group: Any = None  # gloo group for the EPS's host-side gradient reduction
+    data_rank: int = 0  # which shard of each global minibatch this rank reads
+    data_world: int = 1  # how many shards a global minibatch has (the data-parallel degree)
+    eval_ranks: tuple[int, ...] = (0,)  # the ranks that run ``predict`` together; rank 0 keeps the metrics
 
     @property
     def enabled(self) -> bool:
@@ -63,7 +70,7 @@ def from_env(cfg: Any) -> DistContext:
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timeout)
     eps_group = dist.new_group(backend="gloo", timeout=timeout)
-    return DistContext(rank, world, local_rank, eps_group)
+    return DistContext(rank, world, local_rank, eps_group, data_rank=rank, data_world=world)
 
 
 def shutdown(ctx: DistContext) -> None:

@@ -138,7 +138,7 @@ class DecoderSpec(ModelSpec):
 
     def side_inputs(self, ub: Any, dtype: torch.dtype) -> DecoderSide:
         window = self.sliding_window()
-        seq = ub.input_ids.shape[1]
+        seq = ub.attention_mask.shape[1]  # (a pipeline stage past the first has no token ids)
         return DecoderSide(
             mask=causal_mask(ub.attention_mask, None),
             window_mask=causal_mask(ub.attention_mask, window)

@@ -73,7 +73,7 @@ class LlamaSpec(DecoderSpec):
 
     def rope(self, ub: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of the rotary embedding at positions 0..S-1, from the family's own module."""
-        ids = ub.input_ids
+        ids = ub.attention_mask  # positions 0..S-1 (a pipeline stage past the first has no token ids)
         positions = torch.arange(ids.shape[1], device=ids.device)[None]
         return _rotary(self, ids.device)(torch.empty(0, dtype=dtype, device=ids.device), positions)
 

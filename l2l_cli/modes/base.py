@@ -60,6 +60,7 @@ class RunnerArgs:
     optim: OptimSettings
     dist: DistContext = field(default_factory=DistContext)
     eps_tier: TierSettings = field(default_factory=TierSettings)  # where an EPS keeps the state (eps.*)
+    parallel: Any = None  # the parallel strategy's typed settings (pipeline: PipelineSettings); None: none
 
 
 @dataclass
@@ -99,7 +100,14 @@ class Runner(Protocol):
 
     def load_state(self, ckpt: Path, manifest: dict[str, Any]) -> None: ...
 
-    def sections(self) -> dict[str, dict[str, Any]]: ...
+    def collect(self) -> None:
+        """Collective (every rank calls it): bring the training state to rank 0, which writes checkpoints
+        and the final model. A no-op where rank 0 already holds all of it."""
+        ...
+
+    def sections(self) -> dict[str, dict[str, Any]]:
+        """Collective: the mode's own summary.json sections (``pipeline``: per-rank times, the bubble)."""
+        ...
 
     def close(self) -> None: ...
 
@@ -149,7 +157,7 @@ class RunnerBase:
     def seed_dropout(self, layer: int, ubatch: int) -> None:
         """Reseed dropout for (layer, micro-batch), numbering micro-batches across data-parallel ranks, so
         N ranks draw the masks one process with the whole global minibatch draws."""
-        global_ubatch = self.dist.rank * self.num_ubatches + ubatch
+        global_ubatch = self.dist.data_rank * self.num_ubatches + ubatch
         self.acc.seed(ubatch_seed(self.seed, self.step_count, layer, global_ubatch))
 
     def to_device(self, batch: Batch) -> Batch:
@@ -168,8 +176,10 @@ class RunnerBase:
     def host_parts(self) -> dict[str, int]:
         return {}
 
+    def collect(self) -> None:
+        return None
+
     def sections(self) -> dict[str, dict[str, Any]]:
-        """The mode's own summary.json sections (``{name: {field: value}}``), written at the end."""
         return {}
 
     def close(self) -> None:

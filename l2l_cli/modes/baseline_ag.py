@@ -33,5 +33,6 @@ SPEC = register_mode(
         runner=BaselineAGRunner,
         description="Alg. 2: each micro-batch through the whole model on the device, gradients accumulated",
         precision_note="cmp keeps the FP32 master in the eager param-server, which only the L2L modes have",
+        pipeline_stage=True,  # Alg. 2 per stage: the pipeline's micro-batches accumulate each stage's gradient
     )
 )

@@ -37,18 +37,33 @@ class Setup:
     nproc: int = 1
     tier: str = "host"  # eps.tier: where the EPS keeps the state (the L2L modes)
     cache_layers: int = 2  # eps.host_cache_layers (tier=disk)
+    pipeline: int = 1  # dist.pipeline: ranks per pipeline (layered-GA §4); nproc / pipeline pipelines
+    placement: str = "modular"
+    schedule: str = "breadth_first"  # resolved (dist.schedule=auto: by placement)
+    layers_per_stage: int = 1
+    partition_state: bool = False
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> Setup:
+        from l2l_cli.modes.pipeline import PipelineSettings
+
+        pipe = PipelineSettings.from_cfg(cfg)
         return cls(
             cfg.mode.name, effective_stash(cfg), bool(cfg.mode.prefetch), effective_precision(cfg), cfg.task.max_seq_len,
             cfg.batch.size, cfg.batch.ubatch_size, cfg.dist.nproc, cfg.eps.tier, cfg.eps.host_cache_layers,
+            pipe.pipeline, pipe.placement, pipe.schedule,
+            pipe.layers_per_stage if pipe.placement == "modular" else 1, pipe.partition_state,
         )  # fmt: skip
 
     @property
     def disk(self) -> bool:
         """The EPS keeps its state on disk, a few layers cached in RAM (eps.tier=disk)."""
         return self.l2l and self.tier == "disk"
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks reading distinct samples: every rank, or one pipeline of ``pipeline`` ranks each."""
+        return max(1, self.nproc // self.pipeline)
 
     @property
     def num_ubatches(self) -> int:
@@ -86,6 +101,8 @@ def memory(shape: ModelShape, s: Setup) -> dict[str, dict[str, float]]:
     pre = shape.pre_saved_bytes(s.seq, s.precision)
     dev: dict[str, float] = {}
     host: dict[str, float] = {}
+    if s.pipeline > 1:
+        return pipeline_memory(shape, s)
     disk: dict[str, float] = {}
     if not s.l2l:
         # l2l-v1 eq. 1: the whole training state on the device, every layer's activations for one ubatch
@@ -141,6 +158,8 @@ class Phase:
 
 def step_time(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Phase]:
     """Seconds per optimizer step by phase: ``exposed`` is on the critical path, ``hidden`` overlapped."""
+    if s.pipeline > 1:
+        return pipeline_time(shape, s, rates)
     ph = {p: Phase() for p in PHASES}
     N, u = shape.num_layers, s.num_ubatches
     lt = rates.layer_times(shape, s.seq, s.ubatch)
@@ -298,7 +317,7 @@ def evaluate(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Any]:
         "fits": fits,
         "phases": phases,
         "step_time_s": total,
-        "samples_per_s": s.batch * s.nproc / total if total > 0 else float("inf"),
+        "samples_per_s": s.batch * s.data_parallel / total if total > 0 else float("inf"),
     }
 
 
@@ -412,9 +431,11 @@ def equations(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, float]:
 
 def compare_setups(s: Setup) -> list[Setup]:
     """Every registered mode at the config's batch, once per stash option (a mode without micro-batches
-    runs the batch whole; the others split it as configured)."""
+    runs the batch whole; the others split it as configured); in a pipeline, the modes a stage can run."""
     out = []
     for spec in MODES.values():
+        if s.pipeline > 1 and not spec.pipeline_stage:
+            continue
         ub = s.ubatch if spec.microbatches else s.batch
         for stash in spec.stash or (None,):
             out.append(s.but(mode=spec.name, stash=stash, ubatch=ub))
@@ -481,3 +502,110 @@ def verdict(shape: ModelShape, s: Setup, rates: Rates, result: dict[str, Any]) -
         f"does not fit: device needs {fmt_bytes(result['device_bytes'])} > budget {fmt_bytes(dev_budget)} "
         f"(largest part: {worst.replace('_', ' ')}, {fmt_bytes(parts[worst])}); try {hints[worst]}"
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# Pipeline parallelism (layered-GA §4, appendix C)
+
+
+def _stage_plan(shape: ModelShape, s: Setup) -> Any:
+    from l2l_cli.modes.pipeline import StagePlan
+
+    return StagePlan(shape.num_layers, s.pipeline, s.placement, s.layers_per_stage)
+
+
+def _pipeline_ranks(shape: ModelShape, s: Setup, rates: Rates) -> list[dict[str, float]]:
+    """Per pipeline rank: forward and backward seconds of its layers over the step's micro-batches, its
+    parameters and layers (the embeddings go with the first stage, the head with the last)."""
+    plan = _stage_plan(shape, s)
+    lt = rates.layer_times(shape, s.seq, s.ubatch)
+    u, head = s.num_ubatches, shape.num_layers + 1
+    cost = {
+        0: (lt.pre_fwd_grad, lt.pre_bwd, shape.pre_params),
+        head: (lt.post_fwd_grad, lt.post_bwd, shape.post_params),
+    }
+    block = (lt.block_fwd_grad, lt.block_bwd, shape.block_params)
+    out = []
+    for r in range(s.pipeline):
+        layers = [i for st in plan.stages_of(r) for i in plan.layers(st)]
+        f, b, p = (sum(cost.get(i, block)[k] for i in layers) for k in range(3))
+        out.append({"forward": u * f, "backward": u * b, "params": p, "layers": len(layers)})
+    return out
+
+
+def pipeline_time(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Phase]:
+    """A pipeline step on its busiest rank: that rank's forward and backward, the bubble (appendix C:
+    (P-1)/n_mu of the compute, divided by the stages each rank holds: §4's L/P for the modular pipeline),
+    its optimizer, and the data-parallel reduction of its layers' gradients, which overlaps the backward of
+    the rank's other stages (each stage reduces as soon as its last micro-batch is through)."""
+    ph = {p: Phase() for p in PHASES}
+    plan = _stage_plan(shape, s)
+    busy = max(_pipeline_ranks(shape, s, rates), key=lambda r: r["forward"] + r["backward"])
+    f, b = busy["forward"], busy["backward"]
+    ph["forward"].add(f, f)
+    ph["backward"].add(b, b)
+    bubble = plan.bubble_overhead(s.num_ubatches) * (f + b)
+    ph["bubble"].add(bubble, bubble)
+    D = s.data_parallel
+    t = rates.device_update_time(busy["params"] / (D if s.partition_state else 1))
+    ph["optimizer"].add(t, t)
+    if D > 1:
+        red = 2 * (D - 1) / D * 4.0 * busy["params"] / rates.network
+        v = plan.stages_per_rank
+        ph["reduce"].add(red, red - b * (v - 1) / v)
+    return ph
+
+
+def pipeline_memory(shape: ModelShape, s: Setup) -> dict[str, dict[str, float]]:
+    """Device bytes of the busiest pipeline rank: its layers' weights and gradients, their moments (shared
+    over the data-parallel ranks when partitioned), and the saved activations of its layers for every
+    micro-batch in flight (breadth-first and GPipe keep all until backward; 1F1B at most P)."""
+    plan = _stage_plan(shape, s)
+    head = shape.num_layers + 1
+    per = {0: shape.pre_params, head: shape.post_params}
+    ranks = [[i for st in plan.stages_of(r) for i in plan.layers(st)] for r in range(s.pipeline)]
+    params = max(sum(per.get(i, shape.block_params) for i in layers) for layers in ranks)
+    layers = max(len(x) for x in ranks)
+    moments = 8.0 * params / (s.data_parallel if s.partition_state else 1)
+    in_flight = (
+        s.num_ubatches if s.schedule in ("breadth_first", "gpipe") else min(s.num_ubatches, s.pipeline)
+    )
+    saved = shape.block_saved_bytes(s.seq, s.precision)
+    working = shape.block_working_bytes(s.seq, s.precision)
+    dev = {
+        "training_state": 8.0 * params + moments,
+        "working_activations": s.ubatch * (in_flight * layers * saved + (working - saved)),
+    }
+    return {"device": dev, "host": {}, "disk": {}}
+
+
+def pipeline_view(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Any] | None:
+    """``l2l plan``'s pipeline section: the configured (N, P, placement, schedule), its predicted bubble and
+    step time, and the other placements and schedules at the same batch beside it."""
+    if s.pipeline <= 1:
+        return None
+    from l2l_cli.modes.pipeline import SCHEDULES
+
+    rows = []
+    for placement in ("modular", "contiguous"):
+        lps = s.layers_per_stage if placement == "modular" else 1
+        for schedule, (cls, many) in SCHEDULES.items():
+            alt = s.but(placement=placement, schedule=schedule, layers_per_stage=lps)
+            plan = _stage_plan(shape, alt)
+            if shape.num_layers % (s.pipeline * plan.block_size) or (plan.stages_per_rank > 1 and not many):
+                continue  # the config check refuses it
+            r = evaluate(shape, alt, rates)
+            rows.append({
+                "placement": placement, "schedule": schedule, "torch_schedule": cls.__name__,
+                "stages_per_rank": plan.stages_per_rank, "bubble_overhead": plan.bubble_overhead(s.num_ubatches),
+                "bubble_predicted": plan.bubble_fraction(s.num_ubatches), "step_time_s": r["step_time_s"],
+                "samples_per_s": r["samples_per_s"], "configured": alt == s,
+            })  # fmt: skip
+    mine = next(r for r in rows if r["configured"])
+    return {
+        "pipeline": s.pipeline, "data_parallel": s.data_parallel, "placement": s.placement, "schedule": s.schedule,
+        "num_ubatches": s.num_ubatches, "layers_per_stage": s.layers_per_stage, "partition_state": s.partition_state,
+        "bubble_overhead": mine["bubble_overhead"], "bubble_predicted": mine["bubble_predicted"],
+        "step_time_s": mine["step_time_s"], "samples_per_s": mine["samples_per_s"],
+        "ranks": _pipeline_ranks(shape, s, rates), "alternatives": rows,
+    }  # fmt: skip

@@ -81,6 +81,7 @@ def make_plan(cfg: Any, rates: Rates | None = None) -> dict[str, Any]:
             "nproc": s.nproc,
             "eps_tier": s.tier if s.l2l else None,
             "eps_host_cache_layers": s.cache_layers if s.disk else None,
+            "pipeline": s.pipeline,
             "device": cfg.device,
         },
         "hardware": rates.summary(),
@@ -107,5 +108,6 @@ def make_plan(cfg: Any, rates: Rates | None = None) -> dict[str, Any]:
         "equations": est.equations(shape, s, rates),
         "critical_batch_size": ga["critical_batch_size"],
         "layered_ga": ga,
+        "pipeline": est.pipeline_view(shape, s, rates),
         "notes": notes + list(rates.notes),
     }

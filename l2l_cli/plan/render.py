@@ -55,6 +55,11 @@ def render(plan: dict[str, Any], console: Console) -> None:
         f"[bold]{c['model']}[/] ({fmt_n(plan['params']['total'])} parameters) · {c['method']} · {c['precision']} · "
         f"seq {c['seq_len']} · batch {c['batch_size']} = {c['num_ubatches']} × ubatch {c['ubatch_size']}"
         + (f" × {c['nproc']} processes" if c["nproc"] > 1 else "")
+        + (
+            f" = {c['nproc'] // c['pipeline']} (data) × {c['pipeline']} (pipeline)"
+            if c.get("pipeline", 1) > 1
+            else ""
+        )
         + f"\nhardware [bold]{hw['name']}[/]: {hw['device_tflops']:.3g} TFLOP/s, "
         f"{hw['device_memory_gib']:.3g} GiB device, link {hw['h2d_gbps']:.3g} GB/s, "
         f"host update {hw['host_gflops']:.3g} GFLOP/s"
@@ -91,12 +96,15 @@ def render(plan: dict[str, Any], console: Console) -> None:
 
     st, hid = plan["step_time_s"], plan["hidden_s"]
     t = _table("Step time by phase", "phase", "exposed", "hidden (overlapped)")
-    for k in ("forward", "recompute", "backward", "transfer", "optimizer", "reduce", "disk_wait"):
+    for k in ("forward", "recompute", "backward", "transfer", "optimizer", "reduce", "disk_wait", "bubble"):
         if st[k] or hid[k]:
             t.add_row(k, fmt_s(st[k]), fmt_s(hid[k]) if hid[k] else "-")
     t.add_row("[bold]step", f"[bold]{fmt_s(st['total'])}", "")
     t.add_row("[bold]samples/s", f"[bold]{plan['samples_per_s']:.4g}", "")
     console.print(t)
+
+    if plan.get("pipeline"):
+        render_pipeline(plan["pipeline"], console)
 
     r = plan["recommendation"]
     t = _table("Recommendation", "", "")
@@ -163,6 +171,23 @@ def render(plan: dict[str, Any], console: Console) -> None:
     )
     for note in plan["notes"]:
         console.print(f"[dim]note: {note}")
+
+
+def render_pipeline(p: dict[str, Any], console: Console) -> None:
+    """The pipeline's predicted bubble (layered-GA appendix C, §4) and step time, for this (N, P) and the
+    other placements and schedules."""
+    t = _table(
+        f"Pipeline bubble at {p['num_ubatches']} ubatches (layered-GA appendix C, §4): o = (P-1)/n_mu/(stages per "
+        "rank), the share of the pipeline's time o/(1+o)",
+        "placement", "schedule", "stages/rank", "bubble", "step", "samples/s",
+    )  # fmt: skip
+    for row in p["alternatives"]:
+        t.add_row(
+            row["placement"], row["schedule"], str(row["stages_per_rank"]),
+            f"{row['bubble_predicted']:.1%}", fmt_s(row["step_time_s"]), f"{row['samples_per_s']:.4g}",
+            style="bold" if row["configured"] else "",
+        )  # fmt: skip
+    console.print(t)
 
 
 def render_compare(cmp: dict[str, Any], console: Console) -> None:

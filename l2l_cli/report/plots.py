@@ -25,6 +25,7 @@ from l2l_cli.report.table import breakdown_columns, memory_unit
 LABEL_FIELDS = (
     ("method", "{}"), ("precision", "{}"), ("ubatch_size", "ub{}"), ("num_ubatches", "x{}"),
     ("batch_size", "b{}"), ("num_layers", "L{}"), ("hidden_size", "H{}"), ("seq_len", "S{}"), ("task", "{}"),
+    ("placement", "{}"), ("schedule", "{}"),
 )  # fmt: skip
 
 # sweep axis -> (axis label, file, fields that move with it and so do not split series)
@@ -36,7 +37,7 @@ SWEEPS = {
 }
 PHASE_COLORS = {
     "forward": "#4c72b0", "recompute": "#8172b3", "backward": "#55a868", "optimizer": "#c44e52",
-    "transfer": "#dd8452", "other": "#b0b0b0",
+    "transfer": "#dd8452", "reduce": "#937860", "bubble": "#da8bc3", "other": "#b0b0b0",
 }  # fmt: skip
 
 
@@ -57,7 +58,7 @@ def write_plots(runs: list[Run], out: Path) -> list[tuple[str, str]]:
         item = sweep_plot(runs, axis, out)
         if item:
             written.append(item)
-    for fn in (breakdown_plot, loss_plot, eval_plot):
+    for fn in (pipeline_plot, breakdown_plot, loss_plot, eval_plot):
         item = fn(runs, out)
         if item:
             written.append(item)
@@ -134,6 +135,43 @@ def sweep_plot(runs: list[Run], axis: str, out: Path) -> tuple[str, str] | None:
         ax.legend(fontsize=8)
     _save(fig, out / fname)
     return fname, f"device memory and throughput vs {name} (OOM: a cross on the device budget)"
+
+
+def pipeline_plot(runs: list[Run], out: Path) -> tuple[str, str] | None:
+    """Layered-GA §4 and appendix C: each (placement, schedule)'s bubble fraction against #ubatches, measured
+    (solid) and predicted (dashed), and its throughput: the modular pipeline's bubble is L/P times smaller."""
+    piped = [r for r in runs if r.pipeline and r.pipeline.get("bubble_measured") is not None]
+    if not piped:
+        return None
+    groups: dict[str, list[Run]] = {}
+    for r in piped:
+        p = r.pipeline
+        groups.setdefault(f"{p['placement']} {p['schedule']} P={p['pipeline']}", []).append(r)
+    fig, axes = plt.subplots(1, 2, figsize=(10.4, 4.2), squeeze=False)
+    bubble, speed = axes[0]
+    for i, (series, members) in enumerate(groups.items()):
+        color = f"C{i % 10}"
+        pts = sorted((r.pipeline["num_ubatches"], r.pipeline["bubble_measured"], r.pipeline["bubble_predicted"],
+                      r.throughput) for r in members)  # fmt: skip
+        xs = [x for x, *_ in pts]
+        bubble.plot(xs, [100 * m for _, m, _, _ in pts], "o-", color=color, label=f"{series} measured")
+        bubble.plot(
+            xs, [100 * p for _, _, p, _ in pts], "s--", color=color, alpha=0.6, label=f"{series} predicted"
+        )
+        speed.plot(xs, [t or 0.0 for *_, t in pts], "o-", color=color, label=series)
+    xs_all = [r.pipeline["num_ubatches"] for r in piped]
+    for ax, ylabel in ((bubble, "bubble (% of the pipeline's time)"), (speed, "throughput (samples/s)")):
+        _x_axis(ax, xs_all, "#UBATCHES")
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.08)
+        ax.legend(fontsize=7)
+    bubble.set_title("pipeline bubble: measured vs appendix C")
+    speed.set_title("throughput vs #UBATCHES")
+    _save(fig, out / "pipeline_bubble.png")
+    return (
+        "pipeline_bubble.png",
+        "pipeline bubble (measured, and predicted by the layered-GA paper) and throughput",
+    )
 
 
 def breakdown_plot(runs: list[Run], out: Path) -> tuple[str, str] | None:

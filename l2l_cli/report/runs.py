@@ -53,8 +53,19 @@ class Run:
         return self.status == "ok"
 
     def get(self, key: str) -> Any:
-        """A config field (method, precision, ubatch_size, num_layers, ...) or None."""
-        return self.config.get(key)
+        """A config field (method, precision, ubatch_size, num_layers, ...), else a field of a mode's
+        summary section (``placement``, ``schedule`` of a pipeline run), or None."""
+        value = self.config.get(key)
+        if value is None:
+            for section in self.summary.sections.values():
+                if key in section and not isinstance(section[key], dict | list):
+                    return section[key]
+        return value
+
+    @property
+    def pipeline(self) -> dict[str, Any]:
+        """summary.json's ``pipeline`` section ({} for runs without a pipeline)."""
+        return self.summary.sections.get("pipeline", {}) if self.ok else {}
 
     @property
     def throughput(self) -> float | None:
@@ -235,6 +246,7 @@ def config_from_hydra(cfg: Any) -> dict[str, Any]:
     mode, stash = _select(cfg, "mode.name"), _select(cfg, "mode.stash")
     size, ub = _select(cfg, "batch.size"), _select(cfg, "batch.ubatch_size")
     nproc = _select(cfg, "dist.nproc") or 1
+    shards = nproc // max(1, _select(cfg, "dist.pipeline") or 1)  # a pipeline's ranks share one shard
     pretrained = _select(cfg, "model.pretrained")
     device = _select(cfg, "device")
     out = {
@@ -249,7 +261,7 @@ def config_from_hydra(cfg: Any) -> dict[str, Any]:
         "ubatch_size": ub,
         "num_ubatches": size // ub if isinstance(size, int) and isinstance(ub, int) and ub else None,
         "batch_size": size,
-        "global_batch_size": size * nproc if isinstance(size, int) and isinstance(nproc, int) else None,
+        "global_batch_size": size * shards if isinstance(size, int) and isinstance(shards, int) else None,
         "seq_len": _select(cfg, "task.max_seq_len"),
         "task": _select(cfg, "task.name"),
         "optimizer": _select(cfg, "optim.name"),

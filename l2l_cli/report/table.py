@@ -91,6 +91,14 @@ def columns(runs: list[Run]) -> list[Column]:
     ]
     if any((r.summary.world_size or 1) > 1 for r in runs):
         cols.append(Column("TOTAL BATCH SIZE", lambda r: _int(r.get("global_batch_size"))))
+    if any(r.pipeline for r in runs):  # layered-GA §4: the layout and its bubble, measured vs appendix C
+        cols += [
+            Column("PIPELINE", lambda r: _int(r.pipeline.get("pipeline"))),
+            Column("PLACEMENT", lambda r: str(r.pipeline.get("placement") or DASH), numeric=False),
+            Column("SCHEDULE", lambda r: str(r.pipeline.get("schedule") or DASH), numeric=False),
+            Column("BUBBLE (%)", lambda r: _pct(r.pipeline.get("bubble_measured"))),
+            Column("PREDICTED (%)", lambda r: _pct(r.pipeline.get("bubble_predicted"))),
+        ]
     cols += [
         Column("#LAYER", lambda r: _int(r.get("num_layers"))),
         Column("#PARAMETERS", lambda r: fmt_count(r.params)),
@@ -226,7 +234,17 @@ CSV_FIELDS = [
     "params", "samples_per_s", "tokens_per_s", "step_time_s", "device_peak_bytes", "device_budget_bytes", "host_bytes",
     "h2d_bytes", "d2h_bytes", "train_samples", "epoch_time_s", "steps", "final_loss", "skipped_steps",
     "wall_time_s", "device", "optimizer_s", "optimizer_exposed_s", "optimizer_hidden_share", "rollbacks",
+    "wall_time_s", "device", "pipeline", "data_parallel", "placement", "schedule", "bubble_measured",
+    "bubble_predicted",
 ]  # fmt: skip
+PIPELINE_FIELDS = (
+    "pipeline",
+    "data_parallel",
+    "placement",
+    "schedule",
+    "bubble_measured",
+    "bubble_predicted",
+)
 
 
 def csv_record(r: Run, metrics: list[str], phases: list[str]) -> dict[str, Any]:
@@ -259,6 +277,7 @@ def csv_record(r: Run, metrics: list[str], phases: list[str]) -> dict[str, Any]:
         "optimizer_exposed_s": s.sections.get("optimizer", {}).get("optimizer_exposed_s"),
         "optimizer_hidden_share": s.sections.get("optimizer", {}).get("hidden_share"),
         "rollbacks": s.sections.get("l2l_p", {}).get("rollbacks"),
+        **{k: r.pipeline.get(k) for k in PIPELINE_FIELDS},
     }
     for m in metrics:
         rec[f"eval_{m}"] = s.eval.get(m)
