@@ -258,7 +258,16 @@ def _task(cfg: Any, check_files: bool) -> list[Problem]:
                     f"got {m.vocab_size}; the synthetic task needs >= {SYNTHETIC_MIN_VOCAB}",
                 )
             )
-    if task.name in TASKS and check_files:
+    if task.name in TASKS and TASKS[task.name].file_format is not None:
+        if task.data_dir is not None:
+            p.append(
+                Problem("task.data_dir", f"task={task.name} reads task.files; leave task.data_dir unset")
+            )
+        if check_files:
+            from l2l_cli.data.files import check_files as check_user_files
+
+            p.extend(check_user_files(task))
+    elif task.name in TASKS and check_files:
         p.extend(TASKS[task.name].check_source(task.data_dir))
     return p
 
@@ -365,6 +374,13 @@ def _device(cfg: Any, check_files: bool) -> list[Problem]:
     return p
 
 
+@check("logger")
+def _logger(cfg: Any, check_files: bool) -> list[Problem]:
+    from l2l_cli.rundir import logger_problems
+
+    return [Problem("logger", msg) for msg in logger_problems(_select(cfg, "logger"))]
+
+
 @check("dist")
 def _dist(cfg: Any, check_files: bool) -> list[Problem]:
     from l2l_cli.modes import MODES
@@ -460,6 +476,15 @@ def check_pretrained(ref: str, family: str = "bert") -> list[Problem]:
         return [
             Problem("model.pretrained", f"{ref} is neither an existing directory nor a hub id (org/name)")
         ]
+    from l2l_cli.models import PretrainedUnavailable, resolve_pretrained
+
+    try:  # its config.json only (the weights come when the run starts): a typo or no hub fails here
+        local = resolve_pretrained(ref, config_only=True)
+        family_for_dir(local, ref, family)
+    except (PretrainedUnavailable, UnsupportedModel) as e:
+        return [Problem("model.pretrained", str(e))]
+    except (OSError, ValueError) as e:
+        return [Problem("model.pretrained", f"{ref}: unreadable config.json ({e})")]
     return []
 
 
