@@ -37,6 +37,7 @@ class TaskSpec:
     dev_file: str = "dev.tsv"
     hub_dev_split: str = "validation"
     tsv_label_map: dict[str, int] = field(default_factory=dict)  # TSV label string -> id (default int())
+    file_format: str | None = None  # "csv" | "json": the user's own files (task.files, data/files.py)
 
     @property
     def num_labels(self) -> int:
@@ -154,5 +155,8 @@ TASKS: dict[str, TaskSpec] = {
         TaskSpec("wnli", "WNLI", ("sentence1", "sentence2", "label"), ("sentence1", "sentence2", "label"),
                  ("not_entailment", "entailment"), ("accuracy",), "accuracy"),
         TaskSpec("synthetic", "-", (), (), ("b_more", "a_more"), ("accuracy",), "accuracy"),
+        # the user's files: labels (and whether it is a regression) come from the data when it loads
+        TaskSpec("csv", "-", (), (), ("0", "1"), ("accuracy",), "accuracy", file_format="csv"),
+        TaskSpec("json", "-", (), (), ("0", "1"), ("accuracy",), "accuracy", file_format="json"),
     )
 }  # fmt: skip
