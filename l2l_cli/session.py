@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -32,10 +33,10 @@ from l2l_cli.engine.dist import DistContext
 from l2l_cli.engine.dist import from_env as dist_from_env
 from l2l_cli.engine.optim import OptimSettings
 from l2l_cli.engine.precision import Precision, make_precision
-from l2l_cli.loop import StopFlag, Trainer
-from l2l_cli.models import ModelSpec, UnsupportedModel, make_spec, resolve_pretrained
+from l2l_cli.loop import EvalStopped, StopFlag, Trainer
+from l2l_cli.models import ModelSpec, PretrainedUnavailable, UnsupportedModel, make_spec, resolve_pretrained
 from l2l_cli.modes import MODES, ModeSpec, Runner, RunnerArgs, StepSettings
-from l2l_cli.rundir import JsonlLogger, Logger, RunFiles
+from l2l_cli.rundir import JsonlLogger, Logger, RunFiles, make_loggers
 from l2l_cli.schema import DeviceMemory, HostMemory, MemoryReport, RunConfig, Summary, Transfer
 
 log = logging.getLogger("l2l")
@@ -76,9 +77,11 @@ class Session:
 
     def __init__(
         self, cfg: DictConfig, run_dir: Path | None = None, *, data: TaskData | None = None,
-        stop: StopFlag | None = None, write_files: bool | None = None,
+        stop: StopFlag | None = None, write_files: bool | None = None, train: bool = True,
+        weights: Path | None = None,
     ):  # fmt: skip
         self.cfg, self.stop = cfg, stop
+        self.train, self.weights = train, weights  # train False: evaluation only (no stream, no trainer)
         self.dist = DistContext()
         self.run_dir = run_dir
         rank0 = int(os.environ.get("RANK", "0")) == 0
@@ -95,6 +98,9 @@ class Session:
         self.trainer: Trainer | None = None
         self.loggers: list[Logger] = []
         self.steps = 0
+        self.resuming = bool(cfg.trainer.resume)
+        self.resumed = False  # a resume got as far as loading its checkpoint (from then on it may write)
+        self.problems: list[str] = []  # bad input that stopped the start, one line each
         self._stack = ExitStack()
 
     # ---- building ----------------------------------------------------------------------------------
@@ -108,16 +114,17 @@ class Session:
             self.mode = MODES[cfg.mode.name]
             self.dist = dist_from_env(cfg)
             torch.manual_seed(cfg.trainer.seed)
-            data = self.data = self.data or load_task(cfg.task, cfg.model)
+            data = self.data = self.data or load_task(cfg.task, cfg.model, train_split=self.train)
             try:
                 self.model = make_spec(cfg.model, data.spec.num_labels)
-            except UnsupportedModel as e:
+            except (UnsupportedModel, PretrainedUnavailable) as e:
                 raise ConfigError([Problem("model.pretrained", str(e))]) from e
-            self.stream = TrainStream(
-                data.train, cfg.batch.size, seed=cfg.trainer.seed, world=self.dist.world, rank=self.dist.rank,
-                pad_to_max=cfg.task.max_seq_len if cfg.task.pad_to_max else None,
-            )  # fmt: skip
-            self.steps = total_steps(cfg, self.stream)
+            if self.train:
+                self.stream = TrainStream(
+                    data.train, cfg.batch.size, seed=cfg.trainer.seed, world=self.dist.world,
+                    rank=self.dist.rank, pad_to_max=cfg.task.max_seq_len if cfg.task.pad_to_max else None,
+                )  # fmt: skip
+            self.steps = total_steps(cfg, self.stream) if self.stream is not None else 1
             self.acc = make_accelerator(
                 cfg.device, local_rank=self.dist.local_rank, sim_memory_gb=cfg.sim.memory_gb,
                 sim_link_gbps=cfg.sim.link_gbps, measure_memory=cfg.profile.memory,
@@ -126,7 +133,6 @@ class Session:
             self.summary.world_size = self.dist.world
             self.summary.config = run_config(cfg, self.mode, self.model, data, self.dist.world)
             self.summary.params = self.model.total_params  # known even when the runner runs out of memory
-            log.info("run %s on %s: %s", self.run_dir, self.acc.describe(), self.summary.config.to_json())
             self._stack.enter_context(self.acc.running())
             p = cfg.precision
             self.precision = make_precision(
@@ -138,16 +144,68 @@ class Session:
                 OptimSettings.from_cfg(cfg.optim), self.dist,
             )  # fmt: skip
             self.runner = self.mode.runner(args)
-            self.loggers = [JsonlLogger(self.files)]
+            if not self.train:
+                if self.weights is not None:
+                    self._load_weights(self.weights)
+                return self
+            self.loggers = [JsonlLogger(self.files), *make_loggers(cfg.logger, self.files, cfg)]
             self.trainer = self._trainer()
             if cfg.trainer.resume:
-                self.trainer.resume(Path(cfg.trainer.resume))
+                try:
+                    self.trainer.resume(Path(cfg.trainer.resume))
+                except CheckpointError as e:
+                    raise ConfigError([Problem("trainer.resume", str(e))]) from e
+                self.resumed = True
+                self._record_config()
             elif cfg.model.pretrained:
-                load_pretrained(self.runner, cfg.model.pretrained)
+                try:
+                    load_pretrained(self.runner, cfg.model.pretrained)
+                except (CheckpointError, PretrainedUnavailable) as e:
+                    raise ConfigError([Problem("model.pretrained", str(e))]) from e
+            log.info("%s", self.header())
         except BaseException:
             self.close()
             raise
         return self
+
+    def _load_weights(self, path: Path) -> None:
+        """A checkpoint (``checkpoints/step_<k>``: verified, of this model and state layout) or a Hugging
+        Face model directory (``final/``)."""
+        from l2l_cli import checkpoint as ckpt
+
+        assert self.runner is not None and self.model is not None and self.mode is not None
+        if (path / "manifest.json").is_file():
+            manifest = ckpt.verify(path)
+            ckpt.check_identity(path, manifest, identity(self.model, self.mode, self.cfg.optim.name))
+            self.runner.load_state(path, manifest)
+        else:
+            load_pretrained(self.runner, str(path))
+
+    def header(self) -> str:
+        """What this run is, for train.log: mode, model (and the checkpoint it starts from), task, data."""
+        c, cfg = self.summary.config, self.cfg
+        lines = [
+            f"run {self.run_dir} on {self.summary.device}, {self.dist.world} process(es)",
+            f"  mode      {c.method} ({c.precision}, clip {c.clip})",
+            f"  model     {cfg.model.name}: {c.num_layers} layers, hidden {c.hidden_size}, "
+            f"{(self.summary.params or 0) / 1e6:.2f}M params",
+            f"  task      {c.task} from {c.data_source}: {c.train_samples} training examples, "
+            f"{len(self.data.dev) if self.data else 0} dev, max {c.seq_len} tokens",
+            f"  batch     {c.batch_size} = {c.num_ubatches} x ubatch {c.ubatch_size}; {self.steps} steps, "
+            f"{cfg.optim.name} lr {cfg.optim.lr:g}",
+        ]
+        if cfg.model.pretrained:
+            lines.insert(3, f"  from      {cfg.model.pretrained} (pretrained)")
+        if self.summary.resumed_from:
+            lines.append(f"  resumed   from {self.summary.resumed_from['checkpoint']}")
+        return "\n".join(lines)
+
+    def _record_config(self) -> None:
+        """A resumed run's config (its own, with this command's overrides) becomes the run's config, so a
+        later resume or ``l2l eval`` inherits it (Hydra does not write .hydra/ for a resume)."""
+        hydra_dir = self.files.dir / ".hydra"
+        if hydra_dir.is_dir():
+            self.files.write_text(".hydra/config.yaml", OmegaConf.to_yaml(self.cfg))
 
     def _trainer(self) -> Trainer:
         cfg, tr = self.cfg, self.cfg.trainer
@@ -159,23 +217,48 @@ class Session:
             ident=ident, config_yaml=OmegaConf.to_yaml(cfg, resolve=True), save_every=tr.save_every,
             keep_checkpoints=tr.keep_checkpoints, realtime_ckpt=tr.realtime_ckpt, save_final=tr.save_final,
             eval_every=tr.eval_every, log_every=tr.log_every, max_bad_steps=tr.max_bad_steps,
-            progress=tr.progress, title=f"{self.summary.config.method} {cfg.model.name} {cfg.task.name}",
+            progress=tr.progress, title=self.title(),
             stop=self.stop,
         )  # fmt: skip
 
     # ---- what a run does with it ------------------------------------------------------------------------
 
-    def evaluate(self) -> dict[str, float]:
+    def title(self) -> str:
+        """The progress header: method, model (or the pretrained checkpoint it starts from), task."""
+        c, cfg = self.summary.config, self.cfg
+        name = f"pretrained {cfg.model.pretrained}" if cfg.model.pretrained else cfg.model.name
+        return f"{c.method} · {name} ({(self.summary.params or 0) / 1e6:.1f}M params) · {c.task}"
+
+    def evaluate(self, on_batch: Callable[[int, int], None] | None = None) -> dict[str, float]:
         """The task's metrics on the dev split: rank 0 evaluates (the weights are identical on every
-        rank), the others wait for it."""
+        rank), the others wait for it. ``on_batch(done, total)`` follows it; a stop requested meanwhile
+        (``stop``) ends it at the next batch with :class:`EvalStopped`."""
         assert self.runner is not None and self.data is not None and self.model is not None
-        cfg = self.cfg
+        cfg, runner = self.cfg, self.runner
         metrics: dict[str, float] = {}
+        stopped: EvalStopped | None = None
         if self.dist.rank == 0:
             pad = cfg.task.max_seq_len if cfg.task.pad_to_max else None
             size = cfg.batch.eval_size or cfg.batch.size
-            metrics = self.model.evaluate(self.runner.predict, self.data.dev, self.data.spec, size, pad)
+            total, done = -(-len(self.data.dev) // size), 0
+
+            def predict(batch: Any) -> torch.Tensor:
+                nonlocal done
+                if self.stop is not None and self.stop.signum:
+                    raise EvalStopped(done, total)
+                out = runner.predict(batch)
+                done += 1
+                if on_batch is not None:
+                    on_batch(done, total)
+                return out
+
+            try:
+                metrics = self.model.evaluate(predict, self.data.dev, self.data.spec, size, pad)
+            except EvalStopped as e:
+                stopped = e
         self.dist.barrier()
+        if stopped is not None:
+            raise stopped
         return metrics
 
     def memory_report(self) -> MemoryReport:
@@ -198,6 +281,12 @@ class Session:
         )
 
     def close(self) -> None:
+        for logger in self.loggers:
+            try:
+                logger.close()
+            except Exception as e:  # a logger that cannot flush must not hide how the run ended
+                log.warning("closing logger %s: %s", type(logger).__name__, e)
+        self.loggers = []
         if self.runner is not None:
             self.runner.close()
         self._stack.close()

@@ -6,6 +6,7 @@ from l2l_cli.models.base import BLOCK, POST, PRE, LayeredModel, ModelSpec
 from l2l_cli.models.registry import (
     FAMILIES,
     ModelFamily,
+    PretrainedUnavailable,
     UnsupportedModel,
     family_for_dir,
     family_names,
@@ -15,6 +16,7 @@ from l2l_cli.models.registry import (
 )
 
 __all__ = [
-    "BLOCK", "FAMILIES", "POST", "PRE", "LayeredModel", "ModelFamily", "ModelSpec", "UnsupportedModel",
+    "BLOCK", "FAMILIES", "POST", "PRE", "LayeredModel", "ModelFamily", "ModelSpec", "PretrainedUnavailable",
+    "UnsupportedModel",
     "family_for_dir", "family_names", "make_spec", "register_family", "resolve_pretrained",
 ]  # fmt: skip

@@ -1,0 +1,66 @@
+"""Experiment loggers (``logger=``): what each writes into the run dir, ``none``, a missing optional one, and
+train.log's record of skipped steps. The CSV and TensorBoard contents of a real run are checked in
+test_user_session.py."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from l2l_cli.compose import compose
+from l2l_cli.config import validate
+from l2l_cli.rundir import installed
+from l2l_cli.train import run_job
+from tests.util import tiny_cfg
+
+SMALL = ["trainer.max_steps=2", "task.num_train=64", "task.num_eval=16"]
+
+
+def _written(run) -> set[str]:
+    return {p.name for p in run.iterdir()}
+
+
+def test_auto_writes_csv_and_tensorboard_none_writes_neither(tmp_path) -> None:
+    assert run_job(tiny_cfg(*SMALL), tmp_path / "auto") == "ok"
+    assert {"metrics.jsonl", "eval.jsonl", "metrics.csv", "eval.csv", "tensorboard"} <= _written(
+        tmp_path / "auto"
+    )
+    assert run_job(tiny_cfg(*SMALL, "logger=none"), tmp_path / "none") == "ok"
+    written = _written(tmp_path / "none")
+    assert {"metrics.jsonl", "eval.jsonl", "summary.json"} <= written  # the run dir's contract stays
+    assert not written & {"metrics.csv", "eval.csv", "tensorboard"}
+    assert run_job(tiny_cfg(*SMALL, "logger=[csv]"), tmp_path / "csv") == "ok"
+    assert "metrics.csv" in _written(tmp_path / "csv") and "tensorboard" not in _written(tmp_path / "csv")
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("foo", "logger: got 'foo'; allowed: auto, csv, tensorboard, wandb, none"),
+        ("[none,csv]", "none cannot be combined"),
+        ("[csv,csv]", "a logger is named twice"),
+    ],
+)
+def test_bad_logger_values_are_one_line(value: str, message: str) -> None:
+    assert any(message in str(p) for p in validate(compose([f"logger={value}"])))
+
+
+@pytest.mark.skipif(installed("wandb"), reason="wandb is installed here")
+def test_wandb_without_the_package_is_refused_before_the_run() -> None:
+    (problem,) = validate(compose(["logger=[csv,wandb]"]))
+    assert (
+        str(problem)
+        == "logger: wandb is not installed (pip install wandb); choose csv or none, or install it"
+    )
+
+
+def test_skipped_steps_are_in_train_log(tmp_path, caplog) -> None:
+    cfg = tiny_cfg(
+        *SMALL, "optim.lr=1e30", "optim.warmup_ratio=0", "trainer.max_steps=6", "trainer.max_bad_steps=2"
+    )
+    with caplog.at_level(logging.INFO, logger="l2l"):
+        assert run_job(cfg, tmp_path) == "error"
+    skipped = [r.getMessage() for r in caplog.records if "skipped: non-finite" in r.getMessage()]
+    assert len(skipped) == 2 and skipped[0].startswith("step ")
+    assert any("run ended: error" in r.getMessage() for r in caplog.records)  # and the summary
