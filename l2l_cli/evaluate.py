@@ -134,6 +134,9 @@ def main(cmd: str, argv: list[str]) -> int:
             print(f"l2l: config error: {p}", file=sys.stderr)
     except CheckpointError as e:
         print(f"l2l: --checkpoint: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"\nl2l: {cmd} interrupted", file=sys.stderr)
+        return 130
     return 2
 
 

@@ -173,4 +173,4 @@ def _int(v: Any, default: int = 0) -> int:
 def changed(saved: DictConfig, cfg: DictConfig) -> dict[str, tuple[Any, Any]]:
     """key -> (the run's value, this command's) for every key that differs (for the log)."""
     old, new = _resolved(saved), _resolved(cfg)
-    return {k: (old.get(k), v) for k, v in new.items() if k in old and old[k] != v}
+    return {k: (old.get(k), v) for k, v in new.items() if k in old and old[k] != v and k != "trainer.resume"}

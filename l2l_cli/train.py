@@ -90,6 +90,8 @@ def write_outcome(session: Session, wall_s: float) -> None:
             _error_lines(summary, session.problems, f"{summary.run_dir} was left as it was")
         log.error("resume refused: %s (the run's files were left as they were)", summary.error)
         return
+    if summary.status != "ok" and session.runner is not None and not summary.steps:
+        summary.steps = session.runner.step_count  # how far a failed or stopped run got
     if session.acc is not None and not bad_input:
         memory = session.memory_report()
         if ctx.enabled and summary.status == "ok":  # per-rank memory and timing, gathered on rank 0
