@@ -280,6 +280,13 @@ class TensorBoardLogger:
             self._writer.close()
 
 
+def run_id(run_dir: Path) -> str:
+    """A stable id per run dir: a resumed run continues its own wandb run, and no other."""
+    import hashlib
+
+    return hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
+
+
 class WandbLogger:
     """Weights & Biases (optional: ``pip install wandb``). Project from ``WANDB_PROJECT`` (default l2l), the
     run named after the run dir, its files under the run dir; ``WANDB_MODE=offline`` works as wandb's own."""
@@ -300,7 +307,7 @@ class WandbLogger:
             config = OmegaConf.to_container(self.cfg, resolve=True) if self.cfg is not None else {}
             self._run = wandb.init(
                 project=os.environ.get("WANDB_PROJECT", "l2l"), name=self.files.dir.name, dir=str(self.files.dir),
-                config=config, resume="allow", id=self.files.dir.name.replace("/", "-"),
+                config=config, resume="allow", id=run_id(self.files.dir),
             )  # fmt: skip
         return self._run
 

@@ -64,3 +64,35 @@ def test_skipped_steps_are_in_train_log(tmp_path, caplog) -> None:
     skipped = [r.getMessage() for r in caplog.records if "skipped: non-finite" in r.getMessage()]
     assert len(skipped) == 2 and skipped[0].startswith("step ")
     assert any("run ended: error" in r.getMessage() for r in caplog.records)  # and the summary
+
+
+def test_wandb_gets_every_logged_step_and_eval(tmp_path, monkeypatch) -> None:
+    """The wandb logger against a stand-in for the package (no account, no network): it is initialised once
+    with the run's config, gets each logged step and the evaluation at their steps, and is finished."""
+    import importlib.machinery
+    import sys
+    import types
+
+    calls: list[tuple] = []
+
+    class Run:
+        def log(self, values: dict, step: int) -> None:
+            calls.append(("log", step, values))
+
+        def finish(self) -> None:
+            calls.append(("finish",))
+
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    fake.init = lambda **kw: calls.append(("init", kw)) or Run()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    assert run_job(tiny_cfg(*SMALL, "logger=wandb"), tmp_path) == "ok"
+    (init,) = [c for c in calls if c[0] == "init"]
+    assert init[1]["project"] == "l2l" and init[1]["config"]["model"]["num_layers"] == 3
+    steps = [(c[1], sorted(c[2])) for c in calls if c[0] == "log"]
+    assert (
+        [s for s, _ in steps] == [1, 2, 2]
+        and "train/loss" in steps[0][1]
+        and steps[2][1] == ["eval/accuracy"]
+    )
+    assert calls[-1] == ("finish",) and not (tmp_path / "metrics.csv").exists()
