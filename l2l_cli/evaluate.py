@@ -90,7 +90,7 @@ def run_config(run_dir: Path, overrides: list[str]) -> DictConfig:
     """The run's config with ``overrides`` on top, made fit for evaluation (one process, nothing logged)."""
     from l2l_cli.compose import check_overrides, setup
     from l2l_cli.config import validate
-    from l2l_cli.inherit import NoSavedConfig, inherit, saved_config
+    from l2l_cli.inherit import FIXED, NoSavedConfig, fixed_problems, inherit, saved_config
 
     setup()
     if not run_dir.is_dir():
@@ -99,9 +99,14 @@ def run_config(run_dir: Path, overrides: list[str]) -> DictConfig:
     if problems:
         raise ConfigError(problems)
     try:
-        cfg = inherit(saved_config(run_dir), overrides)
+        saved = saved_config(run_dir)
     except NoSavedConfig as e:
         raise UsageError(str(e)) from e
+    cfg = inherit(saved, overrides)
+    shape = {k: v for k, v in FIXED.items() if k.startswith("model.")}
+    problems = fixed_problems(saved, cfg, run_dir, shape, "evaluated")
+    if problems:
+        raise ConfigError(problems)
     for key, value in (
         ("trainer.resume", None),
         ("dist.nproc", 1),

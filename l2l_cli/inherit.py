@@ -121,6 +121,25 @@ def inherit(saved: DictConfig, overrides: list[str]) -> DictConfig:
     return cfg
 
 
+def fixed_problems(
+    saved: DictConfig, cfg: DictConfig, run_dir: Path, keys: dict[str, str], doing: str
+) -> list[Problem]:
+    """``keys`` (key -> what it is part of) that ``cfg`` changes from the run's ``saved`` config."""
+    old = _resolved(saved)
+    out = []
+    for key, what in keys.items():
+        new = OmegaConf.select(cfg, key)
+        if key in old and old[key] != new:
+            out.append(
+                Problem(
+                    key,
+                    f"{new} here, {old[key]} in the run being {doing} ({run_dir}): it keeps its {what}; "
+                    f"start a new run to change it",
+                )
+            )
+    return out
+
+
 def resume_problems(saved: DictConfig, cfg: DictConfig, run_dir: Path) -> list[Problem]:
     """What a resume of ``run_dir`` with ``cfg`` (inherited from ``saved``) may not change, and whether it
     has a checkpoint to resume from at all."""
@@ -132,17 +151,9 @@ def resume_problems(saved: DictConfig, cfg: DictConfig, run_dir: Path) -> list[P
         latest_valid(run_dir)
     except CheckpointError as e:
         return [Problem("trainer.resume", str(e))]
-    old, new = _resolved(saved), leaves(cfg)
+    old = _resolved(saved)
     where = f"the run being resumed ({run_dir})"
-    for key, what in FIXED.items():
-        if key in old and key in new and old[key] != OmegaConf.select(cfg, key):
-            problems.append(
-                Problem(
-                    key,
-                    f"{OmegaConf.select(cfg, key)} here, {old[key]} in {where}: a resumed run keeps "
-                    f"its {what}; start a new run to change it",
-                )
-            )
+    problems += fixed_problems(saved, cfg, run_dir, FIXED, "resumed")
     was, now = MODES.get(str(old.get("mode.name"))), MODES.get(cfg.mode.name)
     if was is not None and now is not None and was.state_layout != now.state_layout:
         problems.append(

@@ -101,6 +101,7 @@ class Session:
         self.resuming = bool(cfg.trainer.resume)
         self.resumed = False  # a resume got as far as loading its checkpoint (from then on it may write)
         self.problems: list[str] = []  # bad input that stopped the start, one line each
+        self.crashed = False  # an unexpected exception ended the run (its traceback is in train.log)
         self._stack = ExitStack()
 
     # ---- building ----------------------------------------------------------------------------------
@@ -179,7 +180,12 @@ class Session:
             ckpt.check_identity(path, manifest, identity(self.model, self.mode, self.cfg.optim.name))
             self.runner.load_state(path, manifest)
         else:
-            load_pretrained(self.runner, str(path))
+            missing = load_pretrained(self.runner, str(path))
+            if missing:
+                more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+                raise CheckpointError(
+                    f"{path} lacks {', '.join(missing[:3])}{more}: not the weights of this model"
+                )
 
     def header(self) -> str:
         """What this run is, for train.log: mode, model (and the checkpoint it starts from), task, data."""
@@ -304,9 +310,10 @@ def build(cfg: DictConfig, run_dir: Path | None = None, **kw: Any) -> Session:
     return Session(cfg, run_dir, **kw).open()
 
 
-def load_pretrained(runner: Runner, ref: str) -> None:
+def load_pretrained(runner: Runner, ref: str) -> list[str]:
     """Stream a Hugging Face checkpoint's tensors in: safetensors, or a legacy ``pytorch_model.bin`` read
-    with ``torch.load(weights_only=True)``, which refuses anything but tensors (no code runs from a file)."""
+    with ``torch.load(weights_only=True)``, which refuses anything but tensors (no code runs from a file).
+    Returns the names it left at their initialization."""
     from safetensors import safe_open
 
     root = resolve_pretrained(ref)
@@ -320,6 +327,7 @@ def load_pretrained(runner: Runner, ref: str) -> None:
             raise CheckpointError(f"{root}/pytorch_model.bin: refused ({str(e).splitlines()[0]})") from e
         missing = runner.load_hf(tensors)
     log.info("loaded %s; newly initialized: %s", ref, ", ".join(missing) or "none")
+    return missing
 
 
 class SafeTensors:

@@ -67,6 +67,7 @@ def run_job(cfg: DictConfig, run_dir: Path, handle_sigint: bool = True) -> str:
         else:
             summary.status, summary.error = "error", f"{type(e).__name__}: {e}"
             log.error("run failed:\n%s", traceback.format_exc())
+            session.crashed = True
     finally:
         stop.restore()
         session.close()
@@ -116,7 +117,9 @@ def write_outcome(session: Session, wall_s: float) -> None:
     elif summary.status == "oom":
         console.print(f"[bold red]l2l: oom[/]: {summary.error}  (see {summary.run_dir}/train.log)")
     elif summary.status != "ok":
-        where = "" if bad_input else f"traceback in {summary.run_dir}/train.log"
+        where = (
+            "" if bad_input else f"{'traceback in' if session.crashed else 'see'} {summary.run_dir}/train.log"
+        )
         _error_lines(summary, session.problems, where)
 
 

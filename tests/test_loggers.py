@@ -5,33 +5,26 @@ test_user_session.py."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 
 from l2l_cli.compose import compose
 from l2l_cli.config import validate
-from l2l_cli.rundir import installed
+from l2l_cli.rundir import RunFiles, installed, logger_names, make_loggers
 from l2l_cli.train import run_job
 from tests.util import tiny_cfg
 
 SMALL = ["trainer.max_steps=2", "task.num_train=64", "task.num_eval=16"]
 
 
-def _written(run) -> set[str]:
-    return {p.name for p in run.iterdir()}
-
-
-def test_auto_writes_csv_and_tensorboard_none_writes_neither(tmp_path) -> None:
-    assert run_job(tiny_cfg(*SMALL), tmp_path / "auto") == "ok"
-    assert {"metrics.jsonl", "eval.jsonl", "metrics.csv", "eval.csv", "tensorboard"} <= _written(
-        tmp_path / "auto"
-    )
-    assert run_job(tiny_cfg(*SMALL, "logger=none"), tmp_path / "none") == "ok"
-    written = _written(tmp_path / "none")
-    assert {"metrics.jsonl", "eval.jsonl", "summary.json"} <= written  # the run dir's contract stays
-    assert not written & {"metrics.csv", "eval.csv", "tensorboard"}
-    assert run_job(tiny_cfg(*SMALL, "logger=[csv]"), tmp_path / "csv") == "ok"
-    assert "metrics.csv" in _written(tmp_path / "csv") and "tensorboard" not in _written(tmp_path / "csv")
+def test_logger_names() -> None:
+    """auto: csv and tensorboard (a dependency); none: only train.log's text logger (metrics.jsonl and
+    eval.jsonl are the run dir's contract, written whatever the loggers)."""
+    assert logger_names("auto") == ["csv", "tensorboard"] and logger_names("none") == []
+    assert logger_names(["csv", "wandb"]) == ["csv", "wandb"]
+    kinds = [type(x).__name__ for x in make_loggers("none", RunFiles(Path("."), enabled=False))]
+    assert kinds == ["TextLogger"]
 
 
 @pytest.mark.parametrize(
@@ -95,4 +88,9 @@ def test_wandb_gets_every_logged_step_and_eval(tmp_path, monkeypatch) -> None:
         and "train/loss" in steps[0][1]
         and steps[2][1] == ["eval/accuracy"]
     )
-    assert calls[-1] == ("finish",) and not (tmp_path / "metrics.csv").exists()
+    assert calls[-1] == ("finish",)
+    written = {p.name for p in tmp_path.iterdir()}  # wandb alone: no CSV, no event files; the contract stays
+    assert {"metrics.jsonl", "eval.jsonl", "summary.json"} <= written and not written & {
+        "metrics.csv",
+        "tensorboard",
+    }

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from l2l_cli.compose import preflight
 from l2l_cli.report import build as report
 from tests.util import l2l
 
@@ -52,7 +53,10 @@ def test_a_refused_resume_leaves_the_run_as_it_was(finished, tmp_path) -> None:
     assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr
     lines = r.stderr.strip().splitlines()
     assert any(ln.startswith("l2l: config error: mode: baseline_ag here, l2l in the run") for ln in lines)
-    assert any(ln.startswith("l2l: config error: model.num_layers: 3 here, 2 in the run") for ln in lines)
+    assert any(
+        ln.startswith("l2l: config error: model.num_layers: 3 here, 2 in the run being resumed")
+        for ln in lines
+    )
     assert _files(run) == before  # summary.json, memory.json, .hydra/, train.log, metrics: all unchanged
     (row,) = report([str(run)], tmp_path / "report", plots=False).runs
     assert row.status == "ok" and row.get("method") == "l2l"
@@ -123,13 +127,25 @@ def test_eval_reproduces_the_runs_final_metrics(finished) -> None:
     out = json.loads(r.stdout)
     assert out["weights"] == str(run / "final") and out["examples"] == 40
     assert out["metrics"] == summary["eval"]  # the same dev set, weights and forward: the same numbers
-    # any checkpoint: the evaluation the run made at step 2, again
+
+
+def test_eval_of_any_checkpoint_and_bad_input(finished, capsys) -> None:
+    from l2l_cli.evaluate import main
+
+    run, _ = finished
+    # the evaluation the run made at step 2, again, from its step-2 checkpoint (in-process: the same code)
     at_2 = next(json.loads(ln) for ln in (run / "eval.jsonl").read_text().splitlines() if '"step": 2' in ln)
-    r = l2l("eval", str(run), "--checkpoint", "step_2", "task.max_eval_samples=40", "--json")
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["metrics"] == {k: v for k, v in at_2.items() if k != "step"}
-    r = l2l("eval", str(run), "--checkpoint", "step_3")
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--checkpoint step_3" in r.stderr
+    capsys.readouterr()
+    assert main("eval", [str(run), "--checkpoint", "step_2", "task.max_eval_samples=40", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["metrics"] == {k: v for k, v in at_2.items() if k != "step"}
+    for args, message in (
+        (["--checkpoint", "step_3"], "l2l: --checkpoint step_3: no checkpoint (checkpoints/step_<k>)"),
+        (["task.nope=1"], "l2l: config error: task.nope: unknown key"),
+        (["model.num_layers=3"], "l2l: config error: model.num_layers: 3 here, 2 in the run being evaluated"),
+    ):
+        assert main("eval", [str(run), *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(message) and err.count("\n") == 1, err
 
 
 def _write_reviews(path: Path, n: int, seed: int) -> None:
@@ -156,11 +172,14 @@ def test_own_csv_data_from_a_pretrained_run_then_predict(finished, minilm, tmp_p
     _write_reviews(tmp_path / "dev.csv", 24, seed=2)
     data = [f"task.files.train={tmp_path / 'train.csv'}", f"task.files.dev={tmp_path / 'dev.csv'}",
             "task.text_fields=[review]", "task.label_field=sentiment"]  # fmt: skip
-    bad = l2l("train", "task=csv", *data[:2], "task.text_fields=[text]", "task.label_field=stars")
-    assert bad.returncode == 2 and "Traceback" not in bad.stderr
-    assert [ln.split(":")[2].strip() for ln in bad.stderr.strip().splitlines()] == [
-        "task.text_fields", "task.label_field", "task.text_fields", "task.label_field",
-    ]  # fmt: skip
+    bad = preflight(["task=csv", *data[:2], "task.text_fields=[text]", "task.label_field=stars"], False)
+    assert [p.key for p in bad] == [
+        "task.text_fields",
+        "task.label_field",
+        "task.text_fields",
+        "task.label_field",
+    ]
+    assert "train.csv has no column text; its columns: id, review, sentiment" in bad[0].message
     run = tmp_path / "csv-run"
     r = l2l("train", "task=csv", *data, f"model.pretrained={final}", f"task.tokenizer={minilm}", "task.max_seq_len=16",
             "batch.size=16", "batch.ubatch_size=8", "trainer.max_steps=3", "trainer.save_final=true",
