@@ -92,6 +92,11 @@ def train(argv: list[str]) -> int:
         overrides = [a for a in argv if not a.startswith("-")]
         warnings: list[str] = []
         problems = preflight(overrides, multirun, warnings, resume=resume, info=sweep)
+        if not problems:  # a hub checkpoint that cannot be fetched: refused before any run dir exists
+            from l2l_cli.config.validate import check_hub
+
+            for ref, family in sweep.get("pretrained", {}).items():
+                problems += check_hub(ref, family)
         if problems:
             return _fail([f"config error: {p}" for p in problems])
         for w in warnings:

@@ -234,7 +234,7 @@ def preflight(
     stop the others: it is listed in ``warn`` and will end as a failed job. Problems every job shares
     (unknown keys, options, types), or a sweep with no valid job, are errors. ``resume``: the run being
     resumed; the config checked is its own with these overrides on top (l2l_cli/inherit.py). ``info``
-    receives ``multirun``, ``jobs`` and the sweep's ``dir``.
+    receives ``multirun``, ``jobs``, the sweep's ``dir`` and the jobs' ``pretrained`` references.
     """
     problems, parsed = check_overrides(overrides)
     if problems:
@@ -280,6 +280,8 @@ def preflight(
                 found = [_resolution_problem(e)]
         if found:
             failing.append((job, found))
+        elif info is not None and cfg.model.pretrained:
+            info.setdefault("pretrained", {})[str(cfg.model.pretrained)] = str(cfg.model.family)
     if len(jobs) == 1 or len(failing) == len(jobs):
         seen: dict[str, Problem] = {}
         for job, found in failing:

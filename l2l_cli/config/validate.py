@@ -476,11 +476,18 @@ def check_pretrained(ref: str, family: str = "bert") -> list[Problem]:
         return [
             Problem("model.pretrained", f"{ref} is neither an existing directory nor a hub id (org/name)")
         ]
-    from l2l_cli.models import PretrainedUnavailable, resolve_pretrained
+    return []  # a hub id: l2l train fetches its config.json before the run (check_hub), not validation
 
-    try:  # its config.json only (the weights come when the run starts): a typo or no hub fails here
-        local = resolve_pretrained(ref, config_only=True)
-        family_for_dir(local, ref, family)
+
+def check_hub(ref: str, family: str = "bert") -> list[Problem]:
+    """A hub id's config.json can be fetched and is of a supported family (network: only ``l2l train``
+    calls it, before making a run dir; validation stays offline)."""
+    from l2l_cli.models import PretrainedUnavailable, UnsupportedModel, family_for_dir, resolve_pretrained
+
+    if Path(ref).expanduser().exists():
+        return []
+    try:
+        family_for_dir(resolve_pretrained(ref, config_only=True), ref, family)
     except (PretrainedUnavailable, UnsupportedModel) as e:
         return [Problem("model.pretrained", str(e))]
     except (OSError, ValueError) as e:
