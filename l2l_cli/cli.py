@@ -6,24 +6,26 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 USAGE = """\
 usage: l2l <command> [args]
 
 commands:
-  train   train or fine-tune (Hydra app: l2l train [group=option] [key=value] [-m for sweeps]; --help lists all)
-  report  tables and plots from run directories (l2l report outputs/...)
-  plan    analytic memory and time estimates for a config (l2l plan [overrides] [--json])
+  train    train or fine-tune (Hydra app: l2l train [group=option] [key=value] [-m for sweeps]; --help lists all)
+  eval     evaluate a run's final/ or a checkpoint (l2l eval <run dir> [task=...] [--checkpoint DIR] [--json])
+  predict  predictions of a trained run as JSON lines (l2l predict <run dir> --input FILE [--output FILE])
+  report   tables and plots from run directories (l2l report outputs/...)
+  plan     analytic memory and time estimates for a config (l2l plan [overrides] [--json])
 
-exit codes: 0 ok, 1 a run failed, 2 bad input, 3 a run ran out of device memory
+  l2l --version     the version of l2l and of the libraries it runs on
+
+exit codes: 0 ok, 1 a run failed, 2 bad input, 3 a run ran out of device memory, 128+N stopped by signal N
 """
 
 # flags Hydra handles itself (they run no job)
 _HYDRA_INFO = {
-    "--help",
-    "-h",
     "--hydra-help",
-    "--version",
     "--cfg",
     "-c",
     "--info",
@@ -40,28 +42,69 @@ def _fail(lines: list[str] | str, code: int = 2) -> int:
     return code
 
 
+def version() -> str:
+    """``l2l --version``: this package's version and the versions it runs on."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    def v(name: str) -> str:
+        try:
+            return dist_version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return (
+        f"l2l {v('l2l')} (python {sys.version.split()[0]}, torch {v('torch')}, transformers "
+        f"{v('transformers')}, hydra-core {v('hydra-core')})"
+    )
+
+
+def train_help() -> str:
+    from l2l_cli.compose import GROUPS, group_description, group_options
+    from l2l_cli.config.help import render
+
+    groups = {g: group_options(g) for g in GROUPS}
+    return render(groups, {g: {o: group_description(g, o) for o in opts} for g, opts in groups.items()})
+
+
 def train(argv: list[str]) -> int:
     from l2l_cli.compose import preflight, setup
 
     setup()
+    if "--help" in argv or "-h" in argv:
+        print(train_help(), end="")
+        return 0
+    if "--version" in argv:
+        print(version())
+        return 0
+    sweep: dict[str, Any] = {}
     if not any(a in _HYDRA_INFO or a.startswith("--cfg") for a in argv):
         multirun = "-m" in argv or "--multirun" in argv
         unknown_flags = [a for a in argv if a.startswith("-") and a not in ("-m", "--multirun")]
         if unknown_flags:
             return _fail(
-                f"unknown option {unknown_flags[0]}; allowed: -m/--multirun, --help, --cfg job, --info"
+                f"unknown option {unknown_flags[0]}; allowed: -m/--multirun, --help, --version, --cfg job, --info"
             )
+        try:
+            argv, resume = _resolve_resume(argv, multirun)
+        except ValueError as e:
+            return _fail(f"config error: trainer.resume: {e}")
         overrides = [a for a in argv if not a.startswith("-")]
         warnings: list[str] = []
-        problems = preflight(overrides, multirun, warnings)
+        problems = preflight(overrides, multirun, warnings, resume=resume, info=sweep)
+        if not problems:  # a hub checkpoint that cannot be fetched: refused before any run dir exists
+            from l2l_cli.config.validate import check_hub
+
+            for ref, family in sweep.get("pretrained", {}).items():
+                problems += check_hub(ref, family)
         if problems:
             return _fail([f"config error: {p}" for p in problems])
         for w in warnings:
             print(f"l2l: warning: {w}", file=sys.stderr)
-        try:
-            argv = _resolve_resume(argv, multirun)
-        except Exception as e:  # CheckpointError: no checkpoint to resume
-            return _fail(f"config error: trainer.resume: {e}")
+        if sweep.get("multirun") and sweep.get("dir"):
+            if not any(a.startswith("hydra.sweep.dir=") for a in argv):  # pin it: ${now:} resolved once
+                argv = [*argv, f"hydra.sweep.dir={_quote(str(sweep['dir']))}"]
+            print(f"l2l: sweep of {sweep['jobs']} jobs into {sweep['dir']}/", flush=True)
     rank = int(os.environ.get("RANK", "0"))
     if rank > 0 and "WORLD_SIZE" in os.environ:  # under torchrun: only rank 0 owns the run dir
         import tempfile
@@ -74,19 +117,34 @@ def train(argv: list[str]) -> int:
     _STATUSES.clear()
     _run_hydra(["l2l-train", *argv])
     if not _STATUSES:
-        return 0  # --help, --cfg and friends
-    if len(_STATUSES) == 1:
+        return 0  # --cfg and friends
+    if len(_STATUSES) == 1 and not sweep.get("multirun"):
         from l2l_cli.train import exit_code
 
         return exit_code(_STATUSES[0])
+    order = ["ok", "oom", "config", "error", *sorted(set(_STATUSES) - {"ok", "oom", "config", "error"})]
+    names = {"config": "bad config", "error": "failed"}
+    done = ", ".join(f"{_STATUSES.count(s)} {names.get(s, s)}" for s in order if s in _STATUSES)
+    print(f"l2l: sweep done ({done}) in {sweep.get('dir', 'the sweep dir')}/; tables and plots: "
+          f"l2l report {sweep.get('dir', '<sweep dir>')}", flush=True)  # fmt: skip
     return 0 if all(s in ("ok", "oom") for s in _STATUSES) else 1
 
 
-def _resolve_resume(argv: list[str], multirun: bool) -> list[str]:
-    """``trainer.resume=<run dir>|latest`` continues that run in its own directory: the run dir is
-    resolved once here (``latest``: the run under outputs/ with the newest checkpoint) and becomes
-    Hydra's run dir, so metrics.jsonl and the checkpoints carry on where they stopped."""
-    from l2l_cli.checkpoint import find_latest_run
+def _quote(value: str) -> str:
+    """A Hydra override value: bare when it is a plain path, else single-quoted."""
+    import re
+
+    if re.fullmatch(r"[\w./-]+", value):
+        return value
+    return "'" + value.replace("'", "\\'") + "'"
+
+
+def _resolve_resume(argv: list[str], multirun: bool) -> tuple[list[str], Path | None]:
+    """``trainer.resume=<run dir>|latest`` continues that run in its own directory, with its own config
+    (l2l_cli/inherit.py): the run dir is resolved once here (``latest``: the run under outputs/ with the
+    newest checkpoint) and becomes Hydra's run dir; Hydra writes no .hydra/ into it (the session records
+    the config once the checkpoint has loaded), so a refused resume leaves the run as it was."""
+    from l2l_cli.checkpoint import CheckpointError, find_latest_run
 
     out = list(argv)
     for k, arg in enumerate(argv):
@@ -94,13 +152,22 @@ def _resolve_resume(argv: list[str], multirun: bool) -> list[str]:
             continue
         value = arg.split("=", 1)[1]
         if value in ("", "null", "None"):
-            return out
-        run_dir = find_latest_run(Path("outputs")) if value == "latest" else Path(value)
+            return out, None
+        if multirun:
+            raise ValueError("resumes one run; it cannot be combined with -m (a sweep)")
+        try:
+            run_dir = find_latest_run(Path("outputs")) if value == "latest" else Path(value)
+        except CheckpointError as e:
+            raise ValueError(str(e).removeprefix("trainer.resume=latest: ")) from e
+        if not run_dir.is_dir():
+            raise ValueError(f"{value} is not a run directory; allowed: a run dir or 'latest'")
         run_dir = run_dir.resolve()
-        out[k] = f"trainer.resume={run_dir}"
-        if not multirun and not any(a.startswith("hydra.run.dir=") for a in argv):
-            out.append(f"hydra.run.dir={run_dir}")
-    return out
+        out[k] = f"trainer.resume={_quote(str(run_dir))}"
+        if not any(a.startswith("hydra.run.dir=") for a in argv):
+            out.append(f"hydra.run.dir={_quote(str(run_dir))}")
+        out.append("hydra.output_subdir=null")
+        return out, run_dir
+    return out, None
 
 
 def _run_hydra(argv: list[str]) -> None:
@@ -129,9 +196,16 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE, end="")
         sys.exit(0 if argv else 2)
+    if argv[0] in ("--version", "-V", "version"):
+        print(version())
+        sys.exit(0)
     cmd, rest = argv[0], argv[1:]
     if cmd == "train":
         code = train(rest)
+    elif cmd in ("eval", "predict"):
+        from l2l_cli import evaluate
+
+        code = evaluate.main(cmd, rest)
     elif cmd == "report":
         from l2l_cli.report import main as report_main
 
@@ -141,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
 
         code = plan_main(rest)
     else:
-        code = _fail(f"unknown command {cmd!r}; allowed: train, report, plan")
+        code = _fail(f"unknown command {cmd!r}; allowed: train, eval, predict, report, plan (l2l --help)")
     sys.exit(code)
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
+from pathlib import Path
 from typing import Any
 
 from hydra import compose as hydra_compose
@@ -223,12 +224,17 @@ def _resolution_problem(e: OmegaConfBaseException) -> Problem:
     return Problem(getattr(e, "full_key", None) or "config", msg)
 
 
-def preflight(overrides: list[str], multirun: bool, warn: list[str] | None = None) -> list[Problem]:
+def preflight(
+    overrides: list[str], multirun: bool, warn: list[str] | None = None, *, resume: Path | None = None,
+    info: dict[str, Any] | None = None,
+) -> list[Problem]:  # fmt: skip
     """All problems with an ``l2l train`` command line (empty: safe to start).
 
     In a sweep, a job whose own combination is invalid (say mode=baseline with micro-batches) does not
     stop the others: it is listed in ``warn`` and will end as a failed job. Problems every job shares
-    (unknown keys, options, types), or a sweep with no valid job, are errors.
+    (unknown keys, options, types), or a sweep with no valid job, are errors. ``resume``: the run being
+    resumed; the config checked is its own with these overrides on top (l2l_cli/inherit.py). ``info``
+    receives ``multirun``, ``jobs``, the sweep's ``dir`` and the jobs' ``pretrained`` references.
     """
     problems, parsed = check_overrides(overrides)
     if problems:
@@ -238,6 +244,8 @@ def preflight(overrides: list[str], multirun: bool, warn: list[str] | None = Non
         for ov in parsed
         if not ov.is_sweep_override() and not ov.key_or_group.startswith("hydra")
     ]
+    if resume is not None:
+        return _resume_preflight(resume, plain)
     try:
         base = compose(plain, hydra=True)
     except Exception as e:
@@ -254,6 +262,11 @@ def preflight(overrides: list[str], multirun: bool, warn: list[str] | None = Non
     jobs = list(itertools.islice(_sweep_jobs(parsed, sweeper if multirun else {}), MAX_SWEEP_JOBS + 1))
     if len(jobs) > MAX_SWEEP_JOBS:
         return [Problem("sweep", f"more than {MAX_SWEEP_JOBS} jobs; split the sweep")]
+    if info is not None:
+        info.update(multirun=multirun, jobs=len(jobs))
+        if multirun:
+            with suppress(OmegaConfBaseException):
+                info["dir"] = str(OmegaConf.select(base, "hydra.sweep.dir"))
     failing: list[tuple[list[str], list[Problem]]] = []
     for job in jobs:
         try:
@@ -267,6 +280,8 @@ def preflight(overrides: list[str], multirun: bool, warn: list[str] | None = Non
                 found = [_resolution_problem(e)]
         if found:
             failing.append((job, found))
+        elif info is not None and cfg.model.pretrained:
+            info.setdefault("pretrained", {})[str(cfg.model.pretrained)] = str(cfg.model.family)
     if len(jobs) == 1 or len(failing) == len(jobs):
         seen: dict[str, Problem] = {}
         for job, found in failing:
@@ -278,3 +293,39 @@ def preflight(overrides: list[str], multirun: bool, warn: list[str] | None = Non
         for job, found in failing:
             warn.append(f"job {' '.join(job)} will fail: " + "; ".join(map(str, found)))
     return []
+
+
+def _resume_preflight(run_dir: Path, overrides: list[str]) -> list[Problem]:
+    """A resume: the run's own config with ``overrides`` on top must be valid, change nothing the
+    checkpoint depends on, and the run must hold a usable checkpoint."""
+    from l2l_cli.inherit import NoSavedConfig, inherit, resume_problems, saved_config
+
+    try:
+        saved = saved_config(run_dir)
+        cfg = inherit(saved, overrides)
+    except NoSavedConfig as e:
+        return [Problem("trainer.resume", str(e))]
+    except OmegaConfBaseException as e:
+        return [_resolution_problem(e)]
+    try:
+        found = validate(cfg)
+    except OmegaConfBaseException as e:
+        return [_resolution_problem(e)]
+    return found + resume_problems(saved, cfg, run_dir)
+
+
+def group_description(group: str, option: str) -> str:
+    """The first comment line of a group option's file (what ``l2l train --help`` shows beside it)."""
+    root = recipes_dir() if group == "recipe" else conf_dir() / group
+    try:
+        lines = (root / f"{option}.yaml").read_text().splitlines()
+    except OSError:
+        return ""
+    for line in lines:
+        text = line.strip()
+        if not text.startswith("#"):
+            break
+        text = text.lstrip("#").strip()
+        if text and not text.startswith("@package"):
+            return text if len(text) <= 100 else text[:97].rstrip() + "..."
+    return ""

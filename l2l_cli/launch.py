@@ -20,8 +20,18 @@ from l2l_cli.train import exit_code, run_dir_of, run_job
 
 
 def run_task(cfg: DictConfig) -> str:
-    """Run the job for the composed ``cfg``; returns its status (ok | oom | error | config)."""
+    """Run the job for the composed ``cfg``; returns its status (ok | oom | error | config). A resume
+    runs with the resumed run's own config, this command line's keys on top (l2l_cli/inherit.py)."""
     run_dir = run_dir_of(cfg)
+    if cfg.trainer.resume:
+        from hydra.core.hydra_config import HydraConfig
+
+        from l2l_cli.inherit import changed, inherit, saved_config
+
+        saved = saved_config(Path(cfg.trainer.resume))
+        cfg = inherit(saved, list(HydraConfig.get().overrides.task))
+        for key, (old, new) in changed(saved, cfg).items():
+            logging.getLogger("l2l").info("resume: %s=%s (was %s)", key, new, old)
     if cfg.dist.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return launch_ranks(cfg, run_dir)
     return run_job(cfg, run_dir)

@@ -7,9 +7,10 @@ import json
 import logging
 import math
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from l2l_cli import checkpoint as ckpt
 from l2l_cli.checkpoint import CheckpointError, RealtimeWriter
@@ -39,6 +40,19 @@ class StopFlag(Protocol):
     signum: int  # nonzero once a stop was requested
 
 
+class EvalStopped(Exception):
+    """A stop was requested during an evaluation: it ended at the next batch (``done`` of ``total``)."""
+
+    def __init__(self, done: int, total: int):
+        super().__init__(f"evaluation stopped after {done} of {total} batches")
+        self.done, self.total = done, total
+
+
+Evaluate = Callable[
+    [Callable[[int, int], None] | None], dict[str, float]
+]  # (on_batch(done, total)) -> metrics
+
+
 class NoStop:
     signum = 0
 
@@ -48,7 +62,7 @@ class Trainer:
 
     def __init__(
         self, *, runner: Runner, mode: ModeSpec, stream: TrainStream, data: TaskData, steps: int,
-        evaluate: Callable[[], dict[str, float]], files: RunFiles, loggers: list[Logger], summary: Summary,
+        evaluate: Evaluate, files: RunFiles, loggers: list[Logger], summary: Summary,
         ctx: DistContext, ident: dict[str, Any], config_yaml: str, save_every: int = 0, keep_checkpoints: int = 2,
         realtime_ckpt: bool = False, save_final: bool = False, eval_every: int = 0, log_every: int = 1,
         max_bad_steps: int = 3, progress: str = "auto", title: str = "", stop: StopFlag | None = None,
@@ -69,6 +83,8 @@ class Trainer:
         self.realtime: RealtimeWriter | None = None
         # a disk EPS (eps.tier=disk): committed after every step, it is the run's checkpoint by itself
         self.store = store
+        self.progress_bar: RunProgress | None = None
+        self.last_saved = -1
 
     # ---- checkpoint state --------------------------------------------------------------------------
 
@@ -128,10 +144,20 @@ class Trainer:
             return None
         if self.realtime is not None:
             self.realtime.wait_commit()
-        return ckpt.save(
-            self.ckpt_root, self.runner.step_count, self.runner, self.ident, self.state(), self.keep,
-            self.config_yaml,
+        t0 = time.perf_counter()
+        step = self.runner.step_count
+        path = ckpt.save(
+            self.ckpt_root, step, self.runner, self.ident, self.state(), self.keep, self.config_yaml,
         )  # fmt: skip
+        self.last_saved = step
+        self.note(f"saved checkpoint step {step} to {path} in {time.perf_counter() - t0:.2f} s")
+        return path
+
+    def note(self, msg: str, level: int = logging.INFO) -> None:
+        """A line for train.log and, under the progress bar (unless trainer.progress=none), the console."""
+        log.log(level, msg)
+        if self.progress_bar is not None:
+            self.progress_bar.note(msg)
 
     # ---- the loop -------------------------------------------------------------------------------------
 
@@ -145,6 +171,7 @@ class Trainer:
             self.store.commit(runner.step_count, self.state(), self.ident)
         try:
             with RunProgress(self.progress, self.steps, self.title, enabled=self.ctx.rank == 0) as progress:
+                self.progress_bar = progress
                 while runner.step_count < self.steps:
                     if self.realtime is not None:
                         self.realtime.begin(runner.step_count + 1)
@@ -166,12 +193,29 @@ class Trainer:
                     if stop_now:
                         self.interrupt(step)
                     if self.eval_every and step % self.eval_every == 0 and step < self.steps:
-                        self._log_eval(step, self.evaluate_fn())
+                        self._log_eval(step, self.evaluate(step))
+                if self.realtime is not None:
+                    self.realtime.wait_commit()
+                self.finish()
         finally:
+            self.progress_bar = None
             if self.realtime is not None:
                 self.realtime.wait_commit()
                 self.realtime.close()
-        self.finish()
+
+    def evaluate(self, step: int, final: bool = False) -> dict[str, float]:
+        """The dev metrics, with a progress bar; a stop requested meanwhile ends it at the next batch, and
+        the run as a signal does between steps (a checkpoint, then how to resume)."""
+        bar = self.progress_bar
+        t0 = time.perf_counter()
+        log.info("evaluating at step %d", step)
+        try:
+            metrics = self.evaluate_fn(bar.eval_update if bar is not None else None)
+        except EvalStopped as e:
+            self.interrupt(step, f"during the {'final ' if final else ''}evaluation ({e})")
+        shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+        self.note(f"eval at step {step}: {shown} ({time.perf_counter() - t0:.1f} s)")
+        return metrics
 
     def _log_eval(self, step: int, metrics: dict[str, float]) -> None:
         for logger in self.loggers:
@@ -216,21 +260,26 @@ class Trainer:
                 f"(trainer.max_bad_steps={self.max_bad_steps}); lower optim.lr, check the data, or use precision=fp32"
             )
 
-    def interrupt(self, step: int) -> None:
-        path = self.save() if self.store is None else self.store.root  # a disk EPS is committed already
+    def interrupt(self, step: int, during: str = "") -> NoReturn:
+        if self.store is not None:  # a disk EPS is committed already: it is the checkpoint
+            path: Path | None = self.store.root
+        else:
+            path = self.save() if self.last_saved != step else self.ckpt_root / f"step_{step}"
         self.ctx.barrier()
         signum = self.stop.signum or signal.SIGTERM
         where = f"; checkpoint {path}" if path else ""
+        when = f" {during}" if during else ""
         raise Interrupted(
-            f"stopped by {signal.Signals(signum).name} after step {step}{where}",
+            f"stopped by {signal.Signals(signum).name} after step {step}{when}{where}",
             signum,
-            f"l2l train <the same overrides> trainer.resume={self.files.dir}",
+            f"l2l train trainer.resume={self.files.dir}",
         )
 
     def finish(self) -> None:
+        """The run's numbers, its last checkpoint and final/ (so a stop in the final evaluation loses no
+        training), then the final evaluation."""
         runner = self.runner
-        metrics = self.evaluate_fn()
-        self._log_eval(runner.step_count, metrics)
+        self.summarize()
         if self.save_every:
             self.save()  # the final state is resumable too (e.g. to train further with more steps)
         if self.save_final:
@@ -241,6 +290,13 @@ class Trainer:
                     from l2l_cli.data.lm import save_tokenizer
 
                     save_tokenizer(self.data.tokenizer, self.files.dir / "final")
+                log.info("saved final/ (a Hugging Face model directory) to %s", self.files.dir / "final")
+        metrics = self.evaluate(runner.step_count, final=True)
+        self._log_eval(runner.step_count, metrics)
+        self.summary.eval = metrics
+
+    def summarize(self) -> None:
+        runner = self.runner
         n, total = self.steady["n"], self.steady["time"]
         breakdown = {k: v / n for k, v in sorted(self.phase_sum.items())} if n else {}
         if n:
@@ -254,7 +310,6 @@ class Trainer:
         s.tokens_per_s = self.steady.get("tokens", 0) / total if total else 0.0
         s.step_time_s = total / n if n else None
         s.time_breakdown_s = breakdown
-        s.eval = metrics
         s.device_peak_bytes = runner.acc.meter.peak_bytes
         s.sections.update(runner.sections())
         if self.store is not None:

@@ -36,6 +36,8 @@ class RunProgress:
         self._task: Any = None
         self._last_print = 0.0
         self.every = max(1, total // 10)
+        self._eval_task: Any = None
+        self._eval_t0 = 0.0
 
     def __enter__(self) -> RunProgress:
         if self.style == "rich":
@@ -43,50 +45,73 @@ class RunProgress:
                 TextColumn("[bold]{task.description}"),
                 BarColumn(),
                 MofNCompleteColumn(),
-                TextColumn(
-                    "loss {task.fields[loss]}  {task.fields[sps]} samples/s  device {task.fields[mem]}"
-                ),
+                TextColumn("{task.fields[info]}"),
                 TimeElapsedColumn(),
                 TimeRemainingColumn(),
                 console=console,
                 transient=False,
             )
             self._bar.__enter__()
-            self._task = self._bar.add_task(self.title, total=self.total, loss="-", sps="-", mem="-")
+            self._task = self._bar.add_task(self.title, total=self.total, info="")
         elif self.style == "plain":
-            console.print(f"{self.title}: {self.total} steps")
+            console.print(f"{self.title}: {self.total} steps", soft_wrap=True, markup=False)
         return self
 
     def update(self, step: int, loss: float, samples_per_s: float, device_bytes: int, note: str = "") -> None:
         mem = fmt_bytes(device_bytes)
         if self._bar is not None:
-            self._bar.update(
-                self._task, completed=step, loss=f"{loss:.4f}", sps=f"{samples_per_s:.1f}", mem=mem
-            )
+            info = f"loss {loss:.4f}  {samples_per_s:.1f} samples/s  device {mem}"
+            self._bar.update(self._task, completed=step, info=info)
         elif self.style == "plain" and (step % self.every == 0 or step == self.total or step == 1):
             now = time.perf_counter()
             console.print(
-                f"step {step}/{self.total}  loss {loss:.4f}  {samples_per_s:.1f} samples/s  device {mem}{note}"
+                f"step {step}/{self.total}  loss {loss:.4f}  {samples_per_s:.1f} samples/s  device {mem}{note}",
+                soft_wrap=True,
             )
             self._last_print = now
 
     def note(self, msg: str) -> None:
         if self.style != "none":
-            console.print(msg)
+            console.print(msg, soft_wrap=True, markup=False)  # one line, as train.log has it
+
+    def eval_update(self, done: int, total: int) -> None:
+        """Evaluation progress in dev batches: a second bar under the training one, or plain lines."""
+        if done <= 1:
+            self._eval_t0 = time.perf_counter()
+        if self._bar is not None:
+            if self._eval_task is None:
+                self._eval_task = self._bar.add_task("eval", total=total, info="dev batches")
+            if done <= 1:
+                self._bar.reset(self._eval_task, total=total)
+            self._bar.update(self._eval_task, completed=done)
+        elif self.style == "plain" and (done == total or done % max(1, total // 4) == 0):
+            console.print(
+                f"eval {done}/{total} batches  {time.perf_counter() - self._eval_t0:.1f} s", soft_wrap=True
+            )
 
     def __exit__(self, *exc: object) -> None:
         if self._bar is not None:
             self._bar.__exit__(None, None, None)
 
 
+def summary_text(summary: Summary) -> str:
+    """The summary table as plain text (for train.log)."""
+    import io
+
+    buf = io.StringIO()
+    Console(file=buf, width=110, color_system=None, highlight=False).print(summary_table(summary))
+    return buf.getvalue().rstrip()
+
+
 def summary_table(summary: Summary) -> Table:
     t = Table(title=f"l2l run: {summary.status}", show_header=False, title_justify="left")
-    t.add_column(style="bold")
-    t.add_column()
+    t.add_column(style="bold", no_wrap=True)
+    t.add_column(overflow="fold")
     cfg = summary.config
     rows = [
         ("mode", f"{cfg.method}  ({cfg.precision}, device {summary.device})"),
         ("model", f"{cfg.model}: {cfg.num_layers} layers, {(summary.params or 0) / 1e6:.2f}M params"),
+        ("task", f"{cfg.task}  ({cfg.data_source}, {cfg.train_samples} training examples)"),
         ("batch", f"{cfg.batch_size} = {cfg.num_ubatches} x ubatch {cfg.ubatch_size}"),
         ("steps", f"{summary.steps}  (skipped {summary.skipped_steps})"),
         ("final loss", f"{summary.final_loss:.4f}" if summary.final_loss is not None else "-"),
@@ -122,8 +147,6 @@ def summary_table(summary: Summary) -> Table:
         )  # fmt: skip
     for name, value in summary.eval.items():
         rows.append((f"eval {name}", f"{value:.4f}"))
-    if summary.error:
-        rows.append(("error", summary.error))
     rows.append(("run dir", summary.run_dir))
     for k, v in rows:
         t.add_row(k, str(v))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -35,10 +36,10 @@ from l2l_cli.engine.dist import from_env as dist_from_env
 from l2l_cli.engine.optim import OptimSettings
 from l2l_cli.engine.precision import Precision, make_precision
 from l2l_cli.engine.tiers import TierSettings
-from l2l_cli.loop import StopFlag, Trainer
+from l2l_cli.loop import EvalStopped, StopFlag, Trainer
 from l2l_cli.models import ModelSpec, PretrainedUnavailable, UnsupportedModel, make_spec, resolve_pretrained
 from l2l_cli.modes import MODES, ModeSpec, ParallelSpec, Runner, RunnerArgs, StepSettings, parallel_for
-from l2l_cli.rundir import JsonlLogger, Logger, RunFiles
+from l2l_cli.rundir import JsonlLogger, Logger, RunFiles, make_loggers
 from l2l_cli.schema import DeviceMemory, HostMemory, MemoryReport, RunConfig, Summary, Transfer
 
 log = logging.getLogger("l2l")
@@ -106,9 +107,11 @@ class Session:
 
     def __init__(
         self, cfg: DictConfig, run_dir: Path | None = None, *, data: TaskData | None = None,
-        stop: StopFlag | None = None, write_files: bool | None = None,
+        stop: StopFlag | None = None, write_files: bool | None = None, train: bool = True,
+        weights: Path | None = None,
     ):  # fmt: skip
         self.cfg, self.stop = cfg, stop
+        self.train, self.weights = train, weights  # train False: evaluation only (no stream, no trainer)
         self.dist = DistContext()
         self.run_dir = run_dir
         rank0 = int(os.environ.get("RANK", "0")) == 0
@@ -126,6 +129,10 @@ class Session:
         self.trainer: Trainer | None = None
         self.loggers: list[Logger] = []
         self.steps = 0
+        self.resuming = bool(cfg.trainer.resume)
+        self.resumed = False  # a resume got as far as loading its checkpoint (from then on it may write)
+        self.problems: list[str] = []  # bad input that stopped the start, one line each
+        self.crashed = False  # an unexpected exception ended the run (its traceback is in train.log)
         self._stack = ExitStack()
 
     # ---- building ----------------------------------------------------------------------------------
@@ -144,7 +151,7 @@ class Session:
                 self.dist = self.parallel.layout(self.dist, parallel)
             torch.manual_seed(cfg.trainer.seed)
             try:
-                data = self.data = self.data or load_task(cfg.task, cfg.model)
+                data = self.data = self.data or load_task(cfg.task, cfg.model, train_split=self.train)
                 self.model = make_spec(cfg.model, data.spec.num_labels)
             except (UnsupportedModel, PretrainedUnavailable) as e:
                 raise ConfigError([Problem("model.pretrained", str(e))]) from e
@@ -159,12 +166,13 @@ class Session:
                 if problems:
                     raise ConfigError(problems)
             check_vocab(data, self.model, cfg)
-            self.stream = TrainStream(
-                data.train, cfg.batch.size, seed=cfg.trainer.seed, world=self.dist.data_world,
-                rank=self.dist.data_rank,
-                pad_to_max=cfg.task.max_seq_len if cfg.task.pad_to_max else None,
-            )  # fmt: skip
-            self.steps = total_steps(cfg, self.stream)
+            if self.train:
+                self.stream = TrainStream(
+                    data.train, cfg.batch.size, seed=cfg.trainer.seed, world=self.dist.data_world,
+                    rank=self.dist.data_rank,
+                    pad_to_max=cfg.task.max_seq_len if cfg.task.pad_to_max else None,
+                )  # fmt: skip
+            self.steps = total_steps(cfg, self.stream) if self.stream is not None else 1
             self.acc = make_accelerator(
                 cfg.device, local_rank=self.dist.local_rank, sim_memory_gb=cfg.sim.memory_gb,
                 sim_link_gbps=cfg.sim.link_gbps, measure_memory=cfg.profile.memory,
@@ -174,7 +182,6 @@ class Session:
             self.summary.world_size = self.dist.world
             self.summary.config = run_config(cfg, self.mode, self.model, data, self.dist.data_world)
             self.summary.params = self.model.total_params  # known even when the runner runs out of memory
-            log.info("run %s on %s: %s", self.run_dir, self.acc.describe(), self.summary.config.to_json())
             self._stack.enter_context(self.acc.running())
             p = cfg.precision
             self.precision = make_precision(
@@ -189,17 +196,75 @@ class Session:
                 self.runner = (
                     self.parallel.runner(args, self.mode) if self.parallel else self.mode.runner(args)
                 )
-            self.loggers = [JsonlLogger(self.files)]
+            if not self.train:
+                if self.weights is not None:
+                    with self.acc.meter.window():
+                        self._load_weights(self.weights)
+                return self
+            self.loggers = [JsonlLogger(self.files), *make_loggers(cfg.logger, self.files, cfg)]
             self.trainer = self._trainer()
             with self.acc.meter.window():
                 if cfg.trainer.resume:
-                    self.trainer.resume(Path(cfg.trainer.resume))
+                    try:
+                        self.trainer.resume(Path(cfg.trainer.resume))
+                    except CheckpointError as e:
+                        raise ConfigError([Problem("trainer.resume", str(e))]) from e
+                    self.resumed = True
+                    self._record_config()
                 elif cfg.model.pretrained:
-                    load_pretrained(self.runner, cfg.model.pretrained)
+                    try:
+                        load_pretrained(self.runner, cfg.model.pretrained)
+                    except (CheckpointError, PretrainedUnavailable) as e:
+                        raise ConfigError([Problem("model.pretrained", str(e))]) from e
+            log.info("%s", self.header())
         except BaseException:
             self.close()
             raise
         return self
+
+    def _load_weights(self, path: Path) -> None:
+        """A checkpoint (``checkpoints/step_<k>``: verified, of this model and state layout) or a Hugging
+        Face model directory (``final/``)."""
+        from l2l_cli import checkpoint as ckpt
+
+        assert self.runner is not None and self.model is not None and self.mode is not None
+        if (path / "manifest.json").is_file():
+            manifest = ckpt.verify(path)
+            ckpt.check_identity(path, manifest, identity(self.model, self.mode, self.cfg.optim.name))
+            self.runner.load_state(path, manifest)
+        else:
+            missing = load_pretrained(self.runner, str(path))
+            if missing:
+                more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+                raise CheckpointError(
+                    f"{path} lacks {', '.join(missing[:3])}{more}: not the weights of this model"
+                )
+
+    def header(self) -> str:
+        """What this run is, for train.log: mode, model (and the checkpoint it starts from), task, data."""
+        c, cfg = self.summary.config, self.cfg
+        lines = [
+            f"run {self.run_dir} on {self.summary.device}, {self.dist.world} process(es)",
+            f"  mode      {c.method} ({c.precision}, clip {c.clip})",
+            f"  model     {cfg.model.name}: {c.num_layers} layers, hidden {c.hidden_size}, "
+            f"{(self.summary.params or 0) / 1e6:.2f}M params",
+            f"  task      {c.task} from {c.data_source}: {c.train_samples} training examples, "
+            f"{len(self.data.dev) if self.data else 0} dev, max {c.seq_len} tokens",
+            f"  batch     {c.batch_size} = {c.num_ubatches} x ubatch {c.ubatch_size}; {self.steps} steps, "
+            f"{cfg.optim.name} lr {cfg.optim.lr:g}",
+        ]
+        if cfg.model.pretrained:
+            lines.insert(3, f"  from      {cfg.model.pretrained} (pretrained)")
+        if self.summary.resumed_from:
+            lines.append(f"  resumed   from {self.summary.resumed_from['checkpoint']}")
+        return "\n".join(lines)
+
+    def _record_config(self) -> None:
+        """A resumed run's config (its own, with this command's overrides) becomes the run's config, so a
+        later resume or ``l2l eval`` inherits it (Hydra does not write .hydra/ for a resume)."""
+        hydra_dir = self.files.dir / ".hydra"
+        if hydra_dir.is_dir():
+            self.files.write_text(".hydra/config.yaml", OmegaConf.to_yaml(self.cfg))
 
     def _trainer(self) -> Trainer:
         cfg, tr = self.cfg, self.cfg.trainer
@@ -211,7 +276,7 @@ class Session:
             ident=ident, config_yaml=OmegaConf.to_yaml(cfg, resolve=True), save_every=tr.save_every,
             keep_checkpoints=tr.keep_checkpoints, realtime_ckpt=tr.realtime_ckpt, save_final=tr.save_final,
             eval_every=tr.eval_every, log_every=tr.log_every, max_bad_steps=tr.max_bad_steps,
-            progress=tr.progress, title=f"{self.summary.config.method} {cfg.model.name} {cfg.task.name}",
+            progress=tr.progress, title=self.title(),
             stop=self.stop, store=self.store,
         )  # fmt: skip
 
@@ -223,18 +288,43 @@ class Session:
 
     # ---- what a run does with it ------------------------------------------------------------------------
 
-    def evaluate(self) -> dict[str, float]:
+    def title(self) -> str:
+        """The progress header: method, model (or the pretrained checkpoint it starts from), task."""
+        c, cfg = self.summary.config, self.cfg
+        name = f"pretrained {cfg.model.pretrained}" if cfg.model.pretrained else cfg.model.name
+        return f"{c.method} · {name} ({(self.summary.params or 0) / 1e6:.1f}M params) · {c.task}"
+
+    def evaluate(self, on_batch: Callable[[int, int], None] | None = None) -> dict[str, float]:
         """The task's metrics on the dev split: rank 0 evaluates (the weights are identical on every
         rank), the others wait for it; ranks that each hold part of the model (a pipeline's) predict
-        together, and rank 0 keeps the metrics."""
+        together, and rank 0 keeps the metrics. ``on_batch(done, total)`` follows it; a stop requested
+        meanwhile (``stop``) ends it at the next batch with :class:`EvalStopped`."""
         assert self.runner is not None and self.data is not None and self.model is not None
-        cfg = self.cfg
+        cfg, runner = self.cfg, self.runner
         metrics: dict[str, float] = {}
+        stopped: EvalStopped | None = None
         if self.dist.rank in self.dist.eval_ranks:
             pad = cfg.task.max_seq_len if cfg.task.pad_to_max else None
             size = cfg.batch.eval_size or cfg.batch.size
-            metrics = self.model.evaluate(self.runner.predict, self.data.dev, self.data.spec, size, pad)
+            total, done = -(-len(self.data.dev) // size), 0
+
+            def predict(batch: Any) -> torch.Tensor:
+                nonlocal done
+                if self.stop is not None and self.stop.signum:
+                    raise EvalStopped(done, total)
+                out = runner.predict(batch)
+                done += 1
+                if on_batch is not None:
+                    on_batch(done, total)
+                return out
+
+            try:
+                metrics = self.model.evaluate(predict, self.data.dev, self.data.spec, size, pad)
+            except EvalStopped as e:
+                stopped = e
         self.dist.barrier()
+        if stopped is not None:
+            raise stopped
         return metrics
 
     def memory_report(self) -> MemoryReport:
@@ -259,6 +349,12 @@ class Session:
         )
 
     def close(self) -> None:
+        for logger in self.loggers:
+            try:
+                logger.close()
+            except Exception as e:  # a logger that cannot flush must not hide how the run ended
+                log.warning("closing logger %s: %s", type(logger).__name__, e)
+        self.loggers = []
         if self.runner is not None:
             self.runner.close()
         self._stack.close()
@@ -279,10 +375,11 @@ def build(cfg: DictConfig, run_dir: Path | None = None, **kw: Any) -> Session:
 SHARD_INDEX = "model.safetensors.index.json"  # a checkpoint saved in shards (7B and larger)
 
 
-def load_pretrained(runner: Runner, ref: str) -> None:
+def load_pretrained(runner: Runner, ref: str) -> list[str]:
     """Stream a Hugging Face checkpoint's tensors in: safetensors (one file, or shards listed by
     ``model.safetensors.index.json``), or a legacy ``pytorch_model.bin`` read with
-    ``torch.load(weights_only=True)``, which refuses anything but tensors (no code runs from a file)."""
+    ``torch.load(weights_only=True)``, which refuses anything but tensors (no code runs from a file).
+    Returns the names it left at their initialization."""
     from safetensors import safe_open
 
     root = resolve_pretrained(ref)
@@ -300,6 +397,7 @@ def load_pretrained(runner: Runner, ref: str) -> None:
             raise CheckpointError(f"{root}/pytorch_model.bin: refused ({str(e).splitlines()[0]})") from e
         missing = runner.load_hf(tensors)
     log.info("loaded %s; newly initialized: %s", ref, ", ".join(missing) or "none")
+    return missing
 
 
 def shard_files(root: Path) -> list[Path]:

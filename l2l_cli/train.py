@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -24,7 +25,8 @@ from l2l_cli.checkpoint import CheckpointError
 from l2l_cli.config import ConfigError
 from l2l_cli.engine.dist import shutdown as dist_shutdown
 from l2l_cli.loop import Interrupted, TrainingError
-from l2l_cli.progress import console, summary_table
+from l2l_cli.progress import console, summary_table, summary_text
+from l2l_cli.schema import Summary
 from l2l_cli.session import Session
 
 log = logging.getLogger("l2l")
@@ -50,8 +52,10 @@ def run_job(cfg: DictConfig, run_dir: Path, handle_sigint: bool = True) -> str:
         summary.status = "ok"
     except ConfigError as e:
         summary.status, summary.error, summary.exit_code = "error", f"config: {e}", 2
+        session.problems = [str(p) for p in e.problems]
     except CheckpointError as e:
         summary.status, summary.error, summary.exit_code = "error", f"checkpoint: {e}", 2
+        session.problems = [str(e)]
     except TrainingError as e:
         summary.status, summary.error = "error", str(e)
     except Interrupted as e:
@@ -63,6 +67,7 @@ def run_job(cfg: DictConfig, run_dir: Path, handle_sigint: bool = True) -> str:
         else:
             summary.status, summary.error = "error", f"{type(e).__name__}: {e}"
             log.error("run failed:\n%s", traceback.format_exc())
+            session.crashed = True
     finally:
         stop.restore()
         session.close()
@@ -71,10 +76,24 @@ def run_job(cfg: DictConfig, run_dir: Path, handle_sigint: bool = True) -> str:
 
 
 def write_outcome(session: Session, wall_s: float) -> None:
-    """memory.json and summary.json (rank 0), the summary table, and how to go on."""
+    """memory.json and summary.json (rank 0), the summary table, and how to go on.
+
+    A resume that did not get as far as loading its checkpoint writes nothing into the run it would have
+    continued (that run's files stay as they were); a start refused for bad input (exit 2) writes only
+    summary.json, saying why, and prints one line, never a table of empty fields."""
     summary, files, ctx = session.summary, session.files, session.dist
     summary.wall_time_s = wall_s
-    if session.acc is not None:
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    bad_input = summary.exit_code == 2
+    if summary.status != "ok" and session.resuming and not session.resumed:
+        dist_shutdown(ctx)
+        if rank0:
+            _error_lines(summary, session.problems, f"{summary.run_dir} was left as it was")
+        log.error("resume refused: %s (the run's files were left as they were)", summary.error)
+        return
+    if summary.status != "ok" and session.runner is not None and not summary.steps:
+        summary.steps = session.runner.step_count  # how far a failed or stopped run got
+    if session.acc is not None and not bad_input:
         memory = session.memory_report()
         if ctx.enabled and summary.status == "ok":  # per-rank memory and timing, gathered on rank 0
             memory.ranks = ctx.gather(
@@ -84,14 +103,34 @@ def write_outcome(session: Session, wall_s: float) -> None:
         summary.device_peak_bytes = max(summary.device_peak_bytes, session.acc.meter.peak_bytes)
     dist_shutdown(ctx)
     files.write("summary.json", summary.to_json())
-    if int(os.environ.get("RANK", "0")) == 0:
+    started = summary.config.mode is not None and not bad_input  # the table has something to show
+    if started:
+        log.info("run ended: %s\n%s", summary.status, summary_text(summary))
+    elif summary.error:
+        log.error("run did not start: %s", summary.error)
+    if not rank0:
+        return
+    if started:
         console.print(summary_table(summary))
-        if summary.status == "interrupted":
-            console.print(f"[bold yellow]l2l: {summary.error}[/]\n  resume with: {summary.resume_with}")
-        elif summary.status != "ok":
-            console.print(
-                f"[bold red]l2l: {summary.status}[/]: {summary.error}  (see {summary.run_dir}/train.log)"
-            )
+    if summary.status == "interrupted":
+        console.print(f"[bold yellow]l2l: {summary.error}[/]\n  resume with: {summary.resume_with}")
+    elif summary.status == "oom":
+        console.print(f"[bold red]l2l: oom[/]: {summary.error}  (see {summary.run_dir}/train.log)")
+    elif summary.status != "ok":
+        where = (
+            "" if bad_input else f"{'traceback in' if session.crashed else 'see'} {summary.run_dir}/train.log"
+        )
+        _error_lines(summary, session.problems, where)
+
+
+def _error_lines(summary: Summary, problems: list[str], where: str) -> None:
+    """Bad input: one line per problem (``l2l: config error: key: what``); a failure: its first line."""
+    if summary.exit_code == 2 and problems:
+        for problem in problems:
+            print(f"l2l: config error: {problem}", file=sys.stderr)
+        return
+    first = summary.error.splitlines()[0] if summary.error else summary.status
+    print(f"l2l: {summary.status}: {first}" + (f" ({where})" if where else ""), file=sys.stderr)
 
 
 def exit_code(status: str) -> int:

@@ -72,9 +72,15 @@ def test_mrpc_with_l2l_from_pretrained_minilm(glue, minilm, tmp_path) -> None:
 
 def test_sweep_runs_every_job_and_a_failed_job_does_not_stop_the_others(tmp_path) -> None:
     r = l2l("train", "-m", "mode=baseline,baseline_ag", "batch.ubatch_size=4,8", "batch.size=8", *TINY[:5],
-            "trainer.max_steps=2", f"hydra.sweep.dir={tmp_path}")  # fmt: skip
+            "trainer.max_steps=2", "trainer.progress=none", "logger=none", cwd=tmp_path)  # fmt: skip
     assert r.returncode == 1  # one job could not run
     assert "will fail" in r.stderr
+    # the sweep says where it writes, at the start and at the end (its ${now:} resolved once, for both)
+    first, last = r.stdout.strip().splitlines()[0], r.stdout.strip().splitlines()[-1]
+    assert first.startswith("l2l: sweep of 4 jobs into outputs/multirun/")
+    sweep = first.split(" into ")[1].rstrip("/")
+    assert last == f"l2l: sweep done (3 ok, 1 bad config) in {sweep}/; tables and plots: l2l report {sweep}"
+    tmp_path = tmp_path / sweep
     jobs = sorted(p for p in tmp_path.iterdir() if p.is_dir() and (p / "summary.json").exists())
     statuses = {}
     for job in jobs:
@@ -107,6 +113,25 @@ def test_help_lists_groups_and_options() -> None:
         assert text in r.stdout
     top = l2l("--help")
     assert top.returncode == 0 and "train" in top.stdout and "report" in top.stdout
+
+
+def test_version() -> None:
+    r = l2l("--version")
+    assert r.returncode == 0 and r.stdout.startswith("l2l 0.1.0 (python ") and "torch 2." in r.stdout
+
+
+def test_train_help_describes_every_key_and_option() -> None:
+    from l2l_cli.config.help import describe
+
+    r = l2l("train", "--help")
+    assert r.returncode == 0
+    keys = describe()
+    assert len(keys) > 90 and all(text for _, _, text in keys), [k for k, _, t in keys if not t]
+    for key, _, text in keys:
+        line = next((ln for ln in r.stdout.splitlines() if ln.strip().startswith(f"{key}=")), "")
+        assert line.endswith(text), key  # one line each: key=default, then what it does
+    assert "bert-large       BERT-Large (Devlin et al. 2019" in r.stdout
+    assert "csv              Your own CSV/TSV files" in r.stdout
 
 
 @pytest.mark.slow

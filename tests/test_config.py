@@ -136,7 +136,7 @@ def messages(*overrides: str, multirun: bool = False) -> str:
             ["task=lm", "model=gpt2-tiny", "task.files=notes.docx"],
             "task.files: notes.docx: unsupported format",
         ),
-        (["task.files=[a.txt]"], "task.files: applies to task=lm, not task=synthetic"),
+        (["task.files=[a.txt]"], "task.files: applies to task=lm, csv or json, not task=synthetic"),
         (
             ["task=lm", "model=gpt2-tiny", "task.dev_fraction=0"],
             "task.dev_fraction: got 0 without task.dev_files",
@@ -208,3 +208,39 @@ def test_a_broken_recipe_fails_only_when_used(monkeypatch) -> None:
         "recipe=bad_recipe"
     )
     assert messages("batch.size=16") == ""
+
+
+@pytest.mark.parametrize(
+    ("overrides", "lr"),
+    [
+        ([], 1e-3),  # bert-tiny from scratch: the synthetic task in ~150 steps
+        (["model=bert-base"], 1e-4),
+        (["model=bert-large"], 5e-5),  # 1e-3 took BERT-Large's loss from 0.69 to 6.4 in 4 steps
+        (["model=bert-large-96"], 5e-5),
+        (["model=bert-large", "task=mrpc"], 5e-5),  # a GLUE task sets a fine-tuning rate
+        (["model=bert-tiny", "task=rte"], 5e-5),  # ... for every model: it beats the model's own
+        (["model=bert-large", "optim.lr=2e-4"], 2e-4),  # the command line beats both
+        (["model=bert-large", "recipe=glue_accuracy"], 1e-4),  # and so does a recipe
+    ],
+)
+def test_each_model_group_carries_a_default_learning_rate(overrides: list[str], lr: float) -> None:
+    cfg = compose(overrides)
+    assert cfg.optim.lr == pytest.approx(lr)
+
+
+@pytest.mark.slow
+def test_bert_large_width_trains_at_its_default_rate_and_diverges_at_1e_3() -> None:
+    """Two BERT-Large-wide layers, 4 steps (about a minute): the model's default keeps the loss near ln 2;
+    the old global default, 1e-3, sends it above 3 (the issue's 0.69 -> 6.4 at full depth)."""
+    from tests.util import batches, built
+
+    shape = ["model=bert-large", "model.num_layers=2", "model.vocab_size=512", "task.max_seq_len=32",
+             "batch.size=16", "batch.ubatch_size=16", "mode=baseline_ag", "task.num_train=512"]  # fmt: skip
+
+    def worst(*extra: str) -> float:
+        cfg = compose([*shape, *extra])
+        with built(cfg, total_steps=40) as runner:
+            it = batches(cfg, n=512)
+            return max(runner.step(next(it)).loss for _ in range(4))
+
+    assert worst() < 1.0 and worst("optim.lr=1e-3") > 2.0

@@ -151,3 +151,45 @@ def test_stream_resumes_at_a_step() -> None:
         and all(len(u) == 2 for u in ub)
         and torch.equal(torch.cat([u.input_ids for u in ub]), seq[0].input_ids)
     )
+
+
+def test_user_files_json_lines_arrays_labels_and_holdout(tmp_path) -> None:
+    """task=json|csv: labels come from the training file (sorted, numbers numerically), regression when the
+    labels are numbers that are not all integers, dev = the training file's last 10% when unset."""
+    import json
+
+    from l2l_cli.compose import compose
+    from l2l_cli.config import ConfigError, validate
+    from l2l_cli.data import files
+
+    rows = [
+        {"q": f"question {i}", "a": f"answer {i}", "grade": [10, 2, 1][i % 3], "score": i / 7}
+        for i in range(30)
+    ]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "dev.json").write_text(json.dumps(rows[:6]))
+    base = ["task=json", f"task.files={tmp_path / 'train.jsonl'}", "task.text_fields=[q,a]"]
+    cfg = compose([*base, f"task.dev_files={tmp_path / 'dev.json'}", "task.label_field=grade"])
+    assert validate(cfg) == []
+    spec, train, dev = files.load(cfg.task)
+    assert spec.label_names == ("1", "2", "10") and spec.metrics == ("accuracy",) and len(dev) == 6
+    assert (train[0].text_a, train[0].text_b, train[0].label) == ("question 0", "answer 0", 2)  # grade 10
+    spec, train, dev = files.load(compose([*base, "task.label_field=score"]).task)  # no dev file: held out
+    assert (
+        spec.is_regression and spec.metrics == ("pearson", "spearmanr") and (len(train), len(dev)) == (27, 3)
+    )
+    assert dev[0].label == 27 / 7
+    # integers are classes unless told otherwise
+    assert files.load(compose([*base, "task.label_field=grade", "task.regression=true"]).task)[
+        0
+    ].is_regression
+    problems = [str(p) for p in validate(compose([*base, "task.text_fields=[q,b]", "task.label_field=mark"]))]
+    assert (
+        problems[0].startswith("task.text_fields: ")
+        and "has no column b; its columns: q, a, grade, score" in problems[0]
+    )
+    assert problems[1].startswith("task.label_field: ") and "has no column mark" in problems[1]
+    (tmp_path / "dev.json").write_text(json.dumps([{**rows[0], "grade": 7}]))
+    cfg = compose([*base, f"task.dev_files={tmp_path / 'dev.json'}", "task.label_field=grade"])
+    with pytest.raises(ConfigError, match=r"label 7 is not among the training file's labels \(1, 2, 10\)"):
+        files.load(cfg.task)

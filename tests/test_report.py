@@ -5,6 +5,7 @@ one line and exit code 2."""
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import shutil
 from pathlib import Path
@@ -114,6 +115,29 @@ def test_plots_are_written_and_are_images(sweep: Path, tmp_path: Path) -> None:
         pixels = matplotlib.image.imread(png)
         assert pixels.std() > 0.05, f"{name} is blank"
         assert f"]({name})" in (tmp_path / "report.md").read_text()
+
+
+def test_plots_name_model_task_and_mode_come_as_svg_too_at_200_dpi(sweep: Path, tmp_path: Path) -> None:
+    from PIL import Image
+
+    from l2l_cli.report.plots import style
+
+    report = build([str(sweep)], tmp_path)
+    for name, _ in report.plots:
+        png, svg = tmp_path / name, (tmp_path / name).with_suffix(".svg")
+        assert [round(d) for d in Image.open(png).info["dpi"]] == [200, 200], name
+        text = svg.read_text()
+        assert text.lstrip().startswith("<?xml") and "<svg" in text
+        assert "bert-tiny · synthetic" in text, name  # what every run shares, in the title
+    loss = (tmp_path / "loss.svg").read_text()
+    for legend in ("baseline L2", "l2l-stash-cpu L2", "l2l-stash-cpu L6"):  # what differs, in the legend
+        assert legend in loss
+    assert "stroke-dasharray" in loss  # the second curve is dashed, not hidden under the first
+    looks = [(style(i)["color"], style(i)["marker"], style(i)["linestyle"]) for i in range(8)]
+    assert all(
+        a[k] != b[k] for a, b in itertools.pairwise(looks) for k in range(3)
+    )  # neighbours differ in all three
+    assert len({m for _, m, _ in looks}) == 8
 
 
 def test_crashed_and_config_failed_runs_are_error_rows(sweep: Path, tmp_path: Path) -> None:

@@ -119,3 +119,29 @@ def test_cmp_overflow_skips_are_counted_not_fatal(tmp_path) -> None:
     assert run_job(cfg, tmp_path) == "ok"
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["skipped_steps"] >= 1 and summary["status"] == "ok"
+
+
+def test_sigterm_during_the_final_evaluation_stops_it_at_the_next_batch(tmp_path) -> None:
+    """20000 dev examples in batches of 4 would take minutes; a SIGTERM while they run ends the evaluation
+    at its next batch, with a checkpoint of the finished training and summary.json saying what happened."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "l2l_cli", "train", *TINY, "trainer.max_steps=2", "task.num_train=64",
+         "task.num_eval=20000", "batch.eval_size=4", "mode=l2l", f"hydra.run.dir={tmp_path}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    log = tmp_path / "train.log"
+    deadline = time.time() + 180
+    while not (log.exists() and "evaluating at step 2" in log.read_text()):
+        assert time.time() < deadline and proc.poll() is None, "the final evaluation did not start"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["steps"] == 2
+    assert "during the final evaluation (evaluation stopped after" in summary["error"]
+    done, total = summary["error"].split("stopped after ")[1].split(" batches")[0].split(" of ")
+    assert total == "5000" and int(done) < 100  # it stopped at once, not after the 5000 batches
+    assert not (tmp_path / "eval.jsonl").exists() and summary["eval"] == {}
+    _, manifest = ckpt.latest_valid(tmp_path)  # the training is saved: a resume only evaluates
+    assert manifest["step"] == 2 and f"trainer.resume={tmp_path}" in out and "Traceback" not in out + err

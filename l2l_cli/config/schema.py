@@ -25,6 +25,7 @@ PLACEMENTS = ("modular", "contiguous")  # pipeline stages: layer i on rank i mod
 PIPE_SCHEDULES = ("auto", "breadth_first", "interleaved_1f1b", "gpipe", "1f1b")
 SCALES = ("cpu", "paper")
 EPS_TIERS = ("host", "disk")
+LOGGERS = ("csv", "tensorboard", "wandb", "none")
 
 
 @dataclass
@@ -32,30 +33,33 @@ class ModelConfig:
     """The model: a family (``bert``, ``gpt2``, ``llama``) and its sizes, or a pretrained checkpoint. ``x``
     selects the layered-GA paper's X[x] family of sizes (derived from x)."""
 
-    name: str = "bert-tiny"
+    name: str = "bert-tiny"  # the size's name (set by the model group)
     family: str = "bert"  # the model family; with model.pretrained, the checkpoint's model_type decides
-    num_layers: int = 2
-    hidden_size: int = 128
-    num_heads: int = 2
-    intermediate_size: int = 512
+    num_layers: int = 2  # transformer blocks (the papers' #LAYER)
+    hidden_size: int = 128  # width of the hidden states
+    num_heads: int = 2  # attention heads (must divide hidden_size)
+    intermediate_size: int = 512  # width of each block's MLP
     dropout: float = 0.1  # hidden and attention dropout
-    vocab_size: int = 30522
+    vocab_size: int = 30522  # token ids (30522: the uncased WordPiece vocabulary)
     seq_len: int = 512  # max positions (the papers' d_s for tnlg / X[x])
-    type_vocab_size: int = 2
+    type_vocab_size: int = 2  # segment ids (sentence A / B)
     layer_norm_eps: float = 1e-12  # LayerNorm (bert, gpt2) or RMSNorm (llama) epsilon
-    init_std: float = 0.02
-    pretrained: str | None = None  # hub id or local HF directory
-    x: int | None = None
+    init_std: float = 0.02  # std of the normal initialization
+    pretrained: str | None = (
+        None  # hub id or local HF directory to start from (its config.json sets the sizes)
+    )
+    x: int | None = None  # the X[x] family member (model=x)
     num_kv_heads: int | None = None  # llama: key/value heads (grouped-query attention); unset = num_heads
     rope_theta: float = 10000.0  # llama: the rotary embedding's base
     tie_word_embeddings: bool = True  # decoders: the LM head is the token embedding (one tensor)
+    lr: float = 1e-3  # this size's default learning rate (optim.lr when nothing else sets it)
 
 
 @dataclass
 class ModeConfig:
     """Execution algorithm (a registered mode). ``stash`` and ``prefetch`` belong to the L2L runners."""
 
-    name: str = "l2l"
+    name: str = "l2l"  # the execution algorithm (set by the mode group)
     stash: str | None = None  # device | cpu (modes with a stash; unset: the mode's default)
     prefetch: bool = True  # relay: copy layer l+1 while layer l computes
 
@@ -63,46 +67,49 @@ class ModeConfig:
 @dataclass
 class PrecisionConfig:
     name: str = "fp32"  # fp32 | amp (autocast, master on device) | cmp (half device copy, FP32 master in EPS)
-    dtype: str = (
-        "auto"  # half type for amp/cmp: auto = fp16 on CUDA, bf16 elsewhere (fp16 is unusable on CPU)
-    )
+    dtype: str = "auto"  # half type for amp/cmp: auto = fp16 on CUDA, bf16 elsewhere (fp16 crawls on CPUs)
     loss_scale: str = "dynamic"  # dynamic | none (for half precision)
-    init_scale: float = 65536.0
-    growth_interval: int = 2000
+    init_scale: float = 65536.0  # dynamic loss scaling: the first scale
+    growth_interval: int = 2000  # dynamic loss scaling: steps without overflow before the scale doubles
 
 
 @dataclass
 class TaskConfig:
-    name: str = "synthetic"
+    name: str = "synthetic"  # the task (set by the task group)
     data_dir: str | None = None  # original GLUE TSV layout; unset = the hub (GLUE) or generated (synthetic)
-    max_seq_len: int = 64
+    max_seq_len: int = 64  # tokens per example (longer ones are truncated; task=lm: the block length)
     tokenizer: str | None = None  # unset: model.pretrained's, else the bundled one (WordPiece; lm: byte BPE)
-    max_train_samples: int | None = None
-    max_eval_samples: int | None = None
+    max_train_samples: int | None = None  # use only the first N training examples
+    max_eval_samples: int | None = None  # evaluate on only the first N dev examples
     pad_to_max: bool = False  # pad every batch to max_seq_len (constant shapes, for memory studies)
-    num_train: int = 8192  # synthetic task size
-    num_eval: int = 1024
-    # task=lm: the text files (a path or a list: .txt, .jsonl/.json, .parquet; unset: the bundled corpus),
-    # the field holding the text in .jsonl/.parquet rows, and the dev split: files, or the last fraction
-    files: Any = None
-    text_field: str = "text"
-    dev_fraction: float = 0.05
-    dev_files: Any = None
+    num_train: int = 8192  # synthetic task: training examples
+    num_eval: int = 1024  # synthetic task: dev examples
+    files: Any = (
+        None  # task=lm|csv|json: your training files (a path or a list; lm unset: the bundled corpus)
+    )
+    dev_files: Any = (
+        None  # task=lm|csv|json: dev files; unset = lm: task.dev_fraction, csv|json: 10% held out
+    )
+    text_field: str = "text"  # task=lm: the field holding the text in .jsonl/.parquet rows
+    dev_fraction: float = 0.05  # task=lm: the last share of the packed blocks kept as dev
+    text_fields: list[str] = field(default_factory=lambda: ["text"])  # task=csv|json: 1 or 2 text columns
+    label_field: str = "label"  # task=csv|json: the label column
+    regression: bool | None = None  # task=csv|json: numeric target; unset = numbers that are not all integers
 
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
-    lr: float = 1e-3
-    weight_decay: float = 0.01
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-6
-    warmup_ratio: float = 0.1
-    warmup_steps: int | None = None
-    schedule: str = "linear"
+    name: str = "adamw"  # adamw | lamb (set by the optim group)
+    lr: float = "${model.lr}"  # peak learning rate; default: model.lr (GLUE, csv, json tasks: 5e-5)
+    weight_decay: float = 0.01  # decoupled weight decay (not on biases and LayerNorms)
+    beta1: float = 0.9  # Adam beta1
+    beta2: float = 0.999  # Adam beta2
+    eps: float = 1e-6  # Adam epsilon
+    warmup_ratio: float = 0.1  # share of the steps spent warming up the learning rate
+    warmup_steps: int | None = None  # warmup in steps (overrides warmup_ratio)
+    schedule: str = "linear"  # linear (decay to 0 after warmup) | constant
     clip: str = "auto"  # auto (the mode's default: global in every built-in mode) | global | layer | none
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = 1.0  # clipping threshold (global norm, or per layer with clip=layer)
 
 
 @dataclass
@@ -115,30 +122,30 @@ class BatchConfig:
 @dataclass
 class TrainerConfig:
     max_steps: int = -1  # -1: run trainer.epochs
-    epochs: int = 1
-    seed: int = 0
+    epochs: int = 1  # passes over the training set (when max_steps is -1)
+    seed: int = 0  # weights, data order and dropout follow it
     eval_every: int = 0  # 0: evaluate once, at the end
-    log_every: int = 1
-    save_final: bool = False
-    save_every: int = 0
-    keep_checkpoints: int = 2
-    resume: str | None = None  # a run dir, or "latest"
-    realtime_ckpt: bool = False
-    max_bad_steps: int = 3
-    progress: str = "auto"
+    log_every: int = 1  # steps between metrics rows
+    save_final: bool = False  # write final/: a Hugging Face model directory of the trained weights
+    save_every: int = 0  # steps between checkpoints (0: none; with N, also one at the end)
+    keep_checkpoints: int = 2  # how many step checkpoints to keep
+    resume: str | None = None  # a run dir, or "latest": continue it with its own config (overrides win)
+    realtime_ckpt: bool = False  # L2L modes: the EPS writes each layer right after its update
+    max_bad_steps: int = 3  # non-finite steps in a row that stop the run
+    progress: str = "auto"  # auto | rich | plain | none
 
 
 @dataclass
 class SimConfig:
     """Simulated accelerator: a device-memory budget and a host<->device link, on the CPU."""
 
-    memory_gb: float = 16.0
+    memory_gb: float = 16.0  # device memory budget, GiB (exceeding it is an out-of-memory)
     link_gbps: float = 16.0  # GB/s (bytes), per direction, like the papers' "16 GB/sec PCIe"
 
 
 @dataclass
 class DistConfig:
-    nproc: int = 1
+    nproc: int = 1  # data-parallel processes (torch's elastic launcher)
     backend: str = "auto"  # auto = nccl on CUDA, gloo otherwise
     timeout_s: float = 600.0  # a collective that waits longer ends the job (a dead rank ends it at once)
     eager_reduce: bool = True  # L2L: reduce each layer's gradient as it lands (false: all after backward)
@@ -158,9 +165,9 @@ class EpsConfig:
     (the ones about to be used), read ahead and written back behind the compute. The disk state is
     committed after every step, so it is also the run's checkpoint (``trainer.resume``)."""
 
-    tier: str = "host"  # host | disk
-    path: str | None = None
-    host_cache_layers: int = 2
+    tier: str = "host"  # host (RAM) | disk (the L2L modes: one file per layer, a few cached in RAM)
+    path: str | None = None  # disk: the directory of the layer files (unset: <run dir>/eps; a fast local SSD)
+    host_cache_layers: int = 2  # disk: layers whose state is in RAM at once (>= 2: the one in use, the next)
 
 
 @dataclass
@@ -181,15 +188,15 @@ class HardwareConfig:
     (an update of BERT-Large's ~335M parameters = 100 GFLOP, i.e. 300 FLOP per parameter).
     """
 
-    name: str = "v100-16g"
+    name: str = "v100-16g"  # the hardware model (set by the hardware group)
     device_tflops: float = 30.0  # effective device throughput for layer matmuls, fp32
     device_tflops_half: float = 30.0  # the same under precision=amp|cmp
     device_peak_tflops: float = 125.0  # half-precision peak (layered-GA: compute time, intensity thresholds)
     backward_factor: float = 2.0  # backward time / forward time of a layer (the papers: 2)
-    device_memory_gb: float = 16.0  # GiB
+    device_memory_gb: float = 16.0  # device memory, GiB
     device_optim_gflops: float = 480.0  # the baselines' on-device update (elementwise, memory-bound)
     host_gflops: float = 300.0  # EPS (host optimizer) throughput
-    host_memory_gb: float = 512.0  # GiB
+    host_memory_gb: float = 512.0  # host memory, GiB
     h2d_gbps: float = 16.0  # host<->device link, GB/s per direction
     network_gbps: float = 12.5  # data-parallel / pipeline network per device, GB/s (input + output)
     tensor_link_gbps: float = 0.0  # tensor-parallel interconnect (NVLink), GB/s (input + output); 0: none
@@ -206,9 +213,9 @@ class PlanConfig:
     """``l2l plan``: recommendation target, 3d-parallel degrees (layered-GA §5), measurement repeats."""
 
     max_transfer_overhead: float = 0.10  # bound on L2L's transfer share of the step (L2L v2 eq. 4)
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
-    data_parallel: int = 1
+    tensor_parallel: int = 1  # tensor-parallel degree (splits the heads)
+    pipeline_parallel: int = 1  # pipeline stages
+    data_parallel: int = 1  # data-parallel replicas
     train_steps: int = 100_000  # steps for the layered-GA training-time estimate (the paper's 100k)
     measure_repeats: int = 5  # hardware=measure: timed repetitions per primitive (the median is used)
 
@@ -228,7 +235,8 @@ class L2LConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
-    device: str = "auto"
+    device: str = "auto"  # auto | cpu | cuda | sim (a simulated accelerator)
+    logger: Any = "auto"  # csv | tensorboard | wandb | none, or several: [csv,wandb]; auto: csv + tensorboard
     scale: str = "cpu"  # recipes/: cpu (minutes on a small CPU) | paper (the papers' sizes); see l2l.pick
 
 

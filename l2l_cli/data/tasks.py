@@ -40,6 +40,7 @@ class TaskSpec:
     hub_dev_split: str = "validation"
     tsv_label_map: dict[str, int] = field(default_factory=dict)  # TSV label string -> id (default int())
     objective: str = "classify"  # classify (a head over the sequence) | lm (next-token prediction)
+    file_format: str | None = None  # "csv" | "json": the user's own files (task.files, data/files.py)
 
     @property
     def num_labels(self) -> int:
@@ -172,5 +173,8 @@ TASKS: dict[str, TaskSpec] = {
                  ("not_entailment", "entailment"), ("accuracy",), "accuracy"),
         TaskSpec("synthetic", "-", (), (), ("b_more", "a_more"), ("accuracy",), "accuracy"),
         TaskSpec("lm", "-", (), (), None, ("loss", "perplexity"), "perplexity", objective="lm"),
+        # the user's files: labels (and whether it is a regression) come from the data when it loads
+        TaskSpec("csv", "-", (), (), ("0", "1"), ("accuracy",), "accuracy", file_format="csv"),
+        TaskSpec("json", "-", (), (), ("0", "1"), ("accuracy",), "accuracy", file_format="json"),
     )
 }  # fmt: skip

@@ -70,25 +70,27 @@ def family_for_dir(path: Path, ref: str, default: str = "bert") -> ModelFamily:
 
 
 class PretrainedUnavailable(ValueError):
-    """A hub id that cannot be downloaded (no network, no such repo): bad input, exit 2."""
+    """A hub checkpoint that cannot be fetched (offline, or no such model): bad input, exit 2."""
 
 
-def resolve_pretrained(ref: str) -> Path:
-    """A local dir holding config.json, the weights and the tokenizer for ``ref`` (a dir, or a hub id
-    downloaded); a download that fails says so in one line."""
+def resolve_pretrained(ref: str, config_only: bool = False) -> Path:
+    """A local dir holding config.json and the weights for ``ref`` (a dir, or a hub id downloaded; with
+    ``config_only``, only its config.json: enough to check the reference before a run starts)."""
     path = Path(ref).expanduser()
     if path.is_dir():
         return path
     from huggingface_hub import snapshot_download
 
-    patterns = ["config.json", "*.safetensors", "*.txt", "*.json", "*.model"]
+    patterns = (
+        ["config.json"] if config_only else ["config.json", "*.safetensors", "*.txt", "*.json", "*.model"]
+    )
     try:
         return Path(snapshot_download(ref, allow_patterns=patterns))
-    except Exception as e:  # offline, unknown repo, gated: name the cause and the way out
-        first = str(e).splitlines()[0] if str(e) else ""
+    except Exception as e:  # offline, a typo, a private repo: say which, and what to do instead
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0]}" if str(e) else type(e).__name__
         raise PretrainedUnavailable(
-            f"cannot download {ref!r} from the Hugging Face hub ({type(e).__name__}: {first[:160]}); "
-            f"pass a local Hugging Face directory instead"
+            f"{ref} cannot be fetched from the Hugging Face hub ({reason}): check the name, or point "
+            f"model.pretrained at a local Hugging Face model directory (config.json + weights)"
         ) from e
 
 

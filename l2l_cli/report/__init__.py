@@ -4,7 +4,7 @@
     l2l report outputs/2026-01-01/12-00-00-l2l-synthetic     # one run
     l2l report outputs/l2l_v2_table3 outputs/l2l_v2_table4   # folders of sweeps, together
 
-Prints a table (rich) and writes report.md, report.csv and PNG plots. Runs that ran out of device memory
+Prints a table (rich) and writes report.md, report.csv and plots (PNG and SVG). Runs that ran out of device memory
 are OOM rows and failed runs show their error, as the papers' tables do; the report itself only fails
 (exit code 2) on bad input: a path that does not exist, or a folder with no runs.
 """
@@ -29,7 +29,7 @@ class _Parser(argparse.ArgumentParser):
 def parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="l2l report",
-        description="Tables (rich, report.md, report.csv) and PNG plots from l2l run directories.",
+        description="Tables (rich, report.md, report.csv) and plots (PNG, SVG) from l2l run directories.",
     )
     p.add_argument("paths", nargs="+", metavar="DIR", help="run dirs, multirun dirs, or folders holding them")
     p.add_argument(

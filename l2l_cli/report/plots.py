@@ -1,8 +1,10 @@
-"""PNG plots of a set of runs: the papers' sweeps (memory and throughput against depth, #ubatches, ubatch
+"""Plots (PNG at 200 dpi, and SVG beside each) of a set of runs: the papers' sweeps (memory and throughput against depth, #ubatches, ubatch
 size and batch size), the time breakdown per phase (L2L v1 Figure 6), and loss and eval curves.
 
 A plot is drawn only when the runs hold what it shows (a sweep axis that varies within a series, a
-breakdown, logged steps), so a report of one run is not padded with empty figures.
+breakdown, logged steps), so a report of one run is not padded with empty figures. Titles name what all
+runs share (model, task, method); legends name what differs. Each series has its own colour, marker and
+line style, so identical curves (L2L and its baseline, say) stay visible on top of each other.
 """
 
 from __future__ import annotations
@@ -24,9 +26,13 @@ from l2l_cli.report.table import breakdown_columns, memory_unit
 # how a run is named in legends: the fields that differ between the runs of the report
 LABEL_FIELDS = (
     ("method", "{}"), ("precision", "{}"), ("ubatch_size", "ub{}"), ("num_ubatches", "x{}"),
-    ("batch_size", "b{}"), ("num_layers", "L{}"), ("hidden_size", "H{}"), ("seq_len", "S{}"), ("task", "{}"),
-    ("placement", "{}"), ("schedule", "{}"),
+    ("batch_size", "b{}"), ("num_layers", "L{}"), ("hidden_size", "H{}"), ("seq_len", "S{}"), ("model", "{}"),
+    ("task", "{}"), ("placement", "{}"), ("schedule", "{}"),
 )  # fmt: skip
+CONTEXT_FIELDS = ("model", "task", "method")  # in the titles when every run shares them
+DPI = 200
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+LINESTYLES = ("-", "--", "-.", ":")
 
 # sweep axis -> (axis label, file, fields that move with it and so do not split series)
 SWEEPS = {
@@ -46,9 +52,37 @@ def varying(runs: list[Run]) -> list[str]:
 
 
 def label(run: Run, fields: list[str]) -> str:
+    """The run's legend entry: the fields that differ between runs (else its model, task and method)."""
     fmt = dict(LABEL_FIELDS)
-    parts = [fmt[k].format(run.get(k)) for k in fields if run.get(k) is not None]
+    parts = [fmt[k].format(run.get(k)) for k in fields or CONTEXT_FIELDS if run.get(k) is not None]
     return " ".join(parts) or run.name
+
+
+def context(runs: list[Run]) -> str:
+    """What every run shares among model, task and method, for titles ("bert-tiny · rte · l2l")."""
+    shared = []
+    for k in CONTEXT_FIELDS:
+        values = {r.get(k) for r in runs}
+        if len(values) == 1 and None not in values:
+            shared.append(str(next(iter(values))))
+    return " · ".join(shared)
+
+
+def titled(what: str, runs: list[Run]) -> str:
+    ctx = context(runs)
+    return f"{what}\n{ctx}" if ctx else what
+
+
+def style(i: int, points: int = 0) -> dict[str, Any]:
+    """Series i's colour, marker and line style (all three differ between neighbours). Earlier series are
+    drawn thicker with larger markers, odd ones hollow, and markers start at a different point per series,
+    so a curve that coincides with another (L2L and its baseline, say) stays visible under it."""
+    every = max(1, points // 12)
+    return {
+        "color": f"C{i % 10}", "marker": MARKERS[i % len(MARKERS)], "linestyle": LINESTYLES[i % len(LINESTYLES)],
+        "markevery": (i % every, every), "markersize": max(4.0, 9.0 - 1.2 * i),
+        "linewidth": max(1.0, 2.8 - 0.45 * i), "fillstyle": "none" if i % 2 else "full",
+    }  # fmt: skip
 
 
 def write_plots(runs: list[Run], out: Path) -> list[tuple[str, str]]:
@@ -65,9 +99,13 @@ def write_plots(runs: list[Run], out: Path) -> list[tuple[str, str]]:
     return written
 
 
-def _save(fig: Any, path: Path) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+def _save(fig: Any, path: Path, tight: bool = True) -> None:
+    """PNG at 200 dpi, and the same figure as SVG beside it."""
+    if tight:
+        fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    with plt.rc_context({"svg.fonttype": "none"}):  # SVG text stays text (searchable, editable)
+        fig.savefig(path.with_suffix(".svg"))
     plt.close(fig)
 
 
@@ -117,7 +155,7 @@ def sweep_plot(runs: list[Run], axis: str, out: Path) -> tuple[str, str] | None:
             color = f"C{i % 10}"
             ok = sorted((r.get(axis), value(r)) for r in members if r.ok and value(r) is not None)
             if ok:
-                ax.plot([x for x, _ in ok], [y for _, y in ok], "o-", color=color, label=series)
+                ax.plot([x for x, _ in ok], [y for _, y in ok], label=series, **style(i))
             if is_memory:
                 ooms = [r for r in members if r.status == "oom"]
                 for r in ooms:
@@ -133,6 +171,9 @@ def sweep_plot(runs: list[Run], axis: str, out: Path) -> tuple[str, str] | None:
         ax.set_title(f"{ylabel.split(' (')[0]} vs {name}")
     for ax in axes[0]:
         ax.legend(fontsize=8)
+    ctx = context(runs)
+    if ctx:
+        fig.suptitle(ctx, fontsize=10)
     _save(fig, out / fname)
     return fname, f"device memory and throughput vs {name} (OOM: a cross on the device budget)"
 
@@ -183,7 +224,7 @@ def breakdown_plot(runs: list[Run], out: Path) -> tuple[str, str] | None:
     keys = varying(runs)
     phases = breakdown_columns(done)  # the papers' order: forward, recompute, backward, optimizer, ...
     fig, ax = plt.subplots(figsize=(9, 1.6 + 0.42 * len(done)))
-    labels = [label(r, keys) if keys else r.name for r in done]
+    labels = [label(r, keys) for r in done]
     totals = [sum(r.breakdown.values()) for r in done]
     left = [0.0] * len(done)
     for j, p in enumerate(phases):
@@ -200,12 +241,11 @@ def breakdown_plot(runs: list[Run], out: Path) -> tuple[str, str] | None:
     ax.set_xlim(0, 112)
     ax.set_xticks(range(0, 101, 20))
     ax.set_xlabel("share of the mean step time (%)")
-    ax.set_title("time per step by phase")
+    ax.set_title(titled("time per step by phase", runs))
     handles, names = ax.get_legend_handles_labels()
     fig.legend(handles, names, ncol=min(6, len(phases)), fontsize=8, loc="lower center", frameon=False)
     fig.tight_layout(rect=(0, 0.12 if len(done) < 4 else 0.06, 1, 1))
-    fig.savefig(out / "time_breakdown.png", dpi=110)
-    plt.close(fig)
+    _save(fig, out / "time_breakdown.png", tight=False)
     return (
         "time_breakdown.png",
         "each run's mean step split by phase (forward, recompute, backward, optimizer, transfer)",
@@ -218,14 +258,13 @@ def loss_plot(runs: list[Run], out: Path) -> tuple[str, str] | None:
     if not curves:
         return None
     keys = varying(runs)
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for r, c in curves:
-        ax.plot([s for s, _ in c], [v for _, v in c], "o-" if len(c) < 30 else "-", ms=3,
-                label=label(r, keys) if keys else r.name)  # fmt: skip
+    fig, ax = plt.subplots(figsize=(7, 4.4))
+    for i, (r, c) in enumerate(curves):
+        ax.plot([s for s, _ in c], [v for _, v in c], label=label(r, keys), **style(i, len(c)))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
-    ax.set_title("training loss")
+    ax.set_title(titled("training loss", runs))
     ax.grid(True, alpha=0.3)
     if len(curves) <= 16:
         ax.legend(fontsize=7)
@@ -248,7 +287,7 @@ def eval_plot(runs: list[Run], out: Path) -> tuple[str, str] | None:
     for ax, m in zip(axes[0], names, strict=True):
         if once:
             having = [r for r in with_evals if _finite(r.evals[-1].get(m))]  # F1 only where the task has it
-            labels = [label(r, keys) if keys else r.name for r in having]
+            labels = [label(r, keys) for r in having]
             vals = [r.evals[-1][m] for r in having]
             ax.bar(range(len(vals)), vals, color=[f"C{i % 10}" for i in range(len(vals))])
             ax.set_xticks(range(len(vals)), labels, rotation=30, ha="right", fontsize=7)
@@ -256,17 +295,16 @@ def eval_plot(runs: list[Run], out: Path) -> tuple[str, str] | None:
                 if _finite(v):
                     ax.text(i, v, f"{v:.3f}", ha="center", va="bottom", fontsize=7)
         else:
-            for r in with_evals:
+            for i, r in enumerate(with_evals):
                 pts = [(e["step"], e[m]) for e in r.evals if _finite(e.get(m))]
                 if not pts:
                     continue
-                ax.plot([s for s, _ in pts], [v for _, v in pts], "o-", ms=3,
-                        label=label(r, keys) if keys else r.name)  # fmt: skip
+                ax.plot([s for s, _ in pts], [v for _, v in pts], label=label(r, keys), **style(i, len(pts)))
             ax.set_xlabel("step")
             if len(with_evals) <= 16:
                 ax.legend(fontsize=7)
         ax.set_ylabel(m)
-        ax.set_title(f"eval {m}")
+        ax.set_title(titled(f"eval {m}", runs))
         ax.grid(True, alpha=0.3)
     _save(fig, out / "eval.png")
     return "eval.png", "evaluation metrics (dev split)"

@@ -1,0 +1,248 @@
+"""The user's own data (``task=csv`` / ``task=json``): classification or regression from their files.
+
+Files: CSV (``.csv``, comma) or TSV (``.tsv``, tab, quoting off as GLUE's), each with a header row; JSON lines
+(one object per line) or a JSON array of objects. ``task.text_fields`` names one or two text columns (a
+sentence, or a pair), ``task.label_field`` the target. Classification labels are the distinct values of the
+training file, sorted (numbers numerically); ``task.regression`` unset means regression exactly when every
+label is a number and not all are integers. ``task.files`` (and ``task.dev_files``) is a path or a list of them,
+read in order; without ``task.dev_files`` the last 10% of the training examples is held out as the dev split.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from l2l_cli.config import ConfigError, Problem
+from l2l_cli.data.tasks import Example, TaskSpec
+
+HOLDOUT = 0.1  # share of the training examples held out as dev when task.dev_files is unset
+SPLITS = {"train": "task.files", "dev": "task.dev_files"}  # each split's key
+
+
+def read_records(path: Path, fmt: str) -> Iterator[dict[str, Any]]:
+    """Rows of a CSV/TSV file (``fmt`` csv) or objects of a JSON lines / JSON array file (``fmt`` json)."""
+    if fmt == "json":
+        text = path.read_text(encoding="utf-8-sig")
+        if text.lstrip().startswith("["):
+            data = json.loads(text)
+            if not isinstance(data, list):
+                raise ValueError("a JSON file must hold an array of objects, or one object per line")
+            for i, obj in enumerate(data):
+                if not isinstance(obj, dict):
+                    raise ValueError(f"item {i} is not an object")
+                yield obj
+            return
+        for n, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                obj = json.loads(line)
+                if not isinstance(obj, dict):
+                    raise ValueError(f"line {n} is not a JSON object")
+                yield obj
+        return
+    tsv = path.suffix.lower() == ".tsv"
+    with path.open(encoding="utf-8-sig", newline="") as f:
+        reader = csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE) if tsv else csv.DictReader(f)
+        yield from reader
+
+
+def columns(path: Path, fmt: str) -> list[str]:
+    """The column names of a file: a CSV/TSV header, or the keys of a JSON file's first object."""
+    if fmt == "json":
+        first = next(read_records(path, fmt), None)
+        return list(first) if first else []
+    tsv = path.suffix.lower() == ".tsv"
+    with path.open(encoding="utf-8-sig", newline="") as f:
+        return next(
+            csv.reader(
+                f, delimiter="\t" if tsv else ",", quoting=csv.QUOTE_NONE if tsv else csv.QUOTE_MINIMAL
+            ),
+            [],
+        )
+
+
+def check_files(task: Any) -> list[Problem]:
+    """Problems with ``task.files``, ``task.text_fields`` and ``task.label_field`` (before any work)."""
+    fmt = task.name
+    p: list[Problem] = []
+    fields = list(task.text_fields)
+    if not 1 <= len(fields) <= 2 or not all(isinstance(f, str) and f for f in fields):
+        p.append(
+            Problem(
+                "task.text_fields",
+                f"got {fields}; allowed: one or two column names, e.g. [text] or [question,answer]",
+            )
+        )
+    if not split_files(task, "train"):
+        return [
+            *p,
+            Problem("task.files", f"task={fmt} reads your files: set task.files (and task.dev_files)"),
+        ]
+    for split, key in SPLITS.items():
+        for name in split_files(task, split):
+            path = Path(name).expanduser()
+            if not path.is_file():
+                p.append(Problem(key, f"{name} is not a file"))
+                continue
+            try:
+                have = columns(path, fmt)
+            except (OSError, UnicodeDecodeError, ValueError) as e:
+                p.append(Problem(key, f"{name}: unreadable as {fmt} ({str(e).splitlines()[0]})"))
+                continue
+            if not have:
+                p.append(Problem(key, f"{name} is empty"))
+                continue
+            listed = ", ".join(have[:12]) + (", ..." if len(have) > 12 else "")
+            missing = [f for f in fields if isinstance(f, str) and f not in have]
+            if missing:
+                p.append(
+                    Problem(
+                        "task.text_fields",
+                        f"{name} has no column {', '.join(missing)}; its columns: {listed}",
+                    )
+                )
+            if task.label_field not in have:
+                p.append(
+                    Problem(
+                        "task.label_field", f"{name} has no column {task.label_field}; its columns: {listed}"
+                    )
+                )
+    return p
+
+
+def _number(v: Any) -> float | None:
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int | float):
+        return float(v)
+    try:
+        x = float(str(v).strip())
+    except ValueError:
+        return None
+    return x if math.isfinite(x) else None
+
+
+def split_files(task: Any, split: str) -> list[str]:
+    """The files of a split: ``task.files`` (train) or ``task.dev_files`` (dev), a path or a list."""
+    from l2l_cli.data.lm import as_list
+
+    return as_list(task.files if split == "train" else task.dev_files)
+
+
+def _examples(paths: list[Path], task: Any, split: str) -> tuple[list[tuple[str, str | None]], list[Any]]:
+    texts: list[tuple[str, str | None]] = []
+    labels: list[Any] = []
+    for path in paths:
+        t, v = _file_examples(path, task, split)
+        texts, labels = texts + t, labels + v
+    return texts, labels
+
+
+def _file_examples(path: Path, task: Any, split: str) -> tuple[list[tuple[str, str | None]], list[Any]]:
+    fields, label = list(task.text_fields), task.label_field
+    texts, labels = [], []
+    try:
+        for n, rec in enumerate(read_records(path, task.name), start=1):
+            raw = [rec.get(f) for f in fields]
+            if any(t is None for t in raw) or rec.get(label) in (None, ""):
+                raise ConfigError(
+                    [Problem(SPLITS[split], f"{path}: record {n} lacks {', '.join(fields)} or {label}")]
+                )
+            texts.append((str(raw[0]), str(raw[1]) if len(raw) > 1 else None))
+            labels.append(rec[label])
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError([Problem(SPLITS[split], f"{path}: unreadable ({str(e).splitlines()[0]})")]) from e
+    if not texts:
+        raise ConfigError([Problem(SPLITS[split], f"{path} holds no examples")])
+    return texts, labels
+
+
+def label_space(task: Any, labels: list[Any]) -> tuple[bool, tuple[str, ...] | None]:
+    """(regression, label names) from the training labels (see the module docstring)."""
+    numbers = [_number(v) for v in labels]
+    numeric = all(x is not None for x in numbers)
+    regression = task.regression
+    if regression is None:
+        regression = numeric and not all(float(x).is_integer() for x in numbers)  # type: ignore[arg-type]
+    if regression:
+        if not numeric:
+            bad = next(v for v, x in zip(labels, numbers) if x is None)
+            raise ConfigError(
+                [Problem("task.regression", f"labels must be numbers for regression; got {bad!r}")]
+            )
+        return True, None
+    keys = sorted({_key(v) for v in labels}, key=lambda k: (k[0], k[1]))
+    if len(keys) < 2:
+        raise ConfigError(
+            [
+                Problem(
+                    "task.label_field",
+                    f"{task.label_field} has one value only; classification needs two or more",
+                )
+            ]
+        )
+    return False, tuple(k[2] for k in keys)
+
+
+def _key(v: Any) -> tuple[int, Any, str]:
+    """Sort numbers numerically, then strings; the label's name is its text (1.0 and 1 are one label)."""
+    x = _number(v)
+    if x is not None and x.is_integer():
+        return (0, x, str(int(x)))
+    return (1, str(v), str(v))
+
+
+def load(task: Any) -> tuple[TaskSpec, list[Example], list[Example]]:
+    """The task's spec and its train and dev examples (labels as ids, or floats for regression)."""
+    train_paths = [Path(f).expanduser() for f in split_files(task, "train")]
+    texts, raw = _examples(train_paths, task, "train")
+    if split_files(task, "dev"):
+        dev_texts, dev_raw = _examples([Path(f).expanduser() for f in split_files(task, "dev")], task, "dev")
+    else:  # hold out the tail of the training file
+        cut = max(1, int(len(texts) * (1 - HOLDOUT)))
+        if cut >= len(texts):
+            raise ConfigError(
+                [
+                    Problem(
+                        "task.dev_files",
+                        f"{', '.join(map(str, train_paths))}: too few examples to hold out a dev split; "
+                        "set task.dev_files",
+                    )
+                ]
+            )
+        texts, dev_texts, raw, dev_raw = texts[:cut], texts[cut:], raw[:cut], raw[cut:]
+    regression, names = label_space(task, raw)
+    spec = user_spec(task.name, names)
+
+    def convert(pairs: list[tuple[str, str | None]], values: list[Any], split: str) -> list[Example]:
+        if regression:
+            return [Example(a, b, float(_number(v))) for (a, b), v in zip(pairs, values)]  # type: ignore[arg-type]
+        index = {n: i for i, n in enumerate(names or ())}
+        out = []
+        for (a, b), v in zip(pairs, values):
+            name = _key(v)[2]
+            if name not in index:
+                raise ConfigError(
+                    [
+                        Problem(
+                            SPLITS[split],
+                            f"label {v!r} is not among the training file's labels ({', '.join(index)})",
+                        )
+                    ]
+                )
+            out.append(Example(a, b, index[name]))
+        return out
+
+    return spec, convert(texts, raw, "train"), convert(dev_texts, dev_raw, "dev")
+
+
+def user_spec(name: str, label_names: tuple[str, ...] | None) -> TaskSpec:
+    """The TaskSpec of a user task: accuracy (and F1 for two classes), or Pearson/Spearman for regression."""
+    if label_names is None:
+        return TaskSpec(name, "-", (), (), None, ("pearson", "spearmanr"), "spearmanr", file_format=name)
+    metrics = ("accuracy", "f1") if len(label_names) == 2 else ("accuracy",)
+    return TaskSpec(name, "-", (), (), label_names, metrics, "accuracy", file_format=name)

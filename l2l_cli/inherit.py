@@ -1,0 +1,187 @@
+"""A run's own config, inherited by the commands that continue or reuse it (``trainer.resume``, ``l2l eval``,
+``l2l predict``): every key comes from the run, except the ones the command line sets.
+
+Why not replay the run's command line: defaults, recipes and group files change between versions, and a
+replay would silently train on with other settings. The saved config is what the run really used.
+
+Which keys the command line sets: those it names (``trainer.max_steps=500``), and for a group option
+(``task=mrpc``) every key that option changes and every key of its group. A resumed run may not change what
+its checkpoint and data position depend on (``FIXED``): it is refused, one line per key, before anything is
+written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from l2l_cli.config import Problem
+
+# What a resumed run keeps: the checkpoint's model shape and optimizer, the data (task and order), and the
+# global batch (checked as batch.size x dist.nproc). mode.name is checked by state layout (modes sharing
+# one resume each other's checkpoints).
+FIXED = {
+    "model.family": "model shape", "model.num_layers": "model shape", "model.hidden_size": "model shape",
+    "model.num_heads": "model shape", "model.intermediate_size": "model shape",
+    "model.vocab_size": "model shape", "model.seq_len": "model shape", "model.type_vocab_size": "model shape",
+    "optim.name": "optimizer state", "task.name": "task (the data position)",
+    "trainer.seed": "seed (data order and dropout follow it)",
+}  # fmt: skip
+
+
+class NoSavedConfig(Exception):
+    """A directory that holds no run config (not a run dir)."""
+
+
+def saved_config(run_dir: Path) -> DictConfig:
+    """The config a run trained with: ``.hydra/config.yaml`` (rewritten when a resume succeeds), else its
+    newest checkpoint's ``config.yaml``."""
+    from l2l_cli.checkpoint import candidates
+
+    paths = [run_dir / ".hydra" / "config.yaml"] + [p / "config.yaml" for _, p in candidates(run_dir)]
+    for path in paths:
+        if path.is_file():
+            try:
+                cfg = OmegaConf.load(path)
+            except (OSError, OmegaConfBaseException) as e:
+                raise NoSavedConfig(f"{path}: unreadable ({str(e).splitlines()[0]})") from e
+            if isinstance(cfg, DictConfig):
+                return cfg
+    raise NoSavedConfig(f"{run_dir} holds no run config (.hydra/config.yaml or a checkpoint's config.yaml)")
+
+
+def leaves(cfg: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> value for every leaf (lists are leaves), without resolving interpolations."""
+    out: dict[str, Any] = {}
+    for key in cfg:
+        node = cfg._get_node(key)
+        full = f"{prefix}{key}"
+        if isinstance(node, DictConfig):
+            out.update(leaves(node, full + "."))
+        elif isinstance(node, ListConfig):
+            out[full] = OmegaConf.to_container(node, resolve=False)
+        else:
+            out[full] = node._value()
+    return out
+
+
+def _resolved(cfg: DictConfig) -> dict[str, Any]:
+    """Leaves with interpolations resolved where they can be (a saved config's ``${...}`` refer to the run's
+    own values, or to resolvers the current process may lack)."""
+    out = {}
+    for key, raw in leaves(cfg).items():
+        try:
+            out[key] = OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
+        except OmegaConfBaseException:
+            out[key] = raw
+        if isinstance(out[key], ListConfig | DictConfig):
+            out[key] = OmegaConf.to_container(out[key], resolve=True)
+    return out
+
+
+def explicit_keys(overrides: list[str]) -> set[str]:
+    """The leaf keys ``overrides`` set (see the module docstring)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from l2l_cli.compose import GROUPS, compose
+
+    keys: set[str] = set()
+    groups: list[str] = []
+    for raw in overrides:
+        ov = OverridesParser.create().parse_override(raw)
+        key = ov.key_or_group
+        if key.startswith("hydra"):
+            continue
+        if key in GROUPS:
+            groups.append(raw)
+            keys.add(key)  # every key of the group (prefix match below)
+        else:
+            keys.add(key)
+    if groups:
+        base, chosen = leaves(compose([])), leaves(compose(groups))
+        keys |= {k for k, v in chosen.items() if base.get(k) != v}
+    schema = leaves(compose([]))
+    return {k for k in schema if k in keys or any(k.startswith(p + ".") for p in keys)}
+
+
+def inherit(saved: DictConfig, overrides: list[str]) -> DictConfig:
+    """``overrides`` composed as ``l2l train`` would, every key they do not set taken from ``saved``."""
+    from l2l_cli.compose import compose
+
+    plain = [o for o in overrides if not o.split("=", 1)[0].lstrip("+~").startswith("hydra")]
+    cfg = compose(plain)
+    explicit = explicit_keys(plain)
+    have = leaves(cfg)
+    for key, value in _resolved(saved).items():
+        if key in have and key not in explicit and key != "trainer.resume":
+            OmegaConf.update(cfg, key, value, merge=False)
+    return cfg
+
+
+def fixed_problems(
+    saved: DictConfig, cfg: DictConfig, run_dir: Path, keys: dict[str, str], doing: str
+) -> list[Problem]:
+    """``keys`` (key -> what it is part of) that ``cfg`` changes from the run's ``saved`` config."""
+    old = _resolved(saved)
+    out = []
+    for key, what in keys.items():
+        new = OmegaConf.select(cfg, key)
+        if key in old and old[key] != new:
+            out.append(
+                Problem(
+                    key,
+                    f"{new} here, {old[key]} in the run being {doing} ({run_dir}): it keeps its {what}; "
+                    f"start a new run to change it",
+                )
+            )
+    return out
+
+
+def resume_problems(saved: DictConfig, cfg: DictConfig, run_dir: Path) -> list[Problem]:
+    """What a resume of ``run_dir`` with ``cfg`` (inherited from ``saved``) may not change, and whether it
+    has a checkpoint to resume from at all."""
+    from l2l_cli.checkpoint import CheckpointError, latest_valid
+    from l2l_cli.modes import MODES
+
+    problems: list[Problem] = []
+    try:
+        latest_valid(run_dir)
+    except CheckpointError as e:
+        return [Problem("trainer.resume", str(e))]
+    old = _resolved(saved)
+    where = f"the run being resumed ({run_dir})"
+    problems += fixed_problems(saved, cfg, run_dir, FIXED, "resumed")
+    was, now = MODES.get(str(old.get("mode.name"))), MODES.get(cfg.mode.name)
+    if was is not None and now is not None and was.state_layout != now.state_layout:
+        problems.append(
+            Problem(
+                "mode",
+                f"{now.name} here, {was.name} in {where}: its checkpoints hold {was.name}'s state "
+                f"layout ({was.state_layout}), {now.name} needs {now.state_layout}; resume with a mode "
+                f"of the same family or start a new run",
+            )
+        )
+    old_global = _int(old.get("batch.size")) * _int(old.get("dist.nproc"), 1)
+    new_global = cfg.batch.size * cfg.dist.nproc
+    if old_global and old_global != new_global:
+        problems.append(
+            Problem(
+                "batch.size",
+                f"a global batch of {new_global} (batch.size x dist.nproc) here, "
+                f"{old_global} in {where}: the data position would not match",
+            )
+        )
+    return problems
+
+
+def _int(v: Any, default: int = 0) -> int:
+    return v if isinstance(v, int) else default
+
+
+def changed(saved: DictConfig, cfg: DictConfig) -> dict[str, tuple[Any, Any]]:
+    """key -> (the run's value, this command's) for every key that differs (for the log)."""
+    old, new = _resolved(saved), _resolved(cfg)
+    return {k: (old.get(k), v) for k, v in new.items() if k in old and old[k] != v and k != "trainer.resume"}
