@@ -110,7 +110,7 @@ def _fake_checkpoint(root: Path, model_type: str) -> Path:
     return root
 
 
-@pytest.mark.parametrize("model_type", ["roberta", "gpt2"])
+@pytest.mark.parametrize("model_type", ["roberta", "t5"])
 def test_a_checkpoint_no_family_loads_is_refused_in_one_line(tmp_path, model_type: str) -> None:
     ckpt = _fake_checkpoint(tmp_path / model_type, model_type)
     r = l2l(

@@ -32,6 +32,7 @@ from l2l_cli.config.schema import (
     PROGRESS,
     SCALES,
     SCHEDULES,
+    TaskConfig,
 )
 
 
@@ -363,6 +364,20 @@ def _lm_task(cfg: Any, check_files: bool) -> list[Problem]:
                 )
             elif check_files and not Path(f).expanduser().is_file():
                 p.append(Problem(f"task.{key}", f"{f} is not a file"))
+    # keys of one kind of task, set under another: a mistake (the run would ignore them)
+    defaults = TaskConfig()
+    only = {
+        "text_field": lm,
+        "dev_fraction": lm,
+        "text_fields": user,
+        "label_field": user,
+        "regression": user,
+    }
+    for key, applies in only.items():
+        value = getattr(task, key)
+        if not applies and (list(value) if OmegaConf.is_list(value) else value) != getattr(defaults, key):
+            which = "task=lm" if key in ("text_field", "dev_fraction") else "task=csv or json"
+            p.append(Problem(f"task.{key}", f"applies to {which}, not task={task.name}; leave it unset"))
     if lm:
         if not (0.0 <= task.dev_fraction < 1.0):
             p.append(Problem("task.dev_fraction", f"got {task.dev_fraction}; must be in [0, 1)"))
