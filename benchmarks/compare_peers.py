@@ -232,6 +232,8 @@ def main() -> int:
         f"batch.size={args.batch}",
         f"batch.ubatch_size={args.ubatch}",
         "model.dropout=0.0",  # no dropout: every peer computes the same losses
+        "optim.schedule=constant",  # the peers' optimizers run at a constant rate
+        "optim.warmup_steps=0",
     ]
     if args.peer:
         Path(args.out).write_text(json.dumps(run_peer(args.peer, overrides, args.steps, args.device)))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -57,7 +58,11 @@ def launch_ranks(cfg: DictConfig, run_dir: Path) -> str:
             summary.rank0_error = summary.error
         summary.status, summary.error = "error", msg
         RunFiles(run_dir).write("summary.json", summary.to_json())
-        print(f"l2l: error: {msg} (see {run_dir}/train.log)", file=sys.stderr)
+        failed = re.search(r"\brank (\d+) failed", msg)
+        log_file = (
+            "train.log" if failed is None or failed.group(1) == "0" else f"train-rank{failed.group(1)}.log"
+        )
+        print(f"l2l: error: {msg} (see {run_dir}/{log_file})", file=sys.stderr)
         return "error"
 
 

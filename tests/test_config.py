@@ -217,6 +217,9 @@ def test_a_broken_recipe_fails_only_when_used(monkeypatch) -> None:
         (["model=bert-base"], 1e-4),
         (["model=bert-large"], 5e-5),  # 1e-3 took BERT-Large's loss from 0.69 to 6.4 in 4 steps
         (["model=bert-large-96"], 5e-5),
+        (["model=gpt2-small", "task=lm"], 6e-4),  # decoders: the GPT-3 / LLaMA papers' rates by size
+        (["model=llama-70b", "task=lm"], 1.5e-4),
+        (["model=tnlg", "task=lm"], 5e-5),
         (["model=bert-large", "task=mrpc"], 5e-5),  # a GLUE task sets a fine-tuning rate
         (["model=bert-tiny", "task=rte"], 5e-5),  # ... for every model: it beats the model's own
         (["model=bert-large", "optim.lr=2e-4"], 2e-4),  # the command line beats both

@@ -273,6 +273,39 @@ def test_decoder_two_ranks_equal_one_process_with_the_global_batch(tmp_path: Pat
         assert_same_weights(a, b, rtol=1e-4)
 
 
+def test_an_untied_decoder_pipelines_like_one_process_and_a_tied_one_is_refused(tmp_path: Path) -> None:
+    """A Llama decoder on a 2-rank modular pipeline (stages past the first take positions from the mask,
+    evaluation broadcasts the LM's rows x sequence x vocabulary logits) trains as one process does; a tied
+    head, whose one tensor would live on the first and the last rank, is refused before any rank starts."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from tests.util import REPO
+
+    common = ["model=llama-tiny", "task=lm", "model.num_layers=2", "model.hidden_size=32", "model.num_heads=4",
+              "model.num_kv_heads=2", "model.intermediate_size=64", "model.dropout=0.0", "task.max_seq_len=16",
+              "task.max_eval_samples=8", "batch.size=4", "batch.ubatch_size=2", "trainer.max_steps=2",
+              "trainer.save_final=true", "trainer.progress=none", "mode=baseline_ag"]  # fmt: skip
+    for name, extra in (("one", []), ("pipe", ["dist.nproc=2", "dist.pipeline=2"])):
+        r = subprocess.run(
+            [sys.executable, "-m", "l2l_cli", "train", *common, *extra, f"hydra.run.dir={tmp_path / name}"],
+            capture_output=True, text=True, timeout=600, cwd=REPO,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+    one, pipe = (json.loads((tmp_path / n / "summary.json").read_text()) for n in ("one", "pipe"))
+    assert pipe["pipeline"]["pipeline"] == 2 and pipe["eval"]["loss"] == pytest.approx(
+        one["eval"]["loss"], rel=1e-5
+    )
+    assert_same_weights(load_file(tmp_path / "pipe/final/model.safetensors"),
+                        load_file(tmp_path / "one/final/model.safetensors"), rtol=1e-4)  # fmt: skip
+    r = l2l("train", *GPT2_TINY, "task=lm", "dist.nproc=2", "dist.pipeline=2", "mode=baseline_ag",
+            f"hydra.run.dir={tmp_path / 'tied'}")  # fmt: skip
+    assert r.returncode == 2 and "dist.pipeline: the model's LM head is tied" in r.stderr
+    assert not (tmp_path / "tied" / "summary.json").exists()
+
+
 @pytest.mark.parametrize("kind", ["mistral", "qwen2"])
 def test_mistral_and_qwen2_checkpoints_load_through_the_llama_family(tmp_path: Path, kind: str) -> None:
     """Their own transformers modules (Qwen2's Q/K/V biases) and their sliding windows (shorter than the
