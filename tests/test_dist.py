@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import re
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-from tests.util import REPO, TINY, assert_same_weights
+from tests.util import REPO, TINY, assert_same_weights, kill_rank_1_mid_run
 
 MODES = ["baseline_ag", "l2l", "l2l_p"]
 DP = [
@@ -55,28 +51,7 @@ def test_two_ranks_equal_one_process_with_the_global_batch(tmp_path) -> None:
 
 
 def test_killing_one_rank_ends_the_job_with_a_clear_error(tmp_path) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "l2l_cli", "train", "dist.nproc=2", "mode=l2l", *TINY, "trainer.max_steps=100000",
-         "task.num_train=256", "dist.timeout_s=30", f"hydra.run.dir={tmp_path}"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
-    try:
-        deadline = time.time() + 120
-        metrics = tmp_path / "metrics.jsonl"
-        while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
-            time.sleep(0.5)
-        log = (tmp_path / "train-rank1.log").read_text()
-        victim = int(re.search(r"rank 1 of 2, pid (\d+)", log).group(1))
-        os.kill(victim, signal.SIGKILL)
-        killed_at = time.time()
-        _, err = proc.communicate(timeout=90)
-        assert time.time() - killed_at < 60
-    finally:
-        proc.kill()
-    assert proc.returncode == 1
-    assert "rank 1 failed (killed by signal 9)" in err
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["status"] == "error" and "rank 1 failed" in summary["error"]
+    kill_rank_1_mid_run(tmp_path, "dist.nproc=2", "mode=l2l", *TINY)
 
 
 def test_two_rank_resume_is_exact(tmp_path) -> None:

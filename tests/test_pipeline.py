@@ -9,10 +9,7 @@ starting two ranks costs ~10 s here, a tiny configuration's steps a fraction of 
 from __future__ import annotations
 
 import json
-import os
-import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -28,7 +25,7 @@ from l2l_cli.config import validate
 from l2l_cli.launch import run_jobs
 from l2l_cli.modes.pipeline import StagePlan
 from l2l_cli.session import build
-from tests.util import REPO, TINY, assert_same_weights, tiny_cfg, tiny_data, train
+from tests.util import REPO, TINY, assert_same_weights, kill_rank_1_mid_run, tiny_cfg, tiny_data, train
 
 # 4 blocks (2 stages per rank with P = 2), dropout 0, fp32; 3 steps of a global batch of 8 in 4 micro-batches
 EQ = [*TINY, "model.num_layers=4", "task.num_train=256", "task.num_eval=16", "trainer.max_steps=3"]
@@ -235,26 +232,4 @@ def test_four_ranks_two_pipelines_of_two_match_one_process() -> None:
 
 
 def test_killing_one_pipeline_rank_ends_the_job(tmp_path) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "l2l_cli", "train", *TINY, *PIPE, "model.num_layers=4", "trainer.max_steps=100000",
-         "task.num_train=256", "dist.timeout_s=30", f"hydra.run.dir={tmp_path}"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
-    try:
-        deadline = time.time() + 120
-        metrics = tmp_path / "metrics.jsonl"
-        while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
-            time.sleep(0.5)
-        log = (tmp_path / "train-rank1.log").read_text()
-        victim = int(re.search(r"rank 1 of 2, pid (\d+)", log).group(1))
-        os.kill(victim, signal.SIGKILL)  # rank 0 is blocked in a recv from it, or soon will be
-        killed_at = time.time()
-        _, err = proc.communicate(timeout=90)
-        assert time.time() - killed_at < 60
-    finally:
-        proc.kill()
-    assert proc.returncode == 1
-    assert "rank 1 failed (killed by signal 9)" in err
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["status"] == "error" and "rank 1 failed" in summary["error"]
+    kill_rank_1_mid_run(tmp_path, *TINY, *PIPE, "model.num_layers=4")

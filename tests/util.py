@@ -117,3 +117,38 @@ def l2l(
         [sys.executable, "-m", "l2l_cli", *args], capture_output=True, text=True, timeout=timeout,
         cwd=cwd or REPO, env=full_env,
     )  # fmt: skip
+
+
+def kill_rank_1_mid_run(run_dir: Path, *overrides: str) -> None:
+    """Start a 2-rank ``l2l train`` with ``overrides``, SIGKILL rank 1 once 3 steps are logged, and check
+    the job ends within a minute, non-zero, naming the rank, with a summary that says so."""
+    import json
+    import re
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "l2l_cli", "train", *overrides, "trainer.max_steps=100000", "task.num_train=256",
+         "dist.timeout_s=30", f"hydra.run.dir={run_dir}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        metrics = run_dir / "metrics.jsonl"
+        while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+            time.sleep(0.5)
+        log = (run_dir / "train-rank1.log").read_text()
+        victim = int(re.search(r"rank 1 of 2, pid (\d+)", log).group(1))  # type: ignore[union-attr]
+        os.kill(
+            victim, signal.SIGKILL
+        )  # rank 0 is blocked in a collective or a recv from it, or soon will be
+        killed_at = time.time()
+        _, err = proc.communicate(timeout=90)
+        assert time.time() - killed_at < 60
+    finally:
+        proc.kill()
+    assert proc.returncode == 1
+    assert "rank 1 failed (killed by signal 9)" in err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "error" and "rank 1 failed" in summary["error"]

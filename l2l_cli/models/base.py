@@ -25,6 +25,7 @@ class ModelSpec(ABC):
     ``num_labels``."""
 
     family: ClassVar[str]
+    base_prefix: ClassVar[str] = ""  # HF names of the base model's tensors inside the task model ("bert.")
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -100,9 +101,12 @@ class ModelSpec(ABC):
         """The Hugging Face checkpoint name of layer ``index``'s parameter ``name``."""
 
     def lookup_hf(self, tensors: Any, name: str) -> torch.Tensor | None:
-        """A tensor by HF name from a dict or a safetensors handle (None when absent)."""
-        if name in tensors.keys():  # noqa: SIM118  (a safetensors handle has keys(), not __contains__)
-            return tensors[name] if isinstance(tensors, dict) else tensors.get_tensor(name)
+        """A tensor by HF name from a dict or a safetensors handle (None when absent). Base-model files
+        (``BertModel``, OpenAI's GPT-2) name their tensors without the task model's ``base_prefix``."""
+        keys = tensors.keys()  # (a safetensors handle has keys(), not __contains__)
+        for cand in (name, name.removeprefix(self.base_prefix)) if self.base_prefix else (name,):
+            if cand in keys:
+                return tensors[cand] if isinstance(tensors, dict) else tensors.get_tensor(cand)
         return None
 
     @abstractmethod

@@ -26,6 +26,7 @@ class BertSpec(ModelSpec):
     """Sizes of a BERT encoder with a classification head (num_labels 1: regression)."""
 
     family = "bert"
+    base_prefix = "bert."
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -136,14 +137,6 @@ class BertSpec(ModelSpec):
         if kind == BLOCK:
             return f"bert.encoder.layer.{index - 1}.{name}"
         return "bert." + name if name.startswith("pooler.") else name  # classifier.* as is
-
-    def lookup_hf(self, tensors: Any, name: str) -> torch.Tensor | None:
-        """Accepts BertModel files too (names without the ``bert.`` prefix)."""
-        keys = tensors.keys()
-        for cand in (name, name.removeprefix("bert.")):
-            if cand in keys:
-                return tensors[cand] if isinstance(tensors, dict) else tensors.get_tensor(cand)
-        return None
 
     def save_hf(
         self, out_dir: Path, named_tensors: Iterable[tuple[str, torch.Tensor]], task: Any = None

@@ -52,7 +52,7 @@ class DecoderSpec(ModelSpec):
     tie_word_embeddings: bool
     hf_json: str
 
-    base_prefix: str  # HF names: "transformer." (GPT-2) | "model." (Llama)
+    # base_prefix (HF names): "transformer." (GPT-2) | "model." (Llama)
     blocks_name: str  # "h" | "layers"
     norm_name: str  # the final norm: "ln_f" | "norm"
     embed_name: str  # the token embedding: "wte" | "embed_tokens"
@@ -171,14 +171,6 @@ class DecoderSpec(ModelSpec):
         if kind == BLOCK:
             return f"{self.base_prefix}{self.blocks_name}.{index - 1}.{name}"
         return name if name.startswith("lm_head.") else self.base_prefix + name
-
-    def lookup_hf(self, tensors: Any, name: str) -> torch.Tensor | None:
-        """Accepts base-model files too (names without ``transformer.``/``model.``, as OpenAI's GPT-2)."""
-        keys = tensors.keys()
-        for cand in (name, name.removeprefix(self.base_prefix)):
-            if cand in keys:
-                return tensors[cand] if isinstance(tensors, dict) else tensors.get_tensor(cand)
-        return None
 
     def save_hf(
         self, out_dir: Path, named_tensors: Iterable[tuple[str, torch.Tensor]], task: Any = None
