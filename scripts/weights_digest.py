@@ -1,4 +1,5 @@
-"""Digest of the final weights of every mode x precision after 3 steps on the bert-tiny synthetic config.
+"""Digest of the final weights of every mode x precision after 3 steps on the bert-tiny synthetic config,
+plus the disk tier, the GPT-2 and Llama decoders (task=lm), 2-rank data parallel and the modular pipeline.
 
 A change that should not change numbers must leave these bit-identical (torchtitan's rule): record the
 digests on the commit before the change, then check after it, on the same machine.
@@ -36,6 +37,21 @@ def combos() -> list[tuple[str, list[str]]]:
             out.append((f"{mode}/{prec}", [f"mode={mode}", f"precision={prec}", *extra]))
     out.append(("l2l/fp32/lamb", ["mode=l2l", "optim=lamb"]))
     out.append(("baseline_ag/fp32/lamb", ["mode=baseline_ag", "optim=lamb"]))
+    # the disk tier, the decoders, data parallel and the modular pipeline (2 ranks each)
+    out.append(("l2l/fp32/disk", ["mode=l2l", "eps.tier=disk"]))
+    out.append(("l2l_p/cmp/disk", ["mode=l2l_p", "precision=cmp", "eps.tier=disk"]))
+    for family in ("gpt2-tiny", "llama-tiny"):
+        for mode in ("baseline_ag", "l2l", "l2l_p"):
+            out.append((f"{mode}/fp32/{family}", [f"mode={mode}", f"model={family}", "task=lm"]))
+    out.append(("l2l_p/fp32/dp2", ["mode=l2l_p", "dist.nproc=2"]))
+    out.append(("baseline_ag/fp32/dp2", ["mode=baseline_ag", "dist.nproc=2"]))
+    out.append(("baseline_ag/fp32/pipeline2", ["mode=baseline_ag", "dist.nproc=2", "dist.pipeline=2"]))
+    out.append(
+        (
+            "baseline_ag/fp32/pipeline2x2-partitioned",
+            ["mode=baseline_ag", "dist.nproc=4", "dist.pipeline=2", "dist.partition_state=true"],
+        )
+    )
     return out
 
 
