@@ -68,7 +68,8 @@ def train_help() -> str:
 
 
 def train(argv: list[str]) -> int:
-    from l2l_cli.compose import preflight, setup
+    from l2l_cli.compose import setup
+    from l2l_cli.preflight import preflight
 
     setup()
     if "--help" in argv or "-h" in argv:

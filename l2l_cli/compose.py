@@ -1,17 +1,12 @@
-"""Composing configs outside a Hydra run, and checking a command line before any work starts.
-
-``preflight`` parses the overrides like Hydra does, checks every key, group option and value type against
-the schema, expands sweeps (command line and a recipe's ``hydra.sweeper.params``) and validates every
-resulting config, so a bad sweep fails at once, with every problem listed, before the first job runs.
-"""
+"""Composing configs outside a Hydra run: the schema registered, conf/ and recipes/ composed, and a
+command line's overrides parsed as Hydra does and checked key by key against the schema
+(:func:`check_overrides`). :mod:`l2l_cli.preflight` builds on it to check a whole command line."""
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
-from pathlib import Path
+from contextlib import contextmanager
 from typing import Any
 
 from hydra import compose as hydra_compose
@@ -22,11 +17,11 @@ from hydra.core.override_parser.types import Override
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from l2l_cli.config import L2LConfig, Problem, register, validate
+from l2l_cli.config import L2LConfig, register
 from l2l_cli.paths import conf_dir, recipes_dir
+from l2l_cli.problems import Problem
 
 GROUPS = ("model", "mode", "precision", "task", "optim", "hardware", "recipe")
-MAX_SWEEP_JOBS = 512
 
 _registered = False
 
@@ -131,7 +126,7 @@ def _type_check(key: str, raw: str) -> Problem | None:
     return None
 
 
-def _values(ov: Override) -> list[str]:
+def values(ov: Override) -> list[str]:
     return list(ov.sweep_string_iterator()) if ov.is_sweep_override() else [ov.get_value_element_as_str()]
 
 
@@ -155,7 +150,7 @@ def check_overrides(overrides: list[str]) -> tuple[list[Problem], list[Override]
             if ov.is_delete():
                 continue
             allowed = group_options(key)
-            for v in _values(ov):
+            for v in values(ov):
                 if key == "recipe" and v in BROKEN_RECIPES:
                     problems.append(Problem(key, f"{v} cannot be read: {BROKEN_RECIPES[v]}"))
                 elif v not in allowed and not (key == "recipe" and v == "null"):
@@ -174,33 +169,14 @@ def check_overrides(overrides: list[str]) -> tuple[list[Problem], list[Override]
         if ov.is_delete():
             problems.append(Problem(key, "keys of the schema cannot be deleted; set a value instead"))
             continue
-        for v in _values(ov):
+        for v in values(ov):
             p = _type_check(key, v)
             if p:
                 problems.append(p)
     return problems, parsed
 
 
-def _sweep_jobs(parsed: list[Override], config_params: dict[str, str]) -> Iterator[list[str]]:
-    """Every job's overrides, as Hydra's basic sweeper would build them (command line wins over config)."""
-    fixed, axes = [], []
-    cli_keys = {ov.key_or_group for ov in parsed}
-    for key, value in config_params.items():
-        if key not in cli_keys:
-            ov = OverridesParser.create().parse_override(f"{key}={value}")
-            axes.append([f"{key}={v}" for v in _values(ov)])
-    for ov in parsed:
-        if ov.key_or_group.startswith("hydra"):
-            continue
-        if ov.is_sweep_override():
-            axes.append([f"{ov.get_key_element()}={v}" for v in _values(ov)])
-        else:
-            fixed.append(ov.input_line)
-    for combo in itertools.product(*axes):
-        yield fixed + list(combo)
-
-
-def _extra_keys(cfg: DictConfig) -> list[Problem]:
+def extra_keys(cfg: DictConfig) -> list[Problem]:
     """Keys that are in the composed config but not in the schema (a recipe's typo, say)."""
     schema = OmegaConf.structured(L2LConfig)
     out = []
@@ -219,99 +195,9 @@ def _extra_keys(cfg: DictConfig) -> list[Problem]:
     return out
 
 
-def _resolution_problem(e: OmegaConfBaseException) -> Problem:
+def resolution_problem(e: OmegaConfBaseException) -> Problem:
     msg = str(e).splitlines()[0].removeprefix("ValueError raised while resolving interpolation: ")
     return Problem(getattr(e, "full_key", None) or "config", msg)
-
-
-def preflight(
-    overrides: list[str], multirun: bool, warn: list[str] | None = None, *, resume: Path | None = None,
-    info: dict[str, Any] | None = None,
-) -> list[Problem]:  # fmt: skip
-    """All problems with an ``l2l train`` command line (empty: safe to start).
-
-    In a sweep, a job whose own combination is invalid (say mode=baseline with micro-batches) does not
-    stop the others: it is listed in ``warn`` and will end as a failed job. Problems every job shares
-    (unknown keys, options, types), or a sweep with no valid job, are errors. ``resume``: the run being
-    resumed; the config checked is its own with these overrides on top (l2l_cli/inherit.py). ``info``
-    receives ``multirun``, ``jobs``, the sweep's ``dir`` and the jobs' ``pretrained`` references.
-    """
-    problems, parsed = check_overrides(overrides)
-    if problems:
-        return problems
-    plain = [
-        ov.input_line
-        for ov in parsed
-        if not ov.is_sweep_override() and not ov.key_or_group.startswith("hydra")
-    ]
-    if resume is not None:
-        return _resume_preflight(resume, plain)
-    try:
-        base = compose(plain, hydra=True)
-    except Exception as e:
-        return [Problem("config", str(e).splitlines()[0])]
-    try:  # a recipe's sweep may be computed (``${l2l.pick:...}``): resolve it here, not in Hydra
-        sweeper = dict(OmegaConf.select(base, "hydra.sweeper.params") or {})
-    except OmegaConfBaseException as e:
-        return [_resolution_problem(e)]
-    multirun = multirun or str(OmegaConf.select(base, "hydra.mode")) == "RunMode.MULTIRUN"
-    sweeps = [ov for ov in parsed if ov.is_sweep_override()]
-    if sweeps and not multirun:
-        keys = ", ".join(ov.key_or_group for ov in sweeps)
-        return [Problem(keys, "a list of values is a sweep; add -m (--multirun) to run one job per value")]
-    jobs = list(itertools.islice(_sweep_jobs(parsed, sweeper if multirun else {}), MAX_SWEEP_JOBS + 1))
-    if len(jobs) > MAX_SWEEP_JOBS:
-        return [Problem("sweep", f"more than {MAX_SWEEP_JOBS} jobs; split the sweep")]
-    if info is not None:
-        info.update(multirun=multirun, jobs=len(jobs))
-        if multirun:
-            with suppress(OmegaConfBaseException):
-                info["dir"] = str(OmegaConf.select(base, "hydra.sweep.dir"))
-    failing: list[tuple[list[str], list[Problem]]] = []
-    for job in jobs:
-        try:
-            cfg = base if job == plain else compose(job)  # a single job: the config composed above
-        except Exception as e:
-            found = [Problem("config", f"{str(e).splitlines()[0]}")]
-        else:
-            try:
-                found = _extra_keys(cfg) + validate(cfg)
-            except OmegaConfBaseException as e:  # an interpolation that cannot resolve for this job
-                found = [_resolution_problem(e)]
-        if found:
-            failing.append((job, found))
-        elif info is not None and cfg.model.pretrained:
-            info.setdefault("pretrained", {})[str(cfg.model.pretrained)] = str(cfg.model.family)
-    if len(jobs) == 1 or len(failing) == len(jobs):
-        seen: dict[str, Problem] = {}
-        for job, found in failing:
-            for p in found:
-                suffix = f" [job: {' '.join(job)}]" if len(jobs) > 1 else ""
-                seen.setdefault(str(p), Problem(p.key, p.message + suffix))
-        return list(seen.values())
-    if warn is not None:
-        for job, found in failing:
-            warn.append(f"job {' '.join(job)} will fail: " + "; ".join(map(str, found)))
-    return []
-
-
-def _resume_preflight(run_dir: Path, overrides: list[str]) -> list[Problem]:
-    """A resume: the run's own config with ``overrides`` on top must be valid, change nothing the
-    checkpoint depends on, and the run must hold a usable checkpoint."""
-    from l2l_cli.inherit import NoSavedConfig, inherit, resume_problems, saved_config
-
-    try:
-        saved = saved_config(run_dir)
-        cfg = inherit(saved, overrides)
-    except NoSavedConfig as e:
-        return [Problem("trainer.resume", str(e))]
-    except OmegaConfBaseException as e:
-        return [_resolution_problem(e)]
-    try:
-        found = validate(cfg)
-    except OmegaConfBaseException as e:
-        return [_resolution_problem(e)]
-    return found + resume_problems(saved, cfg, run_dir)
 
 
 def group_description(group: str, option: str) -> str:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from l2l_cli.config import ConfigError, Problem
+from l2l_cli.problems import ConfigError, Problem
 
 
 class UsageError(Exception):
@@ -89,7 +89,7 @@ def weights_of(run_dir: Path, choice: str | None) -> Path:
 def run_config(run_dir: Path, overrides: list[str]) -> DictConfig:
     """The run's config with ``overrides`` on top, made fit for evaluation (one process, nothing logged)."""
     from l2l_cli.compose import check_overrides, setup
-    from l2l_cli.config import validate
+    from l2l_cli.config.validate import validate
     from l2l_cli.inherit import FIXED, NoSavedConfig, fixed_problems, inherit, saved_config
 
     setup()

@@ -18,7 +18,8 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from l2l_cli.config import Problem
+from l2l_cli.compose import GROUPS, compose
+from l2l_cli.problems import Problem
 
 # What a resumed run keeps: the checkpoint's model shape and optimizer, the data (task and order), and the
 # global batch (checked as batch.size x dist.nproc). mode.name is checked by state layout (modes sharing
@@ -86,8 +87,6 @@ def explicit_keys(overrides: list[str]) -> set[str]:
     """The leaf keys ``overrides`` set (see the module docstring)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from l2l_cli.compose import GROUPS, compose
-
     keys: set[str] = set()
     groups: list[str] = []
     for raw in overrides:
@@ -109,8 +108,6 @@ def explicit_keys(overrides: list[str]) -> set[str]:
 
 def inherit(saved: DictConfig, overrides: list[str]) -> DictConfig:
     """``overrides`` composed as ``l2l train`` would, every key they do not set taken from ``saved``."""
-    from l2l_cli.compose import compose
-
     plain = [o for o in overrides if not o.split("=", 1)[0].lstrip("+~").startswith("hydra")]
     cfg = compose(plain)
     explicit = explicit_keys(plain)

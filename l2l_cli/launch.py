@@ -16,7 +16,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from l2l_cli.rundir import RunFiles
-from l2l_cli.schema import Summary, read_json
+from l2l_cli.runfiles import Summary, read_json
 from l2l_cli.train import exit_code, run_dir_of, run_job
 
 

@@ -21,7 +21,7 @@ from l2l_cli.modes.base import Runner, StepReport
 from l2l_cli.modes.registry import ModeSpec
 from l2l_cli.progress import RunProgress
 from l2l_cli.rundir import Logger, RunFiles
-from l2l_cli.schema import BACKGROUND_PHASES, OTHER, MetricsRow, Summary
+from l2l_cli.runfiles import BACKGROUND_PHASES, OTHER, MetricsRow, Summary
 
 log = logging.getLogger("l2l")
 

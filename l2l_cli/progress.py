@@ -18,7 +18,7 @@ from rich.progress import (
 from rich.table import Table
 
 from l2l_cli.profiling.memory import fmt_bytes
-from l2l_cli.schema import BACKGROUND_PHASES, Summary
+from l2l_cli.runfiles import BACKGROUND_PHASES, Summary
 
 console = Console(stderr=False, highlight=False)
 

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any, Protocol
 
-from l2l_cli.schema import MetricsRow, write_json
+from l2l_cli.runfiles import MetricsRow, write_json
 
 
 class RunFiles:
@@ -196,7 +196,7 @@ class CsvLogger:
             )
 
     def log_step(self, row: MetricsRow) -> None:
-        from l2l_cli.schema import PHASES
+        from l2l_cli.runfiles import PHASES
 
         record: dict[str, Any] = {c: getattr(row, c) for c in METRIC_COLUMNS}
         record.update(

@@ -19,15 +19,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from l2l_cli.checkpoint import CheckpointError, identity
-from l2l_cli.config import (
-    ConfigError,
-    Problem,
-    check_eps_path,
-    effective_clip,
-    effective_precision,
-    effective_stash,
-    validate,
-)
+from l2l_cli.config.validate import check_eps_path, validate
 from l2l_cli.data.batches import TrainStream
 from l2l_cli.data.loading import TaskData, load_task
 from l2l_cli.engine.device import Accelerator, make_accelerator
@@ -38,9 +30,21 @@ from l2l_cli.engine.precision import Precision, make_precision
 from l2l_cli.engine.tiers import TierSettings
 from l2l_cli.loop import EvalStopped, StopFlag, Trainer
 from l2l_cli.models import ModelSpec, PretrainedUnavailable, UnsupportedModel, make_spec, resolve_pretrained
-from l2l_cli.modes import MODES, ModeSpec, ParallelSpec, Runner, RunnerArgs, StepSettings, parallel_for
+from l2l_cli.modes import (
+    MODES,
+    ModeSpec,
+    ParallelSpec,
+    Runner,
+    RunnerArgs,
+    StepSettings,
+    parallel_for,
+    run_clip,
+    run_precision,
+    run_stash,
+)
+from l2l_cli.problems import ConfigError, Problem
 from l2l_cli.rundir import JsonlLogger, Logger, RunFiles, make_loggers
-from l2l_cli.schema import DeviceMemory, HostMemory, MemoryReport, RunConfig, Summary, Transfer
+from l2l_cli.runfiles import DeviceMemory, HostMemory, MemoryReport, RunConfig, Summary, Transfer
 
 log = logging.getLogger("l2l")
 
@@ -53,8 +57,8 @@ def step_settings(cfg: Any, steps: int) -> StepSettings:
     """The config's execution keys as the mode runs them (auto clipping and the default stash resolved)."""
     return StepSettings(
         num_ubatches=cfg.batch.size // cfg.batch.ubatch_size, ubatch_size=cfg.batch.ubatch_size,
-        seed=cfg.trainer.seed, total_steps=steps, clip=effective_clip(cfg), max_grad_norm=cfg.optim.max_grad_norm,
-        stash=effective_stash(cfg), prefetch=bool(cfg.mode.prefetch), eager_reduce=bool(cfg.dist.eager_reduce),
+        seed=cfg.trainer.seed, total_steps=steps, clip=run_clip(cfg), max_grad_norm=cfg.optim.max_grad_norm,
+        stash=run_stash(cfg), prefetch=bool(cfg.mode.prefetch), eager_reduce=bool(cfg.dist.eager_reduce),
         sync_timers=bool(cfg.profile.sync_timers),
     )  # fmt: skip
 
@@ -87,15 +91,15 @@ def check_vocab(data: TaskData, spec: ModelSpec, cfg: Any) -> None:
 def run_config(cfg: Any, mode: ModeSpec, spec: ModelSpec, data: TaskData, world: int) -> RunConfig:
     """The summary's ``config`` block: what the run was, in the papers' terms (``world``: the data-parallel
     degree, how many minibatches of ``batch.size`` make a global one)."""
-    stash = effective_stash(cfg)
+    stash = run_stash(cfg)
     return RunConfig(
-        method=mode.method(stash), mode=mode.name, stash=stash, precision=effective_precision(cfg),
+        method=mode.method(stash), mode=mode.name, stash=stash, precision=run_precision(cfg),
         model=cfg.model.name if not cfg.model.pretrained else f"pretrained:{cfg.model.pretrained}",
         family=spec.family, num_layers=spec.num_layers, hidden_size=spec.hidden_size,
         ubatch_size=cfg.batch.ubatch_size, num_ubatches=cfg.batch.size // cfg.batch.ubatch_size,
         batch_size=cfg.batch.size, global_batch_size=cfg.batch.size * world, seq_len=cfg.task.max_seq_len,
         task=cfg.task.name, data_source=data.source, train_samples=len(data.train), optimizer=cfg.optim.name,
-        clip=effective_clip(cfg), device=cfg.device,
+        clip=run_clip(cfg), device=cfg.device,
         sim_memory_gb=cfg.sim.memory_gb if cfg.device == "sim" else None,
         sim_link_gbps=cfg.sim.link_gbps if cfg.device == "sim" else None,
         eps_tier=cfg.eps.tier if mode.host_state == "eps" else None,
@@ -185,7 +189,7 @@ class Session:
             self._stack.enter_context(self.acc.running())
             p = cfg.precision
             self.precision = make_precision(
-                effective_precision(cfg), self.acc, dtype=p.dtype, loss_scale=p.loss_scale,
+                run_precision(cfg), self.acc, dtype=p.dtype, loss_scale=p.loss_scale,
                 init_scale=p.init_scale, growth_interval=p.growth_interval,
             )  # fmt: skip
             args = RunnerArgs(

@@ -1,6 +1,6 @@
 """One training run: build the session, run the loop, write how it ended.
 
-Run dir contract (users and ``l2l report`` rely on it; the types are in :mod:`l2l_cli.schema`):
+Run dir contract (users and ``l2l report`` rely on it; the types are in :mod:`l2l_cli.runfiles`):
   metrics.jsonl  one MetricsRow per logged step       eval.jsonl    one object per evaluation
   memory.json    MemoryReport (device peak and parts, host bytes, link bytes)
   summary.json   Summary (status ok | oom | error | interrupted, throughput, time by phase, eval, ...)
@@ -22,11 +22,11 @@ from typing import Any
 from omegaconf import DictConfig
 
 from l2l_cli.checkpoint import CheckpointError
-from l2l_cli.config import ConfigError
 from l2l_cli.engine.dist import shutdown as dist_shutdown
 from l2l_cli.loop import Interrupted, TrainingError
+from l2l_cli.problems import ConfigError
 from l2l_cli.progress import console, summary_table, summary_text
-from l2l_cli.schema import Summary
+from l2l_cli.runfiles import Summary
 from l2l_cli.session import Session
 
 log = logging.getLogger("l2l")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from l2l_cli.compose import GROUPS, compose, group_options, preflight
-from l2l_cli.config import validate
+from l2l_cli.compose import GROUPS, compose, group_options
+from l2l_cli.config.validate import validate
 from l2l_cli.paths import conf_dir
+from l2l_cli.preflight import preflight
 from tests.util import GLUE, TINY, l2l
 
 GROUP_FILES = sorted(p for p in conf_dir().glob("*/*.yaml"))
@@ -192,10 +193,10 @@ def test_cli_config_errors_exit_2_without_traceback() -> None:
 
 @pytest.mark.parametrize(("mode", "expected"), [("baseline_ag", "amp"), ("l2l", "cmp"), ("l2l_p", "cmp")])
 def test_mixed_precision_is_the_modes_own(mode: str, expected: str) -> None:
-    from l2l_cli.config import effective_precision
+    from l2l_cli.modes import run_precision
 
     cfg = compose([f"mode={mode}", "precision=mixed"])
-    assert effective_precision(cfg) == expected and validate(cfg, check_files=False) == []
+    assert run_precision(cfg) == expected and validate(cfg, check_files=False) == []
 
 
 def test_a_broken_recipe_fails_only_when_used(monkeypatch) -> None:

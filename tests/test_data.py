@@ -159,8 +159,9 @@ def test_user_files_json_lines_arrays_labels_and_holdout(tmp_path) -> None:
     import json
 
     from l2l_cli.compose import compose
-    from l2l_cli.config import ConfigError, validate
+    from l2l_cli.config.validate import validate
     from l2l_cli.data import files
+    from l2l_cli.problems import ConfigError
 
     rows = [
         {"q": f"question {i}", "a": f"answer {i}", "grade": [10, 2, 1][i % 3], "score": i / 7}

@@ -345,7 +345,7 @@ def test_sharded_checkpoint_loads_and_an_escaping_shard_is_refused(tmp_path: Pat
     a file outside the checkpoint's folder is refused."""
     from transformers import AutoModelForCausalLM
 
-    from l2l_cli.config import ConfigError
+    from l2l_cli.problems import ConfigError
 
     path = write_checkpoint("llama", tmp_path)
     model = AutoModelForCausalLM.from_pretrained(path)

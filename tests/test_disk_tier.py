@@ -15,8 +15,9 @@ import torch
 from safetensors.torch import load_file
 
 from l2l_cli.compose import compose
-from l2l_cli.config import ConfigError, validate
+from l2l_cli.config.validate import validate
 from l2l_cli.engine.disk import disk_bytes
+from l2l_cli.problems import ConfigError
 from l2l_cli.session import build
 from l2l_cli.train import run_job
 from tests.util import REPO, TINY, batches, bert_spec, built, l2l, tiny_cfg, tiny_data, train

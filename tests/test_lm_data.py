@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from omegaconf import DictConfig
 
-from l2l_cli.config import ConfigError
 from l2l_cli.data import lm
 from l2l_cli.data.loading import load_task
+from l2l_cli.problems import ConfigError
 from l2l_cli.session import build
 from tests.util import l2l, tiny_cfg
 

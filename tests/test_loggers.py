@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from l2l_cli.compose import compose
-from l2l_cli.config import validate
+from l2l_cli.config.validate import validate
 from l2l_cli.rundir import RunFiles, installed, logger_names, make_loggers
 from l2l_cli.train import run_job
 from tests.util import tiny_cfg

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from l2l_cli.compose import compose
-from l2l_cli.config import validate
+from l2l_cli.config.validate import validate
 from l2l_cli.launch import run_jobs
 from l2l_cli.modes.pipeline import StagePlan
 from l2l_cli.session import build

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from l2l_cli.compose import compose, preflight
+from l2l_cli.compose import compose
+from l2l_cli.preflight import preflight
 from l2l_cli.report import main as report_main
 from tests.util import GLUE, REPO, l2l
 

@@ -16,7 +16,7 @@ from l2l_cli.cli import train as cli_train
 from l2l_cli.data.batches import Batch
 from l2l_cli.modes import DeviceResident, ModeSpec, StepReport, register_mode, unregister_mode
 from l2l_cli.report import build as report_build
-from l2l_cli.schema import SCHEMA_VERSION, MemoryReport, MetricsRow, Summary
+from l2l_cli.runfiles import SCHEMA_VERSION, MemoryReport, MetricsRow, Summary
 from tests.util import REPO, TINY, l2l
 
 PACKAGE = REPO / "l2l_cli"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from l2l_cli.compose import preflight
+from l2l_cli.preflight import preflight
 from l2l_cli.report import build as report
 from tests.util import l2l
 

@@ -1,4 +1,6 @@
-"""The config: its schema (the single home of defaults) and its validation (one check per group)."""
+"""The config's schema: the dataclasses, the single home of defaults. Its validation, which runs every
+part's own checks and the cross-group rules, is :mod:`l2l_cli.config.validate` (imported where it runs,
+so that the parts it checks can use the schema without importing their checker)."""
 
 from l2l_cli.config.schema import (
     BatchConfig,
@@ -15,18 +17,8 @@ from l2l_cli.config.schema import (
     register,
     to_container,
 )
-from l2l_cli.config.validate import (
-    ConfigError,
-    Problem,
-    check_eps_path,
-    effective_clip,
-    effective_precision,
-    effective_stash,
-    validate,
-)
 
 __all__ = [
-    "BatchConfig", "ConfigError", "DistConfig", "EpsConfig", "HardwareConfig", "L2LConfig", "ModeConfig", "ModelConfig",
-    "OptimConfig", "PrecisionConfig", "Problem", "TaskConfig", "TrainerConfig", "check_eps_path", "effective_clip",
-    "effective_precision", "effective_stash", "register", "to_container", "validate",
+    "BatchConfig", "DistConfig", "EpsConfig", "HardwareConfig", "L2LConfig", "ModeConfig", "ModelConfig",
+    "OptimConfig", "PrecisionConfig", "TaskConfig", "TrainerConfig", "register", "to_container",
 ]  # fmt: skip

@@ -12,7 +12,6 @@ import math
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,44 +33,23 @@ from l2l_cli.config.schema import (
     SCHEDULES,
     TaskConfig,
 )
-
-
-@dataclass
-class Problem:
-    key: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.key}: {self.message}"
-
-
-class ConfigError(Exception):
-    """Bad user input: reported as one line per problem, exit code 2, no traceback."""
-
-    def __init__(self, problems: list[Problem]):
-        self.problems = problems
-        super().__init__("; ".join(str(p) for p in problems))
-
-
-def one_of(p: list[Problem], key: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        p.append(Problem(key, f"got {value!r}; allowed: {', '.join(allowed)}"))
-
-
-def at_least(p: list[Problem], key: str, value: Any, lo: float, what: str = "") -> None:
-    if value is None or value < lo:
-        p.append(Problem(key, f"got {value!r}; must be >= {lo}{what}"))
-
-
-def positive(p: list[Problem], key: str, value: Any) -> None:
-    if value <= 0:
-        p.append(Problem(key, f"got {value}; must be > 0"))
-
-
-def divisors(n: int) -> str:
-    ds = [d for d in range(1, n + 1) if n % d == 0]
-    return ", ".join(map(str, ds[:12])) + (", ..." if len(ds) > 12 else "")
-
+from l2l_cli.data.files import check_files as check_user_files
+from l2l_cli.data.lm import FORMATS, as_list
+from l2l_cli.data.loading import SYNTHETIC_MIN_LEN, SYNTHETIC_MIN_VOCAB
+from l2l_cli.data.tasks import TASKS
+from l2l_cli.engine.disk import COMMIT, disk_bytes
+from l2l_cli.models import (
+    FAMILIES,
+    PretrainedUnavailable,
+    UnsupportedModel,
+    family_for_dir,
+    family_names,
+    make_spec,
+    resolve_pretrained,
+)
+from l2l_cli.modes import MODES, PARALLEL, run_clip
+from l2l_cli.problems import ConfigError, Problem, at_least, divisors, fmt_bytes, one_of, positive  # noqa: F401
+from l2l_cli.rundir import logger_problems
 
 # Sizes beyond these are typos, not models: refuse them before a run tries to allocate them.
 LIMITS = {
@@ -117,32 +95,7 @@ def _finite(cfg: Any, prefix: str = "") -> list[Problem]:
 
 
 def _mode(cfg: Any) -> Any:
-    from l2l_cli.modes import MODES
-
     return MODES.get(cfg.mode.name)
-
-
-def effective_precision(cfg: Any) -> str:
-    """precision.name with ``mixed`` resolved: the mode's own mixed precision (AMP for the baselines,
-    CMP for the L2L modes, as in L2L v2 Table 2)."""
-    spec = _mode(cfg)
-    return spec.precisions.get(cfg.precision.name, cfg.precision.name) if spec else cfg.precision.name
-
-
-def effective_clip(cfg: Any) -> str:
-    """optim.clip with ``auto`` resolved by the mode (global-norm clipping, unless the mode says)."""
-    if cfg.optim.clip != "auto":
-        return cfg.optim.clip
-    spec = _mode(cfg)
-    return spec.default_clip if spec else "global"
-
-
-def effective_stash(cfg: Any) -> str | None:
-    """mode.stash, or the mode's default stash when unset (None for modes without one)."""
-    spec = _mode(cfg)
-    if cfg.mode.stash is not None or spec is None or not spec.stash:
-        return cfg.mode.stash
-    return spec.stash[0]
 
 
 # ---- one check per group -------------------------------------------------------------------------
@@ -163,8 +116,6 @@ def check(group: str) -> Callable[[Check], Check]:
 
 @check("model")
 def _model(cfg: Any, check_files: bool) -> list[Problem]:
-    from l2l_cli.models import family_names
-
     p: list[Problem] = []
     m = cfg.model
     one_of(p, "model.family", m.family, family_names())
@@ -209,8 +160,6 @@ def _model(cfg: Any, check_files: bool) -> list[Problem]:
 
 @check("mode")
 def _mode_group(cfg: Any, check_files: bool) -> list[Problem]:
-    from l2l_cli.modes import MODES
-
     p: list[Problem] = []
     mode = cfg.mode
     spec = MODES.get(mode.name)
@@ -249,9 +198,6 @@ def _precision(cfg: Any, check_files: bool) -> list[Problem]:
 
 @check("task")
 def _task(cfg: Any, check_files: bool) -> list[Problem]:
-    from l2l_cli.data.loading import SYNTHETIC_MIN_LEN, SYNTHETIC_MIN_VOCAB
-    from l2l_cli.data.tasks import TASKS
-
     p: list[Problem] = []
     task, m = cfg.task, cfg.model
     one_of(p, "task.name", task.name, tuple(TASKS))
@@ -285,8 +231,6 @@ def _task(cfg: Any, check_files: bool) -> list[Problem]:
                 Problem("task.data_dir", f"task={task.name} reads task.files; leave task.data_dir unset")
             )
         if check_files:
-            from l2l_cli.data.files import check_files as check_user_files
-
             p.extend(check_user_files(task))
     elif task.name in TASKS and check_files:
         p.extend(TASKS[task.name].check_source(task.data_dir))
@@ -303,15 +247,12 @@ def _task(cfg: Any, check_files: bool) -> list[Problem]:
 
 
 def _families() -> dict[str, Any]:
-    from l2l_cli.models import FAMILIES
-
     return FAMILIES
 
 
 def _family(cfg: Any) -> Any:
     """The run's model family: a local checkpoint's (config.json model_type), else model.family's; None
     when it cannot be known here (a hub id) or is invalid (reported by the model check)."""
-    from l2l_cli.models import UnsupportedModel, family_for_dir
 
     m = cfg.model
     if m.pretrained is not None:
@@ -327,9 +268,6 @@ def _family(cfg: Any) -> Any:
 
 def _lm_task(cfg: Any, check_files: bool) -> list[Problem]:
     """task.files / dev_files / dev_fraction / text_field: for task=lm, readable text files."""
-    from l2l_cli.data.lm import FORMATS, as_list
-    from l2l_cli.data.tasks import TASKS
-
     task = cfg.task
     p: list[Problem] = []
     lm = task.name in TASKS and TASKS[task.name].objective == "lm"
@@ -411,7 +349,7 @@ def _optim(cfg: Any, check_files: bool) -> list[Problem]:
         p.append(Problem("optim.warmup_steps", f"got {opt.warmup_steps}; must be >= 0 or unset"))
     positive(p, "optim.max_grad_norm", opt.max_grad_norm)
     spec = _mode(cfg)
-    if spec is not None and opt.clip in CLIP and effective_clip(cfg) not in spec.clips:
+    if spec is not None and opt.clip in CLIP and run_clip(cfg) not in spec.clips:
         why = spec.clip_note or f"{opt.clip} is not available with mode={spec.name}"
         p.append(Problem("optim.clip", f"{why}; allowed: {', '.join(spec.clips)}"))
     return p
@@ -448,8 +386,6 @@ def _batch(cfg: Any, check_files: bool) -> list[Problem]:
 
 @check("trainer")
 def _trainer(cfg: Any, check_files: bool) -> list[Problem]:
-    from l2l_cli.modes import MODES
-
     p: list[Problem] = []
     tr = cfg.trainer
     if tr.max_steps == 0 or tr.max_steps < -1:
@@ -494,15 +430,11 @@ def _device(cfg: Any, check_files: bool) -> list[Problem]:
 
 @check("logger")
 def _logger(cfg: Any, check_files: bool) -> list[Problem]:
-    from l2l_cli.rundir import logger_problems
-
     return [Problem("logger", msg) for msg in logger_problems(_select(cfg, "logger"))]
 
 
 @check("dist")
 def _dist(cfg: Any, check_files: bool) -> list[Problem]:
-    from l2l_cli.modes import MODES, PARALLEL
-
     p: list[Problem] = []
     d = cfg.dist
     at_least(p, "dist.nproc", d.nproc, 1)
@@ -532,7 +464,6 @@ def _dist(cfg: Any, check_files: bool) -> list[Problem]:
 def _eps(cfg: Any, check_files: bool) -> list[Problem]:
     """The EPS's storage tier; with ``check_files``, whether the disk EPS's directory can hold the model's
     state (the session checks its exact directory again once the run dir exists)."""
-    from l2l_cli.modes import MODES
 
     p: list[Problem] = []
     e = cfg.eps
@@ -628,8 +559,6 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 def check_pretrained(ref: str, family: str = "bert") -> list[Problem]:
     """A local Hugging Face directory of a supported architecture, or something shaped like a hub id."""
-    from l2l_cli.models import UnsupportedModel, family_for_dir
-
     path = Path(ref).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
@@ -662,7 +591,6 @@ def check_pretrained(ref: str, family: str = "bert") -> list[Problem]:
 def check_hub(ref: str, family: str = "bert") -> list[Problem]:
     """A hub id's config.json can be fetched and is of a supported family (network: only ``l2l train``
     calls it, before making a run dir; validation stays offline)."""
-    from l2l_cli.models import PretrainedUnavailable, UnsupportedModel, family_for_dir, resolve_pretrained
 
     if Path(ref).expanduser().exists():
         return []
@@ -677,9 +605,6 @@ def check_hub(ref: str, family: str = "bert") -> list[Problem]:
 
 def check_eps_path(root: Path, need: int, params: int, resume: bool = False) -> list[Problem]:
     """A disk EPS directory that cannot hold the state is refused before any work, saying what it needs."""
-    from l2l_cli.engine.disk import COMMIT
-    from l2l_cli.plan.hardware import fmt_bytes
-
     root = root.expanduser()
     what = (
         f"the disk EPS needs {fmt_bytes(need)} ({need:,} bytes: two versions of the FP32 weights and "
@@ -724,10 +649,6 @@ def eps_dir_guess(cfg: Any) -> Path:
 
 
 def _eps_space(cfg: Any) -> list[Problem]:
-    from l2l_cli.data.tasks import TASKS
-    from l2l_cli.engine.disk import disk_bytes
-    from l2l_cli.models import UnsupportedModel, make_spec
-
     if cfg.task.name not in TASKS:
         return []
     try:

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from l2l_cli.config import ConfigError, Problem
 from l2l_cli.data.tasks import Example, TaskSpec
+from l2l_cli.problems import ConfigError, Problem
 
 HOLDOUT = 0.1  # share of the training examples held out as dev when task.dev_files is unset
 SPLITS = {"train": "task.files", "dev": "task.dev_files"}  # each split's key

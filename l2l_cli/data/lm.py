@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from l2l_cli.config import ConfigError, Problem
 from l2l_cli.data.batches import Batch
+from l2l_cli.problems import ConfigError, Problem
 
 log = logging.getLogger(__name__)
 

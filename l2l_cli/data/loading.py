@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from l2l_cli.config import ConfigError, Problem
 from l2l_cli.data.batches import Encoded
 from l2l_cli.data.tasks import TASKS, Example, TaskSpec
+from l2l_cli.problems import ConfigError, Problem
 
 log = logging.getLogger(__name__)
 

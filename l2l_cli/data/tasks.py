@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from l2l_cli.config import Problem
+    from l2l_cli.problems import Problem
 
 csv.field_size_limit(1 << 24)
 
@@ -73,7 +73,7 @@ class TaskSpec:
 
     def check_source(self, data_dir: str | None) -> list[Problem]:
         """Problems with task.data_dir (missing folder, files, or columns); empty when usable."""
-        from l2l_cli.config import Problem
+        from l2l_cli.problems import Problem
 
         if self.objective == "lm":
             if data_dir is not None:

@@ -16,11 +16,14 @@ from l2l_cli.modes.registry import (
     parallel_for,
     register_mode,
     register_parallel,
+    run_clip,
+    run_precision,
+    run_stash,
     unregister_mode,
 )
 
 __all__ = [
     "MODES", "PARALLEL", "DeviceResident", "ModeSpec", "ParallelSpec", "Runner", "RunnerArgs", "RunnerBase",
     "StepReport", "StepSettings", "effective_precision", "find_mode", "get_mode", "method_label", "mode_names",
-    "parallel_for", "register_mode", "register_parallel", "unregister_mode",
+    "parallel_for", "register_mode", "register_parallel", "run_clip", "run_precision", "run_stash", "unregister_mode",
 ]  # fmt: skip

@@ -52,7 +52,6 @@ from torch.distributed.pipelining import (
 )
 
 from l2l_cli.checkpoint import CheckpointError, read_tensors, tensors_bytes
-from l2l_cli.config import Problem
 from l2l_cli.data.batches import Batch
 from l2l_cli.engine.dist import DistContext
 from l2l_cli.engine.flat import FlatLayout
@@ -60,6 +59,7 @@ from l2l_cli.engine.optim import clip_coefficients, make_optimizer, set_lr
 from l2l_cli.models.base import BLOCK, POST, PRE, ModelSpec
 from l2l_cli.modes.base import RunnerArgs, RunnerBase, StepReport
 from l2l_cli.modes.registry import MODES, ModeSpec, ParallelSpec, register_parallel
+from l2l_cli.problems import Problem
 
 # dist.schedule -> torch's schedule, and whether it runs several stages per rank
 SCHEDULES: dict[str, tuple[type, bool]] = {
@@ -171,7 +171,7 @@ def _num_layers(cfg: Any) -> int:
 
 def validate(cfg: Any) -> list[Problem]:
     """The pipeline keys' rules: every problem, one line each, before any process starts."""
-    from l2l_cli.config.validate import divisors
+    from l2l_cli.problems import divisors
 
     d, p = cfg.dist, []
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from l2l_cli.config import Problem
     from l2l_cli.engine.dist import DistContext
     from l2l_cli.modes.base import Runner, RunnerArgs
+    from l2l_cli.problems import Problem
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,27 @@ def effective_precision(mode: str, precision: str) -> str:
     """precision.name as ``mode`` runs it (``mixed``: AMP for the baselines, CMP for the L2L modes)."""
     spec = MODES.get(mode)
     return spec.precisions.get(precision, precision) if spec else precision
+
+
+def run_precision(cfg: Any) -> str:
+    """precision.name with ``mixed`` resolved by the run's mode (L2L v2 Table 2)."""
+    return effective_precision(cfg.mode.name, cfg.precision.name)
+
+
+def run_clip(cfg: Any) -> str:
+    """optim.clip with ``auto`` resolved by the mode (global-norm clipping, unless the mode says)."""
+    if cfg.optim.clip != "auto":
+        return cfg.optim.clip
+    spec = MODES.get(cfg.mode.name)
+    return spec.default_clip if spec else "global"
+
+
+def run_stash(cfg: Any) -> str | None:
+    """mode.stash, or the mode's default stash when unset (None for modes without one)."""
+    spec = MODES.get(cfg.mode.name)
+    if cfg.mode.stash is not None or spec is None or not spec.stash:
+        return cfg.mode.stash
+    return spec.stash[0]
 
 
 # ---- parallel strategies: how ranks share a step beyond plain data parallel -------------------------

@@ -79,7 +79,8 @@ def main(argv: list[str]) -> int:
         return 0
     if errors:
         return _fail(errors)
-    from l2l_cli.compose import check_overrides, compose, preflight
+    from l2l_cli.compose import check_overrides, compose
+    from l2l_cli.preflight import preflight
 
     run_dir = Path(flags["compare"]).expanduser() if flags["compare"] else None
     if run_dir is not None:

@@ -13,9 +13,9 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from l2l_cli.config import Problem
 from l2l_cli.plan import PlanError
-from l2l_cli.schema import BACKGROUND_PHASES, OTHER, PHASES, Summary, read_json
+from l2l_cli.problems import Problem
+from l2l_cli.runfiles import BACKGROUND_PHASES, OTHER, PHASES, Summary, read_json
 
 
 def run_overrides(run_dir: Path) -> tuple[list[str], list[Problem]]:
@@ -77,9 +77,10 @@ def compare_run(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()
     """The whole round trip for ``l2l report``: recompose the run's config (plus ``overrides``, e.g.
     ``hardware=measure``), plan it, and compare with what the run measured. Raises ``PlanError`` (one
     line) on a directory that is not a finished run or overrides that do not compose."""
-    from l2l_cli.compose import compose, preflight
+    from l2l_cli.compose import compose
     from l2l_cli.plan import PlanError
     from l2l_cli.plan.planner import make_plan
+    from l2l_cli.preflight import preflight
 
     path = Path(run_dir)
     base, problems = run_overrides(path)

@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from l2l_cli.config import effective_precision, effective_stash
-from l2l_cli.modes import MODES, ModeSpec, find_mode
+from l2l_cli.modes import MODES, ModeSpec, find_mode, run_precision, run_stash
 from l2l_cli.plan import costmodel as cm
-from l2l_cli.plan.hardware import Rates, fmt_bytes
+from l2l_cli.plan.hardware import Rates
 from l2l_cli.plan.shapes import ModelShape, device_weight_bytes
-from l2l_cli.schema import PHASES
+from l2l_cli.problems import fmt_bytes
+from l2l_cli.runfiles import PHASES
 
 FP32_STATE = 16  # bytes per parameter: FP32 weights, gradients, and the two Adam/LAMB moments
 DISK_STATE = 24  # the disk EPS tier: two versions (slots) of the weights and both moments per layer file
@@ -49,7 +49,7 @@ class Setup:
 
         pipe = PipelineSettings.from_cfg(cfg)
         return cls(
-            cfg.mode.name, effective_stash(cfg), bool(cfg.mode.prefetch), effective_precision(cfg), cfg.task.max_seq_len,
+            cfg.mode.name, run_stash(cfg), bool(cfg.mode.prefetch), run_precision(cfg), cfg.task.max_seq_len,
             cfg.batch.size, cfg.batch.ubatch_size, cfg.dist.nproc, cfg.eps.tier, cfg.eps.host_cache_layers,
             pipe.pipeline, pipe.placement, pipe.schedule,
             pipe.layers_per_stage if pipe.placement == "modular" else 1, pipe.partition_state,

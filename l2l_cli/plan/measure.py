@@ -25,10 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from l2l_cli.config import effective_precision
+from l2l_cli.modes import run_precision
 from l2l_cli.plan import PlanError
-from l2l_cli.plan.hardware import LayerTimes, MeasuredTimes
 from l2l_cli.plan.shapes import ModelShape, act_bytes
+from l2l_cli.plan.times import LayerTimes, MeasuredTimes, physical_memory
 
 
 def _device(cfg: Any) -> torch.device:
@@ -95,8 +95,6 @@ def available_memory() -> float:
                 return float(line.split()[1]) * 1024
     except OSError:
         pass
-    from l2l_cli.plan.hardware import physical_memory
-
     return physical_memory()
 
 
@@ -107,7 +105,7 @@ def measure_bytes(cfg: Any, shape: ModelShape) -> float:
     ub, seq = cfg.batch.ubatch_size, cfg.task.max_seq_len
     state = 2 * 16.0 * (shape.block_params + shape.pre_params) + 8.0 * shape.post_params
     acts = ub * (
-        shape.block_working_bytes(seq, effective_precision(cfg)) + 4 * seq * shape.hidden * act_bytes("fp32")
+        shape.block_working_bytes(seq, run_precision(cfg)) + 4 * seq * shape.hidden * act_bytes("fp32")
     )
     return state + 2 * acts
 
@@ -156,7 +154,7 @@ def measure(cfg: Any, shape: ModelShape) -> MeasuredTimes:
     def median_s(fn: Callable[[], Any]) -> float:
         return _median_s(fn, repeats, sync)
 
-    prec = effective_precision(cfg)
+    prec = run_precision(cfg)
     half = torch.float16 if device.type == "cuda" else torch.bfloat16
     if cfg.precision.dtype in ("bf16", "fp16"):
         half = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision.dtype]

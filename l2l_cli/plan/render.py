@@ -9,7 +9,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from l2l_cli.plan.hardware import fmt_bytes
+from l2l_cli.problems import fmt_bytes
 
 GiB = 2**30
 PART_NAMES = {

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from l2l_cli.modes import effective_precision, method_label
-from l2l_cli.schema import (
+from l2l_cli.runfiles import (
     OTHER,
     PHASES,
     MemoryReport,

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from l2l_cli.report.runs import Run
-from l2l_cli.schema import BACKGROUND_PHASES, OTHER, PHASES
+from l2l_cli.runfiles import BACKGROUND_PHASES, OTHER, PHASES
 
 DASH = "-"
 
