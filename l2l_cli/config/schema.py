@@ -15,7 +15,6 @@ from omegaconf import DictConfig, OmegaConf
 PRECISIONS = ("fp32", "amp", "cmp", "mixed")
 HALF_DTYPES = ("auto", "bf16", "fp16")
 LOSS_SCALE = ("dynamic", "none")
-OPTIMIZERS = ("adamw", "lamb")
 SCHEDULES = ("linear", "constant")
 CLIP = ("auto", "global", "layer", "none")
 DEVICES = ("auto", "cpu", "cuda", "sim")

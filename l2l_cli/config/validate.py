@@ -24,7 +24,6 @@ from l2l_cli.config.schema import (
     EPS_TIERS,
     HALF_DTYPES,
     LOSS_SCALE,
-    OPTIMIZERS,
     PIPE_SCHEDULES,
     PLACEMENTS,
     PRECISIONS,
@@ -38,6 +37,7 @@ from l2l_cli.data.lm import FORMATS, as_list
 from l2l_cli.data.loading import SYNTHETIC_MIN_LEN, SYNTHETIC_MIN_VOCAB
 from l2l_cli.data.tasks import TASKS
 from l2l_cli.engine.disk import COMMIT, disk_bytes
+from l2l_cli.engine.optim import OPTIMIZERS
 from l2l_cli.models import (
     FAMILIES,
     PretrainedUnavailable,
@@ -332,7 +332,7 @@ def _lm_task(cfg: Any, check_files: bool) -> list[Problem]:
 def _optim(cfg: Any, check_files: bool) -> list[Problem]:
     p: list[Problem] = []
     opt = cfg.optim
-    one_of(p, "optim.name", opt.name, OPTIMIZERS)
+    one_of(p, "optim.name", opt.name, tuple(OPTIMIZERS))
     one_of(p, "optim.schedule", opt.schedule, SCHEDULES)
     one_of(p, "optim.clip", opt.clip, CLIP)
     positive(p, "optim.lr", opt.lr)

@@ -52,7 +52,7 @@ def bind_optimizer(
     with ``.grad`` views of ``g``, and the moments are views of ``m`` and ``v``."""
     # AdamW is elementwise: two flat tensors per layer (decayed, not) give the fused kernel long runs.
     # LAMB's trust ratio is per parameter tensor, so it gets a view per tensor.
-    split = layout.segments if optim.name == "adamw" else layout.views
+    split = layout.segments if optim.elementwise else layout.views
     named = []
     grads, ms, vs = dict(split(g)), dict(split(m)), dict(split(v))
     for name, view in split(w):
@@ -212,9 +212,7 @@ class EagerParamServer:
         # host update work this step: on the compute thread (exposed), on the EPS thread (overlapped), and
         # the compute thread's waits on the EPS (exposed)
         self._times = {"main_s": 0.0, "eps_s": 0.0, "trailing_s": 0.0, "wait_s": 0.0}
-        self.elementwise = (
-            optim.name == "adamw"
-        )  # an update can be split by element (LAMB's trust ratio can't)
+        self.elementwise = optim.elementwise  # an update can be split by element (LAMB's can't)
         # L2L-p's speculation: the step's per-layer norms, the layers updated before the verdict (undo
         # log kept), those held back once global clipping was certain, and the rollbacks so far
         self._bad = False

@@ -7,7 +7,7 @@ The baselines and the eager param-server use the same optimizer classes over the
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +87,34 @@ class Lamb(torch.optim.Optimizer):
 
 
 @dataclass(frozen=True)
+class OptimizerKind:
+    """An optimizer ``optim.name`` selects: how to build it over parameter groups, and whether its update
+    is elementwise, which the EPS and the pipeline rely on (one flat run per decay group for the fused
+    kernel, the trailing update's early rows, a shard of a layer updated alone). LAMB's trust ratio is
+    a norm over each whole parameter tensor, so it is not."""
+
+    name: str
+    build: Callable[[list[dict[str, Any]], OptimSettings], torch.optim.Optimizer]
+    elementwise: bool
+
+
+def _adamw(groups: list[dict[str, Any]], o: OptimSettings) -> torch.optim.Optimizer:
+    # torch's fused AdamW kernel runs on CPU too and is ~5x faster there than the default for-loop one
+    return torch.optim.AdamW(
+        groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True
+    )
+
+
+def _lamb(groups: list[dict[str, Any]], o: OptimSettings) -> torch.optim.Optimizer:
+    return Lamb(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+
+
+OPTIMIZERS: dict[str, OptimizerKind] = {
+    k.name: k for k in (OptimizerKind("adamw", _adamw, elementwise=True), OptimizerKind("lamb", _lamb, False))
+}
+
+
+@dataclass(frozen=True)
 class OptimSettings:
     """The optimizer and its schedule (``optim.*``), as the runners and the EPS take them."""
 
@@ -100,6 +128,14 @@ class OptimSettings:
     warmup_steps: int | None
     schedule: str
 
+    @property
+    def kind(self) -> OptimizerKind:
+        return OPTIMIZERS[self.name]
+
+    @property
+    def elementwise(self) -> bool:
+        return self.kind.elementwise
+
     @classmethod
     def from_cfg(cls, o: Any) -> OptimSettings:
         return cls(o.name, o.lr, o.weight_decay, o.beta1, o.beta2, o.eps, o.warmup_ratio, o.warmup_steps,
@@ -107,11 +143,7 @@ class OptimSettings:
 
 
 def make_optimizer(groups: list[dict[str, Any]], o: OptimSettings) -> torch.optim.Optimizer:
-    betas = (o.beta1, o.beta2)
-    if o.name == "lamb":
-        return Lamb(groups, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)
-    # torch's fused AdamW kernel runs on CPU too and is ~5x faster there than the default for-loop one
-    return torch.optim.AdamW(groups, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay, fused=True)
+    return o.kind.build(groups, o)
 
 
 def lr_at(step: int, total_steps: int, o: OptimSettings) -> float:

@@ -55,7 +55,7 @@ from l2l_cli.checkpoint import CheckpointError, read_tensors, tensors_bytes
 from l2l_cli.data.batches import Batch
 from l2l_cli.engine.dist import DistContext
 from l2l_cli.engine.flat import FlatLayout
-from l2l_cli.engine.optim import clip_coefficients, make_optimizer, set_lr
+from l2l_cli.engine.optim import OPTIMIZERS, clip_coefficients, make_optimizer, set_lr
 from l2l_cli.models.base import BLOCK, POST, PRE, ModelSpec
 from l2l_cli.modes.base import RunnerArgs, RunnerBase, StepReport
 from l2l_cli.modes.registry import MODES, ModeSpec, ParallelSpec, register_parallel
@@ -231,7 +231,7 @@ def validate(cfg: Any) -> list[Problem]:
         stage_modes = ", ".join(m.name for m in MODES.values() if m.pipeline_stage)
         bad("mode.name", f"mode={spec.name} cannot run as a pipeline stage; allowed with dist.pipeline > 1: "
             f"{stage_modes}")  # fmt: skip
-    if d.partition_state and cfg.optim.name != "adamw":
+    if d.partition_state and cfg.optim.name in OPTIMIZERS and not OPTIMIZERS[cfg.optim.name].elementwise:
         bad("dist.partition_state", f"optim={cfg.optim.name}'s trust ratio needs whole parameter tensors, which "
             "a shard of the state splits; use optim=adamw, or dist.partition_state=false")  # fmt: skip
     return p
@@ -403,7 +403,7 @@ class StageState:
             runs = (
                 [(sl.offset, sl.offset + sl.layout.n_decay, "decay"), (sl.offset + sl.layout.n_decay,
                   sl.offset + sl.layout.numel, "bias")]
-                if optim.name == "adamw"
+                if optim.elementwise
                 else [(sl.offset + e.offset, sl.offset + e.offset + e.numel, e.name) for e in sl.layout.entries]
             )  # fmt: skip
             for a, b, name in runs:
