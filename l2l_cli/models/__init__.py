@@ -12,13 +12,26 @@ from l2l_cli.models.registry import (
     UnsupportedModel,
     family_for_dir,
     family_names,
+    family_of,
     make_spec,
     register_family,
     resolve_pretrained,
 )
 
 __all__ = [
-    "BLOCK", "FAMILIES", "POST", "PRE", "LayeredModel", "ModelFamily", "ModelSpec", "PretrainedUnavailable",
+    "BLOCK",
+    "FAMILIES",
+    "POST",
+    "PRE",
+    "LayeredModel",
+    "ModelFamily",
+    "ModelSpec",
+    "PretrainedUnavailable",
     "UnsupportedModel",
-    "family_for_dir", "family_names", "make_spec", "register_family", "resolve_pretrained",
+    "family_for_dir",
+    "family_names",
+    "family_of",
+    "make_spec",
+    "register_family",
+    "resolve_pretrained",
 ]  # fmt: skip

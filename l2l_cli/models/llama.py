@@ -174,5 +174,6 @@ register_family(
         from_config=from_config,
         from_hf_dir=from_hf_dir,
         objective="lm",
+        tied_head=lambda m: bool(m.tie_word_embeddings),
     )
 )

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from l2l_cli.models.base import ModelSpec
+from l2l_cli.problems import Problem
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,10 @@ class ModelFamily:
     from_config: Callable[[Any, int], ModelSpec]  # (model.* keys, num_labels) -> spec
     from_hf_dir: Callable[[Path, Any, int], ModelSpec]  # (HF dir, model.* keys, num_labels) -> spec
     objective: str = "classify"  # the tasks it trains: "classify" (GLUE, synthetic) | "lm" (task=lm)
+    # its own model.* rules (keys only it reads, such as llama's model.num_kv_heads); run by config/
+    validate: Callable[[Any], list[Problem]] | None = None
+    # whether a model built from these model.* keys ties its LM head to its token embedding
+    tied_head: Callable[[Any], bool] = lambda m: False
 
 
 FAMILIES: dict[str, ModelFamily] = {}
@@ -67,6 +72,20 @@ def family_for_dir(path: Path, ref: str, default: str = "bert") -> ModelFamily:
         f"{ref} is a {model_type!r} checkpoint (config.json model_type); supported: "
         f"{', '.join(supported_model_types())}"
     )
+
+
+def family_of(model_cfg: Any) -> ModelFamily | None:
+    """The run's family: a local checkpoint's (config.json model_type), else ``model.family``'s; None when
+    it cannot be known offline (a hub id) or is invalid (reported by the model's check)."""
+    if model_cfg.pretrained is not None:
+        path = Path(model_cfg.pretrained).expanduser()
+        if not (path / "config.json").is_file():
+            return None
+        try:
+            return family_for_dir(path, model_cfg.pretrained, model_cfg.family)
+        except (UnsupportedModel, OSError, ValueError):
+            return None
+    return FAMILIES.get(model_cfg.family)
 
 
 class PretrainedUnavailable(ValueError):

@@ -56,6 +56,7 @@ from l2l_cli.data.batches import Batch
 from l2l_cli.engine.dist import DistContext
 from l2l_cli.engine.flat import FlatLayout
 from l2l_cli.engine.optim import OPTIMIZERS, clip_coefficients, make_optimizer, set_lr
+from l2l_cli.models import FAMILIES, family_for_dir
 from l2l_cli.models.base import BLOCK, POST, PRE, ModelSpec
 from l2l_cli.modes.base import RunnerArgs, RunnerBase, StepReport
 from l2l_cli.modes.registry import MODES, ModeSpec, ParallelSpec, register_parallel
@@ -151,13 +152,12 @@ def _shape(cfg: Any) -> tuple[int, bool]:
     """The model's depth as ``l2l train`` builds it (a local pretrained directory's config.json wins), and
     whether its LM head is tied to its embeddings."""
     m = cfg.model
-    tied = m.family != "bert" and bool(m.tie_word_embeddings)
+    family = FAMILIES.get(m.family)
+    tied = family is not None and family.tied_head(m)
     if m.pretrained:
         path = Path(m.pretrained).expanduser()
         if (path / "config.json").is_file():
             try:
-                from l2l_cli.models import family_for_dir
-
                 spec = family_for_dir(path, m.pretrained, m.family).from_hf_dir(path, m, 2)
                 return int(spec.num_layers), bool(spec.tied_params())
             except Exception:  # reported by the model check
