@@ -80,7 +80,7 @@ def _dist_env() -> None:
 def run_peer(name: str, overrides: list[str], steps: int, device: str) -> dict[str, Any]:
     from l2l_cli.compose import compose
     from l2l_cli.data.batches import TrainStream
-    from l2l_cli.data.loading import synthetic
+    from l2l_cli.data.synthetic import synthetic
     from l2l_cli.models import make_spec
 
     cfg = compose([*overrides, f"trainer.max_steps={steps}"])
@@ -164,8 +164,7 @@ def run_peer(name: str, overrides: list[str], steps: int, device: str) -> dict[s
 
 
 def _run_l2l(name: str, cfg: Any, data: Any, batches: Any, steps: int, device: str) -> dict[str, Any]:
-    from l2l_cli.data.loading import TaskData
-    from l2l_cli.data.tasks import TASKS
+    from l2l_cli.data.tasks import TASKS, TaskData
     from l2l_cli.session import build
 
     cfg.mode.name, cfg.device = name, device

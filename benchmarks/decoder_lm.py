@@ -26,8 +26,7 @@ import numpy as np
 from l2l_cli.compose import compose
 from l2l_cli.data.batches import TrainStream
 from l2l_cli.data.lm import Packed
-from l2l_cli.data.loading import TaskData
-from l2l_cli.data.tasks import TASKS
+from l2l_cli.data.tasks import TASKS, TaskData
 from l2l_cli.models import make_spec
 from l2l_cli.session import build
 

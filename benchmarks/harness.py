@@ -10,8 +10,8 @@ import torch
 
 from l2l_cli.compose import compose
 from l2l_cli.data.batches import TrainStream
-from l2l_cli.data.loading import TaskData, synthetic
-from l2l_cli.data.tasks import TASKS
+from l2l_cli.data.synthetic import synthetic
+from l2l_cli.data.tasks import TASKS, TaskData
 from l2l_cli.session import Session, build
 
 # L2L v1 Table 1 widths (BERT-Large), 8 layers, sequence 128: what issues 3 and 4 benchmark on this CPU

@@ -21,8 +21,8 @@ from harness import BERT_LARGE_8, gib
 
 from l2l_cli.compose import compose
 from l2l_cli.data.batches import TrainStream
-from l2l_cli.data.loading import TaskData, synthetic
-from l2l_cli.data.tasks import TASKS
+from l2l_cli.data.synthetic import synthetic
+from l2l_cli.data.tasks import TASKS, TaskData
 from l2l_cli.session import build
 
 METERS = {

@@ -191,8 +191,8 @@ def predict(cfg: DictConfig, weights: Path, input_path: Path, output: str | None
     (regression)."""
     from l2l_cli.data.batches import eval_batches
     from l2l_cli.data.files import read_records
-    from l2l_cli.data.loading import load_tokenizer, tokenize
     from l2l_cli.data.tasks import TASKS, Example
+    from l2l_cli.data.tokenize import load_tokenizer, tokenize
 
     if TASKS[cfg.task.name].glue_dir == "-" and TASKS[cfg.task.name].file_format is None:
         raise UsageError(

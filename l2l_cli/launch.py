@@ -112,8 +112,8 @@ def _jobs_main(jobs: list[list[str]], steps: int, save: dict[int, str]) -> list[
     import torch
 
     from l2l_cli.compose import compose, setup
-    from l2l_cli.data.loading import TaskData, synthetic
-    from l2l_cli.data.tasks import TASKS
+    from l2l_cli.data.synthetic import synthetic
+    from l2l_cli.data.tasks import TASKS, TaskData
     from l2l_cli.session import build
 
     setup()

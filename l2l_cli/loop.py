@@ -15,7 +15,7 @@ from typing import Any, NoReturn, Protocol
 from l2l_cli import checkpoint as ckpt
 from l2l_cli.checkpoint import CheckpointError, RealtimeWriter
 from l2l_cli.data.batches import TrainStream
-from l2l_cli.data.loading import TaskData
+from l2l_cli.data.tasks import TaskData
 from l2l_cli.engine.dist import DistContext
 from l2l_cli.modes.base import Runner, StepReport
 from l2l_cli.modes.registry import ModeSpec

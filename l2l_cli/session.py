@@ -21,7 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 from l2l_cli.checkpoint import CheckpointError, identity
 from l2l_cli.config.validate import check_eps_path, validate
 from l2l_cli.data.batches import TrainStream
-from l2l_cli.data.loading import TaskData, load_task
+from l2l_cli.data.loading import load_task
+from l2l_cli.data.tasks import TaskData
 from l2l_cli.engine.device import Accelerator, make_accelerator
 from l2l_cli.engine.dist import DistContext
 from l2l_cli.engine.dist import from_env as dist_from_env

@@ -8,8 +8,9 @@ import torch
 from scipy.stats import pearsonr, spearmanr
 
 from l2l_cli.data.batches import TrainStream
-from l2l_cli.data.loading import load_task, synthetic
+from l2l_cli.data.loading import load_task
 from l2l_cli.data.metrics import compute
+from l2l_cli.data.synthetic import synthetic
 from l2l_cli.data.tasks import TASKS
 from tests.util import tiny_cfg
 

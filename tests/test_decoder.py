@@ -17,7 +17,8 @@ from omegaconf import DictConfig
 
 from l2l_cli.data.batches import TrainStream
 from l2l_cli.data.lm import BUNDLED_TOKENIZER
-from l2l_cli.data.loading import TaskData, load_task
+from l2l_cli.data.loading import load_task
+from l2l_cli.data.tasks import TaskData
 from l2l_cli.models import POST
 from l2l_cli.session import build
 from tests.util import assert_same_weights, l2l, tiny_cfg, train

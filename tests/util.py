@@ -17,8 +17,8 @@ from omegaconf import DictConfig
 from l2l_cli.compose import compose
 from l2l_cli.config import ModelConfig
 from l2l_cli.data.batches import Batch, TrainStream
-from l2l_cli.data.loading import TaskData, synthetic
-from l2l_cli.data.tasks import TASKS
+from l2l_cli.data.synthetic import synthetic
+from l2l_cli.data.tasks import TASKS, TaskData
 from l2l_cli.models import FAMILIES, ModelSpec
 from l2l_cli.modes import Runner
 from l2l_cli.session import build

@@ -30,11 +30,9 @@ from l2l_cli.config.schema import (
     PROGRESS,
     SCALES,
     SCHEDULES,
-    TaskConfig,
+    ModelConfig,
 )
-from l2l_cli.data.files import check_files as check_user_files
-from l2l_cli.data.lm import FORMATS, as_list
-from l2l_cli.data.loading import SYNTHETIC_MIN_LEN, SYNTHETIC_MIN_VOCAB
+from l2l_cli.data.loading import task_problems
 from l2l_cli.data.tasks import TASKS
 from l2l_cli.engine.disk import COMMIT, disk_bytes
 from l2l_cli.engine.optim import OPTIMIZERS
@@ -44,6 +42,7 @@ from l2l_cli.models import (
     UnsupportedModel,
     family_for_dir,
     family_names,
+    family_of,
     make_spec,
     resolve_pretrained,
 )
@@ -136,21 +135,20 @@ def _model(cfg: Any, check_files: bool) -> list[Problem]:
         )
     if not (0.0 <= m.dropout < 1.0):
         p.append(Problem("model.dropout", f"got {m.dropout}; must be in [0, 1)"))
-    if m.num_kv_heads is not None:
-        if m.family != "llama" and m.pretrained is None:
-            p.append(
-                Problem(
-                    "model.num_kv_heads", f"applies to model.family=llama, not {m.family}; leave it unset"
-                )
-            )
-        elif m.num_kv_heads < 1 or m.num_heads % m.num_kv_heads:
-            p.append(
-                Problem(
-                    "model.num_kv_heads",
-                    f"got {m.num_kv_heads}; must divide model.num_heads={m.num_heads} "
-                    f"({divisors(m.num_heads)})",
-                )
-            )
+    family = family_of(m)
+    if m.pretrained is None:  # keys of another family: the run would ignore them
+        defaults = ModelConfig()
+        for f in FAMILIES.values():
+            for key in f.keys:
+                if f is not family and getattr(m, key) != getattr(defaults, key):
+                    p.append(
+                        Problem(
+                            f"model.{key}",
+                            f"applies to model.family={f.name}, not {m.family}; leave it unset",
+                        )
+                    )
+    if family is not None and family.validate is not None:
+        p.extend(family.validate(m))
     positive(p, "model.rope_theta", m.rope_theta)
     positive(p, "model.init_std", m.init_std)
     if m.pretrained is not None and check_files:
@@ -198,6 +196,8 @@ def _precision(cfg: Any, check_files: bool) -> list[Problem]:
 
 @check("task")
 def _task(cfg: Any, check_files: bool) -> list[Problem]:
+    """The keys every task reads, then its kind's own rules (data/: glue, synthetic, lm, files), then
+    whether the model family trains this kind of task."""
     p: list[Problem] = []
     task, m = cfg.task, cfg.model
     one_of(p, "task.name", task.name, tuple(TASKS))
@@ -210,121 +210,17 @@ def _task(cfg: Any, check_files: bool) -> list[Problem]:
             p.append(Problem(f"task.{k}", f"got {v}; must be >= 1 or unset"))
     at_least(p, "task.num_train", task.num_train, 1)
     at_least(p, "task.num_eval", task.num_eval, 1)
-    if task.name == "synthetic":
-        if task.max_seq_len < SYNTHETIC_MIN_LEN:
-            p.append(
-                Problem(
-                    "task.max_seq_len",
-                    f"got {task.max_seq_len}; the synthetic task needs >= {SYNTHETIC_MIN_LEN}",
-                )
-            )
-        if m.vocab_size < SYNTHETIC_MIN_VOCAB:
-            p.append(
-                Problem(
-                    "model.vocab_size",
-                    f"got {m.vocab_size}; the synthetic task needs >= {SYNTHETIC_MIN_VOCAB}",
-                )
-            )
-    if task.name in TASKS and TASKS[task.name].file_format is not None:
-        if task.data_dir is not None:
-            p.append(
-                Problem("task.data_dir", f"task={task.name} reads task.files; leave task.data_dir unset")
-            )
-        if check_files:
-            p.extend(check_user_files(task))
-    elif task.name in TASKS and check_files:
-        p.extend(TASKS[task.name].check_source(task.data_dir))
-    p.extend(_lm_task(cfg, check_files))
-    family = _family(cfg)
-    if family is not None and task.name in TASKS and TASKS[task.name].objective != family.objective:
+    if task.name not in TASKS:
+        return p
+    p.extend(task_problems(cfg, check_files))
+    family, spec = family_of(m), TASKS[task.name]
+    if family is not None and spec.objective != family.objective:
         if family.objective == "lm":
             why = f"model family {family.name} is a decoder language model: it trains task=lm"
         else:
-            decoders = ", ".join(f.name for f in _families().values() if f.objective == "lm")
+            decoders = ", ".join(f.name for f in FAMILIES.values() if f.objective == "lm")
             why = f"task=lm needs a decoder (model.family={decoders}, or a decoder checkpoint); {family.name} classifies"
         p.append(Problem("task.name", f"got {task.name!r}; {why}"))
-    return p
-
-
-def _families() -> dict[str, Any]:
-    return FAMILIES
-
-
-def _family(cfg: Any) -> Any:
-    """The run's model family: a local checkpoint's (config.json model_type), else model.family's; None
-    when it cannot be known here (a hub id) or is invalid (reported by the model check)."""
-
-    m = cfg.model
-    if m.pretrained is not None:
-        path = Path(m.pretrained).expanduser()
-        if not (path / "config.json").is_file():
-            return None
-        try:
-            return family_for_dir(path, m.pretrained, m.family)
-        except (UnsupportedModel, OSError, ValueError):
-            return None
-    return _families().get(m.family)
-
-
-def _lm_task(cfg: Any, check_files: bool) -> list[Problem]:
-    """task.files / dev_files / dev_fraction / text_field: for task=lm, readable text files."""
-    task = cfg.task
-    p: list[Problem] = []
-    lm = task.name in TASKS and TASKS[task.name].objective == "lm"
-    user = task.name in TASKS and TASKS[task.name].file_format is not None  # csv | json: data/files.py
-    for key in ("files", "dev_files"):
-        value = getattr(task, key)
-        if value is None:
-            continue
-        if not (lm or user):
-            p.append(
-                Problem(
-                    f"task.{key}", f"applies to task=lm, csv or json, not task={task.name}; leave it unset"
-                )
-            )
-            continue
-        is_list = OmegaConf.is_list(value) or isinstance(value, list | tuple)
-        if not (isinstance(value, str) or is_list) or not as_list(value):
-            p.append(
-                Problem(f"task.{key}", f"got {value!r}; expected a file or a list of files ([a.txt,b.jsonl])")
-            )
-            continue
-        if user:  # existence, format and columns: the csv/json check
-            continue
-        for f in as_list(value):
-            suffix = Path(f).suffix.lower()
-            if suffix not in FORMATS:
-                p.append(
-                    Problem(
-                        f"task.{key}",
-                        f"{f}: unsupported format {suffix or '(none)'}; allowed: {', '.join(FORMATS)}",
-                    )
-                )
-            elif check_files and not Path(f).expanduser().is_file():
-                p.append(Problem(f"task.{key}", f"{f} is not a file"))
-    # keys of one kind of task, set under another: a mistake (the run would ignore them)
-    defaults = TaskConfig()
-    only = {
-        "text_field": lm,
-        "dev_fraction": lm,
-        "text_fields": user,
-        "label_field": user,
-        "regression": user,
-    }
-    for key, applies in only.items():
-        value = getattr(task, key)
-        if not applies and (list(value) if OmegaConf.is_list(value) else value) != getattr(defaults, key):
-            which = "task=lm" if key in ("text_field", "dev_fraction") else "task=csv or json"
-            p.append(Problem(f"task.{key}", f"applies to {which}, not task={task.name}; leave it unset"))
-    if lm:
-        if not (0.0 <= task.dev_fraction < 1.0):
-            p.append(Problem("task.dev_fraction", f"got {task.dev_fraction}; must be in [0, 1)"))
-        elif task.dev_fraction == 0.0 and task.dev_files is None:
-            p.append(
-                Problem("task.dev_fraction", "got 0 without task.dev_files; the dev split needs one of them")
-            )
-        if not task.text_field:
-            p.append(Problem("task.text_field", "must name the field holding the text (.jsonl, .parquet)"))
     return p
 
 

@@ -17,7 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from l2l_cli.data.tasks import Example, TaskSpec
+from l2l_cli.data.lm import as_list, listed_files
+from l2l_cli.data.tasks import Example, TaskData, TaskKind, TaskSpec
+from l2l_cli.data.tokenize import encode_splits
 from l2l_cli.problems import ConfigError, Problem
 
 HOLDOUT = 0.1  # share of the training examples held out as dev when task.dev_files is unset
@@ -65,7 +67,7 @@ def columns(path: Path, fmt: str) -> list[str]:
         )
 
 
-def check_files(task: Any) -> list[Problem]:
+def check_columns(task: Any) -> list[Problem]:
     """Problems with ``task.files``, ``task.text_fields`` and ``task.label_field`` (before any work)."""
     fmt = task.name
     p: list[Problem] = []
@@ -128,8 +130,6 @@ def _number(v: Any) -> float | None:
 
 def split_files(task: Any, split: str) -> list[str]:
     """The files of a split: ``task.files`` (train) or ``task.dev_files`` (dev), a path or a list."""
-    from l2l_cli.data.lm import as_list
-
     return as_list(task.files if split == "train" else task.dev_files)
 
 
@@ -243,6 +243,30 @@ def load(task: Any) -> tuple[TaskSpec, list[Example], list[Example]]:
 def user_spec(name: str, label_names: tuple[str, ...] | None) -> TaskSpec:
     """The TaskSpec of a user task: accuracy (and F1 for two classes), or Pearson/Spearman for regression."""
     if label_names is None:
-        return TaskSpec(name, "-", (), (), None, ("pearson", "spearmanr"), "spearmanr", file_format=name)
+        return TaskSpec(name, "-", (), (), None, ("pearson", "spearmanr"), "spearmanr", file_format=name,
+                        kind="files")  # fmt: skip
     metrics = ("accuracy", "f1") if len(label_names) == 2 else ("accuracy",)
-    return TaskSpec(name, "-", (), (), label_names, metrics, "accuracy", file_format=name)
+    return TaskSpec(name, "-", (), (), label_names, metrics, "accuracy", file_format=name, kind="files")
+
+
+def load_kind(spec: TaskSpec, task_cfg: Any, model_cfg: Any, train_split: bool) -> TaskData:
+    spec, raw_train, raw_dev = load(task_cfg)
+    source = f"{spec.file_format}:{','.join(split_files(task_cfg, 'train'))}"
+    return encode_splits(spec, raw_train, raw_dev, source, task_cfg, model_cfg, train_split)
+
+
+def validate(cfg: Any, check_files: bool) -> list[Problem]:
+    """task.files / dev_files name readable files with the columns task.text_fields and task.label_field."""
+    task, p = cfg.task, []
+    if task.data_dir is not None:
+        p.append(Problem("task.data_dir", f"task={task.name} reads task.files; leave task.data_dir unset"))
+    shapes = [problem for key in ("files", "dev_files") if (problem := listed_files(task, key)[1])]
+    p.extend(shapes)
+    if check_files and not shapes:
+        p.extend(check_columns(task))
+    return p
+
+
+KIND = TaskKind(
+    "files", load_kind, validate, keys=("files", "dev_files", "text_fields", "label_field", "regression")
+)

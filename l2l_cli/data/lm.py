@@ -26,8 +26,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
 from l2l_cli.data.batches import Batch
+from l2l_cli.data.tasks import TaskData, TaskKind, TaskSpec
 from l2l_cli.problems import ConfigError, Problem
 
 log = logging.getLogger(__name__)
@@ -87,6 +89,19 @@ def as_list(value: Any) -> list[str]:
     if isinstance(value, str):
         return [value]
     return [str(v) for v in value]
+
+
+def listed_files(task: Any, key: str) -> tuple[list[str], Problem | None]:
+    """``task.files`` / ``task.dev_files`` as a list of paths, or the problem with its shape."""
+    value = getattr(task, key)
+    if value is None:
+        return [], None
+    is_list = OmegaConf.is_list(value) or isinstance(value, list | tuple)
+    if not (isinstance(value, str) or is_list) or not as_list(value):
+        return [], Problem(
+            f"task.{key}", f"got {value!r}; expected a file or a list of files ([a.txt,b.jsonl])"
+        )
+    return as_list(value), None
 
 
 def cache_root() -> Path:
@@ -241,3 +256,42 @@ def save_tokenizer(tok: Any, out_dir: Path) -> None:
         c = json.loads(config.read_text())
         c.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
         config.write_text(json.dumps(c, indent=2, sort_keys=True) + "\n")
+
+
+def load(spec: TaskSpec, task_cfg: Any, model_cfg: Any, train_split: bool) -> TaskData:
+    train, dev, source, tok = load_lm(task_cfg, model_cfg)
+    return TaskData(spec, train.subset(task_cfg.max_train_samples if train_split else 0), dev, source, tok)
+
+
+def validate(cfg: Any, check_files: bool) -> list[Problem]:
+    """task.files / dev_files (readable text files of a known format), dev_fraction and text_field."""
+    task, p = cfg.task, []
+    if task.data_dir is not None:
+        p.append(Problem("task.data_dir", "task=lm reads task.files (text files); leave task.data_dir unset"))
+    for key in ("files", "dev_files"):
+        names, problem = listed_files(task, key)
+        if problem is not None:
+            p.append(problem)
+        for f in names:
+            suffix = Path(f).suffix.lower()
+            if suffix not in FORMATS:
+                p.append(
+                    Problem(
+                        f"task.{key}",
+                        f"{f}: unsupported format {suffix or '(none)'}; allowed: {', '.join(FORMATS)}",
+                    )
+                )
+            elif check_files and not Path(f).expanduser().is_file():
+                p.append(Problem(f"task.{key}", f"{f} is not a file"))
+    if not (0.0 <= task.dev_fraction < 1.0):
+        p.append(Problem("task.dev_fraction", f"got {task.dev_fraction}; must be in [0, 1)"))
+    elif task.dev_fraction == 0.0 and task.dev_files is None:
+        p.append(
+            Problem("task.dev_fraction", "got 0 without task.dev_files; the dev split needs one of them")
+        )
+    if not task.text_field:
+        p.append(Problem("task.text_field", "must name the field holding the text (.jsonl, .parquet)"))
+    return p
+
+
+KIND = TaskKind("lm", load, validate, keys=("files", "dev_files", "text_field", "dev_fraction"))

@@ -1,21 +1,23 @@
-"""Task registry: the nine GLUE tasks, the built-in synthetic task, and ``lm`` (causal language modelling
-on the user's text files, see :mod:`l2l_cli.data.lm`).
+"""Task registry: the nine GLUE tasks, the built-in synthetic task, ``lm`` (causal language modelling on
+the user's text files) and ``csv``/``json`` (the user's labelled files).
 
-A task knows where its examples come from (hub, original GLUE TSV dir, or generated), how labels map to
-ids, and which official metrics to report. Parsing follows the GLUE TSV layout with quoting off, as the
-transformers GLUE processors do (several files contain unbalanced quotes).
+A task (:class:`TaskSpec`) knows its labels and official metrics, and names its *kind*: the family of
+tasks that share where examples come from and which ``task.*`` keys they read (:class:`TaskKind`: ``glue``
+in :mod:`~l2l_cli.data.glue`, ``synthetic``, ``lm``, ``files``; each kind's file holds its loader and
+its own rules, and :mod:`~l2l_cli.data.loading` lists them). Parsing follows the GLUE TSV layout with
+quoting off, as the transformers GLUE processors do (several files contain unbalanced quotes).
 """
 
 from __future__ import annotations
 
 import csv
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from l2l_cli.problems import Problem
+from l2l_cli.problems import Problem
 
 csv.field_size_limit(1 << 24)
 
@@ -41,6 +43,7 @@ class TaskSpec:
     tsv_label_map: dict[str, int] = field(default_factory=dict)  # TSV label string -> id (default int())
     objective: str = "classify"  # classify (a head over the sequence) | lm (next-token prediction)
     file_format: str | None = None  # "csv" | "json": the user's own files (task.files, data/files.py)
+    kind: str = "glue"  # its TaskKind: where examples come from and which task.* keys it reads
 
     @property
     def num_labels(self) -> int:
@@ -72,22 +75,8 @@ class TaskSpec:
         return value
 
     def check_source(self, data_dir: str | None) -> list[Problem]:
-        """Problems with task.data_dir (missing folder, files, or columns); empty when usable."""
-        from l2l_cli.problems import Problem
-
-        if self.objective == "lm":
-            if data_dir is not None:
-                return [
-                    Problem(
-                        "task.data_dir", "task=lm reads task.files (text files); leave task.data_dir unset"
-                    )
-                ]
-            return []
-        if data_dir is None or self.name == "synthetic":
-            if self.name == "synthetic" and data_dir is not None:
-                return [
-                    Problem("task.data_dir", "the synthetic task is generated; leave task.data_dir unset")
-                ]
+        """Problems with a GLUE task.data_dir (missing folder, files, or columns); empty when usable."""
+        if data_dir is None:
             return []
         root = Path(data_dir).expanduser()
         if not root.is_dir():
@@ -145,6 +134,30 @@ class TaskSpec:
         return examples
 
 
+@dataclass
+class TaskData:
+    spec: TaskSpec
+    train: Any  # Encoded (classification) | lm.Packed (token blocks)
+    dev: Any
+    source: str  # "synthetic", "tsv:<dir>", "hub:glue/<name>", "lm:<files>"
+    tokenizer: Any = None  # lm: the tokenizer (its vocabulary must fit the model's; saved with final/)
+
+
+@dataclass(frozen=True)
+class TaskKind:
+    """A family of tasks: where their examples come from and which ``task.*`` keys they read.
+
+    ``keys``: the task keys only this kind reads; set under a task of another kind they are refused (the
+    run would ignore them). ``validate(cfg, check_files)`` checks those keys (and the files they name,
+    with ``check_files``); ``load(spec, task.*, model.*, train_split)`` reads and tokenizes the splits.
+    """
+
+    name: str
+    load: Callable[[TaskSpec, Any, Any, bool], TaskData]
+    validate: Callable[[Any, bool], list[Problem]]
+    keys: tuple[str, ...] = ()
+
+
 _BIN = ("0", "1")
 
 TASKS: dict[str, TaskSpec] = {
@@ -171,10 +184,10 @@ TASKS: dict[str, TaskSpec] = {
                  tsv_label_map={"entailment": 0, "not_entailment": 1}),
         TaskSpec("wnli", "WNLI", ("sentence1", "sentence2", "label"), ("sentence1", "sentence2", "label"),
                  ("not_entailment", "entailment"), ("accuracy",), "accuracy"),
-        TaskSpec("synthetic", "-", (), (), ("b_more", "a_more"), ("accuracy",), "accuracy"),
-        TaskSpec("lm", "-", (), (), None, ("loss", "perplexity"), "perplexity", objective="lm"),
+        TaskSpec("synthetic", "-", (), (), ("b_more", "a_more"), ("accuracy",), "accuracy", kind="synthetic"),
+        TaskSpec("lm", "-", (), (), None, ("loss", "perplexity"), "perplexity", objective="lm", kind="lm"),
         # the user's files: labels (and whether it is a regression) come from the data when it loads
-        TaskSpec("csv", "-", (), (), ("0", "1"), ("accuracy",), "accuracy", file_format="csv"),
-        TaskSpec("json", "-", (), (), ("0", "1"), ("accuracy",), "accuracy", file_format="json"),
+        TaskSpec("csv", "-", (), (), ("0", "1"), ("accuracy",), "accuracy", file_format="csv", kind="files"),
+        TaskSpec("json", "-", (), (), ("0", "1"), ("accuracy",), "accuracy", file_format="json", kind="files"),
     )
 }  # fmt: skip

@@ -21,6 +21,7 @@ from torch import nn
 
 from l2l_cli.models.decoder import DecoderSide, DecoderSpec, config_dict
 from l2l_cli.models.registry import ModelFamily, UnsupportedModel, register_family
+from l2l_cli.problems import Problem, divisors
 
 # model_type -> the class-name prefix of its transformers modules (modeling_<type>.<Prefix>DecoderLayer)
 PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
@@ -166,6 +167,18 @@ def from_hf_dir(path: Path, m: Any, num_labels: int) -> LlamaSpec:
     )  # fmt: skip
 
 
+def validate(m: Any) -> list[Problem]:
+    """model.num_kv_heads (grouped-query attention) must divide model.num_heads."""
+    if m.num_kv_heads is not None and (m.num_kv_heads < 1 or m.num_heads % m.num_kv_heads):
+        return [
+            Problem(
+                "model.num_kv_heads",
+                f"got {m.num_kv_heads}; must divide model.num_heads={m.num_heads} ({divisors(m.num_heads)})",
+            )
+        ]
+    return []
+
+
 register_family(
     ModelFamily(
         name="llama",
@@ -175,5 +188,7 @@ register_family(
         from_hf_dir=from_hf_dir,
         objective="lm",
         tied_head=lambda m: bool(m.tie_word_embeddings),
+        keys=("num_kv_heads",),
+        validate=validate,
     )
 )

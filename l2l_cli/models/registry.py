@@ -26,7 +26,9 @@ class ModelFamily:
     from_config: Callable[[Any, int], ModelSpec]  # (model.* keys, num_labels) -> spec
     from_hf_dir: Callable[[Path, Any, int], ModelSpec]  # (HF dir, model.* keys, num_labels) -> spec
     objective: str = "classify"  # the tasks it trains: "classify" (GLUE, synthetic) | "lm" (task=lm)
-    # its own model.* rules (keys only it reads, such as llama's model.num_kv_heads); run by config/
+    # model.* keys only this family reads (set for another family they are refused: the run would ignore
+    # them), and its own rules on the model.* keys; both run by config/validate.py
+    keys: tuple[str, ...] = ()
     validate: Callable[[Any], list[Problem]] | None = None
     # whether a model built from these model.* keys ties its LM head to its token embedding
     tied_head: Callable[[Any], bool] = lambda m: False
