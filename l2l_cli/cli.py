@@ -94,7 +94,7 @@ def train(argv: list[str]) -> int:
         warnings: list[str] = []
         problems = preflight(overrides, multirun, warnings, resume=resume, info=sweep)
         if not problems:  # a hub checkpoint that cannot be fetched: refused before any run dir exists
-            from l2l_cli.config.validate import check_hub
+            from l2l_cli.models import check_hub
 
             for ref, family in sweep.get("pretrained", {}).items():
                 problems += check_hub(ref, family)

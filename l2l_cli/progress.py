@@ -17,6 +17,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from l2l_cli.data.tasks import counts_tokens
 from l2l_cli.profiling.memory import fmt_bytes
 from l2l_cli.runfiles import BACKGROUND_PHASES, Summary
 
@@ -118,7 +119,11 @@ def summary_table(summary: Summary) -> Table:
         (
             "throughput",
             f"{summary.samples_per_s or 0:.1f} samples/s"
-            + (f", {summary.tokens_per_s:.0f} tokens/s" if cfg.task == "lm" and summary.tokens_per_s else ""),
+            + (
+                f", {summary.tokens_per_s:.0f} tokens/s"
+                if counts_tokens(cfg.task) and summary.tokens_per_s
+                else ""
+            ),
         ),
         ("device peak", fmt_bytes(summary.device_peak_bytes)),
     ]

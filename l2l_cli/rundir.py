@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -107,8 +108,6 @@ def logger_names(value: Any) -> list[str]:
 
 def logger_problems(value: Any) -> list[str]:
     """What is wrong with a ``logger`` value (empty: usable)."""
-    from l2l_cli.config.schema import LOGGERS
-
     value = _plain(value)
     names = [value] if isinstance(value, str) else list(value) if isinstance(value, list | tuple) else None
     if names is None or not names or not all(isinstance(n, str) for n in names):
@@ -132,12 +131,8 @@ def make_loggers(value: Any, files: RunFiles, cfg: Any = None) -> list[Logger]:
     """The loggers ``logger`` names (train.log's text logger always), writing into ``files``' run dir."""
     out: list[Logger] = [TextLogger()]
     for name in logger_names(value):
-        if name == "csv":
-            out.append(CsvLogger(files))
-        elif name == "tensorboard":
-            out.append(TensorBoardLogger(files))
-        elif name == "wandb":
-            out.append(WandbLogger(files, cfg))
+        if name in LOGGER_KINDS:  # "none": the text logger alone
+            out.append(LOGGER_KINDS[name](files, cfg))
     return out
 
 
@@ -326,3 +321,12 @@ class WandbLogger:
     def close(self) -> None:
         if self._run is not None:
             self._run.finish()
+
+
+# logger=<name>: what each writes into the run dir (``none``: only train.log)
+LOGGER_KINDS: dict[str, Callable[[RunFiles, Any], Logger]] = {
+    "csv": lambda files, cfg: CsvLogger(files),
+    "tensorboard": lambda files, cfg: TensorBoardLogger(files),
+    "wandb": WandbLogger,
+}
+LOGGERS = (*LOGGER_KINDS, "none")

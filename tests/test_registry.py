@@ -78,26 +78,87 @@ def test_a_mode_registered_from_a_test_file_trains_through_l2l_train(reversed_ag
     assert cli_train(["mode=baseline_ag", "mode.name=nope", *common, f"hydra.run.dir={tmp_path / 'x'}"]) == 2
 
 
-def test_no_mode_name_is_compared_outside_the_registry() -> None:
-    """``mode.name == "l2l_p"``-style dispatch lives only in the mode files (modes/*.py)."""
-    names = "|".join(("baseline", "baseline_ag", "l2l", "l2l_p"))
+# registry -> (its names, where they may be compared: the files that register them)
+REGISTRIES = {
+    "mode": (("baseline", "baseline_ag", "l2l", "l2l_p"), ("modes/",)),
+    "family": (("bert", "gpt2", "llama", "mistral", "qwen2"), ("models/",)),
+    "task": (
+        (
+            "glue",
+            "synthetic",
+            "lm",
+            "files",
+            "csv",
+            "json",
+            "cola",
+            "sst2",
+            "mrpc",
+            "qqp",
+            "stsb",
+            "mnli",
+            "qnli",
+            "rte",
+            "wnli",
+        ),
+        ("data/",),
+    ),
+    "tier": (("host", "disk"), ("engine/tiers.py", "engine/host.py", "engine/disk")),
+    "optimizer": (("adamw", "lamb"), ("engine/optim.py",)),
+    "logger": (("csv", "tensorboard", "wandb"), ("rundir.py",)),
+}
+
+
+def name_comparisons(root: Path, names: tuple[str, ...], allowed: tuple[str, ...]) -> list[str]:
+    """Lines outside ``allowed`` that compare something with one of ``names`` (``x == "l2l_p"``,
+    ``x in ("host", ...)``, ``mode.name != ...``) or key a dispatch table by them."""
+    alt = "|".join(names)
     patterns = [
-        re.compile(r"mode(\.name)?\s*(==|!=|in)\s"),  # mode.name == ..., s.mode in (...)
-        re.compile(r"(==|!=)\s*[\"'](" + names + r")[\"']"),  # x == "l2l_p"
-        re.compile(r"in\s*[(\[{]\s*[\"'](" + names + r")[\"']"),  # x in ("l2l", "l2l_p")
-        re.compile(r"[{,]\s*[\"'](" + names + r")[\"']\s*:"),  # {"baseline": ..., "l2l_p": ...}
+        re.compile(r"(==|!=)\s*[\"'](" + alt + r")[\"']"),  # x == "l2l_p"
+        re.compile(r"[\"'](" + alt + r")[\"']\s*(==|!=)"),  # "disk" != x
+        re.compile(r"\bin\s*[(\[{]\s*[\"'](" + alt + r")[\"']"),  # x in ("l2l", "l2l_p")
     ]
+    if "l2l_p" in names:  # the mode registry: any test of mode.name, whatever it is compared with
+        patterns.append(re.compile(r"mode(\.name)?\s*(==|!=|in)\s"))  # mode.name == ..., s.mode in (...)
     offenders = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        rel = path.relative_to(PACKAGE)
-        if rel.parts[0] == "modes":
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith(allowed):
             continue
         for n, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("#", 1)[0]
             if any(p.search(code) for p in patterns):
                 offenders.append(f"{rel}:{n}: {line.strip()}")
+    return offenders
+
+
+@pytest.mark.parametrize("registry", sorted(REGISTRIES))
+def test_no_registered_name_is_compared_outside_its_registry(registry: str) -> None:
+    """Dispatch on a mode, model family, task kind, tier, optimizer or logger *name* lives only in the
+    file(s) that register it; everything else reads the spec (ModeSpec, ModelFamily, TaskKind, ...)."""
+    names, allowed = REGISTRIES[registry]
     assert len(list(PACKAGE.rglob("*.py"))) > 40  # the walk saw the package
-    assert offenders == []
+    assert name_comparisons(PACKAGE, names, allowed) == []
+
+
+def test_the_name_check_finds_a_comparison(tmp_path) -> None:
+    """A probe package with one comparison per registry is caught, in the file and line it is on."""
+    probe = tmp_path / "probe"
+    (probe / "modes").mkdir(parents=True)
+    (probe / "modes" / "l2l.py").write_text('ok = mode.name == "l2l"\n')  # a mode file may
+    (probe / "x.py").write_text(
+        'a = 1  # mode == "l2l" in a comment is fine\n'
+        'if cfg.mode.name == "l2l_p": pass\n'
+        'if m.family != "bert": pass\n'
+        'if tier in ("host", "disk"): pass\n'
+        'if opt.name == "adamw": pass\n'
+        'if spec.kind == "synthetic": pass\n'
+    )
+    found = {r: name_comparisons(probe, *REGISTRIES[r]) for r in REGISTRIES}
+    assert found["mode"] == ['x.py:2: if cfg.mode.name == "l2l_p": pass']
+    assert found["family"] == ['x.py:3: if m.family != "bert": pass']
+    assert found["tier"] == ['x.py:4: if tier in ("host", "disk"): pass']
+    assert found["optimizer"] == ['x.py:5: if opt.name == "adamw": pass']
+    assert found["task"] == ['x.py:6: if spec.kind == "synthetic": pass']
 
 
 # ---- model families ---------------------------------------------------------------------------------

@@ -24,7 +24,6 @@ PLACEMENTS = ("modular", "contiguous")  # pipeline stages: layer i on rank i mod
 PIPE_SCHEDULES = ("auto", "breadth_first", "interleaved_1f1b", "gpipe", "1f1b")
 SCALES = ("cpu", "paper")
 EPS_TIERS = ("host", "disk")
-LOGGERS = ("csv", "tensorboard", "wandb", "none")
 
 
 @dataclass

@@ -7,10 +7,8 @@ rules and its own ``validate``; the families a checkpoint may be), never from a 
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,20 +31,19 @@ from l2l_cli.config.schema import (
     ModelConfig,
 )
 from l2l_cli.data.loading import task_problems
-from l2l_cli.data.tasks import TASKS
+from l2l_cli.data.tasks import LM, TASKS
 from l2l_cli.engine.disk import COMMIT, disk_bytes
 from l2l_cli.engine.optim import OPTIMIZERS
 from l2l_cli.models import (
     FAMILIES,
-    PretrainedUnavailable,
     UnsupportedModel,
-    family_for_dir,
+    check_pretrained,
     family_names,
     family_of,
     make_spec,
-    resolve_pretrained,
 )
 from l2l_cli.modes import MODES, PARALLEL, run_clip
+from l2l_cli.plan.rules import plan_problems
 from l2l_cli.problems import ConfigError, Problem, at_least, divisors, fmt_bytes, one_of, positive  # noqa: F401
 from l2l_cli.rundir import logger_problems
 
@@ -215,10 +212,10 @@ def _task(cfg: Any, check_files: bool) -> list[Problem]:
     p.extend(task_problems(cfg, check_files))
     family, spec = family_of(m), TASKS[task.name]
     if family is not None and spec.objective != family.objective:
-        if family.objective == "lm":
+        if family.objective == LM:
             why = f"model family {family.name} is a decoder language model: it trains task=lm"
         else:
-            decoders = ", ".join(f.name for f in FAMILIES.values() if f.objective == "lm")
+            decoders = ", ".join(f.name for f in FAMILIES.values() if f.objective == LM)
             why = f"task=lm needs a decoder (model.family={decoders}, or a decoder checkpoint); {family.name} classifies"
         p.append(Problem("task.name", f"got {task.name!r}; {why}"))
     return p
@@ -406,38 +403,7 @@ def _eps(cfg: Any, check_files: bool) -> list[Problem]:
 
 @check("plan")
 def _plan(cfg: Any, check_files: bool) -> list[Problem]:
-    p: list[Problem] = []
-    m, plan = cfg.model, cfg.plan
-    if not (0.0 < plan.max_transfer_overhead < 1.0):
-        p.append(
-            Problem("plan.max_transfer_overhead", f"got {plan.max_transfer_overhead}; must be in (0, 1)")
-        )
-    for k in ("tensor_parallel", "pipeline_parallel", "data_parallel", "train_steps", "measure_repeats"):
-        at_least(p, f"plan.{k}", getattr(plan, k), 1)
-    na, nl = plan.tensor_parallel, plan.pipeline_parallel
-    if na >= 1 and m.num_heads >= 1 and m.num_heads % na:
-        p.append(
-            Problem(
-                "plan.tensor_parallel",
-                f"{na} does not divide model.num_heads={m.num_heads} (tensor parallelism splits the heads); "
-                f"allowed: a divisor of {m.num_heads} ({divisors(m.num_heads)})",
-            )
-        )
-    if nl > m.num_layers >= 1:
-        p.append(
-            Problem(
-                "plan.pipeline_parallel",
-                f"got {nl}; a pipeline stage needs at least one layer: must be <= model.num_layers={m.num_layers}",
-            )
-        )
-    hw = cfg.hardware
-    for k in ("device_tflops", "device_tflops_half", "device_peak_tflops", "backward_factor",
-              "device_memory_gb", "device_optim_gflops", "host_gflops", "host_memory_gb", "h2d_gbps",
-              "network_gbps", "offload_gbps", "disk_read_gbps", "disk_write_gbps", "disk_free_gb"):  # fmt: skip
-        positive(p, f"hardware.{k}", getattr(hw, k))
-    if hw.tensor_link_gbps < 0:
-        p.append(Problem("hardware.tensor_link_gbps", f"got {hw.tensor_link_gbps}; must be >= 0 (0: none)"))
-    return p
+    return plan_problems(cfg)
 
 
 def validate(cfg: Any, *, check_files: bool = True) -> list[Problem]:
@@ -449,54 +415,6 @@ def validate(cfg: Any, *, check_files: bool = True) -> list[Problem]:
 
 
 # ---- files the config points at -------------------------------------------------------------------
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-
-
-def check_pretrained(ref: str, family: str = "bert") -> list[Problem]:
-    """A local Hugging Face directory of a supported architecture, or something shaped like a hub id."""
-    path = Path(ref).expanduser()
-    if path.exists():
-        if not (path / "config.json").is_file():
-            return [
-                Problem("model.pretrained", f"{ref} has no config.json; expected a Hugging Face model dir")
-            ]
-        try:
-            json.loads((path / "config.json").read_text())
-        except (OSError, ValueError) as e:
-            return [Problem("model.pretrained", f"{ref}/config.json is not valid JSON ({e})")]
-        try:
-            family_for_dir(path, ref, family)
-        except UnsupportedModel as e:
-            return [Problem("model.pretrained", str(e))]
-        weights = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
-        if not any((path / n).is_file() for n in weights):
-            return [
-                Problem(
-                    "model.pretrained", f"{ref} has no model.safetensors (or shards, or pytorch_model.bin)"
-                )
-            ]
-        return []
-    if ref.startswith((".", "/", "~")) or not _HUB_ID.match(ref):
-        return [
-            Problem("model.pretrained", f"{ref} is neither an existing directory nor a hub id (org/name)")
-        ]
-    return []  # a hub id: l2l train fetches its config.json before the run (check_hub), not validation
-
-
-def check_hub(ref: str, family: str = "bert") -> list[Problem]:
-    """A hub id's config.json can be fetched and is of a supported family (network: only ``l2l train``
-    calls it, before making a run dir; validation stays offline)."""
-
-    if Path(ref).expanduser().exists():
-        return []
-    try:
-        family_for_dir(resolve_pretrained(ref, config_only=True), ref, family)
-    except (PretrainedUnavailable, UnsupportedModel) as e:
-        return [Problem("model.pretrained", str(e))]
-    except (OSError, ValueError) as e:
-        return [Problem("model.pretrained", f"{ref}: unreadable config.json ({e})")]
-    return []
 
 
 def check_eps_path(root: Path, need: int, params: int, resume: bool = False) -> list[Problem]:

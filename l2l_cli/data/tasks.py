@@ -22,6 +22,17 @@ from l2l_cli.problems import Problem
 csv.field_size_limit(1 << 24)
 
 
+# What a task trains a model to do, and so which model families can train it (ModelFamily.objective)
+CLASSIFY = "classify"  # a head over the sequence: GLUE, synthetic, the user's labelled files
+LM = "lm"  # next-token prediction: a decoder
+
+
+def counts_tokens(task_name: str | None) -> bool:
+    """Whether a run's throughput is best read in tokens (a language model's)."""
+    spec = TASKS.get(task_name or "")
+    return spec is not None and spec.objective == LM
+
+
 @dataclass(frozen=True)
 class Example:
     text_a: str
@@ -41,7 +52,7 @@ class TaskSpec:
     dev_file: str = "dev.tsv"
     hub_dev_split: str = "validation"
     tsv_label_map: dict[str, int] = field(default_factory=dict)  # TSV label string -> id (default int())
-    objective: str = "classify"  # classify (a head over the sequence) | lm (next-token prediction)
+    objective: str = CLASSIFY  # CLASSIFY (a head over the sequence) | LM (next-token prediction)
     file_format: str | None = None  # "csv" | "json": the user's own files (task.files, data/files.py)
     kind: str = "glue"  # its TaskKind: where examples come from and which task.* keys it reads
 
@@ -51,13 +62,18 @@ class TaskSpec:
 
     @property
     def is_regression(self) -> bool:
-        return self.label_names is None and self.objective == "classify"
+        return self.label_names is None and self.objective == CLASSIFY
 
     def step_metrics(self, loss: float) -> dict[str, float]:
         """What a training step's loss also says (a language model's perplexity)."""
-        if self.objective == "lm" and math.isfinite(loss):
+        if self.objective == LM and math.isfinite(loss):
             return {"perplexity": math.exp(min(loss, 700.0))}
         return {}
+
+    @property
+    def generated(self) -> bool:
+        """Examples made by the tool (the synthetic task): their count is task.num_train."""
+        return self.kind == "synthetic"
 
     @property
     def has_header(self) -> bool:
@@ -185,7 +201,7 @@ TASKS: dict[str, TaskSpec] = {
         TaskSpec("wnli", "WNLI", ("sentence1", "sentence2", "label"), ("sentence1", "sentence2", "label"),
                  ("not_entailment", "entailment"), ("accuracy",), "accuracy"),
         TaskSpec("synthetic", "-", (), (), ("b_more", "a_more"), ("accuracy",), "accuracy", kind="synthetic"),
-        TaskSpec("lm", "-", (), (), None, ("loss", "perplexity"), "perplexity", objective="lm", kind="lm"),
+        TaskSpec("lm", "-", (), (), None, ("loss", "perplexity"), "perplexity", objective=LM, kind="lm"),
         # the user's files: labels (and whether it is a regression) come from the data when it loads
         TaskSpec("csv", "-", (), (), ("0", "1"), ("accuracy",), "accuracy", file_format="csv", kind="files"),
         TaskSpec("json", "-", (), (), ("0", "1"), ("accuracy",), "accuracy", file_format="json", kind="files"),

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from l2l_cli.data.tasks import LM
 from l2l_cli.models.decoder import DecoderSide, DecoderSpec, config_dict
 from l2l_cli.models.registry import ModelFamily, UnsupportedModel, register_family
 
@@ -131,7 +132,7 @@ register_family(
         description="GPT-2 decoder: learned positions, pre-LayerNorm, tied LM head (HF GPT2LMHeadModel)",
         from_config=from_config,
         from_hf_dir=from_hf_dir,
-        objective="lm",
+        objective=LM,
         tied_head=lambda m: bool(m.tie_word_embeddings),
     )
 )

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from l2l_cli.data.tasks import LM
 from l2l_cli.models.decoder import DecoderSide, DecoderSpec, config_dict
 from l2l_cli.models.registry import ModelFamily, UnsupportedModel, register_family
 from l2l_cli.problems import Problem, divisors
@@ -186,7 +187,7 @@ register_family(
         description="Llama-architecture decoder: RMSNorm, rotary, SwiGLU, GQA (HF LlamaForCausalLM; Mistral, Qwen2)",
         from_config=from_config,
         from_hf_dir=from_hf_dir,
-        objective="lm",
+        objective=LM,
         tied_head=lambda m: bool(m.tie_word_embeddings),
         keys=("num_kv_heads",),
         validate=validate,

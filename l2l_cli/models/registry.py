@@ -9,11 +9,13 @@ The family of a run comes from ``model.family``, or, with ``model.pretrained``, 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from l2l_cli.data.tasks import CLASSIFY
 from l2l_cli.models.base import ModelSpec
 from l2l_cli.problems import Problem
 
@@ -25,7 +27,7 @@ class ModelFamily:
     description: str
     from_config: Callable[[Any, int], ModelSpec]  # (model.* keys, num_labels) -> spec
     from_hf_dir: Callable[[Path, Any, int], ModelSpec]  # (HF dir, model.* keys, num_labels) -> spec
-    objective: str = "classify"  # the tasks it trains: "classify" (GLUE, synthetic) | "lm" (task=lm)
+    objective: str = CLASSIFY  # the tasks it trains: CLASSIFY (GLUE, synthetic, files) | LM (task=lm)
     # model.* keys only this family reads (set for another family they are refused: the run would ignore
     # them), and its own rules on the model.* keys; both run by config/validate.py
     keys: tuple[str, ...] = ()
@@ -123,3 +125,54 @@ def make_spec(model_cfg: Any, num_labels: int) -> ModelSpec:
         family = family_for_dir(path, model_cfg.pretrained, model_cfg.family)
         return family.from_hf_dir(path, model_cfg, num_labels)
     return FAMILIES[model_cfg.family].from_config(model_cfg, num_labels)
+
+
+# ---- model.pretrained: checked before a run (offline), and against the hub by l2l train ----------
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def check_pretrained(ref: str, family: str = "bert") -> list[Problem]:
+    """A local Hugging Face directory of a supported architecture, or something shaped like a hub id."""
+    path = Path(ref).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            return [
+                Problem("model.pretrained", f"{ref} has no config.json; expected a Hugging Face model dir")
+            ]
+        try:
+            json.loads((path / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            return [Problem("model.pretrained", f"{ref}/config.json is not valid JSON ({e})")]
+        try:
+            family_for_dir(path, ref, family)
+        except UnsupportedModel as e:
+            return [Problem("model.pretrained", str(e))]
+        weights = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+        if not any((path / n).is_file() for n in weights):
+            return [
+                Problem(
+                    "model.pretrained", f"{ref} has no model.safetensors (or shards, or pytorch_model.bin)"
+                )
+            ]
+        return []
+    if ref.startswith((".", "/", "~")) or not _HUB_ID.match(ref):
+        return [
+            Problem("model.pretrained", f"{ref} is neither an existing directory nor a hub id (org/name)")
+        ]
+    return []  # a hub id: l2l train fetches its config.json before the run (check_hub), not validation
+
+
+def check_hub(ref: str, family: str = "bert") -> list[Problem]:
+    """A hub id's config.json can be fetched and is of a supported family (network: only ``l2l train``
+    calls it, before making a run dir; validation stays offline)."""
+
+    if Path(ref).expanduser().exists():
+        return []
+    try:
+        family_for_dir(resolve_pretrained(ref, config_only=True), ref, family)
+    except (PretrainedUnavailable, UnsupportedModel) as e:
+        return [Problem("model.pretrained", str(e))]
+    except (OSError, ValueError) as e:
+        return [Problem("model.pretrained", f"{ref}: unreadable config.json ({e})")]
+    return []

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from l2l_cli.data.tasks import TASKS
 from l2l_cli.modes import effective_precision, method_label
 from l2l_cli.runfiles import (
     OTHER,
@@ -277,7 +278,8 @@ def _train_samples(summary: Summary, cfg: Any) -> int | None:
     v = summary.config.train_samples
     if isinstance(v, int) and v > 0:
         return v
-    if cfg is None or _select(cfg, "task.name") != "synthetic":
+    spec = TASKS.get(str(_select(cfg, "task.name"))) if cfg is not None else None
+    if spec is None or not spec.generated:
         return None
     n, cap = _select(cfg, "task.num_train"), _select(cfg, "task.max_train_samples")
     if not isinstance(n, int):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from l2l_cli.data.tasks import TASKS, counts_tokens
 from l2l_cli.report.runs import Run
 from l2l_cli.runfiles import BACKGROUND_PHASES, OTHER, PHASES
 
@@ -107,10 +108,10 @@ def columns(runs: list[Run]) -> list[Column]:
         cols.append(Column("HIDDEN SIZE", lambda r: _int(r.get("hidden_size"))))
     if _varies(runs, "seq_len"):
         cols.append(Column("SEQ LEN", lambda r: _int(r.get("seq_len"))))
-    if _varies(runs, "task") or any(r.get("task") not in (None, "synthetic") for r in runs):
+    if _varies(runs, "task") or any(r.get("task") and not _generated(r.get("task")) for r in runs):
         cols.append(Column("TASK", lambda r: str(r.get("task") or DASH), numeric=False))
     cols += [Column("THROUGHPUT (SAMPLES/S)", throughput)]
-    if any(r.get("task") == "lm" for r in runs):  # a language model's throughput is in tokens
+    if any(counts_tokens(r.get("task")) for r in runs):  # a language model's throughput is in tokens
 
         def tokens(r: Run) -> str:
             v = r.summary.tokens_per_s if r.ok else None
@@ -295,3 +296,8 @@ def write_csv(path: Path, runs: list[Run]) -> None:
         w.writeheader()
         for r in runs:
             w.writerow({k: ("" if v is None else v) for k, v in csv_record(r, metrics, phases).items()})
+
+
+def _generated(task: str) -> bool:
+    spec = TASKS.get(task)
+    return spec is not None and spec.generated
