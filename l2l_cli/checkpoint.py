@@ -19,6 +19,8 @@ most the step in flight.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import hashlib
 import json
 import mmap
@@ -282,16 +284,61 @@ def verify(ckpt: Path) -> dict[str, Any]:
 
 
 def _commit(tmp: Path, final: Path, files: dict[str, Any], meta: dict[str, Any]) -> Path:
-    """Write the manifest last, fsync, and rename the directory into place (atomic on POSIX)."""
+    """Write the manifest last, fsync, and put the directory in place atomically: a crash at any point
+    leaves either the old ``final`` or the new one, never neither (an existing ``final/`` or ``step_N``
+    is swapped, not deleted first)."""
     write_bytes(
         tmp / "manifest.json", json.dumps({"format": FORMAT, **meta, "files": files}, indent=1).encode()
     )
     _fsync_dir(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    replace_dir(tmp, final)
     return final
+
+
+def _exchange(a: Path, b: Path) -> None:
+    """Swap two paths in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``); OSError where the
+    system or the file system cannot."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(libc, "renameat2", None)
+    if fn is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not available")
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(a))
+
+
+def _aside(final: Path) -> Path:
+    return final.with_name(f".old-{final.name}")
+
+
+def replace_dir(new: Path, final: Path) -> None:
+    """Move directory ``new`` to ``final``, replacing one that exists, crash-consistently. Where the
+    atomic exchange is not available the old one is renamed aside first; :func:`recover_dir` puts it back
+    if a crash came between the two renames."""
+    if not final.exists():
+        os.replace(new, final)
+    else:
+        try:
+            _exchange(new, final)  # final is the new directory, new holds the old one
+            old = new
+        except OSError:
+            old = _aside(final)
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            _fsync_dir(final.parent)
+            os.replace(new, final)
+        _fsync_dir(final.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(final.parent)
+
+
+def recover_dir(final: Path) -> None:
+    """Undo a replacement cut short between its two renames (``final`` missing, the old one aside)."""
+    old = _aside(final)
+    if not final.exists() and (old / "manifest.json").is_file():
+        os.replace(old, final)
+        _fsync_dir(final.parent)
 
 
 def save(
@@ -321,6 +368,9 @@ def prune(root: Path, keep: int) -> None:
 def _steps(root: Path) -> list[tuple[int, Path]]:
     if not root.is_dir():
         return []
+    for p in list(root.iterdir()):  # a replacement a crash cut short: the old checkpoint back in place
+        if p.name.startswith(".old-step_"):
+            recover_dir(p.with_name(p.name.removeprefix(".old-")))
     out = []
     for p in root.iterdir():
         m = _STEP_DIR.match(p.name)

@@ -192,3 +192,49 @@ def test_streamed_layer_files_are_safetensors_and_checked_by_crc(tmp_path, where
             ckpt.read_tensors(d, "layer_0.safetensors", manifest)
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+class _Runner:
+    """The least a runner gives ``ckpt.save``: its state files."""
+
+    def __init__(self, payload: bytes):
+        self.payload = payload
+
+    def state_files(self):
+        yield "weights.bin", self.payload
+
+
+def _crash_on(monkeypatch, target: str) -> None:
+    """Make the os.replace that moves a directory onto ``target`` raise (a crash at that point)."""
+    real = ckpt.os.replace
+
+    def replace(src, dst):
+        if Path(dst).name == target and Path(src).name.startswith(".tmp-"):
+            raise KeyboardInterrupt("crash")
+        return real(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "replace", replace)
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_a_checkpoint_saved_again_survives_a_crash_while_it_is_replaced(
+    tmp_path, monkeypatch, exchange
+) -> None:
+    """Saving step_N where step_N already exists (a resumed run reaching the same step) never leaves
+    neither: the old one stays readable until the new one is in place (an atomic exchange, or, where the
+    system has none, a rename aside that the next read puts back)."""
+    root = tmp_path / "run" / "checkpoints"
+    ckpt.save(root, 3, _Runner(b"old"), {}, {}, keep=2, config_yaml="")
+    if not exchange:
+        monkeypatch.setattr(ckpt, "_exchange", lambda a, b: (_ for _ in ()).throw(OSError(38, "no")))
+    _crash_on(monkeypatch, "step_3")
+    try:
+        ckpt.save(root, 3, _Runner(b"new"), {}, {}, keep=2, config_yaml="")
+    except KeyboardInterrupt:
+        assert not exchange  # the exchange path never moves a directory onto step_3 with os.replace
+    monkeypatch.undo()
+    path, manifest = ckpt.latest_valid(tmp_path / "run")
+    assert path.name == "step_3" and manifest["step"] == 3
+    data = (path / "weights.bin").read_bytes()
+    assert data == (b"new" if exchange else b"old")
+    assert not list(root.glob(".old-*"))
