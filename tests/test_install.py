@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import tomllib
-
 from packaging.requirements import Requirement
 
 from tests.util import REPO
