@@ -1,0 +1,66 @@
+"""One writer per run dir and per disk EPS directory: a second process is refused in one line naming the
+holder's pid and host; a holder that dies (SIGKILL) releases the lock."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from l2l_cli.locks import LOCK_NAME, DirectoryInUse, DirLock
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from l2l_cli.locks import DirLock
+DirLock(Path(sys.argv[1]), "eps.path").acquire()
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def _holder(path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(path)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_second_process_is_refused_naming_the_holder(tmp_path) -> None:
+    proc = _holder(tmp_path / "eps")
+    try:
+        with pytest.raises(DirectoryInUse) as e:
+            DirLock(tmp_path / "eps", "eps.path").acquire()
+        msg = str(e.value)
+        assert msg.startswith("eps.path: ") and f"pid {proc.pid} on host {socket.gethostname()}" in msg
+        assert "\n" not in msg
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_killed_holder_leaves_no_stale_lock(tmp_path) -> None:
+    proc = _holder(tmp_path / "run")
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (tmp_path / "run" / LOCK_NAME).exists()  # the file stays; the kernel dropped the lock
+    with DirLock(tmp_path / "run", "trainer.resume") as lock:
+        assert lock._fd is not None
+    DirLock(tmp_path / "run", "trainer.resume").acquire().release()  # released on exit
+
+
+def test_one_process_may_not_hold_a_directory_twice(tmp_path) -> None:
+    """flock is per open file: a second acquire in the same process is refused too (a run that would
+    point its EPS at its own run dir's lock twice is a bug, not a reentrant lock)."""
+    first = DirLock(tmp_path, "x").acquire()
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(DirectoryInUse):
+            DirLock(tmp_path, "x").acquire()
+        assert time.perf_counter() - t0 < 1.0  # refused at once, never waits
+    finally:
+        first.release()
