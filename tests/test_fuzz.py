@@ -7,10 +7,12 @@ import random
 from dataclasses import fields, is_dataclass
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from l2l_cli.cli import train
 from l2l_cli.config import L2LConfig
-from tests.util import l2l
+from tests.util import TINY, l2l
 
 ODD = [
     "abc",
@@ -118,3 +120,98 @@ def test_fuzz_through_the_real_cli(args: list[str]) -> None:
     r = l2l("train", *args)
     assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr
     assert r.stderr.startswith("l2l: config error: ")
+
+
+# ---- a property test: random command lines, composed, validated and started -----------------------
+
+
+# the run every drawn command line starts from: a tiny model, one step, no evaluation set to speak of
+FUZZ_BASE = [
+    *TINY[:-1],
+    "trainer.max_steps=1",
+    "task.num_train=16",
+    "task.num_eval=8",
+    "trainer.progress=none",
+]
+# keys whose valid values would make a run slow or spawn processes: only invalid values are drawn for them
+COSTLY = {"trainer.max_steps", "trainer.epochs", "task.num_train", "task.num_eval", "dist.nproc",
+          "plan.measure_repeats", "task.max_train_samples", "task.max_eval_samples", "trainer.save_every"}  # fmt: skip
+ODD_PATHS = ["../../etc/passwd", "~/nope/ünï", "/dev/null", "", " ", "a\tb", "/proc/self", "x" * 300, "C:\\x"]
+UNICODE = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
+
+
+def _value(key: str, kind: type) -> st.SearchStrategy[str]:
+    numbers = st.one_of(st.integers(-3, 0), st.integers(10**7, 10**12), st.sampled_from(NON_FINITE))
+    if key not in COSTLY:
+        numbers = st.one_of(numbers, st.integers(1, 4))  # small valid values too: a tiny model still
+    if kind is float:
+        numbers = st.one_of(numbers, st.floats(-2, 2, allow_nan=False).map(repr))
+    return st.one_of(numbers.map(str), st.sampled_from(ODD), UNICODE)
+
+
+OVERRIDE = st.one_of(
+    st.sampled_from(NUMBERS).flatmap(lambda k: _value(k, float).map(lambda v: f"{k}={v}")),
+    st.sampled_from(STRINGS).flatmap(lambda k: st.one_of(st.sampled_from(ODD), UNICODE).map(lambda v: f"{k}={v}")),
+    st.sampled_from(["task.data_dir", "eps.path", "model.pretrained", "task.files", "trainer.resume"]).flatmap(
+        lambda k: st.sampled_from(ODD_PATHS).map(lambda v: f"{k}={v}")
+    ),
+    st.sampled_from(["foo", "model.foo", "+batch.ubatch", "+x.y", "optim.adamw.lr", "~model"]).map(lambda k: f"{k}=1"),
+    st.sampled_from([
+        "mode=baseline", "mode=baseline_ag", "mode=l2l", "mode=l2l_p", "mode=l2l_stash_cpu", "precision=cmp",
+        "precision=amp", "precision=mixed", "optim=lamb", "task=lm", "model=gpt2-tiny", "model=llama-tiny",
+        "eps.tier=disk", "device=sim", "optim.clip=layer", "batch.ubatch_size=8", "mode.stash=cpu", "model=ünï",
+        "mode=../x", "task=", "dist.pipeline=2", "trainer.realtime_ckpt=true", "logger=[csv,csv]",
+    ]),
+)  # fmt: skip
+
+
+def check_outcome(overrides: list[str], run_dir) -> str | None:
+    """What is wrong with how ``l2l train`` ended on ``overrides`` (None: exit 0 with a run, or exit 2
+    with one ``l2l: `` line per problem and no run dir)."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            code = train([*overrides, f"hydra.run.dir={run_dir}"])
+    except BaseException as e:  # a traceback is the bug this test looks for
+        return f"raised {type(e).__name__}: {str(e)[:200]}"
+    text = err.getvalue()
+    if "Traceback" in text:
+        return f"exit {code} with a traceback: {text[-300:]!r}"
+    if code == 0:
+        return None if (run_dir / "summary.json").is_file() else "exit 0 without a summary.json"
+    if code != 2:
+        return f"exit {code}: {text[-300:]!r}"
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    if not lines or not all(ln.startswith("l2l: ") for ln in lines):
+        return f"exit 2 without one 'l2l: ' line per problem: {text[:300]!r}"
+    if run_dir.exists():
+        return "a refused config left a run dir"
+    return None
+
+
+def fuzz_command_lines(tmp_path_factory, examples: int) -> None:
+    seen: list[str] = []
+
+    @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(st.lists(OVERRIDE, min_size=1, max_size=4))
+    def case(drawn: list[str]) -> None:
+        run_dir = tmp_path_factory.mktemp("fuzz") / "run"
+        problem = check_outcome([*FUZZ_BASE, *drawn], run_dir)
+        seen.append("ok" if problem is None else problem)
+        assert problem is None, f"{drawn}: {problem}"
+
+    case()
+    assert len(seen) >= examples // 2  # hypothesis ran the cases (it may stop early on duplicates)
+
+
+def test_fuzz_random_command_lines_start_or_are_refused_in_one_line_each(tmp_path_factory) -> None:
+    fuzz_command_lines(tmp_path_factory, 50)
+
+
+@pytest.mark.slow
+def test_fuzz_random_command_lines_500(tmp_path_factory) -> None:
+    fuzz_command_lines(tmp_path_factory, 500)
