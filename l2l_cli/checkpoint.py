@@ -32,7 +32,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -187,6 +187,61 @@ def _read_checked(ckpt: Path, name: str, manifest: dict[str, Any]) -> bytes:
             f"{ckpt / name}: size or checksum differs from the manifest (corrupt or truncated)"
         )
     return data
+
+
+# ---- the module layout: weights and optimizer moments by Hugging Face name ----------------------------
+
+WEIGHTS_FILE, MOMENTS_FILE = "model.safetensors", "optimizer.safetensors"
+
+
+def module_state_files(
+    weights: Mapping[str, torch.Tensor], moments: Mapping[str, Mapping[str, Any]]
+) -> Iterator[tuple[str, bytes]]:
+    """The module layout (``ModeSpec.state_layout`` ``module-v1``), every runner's that is not the EPS's:
+    ``model.safetensors`` holds the weights by Hugging Face name; ``optimizer.safetensors``, for each
+    parameter the optimizer has stepped, ``<name>.exp_avg``, ``<name>.exp_avg_sq`` and ``<name>.step``.
+    ``moments``: {name: its optimizer state (``exp_avg``, ``exp_avg_sq``, ``step``: a tensor or a number)}.
+    Written by name, not by rank or stage, so any runner resumes from any other's (a pipeline resharded)."""
+    yield WEIGHTS_FILE, tensors_bytes(dict(weights))
+    flat: dict[str, torch.Tensor] = {}
+    for name, st in moments.items():
+        flat |= {f"{name}.exp_avg": st["exp_avg"], f"{name}.exp_avg_sq": st["exp_avg_sq"]}
+        flat[f"{name}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(())
+    yield MOMENTS_FILE, tensors_bytes(flat)
+
+
+class ModuleState:
+    """A verified checkpoint's module layout, read once; ``load`` copies it into a runner's tensors."""
+
+    def __init__(self, ckpt: Path, manifest: dict[str, Any]):
+        self.ckpt = ckpt
+        self.weights = read_tensors(ckpt, WEIGHTS_FILE, manifest)
+        self.moments = read_tensors(ckpt, MOMENTS_FILE, manifest)
+
+    @torch.no_grad()
+    def load(
+        self, params: Iterable[tuple[str, torch.Tensor]], *, whole: bool = False
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """Copy each (HF name, tensor)'s weights in place; returns the optimizer state of those the
+        checkpoint has moments for, {name: {exp_avg, exp_avg_sq, step}} (on the CPU, not copied).
+        ``whole``: the checkpoint must hold exactly these names (a runner with the whole model); otherwise
+        any superset (a pipeline rank's layers)."""
+        params = list(params)
+        if whole and set(self.weights) != {name for name, _ in params}:
+            raise CheckpointError(f"{self.ckpt}: {WEIGHTS_FILE} does not hold this model's parameters")
+        out = {}
+        for name, t in params:
+            if name not in self.weights:
+                raise CheckpointError(f"{self.ckpt}: {WEIGHTS_FILE} has no {name}")
+            w = self.weights[name]
+            if w.shape != t.shape:
+                raise CheckpointError(
+                    f"{self.ckpt}: {name} has shape {tuple(w.shape)}, expected {tuple(t.shape)}"
+                )
+            t.copy_(w)
+            if f"{name}.exp_avg" in self.moments:
+                out[name] = {k: self.moments[f"{name}.{k}"] for k in ("exp_avg", "exp_avg_sq", "step")}
+        return out
 
 
 # ---- trainer state --------------------------------------------------------------------------------

@@ -34,15 +34,14 @@ from l2l_cli.models import ModelSpec, PretrainedUnavailable, UnsupportedModel, m
 from l2l_cli.modes import (
     MODES,
     ModeSpec,
-    ParallelSpec,
     Runner,
     RunnerArgs,
     StepSettings,
-    parallel_for,
     run_clip,
     run_precision,
     run_stash,
 )
+from l2l_cli.parallel import ParallelSpec, parallel_for
 from l2l_cli.problems import ConfigError, Problem
 from l2l_cli.rundir import JsonlLogger, Logger, RunFiles, make_loggers
 from l2l_cli.runfiles import DeviceMemory, HostMemory, MemoryReport, RunConfig, Summary, Transfer

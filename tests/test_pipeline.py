@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from l2l_cli.compose import compose
 from l2l_cli.config.validate import validate
 from l2l_cli.launch import run_jobs
-from l2l_cli.modes.pipeline import StagePlan
+from l2l_cli.parallel.pipeline import StagePlan
 from l2l_cli.session import build
 from tests.util import REPO, TINY, assert_same_weights, kill_rank_1_mid_run, tiny_cfg, tiny_data, train
 

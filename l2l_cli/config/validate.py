@@ -42,7 +42,8 @@ from l2l_cli.models import (
     family_of,
     make_spec,
 )
-from l2l_cli.modes import MODES, PARALLEL, run_clip
+from l2l_cli.modes import MODES, run_clip
+from l2l_cli.parallel import PARALLEL
 from l2l_cli.plan.rules import plan_problems
 from l2l_cli.problems import ConfigError, Problem, at_least, divisors, fmt_bytes, one_of, positive  # noqa: F401
 from l2l_cli.rundir import logger_problems

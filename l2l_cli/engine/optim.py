@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -144,6 +144,48 @@ class OptimSettings:
 
 def make_optimizer(groups: list[dict[str, Any]], o: OptimSettings) -> torch.optim.Optimizer:
     return o.kind.build(groups, o)
+
+
+# ---- optimizers over flat buffers ----------------------------------------------------------------
+
+
+class RunLayout(Protocol):
+    """What ``optimizer_runs`` reads of a flat layer layout (engine/flat.py's ``FlatLayout``, which
+    imports ``no_decay`` from here): its size, its weight-decayed prefix, and its tensors' entries."""
+
+    numel: int
+    n_decay: int
+
+    @property
+    def entries(self) -> Sequence[Any]: ...  # .name, .offset, .numel of each parameter tensor
+
+
+def optimizer_runs(layout: RunLayout, elementwise: bool) -> list[tuple[str, int, int]]:
+    """Where a layer's flat buffer splits into the optimizer's parameters, (name, start, end): an
+    elementwise update (AdamW) takes two long runs, the weight-decayed prefix (``decay``) and the rest
+    (``bias``), for the fused kernel; LAMB's trust ratio is a norm per parameter tensor, so one run per
+    tensor, by its own name. A run may be empty; ``param_groups`` sorts runs into decay groups by name."""
+    if elementwise:
+        return [("decay", 0, layout.n_decay), ("bias", layout.n_decay, layout.numel)]
+    return [(e.name, e.offset, e.offset + e.numel) for e in layout.entries]
+
+
+def bind_flat(
+    runs: Iterable[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]], o: OptimSettings
+) -> torch.optim.Optimizer:
+    """An optimizer working in place on flat buffers: each run (name, w, g, exp_avg, exp_avg_sq) is one
+    parameter, a view of the weights whose ``.grad`` is a view of the gradient, and its moments are views
+    too (they shard, gather and checkpoint as flat buffers). Weight decay by ``param_groups`` on the names."""
+    named, moments = [], []
+    for name, w, g, m, v in runs:
+        p = nn.Parameter(w)
+        p.grad = g
+        named.append((name, p))
+        moments.append((p, m, v))
+    optimizer = make_optimizer(param_groups(named, o.weight_decay), o)
+    for p, m, v in moments:
+        optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32), "exp_avg": m, "exp_avg_sq": v}
+    return optimizer
 
 
 def lr_at(step: int, total_steps: int, o: OptimSettings) -> float:

@@ -37,12 +37,7 @@ class Slot:
                 if kind == POST and eps.ties is not None:  # the tied tensors, after the post layer's own
                     tied = slice(layout.numel, eps.device_numel(POST))
                     eps.ties.layout.bind(shell, self.w[tied], self.g[tied])
-                for owner in shell.modules():  # index buffers (position ids) become real device tensors
-                    for name, buf in list(owner._buffers.items()):
-                        if buf is not None and buf.device.type == "meta":
-                            owner._buffers[name] = torch.empty_like(buf, device=acc.device)
-                spec.reset_buffers(shell)
-                self.shells[kind] = shell.to(dtype)
+                self.shells[kind] = spec.materialize(shell, acc.device).to(dtype)
         self.layer: int | None = None
         self.version: Any = -1
         self.loaded: CopyHandle = DONE  # host->device copy of the weights

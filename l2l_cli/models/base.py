@@ -56,6 +56,17 @@ class ModelSpec(ABC):
     def reset_buffers(self, module: nn.Module) -> None:  # noqa: B027  (most families have none)
         """Re-create non-persistent buffers (position ids, say) of a module built on the meta device."""
 
+    def materialize(self, shell: nn.Module, device: torch.device | str) -> nn.Module:
+        """A layer built on the meta device (a shell whose parameters are views of flat buffers bound
+        elsewhere: the relay's device slots, a pipeline stage's buffers), made runnable: its buffers become
+        real tensors on ``device`` and the family re-creates their values (``reset_buffers``)."""
+        for owner in shell.modules():  # index buffers (position ids) become real tensors
+            for name, buf in list(owner._buffers.items()):
+                if buf is not None and buf.device.type == "meta":
+                    owner._buffers[name] = torch.empty_like(buf, device=device)
+        self.reset_buffers(shell)
+        return shell
+
     def tied_params(self) -> dict[str, str]:
         """Post-layer parameters that *are* pre-layer ones, {post name: pre name} (a tied LM head:
         ``{"lm_head.weight": "wte.weight"}``). One tensor, two uses: the baselines share the parameter

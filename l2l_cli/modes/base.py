@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from l2l_cli.checkpoint import CheckpointError, read_tensors, tensors_bytes
+from l2l_cli.checkpoint import ModuleState, module_state_files
 from l2l_cli.data.batches import Batch
 from l2l_cli.engine.device import Accelerator
 from l2l_cli.engine.dist import DistContext
@@ -279,34 +279,19 @@ class DeviceResident(RunnerBase):
 
     def state_files(self) -> Iterator[tuple[str, bytes]]:
         named = self.model.hf_state_dict()
-        yield "model.safetensors", tensors_bytes(named)
-        moments = {}
-        for name, p in named.items():
-            st = self.optimizer.state.get(p)
-            if st:
-                moments |= {f"{name}.exp_avg": st["exp_avg"], f"{name}.exp_avg_sq": st["exp_avg_sq"]}
-                moments[f"{name}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(())
-        yield "optimizer.safetensors", tensors_bytes(moments)
+        moments = {name: st for name, p in named.items() if (st := self.optimizer.state.get(p))}
+        return module_state_files(named, moments)
 
     @torch.no_grad()
     def load_state(self, ckpt: Path, manifest: dict[str, Any]) -> None:
-        weights = read_tensors(ckpt, "model.safetensors", manifest)
-        moments = read_tensors(ckpt, "optimizer.safetensors", manifest)
         named = self.model.hf_state_dict()
-        if set(weights) != set(named):
-            raise CheckpointError(f"{ckpt}: model.safetensors does not hold this model's parameters")
-        for name, p in named.items():
-            if weights[name].shape != p.shape:
-                raise CheckpointError(
-                    f"{ckpt}: {name} has shape {tuple(weights[name].shape)}, expected {tuple(p.shape)}"
-                )
-            p.copy_(weights[name])
-            if f"{name}.exp_avg" in moments:
-                self.optimizer.state[p] = {
-                    "step": moments[f"{name}.step"].clone(),
-                    "exp_avg": moments[f"{name}.exp_avg"].to(p.device).clone(),
-                    "exp_avg_sq": moments[f"{name}.exp_avg_sq"].to(p.device).clone(),
-                }
+        for name, st in ModuleState(ckpt, manifest).load(named.items(), whole=True).items():
+            p = named[name]
+            self.optimizer.state[p] = {
+                "step": st["step"].clone(),
+                "exp_avg": st["exp_avg"].to(p.device).clone(),
+                "exp_avg_sq": st["exp_avg_sq"].to(p.device).clone(),
+            }
 
     def close(self) -> None:
         # drop DDP while its process group is alive: a Reducer that outlives the group tears the group

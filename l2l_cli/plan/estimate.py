@@ -45,7 +45,7 @@ class Setup:
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> Setup:
-        from l2l_cli.modes.pipeline import PipelineSettings
+        from l2l_cli.parallel.pipeline.settings import PipelineSettings
 
         pipe = PipelineSettings.from_cfg(cfg)
         return cls(
@@ -509,7 +509,7 @@ def verdict(shape: ModelShape, s: Setup, rates: Rates, result: dict[str, Any]) -
 
 
 def _stage_plan(shape: ModelShape, s: Setup) -> Any:
-    from l2l_cli.modes.pipeline import StagePlan
+    from l2l_cli.parallel.pipeline.plan import StagePlan
 
     return StagePlan(shape.num_layers, s.pipeline, s.placement, s.layers_per_stage)
 
@@ -584,7 +584,7 @@ def pipeline_view(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Any] |
     step time, and the other placements and schedules at the same batch beside it."""
     if s.pipeline <= 1:
         return None
-    from l2l_cli.modes.pipeline import SCHEDULES
+    from l2l_cli.parallel.pipeline.settings import SCHEDULES
 
     rows = []
     for placement in ("modular", "contiguous"):

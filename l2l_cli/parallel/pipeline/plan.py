@@ -1,0 +1,62 @@
+"""The stage plan: which layers each stage holds, which pipeline rank runs it, and the bubble the paper
+predicts for it (layered-GA appendix C, §2.4 and §4). Pure arithmetic, shared with ``l2l plan``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Which layers each stage holds and which pipeline rank runs it. Layer indices are the models':
+    0 = embeddings, 1..N = transformer blocks, N+1 = head."""
+
+    num_layers: int  # N transformer blocks
+    pipeline: int  # P
+    placement: str
+    layers_per_stage: int
+
+    @property
+    def block_size(self) -> int:
+        """Transformer layers per stage (contiguous: the rank's L/P)."""
+        return self.layers_per_stage if self.placement == "modular" else self.num_layers // self.pipeline
+
+    @property
+    def num_stages(self) -> int:
+        return self.num_layers // self.block_size
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.num_stages // self.pipeline
+
+    def layers(self, s: int) -> list[int]:
+        b = self.block_size
+        out = list(range(s * b + 1, (s + 1) * b + 1))
+        if s == 0:
+            out.insert(0, 0)  # the embeddings go with the first block
+        if s == self.num_stages - 1:
+            out.append(self.num_layers + 1)  # the head with the last
+        return out
+
+    def rank_of(self, s: int) -> int:
+        """Modular: stage s on rank s mod P; contiguous has one stage per rank (s)."""
+        return s % self.pipeline
+
+    def stages_of(self, rank: int) -> list[int]:
+        return [s for s in range(self.num_stages) if self.rank_of(s) == rank]
+
+    def bubble_overhead(self, num_ubatches: int) -> float:
+        """Appendix C / §2.4: the bubble lengthens a step by (P-1)/n_mu of its compute; §4: the modular
+        pipeline divides that by d_l/n_l, the stages each rank holds (interleaved 1F1B alike)."""
+        return (self.pipeline - 1) / (num_ubatches * self.stages_per_rank)
+
+    def bubble_fraction(self, num_ubatches: int) -> float:
+        """The predicted share of a step's pipeline time a rank spends not computing: o / (1 + o)."""
+        o = self.bubble_overhead(num_ubatches)
+        return o / (1.0 + o)
+
+
+def plan_of(cfg: Any, num_layers: int) -> StagePlan:
+    d = cfg.dist
+    return StagePlan(num_layers, d.pipeline, d.placement, d.layers_per_stage)

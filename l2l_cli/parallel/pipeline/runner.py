@@ -1,0 +1,396 @@
+"""Pipeline parallelism with layered gradient accumulation (layered-GA paper §3-§4, Figures 1-3), on torch's
+own pipeline engine (``torch.distributed.pipelining``: ``PipelineStage`` and its schedules).
+
+``dist.nproc=N dist.pipeline=P``: the ranks form N/P pipelines of P ranks (data parallel across them). The
+model's transformer layers are cut into stages of ``dist.layers_per_stage`` layers (the embeddings go
+with the first stage, the head with the last) and placed
+
+- ``modular`` (the paper's §4): stage s on pipeline rank s mod P, so a micro-batch reaches the last rank
+  after P-1 stages instead of L(1-1/P) layers and the bubble shrinks by L/P;
+- ``contiguous``: the usual blocks of L/P layers, one stage per rank.
+
+``dist.schedule``: ``breadth_first`` is torch's ``ScheduleLoopedBFS``: each rank runs every micro-batch
+through one of its stages before the next (layered gradient accumulation across ranks, Figure 3's
+modular pipeline); ``interleaved_1f1b`` (``ScheduleInterleaved1F1B``), and ``gpipe`` / ``1f1b``, which
+take one stage per rank. ``mode`` names what each stage runs: Alg. 2 (``baseline_ag``), the stage's
+layers, gradients and optimizer state resident on the rank's device.
+
+Side inputs are rebuilt per stage from the batch (stage.py); only hidden states travel between ranks.
+
+Data parallel across pipelines: as soon as a stage's last micro-batch finishes backward (torch's
+REDUCE_GRAD action), its gradient starts an asynchronous reduction on the data-parallel group (a gloo group
+of its own, like the EPS's eager per-layer reduction), overlapping the backward of the stages below it.
+``dist.partition_state``: the reduction is a reduce-scatter, each data-parallel rank updates its shard of
+every stage with the optimizer state of that shard only, and an all-gather brings the updated weights back.
+
+Measured, per rank and step: compute (forward and backward chunks), idle (the pipeline's fill and drain:
+before a rank's first chunk and after its last), wait (blocked on a neighbour between chunks), and the
+bubble = 1 - compute / pipeline time, next to appendix C's prediction (§2.4 and §4).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import ScheduleLoopedBFS
+
+from l2l_cli.checkpoint import ModuleState, module_state_files
+from l2l_cli.data.batches import Batch
+from l2l_cli.engine.dist import DistContext
+from l2l_cli.engine.flat import FlatLayout
+from l2l_cli.engine.optim import clip_coefficients
+from l2l_cli.models.base import BLOCK, POST, PRE
+from l2l_cli.modes.base import RunnerArgs, RunnerBase, StepReport
+from l2l_cli.modes.registry import ModeSpec
+from l2l_cli.parallel.pipeline.plan import StagePlan
+from l2l_cli.parallel.pipeline.settings import SCHEDULES, PipelineSettings
+from l2l_cli.parallel.pipeline.stage import TimedStage, Timeline
+from l2l_cli.parallel.pipeline.state import Shard, StageState
+
+MAX_SCHEDULES = 8  # one per padded batch shape (torch fixes shapes at a schedule's first step), LRU
+
+
+def layout(ctx: DistContext, s: PipelineSettings) -> DistContext:
+    """Ranks [d·P, (d+1)·P) form pipeline d and share data shard d; the first pipeline evaluates."""
+    P = s.pipeline
+    return replace(
+        ctx, data_rank=ctx.rank // P, data_world=max(1, ctx.world // P), eval_ranks=tuple(range(P))
+    )
+
+
+class PipelineRunner(RunnerBase):
+    """One rank of a pipeline: its stages, torch's schedule over them, and the update of its layers."""
+
+    def __init__(self, args: RunnerArgs, mode: ModeSpec):
+        super().__init__(args)
+        s: PipelineSettings = args.parallel
+        self.pipe, self.stage_mode = s, mode
+        P, world, rank = s.pipeline, self.dist.world, self.dist.rank
+        if world % P:
+            raise RuntimeError(f"dist.pipeline={P} does not divide the {world} ranks launched")
+        self.pp_rank, self.dp_rank, self.dp_world = rank % P, rank // P, world // P
+        self.pp_group, self.dp_group = self._groups(P, world)
+        self.plan = StagePlan(self.spec.num_layers, P, s.placement, s.layers_per_stage)
+        self.head = self.spec.num_layers + 1
+        self.last_rank = self.dp_rank * P + self.plan.rank_of(self.plan.num_stages - 1)  # global rank
+        self.layouts = {k: FlatLayout(self.spec.new_layer(k, "meta")) for k in (PRE, BLOCK, POST)}
+        shard = Shard(self.dp_rank, self.dp_world, s.partition_state)
+        self.stages = {
+            st: StageState(self, self.plan.layers(st), self.layouts, shard)
+            for st in self.plan.stages_of(self.pp_rank)
+        }
+        self.timeline = Timeline()
+        self._schedules: OrderedDict[tuple[bool, int, int], Any] = OrderedDict()
+        self._full: dict[str, dict[str, Any]] | None = None  # collect()'s weights and moments (rank 0)
+        self._collected_at = -1
+        self.totals: dict[str, float] = {}
+        self.timed_steps = 0
+        self.first_step = True
+        self._first: dict[str, float] = {}
+
+    def _groups(self, P: int, world: int) -> tuple[Any, Any]:
+        """Pipeline groups (consecutive ranks) and data-parallel groups (same pipeline rank); every rank
+        creates every group, in the same order, as torch.distributed requires."""
+        pp = dp = None
+        for d in range(world // P):
+            g = dist.new_group([d * P + i for i in range(P)], backend="gloo")
+            pp = g if d == self.dp_rank else pp
+        for i in range(P):
+            g = dist.new_group([d * P + i for d in range(world // P)], backend="gloo")
+            dp = g if i == self.pp_rank else dp
+        return pp, dp
+
+    # ---- schedules: one per padded shape -----------------------------------------------------------
+
+    def _meta(self, shape: tuple[int, ...], dtype: torch.dtype, grad: bool) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype, device="meta")
+        return t.requires_grad_(grad) if dtype.is_floating_point else t
+
+    def schedule(self, rows: int, seq: int, train: bool) -> Any:
+        """torch's schedule over this rank's stages for micro-batches of ``rows`` x ``seq`` (torch fixes the
+        shapes of a schedule's buffers at its first step; batches are length-bucketed, so keep a few)."""
+        key = (train, rows, seq)
+        if key in self._schedules:
+            self._schedules.move_to_end(key)
+            return self._schedules[key]
+        H, S = self.spec.hidden_size, self.plan.num_stages
+        stages = []
+        for s, st in self.stages.items():
+            if s == 0:
+                inputs: tuple[torch.Tensor, ...] = (
+                    self._meta((rows, seq), torch.long, False),
+                    self._meta((rows, seq), torch.long, False),
+                )
+            else:
+                inputs = (self._meta((rows, seq, H), torch.float32, train),)
+            if s < S - 1:
+                out = self._meta((rows, seq, H), torch.float32, train)
+            elif train:
+                out = self._meta((), torch.float32, True)
+            else:
+                out = self._meta((rows, self.spec.num_labels), torch.float32, False)
+            stages.append(
+                TimedStage(
+                    st.module,
+                    s,
+                    S,
+                    self.acc.device,
+                    input_args=inputs,
+                    output_args=out,
+                    group=self.pp_group,
+                    timeline=self.timeline,
+                    grads_ready=self._grads_ready,
+                )
+            )
+        n = self.num_ubatches if train else 1
+        loss_fn = self._loss if train else None
+        if train:
+            cls, many = SCHEDULES[self.pipe.schedule]
+        else:  # evaluation: forward only, one micro-batch, through every stage in order
+            cls, many = ScheduleLoopedBFS, True
+        sched = cls(stages if many else stages[0], n, loss_fn=loss_fn, scale_grads=False)
+        self._schedules[key] = sched
+        while len(self._schedules) > MAX_SCHEDULES:
+            self._schedules.popitem(last=False)
+        return sched
+
+    def _loss(self, loss: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """What the last stage's backward starts from: the micro-batch's share of the minibatch's mean
+        loss, scaled (Alg. 2's loss / #ubatches)."""
+        return self.precision.scaler.scale_loss(loss * (1.0 / self.num_ubatches))
+
+    def _grads_ready(self, stage: int) -> None:
+        if self.dp_world > 1:
+            self.stages[stage].start_reduce(self.dp_group)
+
+    # ---- Alg. 2 per stage, the micro-batches pipelined by torch's schedule --------------------------
+
+    def step(self, minibatch: Batch) -> StepReport:
+        t_start, lr = time.perf_counter(), self.lr()
+        self._full, self._collected_at = None, -1
+        mb = self.to_device(minibatch)
+        n = self.num_ubatches
+        rows = len(mb) // n
+        sched = self.schedule(rows, mb.seq_len, train=True)
+        # side inputs by keyword: torch cuts them into the same micro-batches for every stage
+        kwargs = {
+            "mask": mb.attention_mask,
+            "ubatch": torch.arange(n, device=mb.input_ids.device).repeat_interleave(rows),
+            "labels": mb.labels,
+        }
+        args = (mb.input_ids, mb.token_type_ids) if 0 in self.stages else ()
+        losses: list[torch.Tensor] = []
+        # the pipeline's window opens and closes together on its ranks: a rank's wait for the first
+        # micro-batch (fill) and for the others to finish (drain) is its bubble, not its neighbour's update
+        dist.barrier(group=self.pp_group)
+        t0 = time.perf_counter()
+        with self.acc.meter.part("activations"):
+            sched.step(*args, target=mb.labels, losses=losses, return_outputs=False, **kwargs)
+        dist.barrier(group=self.pp_group)
+        t1 = time.perf_counter()
+        times = self.timeline.pop(t0, t1)
+        loss = self._pipeline_loss(losses)
+        with self.timer("reduce"):
+            for st in self.stages.values():
+                st.wait_reduce()
+        with self.timer("optimizer"):
+            applied, norm = self.update(lr)
+        self.timer.add("forward", times["forward"])
+        self.timer.add("backward", times["backward"])
+        self.timer.add("bubble", times["idle"] + times["wait"])
+        report = self.finish(loss, len(minibatch), t_start, lr, skipped=not applied, grad_norm=norm)
+        times["step"] = report.step_time_s
+        self._account(times)
+        report.extra = {
+            "pipe_compute_s": times["compute"], "pipe_wait_s": times["wait"], "pipe_idle_s": times["idle"],
+            "pipe_bubble": (times["pipeline"] - times["compute"]) / times["pipeline"],
+        }  # fmt: skip
+        return report
+
+    def _pipeline_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The minibatch's mean loss, from the last stage's rank to every rank of the pipeline."""
+        t = torch.zeros((), dtype=torch.float32)
+        if losses:
+            t = torch.stack([x.detach().float() for x in losses]).sum().cpu() / self.precision.scaler.scale
+        dist.broadcast(t, src=self.last_rank, group=self.pp_group)
+        return t
+
+    def update(self, lr: float) -> tuple[bool, float]:
+        """Alg. 2's update of this rank's layers: one verdict for the whole model (every rank takes the
+        same norms), then clip, unscale and average over the data-parallel ranks, and step."""
+        scaler, D = self.precision.scaler, self.dp_world
+        sq = torch.zeros(self.spec.num_all_layers, dtype=torch.float64)
+        for st in self.stages.values():
+            st.add_sq_norms(sq)
+        partitioned = any(st.partitioned for st in self.stages.values())
+        dist.all_reduce(sq, group=None if partitioned else self.pp_group)  # shards: over every rank
+        norms = (sq.sqrt() / (scaler.scale * D)).float()
+        finite = bool(torch.isfinite(norms).all())
+        scaler.update(not finite)
+        if finite:
+            coefs = clip_coefficients(norms, self.clip, self.settings.max_grad_norm)
+            inv = 1.0 / (scaler.scale * D)
+            mults = {
+                i: (float(coefs[i]) * inv if coefs is not None else (None if inv == 1.0 else inv))
+                for i in range(self.spec.num_all_layers)
+            }
+            with self.acc.meter.part("optimizer_state"):
+                for st in self.stages.values():
+                    st.apply(lr, mults)
+            for st in self.stages.values():
+                st.gather_weights(self.dp_group)
+        for st in self.stages.values():
+            st.zero_grads()
+        return finite, float(torch.linalg.vector_norm(norms))
+
+    # ---- measurements ---------------------------------------------------------------------------------
+
+    def _account(self, times: dict[str, float]) -> None:
+        """Steady state: the first step (schedule set-up, the first shape's warm-up) is left out, unless
+        it is the only one."""
+        if self.first_step:
+            self.first_step = False
+            self._first = times
+            return
+        for k, v in times.items():
+            self.totals[k] = self.totals.get(k, 0.0) + v
+        self.timed_steps += 1
+
+    def rank_stats(self) -> dict[str, Any]:
+        n = self.timed_steps
+        totals = self.totals if n else self._first
+        n = max(n, 1)
+        mean = {k: v / n for k, v in totals.items()}
+        pipe = mean.get("pipeline", 0.0)
+        return {
+            "rank": self.dist.rank, "pipeline_rank": self.pp_rank, "data_rank": self.dp_rank,
+            "stages": sorted(self.stages), "layers": [i for s in sorted(self.stages) for i in self.plan.layers(s)],
+            "compute_s": mean.get("compute", 0.0), "forward_s": mean.get("forward", 0.0),
+            "backward_s": mean.get("backward", 0.0), "wait_s": mean.get("wait", 0.0),
+            "idle_s": mean.get("idle", 0.0), "pipeline_s": pipe, "step_s": mean.get("step", 0.0),
+            "bubble": (pipe - mean.get("compute", 0.0)) / pipe if pipe > 0 else None,
+            "steps_timed": self.timed_steps,
+        }  # fmt: skip
+
+    def sections(self) -> dict[str, dict[str, Any]]:
+        """summary.json's ``pipeline``: the layout, each rank's times, the bubble measured and predicted."""
+        ranks = [None] * self.dist.world
+        dist.all_gather_object(ranks, self.rank_stats())
+        bubbles = [r["bubble"] for r in ranks if r["bubble"] is not None]
+        s, plan, n = self.pipe, self.plan, self.num_ubatches
+        cls = SCHEDULES[s.schedule][0].__name__
+        return {
+            "pipeline": {
+                "pipeline": s.pipeline, "data_parallel": self.dp_world, "placement": s.placement,
+                "schedule": s.schedule, "torch_schedule": cls, "stage_mode": self.stage_mode.name,
+                "num_stages": plan.num_stages, "layers_per_stage": plan.block_size,
+                "stages_per_rank": plan.stages_per_rank, "num_ubatches": n, "partition_state": s.partition_state,
+                "side_inputs": "rebuilt per stage from the batch (mask, labels, micro-batch index as keyword "
+                               "arguments); only hidden states cross ranks",
+                "bubble_measured": sum(bubbles) / len(bubbles) if bubbles else None,
+                "bubble_predicted": plan.bubble_fraction(n),
+                "bubble_overhead_predicted": plan.bubble_overhead(n),
+                "ranks": ranks,
+            }
+        }  # fmt: skip
+
+    # ---- evaluation: the first pipeline predicts together -------------------------------------------
+
+    @torch.no_grad()
+    def predict(self, batch: Batch) -> torch.Tensor:
+        """Logits of a batch, forward only through the pipeline; every rank of it gets them."""
+        b = self.to_device(batch)
+        sched = self.schedule(len(b), b.seq_len, train=False)
+        for st in self.stages.values():
+            st.module.eval()
+        try:
+            args = (b.input_ids, b.token_type_ids) if 0 in self.stages else ()
+            kwargs = {"mask": b.attention_mask, "ubatch": torch.zeros(len(b), dtype=torch.long)}
+            with self.acc.meter.part("activations"):
+                out = sched.step(*args, return_outputs=True, **kwargs)
+            self.timeline.chunks.clear()
+        finally:
+            for st in self.stages.values():
+                st.module.train()
+        # the logits' shape first: (rows, labels) for a classifier, (rows, sequence, vocabulary) for an LM
+        shape = torch.zeros(3, dtype=torch.long)
+        if out is not None:
+            shape[: out.dim()] = torch.tensor(out.shape)
+        dist.broadcast(shape, src=self.last_rank, group=self.pp_group)
+        dims = [int(d) for d in shape if d > 0]
+        logits = out.float().cpu() if out is not None else torch.empty(dims)
+        dist.broadcast(logits, src=self.last_rank, group=self.pp_group)
+        return logits
+
+    # ---- checkpoints and weights: Hugging Face names, gathered on rank 0 ----------------------------
+
+    def collect(self) -> None:
+        """Collective: rank 0 gets every stage's weights and moments (the partitioned moments first
+        gathered over the data-parallel group), by Hugging Face name: the baselines' checkpoint layout,
+        so a run resumes with any pipeline degree or placement (resharding on load), or none."""
+        if self._collected_at == self.step_count:  # every rank decides alike
+            return
+        mine: dict[str, dict[str, Any]] = {"weights": {}, "moments": {}}
+        for st in self.stages.values():
+            m, v = st.full_moments(self.dp_group)
+            steps = st.steps_taken()
+            for (name, w), (_, exp_avg), (_, exp_avg_sq) in zip(st.named(st.w), st.named(m), st.named(v)):
+                mine["weights"][name] = w.detach().cpu().clone()
+                if steps > 0:  # as the baselines: moments once the optimizer has stepped
+                    mine["moments"][name] = {
+                        "exp_avg": exp_avg.detach().cpu().clone(),
+                        "exp_avg_sq": exp_avg_sq.detach().cpu().clone(),
+                        "step": steps,
+                    }
+        self._collected_at = self.step_count
+        if self.dp_rank != 0:
+            return
+        parts: list[Any] | None = [None] * self.pipe.pipeline if self.dist.rank == 0 else None
+        dist.gather_object(mine, parts, dst=0, group=self.pp_group)
+        if parts is not None:
+            self._full = {"weights": {}, "moments": {}}
+            for part in parts:
+                self._full["weights"] |= part["weights"]
+                self._full["moments"] |= part["moments"]
+
+    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every weight by HF name after ``collect`` (rank 0); this rank's own otherwise."""
+        if self._full is not None:
+            yield from self._full["weights"].items()
+            return
+        for st in self.stages.values():
+            yield from st.named(st.w)
+
+    def state_files(self) -> Iterator[tuple[str, bytes]]:
+        assert self._full is not None, "collect() first"
+        yield from module_state_files(self._full["weights"], self._full["moments"])
+
+    def load_state(self, ckpt: Path, manifest: dict[str, Any]) -> None:
+        """Every rank reads the checkpoint and takes its own layers (and its shard of their moments)."""
+        saved = ModuleState(ckpt, manifest)
+        for st in self.stages.values():
+            st.load(saved)
+        self._full, self._collected_at = None, -1
+
+    @torch.no_grad()
+    def load_hf(self, tensors: Any) -> list[str]:
+        missing = []
+        for st in self.stages.values():
+            for name, view in st.named(st.w):
+                t = self.spec.lookup_hf(tensors, name)
+                if t is None:
+                    missing.append(name)
+                else:
+                    view.copy_(t.reshape(view.shape))
+        return missing
+
+    def close(self) -> None:
+        # leave reductions in flight alone: a failing rank must exit at once, not wait on its peers
+        self._schedules.clear()

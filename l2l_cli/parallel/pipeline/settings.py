@@ -1,0 +1,138 @@
+"""The pipeline's ``dist.*`` keys: their typed settings (``auto`` resolved), the schedules they name, and
+the strategy's own config rules (``validate``), checked for every config before any process starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.pipelining import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+)
+
+from l2l_cli.engine.optim import OPTIMIZERS
+from l2l_cli.models import FAMILIES, family_for_dir
+from l2l_cli.modes.registry import MODES
+from l2l_cli.parallel.pipeline.plan import plan_of
+from l2l_cli.problems import Problem, divisors
+
+# dist.schedule -> torch's schedule, and whether it runs several stages per rank
+SCHEDULES: dict[str, tuple[type, bool]] = {
+    "breadth_first": (ScheduleLoopedBFS, True),
+    "interleaved_1f1b": (ScheduleInterleaved1F1B, True),
+    "gpipe": (ScheduleGPipe, False),
+    "1f1b": (Schedule1F1B, False),
+}
+AUTO_SCHEDULE = {"modular": "breadth_first", "contiguous": "1f1b"}
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """The ``dist.*`` pipeline keys, ``auto`` resolved."""
+
+    pipeline: int
+    placement: str
+    schedule: str
+    layers_per_stage: int
+    partition_state: bool
+
+    @classmethod
+    def from_cfg(cls, cfg: Any) -> PipelineSettings:
+        d = cfg.dist
+        schedule = AUTO_SCHEDULE[d.placement] if d.schedule == "auto" else d.schedule
+        return cls(d.pipeline, d.placement, schedule, d.layers_per_stage, bool(d.partition_state))
+
+
+def selected(cfg: Any) -> bool:
+    """A run is a pipeline when its ranks form pipelines of more than one."""
+    return int(cfg.dist.pipeline) > 1
+
+
+# ---- the strategy's rules ---------------------------------------------------------------------------
+
+
+def _shape(cfg: Any) -> tuple[int, bool]:
+    """The model's depth as ``l2l train`` builds it (a local pretrained directory's config.json wins), and
+    whether its LM head is tied to its embeddings."""
+    m = cfg.model
+    family = FAMILIES.get(m.family)
+    tied = family is not None and family.tied_head(m)
+    if m.pretrained:
+        path = Path(m.pretrained).expanduser()
+        if (path / "config.json").is_file():
+            try:
+                spec = family_for_dir(path, m.pretrained, m.family).from_hf_dir(path, m, 2)
+                return int(spec.num_layers), bool(spec.tied_params())
+            except Exception:  # reported by the model check
+                return int(m.num_layers), tied
+    return int(m.num_layers), tied
+
+
+def validate(cfg: Any) -> list[Problem]:
+    """The pipeline keys' rules: every problem, one line each, before any process starts."""
+    d, p = cfg.dist, []
+
+    def bad(key: str, message: str) -> None:
+        p.append(Problem(key, message))
+
+    P = d.pipeline
+    if P == 1:
+        defaults = {
+            "placement": "modular",
+            "schedule": "auto",
+            "layers_per_stage": 1,
+            "partition_state": False,
+        }
+        for key, default in defaults.items():
+            if d[key] != default:
+                bad(f"dist.{key}", "applies to pipeline runs; set dist.pipeline > 1 (and dist.nproc)")
+        return p
+    N, (L, tied), lps = d.nproc, _shape(cfg), d.layers_per_stage
+    if tied:  # one tensor on the first and the last rank: its two gradients would need a sum across ranks
+        bad("dist.pipeline", "the model's LM head is tied to its token embedding, which lives on another "
+            "pipeline rank; set model.tie_word_embeddings=false, or dist.pipeline=1")  # fmt: skip
+    if N % P:
+        bad("dist.pipeline", f"{P} does not divide dist.nproc={N} (the ranks form nproc/P pipelines); allowed: "
+            f"a divisor of {N} ({divisors(N)})")  # fmt: skip
+    if P > L:
+        bad("dist.pipeline", f"got {P}; every pipeline rank needs a layer: must be <= model.num_layers={L}")
+        return p
+    if L % P:
+        bad("dist.pipeline", f"torch's schedules give every rank as many stages: {P} does not divide "
+            f"model.num_layers={L}; allowed: a divisor of {L} ({divisors(L)})")  # fmt: skip
+        return p
+    if d.placement == "modular" and (L % lps or (L // lps) % P):
+        ok = [k for k in range(1, L + 1) if L % k == 0 and (L // k) % P == 0]
+        bad("dist.layers_per_stage", f"{lps} layers per stage do not make a multiple of dist.pipeline={P} "
+            f"stages of model.num_layers={L}; allowed: {', '.join(map(str, ok))}")  # fmt: skip
+        return p
+    if d.placement == "contiguous" and lps not in (1, L // P):
+        bad("dist.layers_per_stage", f"applies to placement=modular; contiguous runs one stage of L/P={L // P} "
+            "layers per rank (torch's multi-stage schedules place stages modularly)")  # fmt: skip
+    plan = plan_of(cfg, L)
+    schedule = AUTO_SCHEDULE[d.placement] if d.schedule == "auto" else d.schedule
+    if plan.stages_per_rank > 1 and not SCHEDULES[schedule][1]:
+        multi = ", ".join(k for k, (_, many) in SCHEDULES.items() if many)
+        bad("dist.schedule", f"{schedule} runs one stage per rank, but placement={d.placement} puts "
+            f"{plan.stages_per_rank} on each; allowed: {multi} (or dist.layers_per_stage={L // P})")  # fmt: skip
+    b = cfg.batch
+    n = b.size // b.ubatch_size if b.ubatch_size >= 1 and b.size % b.ubatch_size == 0 else None
+    if n is not None and n < P:
+        bad("batch.ubatch_size", f"{n} micro-batches for dist.pipeline={P}: a pipeline needs at least P in "
+            f"flight; allowed: batch.size / batch.ubatch_size >= {P}")  # fmt: skip
+    elif n is not None and schedule == "interleaved_1f1b" and n % max(1, n // P):
+        bad("batch.ubatch_size", f"interleaved_1f1b runs rounds of P micro-batches: {n} is not a multiple of "
+            f"its {max(1, n // P)} rounds; allowed: a multiple of {P}, or dist.schedule=breadth_first")  # fmt: skip
+    spec = MODES.get(cfg.mode.name)
+    if spec is not None and not spec.pipeline_stage:
+        stage_modes = ", ".join(m.name for m in MODES.values() if m.pipeline_stage)
+        bad("mode.name", f"mode={spec.name} cannot run as a pipeline stage; allowed with dist.pipeline > 1: "
+            f"{stage_modes}")  # fmt: skip
+    if d.partition_state and cfg.optim.name in OPTIMIZERS and not OPTIMIZERS[cfg.optim.name].elementwise:
+        bad("dist.partition_state", f"optim={cfg.optim.name}'s trust ratio needs whole parameter tensors, which "
+            "a shard of the state splits; use optim=adamw, or dist.partition_state=false")  # fmt: skip
+    return p
