@@ -119,7 +119,7 @@ class Trainer:
         else:
             assert path is not None
             ckpt.check_identity(path, manifest, self.ident)
-            state = json.loads(ckpt._read_checked(path, "state.json", manifest))
+            state = json.loads(ckpt.read_checked(path, "state.json", manifest))
         if state["global_batch_size"] != self.stream.global_batch:
             raise CheckpointError(
                 f"{path} was trained with a global batch of {state['global_batch_size']}; this run has "
