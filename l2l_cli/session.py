@@ -29,7 +29,8 @@ from l2l_cli.engine.optim import OptimSettings
 from l2l_cli.engine.precision import Precision, make_precision
 from l2l_cli.engine.tiers import TierSettings
 from l2l_cli.loop import EvalStopped, StopFlag, Trainer
-from l2l_cli.models import ModelSpec, PretrainedUnavailable, UnsupportedModel, make_spec, resolve_pretrained
+from l2l_cli.models import ModelSpec, PretrainedUnavailable, UnsupportedModel, make_spec
+from l2l_cli.models.hf import load_exported, load_pretrained
 from l2l_cli.modes import (
     MODES,
     ModeSpec,
@@ -237,12 +238,7 @@ class Session:
             ckpt.check_identity(path, manifest, identity(self.model, self.mode, self.cfg.optim.name))
             self.runner.load_state(path, manifest)
         else:
-            missing = load_pretrained(self.runner, str(path))
-            if missing:
-                more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-                raise CheckpointError(
-                    f"{path} lacks {', '.join(missing[:3])}{more}: not the weights of this model"
-                )
+            load_exported(self.runner, path)
 
     def header(self) -> str:
         """What this run is, for train.log: mode, model (and the checkpoint it starts from), task, data."""
@@ -374,64 +370,3 @@ def build(cfg: DictConfig, run_dir: Path | None = None, **kw: Any) -> Session:
     """The opened session for ``cfg`` (use it as ``with build(cfg) as s:``). ``run_dir`` None: nothing is
     written; ``data``: a task's data already loaded (tests, benchmarks)."""
     return Session(cfg, run_dir, **kw).open()
-
-
-SHARD_INDEX = "model.safetensors.index.json"  # a checkpoint saved in shards (7B and larger)
-
-
-def load_pretrained(runner: Runner, ref: str) -> list[str]:
-    """Stream a Hugging Face checkpoint's tensors in: safetensors (one file, or shards listed by
-    ``model.safetensors.index.json``), or a legacy ``pytorch_model.bin`` read with
-    ``torch.load(weights_only=True)``, which refuses anything but tensors (no code runs from a file).
-    Returns the names it left at their initialization."""
-    from safetensors import safe_open
-
-    root = resolve_pretrained(ref)
-    if (root / "model.safetensors").is_file():
-        with safe_open(str(root / "model.safetensors"), framework="pt") as f:
-            missing = runner.load_hf(SafeTensors(f))
-    elif (root / SHARD_INDEX).is_file():
-        with ExitStack() as stack:
-            handles = [stack.enter_context(safe_open(str(p), framework="pt")) for p in shard_files(root)]
-            missing = runner.load_hf(SafeTensors(*handles))
-    else:
-        try:
-            tensors = torch.load(root / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise CheckpointError(f"{root}/pytorch_model.bin: refused ({str(e).splitlines()[0]})") from e
-        missing = runner.load_hf(tensors)
-    log.info("loaded %s; newly initialized: %s", ref, ", ".join(missing) or "none")
-    return missing
-
-
-def shard_files(root: Path) -> list[Path]:
-    """The shard files an index names: plain file names inside ``root`` (no path may lead out of it)."""
-    import json
-
-    try:
-        names = sorted(set(json.loads((root / SHARD_INDEX).read_text())["weight_map"].values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{root}/{SHARD_INDEX}: unreadable ({e})") from e
-    for name in names:
-        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
-            raise CheckpointError(f"{root}/{SHARD_INDEX}: shard {name!r} is not a file name in that folder")
-        if not (root / name).is_file():
-            raise CheckpointError(f"{root}/{SHARD_INDEX}: shard {name} is missing")
-    return [root / n for n in names]
-
-
-class SafeTensors:
-    """Safetensors handles (one file, or a checkpoint's shards) read one tensor at a time, never the
-    whole checkpoint at once."""
-
-    def __init__(self, *handles: Any):
-        self._where = {k: h for h in handles for k in h.keys()}  # noqa: SIM118  (handles have keys(), not iter)
-
-    def keys(self) -> set[str]:
-        return set(self._where)
-
-    def get_tensor(self, name: str) -> torch.Tensor:
-        return self._where[name].get_tensor(name)
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self.get_tensor(name)
