@@ -164,14 +164,17 @@ def tensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | N
 
 def read_tensors(ckpt: Path, name: str, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Load one safetensors file of a verified checkpoint, checking it against the manifest again."""
-    data = _read_checked(ckpt, name, manifest)
+    data = read_checked(ckpt, name, manifest)
     try:
         return st_load(data)
     except Exception as e:
         raise CheckpointError(f"{ckpt / name}: not a valid safetensors file ({e})") from e
 
 
-def _read_checked(ckpt: Path, name: str, manifest: dict[str, Any]) -> bytes:
+def read_checked(ckpt: Path, name: str, manifest: dict[str, Any]) -> bytes:
+    """The bytes of file ``name`` of checkpoint ``ckpt``, checked against its ``manifest`` entry (listed,
+    same size, same sha256, or crc32 for real-time files); a file that differs is a CheckpointError, so
+    a corrupt, truncated or swapped file is never used."""
     entry = manifest["files"].get(name)
     if entry is None:
         raise CheckpointError(f"{ckpt}: {name} is not in the manifest")
@@ -331,7 +334,7 @@ def verify(ckpt: Path) -> dict[str, Any]:
             raise CheckpointError(
                 f"{path}: refuses file name {name!r} (files must stay inside the checkpoint)"
             )
-        _read_checked(ckpt, name, manifest)
+        read_checked(ckpt, name, manifest)
     return manifest
 
 

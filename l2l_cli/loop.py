@@ -9,6 +9,7 @@ import math
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
@@ -18,7 +19,6 @@ from l2l_cli.data.batches import TrainStream
 from l2l_cli.data.tasks import TaskData
 from l2l_cli.engine.dist import DistContext
 from l2l_cli.modes.base import Runner, StepReport
-from l2l_cli.modes.registry import ModeSpec
 from l2l_cli.progress import RunProgress
 from l2l_cli.rundir import Logger, RunFiles
 from l2l_cli.runfiles import BACKGROUND_PHASES, OTHER, MetricsRow, Summary
@@ -57,23 +57,38 @@ class NoStop:
     signum = 0
 
 
+@dataclass(frozen=True)
+class TrainerSettings:
+    """The trainer's knobs: ``trainer.*`` and what the session derives from the config for the loop (plain
+    values, built by the session; the defaults live in the config schema, and the loop never reads it)."""
+
+    steps: int  # the optimizer step to stop at (trainer.max_steps, or epochs x steps per epoch)
+    ident: dict[str, Any]  # what a checkpoint must match to load (checkpoint.identity)
+    config_yaml: str  # the resolved config, recorded in every checkpoint
+    save_every: int  # a checkpoint every k steps (and after the last); 0: none
+    keep_checkpoints: int  # the newest k checkpoints are kept
+    realtime_ckpt: bool  # each layer written right after its update (modes with an EPS)
+    save_final: bool  # final/: a Hugging Face model directory
+    eval_every: int  # dev metrics every k steps; 0: only at the end
+    log_every: int  # a metrics row every k steps (and every skipped step)
+    max_bad_steps: int  # non-finite steps in a row (no loss scale left to lower) that end the run
+    progress: str  # the console's progress: auto | rich | plain | none
+    title: str  # the progress header (method, model, task)
+
+
 class Trainer:
-    """Drives ``runner`` over ``stream`` for ``steps`` optimizer steps."""
+    """Drives ``runner`` over ``stream`` for ``settings.steps`` optimizer steps. The rest are the live
+    parts it works with: the data, where the run's files and logs go, the ranks (``ctx``), the stop flag."""
 
     def __init__(
-        self, *, runner: Runner, mode: ModeSpec, stream: TrainStream, data: TaskData, steps: int,
-        evaluate: Evaluate, files: RunFiles, loggers: list[Logger], summary: Summary,
-        ctx: DistContext, ident: dict[str, Any], config_yaml: str, save_every: int = 0, keep_checkpoints: int = 2,
-        realtime_ckpt: bool = False, save_final: bool = False, eval_every: int = 0, log_every: int = 1,
-        max_bad_steps: int = 3, progress: str = "auto", title: str = "", stop: StopFlag | None = None,
-        store: Any = None,
+        self, settings: TrainerSettings, *, runner: Runner, stream: TrainStream, data: TaskData,
+        evaluate: Evaluate, files: RunFiles, loggers: list[Logger], summary: Summary, ctx: DistContext,
+        stop: StopFlag | None = None,
     ):  # fmt: skip
-        self.runner, self.mode, self.stream, self.data, self.steps = runner, mode, stream, data, steps
+        self.settings = settings
+        self.runner, self.stream, self.data = runner, stream, data
         self.evaluate_fn, self.files, self.loggers, self.summary = evaluate, files, loggers, summary
-        self.ctx, self.ident, self.config_yaml = ctx, ident, config_yaml
-        self.save_every, self.keep, self.realtime_ckpt = save_every, keep_checkpoints, realtime_ckpt
-        self.save_final, self.eval_every, self.log_every = save_final, eval_every, log_every
-        self.max_bad_steps, self.progress, self.title = max_bad_steps, progress, title
+        self.ctx = ctx
         self.stop = stop or NoStop()
         self.ckpt_root = files.dir / "checkpoints"
         self.skipped = self.bad_in_row = 0
@@ -82,7 +97,7 @@ class Trainer:
         self.loss = float("nan")
         self.realtime: RealtimeWriter | None = None
         # a disk EPS (eps.tier=disk): committed after every step, it is the run's checkpoint by itself
-        self.store = store
+        self.store = runner.durable_state()
         self.progress_bar: RunProgress | None = None
         self.last_saved = -1
 
@@ -114,12 +129,12 @@ class Trainer:
             path, manifest = None, {}
         if point is not None and (path is None or point["step"] >= manifest["step"]):
             path, manifest = self.store.root, point
-            ckpt.check_identity(path, manifest, self.ident)
+            ckpt.check_identity(path, manifest, self.settings.ident)
             state = point["trainer"]
         else:
             assert path is not None
-            ckpt.check_identity(path, manifest, self.ident)
-            state = json.loads(ckpt._read_checked(path, "state.json", manifest))
+            ckpt.check_identity(path, manifest, self.settings.ident)
+            state = json.loads(ckpt.read_checked(path, "state.json", manifest))
         if state["global_batch_size"] != self.stream.global_batch:
             raise CheckpointError(
                 f"{path} was trained with a global batch of {state['global_batch_size']}; this run has "
@@ -146,8 +161,10 @@ class Trainer:
             self.realtime.wait_commit()
         t0 = time.perf_counter()
         step = self.runner.step_count
+        knobs = self.settings
         path = ckpt.save(
-            self.ckpt_root, step, self.runner, self.ident, self.state(), self.keep, self.config_yaml,
+            self.ckpt_root, step, self.runner, knobs.ident, self.state(), knobs.keep_checkpoints,
+            knobs.config_yaml,
         )  # fmt: skip
         self.last_saved = step
         self.note(f"saved checkpoint step {step} to {path} in {time.perf_counter() - t0:.2f} s")
@@ -162,17 +179,19 @@ class Trainer:
     # ---- the loop -------------------------------------------------------------------------------------
 
     def run(self) -> None:
-        runner, meter = self.runner, self.runner.acc.meter
-        if self.realtime_ckpt and self.files.enabled:
-            self.realtime = RealtimeWriter(self.ckpt_root, self.ident, self.config_yaml)
-            runner.eps.realtime = self.realtime  # type: ignore[attr-defined]
+        runner, meter, knobs = self.runner, self.runner.acc.meter, self.settings
+        if knobs.realtime_ckpt and self.files.enabled:
+            self.realtime = RealtimeWriter(self.ckpt_root, knobs.ident, knobs.config_yaml)
+            runner.attach_realtime(self.realtime)
         batches = self.stream.batches(start_step=runner.step_count)
         if self.store is not None:  # the state the run starts from (initial, pretrained, resumed)
-            self.store.commit(runner.step_count, self.state(), self.ident)
+            self.store.commit(runner.step_count, self.state(), knobs.ident)
         try:
-            with RunProgress(self.progress, self.steps, self.title, enabled=self.ctx.rank == 0) as progress:
+            with RunProgress(
+                knobs.progress, knobs.steps, knobs.title, enabled=self.ctx.rank == 0
+            ) as progress:
                 self.progress_bar = progress
-                while runner.step_count < self.steps:
+                while runner.step_count < knobs.steps:
                     if self.realtime is not None:
                         self.realtime.begin(runner.step_count + 1)
                     batch = next(batches)
@@ -181,18 +200,18 @@ class Trainer:
                     step = runner.step_count
                     report.loss, stop_now = self.ctx.mean_and_any(report.loss, self.stop.signum)
                     if self.realtime is not None:
-                        self.realtime.commit(step, self.state(), self._all_layer_files)
+                        self.realtime.commit(step, self.state(), runner.layer_files)
                         report.extra["realtime_ckpt_s"] = self.realtime.pop_busy()
                     if self.store is not None:  # after this step's writes: a restart continues here
-                        self.store.commit(step, self.state(), self.ident)
+                        self.store.commit(step, self.state(), knobs.ident)
                     self.account(report, step, tokens)
                     sps = report.samples * self.ctx.data_world / report.step_time_s
                     progress.update(step, report.loss, sps, meter.peak_bytes)
-                    if self.save_every and step % self.save_every == 0 and step < self.steps:
+                    if knobs.save_every and step % knobs.save_every == 0 and step < knobs.steps:
                         self.save()
                     if stop_now:
                         self.interrupt(step)
-                    if self.eval_every and step % self.eval_every == 0 and step < self.steps:
+                    if knobs.eval_every and step % knobs.eval_every == 0 and step < knobs.steps:
                         self._log_eval(step, self.evaluate(step))
                 if self.realtime is not None:
                     self.realtime.wait_commit()
@@ -221,14 +240,11 @@ class Trainer:
         for logger in self.loggers:
             logger.log_eval(step, metrics)
 
-    def _all_layer_files(self) -> list[tuple[str, Any]]:
-        eps = self.runner.eps  # type: ignore[attr-defined]
-        return [eps.layer_file(i) for i in range(len(eps.layers))]
-
     def account(self, report: StepReport, step: int, tokens: int = 0) -> None:
         """Bookkeeping of one step: the bad-step policy, throughput (samples and, on ``tokens``, the
         step's non-padding tokens per second), the step's metrics row."""
         meter, world = self.runner.acc.meter, self.ctx.data_world  # ranks reading distinct samples
+        knobs = self.settings
         self.loss = report.loss
         self.skipped += int(report.skipped)
         scaler = self.runner.precision.scaler
@@ -238,14 +254,14 @@ class Trainer:
         self.bad_in_row = self.bad_in_row + 1 if hopeless else 0
         sps = report.samples * world / report.step_time_s
         tps = tokens * world / report.step_time_s
-        if step > 1 or self.steps == 1:
+        if step > 1 or knobs.steps == 1:
             self.steady["time"] += report.step_time_s
             self.steady["samples"] += report.samples * world
             self.steady["tokens"] = self.steady.get("tokens", 0) + tokens * world  # absent in old checkpoints
             self.steady["n"] += 1
             for k, v in report.phases.items():
                 self.phase_sum[k] = self.phase_sum.get(k, 0.0) + v
-        if step % self.log_every == 0 or step == self.steps or report.skipped:
+        if step % knobs.log_every == 0 or step == knobs.steps or report.skipped:
             row = MetricsRow(
                 step=step, loss=report.loss, lr=report.lr, samples_per_s=sps, step_time_s=report.step_time_s,
                 device_peak_bytes=meter.peak_bytes, device_bytes=meter.current_bytes, skipped=report.skipped,
@@ -254,10 +270,10 @@ class Trainer:
             )  # fmt: skip
             for logger in self.loggers:
                 logger.log_step(row)
-        if self.bad_in_row >= self.max_bad_steps:
+        if self.bad_in_row >= knobs.max_bad_steps:
             raise TrainingError(
                 f"non-finite loss or gradients at step {step}: {self.bad_in_row} steps in a row skipped "
-                f"(trainer.max_bad_steps={self.max_bad_steps}); lower optim.lr, check the data, or use precision=fp32"
+                f"(trainer.max_bad_steps={knobs.max_bad_steps}); lower optim.lr, check the data, or use precision=fp32"
             )
 
     def interrupt(self, step: int, during: str = "") -> NoReturn:
@@ -280,9 +296,9 @@ class Trainer:
         training), then the final evaluation."""
         runner = self.runner
         self.summarize()
-        if self.save_every:
+        if self.settings.save_every:
             self.save()  # the final state is resumable too (e.g. to train further with more steps)
-        if self.save_final:
+        if self.settings.save_final:
             runner.collect()  # (collective: a pipeline brings every stage's layers to rank 0)
             if self.files.enabled:
                 runner.spec.save_hf(self.files.dir / "final", runner.hf_tensors(), self.data.spec)

@@ -29,8 +29,9 @@ from l2l_cli.engine.dist import from_env as dist_from_env
 from l2l_cli.engine.optim import OptimSettings
 from l2l_cli.engine.precision import Precision, make_precision
 from l2l_cli.engine.tiers import TierSettings
-from l2l_cli.loop import EvalStopped, StopFlag, Trainer
-from l2l_cli.models import ModelSpec, PretrainedUnavailable, UnsupportedModel, make_spec, resolve_pretrained
+from l2l_cli.loop import EvalStopped, StopFlag, Trainer, TrainerSettings
+from l2l_cli.models import ModelSpec, PretrainedUnavailable, UnsupportedModel, make_spec
+from l2l_cli.models.hf import load_exported, load_pretrained
 from l2l_cli.modes import (
     MODES,
     ModeSpec,
@@ -60,6 +61,18 @@ def step_settings(cfg: Any, steps: int) -> StepSettings:
         seed=cfg.trainer.seed, total_steps=steps, clip=run_clip(cfg), max_grad_norm=cfg.optim.max_grad_norm,
         stash=run_stash(cfg), prefetch=bool(cfg.mode.prefetch), eager_reduce=bool(cfg.dist.eager_reduce),
         sync_timers=bool(cfg.profile.sync_timers),
+    )  # fmt: skip
+
+
+def trainer_settings(cfg: Any, steps: int, ident: dict[str, Any], title: str) -> TrainerSettings:
+    """``trainer.*`` as the loop runs it, with the run's length, the identity its checkpoints carry, the
+    resolved config they record, and the progress header."""
+    tr = cfg.trainer
+    return TrainerSettings(
+        steps=steps, ident=ident, config_yaml=OmegaConf.to_yaml(cfg, resolve=True), save_every=tr.save_every,
+        keep_checkpoints=tr.keep_checkpoints, realtime_ckpt=tr.realtime_ckpt, save_final=tr.save_final,
+        eval_every=tr.eval_every, log_every=tr.log_every, max_bad_steps=tr.max_bad_steps,
+        progress=tr.progress, title=title,
     )  # fmt: skip
 
 
@@ -125,9 +138,11 @@ class Session:
         self.data = data
         self.mode: ModeSpec | None = MODES.get(cfg.mode.name)
         self.parallel: ParallelSpec | None = None  # a strategy beyond plain data parallel (pipeline)
+        self.parallel_settings: Any = None  # its typed settings (pipeline: PipelineSettings)
         self.model: ModelSpec | None = None
         self.acc: Accelerator | None = None
         self.precision: Precision | None = None
+        self.tier = TierSettings()  # where an EPS keeps the state (eps.*, resolved)
         self.runner: Runner | None = None
         self.stream: TrainStream | None = None
         self.trainer: Trainer | None = None
@@ -139,92 +154,132 @@ class Session:
         self.crashed = False  # an unexpected exception ended the run (its traceback is in train.log)
         self._stack = ExitStack()
 
-    # ---- building ----------------------------------------------------------------------------------
+    # ---- building: one step per part, in the order each needs the last ----------------------------------
 
     def open(self) -> Session:
-        cfg = self.cfg
+        """Build the run's parts in order: config check, ranks, data and model, the EPS's storage, the
+        training stream, accelerator, precision, runner; then either the weights to evaluate, or the
+        loggers, the trainer and the state it starts from (a resumed checkpoint, pretrained weights)."""
         try:
-            problems = validate(cfg)
-            if problems:
-                raise ConfigError(problems)
-            self.mode = MODES[cfg.mode.name]
-            self.parallel = parallel_for(cfg)
-            parallel = self.parallel.settings(cfg) if self.parallel else None
-            self.dist = dist_from_env(cfg)
-            if self.parallel:  # which ranks share a data shard (a pipeline's do), which evaluate together
-                self.dist = self.parallel.layout(self.dist, parallel)
-            torch.manual_seed(cfg.trainer.seed)
-            try:
-                data = self.data = self.data or load_task(cfg.task, cfg.model, train_split=self.train)
-                self.model = make_spec(cfg.model, data.spec.num_labels)
-            except (UnsupportedModel, PretrainedUnavailable) as e:
-                raise ConfigError([Problem("model.pretrained", str(e))]) from e
-            tier = eps_tier(cfg, self.run_dir)
-            if tier.tier == "disk":
-                from l2l_cli.engine.disk import disk_bytes
-
-                root = Path(tier.path) if tier.path else Path(tempfile.gettempdir())
-                problems = check_eps_path(root, disk_bytes(self.model), self.model.total_params, tier.resume)
-                if self.dist.world > 1:
-                    problems.append(Problem("eps.tier", "disk runs in one process; this job has more ranks"))
-                if problems:
-                    raise ConfigError(problems)
-            check_vocab(data, self.model, cfg)
-            if self.train:
-                self.stream = TrainStream(
-                    data.train, cfg.batch.size, seed=cfg.trainer.seed, world=self.dist.data_world,
-                    rank=self.dist.data_rank,
-                    pad_to_max=cfg.task.max_seq_len if cfg.task.pad_to_max else None,
-                )  # fmt: skip
-            self.steps = total_steps(cfg, self.stream) if self.stream is not None else 1
-            self.acc = make_accelerator(
-                cfg.device, local_rank=self.dist.local_rank, sim_memory_gb=cfg.sim.memory_gb,
-                sim_link_gbps=cfg.sim.link_gbps, measure_memory=cfg.profile.memory,
-                sample_memory=cfg.profile.memory_sample,
-            )  # fmt: skip
-            self.summary.device = self.acc.describe()
-            self.summary.world_size = self.dist.world
-            self.summary.config = run_config(cfg, self.mode, self.model, data, self.dist.data_world)
-            self.summary.params = self.model.total_params  # known even when the runner runs out of memory
-            self._stack.enter_context(self.acc.running())
-            p = cfg.precision
-            self.precision = make_precision(
-                run_precision(cfg), self.acc, dtype=p.dtype, loss_scale=p.loss_scale,
-                init_scale=p.init_scale, growth_interval=p.growth_interval,
-            )  # fmt: skip
-            args = RunnerArgs(
-                self.model, self.acc, self.precision, step_settings(cfg, self.steps),
-                OptimSettings.from_cfg(cfg.optim), self.dist, tier, parallel,
-            )  # fmt: skip
-            with self.acc.meter.window():  # what the runner allocates on the device as it is built
-                self.runner = (
-                    self.parallel.runner(args, self.mode) if self.parallel else self.mode.runner(args)
-                )
+            self._check_config()
+            self._lay_out_ranks()
+            self._load_data_and_model()
+            self._place_eps()
+            check_vocab(self.data, self.model, self.cfg)
+            self._make_stream()
+            self._make_accelerator()
+            self._make_precision()
+            self._make_runner()
             if not self.train:
-                if self.weights is not None:
-                    with self.acc.meter.window():
-                        self._load_weights(self.weights)
+                self._load_eval_weights()
                 return self
-            self.loggers = [JsonlLogger(self.files), *make_loggers(cfg.logger, self.files, cfg)]
-            self.trainer = self._trainer()
-            with self.acc.meter.window():
-                if cfg.trainer.resume:
-                    try:
-                        self.trainer.resume(Path(cfg.trainer.resume))
-                    except CheckpointError as e:
-                        raise ConfigError([Problem("trainer.resume", str(e))]) from e
-                    self.resumed = True
-                    self._record_config()
-                elif cfg.model.pretrained:
-                    try:
-                        load_pretrained(self.runner, cfg.model.pretrained)
-                    except (CheckpointError, PretrainedUnavailable) as e:
-                        raise ConfigError([Problem("model.pretrained", str(e))]) from e
+            self._make_loggers()
+            self._make_trainer()
+            self._load_start_state()
             log.info("%s", self.header())
         except BaseException:
             self.close()
             raise
         return self
+
+    def _check_config(self) -> None:
+        """Every problem of the config at once, before any work (exit 2, one line each)."""
+        problems = validate(self.cfg)
+        if problems:
+            raise ConfigError(problems)
+
+    def _lay_out_ranks(self) -> None:
+        """The mode, the parallel strategy beyond plain data parallel (a pipeline) and the ranks: which
+        share a data shard (a pipeline's do) and which evaluate together."""
+        cfg = self.cfg
+        self.mode = MODES[cfg.mode.name]
+        self.parallel = parallel_for(cfg)
+        self.parallel_settings = self.parallel.settings(cfg) if self.parallel else None
+        self.dist = dist_from_env(cfg)
+        if self.parallel:
+            self.dist = self.parallel.layout(self.dist, self.parallel_settings)
+
+    def _load_data_and_model(self) -> None:
+        """The task's data (unless given) and the model's spec, after seeding torch: a pretrained
+        checkpoint that cannot be had, or a model no family builds, is bad input (``model.pretrained``)."""
+        cfg = self.cfg
+        torch.manual_seed(cfg.trainer.seed)
+        try:
+            data = self.data = self.data or load_task(cfg.task, cfg.model, train_split=self.train)
+            self.model = make_spec(cfg.model, data.spec.num_labels)
+        except (UnsupportedModel, PretrainedUnavailable) as e:
+            raise ConfigError([Problem("model.pretrained", str(e))]) from e
+
+    def _place_eps(self) -> None:
+        """Where an EPS keeps the state (``eps.*``); a disk EPS must fit its folder and run in one process,
+        which only the model's size and the ranks tell, so it is checked here rather than with the config."""
+        assert self.model is not None
+        tier = self.tier = eps_tier(self.cfg, self.run_dir)
+        if tier.tier == "disk":
+            from l2l_cli.engine.disk import disk_bytes
+
+            root = Path(tier.path) if tier.path else Path(tempfile.gettempdir())
+            problems = check_eps_path(root, disk_bytes(self.model), self.model.total_params, tier.resume)
+            if self.dist.world > 1:
+                problems.append(Problem("eps.tier", "disk runs in one process; this job has more ranks"))
+            if problems:
+                raise ConfigError(problems)
+
+    def _make_stream(self) -> None:
+        """The training examples in this rank's order (none when only evaluating), and the run's length."""
+        cfg = self.cfg
+        assert self.data is not None
+        if self.train:
+            self.stream = TrainStream(
+                self.data.train, cfg.batch.size, seed=cfg.trainer.seed, world=self.dist.data_world,
+                rank=self.dist.data_rank,
+                pad_to_max=cfg.task.max_seq_len if cfg.task.pad_to_max else None,
+            )  # fmt: skip
+        self.steps = total_steps(cfg, self.stream) if self.stream is not None else 1
+
+    def _make_accelerator(self) -> None:
+        """The device (cpu, cuda, or the simulated one) and its memory meter, entered for the session's
+        life; the summary learns the run's shape now, so a start that runs out of memory still reports it."""
+        cfg = self.cfg
+        assert self.mode is not None and self.model is not None and self.data is not None
+        self.acc = make_accelerator(
+            cfg.device, local_rank=self.dist.local_rank, sim_memory_gb=cfg.sim.memory_gb,
+            sim_link_gbps=cfg.sim.link_gbps, measure_memory=cfg.profile.memory,
+            sample_memory=cfg.profile.memory_sample,
+        )  # fmt: skip
+        self.summary.device = self.acc.describe()
+        self.summary.world_size = self.dist.world
+        self.summary.config = run_config(cfg, self.mode, self.model, self.data, self.dist.data_world)
+        self.summary.params = self.model.total_params  # known even when the runner runs out of memory
+        self._stack.enter_context(self.acc.running())
+
+    def _make_precision(self) -> None:
+        """The mode's precision as an object (FP32, AMP, CMP), so the runner never branches on dtype."""
+        p = self.cfg.precision
+        assert self.acc is not None
+        self.precision = make_precision(
+            run_precision(self.cfg), self.acc, dtype=p.dtype, loss_scale=p.loss_scale,
+            init_scale=p.init_scale, growth_interval=p.growth_interval,
+        )  # fmt: skip
+
+    def _make_runner(self) -> None:
+        """The mode's runner (wrapped in the parallel strategy's, if any), from typed arguments only; what
+        it allocates on the device as it is built counts in the memory report."""
+        assert self.model is not None and self.acc is not None and self.precision is not None
+        assert self.mode is not None
+        args = RunnerArgs(
+            self.model, self.acc, self.precision, step_settings(self.cfg, self.steps),
+            OptimSettings.from_cfg(self.cfg.optim), self.dist, self.tier, self.parallel_settings,
+        )  # fmt: skip
+        with self.acc.meter.window():
+            self.runner = self.parallel.runner(args, self.mode) if self.parallel else self.mode.runner(args)
+
+    def _load_eval_weights(self) -> None:
+        """Evaluation only: the weights asked for, if any (else the runner's initialization)."""
+        assert self.acc is not None
+        if self.weights is not None:
+            with self.acc.meter.window():
+                self._load_weights(self.weights)
 
     def _load_weights(self, path: Path) -> None:
         """A checkpoint (``checkpoints/step_<k>``: verified, of this model and state layout) or a Hugging
@@ -237,12 +292,49 @@ class Session:
             ckpt.check_identity(path, manifest, identity(self.model, self.mode, self.cfg.optim.name))
             self.runner.load_state(path, manifest)
         else:
-            missing = load_pretrained(self.runner, str(path))
-            if missing:
-                more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-                raise CheckpointError(
-                    f"{path} lacks {', '.join(missing[:3])}{more}: not the weights of this model"
-                )
+            load_exported(self.runner, path)
+
+    def _make_loggers(self) -> None:
+        """metrics.jsonl always (rank 0, with a run dir), then the configured ``logger`` backends."""
+        self.loggers = [JsonlLogger(self.files), *make_loggers(self.cfg.logger, self.files, self.cfg)]
+
+    def _make_trainer(self) -> None:
+        """The loop, from its settings (the config's ``trainer.*`` resolved) and the live parts it drives."""
+        assert self.runner is not None and self.stream is not None and self.data is not None
+        self.trainer = Trainer(
+            trainer_settings(self.cfg, self.steps, identity(self.model, self.mode, self.cfg.optim.name),
+                             self.title()),
+            runner=self.runner, stream=self.stream, data=self.data, evaluate=self.evaluate, files=self.files,
+            loggers=self.loggers, summary=self.summary, ctx=self.dist, stop=self.stop,
+        )  # fmt: skip
+
+    def _load_start_state(self) -> None:
+        """Where training starts: a resumed run's checkpoint (its trainer state too), or pretrained
+        weights, or the runner's initialization. A checkpoint or weights that cannot be used is bad input."""
+        cfg = self.cfg
+        assert self.acc is not None and self.trainer is not None and self.runner is not None
+        with self.acc.meter.window():
+            if cfg.trainer.resume:
+                try:
+                    self.trainer.resume(Path(cfg.trainer.resume))
+                except CheckpointError as e:
+                    raise ConfigError([Problem("trainer.resume", str(e))]) from e
+                self.resumed = True
+                self._record_config()
+            elif cfg.model.pretrained:
+                try:
+                    load_pretrained(self.runner, cfg.model.pretrained)
+                except (CheckpointError, PretrainedUnavailable) as e:
+                    raise ConfigError([Problem("model.pretrained", str(e))]) from e
+
+    def _record_config(self) -> None:
+        """A resumed run's config (its own, with this command's overrides) becomes the run's config, so a
+        later resume or ``l2l eval`` inherits it (Hydra does not write .hydra/ for a resume)."""
+        hydra_dir = self.files.dir / ".hydra"
+        if hydra_dir.is_dir():
+            self.files.write_text(".hydra/config.yaml", OmegaConf.to_yaml(self.cfg))
+
+    # ---- what a run does with it ------------------------------------------------------------------------
 
     def header(self) -> str:
         """What this run is, for train.log: mode, model (and the checkpoint it starts from), task, data."""
@@ -262,35 +354,6 @@ class Session:
         if self.summary.resumed_from:
             lines.append(f"  resumed   from {self.summary.resumed_from['checkpoint']}")
         return "\n".join(lines)
-
-    def _record_config(self) -> None:
-        """A resumed run's config (its own, with this command's overrides) becomes the run's config, so a
-        later resume or ``l2l eval`` inherits it (Hydra does not write .hydra/ for a resume)."""
-        hydra_dir = self.files.dir / ".hydra"
-        if hydra_dir.is_dir():
-            self.files.write_text(".hydra/config.yaml", OmegaConf.to_yaml(self.cfg))
-
-    def _trainer(self) -> Trainer:
-        cfg, tr = self.cfg, self.cfg.trainer
-        assert self.runner is not None and self.stream is not None and self.data is not None
-        ident = identity(self.model, self.mode, cfg.optim.name)
-        return Trainer(
-            runner=self.runner, mode=self.mode, stream=self.stream, data=self.data, steps=self.steps,
-            evaluate=self.evaluate, files=self.files, loggers=self.loggers, summary=self.summary, ctx=self.dist,
-            ident=ident, config_yaml=OmegaConf.to_yaml(cfg, resolve=True), save_every=tr.save_every,
-            keep_checkpoints=tr.keep_checkpoints, realtime_ckpt=tr.realtime_ckpt, save_final=tr.save_final,
-            eval_every=tr.eval_every, log_every=tr.log_every, max_bad_steps=tr.max_bad_steps,
-            progress=tr.progress, title=self.title(),
-            stop=self.stop, store=self.store,
-        )  # fmt: skip
-
-    @property
-    def store(self) -> Any:
-        """The EPS's disk tier when it keeps the state (committed after every step), else None."""
-        tier = getattr(getattr(self.runner, "eps", None), "tier", None)
-        return tier if getattr(tier, "durable", False) else None
-
-    # ---- what a run does with it ------------------------------------------------------------------------
 
     def title(self) -> str:
         """The progress header: method, model (or the pretrained checkpoint it starts from), task."""
@@ -374,64 +437,3 @@ def build(cfg: DictConfig, run_dir: Path | None = None, **kw: Any) -> Session:
     """The opened session for ``cfg`` (use it as ``with build(cfg) as s:``). ``run_dir`` None: nothing is
     written; ``data``: a task's data already loaded (tests, benchmarks)."""
     return Session(cfg, run_dir, **kw).open()
-
-
-SHARD_INDEX = "model.safetensors.index.json"  # a checkpoint saved in shards (7B and larger)
-
-
-def load_pretrained(runner: Runner, ref: str) -> list[str]:
-    """Stream a Hugging Face checkpoint's tensors in: safetensors (one file, or shards listed by
-    ``model.safetensors.index.json``), or a legacy ``pytorch_model.bin`` read with
-    ``torch.load(weights_only=True)``, which refuses anything but tensors (no code runs from a file).
-    Returns the names it left at their initialization."""
-    from safetensors import safe_open
-
-    root = resolve_pretrained(ref)
-    if (root / "model.safetensors").is_file():
-        with safe_open(str(root / "model.safetensors"), framework="pt") as f:
-            missing = runner.load_hf(SafeTensors(f))
-    elif (root / SHARD_INDEX).is_file():
-        with ExitStack() as stack:
-            handles = [stack.enter_context(safe_open(str(p), framework="pt")) for p in shard_files(root)]
-            missing = runner.load_hf(SafeTensors(*handles))
-    else:
-        try:
-            tensors = torch.load(root / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise CheckpointError(f"{root}/pytorch_model.bin: refused ({str(e).splitlines()[0]})") from e
-        missing = runner.load_hf(tensors)
-    log.info("loaded %s; newly initialized: %s", ref, ", ".join(missing) or "none")
-    return missing
-
-
-def shard_files(root: Path) -> list[Path]:
-    """The shard files an index names: plain file names inside ``root`` (no path may lead out of it)."""
-    import json
-
-    try:
-        names = sorted(set(json.loads((root / SHARD_INDEX).read_text())["weight_map"].values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{root}/{SHARD_INDEX}: unreadable ({e})") from e
-    for name in names:
-        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
-            raise CheckpointError(f"{root}/{SHARD_INDEX}: shard {name!r} is not a file name in that folder")
-        if not (root / name).is_file():
-            raise CheckpointError(f"{root}/{SHARD_INDEX}: shard {name} is missing")
-    return [root / n for n in names]
-
-
-class SafeTensors:
-    """Safetensors handles (one file, or a checkpoint's shards) read one tensor at a time, never the
-    whole checkpoint at once."""
-
-    def __init__(self, *handles: Any):
-        self._where = {k: h for h in handles for k in h.keys()}  # noqa: SIM118  (handles have keys(), not iter)
-
-    def keys(self) -> set[str]:
-        return set(self._where)
-
-    def get_tensor(self, name: str) -> torch.Tensor:
-        return self._where[name].get_tensor(name)
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self.get_tensor(name)

@@ -12,7 +12,7 @@ from transformers import BertForSequenceClassification
 from l2l_cli.config import ModelConfig
 from l2l_cli.data.batches import Batch
 from l2l_cli.models import FAMILIES, LayeredModel
-from l2l_cli.session import SafeTensors
+from l2l_cli.models.hf import SafeTensors
 from tests.util import batches, bert_spec, built, tiny_cfg
 
 

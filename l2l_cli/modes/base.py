@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
@@ -31,6 +31,11 @@ from l2l_cli.engine.precision import Precision
 from l2l_cli.engine.tiers import TierSettings
 from l2l_cli.models.base import LayeredModel, ModelSpec
 from l2l_cli.profiling.timers import PhaseTimer
+
+if TYPE_CHECKING:
+    from l2l_cli.checkpoint import RealtimeWriter
+
+LayerFiles = list[tuple[str, Callable[[], dict[str, torch.Tensor]]]]  # (file name, its tensors when called)
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,25 @@ class StepReport:
     extra: dict[str, float] = field(default_factory=dict)
 
 
+class DurableState(Protocol):
+    """A training state that is a checkpoint by itself (the disk EPS: every layer in its own file, committed
+    after each step), so the trainer commits it instead of saving one, and resumes from its last commit."""
+
+    root: Path  # where it lives: the checkpoint a stop points to
+
+    def commit(self, step: int, trainer_state: dict[str, Any], ident: dict[str, Any] | None = None) -> None:
+        """Make the state after ``step`` (and the trainer's ``trainer_state``) the one a restart finds."""
+        ...
+
+    def resume_point(self) -> dict[str, Any] | None:
+        """The last commit it started from (its step, identity and ``trainer`` state), if any."""
+        ...
+
+    def summary(self) -> dict[str, Any]:
+        """summary.json's section on it (``eps_disk``)."""
+        ...
+
+
 @runtime_checkable
 class Runner(Protocol):
     """What the trainer, the checkpointer and the evaluator drive. ``step_count`` is the number of
@@ -107,6 +131,21 @@ class Runner(Protocol):
 
     def sections(self) -> dict[str, dict[str, Any]]:
         """Collective: the mode's own summary.json sections (``pipeline``: per-rank times, the bubble)."""
+        ...
+
+    def attach_realtime(self, writer: RealtimeWriter) -> None:
+        """Real-time checkpoints (``trainer.realtime_ckpt``): hand each layer's file to ``writer`` right
+        after its update. Only modes that keep the state per layer on the host (an EPS) can."""
+        ...
+
+    def layer_files(self) -> LayerFiles:
+        """Every layer's real-time checkpoint file, as views of the live state taken when called: a step's
+        real-time checkpoint writes those its updates did not (a skipped step's)."""
+        ...
+
+    def durable_state(self) -> DurableState | None:
+        """The state's own checkpoint when it keeps one (a disk EPS); None: the trainer's saves are the
+        only checkpoints."""
         ...
 
     def close(self) -> None: ...
@@ -181,6 +220,15 @@ class RunnerBase:
 
     def sections(self) -> dict[str, dict[str, Any]]:
         return {}
+
+    def attach_realtime(self, writer: RealtimeWriter) -> None:
+        raise NotImplementedError(f"{type(self).__name__}: real-time checkpoints need the state on an EPS")
+
+    def layer_files(self) -> LayerFiles:
+        return []
+
+    def durable_state(self) -> DurableState | None:
+        return None  # the state lives in memory: the trainer's checkpoints are its only copy on disk
 
     def close(self) -> None:
         return None

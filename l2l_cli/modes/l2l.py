@@ -12,7 +12,7 @@ layer. The host updates every layer at the end of the step.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -21,8 +21,11 @@ from l2l_cli.data.batches import Batch
 from l2l_cli.engine.eps import EagerParamServer
 from l2l_cli.engine.relay import Relay
 from l2l_cli.engine.stash import CpuStash, DeviceStash
-from l2l_cli.modes.base import RunnerArgs, RunnerBase, StepReport
+from l2l_cli.modes.base import DurableState, LayerFiles, RunnerArgs, RunnerBase, StepReport
 from l2l_cli.modes.registry import ModeSpec, register_mode
+
+if TYPE_CHECKING:
+    from l2l_cli.checkpoint import RealtimeWriter
 
 
 class L2LRunner(RunnerBase):
@@ -198,6 +201,18 @@ class L2LRunner(RunnerBase):
     def load_state(self, ckpt: Any, manifest: dict[str, Any]) -> None:
         self.eps.settle()
         self.eps.load_state(ckpt, manifest)
+
+    # ---- the EPS's checkpoints (real-time files; the disk tier's commits) --------------------------------
+
+    def attach_realtime(self, writer: RealtimeWriter) -> None:
+        self.eps.realtime = writer
+
+    def layer_files(self) -> LayerFiles:
+        return [self.eps.layer_file(i) for i in range(len(self.eps.layers))]
+
+    def durable_state(self) -> DurableState | None:
+        tier = self.eps.tier
+        return tier if tier.durable else None  # type: ignore[return-value]
 
     def close(self) -> None:
         try:

@@ -1,0 +1,97 @@
+"""Hugging Face weights in: a checkpoint (safetensors, one file or shards, or a legacy ``pytorch_model.bin``)
+streamed tensor by tensor into whatever holds the model (a runner: the device, the eager param-server or a
+pipeline's stages), through its ``load_hf(tensors) -> missing names``.
+
+Reading a checkpoint is the model's business, not the run's: the files and names are the family's, while
+where each tensor lands is the runner's, so the runner comes in as a duck-typed ``HFLoader``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from l2l_cli.checkpoint import CheckpointError
+from l2l_cli.models.registry import resolve_pretrained
+
+log = logging.getLogger("l2l")
+
+SHARD_INDEX = "model.safetensors.index.json"  # a checkpoint saved in shards (7B and larger)
+
+
+class HFLoader(Protocol):
+    """What takes a checkpoint's tensors by Hugging Face name (every runner)."""
+
+    def load_hf(self, tensors: Any) -> list[str]:
+        """Copy in the tensors it knows; returns the names it left at their initialization."""
+        ...
+
+
+def load_pretrained(runner: HFLoader, ref: str) -> list[str]:
+    """Stream a Hugging Face checkpoint's tensors in: safetensors (one file, or shards listed by
+    ``model.safetensors.index.json``), or a legacy ``pytorch_model.bin`` read with
+    ``torch.load(weights_only=True)``, which refuses anything but tensors (no code runs from a file).
+    Returns the names it left at their initialization."""
+    from safetensors import safe_open
+
+    root = resolve_pretrained(ref)
+    if (root / "model.safetensors").is_file():
+        with safe_open(str(root / "model.safetensors"), framework="pt") as f:
+            missing = runner.load_hf(SafeTensors(f))
+    elif (root / SHARD_INDEX).is_file():
+        with ExitStack() as stack:
+            handles = [stack.enter_context(safe_open(str(p), framework="pt")) for p in shard_files(root)]
+            missing = runner.load_hf(SafeTensors(*handles))
+    else:
+        try:
+            tensors = torch.load(root / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"{root}/pytorch_model.bin: refused ({str(e).splitlines()[0]})") from e
+        missing = runner.load_hf(tensors)
+    log.info("loaded %s; newly initialized: %s", ref, ", ".join(missing) or "none")
+    return missing
+
+
+def load_exported(runner: HFLoader, path: Path) -> None:
+    """A model directory this model was exported to (a run's ``final/``, for ``l2l eval``): unlike a
+    pretrained start, whose head may be new, every weight must be there."""
+    missing = load_pretrained(runner, str(path))
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise CheckpointError(f"{path} lacks {', '.join(missing[:3])}{more}: not the weights of this model")
+
+
+def shard_files(root: Path) -> list[Path]:
+    """The shard files an index names: plain file names inside ``root`` (no path may lead out of it)."""
+    try:
+        names = sorted(set(json.loads((root / SHARD_INDEX).read_text())["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{root}/{SHARD_INDEX}: unreadable ({e})") from e
+    for name in names:
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise CheckpointError(f"{root}/{SHARD_INDEX}: shard {name!r} is not a file name in that folder")
+        if not (root / name).is_file():
+            raise CheckpointError(f"{root}/{SHARD_INDEX}: shard {name} is missing")
+    return [root / n for n in names]
+
+
+class SafeTensors:
+    """Safetensors handles (one file, or a checkpoint's shards) read one tensor at a time, never the
+    whole checkpoint at once."""
+
+    def __init__(self, *handles: Any):
+        self._where = {k: h for h in handles for k in h.keys()}  # noqa: SIM118  (handles have keys(), not iter)
+
+    def keys(self) -> set[str]:
+        return set(self._where)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.get_tensor(name)
