@@ -53,9 +53,14 @@ class TierSettings:
 class Tier(Protocol):
     """Where the EPS keeps each layer's training state (see the module doc for who calls what)."""
 
-    durable: bool  # its state is a checkpoint by itself (committed after every step)
-    adopted: bool  # it started from state found on disk (the EPS then builds no initial weights)
-    root: Path | None  # the directory of its files (None: it keeps none)
+    @property
+    def durable(self) -> bool: ...  # its state is a checkpoint by itself (committed after every step)
+
+    @property
+    def adopted(self) -> bool: ...  # it started from state found on disk (the EPS builds no initial weights)
+
+    @property
+    def root(self) -> Path | None: ...  # the directory of its files (None: it keeps none)
 
     def new_layer(
         self, index: int, kind: str, layout: FlatLayout, acc: Accelerator, send_dtype: torch.dtype,
