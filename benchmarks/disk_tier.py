@@ -31,7 +31,7 @@ from l2l_cli.compose import compose
 from l2l_cli.data.batches import TrainStream
 from l2l_cli.data.synthetic import synthetic
 from l2l_cli.data.tasks import TASKS, TaskData
-from l2l_cli.engine.disk import disk_bytes, measure_disk
+from l2l_cli.engine.tiers.disk import disk_bytes, measure_disk
 from l2l_cli.models import make_spec
 from l2l_cli.session import build
 

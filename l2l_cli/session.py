@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -19,7 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from l2l_cli.checkpoint import CheckpointError, identity
-from l2l_cli.config.validate import check_eps_path, validate
+from l2l_cli.config.validate import validate
 from l2l_cli.data.batches import TrainStream
 from l2l_cli.data.loading import load_task
 from l2l_cli.data.tasks import TaskData
@@ -28,7 +27,7 @@ from l2l_cli.engine.dist import DistContext
 from l2l_cli.engine.dist import from_env as dist_from_env
 from l2l_cli.engine.optim import OptimSettings
 from l2l_cli.engine.precision import Precision, make_precision
-from l2l_cli.engine.tiers import TierSettings
+from l2l_cli.engine.tiers import TIERS, TierSettings
 from l2l_cli.loop import EvalStopped, StopFlag, Trainer, TrainerSettings
 from l2l_cli.models import ModelSpec, PretrainedUnavailable, UnsupportedModel, make_spec
 from l2l_cli.models.hf import load_exported, load_pretrained
@@ -82,11 +81,12 @@ def eps_tier(cfg: Any, run_dir: Path | None) -> TierSettings:
     e = cfg.eps
     path = e.path
     resume = cfg.trainer.resume
-    if e.tier == "disk" and path is None:
+    folder = TIERS[e.tier].dir_name
+    if folder is not None and path is None:
         if resume and resume != "latest":
-            path = str(Path(resume) / "eps")
+            path = str(Path(resume) / folder)
         elif run_dir is not None:
-            path = str(run_dir / "eps")
+            path = str(run_dir / folder)
     return TierSettings(e.tier, path, e.host_cache_layers, resume=bool(resume))
 
 
@@ -215,15 +215,9 @@ class Session:
         which only the model's size and the ranks tell, so it is checked here rather than with the config."""
         assert self.model is not None
         tier = self.tier = eps_tier(self.cfg, self.run_dir)
-        if tier.tier == "disk":
-            from l2l_cli.engine.disk import disk_bytes
-
-            root = Path(tier.path) if tier.path else Path(tempfile.gettempdir())
-            problems = check_eps_path(root, disk_bytes(self.model), self.model.total_params, tier.resume)
-            if self.dist.world > 1:
-                problems.append(Problem("eps.tier", "disk runs in one process; this job has more ranks"))
-            if problems:
-                raise ConfigError(problems)
+        problems = TIERS[tier.tier].check_start(tier, self.model, self.dist.world)
+        if problems:
+            raise ConfigError(problems)
 
     def _make_stream(self) -> None:
         """The training examples in this rank's order (none when only evaluating), and the run's length."""

@@ -4,9 +4,9 @@ forked from one fresh interpreter so the imports are paid once.
     python -m tests.forkrun JOBS.json RESULTS.json
 
 JOBS.json: a list of {"overrides": [...], "run_dir": str, "crash": "<event>:<n>" (the disk EPS kills its
-own process there; see l2l_cli.engine.disk), "kill_after_steps": n (SIGKILL from outside once n steps are
-logged, after "kill_delay_s")}. RESULTS.json: per job {"signal", "exit", "maxrss_bytes"} (the child's peak
-RSS, from wait4). The parent only imports: no torch op runs before a fork.
+own process there; see l2l_cli.engine.tiers.disk.format), "kill_after_steps": n (SIGKILL from outside once
+n steps are logged, after "kill_delay_s")}. RESULTS.json: per job {"signal", "exit", "maxrss_bytes"} (the
+child's peak RSS, from wait4). The parent only imports: no torch op runs before a fork.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ def _child(job: dict, run_dir: Path) -> None:
         os.dup2(log, 1)
         os.dup2(log, 2)
         from l2l_cli.compose import compose
-        from l2l_cli.engine import disk
+        from l2l_cli.engine.tiers.disk import format as disk_format
         from l2l_cli.train import run_job
 
-        disk._CRASH = job.get("crash", "")
+        disk_format._CRASH = job.get("crash", "")
         status = run_job(compose(job["overrides"]), run_dir)
         os._exit(0 if status == "ok" else 1)
     except BaseException:
@@ -46,7 +46,7 @@ def _child(job: dict, run_dir: Path) -> None:
 
 def main(jobs_path: str, results_path: str) -> None:
     import l2l_cli.compose
-    import l2l_cli.engine.disk
+    import l2l_cli.engine.tiers.disk
     import l2l_cli.train  # noqa: F401  (imported before the forks: each child starts with them)
 
     results = []

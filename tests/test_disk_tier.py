@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from l2l_cli.compose import compose
 from l2l_cli.config.validate import validate
-from l2l_cli.engine.disk import disk_bytes
+from l2l_cli.engine.tiers.disk import disk_bytes
 from l2l_cli.problems import ConfigError
 from l2l_cli.session import build
 from l2l_cli.train import run_job
@@ -303,7 +303,7 @@ def test_plan_says_which_tier_a_model_needs_and_predicts_the_disk_tier() -> None
 
 
 def test_disk_measurement_times_sequential_direct_io(tmp_path: Path) -> None:
-    from l2l_cli.engine.disk import measure_disk
+    from l2l_cli.engine.tiers.disk import measure_disk
 
     m = measure_disk(tmp_path, 8 << 20)
     assert m["bytes"] == 8 << 20 and m["read_gbps"] > 0 and m["write_gbps"] > 0 and m["free_bytes"] > 0

@@ -102,7 +102,7 @@ REGISTRIES = {
         ),
         ("data/",),
     ),
-    "tier": (("host", "disk"), ("engine/tiers.py", "engine/host.py", "engine/disk")),
+    "tier": (("host", "disk"), ("engine/tiers/",)),
     "optimizer": (("adamw", "lamb"), ("engine/optim.py",)),
     "logger": (("csv", "tensorboard", "wandb"), ("rundir.py",)),
 }

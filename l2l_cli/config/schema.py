@@ -23,7 +23,6 @@ DIST_BACKENDS = ("auto", "gloo", "nccl")
 PLACEMENTS = ("modular", "contiguous")  # pipeline stages: layer i on rank i mod P, or blocks of L/P layers
 PIPE_SCHEDULES = ("auto", "breadth_first", "interleaved_1f1b", "gpipe", "1f1b")
 SCALES = ("cpu", "paper")
-EPS_TIERS = ("host", "disk")
 
 
 @dataclass

@@ -8,7 +8,6 @@ rules and its own ``validate``; the families a checkpoint may be), never from a 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,6 @@ from l2l_cli.config.schema import (
     CLIP,
     DEVICES,
     DIST_BACKENDS,
-    EPS_TIERS,
     HALF_DTYPES,
     LOSS_SCALE,
     PIPE_SCHEDULES,
@@ -32,8 +30,8 @@ from l2l_cli.config.schema import (
 )
 from l2l_cli.data.loading import task_problems
 from l2l_cli.data.tasks import LM, TASKS
-from l2l_cli.engine.disk import COMMIT, disk_bytes
 from l2l_cli.engine.optim import OPTIMIZERS
+from l2l_cli.engine.tiers import TIERS, TierKind
 from l2l_cli.models import (
     FAMILIES,
     UnsupportedModel,
@@ -356,49 +354,31 @@ def _dist(cfg: Any, check_files: bool) -> list[Problem]:
 
 @check("eps")
 def _eps(cfg: Any, check_files: bool) -> list[Problem]:
-    """The EPS's storage tier; with ``check_files``, whether the disk EPS's directory can hold the model's
-    state (the session checks its exact directory again once the run dir exists)."""
+    """The EPS's storage tier: every tier's keys, the selected tier's own rules (its ``TierKind``) and the
+    one that needs the mode registry; with ``check_files``, whether the tier's directory can hold the
+    model's state (the session checks its exact directory again once the run dir exists)."""
 
     p: list[Problem] = []
     e = cfg.eps
-    one_of(p, "eps.tier", e.tier, EPS_TIERS)
-    at_least(p, "eps.host_cache_layers", e.host_cache_layers, 2, " (the layer in use and the one read ahead)")
-    if e.path is not None and not str(e.path).strip():
-        p.append(Problem("eps.path", "got an empty path; allowed: a directory, or unset for <run dir>/eps"))
-    if e.tier != "disk":
+    one_of(p, "eps.tier", e.tier, tuple(TIERS))
+    for kind in TIERS.values():
+        p.extend(kind.check_keys(cfg))
+    tier = TIERS.get(e.tier)
+    if tier is None:
         return p
     spec = _mode(cfg)
-    if spec is not None and spec.host_state != "eps":
+    if tier.eps_modes_only is not None and spec is not None and spec.host_state != "eps":
         with_eps = ", ".join(m.name for m in MODES.values() if m.host_state == "eps")
         p.append(
             Problem(
                 "eps.tier",
-                f"disk moves the eager param-server's state to disk; mode={spec.name} keeps its state on the "
-                f"device (modes with an EPS: {with_eps})",
+                f"{tier.eps_modes_only}; mode={spec.name} keeps its state on the device (modes with an EPS: "
+                f"{with_eps})",
             )
         )
-    if cfg.dist.nproc > 1:
-        p.append(
-            Problem("eps.tier", "disk runs in one process (dist.nproc=1): every rank would keep its own copy")
-        )
-    if cfg.trainer.realtime_ckpt:
-        p.append(
-            Problem(
-                "trainer.realtime_ckpt",
-                "not with eps.tier=disk: the disk EPS is committed after every step, it is a real-time "
-                "checkpoint already",
-            )
-        )
-    if not cfg.dist.eager_reduce:
-        p.append(
-            Problem(
-                "dist.eager_reduce",
-                "false is not available with eps.tier=disk (every gradient would wait in RAM for the end of "
-                "the backward); use true",
-            )
-        )
+    p.extend(tier.validate(cfg, check_files))
     if check_files and not p:
-        p.extend(_eps_space(cfg))
+        p.extend(_eps_space(cfg, tier))
     return p
 
 
@@ -418,59 +398,14 @@ def validate(cfg: Any, *, check_files: bool = True) -> list[Problem]:
 # ---- files the config points at -------------------------------------------------------------------
 
 
-def check_eps_path(root: Path, need: int, params: int, resume: bool = False) -> list[Problem]:
-    """A disk EPS directory that cannot hold the state is refused before any work, saying what it needs."""
-    root = root.expanduser()
-    what = (
-        f"the disk EPS needs {fmt_bytes(need)} ({need:,} bytes: two versions of the FP32 weights and "
-        f"optimizer moments, 24 bytes per parameter x {params:,})"
-    )
-    if (root / COMMIT).is_file():
-        if resume:
-            return []  # continuing in place: the files are checked when the EPS adopts them
-        return [
-            Problem(
-                "eps.path",
-                f"{root} already holds a disk EPS (commit.json); continue it with trainer.resume=<its run "
-                f"dir>, or choose an empty directory",
-            )
-        ]
-    base = root
-    while not base.exists() and base != base.parent:
-        base = base.parent
-    if not base.is_dir():
-        return [Problem("eps.path", f"{root}: {base} is not a directory; {what}")]
-    st = os.statvfs(base)
-    if st.f_flag & os.ST_RDONLY or not os.access(base, os.W_OK):
-        return [Problem("eps.path", f"{root} is not writable (read-only file system or permissions); {what}")]
-    free = st.f_bavail * st.f_frsize
-    if free < need:
-        return [Problem("eps.path", f"{root} has {fmt_bytes(free)} free; {what}")]
-    return []
-
-
-def eps_dir_guess(cfg: Any) -> Path:
-    """Where a disk EPS will live, as far as the config says before the run dir exists: eps.path, the
-    resumed run's eps/, else the run dir Hydra will make (its nearest existing folder is what is checked)."""
-    if cfg.eps.path:
-        return Path(cfg.eps.path)
-    if cfg.trainer.resume and cfg.trainer.resume != "latest":
-        return Path(cfg.trainer.resume) / "eps"
-    try:
-        run_dir = OmegaConf.select(cfg, "hydra.run.dir") if isinstance(cfg, DictConfig) else None
-    except Exception:  # ${now:...} outside a Hydra run
-        run_dir = None
-    return Path(str(run_dir) if run_dir else "outputs") / "eps"
-
-
-def _eps_space(cfg: Any) -> list[Problem]:
-    if cfg.task.name not in TASKS:
+def _eps_space(cfg: Any, tier: TierKind) -> list[Problem]:
+    if tier.check_space is None or cfg.task.name not in TASKS:
         return []
     try:
         spec = make_spec(cfg.model, TASKS[cfg.task.name].num_labels)
     except (UnsupportedModel, OSError, ValueError, KeyError):
         return []  # the model's own check says why
-    return check_eps_path(eps_dir_guess(cfg), disk_bytes(spec), spec.total_params, bool(cfg.trainer.resume))
+    return tier.check_space(cfg, spec)
 
 
 def check_resume(ref: str) -> list[Problem]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from l2l_cli.engine.tiers import TIERS
 from l2l_cli.modes import MODES, ModeSpec, find_mode, run_precision, run_stash
 from l2l_cli.plan import costmodel as cm
 from l2l_cli.plan.hardware import Rates
@@ -58,7 +59,8 @@ class Setup:
     @property
     def disk(self) -> bool:
         """The EPS keeps its state on disk, a few layers cached in RAM (eps.tier=disk)."""
-        return self.l2l and self.tier == "disk"
+        kind = TIERS.get(self.tier)
+        return self.l2l and kind is not None and kind.on_disk
 
     @property
     def data_parallel(self) -> int:

@@ -122,7 +122,7 @@ def eps_disk_dir(cfg: Any) -> Path:
 def measure_eps_disk(cfg: Any, shape: ModelShape) -> dict[str, Any] | None:
     """The disk EPS tier's filesystem: sequential write and read of one block's state (w, m, v: 12 bytes
     per parameter, 64 MiB to 1 GiB), as the tier does its I/O. None where it cannot be written."""
-    from l2l_cli.engine.disk import measure_disk
+    from l2l_cli.engine.tiers.disk import measure_disk
 
     nbytes = int(min(max(12 * shape.block_params, 64 << 20), 1 << 30))
     try:
@@ -202,7 +202,7 @@ def measure(cfg: Any, shape: ModelShape) -> MeasuredTimes:
         head = _fwd_bwd(run_post, lambda y: torch.ones((), device=device, dtype=y.dtype), repeats, sync)
     layers = LayerTimes(emb[0], emb[1], emb[2], blk[0], blk[1], blk[2], head[1], head[2], ub)
 
-    # -- the EPS update: a layer's flat FP32 buffers (engine/eps.py LayerState), for two layer sizes ----
+    # -- the EPS update: a layer's flat FP32 buffers (engine/layer_state.py), for two layer sizes ------------
     mode = MODES[cfg.mode.name]
 
     def host_update_fn(kind: str) -> tuple[int, Callable[[], None]]:

@@ -1,0 +1,158 @@
+"""L2L-p's speculative update (Alg. 4, Process 2, with SuperOffload's speculation-then-validation).
+
+L2L-p updates layer l+1 on the EPS thread while the device runs backward on layer l, before the step's
+gradient norm is known. With global clipping the factor is known only once every gradient is in, and a
+non-finite gradient anywhere skips the whole step; so each layer is updated as if no clipping applied, its
+pre-update state kept in an undo log, and the step is judged at its end: non-finite -> every speculative
+update is undone; clipping applies -> undone and redone with the right factor. Layers updated after the
+norm so far already exceeds the limit are held back instead (their update would only be undone). This class
+keeps that bookkeeping (the step's norms, the layers updated and held, the rollbacks so far).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from l2l_cli.engine.layer_server import LayerServer, grad_mult
+from l2l_cli.engine.optim import clip_coefficients
+from l2l_cli.engine.precision import LossScaler
+from l2l_cli.engine.trailing import TrailingUpdate
+
+
+class Speculation:
+    """One L2L-p step's speculative updates, judged at its end; and the rollbacks of the run."""
+
+    def __init__(self, eps: LayerServer, trailing: TrailingUpdate):
+        self.eps, self.trailing = eps, trailing
+        # the step's per-layer norms, the layers updated before the verdict (undo log kept), those held
+        # back once global clipping was certain
+        self._bad = False
+        self._updated: list[int] = []
+        self._held: list[int] = []
+        self._norms: dict[int, torch.Tensor] = {}
+        self.rollbacks = 0  # steps whose speculative updates were undone (clipping, or a non-finite gradient)
+        self.rollback_layers = 0
+        self.last_rollback: str | None = None  # why the last step rolled back (None: it did not)
+
+    def update_async(self, i: int, lr: float, scaler: LossScaler, clip: str, max_norm: float) -> None:
+        """Reduce and update layer i in the background (Alg. 4, Process 2), speculatively: with global
+        clipping the factor is known only once every gradient is in, so layer i is updated as if no
+        clipping applied, its pre-update state kept in the undo log; ``finish`` rolls it back and redoes it
+        with the right factor when the finished norm says clipping applies, and rolls back the whole step
+        on a non-finite gradient (SuperOffload's speculation-then-validation)."""
+        eps = self.eps
+        eps.worker.submit(
+            eps.layer_job, self._reduce_and_update, i, lr, scaler.scale, clip, max_norm, layer=i
+        )
+
+    def _reduce_and_update(self, i: int, lr: float, scale: float, clip: str, max_norm: float) -> None:
+        eps = self.eps
+        eps.reduce(i)
+        st = eps.layers[i]
+        norm = torch.linalg.vector_norm(st.g) / (scale * eps.dist.world)
+        self._norms[i] = norm
+        if self._bad or not bool(torch.isfinite(norm)):
+            self._bad = True
+            return
+        inv = 1.0 / (scale * eps.dist.world)
+        if clip == "global":
+            norms = torch.stack(list(self._norms.values()))
+            if eps.tier.durable or float(clip_coefficients(norms, clip, max_norm)[0]) < 1.0:
+                # the norm so far already exceeds max_grad_norm: clipping is certain, and any update
+                # made now would be undone; wait for the factor instead. The disk tier always waits: an
+                # update there consumes the gradient it would need to redo one (its undo is the file's
+                # other slot, the state before the update, not the gradient)
+                self._held.append(i)
+                return
+            mult = None if inv == 1.0 else inv  # as if the factor were 1; checked in finish
+        else:
+            coef = clip_coefficients(norm[None], clip, max_norm)
+            mult = (coef[0] * inv) if coef is not None else (None if inv == 1.0 else inv)
+        with eps.worker.work():
+            st.save_undo(eps.acc)
+            eps.update_layer(i, lr, mult)
+        self._updated.append(i)
+
+    def finish(
+        self, scaler: LossScaler, trailing: tuple[int, float, str, float], defer: bool = False
+    ) -> tuple[bool, float]:
+        """The end of an L2L-p step: wait for the background updates, take the trailing layer's gradient
+        (``trailing`` = (layer, lr, clip, max_norm)), and judge the step on every layer's norm:
+        non-finite -> undo every speculative update (the step is skipped); global clipping applies ->
+        undo and redo them with the right factor, in forward order on the EPS thread, each layer ready
+        before the next forward loads it. The trailing layer's own update is applied here, or with
+        ``defer`` held for ``start_step`` (it then runs behind the next forward). Returns (applied, norm)."""
+        with self.eps.acc.meter.paused():  # host-tier work on the compute thread
+            try:
+                return self._judge(scaler, trailing, defer)
+            finally:
+                self.eps.tier.release_grad(trailing[0])  # (the disk tier may move its gradient out now)
+
+    def _judge(
+        self, scaler: LossScaler, trailing: tuple[int, float, str, float], defer: bool
+    ) -> tuple[bool, float]:
+        eps = self.eps
+        i0, lr, clip, max_norm = trailing
+        self.trailing.apply()  # one no step started after (not in a normal run): apply it first
+        eps.worker.wait_all()
+        eps.reduce(i0)
+        scale = scaler.scale * eps.dist.world
+        self._norms[i0] = torch.linalg.vector_norm(eps.layers[i0].g) / scale
+        norms = torch.stack([self._norms[i] for i in sorted(self._norms)])  # in layer order, as Alg. 3
+        bad, updated, held = self._bad or not bool(torch.isfinite(norms).all()), self._updated, self._held
+        self._bad, self._updated, self._held, self._norms = False, [], [], {}
+        self.last_rollback = None
+        scaler.update(bad)
+        if bad:
+            with eps.worker.work():
+                for i in updated:
+                    self._restore(i)
+            self._count_rollback(updated, "a non-finite gradient")
+            return False, float(torch.linalg.vector_norm(norms))
+        coefs = clip_coefficients(norms, clip, max_norm)
+        if clip == "global":
+            factor = coefs[0]  # type: ignore[index]
+            redo = updated if float(factor) < 1.0 else []
+            for i in sorted(held + redo):  # forward order: the next forward needs layer 1 first
+                eps.worker.submit(
+                    eps.worker.timed, self._redo, i, lr, factor, i in redo, 1.0 / scale, layer=i
+                )
+            if redo:
+                total = float(torch.linalg.vector_norm(norms))
+                self._count_rollback(
+                    redo, f"global gradient norm {total:.4g} > optim.max_grad_norm {max_norm:g}"
+                )
+        mult = grad_mult(scale, None if coefs is None else coefs[i0])
+        if defer and eps.elementwise and eps.realtime is None and not eps.tier.durable:
+            self.trailing.hold(i0, lr, mult)
+        else:
+            with eps.worker.work():
+                eps.update_layer(i0, lr, mult)
+        if eps.realtime is not None or eps.tier.durable:  # the step's checkpoint (a real-time one, or the
+            eps.worker.wait_all()  # disk tier's commit) is taken next: every layer must be in
+        return True, float(torch.linalg.vector_norm(norms))
+
+    def _restore(self, i: int, announce: bool = True) -> None:
+        eps = self.eps
+        if eps.realtime is not None:
+            eps.realtime.before_update(i)
+        eps.layers[i].restore_undo()
+        if eps.realtime is not None and announce:  # (a redo that follows writes the layer's file itself)
+            eps.realtime.layer_updated(i, *eps.layer_file(i))
+
+    def _redo(self, i: int, lr: float, factor: torch.Tensor, rollback: bool, inv: float) -> None:
+        """Layer i with the step's clipping factor: undo its speculative update first (its gradient
+        already carries the unscaling then), or update it for the first time (it was held back)."""
+        eps = self.eps
+        with eps.worker.work():
+            if rollback:
+                self._restore(i, announce=False)
+                eps.update_layer(i, lr, factor)
+            else:
+                eps.update_layer(i, lr, factor * inv if inv != 1.0 else factor)
+
+    def _count_rollback(self, layers: list[int], why: str) -> None:
+        if layers:
+            self.rollbacks += 1
+            self.rollback_layers += len(layers)
+            self.last_rollback = f"{why}: {len(layers)} speculative layer updates undone"

@@ -1,0 +1,30 @@
+"""The disk tier (``eps.tier=disk``): one file per layer, a few layers cached in RAM, read ahead and written
+behind the compute, committed after every step. Registered here; :mod:`.tier` is the place to start.
+
+- :mod:`.format`: the on-disk format and raw aligned I/O (``LayerFile``, ``disk_bytes``, ``measure_disk``)
+- :mod:`.store`: the layer files and which slot of each holds what
+- :mod:`.cache`: the host cache's slots and which one to reuse
+- :mod:`.readahead`: the plan of which layers come next; :mod:`.reader`: the thread that reads them
+- :mod:`.writeback`: the writer thread: write-back, parked gradients, the commit record
+- :mod:`.layer`: a layer as the EPS sees it; :mod:`.tier`: the tier, wiring the parts together
+- :mod:`.rules`: its config rules
+"""
+
+from l2l_cli.engine.tiers.base import TierKind, register_tier
+from l2l_cli.engine.tiers.disk import rules
+from l2l_cli.engine.tiers.disk.format import COMMIT, disk_bytes, layer_file_bytes, measure_disk, probe_direct
+from l2l_cli.engine.tiers.disk.layer import DiskLayer
+from l2l_cli.engine.tiers.disk.rules import check_eps_path, eps_dir_guess
+from l2l_cli.engine.tiers.disk.tier import DiskTier
+
+DISK = register_tier(
+    TierKind(
+        "disk", DiskTier, dir_name=rules.DIR, eps_modes_only=rules.EPS_MODES_ONLY, check_keys=rules.check_keys,
+        validate=rules.validate, check_space=rules.check_space, check_start=rules.check_start,
+    )
+)  # fmt: skip
+
+__all__ = [
+    "COMMIT", "DISK", "DiskLayer", "DiskTier", "check_eps_path", "disk_bytes", "eps_dir_guess",
+    "layer_file_bytes", "measure_disk", "probe_direct",
+]  # fmt: skip

@@ -1,0 +1,104 @@
+"""The disk tier's host cache: ``eps.host_cache_layers`` page-aligned slots, each holding one layer's state
+while it is in use, and the choice of which slot to reuse for the next layer."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import torch
+
+from l2l_cli.engine.device import Accelerator, CopyHandle
+from l2l_cli.engine.flat import FlatLayout
+from l2l_cli.engine.layer_state import bind_optimizer
+from l2l_cli.engine.optim import OptimSettings
+from l2l_cli.engine.tiers.disk.format import AlignedBuffer, aligned
+
+
+class CacheSlot:
+    """One layer's state in RAM: [w | m | v | g] page-aligned, sized for the largest layer, with one
+    optimizer per layer kind bound to views of it (the optimizer runs on the cached copy in place)."""
+
+    def __init__(
+        self, n_max: int, layouts: dict[str, FlatLayout], acc: Accelerator, send_dtype: torch.dtype,
+        optim: OptimSettings,
+    ):  # fmt: skip
+        self.part_bytes = aligned(4 * n_max)
+        self.buf = AlignedBuffer(4 * self.part_bytes, acc)
+        pb = self.part_bytes
+        self.f32 = {
+            p: self.buf.tensor[k * pb : (k + 1) * pb].view(torch.float32) for k, p in enumerate("wmvg")
+        }
+        self.w_send = acc.host_empty(n_max, send_dtype) if send_dtype != torch.float32 else None
+        # CMP: the device's half gradient lands here and is widened into g on the host
+        self.g_recv = acc.host_empty(n_max, send_dtype) if send_dtype != torch.float32 else None
+        self.optimizers = {
+            kind: bind_optimizer(layout, *(self.f32[p][: layout.numel] for p in "wgmv"), optim)
+            for kind, layout in layouts.items()
+        }
+        self.layer: int | None = None
+        self.valid: set[str] = set()  # parts that hold the layer's current values
+        self.pins = 0
+        self.busy = False  # the reader is evicting from / reading into this slot
+        self.copies: list[CopyHandle] = []  # device copies still reading from this slot
+        self.writing: Future | None = None  # the write-back of the layer's last update
+        self.g_dirty = False  # g holds a gradient that is on no disk yet (parked on eviction)
+        self.used = 0
+
+    def mv(self, part: str, nbytes: int) -> memoryview:
+        return self.buf.view("wmvg".index(part) * self.part_bytes, nbytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.tensor.nbytes + sum(t.nbytes for t in (self.w_send, self.g_recv) if t is not None)
+
+
+class SlotCache:
+    """The slots, which layer each holds, and which one to reuse (the tier's lock guards all of it)."""
+
+    def __init__(
+        self, k: int, n_max: int, layouts: dict[str, FlatLayout], acc: Accelerator, send_dtype: torch.dtype,
+        optim: OptimSettings,
+    ):  # fmt: skip
+        self.slots = [CacheSlot(n_max, layouts, acc, send_dtype, optim) for _ in range(k)]
+        self._clock = 0
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def slot_of(self, i: int) -> CacheSlot | None:
+        for s in self.slots:
+            if s.layer == i:
+                return s
+        return None
+
+    def must(self, i: int) -> CacheSlot:
+        s = self.slot_of(i)
+        if s is None:
+            raise RuntimeError(f"layer {i} is not in the host cache")
+        return s
+
+    def pin(self, s: CacheSlot) -> None:
+        """One more user of ``s``, and the most recently used slot now."""
+        s.pins += 1
+        self._clock += 1
+        s.used = self._clock
+
+    def victim(self, avoid: set[int], later: dict[int, int]) -> CacheSlot | None:
+        """An unpinned slot to reuse: empty, else one nobody will use soon (least recently used, clean
+        before one whose gradient must be parked), else the one needed last."""
+        free = [s for s in self.slots if s.pins == 0 and not s.busy and s.layer not in avoid]
+        if not free:
+            return None
+
+        def cost(s: CacheSlot) -> tuple[int, float]:
+            if s.layer is None:
+                return (0, 0.0)
+            if s.layer not in later:
+                return (1 + int(s.g_dirty), float(s.used))
+            return (3, -float(later[s.layer]))
+
+        return min(free, key=cost)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.slots)

@@ -1,0 +1,89 @@
+"""A layer of the disk tier, as the EPS sees it: a :class:`LayerState` whose buffers are a cache slot's."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from l2l_cli.engine.device import DONE, Accelerator, CopyHandle
+from l2l_cli.engine.flat import FlatLayout
+from l2l_cli.engine.layer_state import LayerState
+from l2l_cli.engine.tiers.disk.cache import CacheSlot
+
+
+class LayerHome(Protocol):
+    """What a disk layer asks of its tier (the :class:`~l2l_cli.engine.tiers.disk.tier.DiskTier`)."""
+
+    @property
+    def latest(self) -> list[int | None]: ...  # each layer's file slot holding its newest version
+
+    def slot_of(self, i: int) -> CacheSlot | None: ...
+
+    def restore(self, st: DiskLayer) -> None: ...
+
+
+class DiskLayer(LayerState):
+    """A layer whose state lives in its file. While the tier has it pinned, ``w``/``g``/``m``/``v`` and
+    ``optimizer`` are those of the cache slot it occupies; touching them unpinned is a bug and raises."""
+
+    def __init__(self, tier: LayerHome, index: int, kind: str, layout: FlatLayout):
+        self.tier, self.index, self.kind, self.layout = tier, index, kind, layout
+        self.version = 0
+        self.grad_in: CopyHandle = DONE
+        self.opt_step = 0.0  # the optimizer's step count for this layer (committed with the layer)
+        self.undo: list[torch.Tensor] | None = None
+        self.undo_step = 0.0
+        self.undo_slot: int | None = None
+
+    def _slot(self) -> CacheSlot:
+        s = self.tier.slot_of(self.index)
+        if s is None:
+            raise RuntimeError(f"layer {self.index} is not in the host cache (touched without a pin)")
+        return s
+
+    def _part(self, p: str) -> torch.Tensor:
+        return self._slot().f32[p][: self.layout.numel]
+
+    w = property(lambda self: self._part("w"))  # type: ignore[assignment]
+    g = property(lambda self: self._part("g"))  # type: ignore[assignment]
+    m = property(lambda self: self._part("m"))  # type: ignore[assignment]
+    v = property(lambda self: self._part("v"))  # type: ignore[assignment]
+
+    @property  # type: ignore[override]
+    def w_send(self) -> torch.Tensor | None:
+        s = self._slot()
+        return s.w_send[: self.layout.numel] if s.w_send is not None else None
+
+    @property  # type: ignore[override]
+    def g_recv(self) -> torch.Tensor | None:
+        s = self._slot()
+        return s.g_recv[: self.layout.numel] if s.g_recv is not None else None
+
+    @property  # type: ignore[override]
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The cache slot's optimizer for this layer's kind, its step count set to this layer's."""
+        opt = self._slot().optimizers[self.kind]
+        for state in opt.state.values():
+            state["step"].fill_(self.opt_step)
+        return opt
+
+    def update(self, lr: float, grad_mult: torch.Tensor | float | None, bump: bool = True) -> None:
+        super().update(lr, grad_mult, bump)
+        opt = self._slot().optimizers[self.kind]
+        self.opt_step = float(next(iter(opt.state.values()))["step"])
+
+    def set_step(self, step: float) -> None:
+        self.opt_step = step
+
+    def save_undo(self, acc: Accelerator) -> None:
+        """Nothing to copy: the pre-update state stays on disk, in the slot the update does not overwrite."""
+        self.undo_slot = self.tier.latest[self.index]
+        self.undo_step = self.opt_step
+
+    def restore_undo(self) -> None:
+        self.tier.restore(self)
+        self.version += 1
+
+    def nbytes(self) -> dict[str, int]:
+        return {}  # the cache's bytes are the tier's (``host_parts``)

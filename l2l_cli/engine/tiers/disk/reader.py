@@ -1,0 +1,194 @@
+"""The disk tier's reader thread: it serves pins that missed the cache (demands) first, then reads ahead
+what the plan (:mod:`.readahead`) says comes next, evicting a slot's previous layer when it needs the slot
+(waiting for its device copies and write-back, parking a gradient that is on no disk yet)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from l2l_cli.engine.device import CopyHandle
+from l2l_cli.engine.tiers.disk.cache import CacheSlot, SlotCache
+from l2l_cli.engine.tiers.disk.format import STATE
+from l2l_cli.engine.tiers.disk.readahead import ReadAhead
+from l2l_cli.engine.tiers.disk.stats import IoCounts
+from l2l_cli.engine.tiers.disk.store import LayerStore
+from l2l_cli.engine.tiers.disk.writeback import WriteBehind
+
+
+@dataclass
+class Demand:
+    """A pin waiting for the reader: layer, parts, ``fresh`` (nothing to read: a slot to overwrite)."""
+
+    layer: int
+    need: frozenset[str]
+    fresh: bool
+    slot: CacheSlot | None = None
+    done: bool = False
+    error: BaseException | None = None
+
+
+@dataclass
+class _Job:
+    slot: CacheSlot
+    layer: int
+    parts: frozenset[str]
+    demand: Demand | None = None
+    evict: tuple[int | None, list[CopyHandle], Future | None, bool] | None = (
+        None  # (layer, copies, write, park)
+    )
+
+
+class Reader:
+    """The reader thread and the demands it serves (all of its state is guarded by the tier's lock)."""
+
+    def __init__(
+        self, cache: SlotCache, plan: ReadAhead, store: LayerStore, writer: WriteBehind,
+        cv: threading.Condition, counts: IoCounts,
+    ):  # fmt: skip
+        self.cache, self.plan, self.store, self.writer = cache, plan, store, writer
+        self.cv, self.counts = cv, counts
+        self.demands: list[Demand] = []
+        self.failed: BaseException | None = None  # a read-ahead failed: read-ahead stops
+        self.closed = False
+        self._thread = threading.Thread(target=self._loop, name="l2l-disk-read", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self.cv:
+            self.closed = True
+            self.cv.notify_all()
+        self._thread.join(timeout=60)
+
+    def ask(self, d: Demand) -> None:
+        """Queue a pin the cache could not serve (``wait`` for it to be served, or to fail)."""
+        with self.cv:
+            self.counts.step.misses += 1
+            self.demands.append(d)
+            self.cv.notify_all()
+
+    def wait(self, d: Demand) -> None:
+        with self.cv:
+            while not d.done:
+                self.cv.wait()
+
+    def _bind(self, s: CacheSlot, i: int, parts: frozenset[str], demand: Demand | None) -> _Job:
+        old = s.layer
+        evict = (old, s.copies, s.writing, s.g_dirty and old is not None)
+        s.layer, s.valid, s.copies, s.writing, s.g_dirty = i, set(), [], None, False
+        s.busy = True
+        return _Job(s, i, parts, demand, evict)
+
+    def _next_job(self) -> _Job | None:
+        want = self.plan.predicted() if self.failed is None else []
+        later = {j: k for k, (j, _) in enumerate(want)}
+        for d in list(self.demands):
+            s = self.cache.slot_of(d.layer)
+            if s is not None:
+                if s.busy:
+                    continue
+                missing = frozenset() if d.fresh else d.need - s.valid
+                if not missing:
+                    self._grant(d, s)
+                    continue
+                s.busy = True
+                return _Job(s, d.layer, missing, d)
+            v = self.cache.victim(set(), later)
+            if v is None:
+                continue  # every slot pinned: wait for an unpin
+            return self._bind(v, d.layer, frozenset() if d.fresh else d.need, d)
+        for k, (j, parts) in enumerate(want):
+            parts = self.store.readable(j, parts)
+            s = self.cache.slot_of(j)
+            if s is not None:
+                missing = parts - s.valid
+                if missing and not s.busy:
+                    s.busy = True
+                    return _Job(s, j, missing)
+                continue
+            v = self.cache.victim({x for x, _ in want[: k + 1]}, {x: p for x, p in later.items() if p > k})
+            if v is None:
+                return None
+            return self._bind(v, j, parts, None)
+        return None
+
+    def _grant(self, d: Demand, s: CacheSlot) -> None:
+        if d.fresh:
+            self.store.make_fresh(s, d.layer, d.need - s.valid)
+        self.cache.pin(s)
+        d.slot, d.done = s, True
+        self.demands.remove(d)
+
+    def _loop(self) -> None:
+        while True:
+            with self.cv:
+                job = None
+                while job is None:
+                    if self.closed:
+                        return
+                    job = self._next_job()
+                    if job is None:
+                        self.cv.wait()
+            err: BaseException | None = None
+            try:
+                self._run(job)
+            except BaseException as e:
+                err = e
+            with self.cv:
+                s = job.slot
+                s.busy = False
+                if err is not None:
+                    s.layer, s.valid = None, set()
+                    if job.demand is not None:
+                        job.demand.error, job.demand.done = err, True
+                        self.demands.remove(job.demand)
+                    else:
+                        self.failed = err  # read-ahead stops; the next demand reports the error
+                else:
+                    s.valid |= set(job.parts)
+                    if job.demand is not None:
+                        self._grant(job.demand, s)
+                self.cv.notify_all()
+
+    def _run(self, job: _Job) -> None:
+        """Evict the slot's previous layer (wait for its device copies and write-back; park a gradient that
+        is on no disk yet), then read the wanted parts of the new one."""
+        s, i = job.slot, job.layer
+        if job.evict is not None:
+            old, copies, writing, park = job.evict
+            for h in copies:
+                while not h.done():
+                    time.sleep(5e-5)
+            if writing is not None:
+                writing.result()
+            if park and old is not None:
+                self.writer.park(s, old).result()
+                with self.cv:
+                    self.store.parked[old] = True
+        if not job.parts:
+            return
+        with self.cv:
+            if job.demand is None:
+                self.counts.step.ahead += 1
+            else:
+                self.counts.step.demand += 1
+        st = self.store
+        if "g" in job.parts and not st.parked[i]:
+            raise RuntimeError(f"layer {i}'s gradient is neither in RAM nor parked on disk")
+        f = st.files[i]
+        fd = st.io.open(f.path)
+        try:
+            for p in STATE:
+                if p in job.parts:
+                    st.read(fd, s.mv(p, f.part_bytes), f.offset(st.newest(i), p))
+            if "g" in job.parts:
+                st.read(fd, s.mv("g", f.part_bytes), f.offset(1 - st.newest(i), "w"))
+        finally:
+            os.close(fd)
+        if "w" in job.parts and s.w_send is not None:
+            s.w_send[: f.numel].copy_(s.f32["w"][: f.numel])

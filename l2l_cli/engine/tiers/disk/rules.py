@@ -1,0 +1,117 @@
+"""The disk tier's config rules: its keys, what it cannot run with, and whether its directory can hold the
+model's state. ``config/validate.py`` runs them through the tier's :class:`~l2l_cli.engine.tiers.TierKind`
+(with the one rule that needs the mode registry, which the engine never imports); the session checks the
+directory again once the run dir exists."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from l2l_cli.engine.tiers.base import TierSettings
+from l2l_cli.engine.tiers.disk.format import COMMIT, disk_bytes
+from l2l_cli.models.base import ModelSpec
+from l2l_cli.problems import Problem, at_least, fmt_bytes
+
+DIR = "eps"  # the run dir's folder for the layer files, unless eps.path says
+EPS_MODES_ONLY = "disk moves the eager param-server's state to disk"
+
+
+def check_keys(cfg: Any) -> list[Problem]:
+    """``eps.host_cache_layers`` and ``eps.path``, whichever tier is selected."""
+    p: list[Problem] = []
+    e = cfg.eps
+    at_least(p, "eps.host_cache_layers", e.host_cache_layers, 2, " (the layer in use and the one read ahead)")
+    if e.path is not None and not str(e.path).strip():
+        p.append(Problem("eps.path", "got an empty path; allowed: a directory, or unset for <run dir>/eps"))
+    return p
+
+
+def validate(cfg: Any, check_files: bool) -> list[Problem]:
+    """What ``eps.tier=disk`` cannot run with (``check_files``: the directory's space is checked by
+    :func:`check_space`, once the config knows the model)."""
+    p: list[Problem] = []
+    if cfg.dist.nproc > 1:
+        p.append(
+            Problem("eps.tier", "disk runs in one process (dist.nproc=1): every rank would keep its own copy")
+        )
+    if cfg.trainer.realtime_ckpt:
+        p.append(
+            Problem(
+                "trainer.realtime_ckpt",
+                "not with eps.tier=disk: the disk EPS is committed after every step, it is a real-time "
+                "checkpoint already",
+            )
+        )
+    if not cfg.dist.eager_reduce:
+        p.append(
+            Problem(
+                "dist.eager_reduce",
+                "false is not available with eps.tier=disk (every gradient would wait in RAM for the end of "
+                "the backward); use true",
+            )
+        )
+    return p
+
+
+def check_eps_path(root: Path, need: int, params: int, resume: bool = False) -> list[Problem]:
+    """A disk EPS directory that cannot hold the state is refused before any work, saying what it needs."""
+    root = root.expanduser()
+    what = (
+        f"the disk EPS needs {fmt_bytes(need)} ({need:,} bytes: two versions of the FP32 weights and "
+        f"optimizer moments, 24 bytes per parameter x {params:,})"
+    )
+    if (root / COMMIT).is_file():
+        if resume:
+            return []  # continuing in place: the files are checked when the EPS adopts them
+        return [
+            Problem(
+                "eps.path",
+                f"{root} already holds a disk EPS (commit.json); continue it with trainer.resume=<its run "
+                f"dir>, or choose an empty directory",
+            )
+        ]
+    base = root
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        return [Problem("eps.path", f"{root}: {base} is not a directory; {what}")]
+    st = os.statvfs(base)
+    if st.f_flag & os.ST_RDONLY or not os.access(base, os.W_OK):
+        return [Problem("eps.path", f"{root} is not writable (read-only file system or permissions); {what}")]
+    free = st.f_bavail * st.f_frsize
+    if free < need:
+        return [Problem("eps.path", f"{root} has {fmt_bytes(free)} free; {what}")]
+    return []
+
+
+def eps_dir_guess(cfg: Any) -> Path:
+    """Where a disk EPS will live, as far as the config says before the run dir exists: eps.path, the
+    resumed run's eps/, else the run dir Hydra will make (its nearest existing folder is what is checked)."""
+    if cfg.eps.path:
+        return Path(cfg.eps.path)
+    if cfg.trainer.resume and cfg.trainer.resume != "latest":
+        return Path(cfg.trainer.resume) / DIR
+    try:
+        run_dir = OmegaConf.select(cfg, "hydra.run.dir") if isinstance(cfg, DictConfig) else None
+    except Exception:  # ${now:...} outside a Hydra run
+        run_dir = None
+    return Path(str(run_dir) if run_dir else "outputs") / DIR
+
+
+def check_space(cfg: Any, spec: ModelSpec) -> list[Problem]:
+    """Whether the directory the config points at can hold ``spec``'s state (before the run dir exists)."""
+    return check_eps_path(eps_dir_guess(cfg), disk_bytes(spec), spec.total_params, bool(cfg.trainer.resume))
+
+
+def check_start(settings: TierSettings, spec: ModelSpec, world: int) -> list[Problem]:
+    """The session's check once the directory and the ranks are known."""
+    root = Path(settings.path) if settings.path else Path(tempfile.gettempdir())
+    problems = check_eps_path(root, disk_bytes(spec), spec.total_params, settings.resume)
+    if world > 1:
+        problems.append(Problem("eps.tier", "disk runs in one process; this job has more ranks"))
+    return problems

@@ -1,0 +1,301 @@
+"""The disk tier (``eps.tier=disk``): training state beyond host RAM, behind the :class:`Tier` protocol.
+
+Every layer's FP32 master weights and optimizer moments live in one file per layer (:mod:`.format`,
+:mod:`.store`); host RAM holds only ``eps.host_cache_layers`` layers at a time, in a cache of page-aligned
+slots (:mod:`.cache`). L2L's schedule is what makes this cheap: layers are used one at a time in a known
+order (forward 0..N+1, backward N+1..0, the update), so a reader thread (:mod:`.reader`) reads the layers
+about to be used (:mod:`.readahead`) while the current one computes, and a writer thread
+(:mod:`.writeback`) writes each updated layer back behind the compute; the host optimizer runs on the
+cached copy. After each step the trainer commits: ``commit.json`` names each layer's current slot, so
+``trainer.resume`` continues from it with no checkpoint of its own: the disk EPS *is* the checkpoint.
+
+:class:`DiskTier` wires those parts together and serves the pins of the relay and the EPS.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from l2l_cli.engine.device import Accelerator, CopyHandle
+from l2l_cli.engine.flat import FlatLayout
+from l2l_cli.engine.optim import OptimSettings
+from l2l_cli.engine.tiers.base import TierSettings
+from l2l_cli.engine.tiers.disk.cache import CacheSlot, SlotCache
+from l2l_cli.engine.tiers.disk.format import STATE
+from l2l_cli.engine.tiers.disk.layer import DiskLayer
+from l2l_cli.engine.tiers.disk.readahead import ReadAhead
+from l2l_cli.engine.tiers.disk.reader import Demand, Reader
+from l2l_cli.engine.tiers.disk.stats import IoCounts
+from l2l_cli.engine.tiers.disk.store import LayerStore
+from l2l_cli.engine.tiers.disk.writeback import WriteBehind
+from l2l_cli.models.base import ModelSpec
+from l2l_cli.profiling.timers import PhaseTimer
+
+
+class DiskTier:
+    """One file per layer on disk; ``cache_layers`` layers in RAM, read ahead and written back in the
+    background. See the module doc for the parts and the crash-safety argument."""
+
+    durable = True
+
+    def __init__(
+        self, settings: TierSettings, spec: ModelSpec, layouts: dict[str, FlatLayout], acc: Accelerator,
+        send_dtype: torch.dtype, optim: OptimSettings, timer: PhaseTimer | None = None,
+    ):  # fmt: skip
+        self.settings, self.acc, self.timer = settings, acc, timer
+        self.cv = threading.Condition()  # one lock for every part's state
+        self.counts = IoCounts()
+        self.store = LayerStore(settings, spec, layouts, self.cv, self.counts)
+        self.root = self.store.root
+        n = len(self.store)
+        n_max = max(layout.numel for layout in layouts.values())
+        with acc.meter.paused():
+            k = min(settings.cache_layers, n)  # more slots than layers would never be used
+            self.cache = SlotCache(k, n_max, layouts, acc, send_dtype, optim)
+        self.plan = ReadAhead(n, k, threading.get_ident())
+        self.layers: dict[int, DiskLayer] = {}
+        self._main = threading.get_ident()
+        if settings.resume:
+            self.store.adopt()
+        if not self.store.adopted:
+            self.store.create()
+        self.adopted = self.store.adopted
+        self.record = self.store.record
+        self.writer = WriteBehind(self.store, self.cv, self.counts)
+        self.reader = Reader(self.cache, self.plan, self.store, self.writer, self.cv, self.counts)
+        self.reader.start()
+
+    @property
+    def slots(self) -> list[CacheSlot]:
+        return self.cache.slots
+
+    @property
+    def latest(self) -> list[int | None]:
+        return self.store.latest
+
+    def new_layer(
+        self, index: int, kind: str, layout: FlatLayout, acc: Accelerator, send_dtype: torch.dtype,
+        optim: OptimSettings,
+    ) -> DiskLayer:  # fmt: skip
+        st = DiskLayer(self, index, kind, layout)
+        if self.record is not None:
+            st.opt_step = float(self.record["layers"][index]["step"])
+        self.layers[index] = st
+        return st
+
+    def resume_point(self) -> dict[str, Any] | None:
+        """The adopted commit record, if it holds a trainer state to resume with."""
+        rec = self.record
+        return rec if rec is not None and isinstance(rec.get("trainer"), dict) else None
+
+    # ---- pins (the relay and the EPS) -------------------------------------------------------------------
+
+    def slot_of(self, i: int) -> CacheSlot | None:
+        return self.cache.slot_of(i)
+
+    def pin(self, i: int, parts: str = "w", *, fresh: bool = False) -> None:
+        """Layer i's ``parts`` in RAM until ``unpin`` (``fresh``: the caller overwrites them; nothing is read)."""
+        self._pin(i, frozenset(parts), fresh, "relay" if not fresh else None)
+
+    def unpin(self, i: int, after: CopyHandle | None = None) -> None:
+        """Done with layer i (``after``: a copy still reading from its buffers; the slot waits for it)."""
+        with self.cv:
+            s = self.cache.must(i)
+            s.pins -= 1
+            if after is not None and not after.done():
+                s.copies.append(after)
+            self.cv.notify_all()
+
+    @contextmanager
+    def holding(
+        self, i: int, parts: str = "wmv", *, fresh: bool = False, dirty: bool = False
+    ) -> Iterator[None]:
+        """Layer i's ``parts`` in RAM for the block; ``dirty``: the block changes the state, which is then
+        written back (behind the compute) to the slot that does not hold the current version."""
+        s = self._pin(i, frozenset(parts), fresh, "update" if dirty else None)
+        if dirty and s.writing is not None:  # the last write-back still reads these buffers
+            self._wait(s.writing.result)
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            with self.cv:
+                if ok and dirty:
+                    self.writer.write_back(s, i)
+                s.pins -= 1
+                self.cv.notify_all()
+
+    def release_grad(self, i: int) -> None:
+        """The EPS is done with layer i's gradient for now: unpin it. One not yet applied (L2L updates after
+        the whole backward) waits for its update on disk: written out at once when the cache cannot hold
+        every layer (so its slot is free by the time the next layer's gradient needs one), else only if the
+        slot is taken before the update."""
+        with self.cv:
+            s = self.cache.slot_of(i)
+            if s is None or s.pins <= 0:
+                return
+            s.pins -= 1
+            st = self.store
+            if st.grad_live[i] and not st.parked[i]:
+                if len(self.cache) < len(st):
+                    s.writing = self.writer.park(s, i)  # FIFO: after any earlier write
+                    st.parked[i] = True  # a read of it waits for the slot's write (eviction does)
+                else:
+                    s.g_dirty = True
+            self.cv.notify_all()
+
+    def export(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy that outlives the pin (the slot is reused for other layers)."""
+        return t.clone()
+
+    def _pin(self, i: int, need: frozenset[str], fresh: bool, stream: str | None) -> CacheSlot:
+        hit = self._pin_cached(i, need, fresh, stream)
+        if hit is not None:
+            return self._settled(hit, fresh)
+        d = Demand(i, need, fresh)
+        self.reader.ask(d)
+        self._wait(lambda: self.reader.wait(d))
+        if d.error is not None:
+            raise d.error
+        assert d.slot is not None
+        return self._settled(d.slot, fresh)
+
+    def _pin_cached(self, i: int, need: frozenset[str], fresh: bool, stream: str | None) -> CacheSlot | None:
+        """Pin layer i if the cache has what is needed (else None: it must be read, or a slot found)."""
+        with self.cv:
+            if self.reader.closed:
+                raise RuntimeError("the disk EPS is closed")
+            self.plan.follow(i, need, fresh)
+            if stream is not None:
+                self.plan.note(stream, i, need)
+            s = self.cache.slot_of(i)
+            if s is not None and (need <= s.valid or (fresh and not s.busy)):
+                if fresh:
+                    self.store.make_fresh(s, i, need - s.valid)
+                self.counts.step.hits += 1
+                self.cache.pin(s)
+                self.cv.notify_all()
+                return s
+            return None
+
+    def _settled(self, s: CacheSlot, fresh: bool) -> CacheSlot:
+        """A slot about to be overwritten (a new gradient) once its last write (a parked gradient) is out."""
+        writing = s.writing
+        if fresh and writing is not None:
+            self._wait(writing.result)
+        return s
+
+    def _wait(self, fn: Any) -> None:
+        """Block in ``fn``; on the compute thread that is exposed disk time (``disk_wait``)."""
+        t0 = time.perf_counter()
+        if threading.get_ident() != self._main:
+            try:
+                fn()
+            finally:
+                with self.cv:
+                    self.counts.step.eps_wait_s += time.perf_counter() - t0
+            return
+        try:
+            if self.timer is not None:
+                with self.timer("disk_wait"):
+                    fn()
+            else:
+                fn()
+        finally:
+            with self.cv:
+                self.counts.step.wait_s += time.perf_counter() - t0
+
+    # ---- L2L-p's undo, and the trainer's commits ----------------------------------------------------------
+
+    def restore(self, st: DiskLayer) -> None:
+        """L2L-p's undo: read back the pre-update state, which the update did not overwrite on disk."""
+        i = st.index
+        with self.holding(i, STATE):
+            s = self.cache.must(i)
+            if s.writing is not None:
+                self._wait(s.writing.result)
+            f = self.store.files[i]
+            undo = st.undo_slot
+            if undo is None:
+                raise RuntimeError(f"layer {i} has no pre-update state to restore")
+
+            def read() -> None:
+                fd = self.store.io.open(f.path)
+                try:
+                    for p in STATE:
+                        self.store.read(fd, s.mv(p, f.part_bytes), f.offset(undo, p))
+                finally:
+                    os.close(fd)
+
+            self._wait(read)
+            with self.cv:
+                self.store.latest[i] = undo
+            st.opt_step = st.undo_step
+            st.refresh_send()
+
+    def commit(self, step: int, trainer_state: dict[str, Any], ident: dict[str, Any] | None = None) -> None:
+        """Make the state after ``step`` the one a restart finds (see :meth:`WriteBehind.commit`)."""
+        self.writer.commit(step, trainer_state, ident, self.layers)
+
+    # ---- reporting and shutdown ---------------------------------------------------------------------------
+
+    def host_parts(self) -> dict[str, int]:
+        return {"eps_cache": self.cache.nbytes}
+
+    def pop_step(self, timer: PhaseTimer, training: bool = True) -> dict[str, float]:
+        """This step's disk I/O: background read/write seconds join the phases (``disk_wait``, the exposed
+        part, is timed where it happens); bytes go to the step's metrics. A training step's trace of pins
+        becomes the read-ahead plan of the next (``training=False``: an evaluation; not a plan)."""
+        with self.cv:
+            st = self.counts.pop()
+            self.plan.end_step(training)
+        timer.add("disk_read", st.read_s)
+        timer.add("disk_write", st.write_s)
+        return {
+            "disk_read_bytes": float(st.read_bytes), "disk_write_bytes": float(st.write_bytes),
+            "disk_reads_ahead": float(st.ahead), "disk_reads_on_demand": float(st.demand),
+            "disk_cache_hits": float(st.hits), "disk_cache_misses": float(st.misses),
+        }  # fmt: skip
+
+    def summary(self) -> dict[str, Any]:
+        """summary.json's ``eps_disk``: where, how much, how fast, and how much of it compute hid."""
+        with self.cv:
+            t = self.counts.run()
+        io_s = t.read_s + t.write_s
+        return {
+            "path": str(self.root),
+            "host_cache_layers": len(self.cache),
+            "direct_io": self.store.io.direct,
+            "file_bytes": self.store.file_bytes,
+            "read_bytes": t.read_bytes,
+            "write_bytes": t.write_bytes,
+            "read_s": t.read_s,
+            "write_s": t.write_s,
+            "read_gbps": t.read_bytes / t.read_s / 1e9 if t.read_s else None,
+            "write_gbps": t.write_bytes / t.write_s / 1e9 if t.write_s else None,
+            "wait_s": t.wait_s,
+            "eps_thread_wait_s": t.eps_wait_s,
+            "reads_ahead": t.ahead,
+            "reads_on_demand": t.demand,
+            "cache_hits": t.hits,
+            "cache_misses": t.misses,
+            "gradients_parked": t.parks,
+            "hidden_share": max(0.0, min(1.0, 1.0 - t.wait_s / io_s)) if io_s else None,
+            "commits": self.writer.commits,
+            "last_commit_step": self.writer.last_commit_step,
+        }
+
+    def close(self) -> None:
+        self.reader.stop()
+        try:
+            self.writer.close()
+        finally:
+            self.store.remove_temporary()

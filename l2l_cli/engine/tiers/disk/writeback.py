@@ -1,0 +1,131 @@
+"""The disk tier's writes, behind the compute on one writer thread, in submission order: an updated
+layer's state to the file slot the last commit does not name, a gradient parked until its update, and the
+commit record (``commit.json``, replaced atomically once the step's writes are on disk)."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
+
+from l2l_cli.engine.tiers.disk.cache import CacheSlot
+from l2l_cli.engine.tiers.disk.format import COMMIT, FORMAT, STATE, crash_point
+from l2l_cli.engine.tiers.disk.stats import IoCounts
+from l2l_cli.engine.tiers.disk.store import LayerStore
+
+
+class _Stepped(Protocol):
+    opt_step: float  # a layer's optimizer step count (committed with it)
+
+
+class WriteBehind:
+    """The writer thread and the commits it has made."""
+
+    def __init__(self, store: LayerStore, cv: threading.Condition, counts: IoCounts):
+        self.store, self.cv, self.counts = store, cv, counts
+        self.commits = 0
+        rec = store.record
+        self.last_commit_step: int | None = rec.get("step") if rec is not None else None
+        self._commit_job: Future | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l2l-disk-write")
+
+    def write_back(self, s: CacheSlot, i: int) -> None:
+        """(Holding the lock.) Queue layer i's new state for the slot of its file that the last commit
+        does not name; the state is the newest from now on, on disk once the write is done."""
+        st = self.store
+        prev = st.latest[i]
+        if st.committed is not None and prev != st.committed[i]:
+            raise RuntimeError(
+                f"layer {i} was updated twice between commits; the committed copy would be lost"
+            )
+        target = 0 if prev is None else 1 - prev
+        parts = "w" if prev is None else STATE  # a new file's moments are zeros already (fallocate)
+        st.latest[i], st.parked[i], st.grad_live[i], s.g_dirty = target, False, False, False
+        s.valid.discard("g")  # applied: what is left in g is no gradient to keep
+        s.writing = self._pool.submit(self._write, s, i, target, parts)
+
+    def _write(self, s: CacheSlot, i: int, target: int, parts: str) -> None:
+        f = self.store.files[i]
+        io = self.store.io
+        t0 = time.perf_counter()
+        fd = io.open(f.path)
+        try:
+            for k, p in enumerate(parts):
+                io.write(fd, s.mv(p, f.part_bytes), f.offset(target, p))
+                if k == 0:
+                    crash_point("write")  # a torn slot: w written, the moments not yet
+            io.sync(fd, f.offset(target, parts[0]), len(parts) * f.part_bytes)
+        finally:
+            os.close(fd)
+        with self.cv:
+            self.counts.step.write_s += time.perf_counter() - t0
+            self.counts.step.write_bytes += len(parts) * f.part_bytes
+
+    def park(self, s: CacheSlot, i: int) -> Future:
+        """Queue layer i's gradient for the disk (after any earlier write of the slot)."""
+        return self._pool.submit(self._park, s, i)
+
+    def _park(self, s: CacheSlot, i: int) -> None:
+        """Layer i's gradient to disk until its update: into the slot of its file the update will write."""
+        f = self.store.files[i]
+        io = self.store.io
+        t0 = time.perf_counter()
+        fd = io.open(f.path)
+        try:
+            target = 1 - self.store.newest(i)
+            io.write(fd, s.mv("g", f.part_bytes), f.offset(target, "w"))
+            crash_point("park")
+            io.sync(fd, f.offset(target, "w"), f.part_bytes)
+        finally:
+            os.close(fd)
+        with self.cv:
+            self.counts.step.parks += 1
+            self.counts.step.write_s += time.perf_counter() - t0
+            self.counts.step.write_bytes += f.part_bytes
+
+    def commit(
+        self, step: int, trainer_state: dict[str, Any], ident: dict[str, Any] | None,
+        layers: dict[int, _Stepped],
+    ) -> None:  # fmt: skip
+        """Make the state after ``step`` the one a restart finds: once the writes queued so far are on
+        disk, ``commit.json`` is replaced atomically (write, fsync, rename, fsync the directory)."""
+        if self._commit_job is not None and self._commit_job.done():
+            self._commit_job.result()  # a failed commit surfaces here
+        st = self.store
+        with self.cv:
+            if any(x is None for x in st.latest):
+                raise RuntimeError("commit before every layer was written")
+            st.committed = list(st.latest)
+            entries = [{"slot": st.latest[i], "step": layers[i].opt_step} for i in range(len(st.files))]
+        record = {"format": FORMAT, "step": step, "created": time.time(), **(ident or {}), "layers": entries,
+                  "trainer": trainer_state}  # fmt: skip
+        self._commit_job = self._pool.submit(self._write_record, record)
+        self.commits += 1
+        self.last_commit_step = step
+
+    def _write_record(self, record: dict[str, Any]) -> None:
+        root = self.store.root
+        t0 = time.perf_counter()
+        tmp = root / f".{COMMIT}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(record, f)
+            f.flush()
+            os.fsync(f.fileno())
+        crash_point("commit")  # the new record written, not yet in place
+        os.replace(tmp, root / COMMIT)
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        with self.cv:
+            self.counts.step.write_s += time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Finish every queued write; a failed last commit raises here."""
+        self._pool.shutdown(wait=True)
+        if self._commit_job is not None:
+            self._commit_job.result()

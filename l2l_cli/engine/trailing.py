@@ -1,0 +1,78 @@
+"""L2L-p's trailing update: the last layer whose gradient a step produces (the embeddings) is updated behind
+the next step's forward instead of holding up the step's end.
+
+It exists because the embeddings' gradient is complete only when the backward is over, and their update is
+the one no backward hides. Held until the next step begins, the update goes first to the rows the next
+batch reads (written to the layer's send copy: the forward needs them now), then, whole, to the layer's
+state on the EPS thread behind the forward. AdamW is elementwise, so the early rows equal the whole update's
+bit for bit (see ``LayerState.preview_rows``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from l2l_cli.engine.layer_server import LayerServer
+
+
+class TrailingUpdate:
+    """A held update of one layer, and the layers whose device copy may be older than their rows."""
+
+    def __init__(self, eps: LayerServer):
+        self.eps = eps
+        self.pending: tuple[int, float, torch.Tensor | float | None] | None = None  # decided, not applied
+        self._stale: set[int] = set()  # layers whose device copy may hold rows updated after it was loaded
+
+    def hold(self, i: int, lr: float, mult: torch.Tensor | float | None) -> None:
+        """Layer i's update, decided: applied when the next step starts (``start_step``) or ``apply``."""
+        self.pending = (i, lr, mult)
+
+    def start_step(self, batch: Any) -> None:
+        """A step begins with ``batch``: the last step's held trailing update goes first to the rows this
+        batch reads (written to the layer's send copy on the compute thread: the forward needs them now),
+        then, whole, to the layer's state on the EPS thread, behind the forward pass. The device never reads
+        the other rows in this step; everything else that reads the layer waits for it (``settle``, the
+        layer's next gradient)."""
+        if self.pending is None:
+            return
+        eps = self.eps
+        i, lr, mult = self.pending
+        self.pending = None
+        st = eps.layers[i]
+        rows = eps.spec.rows_read(i, batch)
+        if rows is None:
+            with eps.worker.work():
+                eps.update_layer(i, lr, mult)
+            return
+        with eps.worker.work():
+            st.make_send_copy(eps.acc)
+            st.preview_rows(lr, mult, rows)
+            st.version += 1  # the device reloads it: the rows it reads are current
+        eps.worker.submit(eps.worker.timed, self._update_behind, i, lr, mult, layer=i, host_only=True)
+        self._stale.add(i)
+
+    def _update_behind(self, i: int, lr: float, mult: torch.Tensor | float | None) -> None:
+        eps = self.eps
+        with eps.worker.work(trailing=True):
+            if eps.realtime is not None:
+                eps.realtime.before_update(i)
+            eps.layers[i].update(lr, mult, bump=False)
+            if eps.realtime is not None:
+                eps.realtime.layer_updated(i, *eps.layer_file(i))
+
+    def apply(self) -> None:
+        """A held trailing update no step has started: apply it whole, here."""
+        if self.pending is not None:
+            i, lr, mult = self.pending
+            self.pending = None
+            with self.eps.worker.work():
+                self.eps.update_layer(i, lr, mult)
+
+    def settled(self) -> None:
+        """Every update is in (the EPS has waited for its thread): a device copy of a layer whose rows
+        were written early is stale now."""
+        for i in self._stale:  # its rows are all current now; a device copy loaded earlier is not
+            self.eps.layers[i].version += 1
+        self._stale.clear()
