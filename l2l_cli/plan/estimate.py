@@ -339,7 +339,7 @@ def eps_tier(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Any] | None
     if not s.l2l:
         return None
     tiers = {}
-    for tier in ("host", "disk"):
+    for tier in TIERS:  # the registered tiers, host first
         r = evaluate(shape, s.but(tier=tier), rates)
         tiers[tier] = {
             "host_bytes": r["host_bytes"], "disk_bytes": r["disk_bytes"], "fits": r["fits"],
@@ -347,7 +347,10 @@ def eps_tier(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Any] | None
             "step_time_s": r["step_time_s"], "disk_wait_s": r["phases"]["disk_wait"].exposed,
             "disk_hidden_s": r["phases"]["disk_wait"].hidden,
         }  # fmt: skip
-    needed = "host" if tiers["host"]["host_fits"] else "disk" if tiers["disk"]["fits"] else "none"
+    # a tier in RAM needs its state to fit there; one on disk needs the whole run (disk, RAM, device) to fit
+    needed = next(
+        (t for t, r in tiers.items() if (r["fits"] if TIERS[t].on_disk else r["host_fits"])), "none"
+    )
     return {"configured": s.tier, "needed": needed, "cache_layers": s.cache_layers, **tiers}
 
 
@@ -482,10 +485,11 @@ def verdict(shape: ModelShape, s: Setup, rates: Rates, result: dict[str, Any]) -
         why = f"host memory needs {fmt_bytes(result['host_bytes'])} > {fmt_bytes(host_budget)}"
         if s.disk:
             return f"does not fit: {why} (eps.host_cache_layers={s.cache_layers} layers cached); lower it"
-        alt = evaluate(shape, s.but(tier="disk"), rates) if s.l2l else None
+        on_disk = next(t for t, kind in TIERS.items() if kind.on_disk)
+        alt = evaluate(shape, s.but(tier=on_disk), rates) if s.l2l else None
         if alt is not None and alt["fits"]:
             return (
-                f"does not fit: {why} (the EPS keeps 16 bytes per parameter in RAM); eps.tier=disk fits: "
+                f"does not fit: {why} (the EPS keeps 16 bytes per parameter in RAM); eps.tier={on_disk} fits: "
                 f"{fmt_bytes(alt['disk_bytes'])} on disk, {fmt_bytes(alt['host_bytes'])} in RAM with "
                 f"eps.host_cache_layers={s.cache_layers}, ~{alt['step_time_s']:.3g} s per step"
             )

@@ -9,6 +9,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from l2l_cli.engine.tiers import TIERS
 from l2l_cli.problems import fmt_bytes
 
 GiB = 2**30
@@ -130,7 +131,7 @@ def render(plan: dict[str, Any], console: Console) -> None:
         host, disk = tier["host"], tier["disk"]
         t.add_row(
             f"EPS tier needed (configured: {tier['configured']})",
-            {"host": "host", "disk": "disk (eps.tier=disk)", "none": "none fits"}[tier["needed"]],
+            _tier_needed(tier["needed"]),
         )
         t.add_row("  host tier: RAM, step", f"{fmt_bytes(host['host_bytes'])}, {fmt_s(host['step_time_s'])}")
         t.add_row(
@@ -212,3 +213,9 @@ def render_compare(cmp: dict[str, Any], console: Console) -> None:
         dp = cmp["device_peak"]
         t.add_row("device peak", fmt_bytes(dp["predicted"]), fmt_bytes(dp["measured"]), f"{dp['ratio']:.2f}")
     console.print(t)
+
+
+def _tier_needed(name: str) -> str:
+    if name not in TIERS:
+        return "none fits"
+    return f"{name} (eps.tier={name})" if TIERS[name].on_disk else name
