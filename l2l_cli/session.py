@@ -76,15 +76,16 @@ def trainer_settings(cfg: Any, steps: int, ident: dict[str, Any], title: str) ->
 
 
 def eps_tier(cfg: Any, run_dir: Path | None) -> TierSettings:
-    """``eps.*`` resolved: a disk EPS lives in ``eps.path``, else in the run's ``eps/`` folder (a resumed
-    run's own: the disk state is that run's checkpoint), else in a temporary folder (no run dir)."""
+    """``eps.*`` resolved: a disk EPS lives in ``eps.path`` (``~`` expanded, as validation reads it), else
+    in the run's ``eps/`` folder (a resumed run's own: the disk state is that run's checkpoint), else in a
+    temporary folder (no run dir)."""
     e = cfg.eps
-    path = e.path
+    path = str(Path(e.path).expanduser()) if e.path else None
     resume = cfg.trainer.resume
     folder = TIERS[e.tier].dir_name
     if folder is not None and path is None:
         if resume and resume != "latest":
-            path = str(Path(resume) / folder)
+            path = str(Path(resume).expanduser() / folder)
         elif run_dir is not None:
             path = str(run_dir / folder)
     return TierSettings(e.tier, path, e.host_cache_layers, resume=bool(resume))

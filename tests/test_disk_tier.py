@@ -308,3 +308,17 @@ def test_disk_measurement_times_sequential_direct_io(tmp_path: Path) -> None:
     m = measure_disk(tmp_path, 8 << 20)
     assert m["bytes"] == 8 << 20 and m["read_gbps"] > 0 and m["write_gbps"] > 0 and m["free_bytes"] > 0
     assert list(tmp_path.iterdir()) == []  # the probe and the test file are gone
+
+
+def test_a_home_relative_eps_path_lands_in_home_not_in_a_folder_named_tilde(tmp_path: Path) -> None:
+    """eps.path=~/state is checked at $HOME/state and the layer files go there, not to ./~/state."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    r = l2l(
+        "train", *TINY, "mode=l2l", "eps.tier=disk", "eps.path='~/state'", "trainer.max_steps=1",
+        "task.num_train=32", f"hydra.run.dir={tmp_path / 'run'}", cwd=work, env={"HOME": str(home)},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (home / "state" / "commit.json").is_file()
+    assert not (work / "~").exists() and not (tmp_path / "run" / "~").exists()

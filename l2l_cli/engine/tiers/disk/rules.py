@@ -93,9 +93,9 @@ def eps_dir_guess(cfg: Any) -> Path:
     """Where a disk EPS will live, as far as the config says before the run dir exists: eps.path, the
     resumed run's eps/, else the run dir Hydra will make (its nearest existing folder is what is checked)."""
     if cfg.eps.path:
-        return Path(cfg.eps.path)
+        return Path(cfg.eps.path).expanduser()
     if cfg.trainer.resume and cfg.trainer.resume != "latest":
-        return Path(cfg.trainer.resume) / DIR
+        return Path(cfg.trainer.resume).expanduser() / DIR
     try:
         run_dir = OmegaConf.select(cfg, "hydra.run.dir") if isinstance(cfg, DictConfig) else None
     except Exception:  # ${now:...} outside a Hydra run
