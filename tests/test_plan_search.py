@@ -160,6 +160,7 @@ def test_the_search_and_the_per_config_model_agree() -> None:
                 assert a["memory_bytes"][k] == pytest.approx(float(r["memory"][k][i]), rel=1e-12)
 
 
+@pytest.mark.slow
 def test_pruning_is_exact_without_a_gpu_cap() -> None:
     """The sweep keeps only the largest n_l and n_a each constraint allows (module doc): same answer as the
     whole grid, for sizes around the interesting range."""
@@ -248,6 +249,7 @@ def test_figure_4_sweep_is_fast() -> None:
     assert len(rows) == 3 * len(xs)
 
 
+@pytest.mark.slow
 def test_scaling_writes_the_figures_csv_and_limits(capsys, tmp_path) -> None:
     """Acceptance 4: the three figures (PNG + SVG) and the CSV, with the limits in --json."""
     out = tmp_path / "scaling"
