@@ -10,6 +10,7 @@ head counts x/2 have few divisors, and a divisor rule would make the curves jump
 from __future__ import annotations
 
 import csv
+import json
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -22,6 +23,10 @@ from l2l_cli.plan.scaling import METHODS, GiB
 from l2l_cli.plan.search import DAY, MEMORY_KEYS, PAIRS, Bounds, Found, Target, fastest
 
 MONTH_DAYS, YEAR_DAYS = 365.25 / 12, 365.25
+DEFAULT_OUT = (
+    "outputs/layered_ga_scaling"  # --out's default: where recipes/layered_ga_scaling.yaml's report looks
+)
+SUMMARY = "scaling.json"  # the sweep's summary (the --json object) beside the figures: `l2l report` reads it
 FIGURES = {  # name -> what differs from the base machine
     "figure4": {"node_size": 16, "network": "infiniband"},
     "figure5": {"node_size": 0, "network": "infiniband"},
@@ -183,7 +188,7 @@ def draw(path: Path, rows: list[tuple[int, str, Found | None]], memory_gib: floa
 
 
 def scaling_plan(cfg: Any, out: Path) -> dict[str, Any]:
-    """Sweep, write the figures and scaling.csv into ``out``, and return the limits (``--scaling``)."""
+    """Sweep, write the figures, scaling.csv and scaling.json into ``out``, and return the limits (``--scaling``)."""
     from l2l_cli.plan.choose import links_for
 
     base = links_for(cfg)
@@ -214,7 +219,8 @@ def scaling_plan(cfg: Any, out: Path) -> dict[str, Any]:
                          network_gbps=hw.network_gbps if FIGURES[n]["network"] == "infiniband" else hw.ethernet_gbps)
               for n in FIGURES}  # fmt: skip
     lim = limits(results["figure4"], links4["figure4"], bounds)
-    return {
+    files.append(SUMMARY)
+    out_obj = {
         "out": str(out),
         "files": files,
         "hardware": hw.name,
@@ -226,6 +232,18 @@ def scaling_plan(cfg: Any, out: Path) -> dict[str, Any]:
         "limits_figure8": limits(results["figure8"], links4["figure8"], bounds),
         "ethernet_slowdown_x160": ethernet_slowdown(base, hw.network_gbps, hw.ethernet_gbps, bounds),
     }
+    # what `l2l report` reads back (the figures' captions and §7's limits), as --json prints it
+    (out / SUMMARY).write_text(json.dumps(_finite(out_obj), indent=1) + "\n")
+    return out_obj
+
+
+def _finite(obj: Any) -> Any:
+    """JSON without NaN/Infinity (None instead), as ``--json`` prints it."""
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return None if isinstance(obj, float) and not math.isfinite(obj) else obj
 
 
 def ethernet_slowdown(links: ga.Links, ib: float, eth: float, bounds: Bounds | None = None) -> float:
