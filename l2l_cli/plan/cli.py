@@ -28,8 +28,9 @@ usage: l2l plan [group=option] [key=value ...] [--json] [--compare RUN_DIR | --s
   --search            layered-GA §5: the fastest configuration per method and parallelism mix that fits
                       (plan.parallelism, plan.method, plan.max_gpus, plan.max_days, plan.network, plan.node_size),
                       with the l2l train / torchrun command for the ones l2l can run
-  --scaling           layered-GA §7: sweep the X[x] family (1e9..1e16 parameters), write figure4/5/8 (.png, .svg)
-                      and scaling.csv into --out DIR (default outputs/layered_ga_scaling), report the limits
+  --scaling           layered-GA §7: sweep the X[x] family (1e9..1e16 parameters), write figure4/5/8 (.png,
+                      .svg), scaling.csv and scaling.json into --out DIR (default outputs/layered_ga_scaling),
+                      report the limits; recipe=layered_ga_scaling sets the paper's machine and bounds
 
 examples:
   l2l plan model=bert-large batch.size=64 batch.ubatch_size=4 task.max_seq_len=512
@@ -38,7 +39,7 @@ examples:
   l2l plan --compare outputs/2026-01-01/12-00-00-l2l-synthetic hardware=measure
   l2l plan --search model=bert-large hardware=a100-80g plan.max_gpus=8
   l2l plan --search model=x model.x=160 hardware=a100-80g plan.max_days=30 plan.parallelism=3d
-  l2l plan --scaling hardware=a100-80g --out outputs/layered_ga_scaling
+  l2l plan --scaling recipe=layered_ga_scaling            # then: l2l report outputs/layered_ga_scaling
 """
 
 
@@ -117,9 +118,17 @@ def main(argv: list[str]) -> int:
     sweeps = [ov.key_or_group for ov in parsed if ov.is_sweep_override()]
     if sweeps:
         return _fail([f"config error: {', '.join(sweeps)}: l2l plan takes one config; give one value"])
-    problems = preflight(overrides, multirun=False)
+    info: dict[str, Any] = {}
+    problems = preflight(overrides, multirun=False, info=info)
     if problems:
         return _fail([f"config error: {p}" for p in problems])
+    if info.get("jobs", 1) > 1:  # a training recipe's sweep (hydra.sweeper.params): plan one config of it
+        return _fail(
+            [
+                f"config error: recipe: a sweep of {info['jobs']} jobs (run it with l2l train); l2l plan takes "
+                "one config: give one value for each swept key"
+            ]
+        )
     cfg = compose(overrides)
     if flags["search"] or flags["scaling"]:
         return _search_or_scaling(cfg, overrides, flags)
@@ -162,9 +171,9 @@ def _search_or_scaling(cfg: Any, overrides: list[str], flags: dict[str, Any]) ->
 
             out = search_plan(cfg, overrides)
         else:
-            from l2l_cli.plan.figures import scaling_plan
+            from l2l_cli.plan.figures import DEFAULT_OUT, scaling_plan
 
-            out = scaling_plan(cfg, Path(flags["out"] or "outputs/layered_ga_scaling").expanduser())
+            out = scaling_plan(cfg, Path(flags["out"] or DEFAULT_OUT).expanduser())
     except (PlanError, OSError) as e:
         return _fail([f"plan error: {e}"])
     if flags["json"]:
