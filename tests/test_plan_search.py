@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import shlex
 import time
 from dataclasses import replace
@@ -203,9 +204,7 @@ def test_section_7_limits(figure4: list) -> None:
     """Acceptance 3, §7 (improved method, Figure 4): "80 GB is enough to train models up to 280 trillion
     parameters, with offloading being required above 90 trillion ... one month, and ... one year ... limits
     of about 4.5 and 50 trillion parameters". Ours: 4.57T and 37.7T for the time limits (within 25%), and
-    202T / 65T for the memory ones (28% below): the 25% cap on tensor parallelism over InfiniBand beyond
-    the 16-GPU node (eq. 12) lets n_a reach ~38 at 280T, where the two half-precision parameter buffers and
-    the gradient buffer (6·p_l/n_a) alone take ~87 GB."""
+    202T / 65T for the memory ones (28% below; see the xfail below for why)."""
     lim = F.limits(figure4, ga.Links())
     assert lim["one_month_params"] == pytest.approx(4.5e12, rel=0.25)
     assert lim["one_year_params"] == pytest.approx(50e12, rel=0.25)
@@ -214,7 +213,35 @@ def test_section_7_limits(figure4: list) -> None:
     assert lim["offload_above_params"] < lim["fits_80gb_params"]
 
 
-@pytest.mark.xfail(strict=True, reason="the paper's 280T / 90T memory limits are 28% above ours (see above)")
+def test_section_7_memory_limits_are_set_by_the_tensor_cap_over_infiniband() -> None:
+    """Why the memory limits miss (the xfail below). Near 1e14 parameters the non-offloadable memory is the
+    two parameter buffers and the gradient buffer, 6·p_l/n_a = 72·x⁴/n_a bytes (C.3), and n_a beyond the
+    16-GPU node runs over InfiniBand, where eq. 12's overhead ν_net/ν_a = 5.81k·(n_a - 1)/(4·x²) must stay
+    within ε = 25%: n_a - 1 <= ε·x²/5.81k, so the buffers are ~72·5.81k·x²/ε and the largest x that fits
+    grows as ε^(1/2), p = 12·x⁵ as ε^(5/2). A 10% looser ε is +27% in p, the whole gap.
+
+    The paper's own sentences put its ε over InfiniBand there, not at 25%. §5: "We impose a maximum
+    overhead of 25%, which for large models (above ∼50 billion parameters) allows the practical limit
+    n_a = 16" holds at 25% over NVLink (484·15/(4·x²) <= 0.25 from x = 86: 56B). But "At extreme scales
+    (25 trillion parameters) it becomes possible to efficiently use tensor parallelism over InfiniBand
+    with n_a > 16": at 25T (x = 291) n_a = 17 costs 5811·16/(4·291²) = 27.4%; at 25% it is allowed only
+    from x = 305 (31T). With ε = 27-28% our search gives the paper's 280T and 90T; no rule of the paper
+    that we found (per-term vs combined caps, GB vs GiB, the node's NVLink kept) yields that ε, so we keep
+    25% as the paper states it, and check the sensitivity here."""
+    x, nvlink, ib = 291, ga.Links().threshold(600.0), ga.Links().threshold(50.0)
+    assert nvlink * 15 / (4 * 86**2) <= 0.25 < nvlink * 15 / (4 * 85**2)  # the 50B sentence, at 25%
+    assert ga.x_params(86) == pytest.approx(50e9, rel=0.15)
+    assert ib * 16 / (4 * x**2) == pytest.approx(0.274, abs=0.001)  # the 25T sentence: 27.4%
+    assert ga.x_params(x) == pytest.approx(25e12, rel=0.03)
+    xs = F.sizes(36)
+    for cap, fits, offload in ((0.25, 202e12, 65e12), (0.28, 280e12, 90e12)):
+        b = S.Bounds(whole=False, max_overhead=cap)
+        lim = F.limits(F.sweep(ga.Links(), xs, b), ga.Links(), b)
+        assert lim["fits_80gb_params"] == pytest.approx(fits, rel=0.1), cap
+        assert lim["offload_above_params"] == pytest.approx(offload, rel=0.1), cap
+
+
+@pytest.mark.xfail(strict=True, reason="§7's 280T / 90T need a ~28% tensor cap over InfiniBand (see above)")
 def test_section_7_memory_limits_within_25_percent(figure4: list) -> None:
     lim = F.limits(figure4, ga.Links())
     assert lim["fits_80gb_params"] == pytest.approx(280e12, rel=0.25)
@@ -222,10 +249,13 @@ def test_section_7_memory_limits_within_25_percent(figure4: list) -> None:
 
 
 def test_figure_8_ethernet_slowdown_for_x160() -> None:
-    """§8.3: "For the trillion-parameter model, this slows down training by about 4%". Our model gives 41%:
-    over 25 Gb/s the improved reduction (eq. 9, ν = b·d_s/(2·n_b) >= 46.5k flop/B) needs b/n_b >= 37
-    samples, so n_b <= 65 instead of 483; the modular pipeline can only make up n_l <= n_mu/(1 + ν_net/ν_l)
-    = 28 of it, and its bubble grows to 13%. We keep our number and say so (xfail below)."""
+    """§8.3: "We assume the nodes are equipped with a 400 Gb/s Ethernet connection, which amounts to 25 Gb/s
+    per GPU ... For the trillion-parameter model, this slows down training by about 4%". Ours: +41%. Table
+    A.1 gives Ethernet (25 Gb/s) 6.25 GB/s in + out, ν_net = 46.5k flop/B (8x InfiniBand's 5.81k; appendix
+    A's footnote 10: the ring's use of the whole node's Ethernet is ignored "for simplicity"), and we keep
+    the node's NVLink for n_a = 16. The improved reduction (eq. 9, ν = b·d_s/(2·n_b) >= 46.5k) then needs
+    b/n_b >= 37 samples, so n_b <= 65 instead of 483; the modular pipeline can only make up
+    n_l <= n_mu/(1 + ν_net/ν_l) = 37/1.30 = 28 of it (eq. 11, C.4.2), with a 13% bubble."""
     slow = F.ethernet_slowdown(ga.Links(), 50.0, 6.25)
     assert slow == pytest.approx(0.407, abs=0.01)
     eth = S.fastest(
@@ -234,7 +264,32 @@ def test_figure_8_ethernet_slowdown_for_x160() -> None:
     assert (eth.config.n_b, eth.config.n_mu) == (65, 37)
 
 
-@pytest.mark.xfail(strict=True, reason="the paper's ~4% Ethernet slowdown is not reproduced (41%, see above)")
+def test_figure_8_no_configuration_is_within_4_percent() -> None:
+    """Why "about 4%" is out of reach under the paper's own equations (the xfail below): even with the
+    modular pipeline's transfers free (no eq. 11 cost, any n_l <= n_mu), every X160 configuration over
+    Ethernet that keeps the reduction (eq. 9) compute-bound is >= 15% slower than the InfiniBand optimum.
+    Time is the fixed work over n_gpu·peak·efficiency; n_b·n_mu <= b_c forces n_mu >= 37 with n_b <= 65, and
+    n_l up to n_mu = 37 brings the bubble (n_l - 1)·n_l/(n_mu·d_l) to 22.5% (§4). The slowdown in Figure 8
+    at 1T parameters cannot be read from the extracted text; "about 4%" may be a misprint of ~40%, which
+    is ours."""
+    m, links = X160.model, replace(X160.links, network_gbps=6.25)
+    best = 0.0
+    for n_b in range(1, 484):
+        n_mu = math.floor(X160.b_c) // n_b
+        n_l = np.arange(1, min(n_mu, m.d_l) + 1)
+        tr = ga.transfers(m, "improved", 1, n_mu, n_b, n_l, 16, False, links)
+        if tr["data"]["threshold"] > tr["data"]["value"]:
+            continue  # the reduction is data-bound
+        ov = ga.overheads_of(m, "improved", n_mu, n_l, tr)
+        ov.pop("pipeline")  # free, as if overlapped at any n_l
+        best = max(best, float(np.max(n_b * n_l * 16 * ga.efficiency_of(ov))))
+    ib = S.search_one(X160, S.Bounds(), "improved", "3d")
+    assert ib.config.n_gpu * ib.efficiency / best - 1 == pytest.approx(0.156, abs=0.005)
+
+
+@pytest.mark.xfail(
+    strict=True, reason="the paper's ~4% Ethernet slowdown is not reachable (>= 15.6%; ours 41%)"
+)
 def test_figure_8_about_four_percent() -> None:
     assert F.ethernet_slowdown(ga.Links(), 50.0, 6.25) == pytest.approx(0.04, abs=0.03)
 
@@ -355,3 +410,15 @@ def test_a_multi_node_row_runs_under_torchrun() -> None:
     assert (
         "dist.pipeline=5 dist.placement=modular dist.schedule=breadth_first dist.partition_state=true" in cmd
     )
+
+
+def test_plan_takes_a_plan_recipe_and_refuses_a_training_sweep(capsys) -> None:
+    """``l2l plan --scaling recipe=layered_ga_scaling`` composes the recipe (its machine and bounds); a
+    training recipe's sweep is not one config."""
+    cfg = compose(["recipe=layered_ga_scaling"])
+    assert (cfg.hardware.name, cfg.plan.network, cfg.plan.max_overhead) == ("a100-80g", "infiniband", 0.25)
+    assert main(["--search", "--json", "recipe=layered_ga_scaling", "model=x", "model.x=160",
+                 "plan.parallelism=3d", "plan.method=improved"]) == 0  # fmt: skip
+    assert json.loads(capsys.readouterr().out)["search"][0]["n_gpu"] == 38640
+    assert main(["recipe=l2l_v2_table2"]) == 2
+    assert "a sweep of 4 jobs (run it with l2l train)" in capsys.readouterr().err
