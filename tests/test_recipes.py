@@ -1,5 +1,9 @@
 """Every recipe runs through the real CLI at a tiny size, and ``l2l report`` on its output has the rows of the
-paper table it reproduces. The recipes folder is globbed: a new recipe without a case here fails."""
+paper table it reproduces. The recipes folder is globbed: a new recipe without a case here fails.
+
+A recipe is for the command its header names: ``l2l train recipe=NAME`` (a multirun of training jobs, with a
+``scale`` switch) or ``l2l plan --scaling recipe=NAME`` (one config of the analytic model: no sweep, no
+scale); each is smoke-tested through that command."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
+from l2l_cli.cli import main as cli_main
 from l2l_cli.compose import compose
 from l2l_cli.preflight import preflight
 from l2l_cli.report import main as report_main
@@ -36,9 +41,21 @@ Rows = list[dict[str, str]]
 @dataclass
 class Case:
     overrides: list[str]
-    check: Callable[[Rows], None]
+    check: Callable[[Rows], None]  # on the report's table: report.csv (training runs), limits.csv (scaling)
     plots: tuple[str, ...] = ()  # plots the report must draw
     exit_code: int = 0  # l2l train's: 1 when a job of the sweep fails (by design in Table 2)
+
+
+# the header's one command: `#   l2l train recipe=NAME  # ...` or `#   l2l plan --scaling recipe=NAME  # ...`
+COMMAND = re.compile(r"^#\s+l2l ((?:train|plan(?: --[a-z]+)*)) recipe=(\w+)\s+#", re.M)
+
+
+def recipe_command(name: str) -> list[str]:
+    """The subcommand and flags the recipe is for, from its header: ["train"] or ["plan", "--scaling"]."""
+    header = (RECIPES / f"{name}.yaml").read_text().split("\ndefaults:")[0]
+    found = [m.group(1).split() for m in COMMAND.finditer(header) if m.group(2) == name]
+    assert found, f"{name}: no `l2l train|plan ... recipe={name}  # ...` line in the header"
+    return found[0]
 
 
 def by(rows: Rows, *keys: str) -> dict[Any, dict[str, str]]:
@@ -163,6 +180,19 @@ def check_layered_ga_pipeline(rows: Rows) -> None:
     assert 0 <= float(r["bubble_measured"]) < 1 and float(r["time_bubble_s"]) >= 0
 
 
+def check_layered_ga_scaling(rows: Rows) -> None:
+    """limits.csv of `l2l report` on the plan's output: §7's limits per figure, near the paper's where the
+    paper's and ours agree (tests/test_plan_search.py has the full-size checks and the gaps)."""
+    t = by(rows, "figure")
+    assert set(t) == {"figure4", "figure5", "figure8"}
+    assert all(r["hardware"] == "a100-80g" and r["memory_gb"] == "80.0" for r in rows)
+    f4 = t["figure4"]
+    assert float(f4["one_month_params"]) == pytest.approx(4.5e12, rel=0.25)  # §7: "about 4.5 ... trillion"
+    assert float(f4["offload_above_params"]) < float(f4["fits_80gb_params"])
+    assert float(t["figure5"]["fits_80gb_params"]) > float(f4["fits_80gb_params"])  # no node limit: more room
+    assert float(t["figure8"]["ethernet_slowdown_x160"]) > 0
+
+
 CASES: dict[str, Case] = {
     "l2l_v2_table2": Case(
         [*TINY, "model.num_layers=2", "batch.size=8", "trainer.max_steps=2"], check_v2_table2
@@ -225,6 +255,8 @@ CASES: dict[str, Case] = {
         check_glue,
         ("eval.png",),
     ),
+    # 6 model sizes instead of 36 (the sweep is ~1 s; drawing the three figures most of the ~8 s)
+    "layered_ga_scaling": Case(["plan.scaling_points=6"], check_layered_ga_scaling),
 }
 
 
@@ -242,25 +274,48 @@ def recipe_names() -> list[str]:
 
 def test_every_recipe_has_a_smoke_test() -> None:
     assert recipe_names() == sorted(CASES)
-    assert len(recipe_names()) == 11
+    assert len(recipe_names()) == 12
+    assert sorted({tuple(recipe_command(n)) for n in recipe_names()}) == [("plan", "--scaling"), ("train",)]
+
+
+def test_the_header_command_is_read_from_the_header(tmp_path: Path, monkeypatch) -> None:
+    """The probe: a recipe is recognised by the command in its header, not by its name."""
+    monkeypatch.setattr(f"{__name__}.RECIPES", tmp_path)
+    (tmp_path / "a.yaml").write_text(
+        "# @package _global_\n#   l2l plan --scaling recipe=a   # x\ndefaults: []\n"
+    )
+    (tmp_path / "b.yaml").write_text("# @package _global_\n#   l2l train recipe=b  # y\ndefaults: []\n")
+    (tmp_path / "c.yaml").write_text("# @package _global_\n#   l2l train recipe=other  # z\ndefaults: []\n")
+    assert recipe_command("a") == ["plan", "--scaling"] and recipe_command("b") == ["train"]
+    with pytest.raises(AssertionError, match="no `l2l train"):
+        recipe_command("c")
 
 
 @pytest.mark.parametrize("name", recipe_names())
 def test_recipe_header_and_both_scales_compose(name: str) -> None:
     text = (RECIPES / f"{name}.yaml").read_text()
     header = text.split("\ndefaults:")[0]
-    assert text.startswith("# @package _global_\n")
-    assert re.search(rf"^#\s+l2l train recipe={name}\s+#", header, re.M)  # the one command
-    assert f"l2l train recipe={name} scale=paper" in header  # the switch to the paper's size
-    assert "Paper" in header and "hydra:\n  mode: MULTIRUN" in text
+    command = recipe_command(name)  # the one command
+    assert text.startswith("# @package _global_\n") and "Paper" in header
+    # the header's `l2l report outputs/<name>` finds what the command wrote
+    assert re.search(rf"^#\s+l2l report outputs/{name}\s", header, re.M)
     if name == "glue_accuracy":
         _need_glue_and_minilm()
     for scale in ("cpu", "paper"):
         warnings: list[str] = []
         assert preflight([f"recipe={name}", f"scale={scale}"], False, warnings) == []
         assert all("precision=cmp" in w for w in warnings)  # only Table 2's refused baseline-ag + cmp
-    # the header's `l2l report outputs/<name>` finds the runs: the recipe's sweep dir beats the default one
-    assert re.search(rf"^#\s+l2l report outputs/{name}\s", header, re.M)
+    if command[0] == "plan":
+        # one config of the analytic model: `l2l plan` refuses a sweep, and the paper's sizes cost seconds
+        assert "hydra:" not in text and not re.search(r"\bscale\b", text.split("\ndefaults:")[1])
+        if "--scaling" in command:
+            from l2l_cli.plan.figures import DEFAULT_OUT
+
+            assert f"outputs/{name}" == DEFAULT_OUT  # where --scaling writes without --out
+        return
+    assert f"l2l train recipe={name} scale=paper" in header  # the switch to the paper's size
+    assert "hydra:\n  mode: MULTIRUN" in text
+    # the recipe's sweep dir beats the default one
     hydra_cfg = compose([f"recipe={name}"], hydra=True).hydra
     sweep_dir = OmegaConf.to_container(hydra_cfg.sweep, resolve=False)["dir"]  # ${now:...} left as written
     assert sweep_dir.startswith(f"outputs/{name}/"), sweep_dir
@@ -269,15 +324,28 @@ def test_recipe_header_and_both_scales_compose(name: str) -> None:
 @pytest.mark.parametrize("name", recipe_names())
 def test_recipe_runs_and_reports_the_paper_rows(name: str, tmp_path: Path) -> None:
     case = CASES[name]
+    command = recipe_command(name)
     if name == "glue_accuracy":
         _need_glue_and_minilm()
     runs, out = tmp_path / "runs", tmp_path / "report"
-    r = l2l("train", f"recipe={name}", *case.overrides, f"hydra.sweep.dir={runs}")
-    assert r.returncode == case.exit_code, r.stderr[-3000:]
-    assert (runs / "multirun.yaml").is_file()
+    if command[0] == "plan":
+        # the real command line, in this process (the sweep takes ~1 s; a new interpreter's imports ~3 s)
+        with pytest.raises(SystemExit) as exit_:
+            cli_main([*command, f"recipe={name}", *case.overrides, "--out", str(runs)])
+        assert exit_.value.code == case.exit_code
+        table = "limits.csv"
+    else:
+        r = l2l("train", f"recipe={name}", *case.overrides, f"hydra.sweep.dir={runs}")
+        assert r.returncode == case.exit_code, r.stderr[-3000:]
+        assert (runs / "multirun.yaml").is_file()
+        table = "report.csv"
     assert report_main([str(runs), "--out", str(out)]) == 0
-    with (out / "report.csv").open() as f:
+    with (out / table).open() as f:
         rows = list(csv.DictReader(f))
     case.check(rows)
     for png in case.plots:
         assert (out / png).stat().st_size > 5000, png
+    if command[0] == "plan":  # the report links every figure the command drew
+        md = (out / "report.md").read_text()
+        drawn = sorted(p.name for p in runs.glob("*.png"))
+        assert drawn and all(f"../runs/{png})" in md for png in drawn), drawn

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import itertools
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -209,3 +210,50 @@ def test_bad_input_is_one_line_and_exit_code_2(args: list[str], message: str, tm
 def test_bad_input_through_the_real_cli(tmp_path: Path) -> None:
     r = l2l("report", str(tmp_path / "nope"))
     assert r.returncode == 2 and r.stderr.startswith("l2l: ") and "Traceback" not in r.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# What `l2l plan --scaling` wrote: the figures linked and §7's limits, from the folder or a parent of it
+
+
+@pytest.fixture(scope="module")
+def scaling(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real `l2l plan --scaling` output (6 model sizes), one folder down from its parent."""
+    from l2l_cli.plan.cli import main as plan_main
+
+    out = tmp_path_factory.mktemp("plan") / "layered_ga_scaling"
+    assert plan_main(["--scaling", "hardware=a100-80g", "plan.scaling_points=6", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.mark.parametrize("where", ["itself", "parent"])
+def test_report_links_the_scaling_figures_and_gives_the_limits(
+    scaling: Path, tmp_path: Path, where: str, capsys
+) -> None:
+    summary = json.loads((scaling / "scaling.json").read_text())
+    target = scaling if where == "itself" else scaling.parent
+    assert report_main([str(target), "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "report.md").read_text()
+    assert "## Layered-GA scaling" in md and not (tmp_path / "report.csv").exists()  # no runs, no runs table
+    for name in ("figure4", "figure5", "figure8"):
+        png, svg = scaling / f"{name}.png", scaling / f"{name}.svg"
+        assert f"]({os.path.relpath(png, tmp_path)})" in md and f"]({os.path.relpath(svg, tmp_path)})" in md
+        assert (tmp_path / os.path.relpath(png, tmp_path)).resolve() == png.resolve()  # the link resolves
+    assert f"[scaling.csv]({os.path.relpath(scaling / 'scaling.csv', tmp_path)})" in md
+    rows = {r["figure"]: r for r in read_csv(tmp_path / "limits.csv")}
+    assert set(rows) == {"figure4", "figure5", "figure8"}
+    for fig, key in (("figure4", "limits"), ("figure5", "limits_figure5"), ("figure8", "limits_figure8")):
+        for k, v in summary[key].items():
+            assert rows[fig][k] == ("" if v is None else str(v))  # the plan's numbers, unchanged
+    assert float(rows["figure8"]["ethernet_slowdown_x160"]) == summary["ethernet_slowdown_x160"]
+    month = summary["limits"]["one_month_params"]
+    assert f"| largest trained in one month | {month / 1e12:.3g} T |" in md
+    out = capsys.readouterr().out
+    assert "§7 limits" in out and "wrote report.md, limits.csv" in out
+
+
+def test_report_of_runs_and_a_scaling_folder_together(sweep: Path, scaling: Path, tmp_path: Path) -> None:
+    assert report_main([str(sweep), str(scaling), "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "report.md").read_text()
+    assert "4 runs" in md and "## Layered-GA scaling" in md
+    assert len(read_csv(tmp_path / "report.csv")) == 4 and len(read_csv(tmp_path / "limits.csv")) == 3

@@ -23,6 +23,7 @@ DIST_BACKENDS = ("auto", "gloo", "nccl")
 PLACEMENTS = ("modular", "contiguous")  # pipeline stages: layer i on rank i mod P, or blocks of L/P layers
 PIPE_SCHEDULES = ("auto", "breadth_first", "interleaved_1f1b", "gpipe", "1f1b")
 SCALES = ("cpu", "paper")
+PLAN_NETWORKS = ("infiniband", "ethernet")
 
 
 @dataclass
@@ -198,6 +199,9 @@ class HardwareConfig:
     network_gbps: float = 12.5  # data-parallel / pipeline network per device, GB/s (input + output)
     tensor_link_gbps: float = 0.0  # tensor-parallel interconnect (NVLink), GB/s (input + output); 0: none
     offload_gbps: float = 32.0  # CPU<->GPU for offloading (layered-GA eq. 13), GB/s (input + output)
+    pcie_gbps: float = 31.5  # the GPU's PCIe link, which network and offload share (layered-GA §5), GB/s
+    ethernet_gbps: float = 6.25  # plan.network=ethernet: per GPU, GB/s (the paper's 400 Gb/s per 16 GPUs)
+    node_size: int = 8  # GPUs joined by the tensor link (plan --search: n_a beyond it uses the network)
     async_copy: bool = True  # copies run beside compute (GPU copy engines, device=sim); false: inline
     disk_read_gbps: float = 3.0  # the disk EPS tier's sequential read, GB/s (a datacenter NVMe drive)
     disk_write_gbps: float = 2.0  # ... and write
@@ -215,6 +219,16 @@ class PlanConfig:
     data_parallel: int = 1  # data-parallel replicas
     train_steps: int = 100_000  # steps for the layered-GA training-time estimate (the paper's 100k)
     measure_repeats: int = 5  # hardware=measure: timed repetitions per primitive (the median is used)
+    network: str = "infiniband"  # --search/--scaling: infiniband (hardware.network_gbps) | ethernet (hardware.ethernet_gbps)
+    parallelism: str = "all"  # --search: all | none | data | data+pipe | data+tensor | 3d
+    method: str = "all"  # --search: all | baseline | partitioned | improved (layered-GA §5)
+    max_gpus: int = 0  # --search: at most this many GPUs (0: no limit)
+    max_days: float = 0.0  # --search: the fewest GPUs that train within this many days (0: the fastest)
+    node_size: int | None = (
+        None  # --search/--scaling: GPUs per tensor link; unset: hardware.node_size; 0: no limit
+    )
+    max_overhead: float = 0.25  # --search: cap on each exposed transfer overhead (the paper's 25%)
+    scaling_points: int = 36  # --scaling: X[x] model sizes from 1e9 to 1e16 parameters
 
 
 @dataclass

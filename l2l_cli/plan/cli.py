@@ -17,7 +17,7 @@ from typing import Any
 from l2l_cli.plan import PlanError
 
 USAGE = """\
-usage: l2l plan [group=option] [key=value ...] [--json] [--compare RUN_DIR]
+usage: l2l plan [group=option] [key=value ...] [--json] [--compare RUN_DIR | --search | --scaling [--out DIR]]
 
   Parameter count, memory per tier (device / host), step time by phase, samples/s, the recommended
   #ubatches and ubatch size, every mode side by side, and the layered-GA 3d-parallel view, for the
@@ -25,12 +25,21 @@ usage: l2l plan [group=option] [key=value ...] [--json] [--compare RUN_DIR]
 
   --json              print the plan as one JSON object on stdout
   --compare RUN_DIR   predicted vs measured per phase for a finished run (its overrides, then these)
+  --search            layered-GA §5: the fastest configuration per method and parallelism mix that fits
+                      (plan.parallelism, plan.method, plan.max_gpus, plan.max_days, plan.network, plan.node_size),
+                      with the l2l train / torchrun command for the ones l2l can run
+  --scaling           layered-GA §7: sweep the X[x] family (1e9..1e16 parameters), write figure4/5/8 (.png,
+                      .svg), scaling.csv and scaling.json into --out DIR (default outputs/layered_ga_scaling),
+                      report the limits; recipe=layered_ga_scaling sets the paper's machine and bounds
 
 examples:
   l2l plan model=bert-large batch.size=64 batch.ubatch_size=4 task.max_seq_len=512
   l2l plan model=x model.x=64 hardware=a100-80g plan.tensor_parallel=16 plan.data_parallel=64
   l2l plan mode=l2l hardware=measure --json
   l2l plan --compare outputs/2026-01-01/12-00-00-l2l-synthetic hardware=measure
+  l2l plan --search model=bert-large hardware=a100-80g plan.max_gpus=8
+  l2l plan --search model=x model.x=160 hardware=a100-80g plan.max_days=30 plan.parallelism=3d
+  l2l plan --scaling recipe=layered_ga_scaling            # then: l2l report outputs/layered_ga_scaling
 """
 
 
@@ -52,7 +61,8 @@ def _jsonable(obj: Any) -> Any:
 
 def parse(argv: list[str]) -> tuple[dict[str, Any], list[str], list[str]]:
     """(flags, overrides, errors)."""
-    flags: dict[str, Any] = {"json": False, "compare": None, "help": False}
+    flags: dict[str, Any] = {"json": False, "compare": None, "help": False, "search": False, "scaling": False,
+                             "out": None}  # fmt: skip
     overrides, errors = [], []
     it = iter(argv)
     for a in it:
@@ -65,8 +75,17 @@ def parse(argv: list[str]) -> tuple[dict[str, Any], list[str], list[str]]:
             if not value:
                 errors.append("--compare needs a run directory")
             flags["compare"] = value
+        elif a in ("--search", "--scaling"):
+            flags[a[2:]] = True
+        elif a == "--out" or a.startswith("--out="):
+            value = a.split("=", 1)[1] if "=" in a else next(it, None)
+            if not value:
+                errors.append("--out needs a directory")
+            flags["out"] = value
         elif a.startswith("-"):
-            errors.append(f"unknown option {a}; allowed: --json, --compare RUN_DIR, --help")
+            errors.append(
+                f"unknown option {a}; allowed: --json, --compare RUN_DIR, --search, --scaling, --out DIR, --help"
+            )
         else:
             overrides.append(a)
     return flags, overrides, errors
@@ -77,6 +96,11 @@ def main(argv: list[str]) -> int:
     if flags["help"]:
         print(USAGE, end="")
         return 0
+    picked = [k for k in ("compare", "search", "scaling") if flags[k]]
+    if len(picked) > 1:
+        errors.append(f"--{picked[0]} and --{picked[1]}: one question at a time")
+    if flags["out"] and not flags["scaling"]:
+        errors.append("--out applies to --scaling")
     if errors:
         return _fail(errors)
     from l2l_cli.compose import check_overrides, compose
@@ -94,10 +118,20 @@ def main(argv: list[str]) -> int:
     sweeps = [ov.key_or_group for ov in parsed if ov.is_sweep_override()]
     if sweeps:
         return _fail([f"config error: {', '.join(sweeps)}: l2l plan takes one config; give one value"])
-    problems = preflight(overrides, multirun=False)
+    info: dict[str, Any] = {}
+    problems = preflight(overrides, multirun=False, info=info)
     if problems:
         return _fail([f"config error: {p}" for p in problems])
+    if info.get("jobs", 1) > 1:  # a training recipe's sweep (hydra.sweeper.params): plan one config of it
+        return _fail(
+            [
+                f"config error: recipe: a sweep of {info['jobs']} jobs (run it with l2l train); l2l plan takes "
+                "one config: give one value for each swept key"
+            ]
+        )
     cfg = compose(overrides)
+    if flags["search"] or flags["scaling"]:
+        return _search_or_scaling(cfg, overrides, flags)
     from l2l_cli.plan.planner import make_plan
 
     try:
@@ -120,4 +154,34 @@ def main(argv: list[str]) -> int:
     render(plan, console)
     if run_dir is not None:
         render_compare(out["compare"], console)
+    return 0
+
+
+def _search_or_scaling(cfg: Any, overrides: list[str], flags: dict[str, Any]) -> int:
+    """``--search`` (layered-GA §5 for the config's model) or ``--scaling`` (§7's sweep and figures)."""
+    if cfg.hardware.measured:
+        return _fail(
+            [
+                "config error: hardware=measure: --search and --scaling need a GPU preset (hardware=a100-80g, ...)"
+            ]
+        )
+    try:
+        if flags["search"]:
+            from l2l_cli.plan.choose import search_plan
+
+            out = search_plan(cfg, overrides)
+        else:
+            from l2l_cli.plan.figures import DEFAULT_OUT, scaling_plan
+
+            out = scaling_plan(cfg, Path(flags["out"] or DEFAULT_OUT).expanduser())
+    except (PlanError, OSError) as e:
+        return _fail([f"plan error: {e}"])
+    if flags["json"]:
+        print(json.dumps(_jsonable(out)))
+        return 0
+    from rich.console import Console
+
+    from l2l_cli.plan.render import render_scaling, render_search
+
+    (render_search if flags["search"] else render_scaling)(out, Console(highlight=False))
     return 0

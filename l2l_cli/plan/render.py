@@ -219,3 +219,68 @@ def _tier_needed(name: str) -> str:
     if name not in TIERS:
         return "none fits"
     return f"{name} (eps.tier={name})" if TIERS[name].on_disk else name
+
+
+def fmt_days(d: float | None) -> str:
+    """Table 6.1's time column: days below a year, years above."""
+    if d is None:
+        return "-"
+    return f"{d:.3g} d" if d < 365 else f"{d / 365:.3g} y"
+
+
+def render_search(out: dict[str, Any], console: Console) -> None:
+    """``l2l plan --search``: Table 6.1's columns, Table 6.2's memory, what binds each row, the commands."""
+    hw, bd = out["hardware"], out["bounds"]
+    head = (
+        f"[bold]{out['model']}[/] ({fmt_n(out['params'])} parameters in the layers; d_l {out['shape']['d_l']}, "
+        f"d_m {out['shape']['d_m']}, heads {out['shape']['d_a']}, d_s {out['shape']['d_s']}) · critical batch "
+        f"{out['critical_batch_size']:.4g} · {bd['train_steps']:,} steps of it\n"
+        f"[bold]{hw['name']}[/]: {hw['peak_tflops']:.4g} TFLOP/s peak, {hw['memory_gb']:g} GB, {hw['network']} "
+        f"{hw['network_gbps']:g} GB/s, tensor link {hw['tensor_link_gbps']:g} GB/s × {hw['node_size'] or 'any'} GPUs, "
+        f"CPU-GPU {hw['offload_gbps']:g} GB/s · objective: {out['objective']}"
+        + (f" · max {bd['max_gpus']} GPUs" if bd["max_gpus"] else "")
+        + (f" · max {bd['max_days']:g} days" if bd["max_days"] else "")
+    )
+    console.print(
+        Panel(Text.from_markup(head), title="l2l plan --search (layered-GA §5)", title_align="left")
+    )
+    t = _table("Fastest configuration per method (Table 6.1)", "parallelism", "method", "offload", "b", "b_mu",
+               "n_mu", "n_gpu", "n_b", "n_l", "n_a", "efficiency", "time")  # fmt: skip
+    for r in out["search"]:
+        t.add_row(r["parallelism"], r["method"], "✓" if r["offload"] else "✗", str(r["b"]), str(r["b_mu"]),
+                  str(r["n_mu"]), str(r["n_gpu"]), str(r["n_b"]), str(r["n_l"]), str(r["n_a"]),
+                  f"{r['efficiency']:.2f}", fmt_days(r["days"]))  # fmt: skip
+    console.print(t)
+    t = _table("Memory per GPU, GB (Table 6.2)", "parallelism", "method", "state", "checkpoint", "buffers",
+               "activations", "offloadable", "non-offloadable")  # fmt: skip
+    for r in out["search"]:
+        mem = r["memory"]
+        t.add_row(r["parallelism"], r["method"], *(f"{mem[k]:.3g}" for k in ("state", "checkpoint", "buffers",
+                  "activations", "offloadable", "non_offloadable")))  # fmt: skip
+    console.print(t)
+    for r in out["search"]:
+        console.print(f"[bold]{r['parallelism']} / {r['method']}[/]: {r['binding']}")
+        if r["command"]:
+            console.print(f"  [green]{r['command']}", soft_wrap=True)
+    for line in out["not_found"] + out["notes"]:
+        console.print(f"[dim]note: {line}")
+    if out["best"]:
+        b = out["best"]
+        console.print(
+            f"[bold]best: {b['parallelism']} / {b['method']}, {b['n_gpu']} GPUs, {fmt_days(b['days'])}"
+        )
+
+
+def render_scaling(out: dict[str, Any], console: Console) -> None:
+    """``l2l plan --scaling``: where the files went and §7's limits."""
+    lim = out["limits"]
+    t = _table(f"Layered-GA §7 limits, improved method ({out['hardware']}, Figure 4)", "limit", "parameters")
+    names = {"fits_80gb_params": f"largest model whose non-offloadable memory fits {out['memory_gb']:g} GB",
+             "offload_above_params": "offload needed above", "one_month_params": "largest trained in one month",
+             "one_year_params": "largest trained in one year"}  # fmt: skip
+    for k, label in names.items():
+        t.add_row(label, fmt_n(lim[k]) if lim[k] else "-")
+    console.print(t)
+    for k, v in out.get("extra", {}).items():
+        console.print(f"{k}: {v}")
+    console.print(f"wrote {', '.join(out['files'])} into {out['out']}")

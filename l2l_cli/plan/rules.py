@@ -40,4 +40,33 @@ def plan_problems(cfg: Any) -> list[Problem]:
         positive(p, f"hardware.{k}", getattr(hw, k))
     if hw.tensor_link_gbps < 0:
         p.append(Problem("hardware.tensor_link_gbps", f"got {hw.tensor_link_gbps}; must be >= 0 (0: none)"))
+    return p + search_problems(cfg)
+
+
+def search_problems(cfg: Any) -> list[Problem]:
+    """The keys of ``l2l plan --search`` / ``--scaling`` (layered-GA §5's bounds)."""
+    from l2l_cli.config.schema import PLAN_NETWORKS
+    from l2l_cli.plan.scaling import METHODS
+    from l2l_cli.plan.search import MIXES
+
+    p: list[Problem] = []
+    plan, hw = cfg.plan, cfg.hardware
+    if plan.network not in PLAN_NETWORKS:
+        p.append(Problem("plan.network", f"got {plan.network!r}; allowed: {', '.join(PLAN_NETWORKS)}"))
+    if plan.parallelism not in ("all", *MIXES):
+        p.append(Problem("plan.parallelism", f"got {plan.parallelism!r}; allowed: all, {', '.join(MIXES)}"))
+    if plan.method not in ("all", *METHODS):
+        p.append(Problem("plan.method", f"got {plan.method!r}; allowed: all, {', '.join(METHODS)}"))
+    for k in ("max_gpus", "max_days"):
+        if getattr(plan, k) < 0:
+            p.append(Problem(f"plan.{k}", f"got {getattr(plan, k)}; must be >= 0 (0: no bound)"))
+    if plan.node_size is not None and plan.node_size < 0:
+        p.append(Problem("plan.node_size", f"got {plan.node_size}; must be >= 0 (0: no limit), or unset"))
+    if not (0.0 < plan.max_overhead <= 1.0):
+        p.append(Problem("plan.max_overhead", f"got {plan.max_overhead}; must be in (0, 1]"))
+    at_least(p, "plan.scaling_points", plan.scaling_points, 2)
+    for k in ("pcie_gbps", "ethernet_gbps"):
+        if getattr(hw, k) < 0:
+            p.append(Problem(f"hardware.{k}", f"got {getattr(hw, k)}; must be >= 0 (0: none)"))
+    at_least(p, "hardware.node_size", hw.node_size, 1)
     return p

@@ -23,6 +23,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 GiB = 2**30
 # The layered-GA paper's §5 methods (how a 3d configuration places the training state), not l2l modes.
 GA_BASELINE, GA_PARTITIONED, GA_IMPROVED = METHODS = ("baseline", "partitioned", "improved")
@@ -110,6 +112,10 @@ def batch_flops(b: float, d_s: int, p: float) -> float:
 
 # --------------------------------------------------------------------------------------------------
 # 3d-parallel configurations
+#
+# The formulas below take numbers or numpy arrays alike (the search in ``plan/search.py`` evaluates
+# thousands of configurations at once through them), so one configuration typed by the user and one found
+# by the search are costed by the same code.
 
 
 @dataclass(frozen=True)
@@ -137,28 +143,41 @@ class Parallel:
 
 @dataclass(frozen=True)
 class Links:
-    """Device peak and bandwidths (input + output, the paper's "GB/s", taken as GiB/s)."""
+    """Device peak and bandwidths (input + output, the paper's "GB/s", taken as GiB/s). Defaults: the
+    paper's A100 80 GB in a 16-GPU HGX node with InfiniBand (appendix A, Table A.1)."""
 
     peak_flops: float = 312e12
-    network_gbps: float = 50.0  # InfiniBand 200 Gb/s per GPU (Table A.1)
-    tensor_gbps: float = 600.0  # NVLink
+    network_gbps: float = 50.0  # InfiniBand 200 Gb/s per GPU (Table A.1); Ethernet 25 Gb/s: 6.25
+    tensor_gbps: float = 600.0  # NVLink (0: none, tensor parallelism goes over the network)
     offload_gbps: float = 31.5  # CPU-GPU through the shared PCIe switch
     device_memory_gib: float = 80.0
+    # The GPU's own PCIe link (Table A.1: 63 GB/s), which both the network and the CPU-GPU transfers cross
+    # (§5: "an additional bottleneck in the PCI-express connection which is shared between CPU and
+    # InfiniBand transfers"). 0: no such shared link.
+    pcie_gbps: float = 63.0
+    node_size: int = (
+        16  # GPUs one tensor link joins; tensor parallelism beyond it uses the network (0: no limit)
+    )
+    # Offload budget per GPU (0: no limit). The paper sets none: Table 6.2 offloads 61.2K GB from one GPU;
+    # Figure 4 only draws a "1 TB (offload)" line for reference.
+    host_memory_gib: float = 0.0
 
-    def threshold(self, gbps: float) -> float:
+    def threshold(self, gbps: Any) -> Any:
         """The arithmetic intensity (flop/B) above which a transfer hides behind compute (eq. 3)."""
-        return self.peak_flops / (gbps * GiB) if gbps > 0 else math.inf
+        if np.ndim(gbps) == 0:
+            return self.peak_flops / (gbps * GiB) if gbps > 0 else math.inf
+        return self.peak_flops / (np.asarray(gbps, dtype=float) * GiB)
 
 
-def memory(m: Transformer, c: Parallel) -> dict[str, float]:
+def memory_parts(m: Transformer, partitioned: Any, b: Any, b_mu: Any, n_gpu: Any, n_l: Any, n_a: Any) -> dict:
     """C.3, bytes per device: state (12p: FP32 weights and Adam's moments, split over the model-parallel
     devices, or all devices when partitioned), checkpoints (2·b·d_s·d_m·d_l over all devices), buffers
     (two parameter and one gradient buffer of a layer, 6·p_l over n_a), layer activations
     (b_mu·d_s·m0 over n_a). The first two are offloadable."""
-    state = 12.0 * m.p / (c.n_gpu if c.partitioned else c.n_l * c.n_a)
-    checkpoints = 2.0 * c.b * m.d_s * m.d_m * m.d_l / c.n_gpu
-    buffers = 6.0 * m.p_l / c.n_a
-    activations = c.b_mu * m.d_s * m.m0 / c.n_a
+    state = 12.0 * m.p / np.where(partitioned, n_gpu, np.multiply(n_l, n_a))
+    checkpoints = 2.0 * np.multiply(b, m.d_s * m.d_m * m.d_l) / n_gpu
+    buffers = 6.0 * m.p_l / np.asarray(n_a, dtype=float)
+    activations = np.multiply(b_mu, m.d_s * m.m0) / n_a
     return {
         "state": state,
         "checkpoints": checkpoints,
@@ -169,68 +188,153 @@ def memory(m: Transformer, c: Parallel) -> dict[str, float]:
     }
 
 
-def intensities(m: Transformer, c: Parallel) -> dict[str, dict[str, Any]]:
-    """C.4-C.5: arithmetic intensity (flop/B) of each transfer the configuration needs, and whether it
-    overlaps the compute. Entries appear only for the dimensions in use."""
+def memory(m: Transformer, c: Parallel) -> dict[str, float]:
+    """:func:`memory_parts` of one configuration."""
+    parts = memory_parts(m, c.partitioned, c.b, c.b_mu, c.n_gpu, c.n_l, c.n_a)
+    return {k: float(v) for k, v in parts.items()}
+
+
+def transfers(
+    m: Transformer,
+    method: str,
+    b_mu: Any,
+    n_mu: Any,
+    n_b: Any,
+    n_l: Any,
+    n_a: Any,
+    offload: Any,
+    links: Links,
+) -> dict[str, dict[str, Any]]:
+    """C.4-C.5: for each link a configuration uses, the arithmetic intensity ν (flop/B) of its transfers,
+    the link's threshold ν_net (eq. 3), whether the transfer overlaps the compute, and whether it is in use.
+
+    - ``data`` (the network): eq. 5 (baseline, overlapped with the last micro-batch's backward), eq. 6
+      (baseline with a pipeline: in practice not overlapped), eq. 7 (partitioned: every micro-batch),
+      eq. 9 (improved: layered GA spreads it over the whole backward). They depend on b/n_b = b_mu·n_mu only.
+    - ``pipeline`` (the network): eq. 10, or eq. 11 for the modular pipeline. It overlaps the compute when
+      there are enough extra micro-batches, n_mu >= n_l·(1 + ν_net/ν) (C.4.2); else it is exposed.
+    - ``tensor``: eq. 12, never overlapped; over the tensor link within a node, over the network beyond.
+    - ``offload`` (CPU-GPU): the state, eq. 13, and the activation checkpoints, eq. 14, on one link.
+    - ``pcie``: with offload, the GPU's PCIe link carries the offload and the overlapped network transfers.
+    """
+    d_s = m.d_s
+    net = links.threshold(links.network_gbps)
+    n_b, n_l, n_a, n_mu, b_mu = (np.asarray(v) for v in (n_b, n_l, n_a, n_mu, b_mu))
+    # data parallel
+    if method == GA_BASELINE:
+        piped = n_l > 1
+        nu_d = np.where(piped, b_mu * n_mu * d_s, 0.75 * b_mu * d_s)
+        eq_d, ov_d = np.where(piped, 6, 5), ~piped
+    elif method == GA_PARTITIONED:
+        nu_d, eq_d, ov_d = 0.5 * b_mu * d_s, 7, np.True_
+    else:
+        nu_d, eq_d, ov_d = 0.5 * b_mu * n_mu * d_s, 9, np.True_
+    # pipeline
+    nu_p = (2 + m.n_I) * m.d_m * (1.0 if method == GA_IMPROVED else m.d_l / n_l)
+    ov_p = n_mu >= n_l * (1.0 + net / nu_p)
+    # tensor: the tensor link within a node, the network beyond it
+    in_node = (n_a <= links.node_size) | (links.node_size <= 0)
+    thr_a = np.where(in_node & (links.tensor_gbps > 0), links.threshold(links.tensor_gbps or 1.0), net)
+    nu_a = (4 + 2 * m.n_I) * m.d_m / (3.0 * np.maximum(n_a - 1, 1))
+    # offload: the state (eq. 13) and the checkpoints (eq. 14) over the CPU-GPU link
+    bds_per_instance = b_mu * n_mu * d_s  # b·d_s / n_b
+    nu_s = {
+        GA_BASELINE: b_mu * d_s,  # b·d_s / (n_mu·n_b): every micro-batch, the instance's replica
+        GA_PARTITIONED: b_mu * n_b * d_s,  # b·d_s / n_mu
+        GA_IMPROVED: bds_per_instance * n_b,  # b·d_s: once per batch, the device's partition
+    }[method]
+    nu_c = (4 + 2 * m.n_I) * m.d_m
+    nu_o = 1.0 / (1.0 / nu_s + 1.0 / nu_c)
+    offload = np.asarray(offload, dtype=bool)
+    data_on, pipe_on = n_b > 1, n_l > 1
+    # PCIe: offload plus the network transfers that overlap it
+    inv = 1.0 / nu_o + np.where(data_on & ov_d, 1.0 / nu_d, 0.0) + np.where(pipe_on & ov_p, 1.0 / nu_p, 0.0)
+    pcie_thr = links.threshold(links.pcie_gbps)
+    return {
+        "data": {"eq": eq_d, "value": nu_d, "threshold": net, "overlapped": ov_d, "active": data_on},
+        "pipeline": {"eq": 11 if method == GA_IMPROVED else 10, "value": nu_p, "threshold": net,
+                     "overlapped": ov_p, "active": pipe_on},
+        "tensor": {"eq": 12, "value": nu_a, "threshold": thr_a, "overlapped": np.False_, "active": n_a > 1},
+        "offload": {"eq": 13, "value": nu_o, "threshold": links.threshold(links.offload_gbps),
+                    "overlapped": np.True_, "active": offload, "state": nu_s, "checkpoints": nu_c},
+        "pcie": {"eq": None, "value": 1.0 / inv, "threshold": pcie_thr, "overlapped": np.True_,
+                 "active": offload & (data_on | pipe_on) & (links.pcie_gbps > 0)},
+    }  # fmt: skip
+
+
+def ratios(t: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """ν_net/ν for each link in use (0 where unused): above 1 an overlapped transfer is data-bound."""
+    return {k: np.where(d["active"], d["threshold"] / d["value"], 0.0) for k, d in t.items()}
+
+
+def bubble_of(m: Transformer, method: str, n_mu: Any, n_l: Any) -> Any:
+    """Pipeline bubble, relative: (n_l − 1)/n_mu (§2.4); the modular pipeline divides it by d_l/n_l (§4)."""
+    f = (np.asarray(n_l) - 1.0) / n_mu
+    return f * n_l / m.d_l if method == GA_IMPROVED else f
+
+
+def overheads_of(m: Transformer, method: str, n_mu: Any, n_l: Any, t: dict[str, dict[str, Any]]) -> dict:
+    """Relative overheads: the bubble, and for each transfer ν_net/ν when it cannot overlap (eq. 4's
+    relative overhead), or its excess over the compute, ν_net/ν − 1, when it overlaps but is data-bound."""
+    r = ratios(t)
+    out = {"bubble": bubble_of(m, method, n_mu, n_l)}
+    for k, d in t.items():
+        out[k] = np.where(d["overlapped"], np.maximum(r[k] - 1.0, 0.0), r[k])
+    return out
+
+
+def efficiency_of(overheads: dict[str, Any]) -> Any:
+    """Each overhead multiplies the step time by (1 + overhead)."""
+    factor = 1.0
+    for v in overheads.values():
+        factor = factor * (1.0 + v)
+    return 1.0 / factor
+
+
+def intensities(m: Transformer, c: Parallel, links: Links | None = None) -> dict[str, dict[str, Any]]:
+    """C.4-C.5 for one configuration: the transfers it uses, with their intensity and whether they
+    overlap the compute."""
+    t = transfers(m, c.method, c.b_mu, c.n_mu, c.n_b, c.n_l, c.n_a, c.offload, links or Links())
     out: dict[str, dict[str, Any]] = {}
-    bds = c.b * m.d_s
-    if c.n_b > 1:
-        if c.method == GA_BASELINE and c.n_l > 1:
-            out["data"] = {"eq": 6, "value": bds / c.n_b, "overlapped": False}
-        elif c.method == GA_BASELINE:
-            out["data"] = {"eq": 5, "value": 3 * bds / (4 * c.n_b * c.n_mu), "overlapped": True}
-        elif c.method == "partitioned":
-            out["data"] = {"eq": 7, "value": bds / (2 * c.n_b * c.n_mu), "overlapped": True}
-        else:
-            out["data"] = {"eq": 9, "value": bds / (2 * c.n_b), "overlapped": True}
-    if c.n_l > 1:
-        if c.method == "improved":
-            out["pipeline"] = {"eq": 11, "value": (2 + m.n_I) * m.d_m, "overlapped": False}
-        else:
-            out["pipeline"] = {"eq": 10, "value": (2 + m.n_I) * m.d_m * m.d_l / c.n_l, "overlapped": True}
-    if c.n_a > 1:
-        out["tensor"] = {"eq": 12, "value": (4 + 2 * m.n_I) * m.d_m / (3 * (c.n_a - 1)), "overlapped": False}
-    if c.offload:
-        if c.method == "improved":
-            v = bds if c.partitioned else bds / c.n_b
-        else:
-            v = bds / c.n_mu if c.partitioned else bds / (c.n_mu * c.n_b)
-        out["offload"] = {"eq": 13, "value": v, "overlapped": True}
-        out["checkpoint_offload"] = {"eq": 14, "value": (4 + 2 * m.n_I) * m.d_m, "overlapped": True}
+    for k, d in t.items():
+        if bool(d["active"]):
+            eq = None if d["eq"] is None else int(d["eq"])
+            out[k] = {"eq": eq, "value": float(d["value"]), "overlapped": bool(d["overlapped"])}
+            out[k]["threshold"] = float(d["threshold"])
+    if c.offload:  # the two parts of the offload link
+        out["offload"]["state"] = float(t["offload"]["state"])
+        out["offload"]["checkpoints"] = float(t["offload"]["checkpoints"])
     return out
 
 
 def bubble(m: Transformer, c: Parallel) -> float:
-    """Pipeline bubble, relative: (n_l − 1)/n_mu (§2.4); the modular pipeline divides it by d_l/n_l (§4)."""
-    if c.n_l <= 1:
-        return 0.0
-    f = (c.n_l - 1) / c.n_mu
-    return f * c.n_l / m.d_l if c.method == "improved" else f
+    return float(bubble_of(m, c.method, c.n_mu, c.n_l)) if c.n_l > 1 else 0.0
 
 
 def efficiency(m: Transformer, c: Parallel, links: Links) -> dict[str, Any]:
-    """Computational efficiency: each overhead multiplies the time by (1 + overhead) — the bubble, and for
-    each transfer ν_net/ν_op when it cannot overlap (eq. 4's relative overhead), or its excess over the
-    compute, ν_net/ν_op − 1, when it overlaps but is data-bound."""
-    nets = {"data": links.network_gbps, "pipeline": links.network_gbps, "tensor": links.tensor_gbps or links.network_gbps,
-            "offload": links.offload_gbps, "checkpoint_offload": links.offload_gbps}  # fmt: skip
-    overheads = {"bubble": bubble(m, c)}
-    detail = intensities(m, c)
-    for k, d in detail.items():
-        nu_net = links.threshold(nets[k])
-        d["threshold"] = nu_net
-        ratio = nu_net / d["value"]
-        overheads[k] = ratio if not d["overlapped"] else max(0.0, ratio - 1.0)
-    factor = math.prod(1.0 + v for v in overheads.values())
-    return {"efficiency": 1.0 / factor, "overheads": overheads, "intensities": detail}
+    """Computational efficiency of one configuration (:func:`overheads_of`)."""
+    t = transfers(m, c.method, c.b_mu, c.n_mu, c.n_b, c.n_l, c.n_a, c.offload, links)
+    ov = {k: float(v) for k, v in overheads_of(m, c.method, c.n_mu, c.n_l, t).items()}
+    ov = {k: v for k, v in ov.items() if k == "bubble" or bool(t[k]["active"])}
+    return {"efficiency": float(efficiency_of(ov)), "overheads": ov, "intensities": intensities(m, c, links)}
 
 
-def analyze(m: Transformer, c: Parallel, links: Links, steps: int = 100_000) -> dict[str, Any]:
-    """Memory, efficiency and training time of one configuration."""
+def train_seconds(total_flops: Any, n_gpu: Any, peak_flops: float, efficiency: Any) -> Any:
+    """Training time: the work over the cluster's peak times the efficiency (§5 "Resource usage")."""
+    return total_flops / (np.multiply(n_gpu, peak_flops) * efficiency)
+
+
+def analyze(
+    m: Transformer, c: Parallel, links: Links, steps: int = 100_000, samples: float | None = None
+) -> dict[str, Any]:
+    """Memory, efficiency and training time of one configuration: ``steps`` steps of its batch, or
+    ``samples`` samples when given (the paper trains 100k steps' worth of samples at the critical batch,
+    so that a smaller batch takes proportionally more steps, §2.1)."""
     mem = memory(m, c)
     eff = efficiency(m, c, links)
     flops = batch_flops(c.b, m.d_s, m.p)
-    time_s = steps * flops / (c.n_gpu * links.peak_flops * eff["efficiency"])
+    total = flops * (steps if samples is None else samples / c.b)
+    time_s = float(train_seconds(total, c.n_gpu, links.peak_flops, eff["efficiency"]))
     budget = links.device_memory_gib * GiB
     return {
         "method": c.method,
@@ -244,41 +348,23 @@ def analyze(m: Transformer, c: Parallel, links: Links, steps: int = 100_000) -> 
         "overheads": eff["overheads"],
         "intensities": eff["intensities"],
         "train_time_s": time_s,
-        "steps": steps,
+        "steps": steps if samples is None else samples / c.b,
     }
 
 
-# Table 6.1 / 6.2: X160's fastest configurations (b, b_mu, n_mu, n_b, n_l, n_a, offload), and the paper's
-# memory breakdown in GB (state, checkpoint, buffers, activations, offloadable, non-offloadable),
-# efficiency and time (days).
-X160_TABLE: list[dict[str, Any]] = [
-    {"row": "None / Baseline", "c": Parallel("baseline", 2416, 4, 604, 1, 1, 1, True),
-     "mem": (14.1e3, 47.2e3, 43.9, 24.9, 61.2e3, 68.8), "eff": 1.00, "days": 630 * 365},
-    {"row": "Data / Baseline", "c": Parallel("baseline", 2415, 5, 1, 483, 1, 1, True),
-     "mem": (14.1e3, 97.7, 43.9, 31.1, 14.2e3, 75.1), "eff": 1.00, "days": 1.3 * 365},
-    {"row": "Data / Partitioned", "c": Parallel("partitioned", 2415, 5, 1, 483, 1, 1, True),
-     "mem": (29.1, 97.7, 43.9, 31.1, 127, 75.1), "eff": 1.00, "days": 1.3 * 365},
-    {"row": "Data + pipe / Baseline", "c": Parallel("baseline", 2412, 4, 201, 3, 160, 1, True),
-     "mem": (87.9, 98.1, 43.9, 24.9, 186, 68.8), "eff": 0.56, "days": 2.4 * 365},
-    {"row": "Data + pipe / Improved", "c": Parallel("improved", 2415, 1, 5, 483, 5, 1, False),
-     "mem": (5.82, 19.5, 43.9, 6.23, 25.4, 50.2), "eff": 0.94, "days": 100},
-    {"row": "Data + tensor / Baseline", "c": Parallel("baseline", 2415, 5, 1, 483, 1, 16, True),
-     "mem": (879, 6.10, 2.75, 1.95, 885, 4.69), "eff": 0.93, "days": 32},
-    {"row": "Data + tensor / Partitioned", "c": Parallel("partitioned", 2415, 5, 1, 483, 1, 16, False),
-     "mem": (1.82, 6.10, 2.75, 1.95, 7.92, 4.69), "eff": 0.93, "days": 32},
-    {"row": "3d / Baseline", "c": Parallel("baseline", 2408, 1, 172, 14, 160, 16, False),
-     "mem": (5.49, 1.31, 2.75, 0.389, 6.81, 3.14), "eff": 0.48, "days": 13},
-    {"row": "3d / Improved", "c": Parallel("improved", 2415, 1, 5, 483, 5, 16, False),
-     "mem": (0.364, 1.22, 2.75, 0.389, 1.58, 3.14), "eff": 0.88, "days": 6.8},
-]  # fmt: skip
+def transformer_of(shape: Any, d_s: int) -> Transformer:
+    """The paper's transformer for a model of the tool: its depth, width, heads and sequence, with n_I
+    set so that p_l = (4 + 2·n_I)·d_m² + (9 + n_I)·d_m is the block's exact parameter count (n_I = 4 for
+    BERT and GPT-2; a SwiGLU block's three MLP matrices count as 1.5·d_I/d_m)."""
+    d = shape.hidden
+    n_i = (shape.block_params - 4 * d * d - 9 * d) / (2 * d * d + d)
+    return Transformer(shape.num_layers, d, shape.heads, int(d_s), n_i)
 
 
 def for_config(cfg: Any, shape: Any, links: Links) -> dict[str, Any]:
     """The layered-GA analysis of the config: d_s = model.seq_len (the model's context, as the paper's
     X[x] and BERT rows use), b = batch.size × plan.data_parallel, b_mu = batch.ubatch_size."""
-    m = Transformer(
-        shape.num_layers, shape.hidden, shape.heads, int(cfg.model.seq_len), shape.intermediate / shape.hidden
-    )
+    m = transformer_of(shape, int(cfg.model.seq_len))
     nb, nl, na = cfg.plan.data_parallel, cfg.plan.pipeline_parallel, cfg.plan.tensor_parallel
     b, bmu = cfg.batch.size * nb, cfg.batch.ubatch_size
     rows = []

@@ -3,10 +3,13 @@
     l2l report outputs/l2l_v2_table4/2026-01-01_12-00-00     # a sweep (multirun dir)
     l2l report outputs/2026-01-01/12-00-00-l2l-synthetic     # one run
     l2l report outputs/l2l_v2_table3 outputs/l2l_v2_table4   # folders of sweeps, together
+    l2l report outputs/layered_ga_scaling                    # what `l2l plan --scaling` wrote
 
 Prints a table (rich) and writes report.md, report.csv and plots (PNG and SVG). Runs that ran out of device memory
-are OOM rows and failed runs show their error, as the papers' tables do; the report itself only fails
-(exit code 2) on bad input: a path that does not exist, or a folder with no runs.
+are OOM rows and failed runs show their error, as the papers' tables do. Folders that ``l2l plan --scaling``
+wrote (scaling.json beside figure4/5/8 and scaling.csv) get a section of report.md that links their figures
+and gives layered-GA §7's limits, also in limits.csv. The report itself only fails (exit code 2) on bad
+input: a path that does not exist, or a folder with neither runs nor scaling outputs.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import sys
 from pathlib import Path
 
 from l2l_cli.report.runs import ReportError, Run, find_runs
+from l2l_cli.report.scaling import Scaling, find_scaling, limit_rows, write_limits
+from l2l_cli.report.scaling import markdown as scaling_markdown
 from l2l_cli.report.table import breakdown_rows, columns, md_table, rows, write_csv
 
 __all__ = ["Report", "build", "main"]
@@ -44,34 +49,55 @@ def parser() -> argparse.ArgumentParser:
 class Report:
     """The runs and what was written for them."""
 
-    def __init__(self, runs: list[Run], out: Path, plots: list[tuple[str, str]]):
-        self.runs, self.out, self.plots = runs, out, plots
+    def __init__(self, runs: list[Run], out: Path, plots: list[tuple[str, str]], scaling: list[Scaling]):
+        self.runs, self.out, self.plots, self.scaling = runs, out, plots, scaling
+
+    def files(self) -> list[str]:
+        """What the report wrote into ``out``."""
+        tables = (["report.csv"] if self.runs else []) + (["limits.csv"] if self.scaling else [])
+        return ["report.md", *tables, *(name for name, _ in self.plots)]
 
 
 def build(paths: list[str], out: Path | None = None, plots: bool = True) -> Report:
-    """Read the runs under ``paths`` and write report.md, report.csv and the plots into ``out``."""
-    runs = find_runs(paths)
+    """Read the runs and scaling outputs under ``paths`` and write report.md, report.csv (runs), limits.csv
+    (scaling outputs) and the plots into ``out``."""
+    scaling = find_scaling(paths)
+    runs = find_runs(paths, frozenset(s.dir for s in scaling))
     if out is None:
         out = Path(paths[0]) / "report" if len(paths) == 1 else Path("report")
     if out.exists() and not out.is_dir():
         raise ReportError(f"--out {out} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
     written: list[tuple[str, str]] = []
-    if plots:
+    if plots and runs:
         from l2l_cli.report.plots import write_plots  # matplotlib: only when drawing
 
         written = write_plots(runs, out)
-    write_csv(out / "report.csv", runs)
-    (out / "report.md").write_text(markdown(runs, paths, written))
-    return Report(runs, out, written)
+    if runs:
+        write_csv(out / "report.csv", runs)
+    if scaling:
+        write_limits(out / "limits.csv", scaling)
+    (out / "report.md").write_text(markdown(runs, paths, written, scaling, out))
+    return Report(runs, out, written, scaling)
 
 
-def markdown(runs: list[Run], paths: list[str], plots: list[tuple[str, str]]) -> str:
+def markdown(
+    runs: list[Run],
+    paths: list[str],
+    plots: list[tuple[str, str]],
+    scaling: list[Scaling] | None = None,
+    out: Path = Path("."),
+) -> str:
+    parts = ["# l2l report", "", *_runs_markdown(runs, paths, plots)] if runs else ["# l2l report"]
+    if scaling:
+        parts += scaling_markdown(scaling, out, md_table)
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def _runs_markdown(runs: list[Run], paths: list[str], plots: list[tuple[str, str]]) -> list[str]:
     cols = columns(runs)
     n = {s: sum(r.status == s for r in runs) for s in ("ok", "oom", "error")}
     parts = [
-        "# l2l report",
-        "",
         f"{len(runs)} runs ({n['ok']} ok, {n['oom']} out of memory, {n['error']} failed) from "
         + ", ".join(f"`{p}`" for p in paths)
         + ". THROUGHPUT is steady-state samples/s (the first step excluded); MEMORY is the device-tier peak.",
@@ -88,7 +114,7 @@ def markdown(runs: list[Run], paths: list[str], plots: list[tuple[str, str]]) ->
     if failed:
         parts += ["", "## Out of memory and failed runs", ""]
         parts += [f"- `{r.name}` ({r.status}): {(r.error or '').strip()}" for r in failed]
-    return "\n".join(parts).rstrip() + "\n"
+    return parts
 
 
 def print_tables(report: Report) -> None:
@@ -98,6 +124,17 @@ def print_tables(report: Report) -> None:
     console = Console(highlight=False)
     if not console.is_terminal:  # a pipe or a log file: no terminal width to fold the table into
         console = Console(highlight=False, width=240)
+    for s in report.scaling:
+        header, body = limit_rows(s)
+        st = Table(title=f"layered-GA §7 limits: {s.name}", header_style="bold", title_justify="left")
+        for i, h in enumerate(header):
+            st.add_column(h, justify="left" if i == 0 else "right")
+        for row in body:
+            st.add_row(*row)
+        console.print(st)
+    if not report.runs:
+        console.print(f"wrote {', '.join(report.files())} to {report.out}")
+        return
     cols = columns(report.runs)
     t = Table(title=f"l2l report: {len(report.runs)} runs", header_style="bold", title_justify="left")
     for c in cols:
@@ -117,8 +154,7 @@ def print_tables(report: Report) -> None:
         for row in body:
             b.add_row(*row)
         console.print(b)
-    files = ["report.md", "report.csv", *(name for name, _ in report.plots)]
-    console.print(f"wrote {', '.join(files)} to {report.out}")
+    console.print(f"wrote {', '.join(report.files())} to {report.out}")
 
 
 def main(argv: list[str]) -> int:

@@ -108,8 +108,10 @@ class Run:
         return self.train_samples / sps
 
 
-def find_runs(paths: list[str]) -> list[Run]:
-    """Every run under ``paths`` (run dirs, multirun dirs, or folders holding either), in a stable order."""
+def find_runs(paths: list[str], elsewhere: frozenset[Path] = frozenset()) -> list[Run]:
+    """Every run under ``paths`` (run dirs, multirun dirs, or folders holding either), in a stable order.
+    ``elsewhere``: other outputs the report found (``l2l plan --scaling`` folders): a path holding one of
+    them needs no runs."""
     dirs: list[Path] = []
     for raw in paths:
         path = Path(raw).expanduser()
@@ -120,9 +122,11 @@ def find_runs(paths: list[str]) -> list[Run]:
                 f"{raw} is not a directory (give a run dir, a multirun dir or a folder of them)"
             )
         found = list(_run_dirs(path))
-        if not found:
+        top = path.resolve()
+        if not found and not any(e == top or top in e.parents for e in elsewhere):
             raise ReportError(
-                f"no runs under {raw} (a run dir holds summary.json or .hydra/; run `l2l train` first)"
+                f"no runs under {raw} (a run dir holds summary.json or .hydra/; run `l2l train` first; "
+                "or scaling.json, from `l2l plan --scaling`)"
             )
         dirs.extend(d for d in found if d not in dirs)
     root = _common_root(dirs)
