@@ -28,9 +28,10 @@ class DirectoryInUse(Exception):
         since = holder.get("started")
         when = time.strftime(" since %Y-%m-%d %H:%M:%S", time.localtime(since)) if since else ""
         who = f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}{when}"
-        super().__init__(
-            f"{key}: {path} is in use by another l2l run ({who}); wait for it to end, or use another directory"
+        self.detail = (
+            f"{path} is in use by another l2l run ({who}); wait for it to end, or use another directory"
         )
+        super().__init__(f"{key}: {self.detail}")
 
 
 class DirLock:

@@ -28,6 +28,7 @@ from l2l_cli.engine.dist import from_env as dist_from_env
 from l2l_cli.engine.optim import OptimSettings
 from l2l_cli.engine.precision import Precision, make_precision
 from l2l_cli.engine.tiers import TIERS, TierSettings
+from l2l_cli.locks import DirectoryInUse, DirLock
 from l2l_cli.loop import EvalStopped, StopFlag, Trainer, TrainerSettings
 from l2l_cli.models import ModelSpec, PretrainedUnavailable, UnsupportedModel, make_spec
 from l2l_cli.models.hf import load_exported, load_pretrained
@@ -153,6 +154,7 @@ class Session:
         self.resumed = False  # a resume got as far as loading its checkpoint (from then on it may write)
         self.problems: list[str] = []  # bad input that stopped the start, one line each
         self.crashed = False  # an unexpected exception ended the run (its traceback is in train.log)
+        self.locked_out = False  # another live run holds the run dir or the EPS folder: write nothing there
         self._stack = ExitStack()
 
     # ---- building: one step per part, in the order each needs the last ----------------------------------
@@ -166,6 +168,7 @@ class Session:
             self._lay_out_ranks()
             self._load_data_and_model()
             self._place_eps()
+            self._lock_dirs()
             check_vocab(self.data, self.model, self.cfg)
             self._make_stream()
             self._make_accelerator()
@@ -219,6 +222,23 @@ class Session:
         problems = TIERS[tier.tier].check_start(tier, self.model, self.dist.world)
         if problems:
             raise ConfigError(problems)
+
+    def _lock_dirs(self) -> None:
+        """One writer per directory: the run dir (rank 0 writes it) and a disk EPS's folder stay locked for
+        as long as this run lasts (released at exit, however it exits). Another live run holding either is
+        refused before anything is written, so its files stay as they were."""
+        wanted: list[tuple[str, Path]] = []
+        if self.train and self.run_dir is not None and self.dist.rank == 0:
+            wanted.append(("trainer.resume" if self.resuming else "hydra.run.dir", Path(self.run_dir)))
+        if TIERS[self.tier.tier].on_disk and self.tier.path:
+            wanted.append(("eps.path", Path(self.tier.path)))
+        for key, path in wanted:
+            try:
+                lock = DirLock(path, key).acquire()
+            except DirectoryInUse as e:
+                self.locked_out = True
+                raise ConfigError([Problem(e.key, e.detail)]) from None
+            self._stack.callback(lock.release)
 
     def _make_stream(self) -> None:
         """The training examples in this rank's order (none when only evaluating), and the run's length."""

@@ -85,11 +85,11 @@ def write_outcome(session: Session, wall_s: float) -> None:
     summary.wall_time_s = wall_s
     rank0 = int(os.environ.get("RANK", "0")) == 0
     bad_input = summary.exit_code == 2
-    if summary.status != "ok" and session.resuming and not session.resumed:
-        dist_shutdown(ctx)
+    if summary.status != "ok" and (session.locked_out or (session.resuming and not session.resumed)):
+        dist_shutdown(ctx)  # another run's dir, or one a refused resume would have continued: untouched
         if rank0:
             _error_lines(summary, session.problems, f"{summary.run_dir} was left as it was")
-        log.error("resume refused: %s (the run's files were left as they were)", summary.error)
+        log.error("start refused: %s (the run's files were left as they were)", summary.error)
         return
     if summary.status != "ok" and session.runner is not None and not summary.steps:
         summary.steps = session.runner.step_count  # how far a failed or stopped run got

@@ -64,3 +64,30 @@ def test_one_process_may_not_hold_a_directory_twice(tmp_path) -> None:
         assert time.perf_counter() - t0 < 1.0  # refused at once, never waits
     finally:
         first.release()
+
+
+def test_a_second_run_into_a_live_runs_dir_is_refused_and_writes_nothing_there(tmp_path) -> None:
+    """``l2l train hydra.run.dir=<a running run's dir>``: exit 2, one line naming the live run's pid and
+    host; the live run's files are left as they were (no summary.json from the refused start)."""
+    from tests.util import REPO, TINY, l2l
+
+    run = tmp_path / "run"
+    live = subprocess.Popen(
+        [sys.executable, "-m", "l2l_cli", "train", *TINY, "trainer.max_steps=100000", "task.num_train=256",
+         f"hydra.run.dir={run}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text()):
+            assert time.time() < deadline and live.poll() is None, "the live run did not start"
+            time.sleep(0.2)
+        r = l2l("train", *TINY, "trainer.max_steps=1", f"hydra.run.dir={run}")
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1, r.stderr
+        assert lines[0].startswith(f"l2l: config error: hydra.run.dir: {run} is in use by another l2l run")
+        assert f"pid {live.pid} on host {socket.gethostname()}" in lines[0]
+        assert not (run / "summary.json").exists() and live.poll() is None
+    finally:
+        live.kill()
+        live.wait()
