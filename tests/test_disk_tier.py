@@ -322,3 +322,40 @@ def test_a_home_relative_eps_path_lands_in_home_not_in_a_folder_named_tilde(tmp_
     assert r.returncode == 0, r.stderr[-2000:]
     assert (home / "state" / "commit.json").is_file()
     assert not (work / "~").exists() and not (tmp_path / "run" / "~").exists()
+
+
+@pytest.mark.parametrize("what", ["write", "read"])
+def test_a_partial_direct_transfer_goes_on_from_a_block_boundary(
+    tmp_path: Path, monkeypatch: Any, what: str
+) -> None:
+    """O_DIRECT wants every offset block-aligned: a call that moves fewer bytes than asked (and not a whole
+    number of blocks) must not be followed by one at an unaligned offset; the bytes still all arrive."""
+    import os
+
+    from l2l_cli.engine.tiers.disk import format as fmt
+
+    data = bytes(range(256)) * (12 * fmt.ALIGN // 256)
+    path = tmp_path / "layer"
+    path.write_bytes(data if what == "read" else bytes(len(data)))
+    fd = os.open(path, os.O_RDWR)  # (tmp may not take O_DIRECT; the alignment rule is what is checked)
+    real = os.pwritev if what == "write" else os.preadv
+    offsets: list[int] = []
+
+    def partial(fd: int, bufs: list[memoryview], offset: int) -> int:
+        assert offset % fmt.ALIGN == 0, f"unaligned offset {offset}"
+        offsets.append(offset)
+        return real(fd, [bufs[0][: 2 * fmt.ALIGN + 100]], offset)  # fewer bytes than asked, mid-block
+
+    monkeypatch.setattr(os, "pwritev" if what == "write" else "preadv", partial)
+    io = fmt.DiskIo(direct=True)
+    buf = bytearray(len(data))
+    try:
+        if what == "write":
+            io.write(fd, memoryview(data), 0)
+        else:
+            io.read(fd, memoryview(buf), 0)
+    finally:
+        os.close(fd)
+    monkeypatch.undo()
+    assert (path.read_bytes() if what == "write" else bytes(buf)) == data
+    assert offsets == [i * 2 * fmt.ALIGN for i in range(6)]

@@ -116,21 +116,28 @@ class DiskIo:
         return os.open(path, os.O_RDWR | (os.O_DIRECT if self.direct else 0))
 
     def read(self, fd: int, mv: memoryview, offset: int) -> None:
-        done, n = 0, len(mv)
-        while done < n:
-            k = os.preadv(fd, [mv[done : done + min(CHUNK, n - done)]], offset + done)
-            if k <= 0:
-                raise OSError(f"short read at byte {offset + done} (file shorter than its layout)")
-            done += k
+        self._transfer(os.preadv, fd, mv, offset, "read")
         if not self.direct:
-            os.posix_fadvise(fd, offset, n, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(fd, offset, len(mv), os.POSIX_FADV_DONTNEED)
 
     def write(self, fd: int, mv: memoryview, offset: int) -> None:
-        done, n = 0, len(mv)
+        self._transfer(os.pwritev, fd, mv, offset, "write")
+
+    def _transfer(self, call: Any, fd: int, mv: memoryview, offset: int, what: str) -> None:
+        """All of ``mv`` at ``offset``, in calls of at most CHUNK bytes. A call may move fewer bytes than
+        asked; under O_DIRECT the next one must still start on a block boundary (an unaligned offset is
+        EINVAL), so the progress of a partial call is rounded down to ALIGN and the tail of that block
+        moved again (the same bytes: rereading or rewriting them is harmless)."""
+        done, n, stalls = 0, len(mv), 0
         while done < n:
-            k = os.pwritev(fd, [mv[done : done + min(CHUNK, n - done)]], offset + done)
+            k = call(fd, [mv[done : done + min(CHUNK, n - done)]], offset + done)
             if k <= 0:
-                raise OSError(f"short write at byte {offset + done}")
+                raise OSError(f"short {what} at byte {offset + done} (file shorter than its layout)")
+            if self.direct and done + k < n:
+                k -= k % ALIGN
+                stalls = stalls + 1 if k == 0 else 0
+                if stalls > 8:  # the file system keeps returning less than a block: give up, say where
+                    raise OSError(f"{what} at byte {offset + done}: less than one {ALIGN}-byte block per call")
             done += k
 
     def sync(self, fd: int, offset: int, n: int) -> None:
