@@ -89,17 +89,21 @@ class LayerState:
         if self.g_recv is not None:
             self.g.copy_(self.g_recv)
 
-    def update(self, lr: float, grad_mult: torch.Tensor | float | None, bump: bool = True) -> None:
+    def update(
+        self, lr: float, grad_mult: torch.Tensor | float | None, bump: bool = True, refresh: bool = True
+    ) -> None:
         """Apply this step's gradient (times ``grad_mult``: unscale and clip) to the master. ``bump``: a
         device copy loaded before is stale now (False: it already holds the rows it reads, see
-        ``preview_rows``)."""
+        ``preview_rows``). ``refresh``: rewrite the send copy from the master now (False: the device may be
+        reading the send copy meanwhile; whoever settles the layer refreshes it)."""
         if grad_mult is not None:
             self.g.mul_(grad_mult)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
         if bump:
             self.version += 1
-        self.refresh_send()
+        if refresh:
+            self.refresh_send()
 
     def preview_rows(
         self, lr: float, grad_mult: torch.Tensor | float | None, rows: dict[str, torch.Tensor]

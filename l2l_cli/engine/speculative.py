@@ -95,6 +95,7 @@ class Speculation:
         i0, lr, clip, max_norm = trailing
         self.trailing.apply()  # one no step started after (not in a normal run): apply it first
         eps.worker.wait_all()
+        self.trailing.settled()  # the update behind this step's forward is in: refresh its send copy
         eps.reduce(i0)
         scale = scaler.scale * eps.dist.world
         self._norms[i0] = torch.linalg.vector_norm(eps.layers[i0].g) / scale

@@ -58,7 +58,9 @@ class TrailingUpdate:
         with eps.worker.work(trailing=True):
             if eps.realtime is not None:
                 eps.realtime.before_update(i)
-            eps.layers[i].update(lr, mult, bump=False)
+            # the master only: the device may be copying the send copy (the rows previewed for this
+            # step) right now; the send copy is rewritten when the layer is settled (``settled``)
+            eps.layers[i].update(lr, mult, bump=False, refresh=False)
             if eps.realtime is not None:
                 eps.realtime.layer_updated(i, *eps.layer_file(i))
 
@@ -71,8 +73,13 @@ class TrailingUpdate:
                 self.eps.update_layer(i, lr, mult)
 
     def settled(self) -> None:
-        """Every update is in (the EPS has waited for its thread): a device copy of a layer whose rows
-        were written early is stale now."""
-        for i in self._stale:  # its rows are all current now; a device copy loaded earlier is not
-            self.eps.layers[i].version += 1
+        """Every update is in (the EPS has waited for its thread) and no device copy is being made: the
+        send copy of a layer updated behind the forward gets all its rows, and a device copy loaded
+        before (it held only the previewed rows) is stale now. Called at the end of every step (a step
+        that is skipped holds no trailing update that would refresh the layer) and before anything
+        outside the step reads the EPS."""
+        for i in self._stale:
+            st = self.eps.layers[i]
+            st.refresh_send()
+            st.version += 1
         self._stale.clear()

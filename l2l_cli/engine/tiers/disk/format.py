@@ -137,7 +137,9 @@ class DiskIo:
                 k -= k % ALIGN
                 stalls = stalls + 1 if k == 0 else 0
                 if stalls > 8:  # the file system keeps returning less than a block: give up, say where
-                    raise OSError(f"{what} at byte {offset + done}: less than one {ALIGN}-byte block per call")
+                    raise OSError(
+                        f"{what} at byte {offset + done}: less than one {ALIGN}-byte block per call"
+                    )
             done += k
 
     def sync(self, fd: int, offset: int, n: int) -> None:

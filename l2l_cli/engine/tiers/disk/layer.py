@@ -68,8 +68,10 @@ class DiskLayer(LayerState):
             state["step"].fill_(self.opt_step)
         return opt
 
-    def update(self, lr: float, grad_mult: torch.Tensor | float | None, bump: bool = True) -> None:
-        super().update(lr, grad_mult, bump)
+    def update(
+        self, lr: float, grad_mult: torch.Tensor | float | None, bump: bool = True, refresh: bool = True
+    ) -> None:
+        super().update(lr, grad_mult, bump, refresh)
         opt = self._slot().optimizers[self.kind]
         self.opt_step = float(next(iter(opt.state.values()))["step"])
 
