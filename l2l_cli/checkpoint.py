@@ -42,6 +42,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from l2l_cli.problems import writing
+
 FORMAT = 1
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -64,7 +66,7 @@ def _fsync_dir(path: Path) -> None:
 
 def write_bytes(path: Path, data: bytes) -> dict[str, Any]:
     """Write and fsync one file; returns its manifest entry (size, sha256)."""
-    with open(path, "wb") as f:
+    with writing(path), open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -79,6 +81,12 @@ _staging = threading.local()
 
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """:func:`_write_tensors`, a full disk reported with the file's path."""
+    with writing(path):
+        return _write_tensors(path, tensors)
+
+
+def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Stream tensors into a safetensors file without building it in memory; returns its manifest
     entry (size, crc32).
 
@@ -408,11 +416,15 @@ def save(
     tmp = root / f".tmp-step_{step}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    files = {name: write_bytes(tmp / name, data) for name, data in runner.state_files()}
-    files["state.json"] = write_bytes(tmp / "state.json", json.dumps(trainer_state).encode())
-    files["config.yaml"] = write_bytes(tmp / "config.yaml", config_yaml.encode())
-    meta = {"step": step, "created": time.time(), **ident}
-    final = _commit(tmp, root / f"step_{step}", files, meta)
+    try:
+        files = {name: write_bytes(tmp / name, data) for name, data in runner.state_files()}
+        files["state.json"] = write_bytes(tmp / "state.json", json.dumps(trainer_state).encode())
+        files["config.yaml"] = write_bytes(tmp / "config.yaml", config_yaml.encode())
+        meta = {"step": step, "created": time.time(), **ident}
+        final = _commit(tmp, root / f"step_{step}", files, meta)
+    except BaseException:  # a full disk, say: the partial checkpoint goes, the last whole one stays
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     prune(root, keep)
     return final
 

@@ -7,7 +7,12 @@ and the CLI prints each problem as one line and exits 2 (:class:`ConfigError`).
 
 from __future__ import annotations
 
+import errno
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -54,3 +59,54 @@ def fmt_bytes(n: float) -> str:
         if abs(n) >= k:
             return f"{n / k:.3g} {unit}"
     return f"{int(n)} B"
+
+
+# ---- a full disk: one line naming the path and the free space ----------------------------------------
+
+_FAULT = os.environ.get("L2L_FAULT_ENOSPC", "")  # "<path part>[@n]": the n-th write there is refused (tests)
+_fault_seen = [0]
+
+
+class DiskFull(OSError):
+    """A write refused for lack of space (ENOSPC): the run stops (exit 1) naming where, and how much is
+    free there; what was committed before (checkpoints, the disk EPS's commit record) stays usable."""
+
+    def __init__(self, path: Path | str):
+        self.path = Path(path)
+        free = free_bytes(self.path)
+        where = f"{fmt_bytes(free)} free there" if free is not None else "free space unknown"
+        super().__init__(errno.ENOSPC, f"disk full: no space left writing {self.path} ({where})")
+
+    def __str__(self) -> str:
+        return self.strerror or "disk full"
+
+
+def free_bytes(path: Path) -> int | None:
+    """Bytes an unprivileged writer may still use on ``path``'s file system (its nearest existing folder)."""
+    base = Path(path)
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    try:
+        st = os.statvfs(base)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+@contextmanager
+def writing(path: Path | str) -> Iterator[None]:
+    """Around a write to ``path``: ENOSPC becomes :class:`DiskFull` naming the path (the OS's error names
+    no file for a write() on an open descriptor). ``L2L_FAULT_ENOSPC=<part>[@n]`` injects it on the n-th
+    write whose path contains <part> (default the first), for the disk-full tests."""
+    if _FAULT:
+        part, _, nth = _FAULT.partition("@")
+        if part in str(path):
+            _fault_seen[0] += 1
+            if _fault_seen[0] >= int(nth or 1):
+                raise DiskFull(path) from OSError(errno.ENOSPC, "injected by L2L_FAULT_ENOSPC")
+    try:
+        yield
+    except OSError as e:
+        if e.errno == errno.ENOSPC and not isinstance(e, DiskFull):
+            raise DiskFull(path) from e
+        raise

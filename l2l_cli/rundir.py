@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from l2l_cli.problems import writing
 from l2l_cli.runfiles import MetricsRow, write_json
 
 
@@ -23,19 +24,21 @@ class RunFiles:
 
     def append(self, name: str, record: dict[str, Any]) -> None:
         if self.enabled:
-            with (self.dir / name).open("a") as f:
+            with writing(self.dir / name), (self.dir / name).open("a") as f:
                 f.write(json.dumps(record) + "\n")
 
     def write(self, name: str, obj: dict[str, Any]) -> None:
         if self.enabled:
-            write_json(self.dir / name, obj)
+            with writing(self.dir / name):
+                write_json(self.dir / name, obj)
 
     def write_text(self, name: str, text: str) -> None:
         if self.enabled:
             path = self.dir / name
             tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_text(text)
-            tmp.replace(path)
+            with writing(path):
+                tmp.write_text(text)
+                tmp.replace(path)
 
     def truncate(self, name: str, step: int) -> None:
         """Drop the records after ``step`` (a resumed run's logs continue from its checkpoint)."""
@@ -185,7 +188,7 @@ class CsvLogger:
                 self._columns[name] = list(record)
                 with path.open("w", newline="") as f:
                     csv.writer(f).writerow(self._columns[name])
-        with path.open("a", newline="") as f:
+        with writing(path), path.open("a", newline="") as f:
             csv.writer(f).writerow(
                 ["" if record.get(c) is None else record.get(c) for c in self._columns[name]]
             )

@@ -24,8 +24,9 @@ from omegaconf import DictConfig
 from l2l_cli.checkpoint import CheckpointError
 from l2l_cli.engine.dist import shutdown as dist_shutdown
 from l2l_cli.loop import Interrupted, TrainingError
-from l2l_cli.problems import ConfigError
+from l2l_cli.problems import ConfigError, DiskFull
 from l2l_cli.progress import console, summary_table, summary_text
+from l2l_cli.rundir import RunFiles
 from l2l_cli.runfiles import Summary
 from l2l_cli.session import Session
 
@@ -58,6 +59,8 @@ def run_job(cfg: DictConfig, run_dir: Path, handle_sigint: bool = True) -> str:
         session.problems = [str(e)]
     except TrainingError as e:
         summary.status, summary.error = "error", str(e)
+    except DiskFull as e:  # one line naming the path and the free space; the last checkpoint stands
+        summary.status, summary.error = "error", str(e)
     except Interrupted as e:
         summary.status, summary.error = "interrupted", str(e)
         summary.exit_code, summary.resume_with = 128 + e.signum, e.resume_with
@@ -70,7 +73,11 @@ def run_job(cfg: DictConfig, run_dir: Path, handle_sigint: bool = True) -> str:
             session.crashed = True
     finally:
         stop.restore()
-        session.close()
+        try:
+            session.close()
+        except DiskFull as e:  # the last background write (a disk EPS's commit) found the disk full
+            if summary.status == "ok":
+                summary.status, summary.error = "error", str(e)
     write_outcome(session, time.perf_counter() - t_start)
     return summary.code
 
@@ -99,10 +106,10 @@ def write_outcome(session: Session, wall_s: float) -> None:
             memory.ranks = ctx.gather(
                 {"rank": ctx.rank, **memory.to_json(), "time_breakdown_s": summary.time_breakdown_s}
             )
-        files.write("memory.json", memory.to_json())
+        _write_file(files, "memory.json", memory.to_json())
         summary.device_peak_bytes = max(summary.device_peak_bytes, session.acc.meter.peak_bytes)
     dist_shutdown(ctx)
-    files.write("summary.json", summary.to_json())
+    _write_file(files, "summary.json", summary.to_json())
     started = summary.config.mode is not None and not bad_input  # the table has something to show
     if started:
         log.info("run ended: %s\n%s", summary.status, summary_text(summary))
@@ -121,6 +128,14 @@ def write_outcome(session: Session, wall_s: float) -> None:
             "" if bad_input else f"{'traceback in' if session.crashed else 'see'} {summary.run_dir}/train.log"
         )
         _error_lines(summary, session.problems, where)
+
+
+def _write_file(files: RunFiles, name: str, obj: dict) -> None:
+    """A run file; on a full disk the run's one line still says why it stopped (the file is logged lost)."""
+    try:
+        files.write(name, obj)
+    except DiskFull as e:
+        log.error("%s not written: %s", name, e)
 
 
 def _error_lines(summary: Summary, problems: list[str], where: str) -> None:

@@ -15,6 +15,7 @@ from l2l_cli.engine.tiers.disk.cache import CacheSlot
 from l2l_cli.engine.tiers.disk.format import COMMIT, FORMAT, STATE, crash_point
 from l2l_cli.engine.tiers.disk.stats import IoCounts
 from l2l_cli.engine.tiers.disk.store import LayerStore
+from l2l_cli.problems import writing
 
 
 class _Stepped(Protocol):
@@ -51,15 +52,16 @@ class WriteBehind:
         f = self.store.files[i]
         io = self.store.io
         t0 = time.perf_counter()
-        fd = io.open(f.path)
-        try:
-            for k, p in enumerate(parts):
-                io.write(fd, s.mv(p, f.part_bytes), f.offset(target, p))
-                if k == 0:
-                    crash_point("write")  # a torn slot: w written, the moments not yet
-            io.sync(fd, f.offset(target, parts[0]), len(parts) * f.part_bytes)
-        finally:
-            os.close(fd)
+        with writing(f.path):  # a full disk: named; the committed slot stays as it was
+            fd = io.open(f.path)
+            try:
+                for k, p in enumerate(parts):
+                    io.write(fd, s.mv(p, f.part_bytes), f.offset(target, p))
+                    if k == 0:
+                        crash_point("write")  # a torn slot: w written, the moments not yet
+                io.sync(fd, f.offset(target, parts[0]), len(parts) * f.part_bytes)
+            finally:
+                os.close(fd)
         with self.cv:
             self.counts.step.write_s += time.perf_counter() - t0
             self.counts.step.write_bytes += len(parts) * f.part_bytes
@@ -73,14 +75,15 @@ class WriteBehind:
         f = self.store.files[i]
         io = self.store.io
         t0 = time.perf_counter()
-        fd = io.open(f.path)
-        try:
-            target = 1 - self.store.newest(i)
-            io.write(fd, s.mv("g", f.part_bytes), f.offset(target, "w"))
-            crash_point("park")
-            io.sync(fd, f.offset(target, "w"), f.part_bytes)
-        finally:
-            os.close(fd)
+        with writing(f.path):
+            fd = io.open(f.path)
+            try:
+                target = 1 - self.store.newest(i)
+                io.write(fd, s.mv("g", f.part_bytes), f.offset(target, "w"))
+                crash_point("park")
+                io.sync(fd, f.offset(target, "w"), f.part_bytes)
+            finally:
+                os.close(fd)
         with self.cv:
             self.counts.step.parks += 1
             self.counts.step.write_s += time.perf_counter() - t0
@@ -93,7 +96,8 @@ class WriteBehind:
         """Make the state after ``step`` the one a restart finds: once the writes queued so far are on
         disk, ``commit.json`` is replaced atomically (write, fsync, rename, fsync the directory)."""
         if self._commit_job is not None and self._commit_job.done():
-            self._commit_job.result()  # a failed commit surfaces here
+            job, self._commit_job = self._commit_job, None
+            job.result()  # a failed commit surfaces here (once)
         st = self.store
         with self.cv:
             if any(x is None for x in st.latest):
@@ -110,7 +114,7 @@ class WriteBehind:
         root = self.store.root
         t0 = time.perf_counter()
         tmp = root / f".{COMMIT}.tmp"
-        with open(tmp, "w") as f:
+        with writing(root / COMMIT), open(tmp, "w") as f:
             json.dump(record, f)
             f.flush()
             os.fsync(f.fileno())
@@ -128,4 +132,5 @@ class WriteBehind:
         """Finish every queued write; a failed last commit raises here."""
         self._pool.shutdown(wait=True)
         if self._commit_job is not None:
-            self._commit_job.result()
+            job, self._commit_job = self._commit_job, None
+            job.result()
