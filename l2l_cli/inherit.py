@@ -19,6 +19,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from l2l_cli.compose import GROUPS, compose
+from l2l_cli.engine.tiers import TIERS
 from l2l_cli.problems import Problem
 
 # What a resumed run keeps: the checkpoint's model shape and optimizer, the data (task and order), and the
@@ -147,7 +148,11 @@ def resume_problems(saved: DictConfig, cfg: DictConfig, run_dir: Path) -> list[P
     try:
         latest_valid(run_dir)
     except CheckpointError as e:
-        return [Problem("trainer.resume", str(e))]
+        # a disk EPS commits after every step: its commit record is the run's checkpoint (the trainer
+        # resumes from it when no full checkpoint is newer)
+        kind = TIERS.get(str(cfg.eps.tier))
+        if kind is None or not kind.committed(cfg):
+            return [Problem("trainer.resume", str(e))]
     old = _resolved(saved)
     where = f"the run being resumed ({run_dir})"
     problems += fixed_problems(saved, cfg, run_dir, FIXED, "resumed")

@@ -119,6 +119,9 @@ class TierKind:
     check_space: Callable[[Any, ModelSpec], list[Problem]] | None = None
     # (settings, spec, world) -> problems: the same once the session knows the place and the ranks
     check_start: Callable[[TierSettings, ModelSpec, int], list[Problem]] = _no_problems
+    # (cfg) -> whether the place the config points at holds a committed state a resume can start from
+    # (a tier that commits every step is a checkpoint by itself)
+    committed: Callable[[Any], bool] = lambda cfg: False
 
     @property
     def on_disk(self) -> bool:

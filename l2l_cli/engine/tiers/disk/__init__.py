@@ -21,6 +21,7 @@ DISK = register_tier(
     TierKind(
         "disk", DiskTier, dir_name=rules.DIR, eps_modes_only=rules.EPS_MODES_ONLY, check_keys=rules.check_keys,
         validate=rules.validate, check_space=rules.check_space, check_start=rules.check_start,
+        committed=rules.committed,
     )
 )  # fmt: skip
 

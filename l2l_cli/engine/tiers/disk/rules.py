@@ -89,6 +89,11 @@ def check_eps_path(root: Path, need: int, params: int, resume: bool = False) -> 
     return []
 
 
+def committed(cfg: Any) -> bool:
+    """The disk EPS the config points at has a commit record: a state to resume from."""
+    return (eps_dir_guess(cfg) / COMMIT).is_file()
+
+
 def eps_dir_guess(cfg: Any) -> Path:
     """Where a disk EPS will live, as far as the config says before the run dir exists: eps.path, the
     resumed run's eps/, else the run dir Hydra will make (its nearest existing folder is what is checked)."""
