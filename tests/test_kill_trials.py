@@ -1,6 +1,6 @@
 """Random kill trials: SIGKILL a training run at a random moment (seeded), resume it, and its final weights
-equal an uninterrupted run's bit for bit, for every runner that can resume. One trial each for baseline_ag,
-l2l_p and the disk tier in the default suite; five per runner, data parallel and the pipeline included,
+equal an uninterrupted run's bit for bit, for every runner that can resume. One trial each for l2l_p and
+the disk tier in the default suite; five per runner, data parallel and the pipeline included,
 with ``-m slow``."""
 
 from __future__ import annotations
