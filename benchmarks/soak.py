@@ -3,7 +3,9 @@
 Each configuration runs as its own ``l2l train`` process; this script samples it from /proc every
 ``--every`` steps (as its metrics.jsonl reaches them): resident memory (VmRSS), open file descriptors and
 threads. After the first ``--every`` steps (warm-up: allocator pools, thread pools, caches) RSS must not
-grow by more than 2% and the descriptors and threads must stay constant.
+grow by more than 2% (the last quarter's median against the first quarter's: a leak is a trend, a sample
+that caught a layer's buffer in flight is not) and the descriptors and threads must stay constant (their floor: the disk tier opens a
+layer file per write and closes it after, so a sample may catch one open).
 
     python benchmarks/soak.py                      # 2,000 steps each (~5 min per configuration, 2 cores)
     python benchmarks/soak.py --steps 300 --json   # the slow test's length
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -72,12 +75,21 @@ def soak(name: str, steps: int, every: int, out: Path) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"{name}: exit {proc.returncode}: {err[-2000:]}")
     base, rest = samples[0], samples[1:]
-    growth = max(s["rss"] for s in rest) / base["rss"] - 1 if rest else 0.0
+    # RSS: a leak is a trend, so the last quarter's median against the first quarter's (from step
+    # ``every`` on); one sample that caught a layer's buffer in flight is not growth
+    quarter = max(1, len(samples) // 4)
+    first, last = (
+        statistics.median(s["rss"] for s in part) for part in (samples[:quarter], samples[-quarter:])
+    )
+    growth = last / first - 1 if rest else 0.0
+    # descriptors and threads: a leak raises the floor; a sample taken while the disk tier's writer has a
+    # layer file open (opened per write, closed after) is a transient, not a leak
+    late = rest[len(rest) // 2 :] or rest
+    fds_ok = not late or min(s["fds"] for s in late) <= base["fds"]
+    threads_ok = not late or min(s["threads"] for s in late) <= base["threads"]
     return {
-        "config": name, "steps": steps, "samples": samples, "rss_growth": growth,
-        "fds_constant": all(s["fds"] == base["fds"] for s in rest),
-        "threads_constant": all(s["threads"] == base["threads"] for s in rest),
-        "ok": growth <= RSS_GROWTH and all(s["fds"] == base["fds"] and s["threads"] == base["threads"] for s in rest),
+        "config": name, "steps": steps, "samples": samples, "rss_growth": growth, "fds_constant": fds_ok,
+        "threads_constant": threads_ok, "ok": growth <= RSS_GROWTH and fds_ok and threads_ok,
     }  # fmt: skip
 
 
@@ -93,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.configs.split(","):
             results.append(soak(name, args.steps, args.every, Path(tmp)))
     for r in results:
-        print(f"{r['config']:6s}: RSS growth after step {args.every}: {100 * r['rss_growth']:+.2f}% "
+        print(f"{r['config']:6s}: RSS growth from step {args.every} on (median, first vs last quarter): {100 * r['rss_growth']:+.2f}% "
               f"(limit {100 * RSS_GROWTH:.0f}%), open files constant: {r['fds_constant']}, threads constant: "
               f"{r['threads_constant']} -> {'ok' if r['ok'] else 'LEAK'}")  # fmt: skip
     if args.json:
