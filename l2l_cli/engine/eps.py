@@ -26,7 +26,6 @@ import torch
 from l2l_cli.engine.device import Accelerator
 from l2l_cli.engine.dist import DistContext
 from l2l_cli.engine.layer_server import LayerServer, grad_mult
-from l2l_cli.engine.layer_state import LayerState, bind_optimizer
 from l2l_cli.engine.optim import OptimSettings, clip_coefficients
 from l2l_cli.engine.precision import LossScaler
 from l2l_cli.engine.speculative import Speculation
@@ -35,7 +34,7 @@ from l2l_cli.engine.trailing import TrailingUpdate
 from l2l_cli.models.base import ModelSpec
 from l2l_cli.profiling.timers import PhaseTimer
 
-__all__ = ["EagerParamServer", "LayerState", "bind_optimizer"]
+__all__ = ["EagerParamServer"]
 
 
 class EagerParamServer(LayerServer):
