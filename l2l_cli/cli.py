@@ -15,6 +15,8 @@ commands:
   train    train or fine-tune (Hydra app: l2l train [group=option] [key=value] [-m for sweeps]; --help lists all)
   eval     evaluate a run's final/ or a checkpoint (l2l eval <run dir> [task=...] [--checkpoint DIR] [--json])
   predict  predictions of a trained run as JSON lines (l2l predict <run dir> --input FILE [--output FILE])
+  generate sample from a trained decoder (l2l generate <run dir> --prompt TEXT | --input FILE [--max-new-tokens N]
+           [--temperature T --top-p P --seed S] [--chat] [--layered] [--checkpoint PATH|latest] [--json])
   report   tables and plots from run directories (l2l report outputs/...)
   plan     analytic memory and time estimates for a config (l2l plan [overrides] [--json])
 
@@ -207,6 +209,10 @@ def main(argv: list[str] | None = None) -> None:
         from l2l_cli import evaluate
 
         code = evaluate.main(cmd, rest)
+    elif cmd == "generate":
+        from l2l_cli import generate
+
+        code = generate.main(rest)
     elif cmd == "report":
         from l2l_cli.report import main as report_main
 
@@ -216,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
 
         code = plan_main(rest)
     else:
-        code = _fail(f"unknown command {cmd!r}; allowed: train, eval, predict, report, plan (l2l --help)")
+        code = _fail(f"unknown command {cmd!r}; allowed: train, eval, predict, generate, report, plan (l2l --help)")
     sys.exit(code)
 
 

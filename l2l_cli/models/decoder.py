@@ -37,7 +37,8 @@ class DecoderSide:
 
     mask: torch.Tensor | None  # None: plain causal attention (SDPA's is_causal); else bool [B|1, 1, S, S]
     window_mask: torch.Tensor | None = None  # the sliding-window layers' mask (Mistral, Qwen2)
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # rotary (cos, sin), [1, S, head_dim] each
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # rotary (cos, sin), [1|B, S, head_dim] each
+    cache: Any = None  # generation: this block's key/value cache (a transformers-style ``update``), else None
 
 
 class DecoderSpec(ModelSpec):
@@ -82,6 +83,14 @@ class DecoderSpec(ModelSpec):
     def rope(self, ub: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Rotary (cos, sin) for the micro-batch's positions (families with rotary embeddings)."""
         return None
+
+    def rope_at(self, positions_BS: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Rotary (cos, sin) at given positions (generation: each sequence's own, past its cache)."""
+        return None
+
+    def run_pre(self, layer: nn.Module, input_ids_BS: torch.Tensor, positions_BS: torch.Tensor) -> torch.Tensor:
+        """The embeddings of tokens at given positions (generation: the new tokens after a cache)."""
+        return layer(input_ids_BS)
 
     def sliding_window(self) -> int | None:
         """The window of the sliding-window layers (None: every layer attends to the whole prefix)."""

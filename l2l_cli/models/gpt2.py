@@ -62,7 +62,10 @@ class GPT2Spec(DecoderSpec):
         return nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
 
     def run_block(self, layer: nn.Module, index: int, x: torch.Tensor, side: DecoderSide) -> torch.Tensor:
-        return layer(x, attention_mask=side.mask)
+        return layer(x, attention_mask=side.mask, cache=side.cache)
+
+    def run_pre(self, layer: nn.Module, input_ids_BS: torch.Tensor, positions_BS: torch.Tensor) -> torch.Tensor:
+        return layer(input_ids_BS, positions_BS)
 
     def residual_init_scale(self, name: str) -> float:
         """GPT-2's scheme: the projections into the residual stream at init_std / sqrt(2 · layers)."""
@@ -78,9 +81,11 @@ class GPT2Embeddings(nn.Module):
         self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
         self.drop = nn.Dropout(cfg.embd_pdrop)
 
-    def forward(self, input_ids_BS: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(input_ids_BS.shape[1], device=input_ids_BS.device)[None]
-        return self.drop(self.wte(input_ids_BS) + self.wpe(positions))
+    def forward(self, input_ids_BS: torch.Tensor, positions_BS: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions``: each token's (generation past a cache); default 0..S-1."""
+        if positions_BS is None:
+            positions_BS = torch.arange(input_ids_BS.shape[1], device=input_ids_BS.device)[None]
+        return self.drop(self.wte(input_ids_BS) + self.wpe(positions_BS))
 
 
 @functools.cache  # built once per spec: every layer build and the relay's shells share it (read-only)

@@ -77,7 +77,11 @@ class LlamaSpec(DecoderSpec):
         """cos and sin of the rotary embedding at positions 0..S-1, from the family's own module."""
         ids = ub.attention_mask  # positions 0..S-1 (a pipeline stage past the first has no token ids)
         positions = torch.arange(ids.shape[1], device=ids.device)[None]
-        return _rotary(self, ids.device)(torch.empty(0, dtype=dtype, device=ids.device), positions)
+        return self.rope_at(positions, dtype)
+
+    def rope_at(self, positions_BS: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        device = positions_BS.device
+        return _rotary(self, device)(torch.empty(0, dtype=dtype, device=device), positions_BS)
 
     def sliding_window(self) -> int | None:
         return _window(self)[0]
@@ -85,7 +89,7 @@ class LlamaSpec(DecoderSpec):
     def run_block(self, layer: nn.Module, index: int, x: torch.Tensor, side: DecoderSide) -> torch.Tensor:
         sliding = side.window_mask is not None and (index - 1) in _window(self)[1]
         mask = side.window_mask if sliding else side.mask
-        return layer(x, attention_mask=mask, position_embeddings=side.rope)
+        return layer(x, attention_mask=mask, position_embeddings=side.rope, cache=side.cache)
 
 
 class TokenEmbedding(nn.Module):

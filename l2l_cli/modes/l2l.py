@@ -18,9 +18,11 @@ import torch
 from torch import nn
 
 from l2l_cli.data.batches import Batch
+from l2l_cli.engine.decode import LayeredDecoder
 from l2l_cli.engine.eps import EagerParamServer
 from l2l_cli.engine.relay import Relay
 from l2l_cli.engine.stash import CpuStash, DeviceStash
+from l2l_cli.models.decoder import DecoderSpec
 from l2l_cli.modes.base import DurableState, LayerFiles, RunnerArgs, RunnerBase, StepReport
 from l2l_cli.modes.registry import ModeSpec, register_mode
 
@@ -182,6 +184,11 @@ class L2LRunner(RunnerBase):
             self.eps.tier.pop_step(self.timer, training=False)  # evaluation's I/O is no training step's
             self.timer.pop()
         return torch.cat(logits).float().cpu()
+
+    def decoder(self) -> LayeredDecoder:
+        """Generation layer by layer through this runner's EPS and relay (``l2l generate``)."""
+        assert isinstance(self.spec, DecoderSpec), "generation needs a decoder"
+        return LayeredDecoder(self.spec, self.eps, self.relay, self.acc, self.precision)
 
     def load_hf(self, tensors: Any) -> list[str]:
         self.eps.settle()
