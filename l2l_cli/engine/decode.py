@@ -53,10 +53,10 @@ class Sampling:
         return out
 
     def hf_kwargs(self) -> dict[str, Any]:
-        """The same choice as ``transformers.GenerationConfig`` fields (top-k off: it is not ours)."""
+        """The same choice as ``transformers.GenerationConfig`` fields (top-k 0: off; unset, generate would keep the top 50)."""
         if self.greedy:
             return {"do_sample": False}
-        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": None}
+        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
 
     def pick(self, logits_BV: torch.Tensor, ids_BS: torch.Tensor, gens: list[torch.Generator]) -> torch.Tensor:
         """The next token of each row, from its last position's logits (FP32 on the CPU, as generate)."""
