@@ -222,7 +222,9 @@ def main(argv: list[str] | None = None) -> None:
 
         code = plan_main(rest)
     else:
-        code = _fail(f"unknown command {cmd!r}; allowed: train, eval, predict, generate, report, plan (l2l --help)")
+        code = _fail(
+            f"unknown command {cmd!r}; allowed: train, eval, predict, generate, report, plan (l2l --help)"
+        )
     sys.exit(code)
 
 

@@ -34,7 +34,7 @@ HOST_SHARE = 0.8  # the in-RAM engine's model (fp32, loaded twice at its peak) m
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(f"{message} (usage: {self.format_usage().strip().removeprefix('usage: ')})")
+        raise UsageError(f"{message} (usage: {' '.join(self.format_usage().split()[1:])})")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -48,12 +48,20 @@ def parser() -> argparse.ArgumentParser:
     src.add_argument("--input", metavar="FILE", help="prompts: one per line, or JSON lines with 'prompt' "
                      "(with --chat also 'messages': a list of {role, content})")  # fmt: skip
     p.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="new tokens per prompt (32)")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0: greedy (default); > 0 samples")
+    p.add_argument(
+        "--temperature", type=float, default=0.0, metavar="T", help="0: greedy (default); > 0 samples"
+    )
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling: keep the top tokens "
                    "whose probabilities sum to P (0 < P <= 1; 1: all)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, metavar="S", help="prompt i samples from seed S+i (0)")
-    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn in the tokenizer's chat template")
-    p.add_argument("--layered", action="store_true", help="generate layer by layer through the relay even if the model fits in RAM")
+    p.add_argument(
+        "--chat", action="store_true", help="wrap each prompt as a user turn in the tokenizer's chat template"
+    )
+    p.add_argument(
+        "--layered",
+        action="store_true",
+        help="generate layer by layer through the relay even if the model fits in RAM",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per prompt instead of text")
     return p
 
@@ -240,7 +248,11 @@ def run_tier(run_dir: Path, overrides: list[str]) -> str:
     from l2l_cli.inherit import saved_config
 
     given = [o.split("=", 1)[1] for o in overrides if o.startswith("eps.tier=")]
-    return given[-1] if given else str(OmegaConf.select(saved_config(run_dir), "eps.tier", default=EpsConfig().tier))
+    return (
+        given[-1]
+        if given
+        else str(OmegaConf.select(saved_config(run_dir), "eps.tier", default=EpsConfig().tier))
+    )
 
 
 def choose_engine(run_tier: str, spec: Any, layered: bool) -> Engine:

@@ -58,7 +58,9 @@ class Sampling:
             return {"do_sample": False}
         return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
 
-    def pick(self, logits_BV: torch.Tensor, ids_BS: torch.Tensor, gens: list[torch.Generator]) -> torch.Tensor:
+    def pick(
+        self, logits_BV: torch.Tensor, ids_BS: torch.Tensor, gens: list[torch.Generator]
+    ) -> torch.Tensor:
         """The next token of each row, from its last position's logits (FP32 on the CPU, as generate)."""
         scores = logits_BV.to("cpu", torch.float32)
         for w in self.warpers():
@@ -66,7 +68,9 @@ class Sampling:
         if self.greedy:
             return scores.argmax(dim=-1)
         probs = torch.softmax(scores, dim=-1)
-        return torch.cat([torch.multinomial(probs[b : b + 1], 1, generator=g)[:, 0] for b, g in enumerate(gens)])
+        return torch.cat(
+            [torch.multinomial(probs[b : b + 1], 1, generator=g)[:, 0] for b, g in enumerate(gens)]
+        )
 
 
 class LayerCache:
@@ -105,7 +109,10 @@ class HostKV:
 
     def _alloc(self, i: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, h, _, d = like.shape
-        return (torch.empty(b, h, self.capacity, d, dtype=like.dtype), torch.empty(b, h, self.capacity, d, dtype=like.dtype))
+        return (
+            torch.empty(b, h, self.capacity, d, dtype=like.dtype),
+            torch.empty(b, h, self.capacity, d, dtype=like.dtype),
+        )
 
     def load(self, i: int, device: torch.device) -> LayerCache:
         n = self.length.get(i, 0)

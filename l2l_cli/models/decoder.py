@@ -84,11 +84,15 @@ class DecoderSpec(ModelSpec):
         """Rotary (cos, sin) for the micro-batch's positions (families with rotary embeddings)."""
         return None
 
-    def rope_at(self, positions_BS: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def rope_at(
+        self, positions_BS: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Rotary (cos, sin) at given positions (generation: each sequence's own, past its cache)."""
         return None
 
-    def run_pre(self, layer: nn.Module, input_ids_BS: torch.Tensor, positions_BS: torch.Tensor) -> torch.Tensor:
+    def run_pre(
+        self, layer: nn.Module, input_ids_BS: torch.Tensor, positions_BS: torch.Tensor
+    ) -> torch.Tensor:
         """The embeddings of tokens at given positions (generation: the new tokens after a cache)."""
         return layer(input_ids_BS)
 

@@ -64,7 +64,9 @@ class GPT2Spec(DecoderSpec):
     def run_block(self, layer: nn.Module, index: int, x: torch.Tensor, side: DecoderSide) -> torch.Tensor:
         return layer(x, attention_mask=side.mask, cache=side.cache)
 
-    def run_pre(self, layer: nn.Module, input_ids_BS: torch.Tensor, positions_BS: torch.Tensor) -> torch.Tensor:
+    def run_pre(
+        self, layer: nn.Module, input_ids_BS: torch.Tensor, positions_BS: torch.Tensor
+    ) -> torch.Tensor:
         return layer(input_ids_BS, positions_BS)
 
     def residual_init_scale(self, name: str) -> float:
