@@ -219,3 +219,21 @@ def test_qwen2_with_a_sliding_window_generates_layer_by_layer_as_transformers(tm
     hf, layered = gen(capsys, *argv), gen(capsys, *argv, "--layered")
     assert tokens(layered) == tokens(hf)
     assert tokens(hf)[0] == hf_greedy(run / "final", PROMPTS[0], 12)
+
+
+def test_the_engine_follows_the_host_budget_and_the_runs_tier(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers' generate while twice the FP32 weights fit in 80% of free RAM; else, and for a run
+    whose EPS is on disk, layer by layer on the disk tier (its caches in files); --layered on the run's."""
+    import l2l_cli.plan.measure as measure
+    from l2l_cli.models import make_spec
+
+    spec = make_spec(tiny_cfg(*LM, *RUNS["gpt2"]).model, 0)
+    need = 2 * 4 * spec.total_params / generate.HOST_SHARE
+    monkeypatch.setattr(measure, "available_memory", lambda: need)
+    assert generate.choose_engine("host", spec, False).name == "transformers"
+    assert generate.choose_engine("host", spec, True) == generate.Engine(True, "host", False, "--layered")
+    assert generate.choose_engine("disk", spec, False).name == "layered (disk tier)"
+    monkeypatch.setattr(measure, "available_memory", lambda: need - 1)
+    assert generate.choose_engine("host", spec, False) == generate.Engine(
+        True, "disk", True, "the model does not fit in host RAM"
+    )

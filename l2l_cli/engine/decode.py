@@ -95,8 +95,6 @@ class KVStore(Protocol):
 
     def save(self, i: int, cache: LayerCache) -> None: ...
 
-    def nbytes(self) -> int: ...
-
 
 class HostKV:
     """Each block's keys and values in host RAM, ``[B, heads, capacity, head_dim]``, allocated at the
@@ -130,9 +128,6 @@ class HostKV:
         k[:, :, start:end].copy_(cache.keys[:, :, start:end])
         v[:, :, start:end].copy_(cache.values[:, :, start:end])
         self.length[i] = end
-
-    def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.kv.values())
 
 
 class DiskKV(HostKV):
