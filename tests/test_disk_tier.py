@@ -336,16 +336,18 @@ def _plan(*over: str) -> dict[str, Any]:
 
 
 def test_plan_says_which_tier_a_model_needs_and_predicts_the_disk_tier() -> None:
-    """BERT-Base's EPS needs ~2 GiB of RAM (16 bytes per parameter, 12 more for L2L-p's undo): with 1 GiB of
-    host memory only the disk tier fits, and the plan says so; on disk it takes 24 bytes per parameter."""
-    small = _plan("hardware.host_memory_gb=1")
+    """BERT-Base's EPS needs ~2.9 GiB of RAM (16 bytes per parameter, 12 more for L2L-p's undo): with 2 GiB of
+    host memory only the disk tier fits (3 layers cached, 4 bytes per parameter of waiting gradients), and
+    the plan says so; on disk it takes 24 bytes per parameter."""
+    small = _plan("hardware.host_memory_gb=2")
     assert not small["fits"] and "eps.tier=disk fits" in small["verdict"]
     assert small["eps_tier"]["needed"] == "disk" and small["eps_tier"]["configured"] == "host"
-    on_disk = _plan("hardware.host_memory_gb=1", "eps.tier=disk")
+    on_disk = _plan("hardware.host_memory_gb=2", "eps.tier=disk")
     assert on_disk["fits"] and on_disk["verdict"] == "fits"
     params = on_disk["params"]["total"]
     assert on_disk["memory_bytes"]["disk"]["total"] == 24 * params
-    assert on_disk["memory_bytes"]["host"]["parts"]["eps_cache"] == 2 * 16 * on_disk["params"]["embeddings"]
+    assert on_disk["memory_bytes"]["host"]["parts"]["eps_cache"] == 3 * 16 * on_disk["params"]["embeddings"]
+    assert on_disk["memory_bytes"]["host"]["parts"]["eps_grad_pool"] == 4 * params
     assert _plan()["eps_tier"]["needed"] == "host"
     # a slow disk is exposed, a fast one hides behind compute
     slow = _plan("eps.tier=disk", "hardware.disk_read_gbps=0.05", "hardware.disk_write_gbps=0.05")
