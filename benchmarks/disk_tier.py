@@ -10,6 +10,12 @@ FP32 state = 1.5x a 24 GiB machine):
     python benchmarks/disk_tier.py --layers 30 --hidden 2560 --steps 3 --path outputs/disk-tier-bench
 A check that it runs (seconds):
     python benchmarks/disk_tier.py --tiny
+
+Issue 26 (alone on the machine): the disk tier against the host tier on the 1.07 B-parameter model, bytes per
+parameter and step by use, disk step / host step, and the planner's predicted disk step (hardware=measure,
+the disk's rates measured here) against the measured one:
+    python benchmarks/disk_tier.py --compare-host --layers 20 --hidden 2048 --batch 2 --ubatch 1 --steps 4
+    (add --cmp for precision=cmp; --tiny --compare-host checks that it runs)
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from l2l_cli.data.batches import TrainStream
 from l2l_cli.data.synthetic import synthetic
 from l2l_cli.data.tasks import TASKS, TaskData
 from l2l_cli.engine.tiers.disk import disk_bytes, measure_disk
+from l2l_cli.engine.tiers.disk.stats import READS, WRITES
 from l2l_cli.models import make_spec
 from l2l_cli.session import build
 
@@ -72,6 +79,45 @@ def dd(root: Path, nbytes: int) -> dict[str, float] | None:
     return out
 
 
+def compare_host(
+    a: argparse.Namespace, overrides: list[str], data: Any, disk_step_s: float, seq: dict[str, Any]
+) -> dict[str, Any]:
+    """The same steps on the host tier, and the planner's disk step from bytes and this disk's rates."""
+    from l2l_cli.plan.planner import make_plan
+
+    host_over = [o for o in overrides if not o.startswith("eps.")]
+    task = TaskData(TASKS["synthetic"], data, data, "synthetic")
+    times = []
+    with build(compose(host_over), data=task) as session:
+        runner = session.runner
+        assert runner is not None
+        batches = TrainStream(data, a.batch, seed=0, pad_to_max=a.seq).batches()
+        for _ in range(a.steps):
+            times.append(runner.step(next(batches)).step_time_s)
+    host_s = statistics.mean(times[1:] or times)
+    rates = [
+        f"hardware.disk_read_gbps={seq['read_gbps']:.4g}",
+        f"hardware.disk_write_gbps={seq['write_gbps']:.4g}",
+    ]
+    out: dict[str, Any] = {
+        "host_step_s": host_s,
+        "disk_step_s": disk_step_s,
+        "disk_over_host": disk_step_s / host_s,
+    }
+    print(
+        f"host tier: {host_s:.3g} s per step; disk tier {disk_step_s:.3g} s = {disk_step_s / host_s:.2f}x the host's"
+    )
+    try:
+        plan = make_plan(compose([*overrides, "hardware=measure", *rates]))
+        pred = plan["step_time_s"]["total"]
+        out.update(predicted_disk_step_s=pred, predicted_over_measured=pred / disk_step_s)
+        print(f"planner (hardware=measure, this disk's rates): disk step {pred:.3g} s predicted, "
+              f"{disk_step_s:.3g} s measured ({100 * (pred / disk_step_s - 1):+.0f}%)")  # fmt: skip
+    except Exception as e:  # the comparison above stands without the planner's
+        print(f"planner: no prediction ({type(e).__name__}: {e})")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=30)
@@ -83,8 +129,10 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--ubatch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3, help="the first is a warm-up (no read-ahead plan yet)")
-    ap.add_argument("--mode", default="l2l_p", choices=["l2l", "l2l_p"])
-    ap.add_argument("--cache-layers", type=int, default=2)
+    ap.add_argument("--mode", default="l2l", choices=["l2l", "l2l_p"])
+    ap.add_argument("--cache-layers", type=int, default=3)
+    ap.add_argument("--cmp", action="store_true", help="precision=cmp (bf16 on the device)")
+    ap.add_argument("--compare-host", action="store_true", help="also run the host tier; print the ratios")
     ap.add_argument("--path", default="outputs/disk-tier-bench", help="a directory on the disk to measure")
     ap.add_argument("--dd-gib", type=float, default=4.0, help="size of the dd-style measurement")
     ap.add_argument("--keep", action="store_true", help="keep the layer files afterwards")
@@ -103,6 +151,7 @@ def main() -> int:
         f"model.seq_len={max(512, a.seq)}", f"task.max_seq_len={a.seq}", "task.pad_to_max=true",
         f"batch.size={a.batch}", f"batch.ubatch_size={a.ubatch}", "trainer.progress=none",
         f"trainer.max_steps={a.steps}", "eps.tier=disk", f"eps.path={eps_dir}", f"eps.host_cache_layers={a.cache_layers}",
+        *(["precision=cmp", "precision.dtype=bf16"] if a.cmp else []),
     ]  # fmt: skip
     cfg = compose(overrides)
     spec = make_spec(cfg.model, 2)
@@ -192,6 +241,15 @@ def main() -> int:
     print(
         f"I/O hidden behind compute: {100 * (st['hidden_share'] or 0):.0f}% (1 - disk_wait / (disk_read + disk_write))"
     )
+    per = total["bytes_per_param_step"]
+    print(f"disk I/O per parameter and step: {total['read_bytes_per_param_step']:.2f} B read + "
+          f"{total['write_bytes_per_param_step']:.2f} B written = "
+          f"{total['read_bytes_per_param_step'] + total['write_bytes_per_param_step']:.2f} B/param/step")  # fmt: skip
+    for k, v in per.items():
+        what = (READS if k.startswith("read_") else WRITES)[k.split("_", 1)[1]]
+        print(f"  {k:<13} {v:6.2f} B  {what}")
+    if a.compare_host:
+        result["compare"] = compare_host(a, overrides, data, step_s, seq)
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1, default=str))
     if not a.keep:

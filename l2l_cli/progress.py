@@ -136,10 +136,12 @@ def summary_table(summary: Summary) -> Table:
             f"{k} {disk[f'{k}_gbps']:.2f} GB/s" for k in ("read", "write") if disk.get(f"{k}_gbps")
         )
         hidden = disk.get("hidden_share")
+        rb, wb = disk.get("read_bytes_per_param_step"), disk.get("write_bytes_per_param_step")
+        per = f" = {rb:.1f} + {wb:.1f} B/param/step" if rb is not None and wb is not None else ""
         rows.append(
             (
                 "disk EPS",
-                f"{fmt_bytes(disk['read_bytes'])} read, {fmt_bytes(disk['write_bytes'])} written ({gbps}); "
+                f"{fmt_bytes(disk['read_bytes'])} read, {fmt_bytes(disk['write_bytes'])} written{per} ({gbps}); "
                 f"{'-' if hidden is None else f'{100 * hidden:.0f}%'} of it hidden behind compute; "
                 f"{disk['host_cache_layers']} layers in RAM",
             )

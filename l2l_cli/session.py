@@ -89,7 +89,8 @@ def eps_tier(cfg: Any, run_dir: Path | None) -> TierSettings:
             path = str(Path(resume).expanduser() / folder)
         elif run_dir is not None:
             path = str(run_dir / folder)
-    return TierSettings(e.tier, path, e.host_cache_layers, resume=bool(resume))
+    grad_ram = int(e.grad_ram_gb * 1e9)
+    return TierSettings(e.tier, path, e.host_cache_layers, resume=bool(resume), grad_ram_bytes=grad_ram)
 
 
 def check_vocab(data: TaskData, spec: ModelSpec, cfg: Any) -> None:

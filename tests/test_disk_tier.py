@@ -20,7 +20,7 @@ from l2l_cli.engine.tiers.disk import disk_bytes
 from l2l_cli.problems import ConfigError
 from l2l_cli.session import build
 from l2l_cli.train import run_job
-from tests.util import REPO, TINY, batches, bert_spec, built, l2l, tiny_cfg, tiny_data, train
+from tests.util import REPO, TINY, batches, bert_spec, built, l2l, tiny_cfg, tiny_data, train, weights
 
 # ---- acceptance 1: bit-identical to the host tier --------------------------------------------------
 
@@ -64,6 +64,57 @@ def test_l2l_p_rollback_restores_from_the_disk_slot_the_update_did_not_overwrite
     _assert_identical(got, ref)
 
 
+@pytest.mark.parametrize("mode", ["l2l", pytest.param("l2l_p", marks=pytest.mark.slow)])
+def test_a_clipped_step_rolls_back_to_the_disk_slot_and_redoes_from_the_ram_gradients(mode: str) -> None:
+    """Under global clipping the disk tier updates each layer as its gradient lands (while the backward's
+    read of it is in RAM), keeping the gradient in its RAM pool; at max_grad_norm 0.24 the first step's norm
+    (0.247) crosses the limit only at the last layers: the speculative updates are rolled back (the layer's
+    current slot becomes the pre-update one again) and redone with the factor. Equal to the host's."""
+    over = (f"mode={mode}", "optim.max_grad_norm=0.24")
+    ref = _host(*over)
+    cfg = tiny_cfg(*over, "eps.tier=disk")
+    with built(cfg, 10) as runner:
+        it = batches(cfg)
+        reports = [runner.step(next(it)) for _ in range(3)]
+        got = {"losses": [r.loss for r in reports], "weights": weights(runner)}
+        assert runner.eps.rollbacks >= 1 and runner.eps.rollback_layers >= 2
+        assert runner.eps.tier.summary()["gradients_parked"] == 0  # every waiting gradient in RAM
+    _assert_identical(got, ref)
+
+
+def test_bytes_per_parameter_and_step_are_counted_by_use_and_stay_within_28() -> None:
+    """With 3 of 7 layers in RAM and no clipping that step: the forward reads the weights (4 B/param), the
+    backward the weights and moments (12, serving the update), the update writes them (12): <= 28, plus
+    the padding of each part to 4 KiB. With no RAM for gradients and clipping certain, every update waits
+    for the norm: its gradient is parked on disk and the layer is read again (more than 28)."""
+
+    def per_param(*over: str) -> dict[str, Any]:
+        cfg = tiny_cfg("model.num_layers=5", "eps.tier=disk", *over)
+        with built(cfg) as runner:
+            it = batches(cfg)
+            for _ in range(3):
+                runner.step(next(it))
+            tier = runner.eps.tier
+            s = tier.summary()
+            pad = sum(f.part_bytes for f in tier.store.files) / (4 * runner.spec.total_params)
+        b = s["bytes_per_param_step"]
+        assert sum(v for k, v in b.items() if k.startswith("read_")) == pytest.approx(
+            s["read_bytes_per_param_step"]
+        )
+        assert sum(v for k, v in b.items() if k.startswith("write_")) == pytest.approx(
+            s["write_bytes_per_param_step"]
+        )
+        return {"total": s["read_bytes_per_param_step"] + s["write_bytes_per_param_step"], "pad": pad, **b}
+
+    got = per_param("mode=l2l", "optim.max_grad_norm=1e9")  # (L2L-p's updates take the same path)
+    assert got["total"] <= 28 * got["pad"], got
+    assert got["write_state"] == pytest.approx(12 * got["pad"]) and got["write_park"] == 0, got
+    parked = per_param("mode=l2l", "optim.max_grad_norm=1e-9", "eps.grad_ram_gb=0")
+    assert parked["write_park"] > 1 and parked["read_grad"] > 1 and parked["total"] > 28 * parked["pad"], (
+        parked
+    )
+
+
 def test_disk_tier_on_the_simulated_accelerator_with_the_stash_on_the_host() -> None:
     """Asynchronous copies (the sim's copy engines) read from cache slots the tier must not reuse early."""
     over = ("mode=l2l_p", "mode.stash=cpu", "device=sim", "sim.link_gbps=2")
@@ -72,10 +123,12 @@ def test_disk_tier_on_the_simulated_accelerator_with_the_stash_on_the_host() -> 
 
 def test_reads_are_issued_ahead_from_the_last_steps_trace_and_ram_holds_k_layers() -> None:
     """With 2 of 5 layers in RAM, once a step's trace of accesses is known the next step's reads are
-    issued before the layers are asked for; L2L parks its gradients on disk until the update, and so does
-    L2L-p under global clipping (it waits for the norm on this tier); with per-layer clipping it applies
-    them at once and parks none."""
-    for mode, parks in (("l2l", True), ("l2l_p optim.clip=global", True), ("l2l_p optim.clip=layer", False)):
+    issued before the layers are asked for. With no RAM for gradients (eps.grad_ram_gb=0), L2L and L2L-p
+    under global clipping park theirs on disk (a speculative update could not be redone); with per-layer
+    clipping, or the RAM pool, none is parked on disk."""
+    cases = (("l2l eps.grad_ram_gb=0", True), ("l2l_p optim.clip=global eps.grad_ram_gb=0", True),
+             ("l2l_p optim.clip=layer eps.grad_ram_gb=0", False), ("l2l", False))  # fmt: skip
+    for mode, parks in cases:
         cfg = tiny_cfg(*f"mode={mode}".split(), "eps.tier=disk", "eps.host_cache_layers=2")
         with built(cfg) as runner:
             it = batches(cfg)
@@ -283,16 +336,18 @@ def _plan(*over: str) -> dict[str, Any]:
 
 
 def test_plan_says_which_tier_a_model_needs_and_predicts_the_disk_tier() -> None:
-    """BERT-Base's EPS needs ~2 GiB of RAM (16 bytes per parameter, 12 more for L2L-p's undo): with 1 GiB of
-    host memory only the disk tier fits, and the plan says so; on disk it takes 24 bytes per parameter."""
-    small = _plan("hardware.host_memory_gb=1")
+    """BERT-Base's EPS needs ~2.9 GiB of RAM (16 bytes per parameter, 12 more for L2L-p's undo): with 2 GiB of
+    host memory only the disk tier fits (3 layers cached, 4 bytes per parameter of waiting gradients), and
+    the plan says so; on disk it takes 24 bytes per parameter."""
+    small = _plan("hardware.host_memory_gb=2")
     assert not small["fits"] and "eps.tier=disk fits" in small["verdict"]
     assert small["eps_tier"]["needed"] == "disk" and small["eps_tier"]["configured"] == "host"
-    on_disk = _plan("hardware.host_memory_gb=1", "eps.tier=disk")
+    on_disk = _plan("hardware.host_memory_gb=2", "eps.tier=disk")
     assert on_disk["fits"] and on_disk["verdict"] == "fits"
     params = on_disk["params"]["total"]
     assert on_disk["memory_bytes"]["disk"]["total"] == 24 * params
-    assert on_disk["memory_bytes"]["host"]["parts"]["eps_cache"] == 2 * 16 * on_disk["params"]["embeddings"]
+    assert on_disk["memory_bytes"]["host"]["parts"]["eps_cache"] == 3 * 16 * on_disk["params"]["embeddings"]
+    assert on_disk["memory_bytes"]["host"]["parts"]["eps_grad_pool"] == 4 * params
     assert _plan()["eps_tier"]["needed"] == "host"
     # a slow disk is exposed, a fast one hides behind compute
     slow = _plan("eps.tier=disk", "hardware.disk_read_gbps=0.05", "hardware.disk_write_gbps=0.05")

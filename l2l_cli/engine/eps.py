@@ -60,6 +60,14 @@ class EagerParamServer(LayerServer):
         self.reduce(i)
         self._raw_norms[i] = torch.linalg.vector_norm(self.layers[i].g)
 
+    @property
+    def updates_in_backward(self) -> bool:
+        """L2L on a tier that would otherwise read each layer twice (the disk tier: once for its backward,
+        once for its update after the whole backward) updates each layer right after its backward instead,
+        speculatively as L2L-p does (:meth:`update_async`, :meth:`finish_async`): the same numbers, fewer
+        bytes moved."""
+        return self.tier.update_in_backward and self.eager_reduce
+
     def reduce_async(self, i: int) -> None:
         """Layer i's gradient is on its way to the host: reduce it in the background (L2L: the update
         waits for the whole step; the reduction overlaps the backward of the layers below). With

@@ -151,6 +151,11 @@ class LayerState:
             dst.copy_(src)
         self.undo_step = float(next(iter(self.optimizer.state.values()))["step"])
 
+    def reserve_redo(self) -> bool:
+        """Whether a speculative update of this layer could be redone with another factor: here always (the
+        gradient stays in its buffer; the disk tier's layers keep it in a RAM pool, if it has room)."""
+        return True
+
     def restore_undo(self) -> None:
         assert self.undo is not None
         for dst, src in zip((self.w, self.m, self.v), self.undo):

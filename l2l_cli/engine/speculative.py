@@ -57,11 +57,11 @@ class Speculation:
         inv = 1.0 / (scale * eps.dist.world)
         if clip == "global":
             norms = torch.stack(list(self._norms.values()))
-            if eps.tier.durable or float(clip_coefficients(norms, clip, max_norm)[0]) < 1.0:
+            if float(clip_coefficients(norms, clip, max_norm)[0]) < 1.0 or not st.reserve_redo():
                 # the norm so far already exceeds max_grad_norm: clipping is certain, and any update
-                # made now would be undone; wait for the factor instead. The disk tier always waits: an
-                # update there consumes the gradient it would need to redo one (its undo is the file's
-                # other slot, the state before the update, not the gradient)
+                # made now would be undone; wait for the factor instead. So does a disk tier's layer
+                # whose gradient its RAM pool cannot keep: a redo needs the gradient the update consumes
+                # (the undo itself is the file's other slot, the state before the update)
                 self._held.append(i)
                 return
             mult = None if inv == 1.0 else inv  # as if the factor were 1; checked in finish

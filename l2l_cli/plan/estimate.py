@@ -37,12 +37,13 @@ class Setup:
     ubatch: int
     nproc: int = 1
     tier: str = "host"  # eps.tier: where the EPS keeps the state (the L2L modes)
-    cache_layers: int = 2  # eps.host_cache_layers (tier=disk)
+    cache_layers: int = 3  # eps.host_cache_layers (tier=disk)
     pipeline: int = 1  # dist.pipeline: ranks per pipeline (layered-GA §4); nproc / pipeline pipelines
     placement: str = "modular"
     schedule: str = "breadth_first"  # resolved (dist.schedule=auto: by placement)
     layers_per_stage: int = 1
     partition_state: bool = False
+    grad_ram_gb: float = 8.0  # eps.grad_ram_gb (tier=disk): gradients waiting in RAM
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> Setup:
@@ -54,6 +55,7 @@ class Setup:
             cfg.batch.size, cfg.batch.ubatch_size, cfg.dist.nproc, cfg.eps.tier, cfg.eps.host_cache_layers,
             pipe.pipeline, pipe.placement, pipe.schedule,
             pipe.layers_per_stage if pipe.placement == "modular" else 1, pipe.partition_state,
+            grad_ram_gb=cfg.eps.grad_ram_gb,
         )  # fmt: skip
 
     @property
@@ -129,6 +131,8 @@ def memory(shape: ModelShape, s: Setup) -> dict[str, dict[str, float]]:
             k = min(s.cache_layers, N + 2)
             per_param = FP32_STATE + (2.0 if s.precision == "cmp" else 0.0)
             host["eps_cache"] = k * per_param * shape.max_layer_params
+            # the gradients waiting for the clipping verdict (or their update), as far as the pool holds them
+            host["eps_grad_pool"] = min(s.grad_ram_gb * 1e9, 4.0 * P)
             disk["eps_files"] = DISK_STATE * P
         else:
             host["training_state"] = FP32_STATE * P
@@ -194,7 +198,7 @@ def step_time(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Phase]:
     _transfer(ph["transfer"], s, rates, fwd_c, win_b, load, stash)
 
     t_upd = [rates.host_update_time(p) for p in params]
-    if s.spec.overlapped_update:
+    if s.spec.overlapped_update or s.disk:  # (the disk tier updates each layer in its backward: L2L too)
         # l2l-v1 eq. 7: the update of layer l+1 runs on the host during layer l's recompute + backward;
         # the last layer's (the embeddings') update trails the step. When the host shares the device's
         # cores, what an overlapped update costs was measured (its exposed part may exceed its own time).
@@ -209,20 +213,19 @@ def step_time(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Phase]:
         ph["optimizer"].add(sum(t_upd), sum(t_upd))
     _reduce(ph, s, rates, P, hide=0.0 if rates.host_shares_device else sum(win_b))
     if s.disk:
-        _disk(ph["disk_wait"], s, rates, params, fwd_c, win_b, t_upd)
+        _disk(ph["disk_wait"], s, rates, params, fwd_c, win_b)
     return ph
 
 
 def _disk(
-    out: Phase, s: Setup, rates: Rates, params: list[int], fwd: list[float], win_b: list[float],
-    t_upd: list[float],
-) -> None:  # fmt: skip
+    out: Phase, s: Setup, rates: Rates, params: list[int], fwd: list[float], win_b: list[float]
+) -> None:
     """The disk EPS tier's I/O, read a layer ahead and written back behind the compute: each layer's I/O
     hides behind the compute of the layer before it in that pass (the first read of a pass is waited for).
-    Per parameter: the forward reads the weights (4 bytes); L2L's backward reads them again and parks the
-    gradient (4 + 4), its update pass reads weights, moments and gradient and writes the new state (16 +
-    12); L2L-p's backward reads the weights and moments and writes the new state (12 + 12). With every
-    layer in the cache only the writes remain (the state is committed every step)."""
+    Per parameter: the forward reads the weights (4 bytes); the backward reads the weights and moments
+    and writes the new state (12 + 12): L2L and L2L-p alike update each layer right after its backward on
+    this tier (the gradient waits in RAM for the clipping verdict), so 28 bytes in all. With every layer in
+    the cache only the writes remain (the state is committed every step)."""
     n = len(params)
     cached = s.cache_layers >= n  # nothing is ever evicted: no reads after the first step
 
@@ -235,13 +238,8 @@ def _disk(
 
     pas(io(4, 0), fwd)  # forward: layer j's weights while layer j-1 computes
     down = list(reversed(range(n)))  # the backward, from the head down
-    if s.spec.overlapped_update:  # L2L-p: each layer's read and write-back beside the backward below it
-        t = io(12, 12)
-        pas([t[j] for j in down], [win_b[j] for j in down])
-    else:
-        t = io(4, 0 if cached else 4)
-        pas([t[j] for j in down], [win_b[j] for j in down])
-        pas(io(16, 12), t_upd)  # the update pass: layer j+1's I/O while layer j is updated
+    t = io(12, 12)  # each layer's read and write-back beside the backward below it
+    pas([t[j] for j in down], [win_b[j] for j in down])
 
 
 def _transfer(

@@ -46,8 +46,9 @@ class TierSettings:
 
     tier: str = "host"  # a registered tier's name (TIERS)
     path: str | None = None  # a tier that keeps files: their directory (None: a temporary one)
-    cache_layers: int = 2  # disk: layers whose state is in RAM at once
+    cache_layers: int = 3  # disk: layers whose state is in RAM at once
     resume: bool = False  # disk: continue from the state committed at ``path`` (trainer.resume)
+    grad_ram_bytes: int = 0  # disk: gradients kept in RAM instead of on disk, bytes (eps.grad_ram_gb)
 
 
 class Tier(Protocol):
@@ -55,6 +56,9 @@ class Tier(Protocol):
 
     @property
     def durable(self) -> bool: ...  # its state is a checkpoint by itself (committed after every step)
+
+    @property
+    def update_in_backward(self) -> bool: ...  # L2L updates each layer right after its backward (see EPS)
 
     @property
     def adopted(self) -> bool: ...  # it started from state found on disk (the EPS builds no initial weights)

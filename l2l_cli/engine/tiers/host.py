@@ -24,6 +24,7 @@ class HostTier:
     """Every layer's state in host RAM for the whole run: nothing to fetch, nothing to write back."""
 
     durable = False  # its state is not a checkpoint by itself
+    update_in_backward = False  # every layer stays in RAM: L2L updates after the whole backward (Alg. 3)
     adopted = False  # it never starts from state found on disk
     root: Path | None = None  # it keeps no files
 

@@ -22,6 +22,10 @@ class LayerHome(Protocol):
 
     def restore(self, st: DiskLayer) -> None: ...
 
+    def reserve_grad(self, i: int) -> bool: ...
+
+    def keep_grad(self, i: int, g: torch.Tensor) -> None: ...
+
 
 class DiskLayer(LayerState):
     """A layer whose state lives in its file. While the tier has it pinned, ``w``/``g``/``m``/``v`` and
@@ -35,6 +39,8 @@ class DiskLayer(LayerState):
         self.undo: list[torch.Tensor] | None = None
         self.undo_step = 0.0
         self.undo_slot: int | None = None
+        self._keep = False  # the next update keeps its gradient (in the tier's pool) for a redo
+        self.kept_grad = False  # the pool holds this step's gradient, as the speculative update left it
 
     def _slot(self) -> CacheSlot:
         s = self.tier.slot_of(self.index)
@@ -74,6 +80,16 @@ class DiskLayer(LayerState):
         super().update(lr, grad_mult, bump, refresh)
         opt = self._slot().optimizers[self.kind]
         self.opt_step = float(next(iter(opt.state.values()))["step"])
+        if self._keep:  # the gradient as the update left it (unscaled), which a redo multiplies by the factor
+            self.tier.keep_grad(self.index, self.g)
+            self._keep, self.kept_grad = False, True
+
+    def reserve_redo(self) -> bool:
+        """Whether a speculative update of this layer could be redone: the gradient it consumes is kept in
+        the tier's RAM pool, if the pool (``eps.grad_ram_gb``) has room for it."""
+        self._keep = self.tier.reserve_grad(self.index)
+        self.kept_grad = False
+        return self._keep
 
     def set_step(self, step: float) -> None:
         self.opt_step = step

@@ -167,7 +167,9 @@ class Reader:
             if writing is not None:
                 writing.result()
             if park and old is not None:
-                self.writer.park(s, old).result()
+                with self.cv:
+                    parking = self.writer.park(s, old)
+                parking.result()
                 with self.cv:
                     self.store.parked[old] = True
         if not job.parts:
@@ -181,13 +183,21 @@ class Reader:
         if "g" in job.parts and not st.parked[i]:
             raise RuntimeError(f"layer {i}'s gradient is neither in RAM nor parked on disk")
         f = st.files[i]
+        state = [p for p in STATE if p in job.parts]
+        with self.cv:  # what the reads are for (the byte breakdown)
+            what = "state" if "w" in state and len(state) > 1 else "moments"
+            if state == ["w"]:
+                what = st.weights_read(i)
+            in_ram = "g" in job.parts and i in st.pool.live
         fd = st.io.open(f.path)
         try:
-            for p in STATE:
-                if p in job.parts:
-                    st.read(fd, s.mv(p, f.part_bytes), f.offset(st.newest(i), p))
+            for p in state:
+                st.read(fd, s.mv(p, f.part_bytes), f.offset(st.newest(i), p), what)
             if "g" in job.parts:
-                st.read(fd, s.mv("g", f.part_bytes), f.offset(1 - st.newest(i), "w"))
+                if in_ram:
+                    st.pool.get(i, s.f32["g"][: f.numel])
+                else:
+                    st.read(fd, s.mv("g", f.part_bytes), f.offset(1 - st.newest(i), "w"), "grad")
         finally:
             os.close(fd)
         if "w" in job.parts and s.w_send is not None:

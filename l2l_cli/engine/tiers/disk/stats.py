@@ -1,8 +1,23 @@
-"""The disk tier's I/O counters: this step's, and the run's before it."""
+"""The disk tier's I/O counters: this step's, the run's before it, the training steps' alone, and the bytes
+by what they were for (the breakdown ``summary.json`` and ``benchmarks/disk_tier.py`` print)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+
+# what a byte read or written was for (IoStats fields ``read_<what>`` / ``write_<what>``)
+READS = {
+    "fwd": "weights, a layer's first read in a step (the forward)",
+    "bwd": "weights read again (the backward)",
+    "state": "weights and moments (an update's read of a layer not in RAM)",
+    "moments": "moments alone (an update served by the backward's read of the weights)",
+    "grad": "parked gradients read back",
+    "undo": "a rolled-back layer's pre-update state",
+}
+WRITES = {
+    "state": "an update's new weights and moments",
+    "park": "gradients parked on disk until their update",
+}
 
 
 @dataclass
@@ -16,30 +31,60 @@ class IoStats:
     hits: int = 0  # pins served from the cache (read ahead, or still there)
     misses: int = 0  # pins that waited for a read (or a free slot)
     parks: int = 0  # gradients written out to wait for their update on disk
+    parks_ram: int = 0  # gradients kept in the RAM pool instead (eps.grad_ram_gb)
     ahead: int = 0  # reads issued before anyone asked for the layer (read-ahead)
     demand: int = 0  # reads issued because a pin asked for a layer not read ahead
+    read_fwd: int = 0
+    read_bwd: int = 0
+    read_state: int = 0
+    read_moments: int = 0
+    read_grad: int = 0
+    read_undo: int = 0
+    write_state: int = 0
+    write_park: int = 0
 
     def add(self, other: IoStats) -> None:
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
+    def breakdown(self) -> dict[str, int]:
+        """Bytes by what they were for: ``read_fwd`` ... ``write_park``."""
+        return {f"read_{k}": getattr(self, f"read_{k}") for k in READS} | {
+            f"write_{k}": getattr(self, f"write_{k}") for k in WRITES
+        }
+
 
 class IoCounts:
     """``step``: the counters since the last ``pop`` (every part of the tier adds to it, under the tier's
-    lock); ``totals``: the steps before."""
+    lock); ``totals``: the steps before; ``setup``: building the state (not a step's); ``train``: the training
+    steps' alone, and ``steady`` those after the first (whose reads no plan issued ahead)."""
 
     def __init__(self) -> None:
-        self.step, self.totals = IoStats(), IoStats()
+        self.step, self.totals, self.setup = IoStats(), IoStats(), IoStats()
+        self.train, self.steady = IoStats(), IoStats()
+        self.train_steps = 0
 
-    def pop(self) -> IoStats:
+    def pop(self, training: bool = True) -> IoStats:
         """This step's counters, added to the totals; the next step starts from zero."""
         st, self.step = self.step, IoStats()
         self.totals.add(st)
+        if training:
+            self.train_steps += 1
+            self.train.add(st)
+            if self.train_steps > 1:
+                self.steady.add(st)
         return st
 
     def run(self) -> IoStats:
-        """The whole run's so far."""
+        """The whole run's so far (building the state included)."""
         t = IoStats()
+        t.add(self.setup)
         t.add(self.totals)
         t.add(self.step)
         return t
+
+    def per_step(self) -> tuple[IoStats, int]:
+        """The training steps to average over (after the first when there are several) and how many."""
+        if self.train_steps > 1:
+            return self.steady, self.train_steps - 1
+        return self.train, self.train_steps

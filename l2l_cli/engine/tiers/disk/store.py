@@ -22,6 +22,7 @@ from l2l_cli.engine.flat import FlatLayout
 from l2l_cli.engine.tiers.base import TierSettings
 from l2l_cli.engine.tiers.disk.cache import CacheSlot
 from l2l_cli.engine.tiers.disk.format import COMMIT, FORMAT, STATE, DiskIo, LayerFile, probe_direct
+from l2l_cli.engine.tiers.disk.pool import GradPool
 from l2l_cli.engine.tiers.disk.stats import IoCounts
 from l2l_cli.models.base import ModelSpec
 
@@ -46,6 +47,8 @@ class LayerStore:
         self.committed: list[int | None] | None = None  # what commit.json names (None: no commit yet)
         self.parked = [False] * n  # the layer's gradient waits on disk (the slot the update will write)
         self.grad_live = [False] * n  # the cache's g holds this step's gradient, not yet applied
+        self.w_seen: set[int] = set()  # layers whose weights were read this step (for the byte breakdown)
+        self.pool = GradPool(settings.grad_ram_bytes)  # gradients waiting in RAM instead of on disk
         self.adopted = False
         self.record: dict[str, Any] | None = None
 
@@ -115,15 +118,26 @@ class LayerStore:
                 s.f32[p].zero_()
             if p == "g":
                 self.grad_live[i], self.parked[i], s.g_dirty = True, False, False
+                self.pool.live.discard(i)
         s.valid |= set(parts)
 
-    def read(self, fd: int, mv: memoryview, offset: int) -> None:
-        """One read, counted in the step's I/O."""
+    def read(self, fd: int, mv: memoryview, offset: int, what: str) -> None:
+        """One read, counted in the step's I/O (``what``: what it is for, a key of ``stats.READS``)."""
         t0 = time.perf_counter()
         self.io.read(fd, mv, offset)
         with self.cv:
-            self.counts.step.read_s += time.perf_counter() - t0
-            self.counts.step.read_bytes += len(mv)
+            st = self.counts.step
+            st.read_s += time.perf_counter() - t0
+            st.read_bytes += len(mv)
+            setattr(st, f"read_{what}", getattr(st, f"read_{what}") + len(mv))
+
+    def weights_read(self, i: int) -> str:
+        """(Holding the lock.) What a read of layer i's weights alone is for: the step's first read of
+        them is the forward's, a later one the backward's."""
+        if i in self.w_seen:
+            return "bwd"
+        self.w_seen.add(i)
+        return "fwd"
 
     @property
     def file_bytes(self) -> int:

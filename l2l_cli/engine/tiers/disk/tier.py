@@ -44,6 +44,7 @@ class DiskTier:
     background. See the module doc for the parts and the crash-safety argument."""
 
     durable = True
+    update_in_backward = True  # each layer's update while the backward's read of it is still in RAM
 
     def __init__(
         self, settings: TierSettings, spec: ModelSpec, layouts: dict[str, FlatLayout], acc: Accelerator,
@@ -53,6 +54,8 @@ class DiskTier:
         self.cv = threading.Condition()  # one lock for every part's state
         self.counts = IoCounts()
         self.store = LayerStore(settings, spec, layouts, self.cv, self.counts)
+        self.pool = self.store.pool
+        self.params = spec.total_params
         self.root = self.store.root
         n = len(self.store)
         n_max = max(layout.numel for layout in layouts.values())
@@ -129,7 +132,7 @@ class DiskTier:
         finally:
             with self.cv:
                 if ok and dirty:
-                    self.writer.write_back(s, i)
+                    self.writer.write_back(s, i, setup=fresh and "w" in parts)
                 s.pins -= 1
                 self.cv.notify_all()
 
@@ -138,14 +141,24 @@ class DiskTier:
         the whole backward) waits for its update on disk: written out at once when the cache cannot hold
         every layer (so its slot is free by the time the next layer's gradient needs one), else only if the
         slot is taken before the update."""
+        st = self.store
         with self.cv:
             s = self.cache.slot_of(i)
             if s is None or s.pins <= 0:
                 return
+            numel = st.files[i].numel
+            waits = st.grad_live[i] and not st.parked[i] and len(self.cache) < len(st)
+            to_ram = waits and self.pool.reserve(i, numel)
+        if to_ram:  # (still pinned: nobody reuses the slot while the gradient is copied out)
+            self.pool.put(i, s.f32["g"][:numel])
+        with self.cv:
             s.pins -= 1
-            st = self.store
             if st.grad_live[i] and not st.parked[i]:
-                if len(self.cache) < len(st):
+                if to_ram:
+                    self.pool.live.add(i)
+                    st.parked[i] = True  # (in RAM: a read of it copies it back)
+                    self.counts.step.parks_ram += 1
+                elif len(self.cache) < len(st):
                     s.writing = self.writer.park(s, i)  # FIFO: after any earlier write
                     st.parked[i] = True  # a read of it waits for the slot's write (eviction does)
                 else:
@@ -216,8 +229,23 @@ class DiskTier:
     # ---- L2L-p's undo, and the trainer's commits ----------------------------------------------------------
 
     def restore(self, st: DiskLayer) -> None:
-        """L2L-p's undo: read back the pre-update state, which the update did not overwrite on disk."""
+        """L2L-p's undo: the pre-update state is on disk, in the slot the update did not overwrite. The
+        layer's current version becomes that slot again (no byte moves; the next use reads it), unless the
+        cache is using the layer now: then it is read back into the cache. A gradient kept for a redo
+        (:meth:`DiskLayer.reserve_redo`) becomes the layer's parked gradient again."""
         i = st.index
+        undo = st.undo_slot
+        if undo is None:
+            raise RuntimeError(f"layer {i} has no pre-update state to restore")
+        with self.cv:
+            s = self.cache.slot_of(i)
+            if s is None or (s.pins == 0 and not s.busy):
+                self.store.latest[i] = undo
+                if s is not None:
+                    s.valid -= set(STATE)
+                self._regrad(st)
+                st.opt_step = st.undo_step
+                return
         with self.holding(i, STATE):
             s = self.cache.must(i)
             if s.writing is not None:
@@ -231,15 +259,32 @@ class DiskTier:
                 fd = self.store.io.open(f.path)
                 try:
                     for p in STATE:
-                        self.store.read(fd, s.mv(p, f.part_bytes), f.offset(undo, p))
+                        self.store.read(fd, s.mv(p, f.part_bytes), f.offset(undo, p), "undo")
                 finally:
                     os.close(fd)
 
             self._wait(read)
             with self.cv:
                 self.store.latest[i] = undo
+                self._regrad(st)
             st.opt_step = st.undo_step
             st.refresh_send()
+
+    def _regrad(self, st: DiskLayer) -> None:
+        """(Holding the lock.) A gradient kept in the pool for a redo is layer i's parked gradient again."""
+        if st.kept_grad:
+            self.pool.live.add(st.index)
+            self.store.parked[st.index], self.store.grad_live[st.index] = True, True
+            st.kept_grad = False
+
+    def reserve_grad(self, i: int) -> bool:
+        """Room in the pool for layer i's gradient (kept for a redo of a speculative update)."""
+        with self.cv:
+            return self.pool.reserve(i, self.store.files[i].numel)
+
+    def keep_grad(self, i: int, g: torch.Tensor) -> None:
+        """(Layer i pinned.) Keep its gradient, as the update left it, in the pool until the verdict."""
+        self.pool.put(i, g)
 
     def commit(self, step: int, trainer_state: dict[str, Any], ident: dict[str, Any] | None = None) -> None:
         """Make the state after ``step`` the one a restart finds (see :meth:`WriteBehind.commit`)."""
@@ -248,14 +293,15 @@ class DiskTier:
     # ---- reporting and shutdown ---------------------------------------------------------------------------
 
     def host_parts(self) -> dict[str, int]:
-        return {"eps_cache": self.cache.nbytes}
+        return {"eps_cache": self.cache.nbytes, "eps_grad_pool": self.pool.nbytes}
 
     def pop_step(self, timer: PhaseTimer, training: bool = True) -> dict[str, float]:
         """This step's disk I/O: background read/write seconds join the phases (``disk_wait``, the exposed
         part, is timed where it happens); bytes go to the step's metrics. A training step's trace of pins
         becomes the read-ahead plan of the next (``training=False``: an evaluation; not a plan)."""
         with self.cv:
-            st = self.counts.pop()
+            st = self.counts.pop(training)
+            self.store.w_seen.clear()
             self.plan.end_step(training)
         timer.add("disk_read", st.read_s)
         timer.add("disk_write", st.write_s)
@@ -269,7 +315,10 @@ class DiskTier:
         """summary.json's ``eps_disk``: where, how much, how fast, and how much of it compute hid."""
         with self.cv:
             t = self.counts.run()
+            per, steps = self.counts.per_step()
         io_s = t.read_s + t.write_s
+        per_param = self.params * steps
+        b = {k: v / per_param for k, v in per.breakdown().items()} if per_param else {}
         return {
             "path": str(self.root),
             "host_cache_layers": len(self.cache),
@@ -288,7 +337,13 @@ class DiskTier:
             "cache_hits": t.hits,
             "cache_misses": t.misses,
             "gradients_parked": t.parks,
+            "gradients_parked_in_ram": t.parks_ram,
+            "grad_pool_bytes": self.pool.nbytes,
             "hidden_share": max(0.0, min(1.0, 1.0 - t.wait_s / io_s)) if io_s else None,
+            # bytes per parameter per training step (after the first, when there are several), and by use
+            "read_bytes_per_param_step": per.read_bytes / per_param if per_param else None,
+            "write_bytes_per_param_step": per.write_bytes / per_param if per_param else None,
+            "bytes_per_param_step": b,
             "commits": self.writer.commits,
             "last_commit_step": self.writer.last_commit_step,
         }

@@ -33,9 +33,10 @@ class WriteBehind:
         self._commit_job: Future | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l2l-disk-write")
 
-    def write_back(self, s: CacheSlot, i: int) -> None:
+    def write_back(self, s: CacheSlot, i: int, setup: bool = False) -> None:
         """(Holding the lock.) Queue layer i's new state for the slot of its file that the last commit
-        does not name; the state is the newest from now on, on disk once the write is done."""
+        does not name; the state is the newest from now on, on disk once the write is done (``setup``:
+        building the state, counted apart from the steps')."""
         st = self.store
         prev = st.latest[i]
         if st.committed is not None and prev != st.committed[i]:
@@ -45,10 +46,14 @@ class WriteBehind:
         target = 0 if prev is None else 1 - prev
         parts = "w" if prev is None else STATE  # a new file's moments are zeros already (fallocate)
         st.latest[i], st.parked[i], st.grad_live[i], s.g_dirty = target, False, False, False
+        st.pool.live.discard(i)
         s.valid.discard("g")  # applied: what is left in g is no gradient to keep
-        s.writing = self._pool.submit(self._write, s, i, target, parts)
+        c = self.counts.setup if setup else self.counts.step  # bytes when queued: the step that wrote them
+        c.write_bytes += len(parts) * st.files[i].part_bytes
+        c.write_state += len(parts) * st.files[i].part_bytes
+        s.writing = self._pool.submit(self._write, s, i, target, parts, setup)
 
-    def _write(self, s: CacheSlot, i: int, target: int, parts: str) -> None:
+    def _write(self, s: CacheSlot, i: int, target: int, parts: str, setup: bool) -> None:
         f = self.store.files[i]
         io = self.store.io
         t0 = time.perf_counter()
@@ -63,11 +68,13 @@ class WriteBehind:
             finally:
                 os.close(fd)
         with self.cv:
-            self.counts.step.write_s += time.perf_counter() - t0
-            self.counts.step.write_bytes += len(parts) * f.part_bytes
+            (self.counts.setup if setup else self.counts.step).write_s += time.perf_counter() - t0
 
     def park(self, s: CacheSlot, i: int) -> Future:
-        """Queue layer i's gradient for the disk (after any earlier write of the slot)."""
+        """(Holding the lock.) Queue layer i's gradient for the disk (after any earlier write of the slot)."""
+        nbytes = self.store.files[i].part_bytes
+        self.counts.step.write_bytes += nbytes
+        self.counts.step.write_park += nbytes
         return self._pool.submit(self._park, s, i)
 
     def _park(self, s: CacheSlot, i: int) -> None:
@@ -87,7 +94,6 @@ class WriteBehind:
         with self.cv:
             self.counts.step.parks += 1
             self.counts.step.write_s += time.perf_counter() - t0
-            self.counts.step.write_bytes += f.part_bytes
 
     def commit(
         self, step: int, trainer_state: dict[str, Any], ident: dict[str, Any] | None,
