@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from l2l_cli.data.tasks import LM
-from l2l_cli.models.decoder import DecoderSide, DecoderSpec, config_dict
+from l2l_cli.models.decoder import DecoderSide, DecoderSpec, config_dict, doc_positions
 from l2l_cli.models.registry import ModelFamily, UnsupportedModel, register_family
 
 
@@ -61,6 +61,10 @@ class GPT2Spec(DecoderSpec):
     def new_norm(self, cfg: Any) -> nn.Module:
         return nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
 
+    def run_pre(self, layer: nn.Module, ub: Any) -> torch.Tensor:
+        """Token + learned position embeddings; packed rows take each document's positions from 0."""
+        return layer(ub.input_ids, doc_positions(ub.attention_mask))
+
     def run_block(self, layer: nn.Module, index: int, x: torch.Tensor, side: DecoderSide) -> torch.Tensor:
         return layer(x, attention_mask=side.mask)
 
@@ -78,8 +82,10 @@ class GPT2Embeddings(nn.Module):
         self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
         self.drop = nn.Dropout(cfg.embd_pdrop)
 
-    def forward(self, input_ids_BS: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(input_ids_BS.shape[1], device=input_ids_BS.device)[None]
+    def forward(self, input_ids_BS: torch.Tensor, positions_BS: torch.Tensor | None = None) -> torch.Tensor:
+        positions = positions_BS
+        if positions is None:
+            positions = torch.arange(input_ids_BS.shape[1], device=input_ids_BS.device)[None]
         return self.drop(self.wte(input_ids_BS) + self.wpe(positions))
 
 
