@@ -8,10 +8,6 @@ from __future__ import annotations
 
 import functools
 import json
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -23,8 +19,7 @@ from l2l_cli.data.loading import load_task
 from l2l_cli.data.rows import IGNORE, collate_rows
 from l2l_cli.data.tasks import TaskData
 from l2l_cli.models.decoder import causal_mask, doc_positions
-from l2l_cli.problems import ConfigError
-from tests.util import REPO, assert_same_weights, l2l, tiny_cfg, train
+from tests.util import assert_same_weights, l2l, tiny_cfg, train
 
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
@@ -38,11 +33,7 @@ CHATML_TAGGED = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 SPECIAL = ["<pad>", "<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
-WORDS = (
-    "what is the colour of the sky it is blue and the grass green sun yellow night dark tell me a story "
-    "once upon a time there was a cat who sat on mat end please answer briefly sure here you go thanks "
-    "add two and three five four six seven eight nine ten system you are helpful assistant user hello hi"
-).split()
+WORDS = ["what", "is", "the", "colour", "of", "the", "sky", "it", "is", "blue", "and", "the", "grass", "green", "sun", "yellow", "night", "dark", "tell", "me", "a", "story", "once", "upon", "a", "time", "there", "was", "a", "cat", "who", "sat", "on", "mat", "end", "please", "answer", "briefly", "sure", "here", "you", "go", "thanks", "add", "two", "and", "three", "five", "four", "six", "seven", "eight", "nine", "ten", "system", "you", "are", "helpful", "assistant", "user", "hello", "hi"]
 
 
 def conversation(i: int) -> list[dict[str, str]]:
@@ -192,3 +183,147 @@ def test_packing_keeps_attention_and_positions_inside_each_example(
         changed = model(batch)[1][0, :n1]
     torch.testing.assert_close(whole, alone, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(whole, changed, rtol=0, atol=0)
+
+
+# ---- training: L2L equals the baseline, masked tokens carry nothing ---------------------------------
+
+
+MODES = [("llama", "l2l_p", True)] + [
+    pytest.param(kind, mode, packing, marks=pytest.mark.slow)
+    for kind in ("llama", "qwen2")
+    for mode in ("l2l", "l2l_p")
+    for packing in (False, True)
+    if (kind, mode, packing) != ("llama", "l2l_p", True)
+]
+
+
+@pytest.mark.parametrize(("kind", "mode", "packing"), MODES)
+def test_chat_fine_tuning_matches_baseline_ag(models: dict[str, Path], root: Path, kind: str, mode: str,
+                                              packing: bool) -> None:  # fmt: skip
+    """3 steps of task=chat from the checkpoint: L2L's weights are baseline_ag's (padded and packed rows)."""
+    extra = ("task.packing=true", "task.max_seq_len=96") if packing else ()
+    data = chat_data(models[kind], root / "chat.jsonl", *extra)
+    got = train(chat_cfg(models[kind], root / "chat.jsonl", f"mode={mode}", *extra), data=data)
+    ref = train(chat_cfg(models[kind], root / "chat.jsonl", "mode=baseline_ag", *extra), data=data)
+    assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    assert_same_weights(got["weights"], ref["weights"])
+
+
+def test_tokens_without_a_label_carry_no_gradient(models: dict[str, Path], tmp_path: Path) -> None:
+    """Each conversation ends with a user turn that no answer sees: other words there (as many tokens)
+    leave the trained weights bit-identical; with task.train_on=all they change them."""
+
+    def rows(salt: int) -> list[dict]:
+        out = []
+        for i in range(16):
+            words = [WORDS[(i * 7 + j * 3 + salt) % len(WORDS)] for j in range(4)]
+            out.append({"messages": [*conversation(i), {"role": "user", "content": " ".join(words)}]})
+        return out
+
+    a, b = write_jsonl(tmp_path / "a.jsonl", rows(0)), write_jsonl(tmp_path / "b.jsonl", rows(5))
+    path = models["llama"]
+    wa = train(chat_cfg(path, a, "mode=l2l"), data=chat_data(path, a))["weights"]
+    wb = train(chat_cfg(path, b, "mode=l2l"), data=chat_data(path, b))["weights"]
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    all_a = train(
+        chat_cfg(path, a, "mode=l2l", "task.train_on=all"), data=chat_data(path, a, "task.train_on=all")
+    )
+    assert not torch.equal(all_a["weights"]["model.embed_tokens.weight"], wa["model.embed_tokens.weight"])
+
+
+# ---- bad input --------------------------------------------------------------------------------------
+
+
+def test_bad_data_is_one_line_naming_the_key_and_the_example(models: dict[str, Path], tmp_path: Path) -> None:
+    """No messages, an unknown role, an answer cut away, a tokenizer without a template: refused before
+    the run starts (exit 2, one line, no run dir)."""
+    from l2l_cli.config.validate import validate
+
+    good = conversation(1)
+    cases = {
+        "no_messages": ([{"messages": good}, {"turns": good}], [], r"task.format: no_messages.jsonl example 1: no 'messages'"),
+        "role": ([{"messages": good}, {"messages": [{"role": "bot", "content": "hi"}, *good]}], [],
+                 r"task.format: role.jsonl example 1: messages\[0\].role 'bot' is unknown; allowed: system, user"),
+        "cut": ([{"messages": good}, {"messages": [{"role": "user", "content": " ".join(WORDS)}, good[1]]}],
+                ["task.max_seq_len=24"], r"task.max_seq_len: cut.jsonl example 1: no assistant token left after truncation"),
+        "no_template": ([{"messages": good}] * 4, [f"task.tokenizer={write_tokenizer(tmp_path / 'plain', None)}"],
+                        r"task.chat_template: unset, and the tokenizer .*plain has no chat template"),
+    }  # fmt: skip
+    for name, (rows, extra, want) in cases.items():
+        path = write_jsonl(tmp_path / f"{name}.jsonl", rows)
+        problems = [str(p) for p in validate(chat_cfg(models["llama"], path, *extra))]
+        assert len(problems) == 1 and __import__("re").match(want, problems[0]), (name, problems)
+    run = tmp_path / "run"  # the command line: the same check, before Hydra makes the run dir
+    r = l2l("train", *CHAT, f"model.pretrained={models['llama']}", f"task.files=[{tmp_path / 'role.jsonl'}]",
+            f"hydra.run.dir={run}")  # fmt: skip
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if "task.format" in ln]
+    assert r.returncode == 2 and len(lines) == 1 and "example 1" in lines[0], r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr and not run.exists()
+
+
+# ---- streaming ---------------------------------------------------------------------------------------
+
+
+STREAM = ["trainer.max_steps=6", "trainer.save_every=3", "trainer.keep_checkpoints=5", "optim.warmup_steps=1",
+          "task.streaming=true", "task.max_eval_samples=4", "logger=csv"]  # fmt: skip
+
+
+def _weights(step_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return {
+        f"{f.name}:{k}": v for f in sorted(step_dir.glob("*.safetensors")) for k, v in load_file(f).items()
+    }
+
+
+def resume_matches(cfg_of: object, tmp_path: Path) -> None:
+    """A run of 6 steps, and the same run cut after its step-3 checkpoint and resumed: bitwise equal."""
+    import shutil
+
+    from l2l_cli.train import run_job
+
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert run_job(cfg_of(), full) == "ok"  # type: ignore[operator]
+    shutil.copytree(full, cut)
+    shutil.rmtree(cut / "checkpoints" / "step_6")
+    state = json.loads((cut / "checkpoints" / "step_3" / "state.json").read_text())
+    assert state["data"]["source"]["rows"] > 0  # the stream's position is in the checkpoint
+    assert run_job(cfg_of(f"trainer.resume={cut}"), cut) == "ok"  # type: ignore[operator]
+    a, b = _weights(full / "checkpoints" / "step_6"), _weights(cut / "checkpoints" / "step_6")
+    assert a.keys() == b.keys() and a and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_streamed_chat_dataset_resumes_exactly(models: dict[str, Path], root: Path, tmp_path: Path) -> None:
+    """task.dataset=<a local folder of JSON lines> read as a stream (the hub's code path), packed rows:
+    the checkpoint records the stream's position and a resumed run equals the uninterrupted one."""
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    lines = (root / "chat.jsonl").read_text().splitlines(keepends=True)
+    (folder / "part-0.jsonl").write_text("".join(lines[:20]))
+    (folder / "part-1.jsonl").write_text("".join(lines[20:]))
+
+    def cfg_of(*more: str) -> DictConfig:
+        return tiny_cfg(*CHAT, f"model.pretrained={models['llama']}", f"task.dataset={folder}", "task.packing=true",
+                        "task.max_seq_len=96", "mode=l2l_p", *STREAM, *more)  # fmt: skip
+
+    resume_matches(cfg_of, tmp_path)
+
+
+@pytest.mark.slow
+def test_streamed_lm_dataset_resumes_exactly(tmp_path: Path) -> None:
+    """task=lm with task.dataset=<a local parquet folder>, streamed: blocks cut across documents carry
+    their tail into the checkpoint; a resumed run equals the uninterrupted one."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    docs = [" ".join(conversation(i)[-1]["content"] for _ in range(3)) for i in range(80)]
+    pq.write_table(pa.table({"text": docs}), folder / "train.parquet")
+
+    def cfg_of(*more: str) -> DictConfig:
+        return tiny_cfg("task=lm", "model=gpt2-tiny", "model.num_layers=2", "model.vocab_size=2048",
+                        "task.max_seq_len=16", "batch.size=4", "batch.ubatch_size=2", "mode=l2l",
+                        f"task.dataset={folder}", *STREAM, *more)  # fmt: skip
+
+    resume_matches(cfg_of, tmp_path)

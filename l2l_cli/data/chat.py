@@ -215,7 +215,9 @@ def make_encoder(task: Any, model: Any) -> tuple[Encoder, str]:
     if not getattr(tok, "is_fast", False):
         raise ConfigError([Problem("task.tokenizer", f"{ref} is not a fast tokenizer (task=chat needs its "
                                    "character offsets to find the answers)")])  # fmt: skip
-    return Encoder(tok, chat_template(task, tok, ref), task.train_on, int(task.max_seq_len)), ref
+    template = chat_template(task, tok, ref)
+    tok.chat_template = template  # the export (final/) carries the template it was trained with
+    return Encoder(tok, template, task.train_on, int(task.max_seq_len)), ref
 
 
 # ---- splits ---------------------------------------------------------------------------------------------
