@@ -409,7 +409,7 @@ def source_problems(cfg: Any, suffixes: tuple[str, ...], check_files: bool) -> l
     files, problem = listed_files(task, "files")
     dev_files, dev_problem = listed_files(task, "dev_files")
     p += [x for x in (problem, dev_problem) if x is not None]
-    if not task.dataset and not files:
+    if check_files and not task.dataset and not files:
         p.append(
             Problem("task.files", "task=chat needs task.files (.jsonl, .json, .parquet) or task.dataset")
         )
