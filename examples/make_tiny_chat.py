@@ -24,7 +24,7 @@ COLOURS = {
     "snow": "white",
     "coal": "black",
 }
-NUMBERS = "zero one two three four five six seven eight nine ten".split()
+NUMBERS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
 
 
 def conversations(n: int, seed: int = 0) -> list[dict]:
