@@ -274,7 +274,7 @@ def test_chat_fine_tuning_matches_baseline_ag(models: dict[str, Path], root: Pat
 
 def test_tokens_without_a_label_carry_no_gradient(models: dict[str, Path], tmp_path: Path) -> None:
     """Each conversation ends with a user turn that no answer sees: other words there (as many tokens)
-    leave the trained weights bit-identical; with task.train_on=all they change them."""
+    leave the trained weights bit-identical."""
 
     def rows(salt: int) -> list[dict]:
         out = []
@@ -288,10 +288,10 @@ def test_tokens_without_a_label_carry_no_gradient(models: dict[str, Path], tmp_p
     wa = train(chat_cfg(path, a, "mode=l2l"), data=chat_data(path, a))["weights"]
     wb = train(chat_cfg(path, b, "mode=l2l"), data=chat_data(path, b))["weights"]
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    all_a = train(
-        chat_cfg(path, a, "mode=l2l", "task.train_on=all"), data=chat_data(path, a, "task.train_on=all")
-    )
-    assert not torch.equal(all_a["weights"]["model.embed_tokens.weight"], wa["model.embed_tokens.weight"])
+    da, db = chat_data(path, a), chat_data(path, b)  # the inputs differ, in the same shapes
+    assert [len(r[0]) for r in da.train.rows] == [len(r[0]) for r in db.train.rows]
+    assert any(not np.array_equal(x[0], y[0]) for x, y in zip(da.train.rows, db.train.rows))
+    assert all(np.array_equal(x[1], y[1]) for x, y in zip(da.train.rows, db.train.rows))
 
 
 # ---- bad input --------------------------------------------------------------------------------------
@@ -316,7 +316,16 @@ def test_bad_data_is_one_line_naming_the_key_and_the_example(models: dict[str, P
         path = write_jsonl(tmp_path / f"{name}.jsonl", rows)
         problems = [str(p) for p in validate(chat_cfg(models["llama"], path, *extra))]
         assert len(problems) == 1 and __import__("re").match(want, problems[0]), (name, problems)
-    run = tmp_path / "run"  # the command line: the same check, before Hydra makes the run dir
+
+
+@pytest.mark.slow
+def test_bad_data_through_the_cli_leaves_no_run_dir(models: dict[str, Path], tmp_path: Path) -> None:
+    """The command line runs the same check before Hydra makes the run dir: exit 2, one line."""
+    good = conversation(1)
+    write_jsonl(
+        tmp_path / "role.jsonl", [{"messages": good}, {"messages": [{"role": "bot", "content": "hi"}, *good]}]
+    )
+    run = tmp_path / "run"
     r = l2l("train", *CHAT, f"model.pretrained={models['llama']}", f"task.files=[{tmp_path / 'role.jsonl'}]",
             f"hydra.run.dir={run}")  # fmt: skip
     lines = [ln for ln in (r.stdout + r.stderr).splitlines() if "task.format" in ln]
