@@ -46,12 +46,12 @@ def conversations(n: int, seed: int = 0) -> list[dict]:
     return out
 
 
-def main(out: Path) -> None:
+def main(out: Path, hidden: int = 64, layers: int = 4, n: int = 256) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     out.mkdir(parents=True, exist_ok=True)
-    rows = conversations(256)
+    rows = conversations(n)
     (out / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     text = [m["content"] for r in rows for m in r["messages"]] + ["system user assistant"]
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
@@ -61,8 +61,8 @@ def main(out: Path) -> None:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<s>",
                                    eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>"])  # fmt: skip
     fast.chat_template = CHATML
-    cfg = LlamaConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=128, vocab_size=128, max_position_embeddings=128, tie_word_embeddings=True,
+    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=2 * hidden, vocab_size=128, max_position_embeddings=128, tie_word_embeddings=True,
                       bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id)  # fmt: skip
     LlamaForCausalLM(cfg).save_pretrained(out / "model")
     fast.save_pretrained(out / "model")

@@ -399,3 +399,40 @@ def test_streamed_lm_dataset_resumes_exactly(tmp_path: Path) -> None:
                         f"task.dataset={folder}", *STREAM, *more)  # fmt: skip
 
     resume_matches(cfg_of, tmp_path)
+
+
+@pytest.mark.slow
+def test_streamed_run_killed_and_resumed_equals_an_uninterrupted_one(models: dict[str, Path], root: Path,
+                                                                      tmp_path: Path) -> None:  # fmt: skip
+    """``l2l train`` on a streamed local dataset, SIGKILLed after a checkpoint, then ``trainer.resume``:
+    its last checkpoint equals an uninterrupted run's, bitwise."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.util import REPO
+
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text((root / "chat.jsonl").read_text())
+    args = [*CHAT, f"model.pretrained={models['qwen2']}", f"task.dataset={folder}", "task.streaming=true",
+            "trainer.max_steps=12", "trainer.save_every=2", "trainer.keep_checkpoints=2", "task.max_eval_samples=2",
+            "optim.warmup_steps=1", "mode=l2l"]  # fmt: skip
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    r = l2l("train", *args, f"hydra.run.dir={full}")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    proc = subprocess.Popen([sys.executable, "-m", "l2l_cli", "train", *args, f"hydra.run.dir={cut}"], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.time() + 120
+    while time.time() < deadline and not (cut / "checkpoints" / "step_4").is_dir():
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (cut / "checkpoints" / "step_12").exists(), "the run ended before it was killed"
+    r = l2l("train", f"trainer.resume={cut}")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    summary = json.loads((cut / "summary.json").read_text())
+    assert summary["resumed_from"]["step"] >= 4
+    a, b = _weights(full / "checkpoints" / "step_12"), _weights(cut / "checkpoints" / "step_12")
+    assert a.keys() == b.keys() and a and all(torch.equal(a[k], b[k]) for k in a)
