@@ -218,8 +218,9 @@ def test_instruction_and_prompt_completion_shapes_equal_messages(
     assert len(first) == 12 and all(v == first for v in got.values())
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_packing_keeps_attention_and_positions_inside_each_example(
-    models: dict[str, Path], root: Path
+    models: dict[str, Path], root: Path, family: str
 ) -> None:
     """Packed rows hold several whole examples, numbered; the mask never lets a token see another
     example's and positions restart at each; and a packed row's loss on its first example equals that
@@ -236,6 +237,8 @@ def test_packing_keeps_attention_and_positions_inside_each_example(
     assert not (mask[0, 0] & (doc[:, None] != doc[None, :])).any()
     assert int(pos[0, int((doc == 1).sum())]) == 0  # the second example starts at position 0
     cfg = chat_cfg(models["llama"], root / "chat.jsonl", "task.packing=true")
+    if family == "gpt2":  # learned positions: the pre layer restarts them per example
+        cfg = tiny_cfg("task=lm", "model=gpt2-tiny", "model.vocab_size=128", "model.seq_len=128")
     model = LayeredModel(make_spec(cfg.model, 0)).eval()  # random weights: the wiring is what counts
     n1 = int((doc == 1).sum())
     with torch.no_grad():
@@ -246,6 +249,27 @@ def test_packing_keeps_attention_and_positions_inside_each_example(
         changed = model(batch)[1][0, :n1]
     torch.testing.assert_close(whole, alone, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(whole, changed, rtol=0, atol=0)
+
+
+def test_a_dataset_folder_reads_as_its_files(models: dict[str, Path], root: Path, tmp_path: Path) -> None:
+    """task.dataset=<a local folder> goes through datasets.load_dataset (the hub's code path) and gives
+    what task.files gives for the same rows (task=chat and task=lm)."""
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text((root / "chat.jsonl").read_text())
+    cfg = tiny_cfg(*CHAT, f"model.pretrained={models['llama']}", f"task.dataset={folder}")
+    hub, files = load_task(cfg.task, cfg.model), chat_data(models["llama"], root / "chat.jsonl")
+    assert hub.source.endswith(f"{folder}:train")
+    assert [tuple(map(tuple, r)) for r in hub.train.rows] == [tuple(map(tuple, r)) for r in files.train.rows]
+    text = tmp_path / "text"
+    text.mkdir()
+    rows = [{"text": " ".join(m["content"] for m in conversation(i))} for i in range(64)]
+    write_jsonl(text / "docs.jsonl", rows)
+    lm = ["task=lm", "model=gpt2-tiny", "model.vocab_size=2048", "task.max_seq_len=16"]
+    a = tiny_cfg(*lm, f"task.dataset={text}")
+    b = tiny_cfg(*lm, f"task.files=[{text / 'docs.jsonl'}]")
+    da, db = load_task(a.task, a.model), load_task(b.task, b.model)
+    assert len(da.train) > 4 and np.array_equal(da.train.blocks, db.train.blocks)
 
 
 # ---- training: L2L equals the baseline, masked tokens carry nothing ---------------------------------
