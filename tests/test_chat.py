@@ -309,8 +309,8 @@ def test_tokens_without_a_label_carry_no_gradient(models: dict[str, Path], tmp_p
 
     a, b = write_jsonl(tmp_path / "a.jsonl", rows(0)), write_jsonl(tmp_path / "b.jsonl", rows(5))
     path = models["llama"]
-    wa = train(chat_cfg(path, a, "mode=l2l"), data=chat_data(path, a))["weights"]
-    wb = train(chat_cfg(path, b, "mode=l2l"), data=chat_data(path, b))["weights"]
+    wa = train(chat_cfg(path, a, "mode=l2l"), steps=2, data=chat_data(path, a))["weights"]
+    wb = train(chat_cfg(path, b, "mode=l2l"), steps=2, data=chat_data(path, b))["weights"]
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     da, db = chat_data(path, a), chat_data(path, b)  # the inputs differ, in the same shapes
     assert [len(r[0]) for r in da.train.rows] == [len(r[0]) for r in db.train.rows]
@@ -360,7 +360,7 @@ def test_bad_data_through_the_cli_leaves_no_run_dir(models: dict[str, Path], tmp
 # ---- streaming ---------------------------------------------------------------------------------------
 
 
-STREAM = ["trainer.max_steps=6", "trainer.save_every=3", "trainer.keep_checkpoints=5", "optim.warmup_steps=1",
+STREAM = ["trainer.max_steps=4", "trainer.save_every=2", "trainer.keep_checkpoints=5", "optim.warmup_steps=1",
           "task.streaming=true", "task.max_eval_samples=4", "logger=csv"]  # fmt: skip
 
 
@@ -373,7 +373,7 @@ def _weights(step_dir: Path) -> dict:
 
 
 def resume_matches(cfg_of: object, tmp_path: Path) -> None:
-    """A run of 6 steps, and the same run cut after its step-3 checkpoint and resumed: bitwise equal."""
+    """A run of 4 steps, and the same run cut after its step-2 checkpoint and resumed: bitwise equal."""
     import shutil
 
     from l2l_cli.train import run_job
@@ -381,11 +381,11 @@ def resume_matches(cfg_of: object, tmp_path: Path) -> None:
     full, cut = tmp_path / "full", tmp_path / "cut"
     assert run_job(cfg_of(), full) == "ok"  # type: ignore[operator]
     shutil.copytree(full, cut)
-    shutil.rmtree(cut / "checkpoints" / "step_6")
-    state = json.loads((cut / "checkpoints" / "step_3" / "state.json").read_text())
+    shutil.rmtree(cut / "checkpoints" / "step_4")
+    state = json.loads((cut / "checkpoints" / "step_2" / "state.json").read_text())
     assert state["data"]["source"]["rows"] > 0  # the stream's position is in the checkpoint
     assert run_job(cfg_of(f"trainer.resume={cut}"), cut) == "ok"  # type: ignore[operator]
-    a, b = _weights(full / "checkpoints" / "step_6"), _weights(cut / "checkpoints" / "step_6")
+    a, b = _weights(full / "checkpoints" / "step_4"), _weights(cut / "checkpoints" / "step_4")
     assert a.keys() == b.keys() and a and all(torch.equal(a[k], b[k]) for k in a)
 
 
