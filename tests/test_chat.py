@@ -179,7 +179,8 @@ def chat_data(model: Path, files: Path, *overrides: str) -> TaskData:
 
 def test_only_the_answers_carry_labels(models: dict[str, Path], root: Path) -> None:
     """The labels are the assistant's content and its end-of-turn marker, nothing of the prompt; a
-    template with {% generation %} blocks gives the same mask through return_assistant_tokens_mask."""
+    template with {% generation %} blocks gives the same mask through return_assistant_tokens_mask, and
+    task.chat_template (a file) the same rows as the tokenizer's own template."""
     from transformers import AutoTokenizer
 
     data = chat_data(models["llama"], root / "chat.jsonl")
@@ -191,8 +192,14 @@ def test_only_the_answers_carry_labels(models: dict[str, Path], root: Path) -> N
     assert (labels[labels != IGNORE] == ids[labels != IGNORE]).all() and set(docs) == {1}
     tagged = write_tokenizer(root / "tagged", CHATML_TAGGED)
     other = chat_data(models["llama"], root / "chat.jsonl", f"task.tokenizer={tagged}")
-    for a, b in zip(data.train.rows + data.dev.rows, other.train.rows + other.dev.rows):
-        assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    (root / "chatml.jinja").write_text(CHATML)  # task.chat_template: a file, over a template-less tokenizer
+    plain = write_tokenizer(root / "plain", None)
+    given = chat_data(models["llama"], root / "chat.jsonl", f"task.tokenizer={plain}",
+                      f"task.chat_template={root / 'chatml.jinja'}")  # fmt: skip
+    for o in (other, given):
+        assert len(o.train) == len(data.train)
+        for a, b in zip(data.train.rows + data.dev.rows, o.train.rows + o.dev.rows):
+            assert all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
 def test_instruction_and_prompt_completion_shapes_equal_messages(
