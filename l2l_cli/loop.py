@@ -105,7 +105,9 @@ class Trainer:
 
     def state(self) -> dict[str, Any]:
         """Everything besides the weights and moments that an exact resume needs (plain JSON)."""
+        data = self.stream.position()  # a streamed split's position (else the step says it)
         return {
+            **({"data": data} if data is not None else {}),
             "step": self.runner.step_count,  # also the data position: the stream is a function of it
             "scaler": self.runner.precision.scaler.state_dict(),
             "rng": ckpt.rng_state(),
@@ -140,6 +142,8 @@ class Trainer:
                 f"{path} was trained with a global batch of {state['global_batch_size']}; this run has "
                 f"{self.stream.global_batch} (batch.size x dist.nproc): the data position would not match"
             )
+        if state.get("data") is not None:
+            self.stream.seek(state["data"])
         if manifest is not point:
             self.runner.load_state(path, manifest)
         self.runner.step_count = state["step"]
@@ -195,7 +199,7 @@ class Trainer:
                     if self.realtime is not None:
                         self.realtime.begin(runner.step_count + 1)
                     batch = next(batches)
-                    tokens = int(batch.attention_mask.sum())  # real tokens (padding excluded)
+                    tokens = int((batch.attention_mask != 0).sum())  # real tokens (packed rows number them)
                     report = runner.step(batch)
                     step = runner.step_count
                     report.loss, stop_now = self.ctx.mean_and_any(report.loss, self.stop.signum)

@@ -245,12 +245,18 @@ class Session:
         """The training examples in this rank's order (none when only evaluating), and the run's length."""
         cfg = self.cfg
         assert self.data is not None
-        if self.train:
+        pad_to_max = cfg.task.max_seq_len if cfg.task.pad_to_max else None
+        if self.train and self.data.stream is not None:  # a streamed split makes its own (task.streaming)
+            self.stream = self.data.stream(
+                cfg.batch.size, self.dist.data_world, self.dist.data_rank, pad_to_max
+            )
+        elif self.train:
             self.stream = TrainStream(
                 self.data.train, cfg.batch.size, seed=cfg.trainer.seed, world=self.dist.data_world,
-                rank=self.dist.data_rank,
-                pad_to_max=cfg.task.max_seq_len if cfg.task.pad_to_max else None,
+                rank=self.dist.data_rank, pad_to_max=pad_to_max,
             )  # fmt: skip
+        if self.data.stats:
+            self.summary.sections["data"] = dict(self.data.stats)
         self.steps = total_steps(cfg, self.stream) if self.stream is not None else 1
 
     def _make_accelerator(self) -> None:

@@ -83,16 +83,35 @@ class TaskConfig:
     num_train: int = 8192  # synthetic task: training examples
     num_eval: int = 1024  # synthetic task: dev examples
     files: Any = (
-        None  # task=lm|csv|json: your training files (a path or a list; lm unset: the bundled corpus)
+        None  # task=lm|chat|csv|json: your training files (a path or a list; lm unset: the bundled corpus)
     )
     dev_files: Any = (
-        None  # task=lm|csv|json: dev files; unset = lm: task.dev_fraction, csv|json: 10% held out
+        None  # task=lm|chat|csv|json: dev files; unset = lm: task.dev_fraction, csv|json: 10% held out
     )
     text_field: str = "text"  # task=lm: the field holding the text in .jsonl/.parquet rows
-    dev_fraction: float = 0.05  # task=lm: the last share of the packed blocks kept as dev
+    dev_fraction: float = (
+        0.05  # task=lm|chat: the last share of the packed blocks (chat: examples) kept as dev
+    )
     text_fields: list[str] = field(default_factory=lambda: ["text"])  # task=csv|json: 1 or 2 text columns
     label_field: str = "label"  # task=csv|json: the label column
     regression: bool | None = None  # task=csv|json: numeric target; unset = numbers that are not all integers
+    format: str = (
+        "auto"  # task=chat: auto | messages | instruction (instruction/input/output) | prompt_completion
+    )
+    chat_template: str | None = (
+        None  # task=chat: a Jinja chat template (text or a file); unset: the tokenizer's
+    )
+    train_on: str = "assistant"  # task=chat: assistant (loss on the answers only) | all (every token)
+    packing: bool = False  # task=chat: several examples per row, attention kept inside each (else padding)
+    dataset: str | None = (
+        None  # task=lm|chat: a hub dataset id, or a local folder of data files (not task.files)
+    )
+    dataset_config: str | None = None  # task=lm|chat: the hub dataset's configuration (name)
+    split: str = "train"  # task=lm|chat: the dataset's training split
+    dev_split: str | None = None  # task=lm|chat: the dataset's dev split; unset: task.dev_fraction of train
+    streaming: bool = (
+        False  # task=lm|chat: read the data as a stream (tokenized on the fly; trainer.max_steps)
+    )
 
 
 @dataclass

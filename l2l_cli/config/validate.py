@@ -215,7 +215,7 @@ def _task(cfg: Any, check_files: bool) -> list[Problem]:
             why = f"model family {family.name} is a decoder language model: it trains task=lm"
         else:
             decoders = ", ".join(f.name for f in FAMILIES.values() if f.objective == LM)
-            why = f"task=lm needs a decoder (model.family={decoders}, or a decoder checkpoint); {family.name} classifies"
+            why = f"task={task.name} needs a decoder (model.family={decoders}, or a decoder checkpoint); {family.name} classifies"
         p.append(Problem("task.name", f"got {task.name!r}; {why}"))
     return p
 

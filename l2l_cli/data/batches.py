@@ -120,6 +120,14 @@ class TrainStream:
         order = torch.randperm(len(batches), generator=g).tolist()
         return [batches[i] for i in order]
 
+    def position(self) -> dict | None:
+        """Where the data stands beyond the step (None: the order is a function of the step alone; a
+        streamed split's position: ``rows.StreamedTrain``)."""
+        return None
+
+    def seek(self, position: dict) -> None:
+        raise ValueError("a checkpoint of a streamed split cannot resume a run over an in-memory one")
+
     def batches(self, start_step: int = 0) -> Iterator[Batch]:
         """Minibatches forever (epoch after epoch), from global step ``start_step`` on."""
         epoch, index = divmod(start_step, self.steps_per_epoch)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from l2l_cli.data.lm import as_list, listed_files
+from l2l_cli.data.sources import as_list, listed_files
 from l2l_cli.data.tasks import Example, TaskData, TaskKind, TaskSpec
 from l2l_cli.data.tokenize import encode_splits
 from l2l_cli.problems import ConfigError, Problem

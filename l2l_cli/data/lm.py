@@ -26,9 +26,18 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 
 from l2l_cli.data.batches import Batch
+from l2l_cli.data.rows import RowMaker, Rows, StreamedTrain
+from l2l_cli.data.sources import (
+    RowStream,
+    as_list,
+    dataset_problems,
+    describe,
+    listed_files,
+    open_dataset,
+    open_files,
+)
 from l2l_cli.data.tasks import TaskData, TaskKind, TaskSpec
 from l2l_cli.problems import ConfigError, Problem
 
@@ -48,6 +57,7 @@ FORMATS = {
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 CACHE_VERSION = 1
 CHUNK = 1000  # documents per tokenizer call
+STREAM_DEV_BLOCKS = 64  # a stream without a dev source: its first blocks (default) are the dev split
 
 
 @dataclass
@@ -80,28 +90,6 @@ class Packed:
         """The blocks ``idx`` as a batch (``pad_to`` is moot: every block is already full)."""
         ids = torch.from_numpy(self.blocks[np.asarray(idx, dtype=np.int64)].astype(np.int64))
         return Batch(ids, torch.zeros_like(ids), torch.ones_like(ids), ids.clone())
-
-
-def as_list(value: Any) -> list[str]:
-    """``task.files`` / ``task.dev_files``: one path or a list of them (None: none)."""
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [value]
-    return [str(v) for v in value]
-
-
-def listed_files(task: Any, key: str) -> tuple[list[str], Problem | None]:
-    """``task.files`` / ``task.dev_files`` as a list of paths, or the problem with its shape."""
-    value = getattr(task, key)
-    if value is None:
-        return [], None
-    is_list = OmegaConf.is_list(value) or isinstance(value, list | tuple)
-    if not (isinstance(value, str) or is_list) or not as_list(value):
-        return [], Problem(
-            f"task.{key}", f"got {value!r}; expected a file or a list of files ([a.txt,b.jsonl])"
-        )
-    return as_list(value), None
 
 
 def cache_root() -> Path:
@@ -203,30 +191,53 @@ def file_key(paths: list[Path]) -> list[Any]:
     return out
 
 
+def dataset_stream(task_cfg: Any, split: str, tok: Any, cache_dir: Path) -> np.ndarray:
+    """The tokens of a dataset split (``task.dataset``) read whole, documents followed by EOS."""
+    ds = open_dataset(task_cfg, split, cache_dir, False)
+    field = task_cfg.text_field
+    if field not in ds.column_names:
+        raise ConfigError([Problem(
+            "task.text_field", f"{task_cfg.dataset}:{split} has no field {field!r}; its fields: {', '.join(ds.column_names)}"
+        )])  # fmt: skip
+    eos, parts = tok.eos_token_id, []
+    for rows in ds.iter(batch_size=CHUNK):
+        docs = [t for t in rows[field] if isinstance(t, str) and t.strip()]
+        for ids in tok(docs, add_special_tokens=False)["input_ids"] if docs else []:
+            parts.append(np.asarray([*ids, eos], dtype=np.int32))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+
+
 def load_lm(task_cfg: Any, model_cfg: Any) -> tuple[Packed, Packed, str, Any]:
     """(train blocks, dev blocks, source, tokenizer) of ``task=lm``, from the cache when it has them."""
     ref, chosen_by = tokenizer_ref(task_cfg, model_cfg)
     tok = load_tokenizer(ref, "task.tokenizer" if chosen_by == "task.tokenizer" else "model.pretrained")
-    files = [Path(f).expanduser() for f in as_list(task_cfg.files)] or list(BUNDLED_FILES)
+    hub = task_cfg.dataset is not None
+    files = [] if hub else [Path(f).expanduser() for f in as_list(task_cfg.files)] or list(BUNDLED_FILES)
     dev_files = [Path(f).expanduser() for f in as_list(task_cfg.dev_files)]
     seq = int(task_cfg.max_seq_len)
+    data = [task_cfg.dataset, task_cfg.dataset_config, task_cfg.split, task_cfg.dev_split] if hub else []
     key = hashlib.sha256(json.dumps({
         "v": CACHE_VERSION, "files": file_key(files), "dev_files": file_key(dev_files),
         "text_field": task_cfg.text_field, "tokenizer": tokenizer_fingerprint(tok), "seq": seq,
-        "dev_fraction": float(task_cfg.dev_fraction),
+        "dev_fraction": float(task_cfg.dev_fraction), **({"dataset": data} if hub else {}),
     }, sort_keys=True).encode()).hexdigest()[:24]  # fmt: skip
     root = cache_root() / "lm"
     cached = root / f"{key}.npz"
-    names = ",".join(p.name for p in files)
-    source = f"lm:{names}" if task_cfg.files else f"lm:bundled:{names}"
+    names = describe(task_cfg) if hub else ",".join(p.name for p in files)
+    source = f"lm:{names}" if task_cfg.files or hub else f"lm:bundled:{names}"
     if cached.is_file():
         with np.load(cached) as z:
             train, dev = z["train"], z["dev"]
         log.info("task lm: packed blocks from the cache %s", cached)
     else:
         hf_cache = root / "datasets"
-        blocks = pack(token_stream(files, tok, task_cfg.text_field, hf_cache), seq)
-        if dev_files:
+        if hub:
+            blocks = pack(dataset_stream(task_cfg, task_cfg.split, tok, hf_cache), seq)
+        else:
+            blocks = pack(token_stream(files, tok, task_cfg.text_field, hf_cache), seq)
+        if hub and task_cfg.dev_split:
+            train, dev = blocks, pack(dataset_stream(task_cfg, task_cfg.dev_split, tok, hf_cache), seq)
+        elif dev_files:
             train, dev = blocks, pack(token_stream(dev_files, tok, task_cfg.text_field, hf_cache), seq)
         else:
             n_dev = max(1, round(task_cfg.dev_fraction * len(blocks))) if len(blocks) > 1 else 0
@@ -258,7 +269,52 @@ def save_tokenizer(tok: Any, out_dir: Path) -> None:
         config.write_text(json.dumps(c, indent=2, sort_keys=True) + "\n")
 
 
+def streamed(task_cfg: Any, model_cfg: Any, dev_rows: int | None = None) -> tuple[RowMaker, Rows, str, Any]:
+    """(the train stream's row maker, the dev blocks, source, tokenizer) of a streamed ``task=lm``: the
+    documents tokenized as they are read and cut into blocks of ``task.max_seq_len`` (EOS between them).
+    The dev split: ``task.dev_split`` / ``task.dev_files`` (its first blocks), else the stream's first
+    blocks, training starting after them."""
+    ref, chosen_by = tokenizer_ref(task_cfg, model_cfg)
+    tok = load_tokenizer(ref, "task.tokenizer" if chosen_by == "task.tokenizer" else "model.pretrained")
+    field, eos, seq = task_cfg.text_field, tok.eos_token_id, int(task_cfg.max_seq_len)
+
+    def encode(index: int, row: dict[str, Any]) -> tuple[list[int], list[int]] | None:
+        if field not in row:
+            raise ConfigError([Problem("task.text_field", f"row {index} has no field {field!r}; its fields: "
+                                       f"{', '.join(row)}")])  # fmt: skip
+        text = row[field]
+        if not isinstance(text, str) or not text.strip():
+            return None
+        ids = [*tok(text, add_special_tokens=False)["input_ids"], eos]
+        return ids, ids
+
+    def maker(key: str, split: str) -> RowMaker:
+        cache = cache_root() / "datasets"
+        if task_cfg.dataset:
+            src = RowStream(lambda: open_dataset(task_cfg, split, cache, True))
+        else:
+            paths = [Path(f).expanduser() for f in as_list(getattr(task_cfg, key))] or list(BUNDLED_FILES)
+            src = RowStream(lambda: open_files(paths, cache, True))
+        return RowMaker(src, encode, seq, "blocks")
+
+    train = maker("files", task_cfg.split)
+    n_dev = dev_rows or task_cfg.max_eval_samples or STREAM_DEV_BLOCKS
+    dev_maker = maker("dev_files", task_cfg.dev_split) if task_cfg.dev_split or task_cfg.dev_files else train
+    dev = Rows([dev_maker.row() for _ in range(n_dev)])
+    return train, dev, f"lm:stream:{describe(task_cfg) if task_cfg.dataset else 'files'}", tok
+
+
 def load(spec: TaskSpec, task_cfg: Any, model_cfg: Any, train_split: bool) -> TaskData:
+    if task_cfg.streaming:
+        maker, dev, source, tok = streamed(task_cfg, model_cfg)
+
+        def stream(batch_size: int, world: int, rank: int, pad_to_max: int | None) -> StreamedTrain:
+            return StreamedTrain(maker, batch_size, world=world, rank=rank, pad_to_max=pad_to_max)
+
+        log.info(
+            "task lm: %s streamed, blocks of %d tokens; %d dev blocks", source, task_cfg.max_seq_len, len(dev)
+        )
+        return TaskData(spec, Rows([]), dev, source, tok, stream=stream)
     train, dev, source, tok = load_lm(task_cfg, model_cfg)
     return TaskData(spec, train.subset(task_cfg.max_train_samples if train_split else 0), dev, source, tok)
 
@@ -291,7 +347,17 @@ def validate(cfg: Any, check_files: bool) -> list[Problem]:
         )
     if not task.text_field:
         p.append(Problem("task.text_field", "must name the field holding the text (.jsonl, .parquet)"))
+    p += dataset_problems(cfg)
+    if task.streaming and check_files and not p:  # the stream opens and its first documents tokenize
+        try:
+            streamed(task, cfg.model, dev_rows=1)
+        except ConfigError as e:
+            p += e.problems
     return p
 
 
-KIND = TaskKind("lm", load, validate, keys=("files", "dev_files", "text_field", "dev_fraction"))
+KIND = TaskKind(
+    "lm", load, validate,
+    keys=("files", "dev_files", "text_field", "dev_fraction", "dataset", "dataset_config", "split", "dev_split",
+          "streaming"),
+)  # fmt: skip

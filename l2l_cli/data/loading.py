@@ -1,6 +1,6 @@
 """Where a task's examples come from, by its kind: the hub or an original GLUE TSV directory
 (:mod:`~l2l_cli.data.glue`), generated (:mod:`~l2l_cli.data.synthetic`), the user's text files
-(:mod:`~l2l_cli.data.lm`) or labelled files (:mod:`~l2l_cli.data.files`). Each kind's file holds its
+(:mod:`~l2l_cli.data.lm`), conversations (:mod:`~l2l_cli.data.chat`) or labelled files (:mod:`~l2l_cli.data.files`). Each kind's file holds its
 loader and the rules of the ``task.*`` keys it reads; this module lists the kinds and runs them."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from l2l_cli.config.schema import TaskConfig
-from l2l_cli.data import files, glue, lm, synthetic
+from l2l_cli.data import chat, files, glue, lm, synthetic
 from l2l_cli.data.tasks import TASKS, TaskData, TaskKind, TaskSpec
 from l2l_cli.problems import Problem
 
 log = logging.getLogger(__name__)
 
-KINDS: dict[str, TaskKind] = {k.name: k for k in (glue.KIND, synthetic.KIND, lm.KIND, files.KIND)}
+KINDS: dict[str, TaskKind] = {k.name: k for k in (glue.KIND, synthetic.KIND, lm.KIND, chat.KIND, files.KIND)}
 
 
 def kind_of(spec: TaskSpec) -> TaskKind:

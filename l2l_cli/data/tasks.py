@@ -1,9 +1,9 @@
 """Task registry: the nine GLUE tasks, the built-in synthetic task, ``lm`` (causal language modelling on
-the user's text files) and ``csv``/``json`` (the user's labelled files).
+the user's text files), ``chat`` (conversations, the loss on the answers) and ``csv``/``json`` (the user's labelled files).
 
 A task (:class:`TaskSpec`) knows its labels and official metrics, and names its *kind*: the family of
 tasks that share where examples come from and which ``task.*`` keys they read (:class:`TaskKind`: ``glue``
-in :mod:`~l2l_cli.data.glue`, ``synthetic``, ``lm``, ``files``; each kind's file holds its loader and
+in :mod:`~l2l_cli.data.glue`, ``synthetic``, ``lm``, ``chat``, ``files``; each kind's file holds its loader and
 its own rules, and :mod:`~l2l_cli.data.loading` lists them). Parsing follows the GLUE TSV layout with
 quoting off, as the transformers GLUE processors do (several files contain unbalanced quotes).
 """
@@ -157,6 +157,10 @@ class TaskData:
     dev: Any
     source: str  # "synthetic", "tsv:<dir>", "hub:glue/<name>", "lm:<files>"
     tokenizer: Any = None  # lm: the tokenizer (its vocabulary must fit the model's; saved with final/)
+    stream: Callable[..., Any] | None = (
+        None  # task.streaming: (batch size, world, rank, pad) -> its train stream
+    )
+    stats: dict[str, int] | None = None  # what loading found (chat: examples cut at task.max_seq_len)
 
 
 @dataclass(frozen=True)
@@ -202,6 +206,8 @@ TASKS: dict[str, TaskSpec] = {
                  ("not_entailment", "entailment"), ("accuracy",), "accuracy"),
         TaskSpec("synthetic", "-", (), (), ("b_more", "a_more"), ("accuracy",), "accuracy", kind="synthetic"),
         TaskSpec("lm", "-", (), (), None, ("loss", "perplexity"), "perplexity", objective=LM, kind="lm"),
+        # conversations / instructions, the loss on the answers (data/chat.py)
+        TaskSpec("chat", "-", (), (), None, ("loss", "perplexity"), "perplexity", objective=LM, kind="chat"),
         # the user's files: labels (and whether it is a regression) come from the data when it loads
         TaskSpec("csv", "-", (), (), ("0", "1"), ("accuracy",), "accuracy", file_format="csv", kind="files"),
         TaskSpec("json", "-", (), (), ("0", "1"), ("accuracy",), "accuracy", file_format="json", kind="files"),

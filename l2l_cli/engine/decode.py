@@ -214,7 +214,7 @@ class LayeredDecoder:
         side = self._side(pos_BQ, valid_BK, dtype)
         layer = self.relay.acquire(0, prefetch=1)
         with self.precision.autocast():
-            x = spec.run_pre(layer, ids_BQ, pos_BQ)
+            x = spec.embed_at(layer, ids_BQ, pos_BQ)
         for i in range(1, self.head):
             layer = self.relay.acquire(i, prefetch=i + 1)
             cache = kv.load(i, self.acc.device)

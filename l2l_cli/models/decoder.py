@@ -90,7 +90,7 @@ class DecoderSpec(ModelSpec):
         """Rotary (cos, sin) at given positions (generation: each sequence's own, past its cache)."""
         return None
 
-    def run_pre(
+    def embed_at(
         self, layer: nn.Module, input_ids_BS: torch.Tensor, positions_BS: torch.Tensor
     ) -> torch.Tensor:
         """The embeddings of tokens at given positions (generation: the new tokens after a cache)."""
@@ -164,9 +164,13 @@ class DecoderSpec(ModelSpec):
         self, layer: nn.Module, index: int, x: torch.Tensor | None, ub: Any, side: Any
     ) -> torch.Tensor:
         if index == 0:  # the embeddings read the token ids
-            return layer(ub.input_ids)
+            return self.run_pre(layer, ub)
         assert x is not None
         return self.run_block(layer, index, x, side)
+
+    def run_pre(self, layer: nn.Module, ub: Any) -> torch.Tensor:
+        """The embeddings of the micro-batch's tokens (GPT-2 adds learned positions: see its spec)."""
+        return layer(ub.input_ids)
 
     def run_head(self, layer: nn.Module, x: torch.Tensor, ub: Any) -> tuple[torch.Tensor, torch.Tensor]:
         return layer(x, ub.labels)
@@ -298,12 +302,33 @@ def token_nll(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> tuple[float,
     return float(nll), int((target != IGNORE).sum())
 
 
+def is_packed(attention_mask_BS: torch.Tensor) -> bool:
+    """Whether rows hold several documents: a packed row's ``attention_mask`` is each token's document
+    number (1, 2, ...; 0 for padding) rather than 1 for every token (``task.packing``, data/chat.py)."""
+    return attention_mask_BS.numel() > 0 and int(attention_mask_BS.max()) > 1
+
+
+def doc_positions(attention_mask_BS: torch.Tensor) -> torch.Tensor | None:
+    """Each token's position inside its own document in packed rows ([B, S], restarting at 0 where a
+    document begins), so a packed example sees the positions it would alone; None for unpacked rows."""
+    if not is_packed(attention_mask_BS):
+        return None
+    m = attention_mask_BS
+    idx = torch.arange(m.shape[1], device=m.device).expand_as(m)
+    begins = torch.ones_like(m, dtype=torch.bool)
+    begins[:, 1:] = m[:, 1:] != m[:, :-1]
+    return idx - torch.where(begins, idx, torch.zeros_like(idx)).cummax(dim=1).values
+
+
 def causal_mask(attention_mask_BS: torch.Tensor, window: int | None) -> torch.Tensor | None:
     """None for full blocks without a window (SDPA then runs its causal kernel); else a boolean mask
     [B, 1, S, S] (True: attend) of key <= query, inside the window, and not padding (as transformers'
-    ``create_causal_mask`` / ``create_sliding_window_causal_mask`` build it)."""
+    ``create_causal_mask`` / ``create_sliding_window_causal_mask`` build it). Packed rows (document
+    numbers in ``attention_mask``) also keep each query inside its own document, so attention never
+    crosses examples; a padding query sees itself only (a row with no key would be NaN)."""
     padded = not bool(attention_mask_BS.all())
-    if window is None and not padded:
+    packed = is_packed(attention_mask_BS)
+    if window is None and not padded and not packed:
         return None
     s = attention_mask_BS.shape[1]
     q = torch.arange(s, device=attention_mask_BS.device)[:, None]
@@ -312,7 +337,11 @@ def causal_mask(attention_mask_BS: torch.Tensor, window: int | None) -> torch.Te
     if window is not None:
         allowed = allowed & (k > q - window)
     mask = allowed[None, None]
-    if padded:
+    if packed:
+        doc = attention_mask_BS
+        same = (doc[:, :, None] == doc[:, None, :]) & (doc[:, None, :] != 0)
+        mask = mask & (same | (q == k))[:, None]
+    elif padded:
         mask = mask & attention_mask_BS.bool()[:, None, None, :]
     return mask
 

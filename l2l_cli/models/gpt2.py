@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from l2l_cli.data.tasks import LM
-from l2l_cli.models.decoder import DecoderSide, DecoderSpec, config_dict
+from l2l_cli.models.decoder import DecoderSide, DecoderSpec, config_dict, doc_positions
 from l2l_cli.models.registry import ModelFamily, UnsupportedModel, register_family
 
 
@@ -61,10 +61,14 @@ class GPT2Spec(DecoderSpec):
     def new_norm(self, cfg: Any) -> nn.Module:
         return nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
 
+    def run_pre(self, layer: nn.Module, ub: Any) -> torch.Tensor:
+        """Token + learned position embeddings; packed rows take each document's positions from 0."""
+        return layer(ub.input_ids, doc_positions(ub.attention_mask))
+
     def run_block(self, layer: nn.Module, index: int, x: torch.Tensor, side: DecoderSide) -> torch.Tensor:
         return layer(x, attention_mask=side.mask, cache=side.cache)
 
-    def run_pre(
+    def embed_at(
         self, layer: nn.Module, input_ids_BS: torch.Tensor, positions_BS: torch.Tensor
     ) -> torch.Tensor:
         return layer(input_ids_BS, positions_BS)
@@ -84,7 +88,8 @@ class GPT2Embeddings(nn.Module):
         self.drop = nn.Dropout(cfg.embd_pdrop)
 
     def forward(self, input_ids_BS: torch.Tensor, positions_BS: torch.Tensor | None = None) -> torch.Tensor:
-        """``positions``: each token's (generation past a cache); default 0..S-1."""
+        """``positions``: each token's (packed rows: its document's; generation: past a cache); default
+        0..S-1."""
         if positions_BS is None:
             positions_BS = torch.arange(input_ids_BS.shape[1], device=input_ids_BS.device)[None]
         return self.drop(self.wte(input_ids_BS) + self.wpe(positions_BS))

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from l2l_cli.data.tasks import LM
-from l2l_cli.models.decoder import DecoderSide, DecoderSpec, config_dict
+from l2l_cli.models.decoder import DecoderSide, DecoderSpec, config_dict, doc_positions
 from l2l_cli.models.registry import ModelFamily, UnsupportedModel, register_family
 from l2l_cli.problems import Problem, divisors
 
@@ -74,9 +74,12 @@ class LlamaSpec(DecoderSpec):
         return self.module("RMSNorm")(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
     def rope(self, ub: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of the rotary embedding at positions 0..S-1, from the family's own module."""
+        """cos and sin of the rotary embedding at positions 0..S-1 (packed rows: each document's own,
+        from 0), from the family's own module."""
         ids = ub.attention_mask  # positions 0..S-1 (a pipeline stage past the first has no token ids)
-        positions = torch.arange(ids.shape[1], device=ids.device)[None]
+        positions = doc_positions(ids)
+        if positions is None:
+            positions = torch.arange(ids.shape[1], device=ids.device)[None]
         return self.rope_at(positions, dtype)
 
     def rope_at(self, positions_BS: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
