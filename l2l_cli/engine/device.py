@@ -306,7 +306,7 @@ class SimAccelerator(Accelerator):
 
     def free_bytes(self) -> float | None:
         """The budget less what the meter counts live now (the relay's slots, once built)."""
-        return float(int(self.memory_gb * 2**30) - self.meter.current_bytes())
+        return float(int(self.memory_gb * 2**30) - self.meter.current_bytes)
 
     def describe(self) -> str:
         return f"sim ({self.memory_gb:g} GiB device budget, {self.link_gbps:g} GB/s link per direction)"

@@ -40,7 +40,7 @@ _MATMULS = ("mm", "addmm", "bmm", "baddbmm", "linear", "matmul")
 def _saved_by_policy(op: Any) -> bool:
     """The ops whose outputs ``selective`` saves: matmuls and fused attention (compute-heavy, per FLOP
     small), so the replay runs only the elementwise rest."""
-    name = str(getattr(op, "_overloadpacket", op)).split("::")[-1].split(".")[0]
+    name = str(getattr(op, "__name__", op)).split(".")[0]  # aten.addmm.default -> "addmm.default"
     return name in _MATMULS or name.startswith("_scaled_dot_product")
 
 

@@ -62,7 +62,8 @@ class L2LRunner(RunnerBase):
         )
         self.head = spec.num_layers + 1  # layer indices: 0 = embeddings, 1..N = blocks, N+1 = head
         self.recompute = self.plan_recompute()
-        self.recompute_info = self.recompute.describe()  # the progress header's line
+        # the progress header's part (none for today's default: full recompute, nothing kept)
+        self.recompute_info = None if self.settings.recompute.trivial else self.recompute.describe()
         self.graphs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # kept: (input, output)
         self.steady = {"steps": 0, "optimizer_s": 0.0, "optimizer_exposed_s": 0.0}
 
