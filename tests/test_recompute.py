@@ -228,3 +228,25 @@ def test_two_ranks_with_kept_and_selective_blocks_equal_one_process(tmp_path: Pa
     one = run(tmp_path / "one", "batch.size=8", "batch.ubatch_size=2")
     two = run(tmp_path / "two", "dist.nproc=2", "batch.size=4", "batch.ubatch_size=2")
     assert_same_weights(one, two, rtol=1e-4)
+
+
+def test_plan_predicts_each_choice_and_auto_picks_within_the_budget() -> None:
+    """``l2l plan``: a budget just above full recompute's device total leaves auto at full; a roomy one
+    keeps every layer; every choice's prediction says whether it fits, auto's always does."""
+    from l2l_cli.plan.planner import make_plan
+
+    def plan(gb: float) -> dict[str, Any]:
+        over = ["mode=l2l", "mode.recompute=auto", "model=bert-large", "model.num_layers=8", "batch.size=16",
+                "batch.ubatch_size=4", "task.max_seq_len=128", "device=sim", f"sim.memory_gb={gb}"]  # fmt: skip
+        return make_plan(compose(over))
+
+    tight = plan(0.62)
+    full = tight["memory_bytes"]["device"]["total"]
+    assert full <= 0.62 * 2**30 and tight["recompute"]["auto"]["policy"] == "full"
+    assert tight["recompute"]["auto"]["kept_layers"] == 0
+    roomy = plan(8.0)["recompute"]
+    assert (roomy["auto"]["policy"], roomy["auto"]["kept_layers"]) == ("none", 8)
+    kept = [r for r in roomy["choices"] if r["policy"] == "none"][0]
+    assert kept["device_bytes"] > full and kept["step_time_s"] < roomy["choices"][0]["step_time_s"]
+    middle = plan(1.4)["recompute"]
+    assert 0 < middle["auto"]["kept_layers"] < 8 and middle["auto"]["device_bytes"] <= 1.4 * 2**30
