@@ -102,6 +102,8 @@ class L2LRunner(RunnerBase):
         input (a kept or selective block keeps its graph instead: ``mode.recompute``). Returns the last
         block's output per micro-batch."""
         x: list[Any] = [None] * len(ubatches)
+        self.graphs.clear()  # nothing from a step that did not finish (an out-of-memory) is reused
+        self.relay.homes.clear()
         for i in range(self.head):
             layer = self.relay.acquire(i, prefetch=i + 1)
             graph = self.recompute.graph(i)
