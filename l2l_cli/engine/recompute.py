@@ -91,7 +91,7 @@ class RecomputePlan:
     kept: int
     depth: int
     saved_bytes: int = 0  # predicted bytes the kept and selective blocks hold for backward, per step
-    budget_bytes: float | None = None  # the room auto planned in (None: not auto)
+    room_bytes: float | None = None  # the device room auto planned in (None: nothing was auto)
 
     def graph(self, block: int) -> str | None:
         """What block ``block`` (1..depth) does: "none" (kept), "selective", or None (stash + recompute)."""
@@ -107,7 +107,7 @@ class RecomputePlan:
             "policy": "none" if self.kept == self.depth and self.depth else self.policy,
             "kept_layers": self.kept,
             "saved_bytes": self.saved_bytes,
-            "budget_bytes": self.budget_bytes,
+            "room_bytes": self.room_bytes,
         }
 
     def describe(self) -> str:
