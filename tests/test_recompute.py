@@ -246,7 +246,7 @@ def test_plan_predicts_each_choice_and_auto_picks_within_the_budget() -> None:
     assert tight["recompute"]["auto"]["kept_layers"] == 0
     roomy = plan(8.0)["recompute"]
     assert (roomy["auto"]["policy"], roomy["auto"]["kept_layers"]) == ("none", 8)
-    kept = [r for r in roomy["choices"] if r["policy"] == "none"][0]
+    kept = next(r for r in roomy["choices"] if r["policy"] == "none")
     assert kept["device_bytes"] > full and kept["step_time_s"] < roomy["choices"][0]["step_time_s"]
     middle = plan(1.4)["recompute"]
     assert 0 < middle["auto"]["kept_layers"] < 8 and middle["auto"]["device_bytes"] <= 1.4 * 2**30
