@@ -6,7 +6,9 @@ layer l before layer l+1 is loaded, so each layer crosses the link once per pass
 micro-batches there are. Only each layer's input is stashed (on the device, or on the host with
 ``mode.stash=cpu``); in backward each layer is recomputed from its stash, its gradient accumulates over
 the micro-batches on the device, then goes to the EPS and the device copy is released before the next
-layer. The host updates every layer at the end of the step.
+layer. The host updates every layer at the end of the step. With spare device memory the last
+``mode.keep_layers`` blocks keep their graph instead, and ``mode.recompute=selective`` saves each block's
+matmul outputs (engine/recompute.py): less or no recompute, the same numbers.
 """
 
 from __future__ import annotations
