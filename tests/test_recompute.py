@@ -196,6 +196,7 @@ def test_disk_tier_with_kept_layers_equals_the_host_tier_bit_for_bit() -> None:
     """The relay reloads a kept block into the slot its graph references from the disk tier's cache too."""
     got = train(tiny_cfg("mode=l2l_p", *DROPOUT, "eps.tier=disk", "mode.keep_layers=2"), steps=2)
     assert_bitwise(got, reference("l2l"))
+    assert all(r.extra["disk_write_bytes"] > 0 for r in got["reports"])  # the disk tier did run
 
 
 @pytest.mark.slow
