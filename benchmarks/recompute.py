@@ -83,6 +83,7 @@ def main() -> int:
     ga = plain_ga(args)
     if ga:
         rows["pytorch-ga (compare_peers)"] = ga
+    measure(["mode=l2l", *base], steps=2)  # discarded: the process's one-time costs, not the first row's
     roomy = ["mode.activation_budget_gb=1000"] if cpu else []
     rows["l2l auto, budget holds all"] = l2l(base, args.steps, "mode.recompute=auto", *roomy)
     full = rows["l2l full"] = l2l(base, args.steps, "mode.recompute=full")
