@@ -27,6 +27,7 @@ from l2l_cli.engine.dist import DistContext
 from l2l_cli.engine.dist import from_env as dist_from_env
 from l2l_cli.engine.optim import OptimSettings
 from l2l_cli.engine.precision import Precision, make_precision
+from l2l_cli.engine.recompute import RecomputeSettings
 from l2l_cli.engine.tiers import TIERS, TierSettings
 from l2l_cli.locks import DirectoryInUse, DirLock
 from l2l_cli.loop import EvalStopped, StopFlag, Trainer, TrainerSettings
@@ -60,7 +61,17 @@ def step_settings(cfg: Any, steps: int) -> StepSettings:
         num_ubatches=cfg.batch.size // cfg.batch.ubatch_size, ubatch_size=cfg.batch.ubatch_size,
         seed=cfg.trainer.seed, total_steps=steps, clip=run_clip(cfg), max_grad_norm=cfg.optim.max_grad_norm,
         stash=run_stash(cfg), prefetch=bool(cfg.mode.prefetch), eager_reduce=bool(cfg.dist.eager_reduce),
-        sync_timers=bool(cfg.profile.sync_timers),
+        sync_timers=bool(cfg.profile.sync_timers), recompute=recompute_settings(cfg),
+    )  # fmt: skip
+
+
+def recompute_settings(cfg: Any) -> RecomputeSettings:
+    """``mode.recompute`` / ``keep_layers`` / ``activation_budget_gb`` for the L2L runners."""
+    m, budget = cfg.mode, cfg.mode.activation_budget_gb
+    keep = m.keep_layers if m.keep_layers in (None, "auto") else int(m.keep_layers)
+    return RecomputeSettings(
+        policy=m.recompute, keep_layers=keep, budget_bytes=None if budget is None else budget * 2**30,
+        seq_len=cfg.task.max_seq_len,
     )  # fmt: skip
 
 
@@ -381,7 +392,9 @@ class Session:
         """The progress header: method, model (or the pretrained checkpoint it starts from), task."""
         c, cfg = self.summary.config, self.cfg
         name = f"pretrained {cfg.model.pretrained}" if cfg.model.pretrained else cfg.model.name
-        return f"{c.method} · {name} ({(self.summary.params or 0) / 1e6:.1f}M params) · {c.task}"
+        title = f"{c.method} · {name} ({(self.summary.params or 0) / 1e6:.1f}M params) · {c.task}"
+        recompute = getattr(self.runner, "recompute_info", None)  # the L2L runners: what they recompute
+        return f"{title} · {recompute}" if recompute else title
 
     def evaluate(self, on_batch: Callable[[int, int], None] | None = None) -> dict[str, float]:
         """The task's metrics on the dev split: rank 0 evaluates (the weights are identical on every

@@ -60,6 +60,13 @@ class ModeConfig:
     name: str = "l2l"  # the execution algorithm (set by the mode group)
     stash: str | None = None  # device | cpu (modes with a stash; unset: the mode's default)
     prefetch: bool = True  # relay: copy layer l+1 while layer l computes
+    recompute: str = (
+        "full"  # L2L modes: full | selective (matmul outputs kept) | none (nothing recomputed) | auto
+    )
+    keep_layers: Any = None  # L2L modes: the last N blocks keep their activations (no recompute) | auto
+    activation_budget_gb: float | None = (
+        None  # recompute auto on a CPU device: GiB (unset: half the free RAM)
+    )
 
 
 @dataclass

@@ -165,6 +165,13 @@ def _mode_group(cfg: Any, check_files: bool) -> list[Problem]:
     elif mode.stash is not None:
         with_stash = ", ".join(m.name for m in MODES.values() if m.stash)
         p.append(Problem("mode.stash", f"applies to the L2L modes ({with_stash}), not mode={mode.name}"))
+    if not spec.recompute:
+        with_rc = ", ".join(m.name for m in MODES.values() if m.recompute)
+        for key, unset in (("recompute", "full"), ("keep_layers", None), ("activation_budget_gb", None)):
+            if mode.get(key, unset) != unset:
+                p.append(
+                    Problem(f"mode.{key}", f"applies to the L2L modes ({with_rc}), not mode={mode.name}")
+                )
     if spec.validate is not None:
         p.extend(spec.validate(cfg))
     return p

@@ -257,6 +257,11 @@ class Accelerator:
     def synchronize(self) -> None:
         return None
 
+    def free_bytes(self) -> float | None:
+        """Device memory still free for activations (None: the device is the host, whose budget the
+        runner is given: ``mode.activation_budget_gb``)."""
+        return None
+
     def record_event(self) -> Any:
         return None
 
@@ -299,6 +304,10 @@ class SimAccelerator(Accelerator):
         )
         self.memory_gb, self.link_gbps = memory_gb, link_gbps
 
+    def free_bytes(self) -> float | None:
+        """The budget less what the meter counts live now (the relay's slots, once built)."""
+        return float(int(self.memory_gb * 2**30) - self.meter.current_bytes)
+
     def describe(self) -> str:
         return f"sim ({self.memory_gb:g} GiB device budget, {self.link_gbps:g} GB/s link per direction)"
 
@@ -333,6 +342,13 @@ class CudaAccelerator(Accelerator):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def free_bytes(self) -> float | None:
+        """Free device memory, counting what torch's caching allocator holds but does not use."""
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return float(
+            free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        )
 
     def record_event(self) -> Any:
         ev = torch.cuda.Event()

@@ -27,6 +27,10 @@ class Slot:
     def __init__(self, acc: Accelerator, spec: ModelSpec, eps: EagerParamServer, dtype: torch.dtype):
         n = eps.max_layer_numel
         self.w = acc.empty(n, dtype, part="layer_slots")
+        # what copies write into: the same storage under a version counter of its own, so reloading a
+        # layer does not invalidate a kept graph's saved weights (the layer is back in its slot before
+        # that graph's backward: ``Relay.hold``)
+        self.w_in = self.w.data
         self.g = acc.empty(n, dtype, part="layer_slots")
         self.shells: dict[str, nn.Module] = {}
         with acc.meter.part("layer_slots"):
@@ -57,6 +61,16 @@ class Relay:
         self.slots = [Slot(acc, spec, eps, dtype) for _ in range(2 if prefetch else 1)]
         self.current: Slot | None = None
         self.loads = 0  # layers copied to the device (for tests and reports)
+        self.homes: dict[int, Slot] = {}  # layers whose forward graph is kept -> the slot it references
+
+    def hold(self, i: int) -> None:
+        """Layer i (current) keeps its forward's autograd graph until its backward: that graph references
+        this slot's parameters, so layer i is reloaded into this slot, not another, until ``let_go(i)``."""
+        assert self.current is not None and self.current.layer == i
+        self.homes[i] = self.current
+
+    def let_go(self, i: int) -> None:
+        self.homes.pop(i, None)
 
     def _version(self, i: int) -> Any:
         """What a slot's copy of layer i depends on: its own master, and the pre layer's for a tied head."""
@@ -83,13 +97,19 @@ class Relay:
         slot = self._holding(i)
         if slot is not None:
             return slot
-        slot = next((s for s in self.slots if s is not self.current), self.slots[0])
+        home = self.homes.get(i)
+        if home is not None:  # a kept graph's layer goes back to the slot its forward ran in
+            if home is self.current and not block:
+                return None  # not into the slot computing now; the blocking load follows its release
+            slot = home
+        else:
+            slot = next((s for s in self.slots if s is not self.current), self.slots[0])
         st = self.eps[i]
         n = st.layout.numel
         self.eps.tier.pin(i, "w")  # the disk tier: layer i's weights in RAM (read ahead, usually)
-        slot.loaded = self.acc.h2d.copy(slot.w[:n], st.send, after=slot.released)
+        slot.loaded = self.acc.h2d.copy(slot.w_in[:n], st.send, after=slot.released)
         if self.eps.ties is not None and st.kind == POST:
-            tied = slot.w[n : self.eps.device_numel(POST)]
+            tied = slot.w_in[n : self.eps.device_numel(POST)]
             self.eps.tier.pin(0, "w")  # the tied tensors are the pre layer's
             ties = self.eps.ties.load(self.acc, tied, self.eps[0].send, slot.released)
             self.eps.tier.unpin(0, after=AllOf(*ties))

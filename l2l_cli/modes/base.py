@@ -28,6 +28,7 @@ from l2l_cli.engine.optim import (
     set_lr,
 )
 from l2l_cli.engine.precision import Precision
+from l2l_cli.engine.recompute import RecomputeSettings
 from l2l_cli.engine.tiers import TierSettings
 from l2l_cli.models.base import LayeredModel, ModelSpec
 from l2l_cli.profiling.timers import PhaseTimer
@@ -52,6 +53,7 @@ class StepSettings:
     prefetch: bool = True  # relay: copy layer l+1 while layer l computes
     eager_reduce: bool = True  # EPS: reduce each layer's gradient as it lands
     sync_timers: bool = False
+    recompute: RecomputeSettings = field(default_factory=RecomputeSettings)  # the L2L modes
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@ layer l before layer l+1 is loaded, so each layer crosses the link once per pass
 micro-batches there are. Only each layer's input is stashed (on the device, or on the host with
 ``mode.stash=cpu``); in backward each layer is recomputed from its stash, its gradient accumulates over
 the micro-batches on the device, then goes to the EPS and the device copy is released before the next
-layer. The host updates every layer at the end of the step.
+layer. The host updates every layer at the end of the step. With spare device memory the last
+``mode.keep_layers`` blocks keep their graph instead, and ``mode.recompute=selective`` saves each block's
+matmul outputs (engine/recompute.py): less or no recompute, the same numbers.
 """
 
 from __future__ import annotations
@@ -20,11 +22,22 @@ from torch import nn
 from l2l_cli.data.batches import Batch
 from l2l_cli.engine.decode import LayeredDecoder
 from l2l_cli.engine.eps import EagerParamServer
+from l2l_cli.engine.recompute import (
+    MARGIN,
+    POLICIES,
+    LayerBytes,
+    RecomputePlan,
+    choose,
+    default_cpu_budget,
+    measure_block,
+    run_selective,
+)
 from l2l_cli.engine.relay import Relay
 from l2l_cli.engine.stash import CpuStash, DeviceStash
 from l2l_cli.models.decoder import DecoderSpec
 from l2l_cli.modes.base import DurableState, LayerFiles, RunnerArgs, RunnerBase, StepReport
 from l2l_cli.modes.registry import ModeSpec, register_mode
+from l2l_cli.problems import Problem, one_of
 
 if TYPE_CHECKING:
     from l2l_cli.checkpoint import RealtimeWriter
@@ -52,6 +65,10 @@ class L2LRunner(RunnerBase):
             else DeviceStash(acc, self.timer)
         )
         self.head = spec.num_layers + 1  # layer indices: 0 = embeddings, 1..N = blocks, N+1 = head
+        self.recompute = self.plan_recompute()
+        # the progress header's part (none for today's default: full recompute, nothing kept)
+        self.recompute_info = None if self.settings.recompute.trivial else self.recompute.describe()
+        self.graphs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # kept: (input, output)
         self.steady = {"steps": 0, "optimizer_s": 0.0, "optimizer_exposed_s": 0.0}
 
     def run_layer(
@@ -107,17 +124,43 @@ class L2LRunner(RunnerBase):
 
     def forward_pass(self, ubatches: list[Batch], masks: list[torch.Tensor]) -> list[torch.Tensor]:
         """for l in layers: for u in ubatches: act_l = forward(act_{l-1}), stashing only each layer's
-        input. Returns the last block's output per micro-batch."""
+        input (a kept or selective block keeps its graph instead: ``mode.recompute``). Returns the last
+        block's output per micro-batch."""
         x: list[Any] = [None] * len(ubatches)
+        self.graphs.clear()  # nothing from a step that did not finish (an out-of-memory) is reused
+        self.relay.homes.clear()
         for i in range(self.head):
             layer = self.relay.acquire(i, prefetch=i + 1)
+            graph = self.recompute.graph(i)
+            if graph is not None:
+                self.relay.hold(i)
             for u, ub in enumerate(ubatches):
+                if graph is not None:
+                    self.seed_dropout(i, u)
+                    with self.timer("forward"), self.acc.meter.part("activations"):
+                        x[u] = self.run_graph(layer, i, u, x[u], ub, masks[u], graph)
+                    continue
                 if i > 0:
                     self.stash.put(i, u, x[u])  # the input of layer i (the output of layer i-1)
                 self.seed_dropout(i, u)
                 with self.timer("forward"), torch.no_grad(), self.acc.meter.part("activations"):
                     x[u] = self.run_layer(layer, i, x[u], ub, masks[u])
         return x
+
+    def run_graph(
+        self, layer: nn.Module, i: int, u: int, x: torch.Tensor, ub: Batch, side: Any, graph: str
+    ) -> torch.Tensor:
+        """Block i's forward with autograd, its graph kept for backward: whole (``none``), or under
+        selective checkpointing (the matmul outputs saved, the rest replayed in backward). Returns its
+        output, detached: each layer's backward stays its own."""
+        x_in = x.detach().requires_grad_()
+        with torch.enable_grad():
+            if graph == "selective":
+                y = run_selective(lambda h: self.run_layer(layer, i, h, ub, side), x_in)
+            else:
+                y = self.run_layer(layer, i, x_in, ub, side)
+        self.graphs[i, u] = (x_in, y)
+        return y.detach()
 
     def turn(self, x: list[torch.Tensor], ubatches: list[Batch]) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The head runs forward and backward per micro-batch right away (nothing to recompute): gives
@@ -143,6 +186,9 @@ class L2LRunner(RunnerBase):
         layer's accumulated gradient leaves for the EPS and its device buffer is reused."""
         n = len(ubatches)
         layer = self.relay.acquire(i, prefetch=i - 1 if i > 0 else None, grads=True)
+        if self.recompute.graph(i) is not None:
+            self.backward_graph(i, g, n)
+            return
         if i > 0:
             self.stash.prefetch(i, 0)
         for u, ub in enumerate(ubatches):
@@ -161,6 +207,56 @@ class L2LRunner(RunnerBase):
             g[u] = x_in.grad if x_in is not None else None
         self.relay.send_grads(i)
 
+    def backward_graph(self, i: int, g: list[Any], n: int) -> None:
+        """Block i's backward through the graph its forward kept (a selective one replays its elementwise
+        ops first, with the forward's RNG state); then its gradient leaves like any layer's."""
+        if i > 1:
+            self.stash.prefetch(i - 1, 0)
+        for u in range(n):
+            x_in, y = self.graphs.pop((i, u))
+            with self.timer("backward"), self.acc.meter.part("workspace"):
+                torch.autograd.backward(y, g[u])
+            g[u] = x_in.grad
+        self.relay.send_grads(i)
+        self.relay.let_go(i)
+
+    def plan_recompute(self) -> RecomputePlan:
+        """``mode.recompute`` / ``mode.keep_layers`` resolved: today's full recompute as is, or one block's
+        saved bytes per micro-batch measured (a forward on a zero micro-batch of the longest sequence) and
+        the choice made within the device's free room less what ``full`` needs (the stash, the layer and
+        gradient lists, one layer's working set)."""
+        rc, depth = self.settings.recompute, self.spec.num_layers
+        if rc.trivial:
+            return RecomputePlan("full", 0, depth)
+        per = self.measure_block(rc.seq_len)
+        n = self.num_ubatches
+        free = self.acc.free_bytes()
+        if free is None:  # the device is the host
+            free = rc.budget_bytes if rc.budget_bytes is not None else default_cpu_budget()
+        on_device = self.settings.stash != "cpu"
+        stash = (depth * n if on_device else 2) * per.full
+        room = MARGIN * free - stash - 2 * n * per.full - 2 * per.none
+        return choose(rc, depth, per, n, room, stash_on_device=on_device)
+
+    def measure_block(self, seq: int) -> LayerBytes:
+        """Saved bytes of one block for one micro-batch of ``seq`` tokens, per policy (uncounted by the
+        meter: a measurement, not the run's memory; the slot's weights are whatever it holds)."""
+        ub, dev, dtype = self.settings.ubatch_size, self.acc.device, self.precision.device_dtype
+        ids = torch.zeros(ub, max(1, seq), dtype=torch.long, device=dev)
+        batch = Batch(ids, ids.clone(), torch.ones_like(ids), torch.zeros(ub, dtype=torch.long, device=dev))
+        side = self.spec.side_inputs(batch, dtype)
+        slot = self.relay.slots[0]
+        with self.acc.meter.paused():
+            with torch.no_grad():
+                x = self.run_layer(slot.shells[self.spec.kind(0)], 0, None, batch, side)
+            block = slot.shells[self.spec.kind(1)]
+            return measure_block(lambda h: self.run_layer(block, 1, h, batch, side), x, [slot.w, slot.g])
+
+    def sections(self) -> dict[str, dict[str, Any]]:
+        """summary.json's ``optimizer`` section (below) and ``recompute``: the policy, kept layers, the
+        bytes they hold for backward."""
+        return {**self.optimizer_section(), "recompute": self.recompute.section()}
+
     def background(self) -> dict[str, float]:
         """Seconds the EPS thread worked this step (reduction, and L2L-p's hidden updates), the host
         update's seconds (``optimizer_s``, any thread; ``optimizer_exposed_s``, what the compute thread ran
@@ -173,7 +269,7 @@ class L2LRunner(RunnerBase):
             self.steady["optimizer_exposed_s"] += times["optimizer_exposed_s"]
         return {"eps_background_s": self.eps.pop_busy(), **times, **self.eps.tier.pop_step(self.timer)}
 
-    def sections(self) -> dict[str, dict[str, Any]]:
+    def optimizer_section(self) -> dict[str, dict[str, Any]]:
         """summary.json's ``optimizer`` section: the host update's seconds per steady-state step, the part
         on the compute thread's path, and the hidden share = 1 - exposed / total."""
         n = self.steady["steps"]
@@ -251,6 +347,28 @@ class L2LRunner(RunnerBase):
 
 L2L_PRECISIONS = {"fp32": "fp32", "amp": "amp", "cmp": "cmp", "mixed": "cmp"}
 
+
+def recompute_rules(cfg: Any) -> list[Problem]:
+    """``mode.recompute`` / ``keep_layers`` / ``activation_budget_gb``: the L2L runners read them."""
+    p: list[Problem] = []
+    m = cfg.mode
+    one_of(p, "mode.recompute", m.recompute, POLICIES)
+    keep = m.keep_layers
+    depth = cfg.model.get("num_layers")
+    if keep is not None and keep != "auto":
+        if isinstance(keep, bool) or not isinstance(keep, int):
+            p.append(Problem("mode.keep_layers", f"got {keep!r}; allowed: an integer 0..depth, or auto"))
+        elif keep < 0 or (isinstance(depth, int) and keep > depth):
+            bound = f"0..{depth} (model.num_layers)" if isinstance(depth, int) else "0 or more"
+            p.append(Problem("mode.keep_layers", f"got {keep}; allowed: {bound}, or auto"))
+        elif m.recompute == "none":
+            p.append(Problem("mode.keep_layers", "recompute=none keeps every layer; leave keep_layers unset"))
+    budget = m.activation_budget_gb
+    if budget is not None and not (isinstance(budget, int | float) and budget > 0):
+        p.append(Problem("mode.activation_budget_gb", f"got {budget!r}; allowed: a positive number of GiB"))
+    return p
+
+
 SPEC = register_mode(
     ModeSpec(
         name="l2l",
@@ -259,6 +377,8 @@ SPEC = register_mode(
         description="Alg. 3: layers relayed from the eager param-server, every micro-batch through layer l first",
         precisions=L2L_PRECISIONS,
         stash=("device", "cpu"),
+        recompute=True,
+        validate=recompute_rules,
         host_state="eps",
         distribute="eps",
         state_layout="eps-flat-v1",  # shared by l2l and l2l_p: either resumes the other's checkpoints

@@ -28,7 +28,7 @@ from typing import Any
 
 from l2l_cli.data.batches import Batch
 from l2l_cli.modes.base import StepReport
-from l2l_cli.modes.l2l import L2L_PRECISIONS, L2LRunner
+from l2l_cli.modes.l2l import L2L_PRECISIONS, L2LRunner, recompute_rules
 from l2l_cli.modes.registry import ModeSpec, register_mode
 
 log = logging.getLogger("l2l")
@@ -72,6 +72,8 @@ SPEC = register_mode(
         default_clip="global",  # exact: speculative updates, rolled back and redone when clipping applies
         clips=("global", "layer", "none"),
         stash=("device", "cpu"),
+        recompute=True,
+        validate=recompute_rules,
         host_state="eps",
         undo_log=True,
         overlapped_update=True,

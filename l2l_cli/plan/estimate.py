@@ -12,11 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from l2l_cli.engine.recompute import MARGIN, SELECTIVE_SHARE, LayerBytes, RecomputeSettings, choose
 from l2l_cli.engine.tiers import TIERS
 from l2l_cli.modes import MODES, ModeSpec, find_mode, run_precision, run_stash
 from l2l_cli.plan import costmodel as cm
 from l2l_cli.plan.hardware import Rates
-from l2l_cli.plan.shapes import ModelShape, device_weight_bytes
+from l2l_cli.plan.shapes import ModelShape, act_bytes, device_weight_bytes
 from l2l_cli.problems import fmt_bytes
 from l2l_cli.runfiles import PHASES
 
@@ -613,3 +614,67 @@ def pipeline_view(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Any] |
         "step_time_s": mine["step_time_s"], "samples_per_s": mine["samples_per_s"],
         "ranks": _pipeline_ranks(shape, s, rates), "alternatives": rows,
     }  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# Recompute (mode.recompute, mode.keep_layers)
+
+
+def block_bytes(shape: ModelShape, s: Setup) -> LayerBytes:
+    """One block's bytes per micro-batch for each recompute policy, from the shape (the runner measures
+    them): the input (full), plus the matmul outputs (selective: Q/K/V, scores, context, output
+    projection, both FFN matmuls), or everything the block saves (none)."""
+    e, ub, h = act_bytes(s.precision), s.ubatch, shape.hidden
+    a = ub * shape.output_bytes(s.seq, s.precision)
+    mm = ub * s.seq * e * (6 * h + shape.intermediate + shape.heads * s.seq)
+    return LayerBytes(
+        full=int(a), selective=int(a + mm), none=int(ub * shape.block_saved_bytes(s.seq, s.precision))
+    )
+
+
+def recompute_choices(
+    shape: ModelShape, s: Setup, rates: Rates, policy: str, keep: Any
+) -> dict[str, Any] | None:
+    """Memory and time of each recompute choice (full, selective, keep_layers 0, N/4, N/2, N) and the one
+    ``auto`` picks within the device budget (the runner's rule: :func:`recompute.choose`). A kept block
+    skips its recompute; a selective one still runs its elementwise share (``SELECTIVE_SHARE``)."""
+    if not s.l2l or s.pipeline > 1:
+        return None
+    base = evaluate(shape, s, rates)
+    dev = base["memory"]["device"]
+    N, n = shape.num_layers, s.num_ubatches
+    per = block_bytes(shape, s)
+    lt = rates.layer_times(shape, s.seq, s.ubatch)
+    rec = n * lt.block_fwd_grad  # one block's recompute, every micro-batch
+    on_device = s.stash != "cpu"
+    room = (
+        MARGIN * (rates.device_memory - dev.get("param_grad_buffers", 0.0))
+        - (N * n if on_device else 2) * per.full
+        - 2 * n * per.full
+        - 2 * per.none
+    )
+
+    def row(pol: str, kept: int) -> dict[str, Any]:
+        plan = choose(RecomputeSettings(pol, kept), N, per, n, room, stash_on_device=on_device)
+        stash = n * per.full if on_device else 0
+        extra = plan.kept * (n * per.none - stash)
+        if plan.policy == "selective":
+            extra += (N - plan.kept) * (n * per.selective - stash)
+        saved = plan.kept * rec + (N - plan.kept) * rec * (1 - SELECTIVE_SHARE) * (plan.policy == "selective")
+        step = base["step_time_s"] - saved
+        device = base["device_bytes"] + extra
+        return {
+            "policy": plan.section()["policy"], "kept_layers": plan.kept, "device_bytes": device,
+            "fits": device <= rates.device_memory, "step_time_s": step,
+            "samples_per_s": s.batch * s.data_parallel / step if step > 0 else float("inf"),
+        }  # fmt: skip
+
+    rows = [row("full", 0), row("selective", 0)]
+    for k in sorted({N // 4, N // 2, N} - {0}):
+        rows.append(row("full", k))
+    pick = choose(RecomputeSettings("auto", "auto"), N, per, n, room, stash_on_device=on_device)
+    auto = row(pick.policy, pick.kept)
+    configured = None
+    if policy != "auto" and keep != "auto":
+        configured = row(policy, int(keep or 0) if policy != "none" else N)
+    return {"choices": rows, "auto": auto, "configured": configured, "room_bytes": room}

@@ -109,5 +109,6 @@ def make_plan(cfg: Any, rates: Rates | None = None) -> dict[str, Any]:
         "critical_batch_size": ga["critical_batch_size"],
         "layered_ga": ga,
         "pipeline": est.pipeline_view(shape, s, rates),
+        "recompute": est.recompute_choices(shape, s, rates, cfg.mode.recompute, cfg.mode.keep_layers),
         "notes": notes + list(rates.notes),
     }

@@ -154,6 +154,9 @@ def render(plan: dict[str, Any], console: Console) -> None:
         )  # fmt: skip
     console.print(t)
 
+    if plan.get("recompute"):
+        render_recompute(plan["recompute"], console)
+
     ga = plan["layered_ga"]
     t = _table(
         f"Layered-GA view (d_s={ga['d_s']}, p={fmt_n(ga['params'])}): critical batch {plan['critical_batch_size']:.4g}, "
@@ -173,6 +176,24 @@ def render(plan: dict[str, Any], console: Console) -> None:
     )
     for note in plan["notes"]:
         console.print(f"[dim]note: {note}")
+
+
+def render_recompute(rc: dict[str, Any], console: Console) -> None:
+    """mode.recompute / keep_layers: each choice's device memory and step, and auto's pick."""
+    t = _table(
+        f"Recompute choices (mode.recompute, mode.keep_layers; room beyond full: {fmt_bytes(max(0.0, rc['room_bytes']))})",
+        "choice", "device", "fits", "step", "samples/s",
+    )  # fmt: skip
+    rows = [(f"{r['policy']}, keep {r['kept_layers']}", r, "") for r in rc["choices"]]
+    if rc["configured"] is not None:
+        rows.append(("configured", rc["configured"], "bold"))
+    rows.append((f"auto picks: {rc['auto']['policy']}, keep {rc['auto']['kept_layers']}", rc["auto"], "bold"))
+    for name, r, style in rows:
+        t.add_row(
+            name, fmt_bytes(r["device_bytes"]), "yes" if r["fits"] else "[red]no", fmt_s(r["step_time_s"]),
+            f"{r['samples_per_s']:.4g}", style=style,
+        )  # fmt: skip
+    console.print(t)
 
 
 def render_pipeline(p: dict[str, Any], console: Console) -> None:
