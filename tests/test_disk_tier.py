@@ -206,10 +206,11 @@ def test_unwritable_paths_and_another_runs_state_are_refused(tmp_path: Path, mon
 
 STEPS = 6
 # (mode, how it dies): a layer slot torn mid-write (w written, the moments not), a gradient torn while
-# parked, a commit record written but not yet renamed into place, and a kill from outside at a random time
+# parked (with no RAM pool for gradients, so they go to disk), a commit record written but not yet renamed
+# into place, and a kill from outside at a random time
 KILLS = [
     ("l2l", {"crash": "write:8"}),
-    ("l2l", {"crash": "park:4"}),
+    ("l2l", {"crash": "park:4", "extra": ["eps.grad_ram_gb=0"]}),
     ("l2l_p", {"crash": "write:13"}),
     ("l2l_p", {"crash": "commit:3"}),
     ("l2l_p", {"kill_after_steps": 2, "kill_delay_s": 0.13}),
@@ -233,7 +234,11 @@ def killed(tmp_path_factory: Any) -> tuple[Path, list[dict[str, Any]]]:
     """Every run of KILLS, killed, from one forked-runs helper process."""
     root = tmp_path_factory.mktemp("kills")
     jobs = [
-        {"overrides": _overrides(mode), "run_dir": str(root / f"kill{k}"), **how}
+        {
+            "overrides": _overrides(mode, *how.get("extra", [])),
+            "run_dir": str(root / f"kill{k}"),
+            **{key: v for key, v in how.items() if key != "extra"},
+        }
         for k, (mode, how) in enumerate(KILLS)
     ]
     (root / "jobs.json").write_text(json.dumps(jobs))
@@ -245,7 +250,7 @@ def killed(tmp_path_factory: Any) -> tuple[Path, list[dict[str, Any]]]:
 @pytest.mark.parametrize("k", range(len(KILLS)), ids=[f"{m}-{h.get('crash', 'random')}" for m, h in KILLS])
 def test_sigkill_at_any_point_resumes_to_the_uninterrupted_weights(killed: Any, k: int) -> None:
     root, results = killed
-    mode = KILLS[k][0]
+    mode, how = KILLS[k]
     run = root / f"kill{k}"
     assert results[k]["signal"] == 9, (results[k], (run / "child.log").read_text()[-2000:])
     record = json.loads((run / "eps" / "commit.json").read_text())
@@ -255,7 +260,7 @@ def test_sigkill_at_any_point_resumes_to_the_uninterrupted_weights(killed: Any, 
     metrics = run / "metrics.jsonl"
     logged = [json.loads(x)["step"] for x in metrics.read_text().splitlines()] if metrics.exists() else [0]
     assert done >= logged[-1] - 1  # at most the step in flight is lost (its commit follows its log line)
-    assert run_job(compose(_overrides(mode, f"trainer.resume={run}")), run) == "ok"
+    assert run_job(compose(_overrides(mode, *how.get("extra", []), f"trainer.resume={run}")), run) == "ok"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["resumed_from"]["step"] == done and summary["eps_disk"]["last_commit_step"] == STEPS
     got, ref = load_file(run / "final" / "model.safetensors"), _uninterrupted(mode, str(root))
