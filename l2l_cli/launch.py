@@ -142,5 +142,6 @@ def _jobs_main(jobs: list[list[str]], steps: int, save: dict[int, str]) -> list[
                 "samples": [r.samples * s.dist.data_world for r in reports],
                 "weights": {n: t.detach().float().clone() for n, t in s.runner.hf_tensors()} if rank0 else None,
                 "sections": sections if rank0 else None,
+                "peak": s.runner.acc.meter.peak_bytes,  # this rank's device peak
             })  # fmt: skip
     return out

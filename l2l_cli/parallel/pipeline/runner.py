@@ -33,7 +33,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,7 @@ from l2l_cli.models.base import BLOCK, POST, PRE
 from l2l_cli.modes.base import RunnerArgs, RunnerBase, StepReport
 from l2l_cli.modes.registry import ModeSpec
 from l2l_cli.parallel.pipeline.plan import StagePlan
-from l2l_cli.parallel.pipeline.settings import SCHEDULES, PipelineSettings
+from l2l_cli.parallel.pipeline.settings import SCHEDULES, PipelineSettings, torch_problem
 from l2l_cli.parallel.pipeline.stage import TimedStage, Timeline
 from l2l_cli.parallel.pipeline.state import Shard, StageState
 
@@ -65,6 +65,36 @@ def layout(ctx: DistContext, s: PipelineSettings) -> DistContext:
     )
 
 
+@dataclass(frozen=True)
+class Groups:
+    """This rank's process groups: ``pp`` carries the hidden states between pipeline ranks (the run's
+    backend: NCCL between GPUs, whose send/recv take device tensors; gloo on CPU); ``dp`` the data-parallel
+    reduction; ``pp_host`` the pipeline's small host-side collectives (the loss, the norms, logits, the
+    gathered checkpoint): gloo, the same group as ``pp`` where that is gloo."""
+
+    pp: Any
+    dp: Any
+    pp_host: Any
+
+
+def pipeline_groups(
+    P: int, world: int, pp_rank: int, dp_rank: int, backend: str, dp_backend: str | None = None
+) -> Groups:
+    """This rank's groups: pipelines are consecutive ranks, data-parallel groups share a pipeline rank;
+    every rank creates every group, in the same order, as torch.distributed requires. ``dp_backend``: the
+    data-parallel group's when it differs (an EPS reduces host buffers, on gloo)."""
+    pp = dp = host = None
+    for d in range(world // P):
+        ranks = [d * P + i for i in range(P)]
+        g = dist.new_group(ranks, backend=backend)
+        h = g if backend == "gloo" else dist.new_group(ranks, backend="gloo")
+        pp, host = (g, h) if d == dp_rank else (pp, host)
+    for i in range(P):
+        g = dist.new_group([d * P + i for d in range(world // P)], backend=dp_backend or backend)
+        dp = g if i == pp_rank else dp
+    return Groups(pp, dp, host)
+
+
 class PipelineRunner(RunnerBase):
     """One rank of a pipeline: its stages, torch's schedule over them, and the update of its layers."""
 
@@ -76,7 +106,10 @@ class PipelineRunner(RunnerBase):
         if world % P:
             raise RuntimeError(f"dist.pipeline={P} does not divide the {world} ranks launched")
         self.pp_rank, self.dp_rank, self.dp_world = rank % P, rank // P, world // P
-        self.pp_group, self.dp_group = self._groups(P, world)
+        if (why := torch_problem()) is not None:
+            raise RuntimeError(why)
+        groups = pipeline_groups(P, world, self.pp_rank, self.dp_rank, self.dist.backend)
+        self.pp_group, self.dp_group, self.pp_host = groups.pp, groups.dp, groups.pp_host
         self.plan = StagePlan(self.spec.num_layers, P, s.placement, s.layers_per_stage)
         self.head = self.spec.num_layers + 1
         self.last_rank = self.dp_rank * P + self.plan.rank_of(self.plan.num_stages - 1)  # global rank
@@ -86,7 +119,7 @@ class PipelineRunner(RunnerBase):
             st: StageState(self, self.plan.layers(st), self.layouts, shard)
             for st in self.plan.stages_of(self.pp_rank)
         }
-        self.timeline = Timeline()
+        self.timeline = Timeline(cuda=self.acc.device.type == "cuda")
         self._schedules: OrderedDict[tuple[bool, int, int], Any] = OrderedDict()
         self._full: dict[str, dict[str, Any]] | None = None  # collect()'s weights and moments (rank 0)
         self._collected_at = -1
@@ -94,18 +127,6 @@ class PipelineRunner(RunnerBase):
         self.timed_steps = 0
         self.first_step = True
         self._first: dict[str, float] = {}
-
-    def _groups(self, P: int, world: int) -> tuple[Any, Any]:
-        """Pipeline groups (consecutive ranks) and data-parallel groups (same pipeline rank); every rank
-        creates every group, in the same order, as torch.distributed requires."""
-        pp = dp = None
-        for d in range(world // P):
-            g = dist.new_group([d * P + i for i in range(P)], backend="gloo")
-            pp = g if d == self.dp_rank else pp
-        for i in range(P):
-            g = dist.new_group([d * P + i for d in range(world // P)], backend="gloo")
-            dp = g if i == self.pp_rank else dp
-        return pp, dp
 
     # ---- schedules: one per padded shape -----------------------------------------------------------
 
@@ -180,20 +201,16 @@ class PipelineRunner(RunnerBase):
         rows = len(mb) // n
         sched = self.schedule(rows, mb.seq_len, train=True)
         # side inputs by keyword: torch cuts them into the same micro-batches for every stage
-        kwargs = {
-            "mask": mb.attention_mask,
-            "ubatch": torch.arange(n, device=mb.input_ids.device).repeat_interleave(rows),
-            "labels": mb.labels,
-        }
+        kwargs = {"mask": mb.attention_mask, "labels": mb.labels}
         args = (mb.input_ids, mb.token_type_ids) if 0 in self.stages else ()
         losses: list[torch.Tensor] = []
         # the pipeline's window opens and closes together on its ranks: a rank's wait for the first
         # micro-batch (fill) and for the others to finish (drain) is its bubble, not its neighbour's update
-        dist.barrier(group=self.pp_group)
+        dist.barrier(group=self.pp_host)
         t0 = time.perf_counter()
         with self.acc.meter.part("activations"):
             sched.step(*args, target=mb.labels, losses=losses, return_outputs=False, **kwargs)
-        dist.barrier(group=self.pp_group)
+        dist.barrier(group=self.pp_host)
         t1 = time.perf_counter()
         times = self.timeline.pop(t0, t1)
         loss = self._pipeline_loss(losses)
@@ -219,7 +236,7 @@ class PipelineRunner(RunnerBase):
         t = torch.zeros((), dtype=torch.float32)
         if losses:
             t = torch.stack([x.detach().float() for x in losses]).sum().cpu() / self.precision.scaler.scale
-        dist.broadcast(t, src=self.last_rank, group=self.pp_group)
+        dist.broadcast(t, src=self.last_rank, group=self.pp_host)
         return t
 
     def update(self, lr: float) -> tuple[bool, float]:
@@ -230,7 +247,9 @@ class PipelineRunner(RunnerBase):
         for st in self.stages.values():
             st.add_sq_norms(sq)
         partitioned = any(st.partitioned for st in self.stages.values())
-        dist.all_reduce(sq, group=None if partitioned else self.pp_group)  # shards: over every rank
+        # shards: over every rank (on the EPS's gloo group over all of them where the default is NCCL)
+        every = None if self.dist.backend == "gloo" else self.dist.eps_group
+        dist.all_reduce(sq, group=every if partitioned else self.pp_host)
         norms = (sq.sqrt() / (scaler.scale * D)).float()
         finite = bool(torch.isfinite(norms).all())
         scaler.update(not finite)
@@ -312,7 +331,7 @@ class PipelineRunner(RunnerBase):
             st.module.eval()
         try:
             args = (b.input_ids, b.token_type_ids) if 0 in self.stages else ()
-            kwargs = {"mask": b.attention_mask, "ubatch": torch.zeros(len(b), dtype=torch.long)}
+            kwargs = {"mask": b.attention_mask}
             with self.acc.meter.part("activations"):
                 out = sched.step(*args, return_outputs=True, **kwargs)
             self.timeline.chunks.clear()
@@ -323,10 +342,10 @@ class PipelineRunner(RunnerBase):
         shape = torch.zeros(3, dtype=torch.long)
         if out is not None:
             shape[: out.dim()] = torch.tensor(out.shape)
-        dist.broadcast(shape, src=self.last_rank, group=self.pp_group)
+        dist.broadcast(shape, src=self.last_rank, group=self.pp_host)
         dims = [int(d) for d in shape if d > 0]
         logits = out.float().cpu() if out is not None else torch.empty(dims)
-        dist.broadcast(logits, src=self.last_rank, group=self.pp_group)
+        dist.broadcast(logits, src=self.last_rank, group=self.pp_host)
         return logits
 
     # ---- checkpoints and weights: Hugging Face names, gathered on rank 0 ----------------------------
@@ -353,7 +372,7 @@ class PipelineRunner(RunnerBase):
         if self.dp_rank != 0:
             return
         parts: list[Any] | None = [None] * self.pipe.pipeline if self.dist.rank == 0 else None
-        dist.gather_object(mine, parts, dst=0, group=self.pp_group)
+        dist.gather_object(mine, parts, dst=0, group=self.pp_host)
         if parts is not None:
             self._full = {"weights": {}, "moments": {}}
             for part in parts:
