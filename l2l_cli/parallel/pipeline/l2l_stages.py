@@ -40,8 +40,8 @@ from l2l_cli.engine.stash import CpuStash, DeviceStash
 from l2l_cli.models.base import ModelSpec
 from l2l_cli.modes.base import RunnerArgs, RunnerBase, StepReport
 from l2l_cli.modes.registry import ModeSpec
-from l2l_cli.parallel.pipeline.plan import StagePlan
-from l2l_cli.parallel.pipeline.runner import PipelineRunner, pipeline_groups
+from l2l_cli.parallel.pipeline.plan import StagePlan, hidden_bytes
+from l2l_cli.parallel.pipeline.runner import PipelineRunner, bubble_section, exchange_s, pipeline_groups
 from l2l_cli.parallel.pipeline.settings import PipelineSettings, eps_stages
 
 
@@ -113,6 +113,7 @@ class L2LStagesRunner(RunnerBase):
         self.sends: list[Any] = []
         self.steps_timed, self.totals = 0, {"compute": 0.0, "pipeline": 0.0}
         self._full: dict[str, torch.Tensor] | None = None
+        self.message_bytes = 0.0
 
     def _global(self, stage: int) -> int:
         """The global rank that runs ``stage`` in this rank's pipeline."""
@@ -170,6 +171,7 @@ class L2LStagesRunner(RunnerBase):
         dtype = self.precision.device_dtype
         masks = [self.spec.side_inputs(ub, dtype) for ub in ubatches]
         shape = (len(ubatches[0]), ubatches[0].seq_len, self.spec.hidden_size)
+        self.message_bytes = hidden_bytes(*shape)
         dist.barrier(group=self.pp_host)  # the pipeline's window opens together (as PipelineRunner's)
         t0 = time.perf_counter()
         x = self.forward_pass(ubatches, masks, shape)
@@ -185,7 +187,9 @@ class L2LStagesRunner(RunnerBase):
         applied, norm = self.update(lr)
         phases = self.timer.pop()
         compute = sum(phases.get(k, 0.0) for k in ("forward", "recompute", "backward"))
-        if self.step_count > 0:
+        if self.step_count > 0 or not self.steps_timed:  # steady state: the first step only if alone
+            if self.step_count == 1:
+                self.steps_timed, self.totals = 0, {"compute": 0.0, "pipeline": 0.0}
             self.steps_timed += 1
             self.totals["compute"] += compute
             self.totals["pipeline"] += t1 - t0
@@ -378,6 +382,9 @@ class L2LStagesRunner(RunnerBase):
         dist.all_gather_object(ranks, mine)
         bubbles = [r["bubble"] for r in ranks if r["bubble"] is not None]
         s, plan = self.pipe, self.plan
+        base = self.dp_rank * s.pipeline
+        peers = (base + (self.pp_rank - 1) % s.pipeline, base + (self.pp_rank + 1) % s.pipeline)
+        exchange = exchange_s(s, (self.pp_group, self.pp_host), peers, self.message_bytes, self.acc.device)
         return {
             "pipeline": {
                 "pipeline": s.pipeline, "data_parallel": self.dp_world, "placement": s.placement,
@@ -385,7 +392,7 @@ class L2LStagesRunner(RunnerBase):
                 "num_stages": plan.num_stages, "layers_per_stage": plan.block_size,
                 "stages_per_rank": plan.stages_per_rank, "num_ubatches": self.num_ubatches,
                 "stash": self.settings.stash, "bubble_measured": sum(bubbles) / len(bubbles) if bubbles else None,
-                "bubble_predicted_paper": plan.bubble_fraction(self.num_ubatches), "ranks": ranks,
+                **bubble_section(plan, self.num_ubatches, ranks, exchange, self.message_bytes), "ranks": ranks,
             }
         }  # fmt: skip
 

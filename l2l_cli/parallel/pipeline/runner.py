@@ -30,6 +30,7 @@ bubble = 1 - compute / pipeline time, next to appendix C's prediction (§2.4 and
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -49,7 +50,7 @@ from l2l_cli.engine.optim import clip_coefficients
 from l2l_cli.models.base import BLOCK, POST, PRE
 from l2l_cli.modes.base import RunnerArgs, RunnerBase, StepReport
 from l2l_cli.modes.registry import ModeSpec
-from l2l_cli.parallel.pipeline.plan import StagePlan
+from l2l_cli.parallel.pipeline.plan import StagePlan, exchange_seconds, hidden_bytes
 from l2l_cli.parallel.pipeline.settings import SCHEDULES, PipelineSettings, torch_problem
 from l2l_cli.parallel.pipeline.stage import TimedStage, Timeline
 from l2l_cli.parallel.pipeline.state import Shard, StageState
@@ -95,6 +96,48 @@ def pipeline_groups(
     return Groups(pp, dp, host)
 
 
+def exchange_s(
+    s: PipelineSettings, groups: tuple[Any, Any], peers: tuple[int, int], nbytes: float, device: torch.device
+) -> tuple[float, str]:
+    """Seconds of one exchange between pipeline neighbours (a hidden state out, one in) and where the number
+    comes from: with ``hardware=measure`` timed here on the pipeline's own group (each rank sends ``nbytes``
+    to the next rank and receives as many from the previous; the median of 7), else the ``hardware``
+    preset's latency plus the bytes over its network. Collective over the pipeline (``groups``: the
+    messages' group and its host group; ``peers``: the previous and the next rank, global)."""
+    if not s.measure_p2p:
+        return exchange_seconds(nbytes, s.p2p_latency_s, s.p2p_bytes_per_s), "hardware"
+    group, host = groups
+    n = max(1, int(nbytes) // 4)
+    out, into = torch.zeros(n, device=device), torch.empty(n, device=device)
+    times = []
+    for _ in range(8):
+        dist.barrier(group=host)
+        t0 = time.perf_counter()
+        reqs = [dist.isend(out, dst=peers[1], group=group), dist.irecv(into, src=peers[0], group=group)]
+        for r in reqs:
+            r.wait()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]), "measured"
+
+
+def bubble_section(
+    plan: StagePlan, n: int, ranks: list[dict[str, Any]], exchange: tuple[float, str], nbytes: float
+) -> dict[str, Any]:
+    """summary.json's predicted bubbles: the paper's (messages free) and with each rank's exchanges counted
+    (the mean compute of the ranks, their messages at ``exchange`` seconds each)."""
+    computes = [r["compute_s"] for r in ranks if r.get("compute_s")]
+    compute = sum(computes) / len(computes) if computes else 0.0
+    return {
+        "bubble_predicted": plan.bubble_with_messages(n, compute, exchange[0]),
+        "bubble_predicted_paper": plan.bubble_fraction(n),
+        "bubble_overhead_predicted": plan.bubble_overhead(n),
+        "messages_per_rank": plan.messages_per_rank(n), "message_bytes": nbytes,
+        "exchange_s": exchange[0], "exchange_from": exchange[1],
+    }  # fmt: skip
+
+
 class PipelineRunner(RunnerBase):
     """One rank of a pipeline: its stages, torch's schedule over them, and the update of its layers."""
 
@@ -127,6 +170,7 @@ class PipelineRunner(RunnerBase):
         self.timed_steps = 0
         self.first_step = True
         self._first: dict[str, float] = {}
+        self.message_bytes = 0.0  # one micro-batch's hidden state on the wire (the last step's)
 
     # ---- schedules: one per padded shape -----------------------------------------------------------
 
@@ -200,6 +244,7 @@ class PipelineRunner(RunnerBase):
         n = self.num_ubatches
         rows = len(mb) // n
         sched = self.schedule(rows, mb.seq_len, train=True)
+        self.message_bytes = hidden_bytes(rows, mb.seq_len, self.spec.hidden_size)
         # side inputs by keyword: torch cuts them into the same micro-batches for every stage
         kwargs = {"mask": mb.attention_mask, "labels": mb.labels}
         args = (mb.input_ids, mb.token_type_ids) if 0 in self.stages else ()
@@ -298,6 +343,14 @@ class PipelineRunner(RunnerBase):
             "steps_timed": self.timed_steps,
         }  # fmt: skip
 
+    def exchange(self) -> tuple[float, str]:
+        """One exchange's seconds between this rank's pipeline neighbours (collective over the pipeline)."""
+        P, base = self.pipe.pipeline, self.dp_rank * self.pipe.pipeline
+        peers = (base + (self.pp_rank - 1) % P, base + (self.pp_rank + 1) % P)
+        return exchange_s(
+            self.pipe, (self.pp_group, self.pp_host), peers, self.message_bytes, self.acc.device
+        )
+
     def sections(self) -> dict[str, dict[str, Any]]:
         """summary.json's ``pipeline``: the layout, each rank's times, the bubble measured and predicted."""
         ranks = [None] * self.dist.world
@@ -314,8 +367,7 @@ class PipelineRunner(RunnerBase):
                 "side_inputs": "rebuilt per stage from the batch (mask, labels, micro-batch index as keyword "
                                "arguments); only hidden states cross ranks",
                 "bubble_measured": sum(bubbles) / len(bubbles) if bubbles else None,
-                "bubble_predicted": plan.bubble_fraction(n),
-                "bubble_overhead_predicted": plan.bubble_overhead(n),
+                **bubble_section(plan, n, ranks, self.exchange(), self.message_bytes),
                 "ranks": ranks,
             }
         }  # fmt: skip

@@ -64,12 +64,17 @@ class PipelineSettings:
     schedule: str
     layers_per_stage: int
     partition_state: bool
+    # the bubble's message cost (hardware.*): a preset's latency and network, or measured between the ranks
+    p2p_latency_s: float = 10e-6
+    p2p_bytes_per_s: float = 12.5e9
+    measure_p2p: bool = False  # hardware=measure: time an exchange between the pipeline's ranks
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> PipelineSettings:
-        d = cfg.dist
+        d, hw = cfg.dist, cfg.hardware
         schedule = AUTO_SCHEDULE[d.placement] if d.schedule == "auto" else d.schedule
-        return cls(d.pipeline, d.placement, schedule, d.layers_per_stage, bool(d.partition_state))
+        return cls(d.pipeline, d.placement, schedule, d.layers_per_stage, bool(d.partition_state),
+                   hw.p2p_latency_us * 1e-6, hw.network_gbps * 1e9, bool(hw.measured))  # fmt: skip
 
 
 def selected(cfg: Any) -> bool:
@@ -202,11 +207,12 @@ def _l2l_stage_rules(cfg: Any, mode: Any, schedule: str) -> list[Problem]:
         p.append(Problem("dist.partition_state", f"mode={mode.name}'s state is on the host EPS, reduced there "
                          "whole; allowed: false"))  # fmt: skip
     t = cfg.trainer
-    for key, on in (("save_every", t.save_every > 0), ("save_final", t.save_final),
-                    ("resume", bool(t.resume)), ("realtime_ckpt", t.realtime_ckpt)):  # fmt: skip
+    for key, on in (("save_every", t.save_every > 0), ("resume", bool(t.resume)),
+                    ("realtime_ckpt", t.realtime_ckpt)):  # fmt: skip
         if on:
             p.append(Problem(f"trainer.{key}", f"checkpoints of mode={mode.name} pipeline stages are not written "
-                             "yet (each rank's EPS holds its stages only); unset it, or use mode=baseline_ag"))  # fmt: skip
+                             "yet (each rank's EPS holds its stages only; trainer.save_final works); unset it, or use "
+                             "mode=baseline_ag"))  # fmt: skip
     return p
 
 
