@@ -142,6 +142,7 @@ def _jobs_main(jobs: list[list[str]], steps: int, save: dict[int, str]) -> list[
                 "samples": [r.samples * s.dist.data_world for r in reports],
                 "weights": {n: t.detach().float().clone() for n, t in s.runner.hf_tensors()} if rank0 else None,
                 "sections": sections if rank0 else None,
-                "peak": s.runner.acc.meter.peak_bytes,  # this rank's device peak
+                "peak": s.runner.acc.meter.peak_bytes,  # this rank's device peak, and its parts
+                "parts": dict(s.runner.acc.meter.peak_parts),
             })  # fmt: skip
     return out

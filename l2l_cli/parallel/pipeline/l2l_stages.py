@@ -206,6 +206,7 @@ class L2LStagesRunner(RunnerBase):
         x: list[Any] = [None] * n
         for s in self.my_stages:
             body = self._body(s)
+            self._wait_sends()  # the last stage's messages are out: one stage's in flight, whatever the depth
             recv = self._recv(shape, s, n, backward=False) if s > 0 else None
             for k, i in enumerate(body):
                 j = self.local[i]
@@ -250,6 +251,7 @@ class L2LStagesRunner(RunnerBase):
         n, S = len(ubatches), self.plan.num_stages
         for s in reversed(self.my_stages):
             body = self._body(s)
+            self._wait_sends()
             recv = self._recv(shape, s, n, backward=True) if s < S - 1 else None
             for k in reversed(range(len(body))):
                 i = body[k]

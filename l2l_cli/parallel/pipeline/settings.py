@@ -18,7 +18,6 @@ from torch.distributed.pipelining import (
 
 from l2l_cli.engine.dist import resolve_backend
 from l2l_cli.engine.optim import OPTIMIZERS
-from l2l_cli.engine.tiers import TIERS
 from l2l_cli.models import FAMILIES, family_for_dir
 from l2l_cli.modes.registry import MODES
 from l2l_cli.parallel.pipeline.plan import plan_of
@@ -188,8 +187,12 @@ def _device_rules(cfg: Any) -> list[Problem]:
 
 
 def _l2l_stage_rules(cfg: Any, mode: Any, schedule: str) -> list[Problem]:
-    """L2L stages (an EPS mode with dist.pipeline > 1) run layered gradient accumulation breadth-first:
-    what they cannot do yet is refused here, one line each."""
+    (
+        """L2L stages (an EPS mode with dist.pipeline > 1) run layered gradient accumulation breadth-first:
+    what they cannot do yet is refused here, one line each (the disk tier refuses several ranks itself:
+    each would keep the whole model's files)."""
+        ""
+    )
     p: list[Problem] = []
     if schedule != "breadth_first":
         p.append(Problem("dist.schedule", f"mode={mode.name} stages load each layer once per batch, every "
@@ -198,11 +201,6 @@ def _l2l_stage_rules(cfg: Any, mode: Any, schedule: str) -> list[Problem]:
         p.append(Problem("mode.name", f"mode={mode.name}'s speculative update needs every pipeline rank's "
                          "norm before any layer's verdict, not combined across ranks yet; allowed with "
                          "dist.pipeline > 1: l2l (host update after the backward)"))  # fmt: skip
-    tier = getattr(cfg, "eps", None)
-    if tier is not None and not _host_tier(tier.tier):
-        p.append(Problem("eps.tier", "a pipeline's L2L stages keep their layers in host memory: the disk "
-                         "tier's commit record is one rank's whole model; allowed with dist.pipeline > 1: "
-                         "the host tier"))  # fmt: skip
     if cfg.dist.partition_state:
         p.append(Problem("dist.partition_state", f"mode={mode.name}'s state is on the host EPS, reduced there "
                          "whole; allowed: false"))  # fmt: skip
@@ -214,8 +212,3 @@ def _l2l_stage_rules(cfg: Any, mode: Any, schedule: str) -> list[Problem]:
                              "yet (each rank's EPS holds its stages only; trainer.save_final works); unset it, or use "
                              "mode=baseline_ag"))  # fmt: skip
     return p
-
-
-def _host_tier(name: str) -> bool:
-    kind = TIERS.get(name)
-    return kind is None or not kind.on_disk
