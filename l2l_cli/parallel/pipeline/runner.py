@@ -13,13 +13,14 @@ with the first stage, the head with the last) and placed
 through one of its stages before the next (layered gradient accumulation across ranks, Figure 3's
 modular pipeline); ``interleaved_1f1b`` (``ScheduleInterleaved1F1B``), and ``gpipe`` / ``1f1b``, which
 take one stage per rank. ``mode`` names what each stage runs: Alg. 2 (``baseline_ag``), the stage's
-layers, gradients and optimizer state resident on the rank's device.
+layers, gradients and optimizer state resident on the rank's device (this runner); an EPS mode runs L2L
+stages (``l2l_stages.py``).
 
 Side inputs are rebuilt per stage from the batch (stage.py); only hidden states travel between ranks.
 
 Data parallel across pipelines: as soon as a stage's last micro-batch finishes backward (torch's
-REDUCE_GRAD action), its gradient starts an asynchronous reduction on the data-parallel group (a gloo group
-of its own, like the EPS's eager per-layer reduction), overlapping the backward of the stages below it.
+REDUCE_GRAD action), its gradient starts an asynchronous reduction on the data-parallel group (a group of
+its own, on the run's backend, like the EPS's eager per-layer reduction), overlapping the backward of the stages below it.
 ``dist.partition_state``: the reduction is a reduce-scatter, each data-parallel rank updates its shard of
 every stage with the optimizer state of that shard only, and an all-gather brings the updated weights back.
 
