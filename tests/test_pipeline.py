@@ -327,7 +327,13 @@ def test_l2l_stages_equal_one_process_l2l_and_keep_device_memory_flat_in_depth()
     for layers in (8, 16):
         for mode in (["mode=l2l", "mode.stash=cpu"], ["mode=baseline_ag"]):
             jobs.append([*TINY, f"model.num_layers={layers}", *FLAT, *mode, "trainer.max_steps=2"])
+    jobs.append(
+        [*EQ, *CLIP, *PIPE[1:], "mode=l2l", "precision=cmp"]
+    )  # a loss scale: the loss reported unscaled
     results = run_jobs(2, jobs, steps=3)
+    cmp = train(tiny_cfg(*EQ[len(TINY) :], *CLIP, "mode=l2l", "precision=cmp"), steps=3, total_steps=3)
+    assert results[0][6]["losses"] == pytest.approx(cmp["losses"], rel=1e-6)
+    assert max(float((results[0][6]["weights"][k] - w).abs().max()) for k, w in cmp["weights"].items()) < 1e-3
     for job in results[0][:2]:
         assert_same_weights(job["weights"], ref["weights"])
         assert job["losses"] == pytest.approx(ref["losses"], rel=1e-6)

@@ -278,7 +278,9 @@ class L2LStagesRunner(RunnerBase):
                 self.eps.reduce_async(j)  # reduced over the pipelines as it lands
 
     def _pipeline_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        t = loss.detach().float().cpu() / self.precision.scaler.scale
+        """The minibatch's mean loss (unscaled: the turn sums the losses before scaling), from the last
+        stage's rank to every rank of the pipeline."""
+        t = loss.detach().float().cpu()
         dist.broadcast(t, src=self.last_rank, group=self.pp_host)
         return t
 
