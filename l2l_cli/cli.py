@@ -90,8 +90,9 @@ def train(argv: list[str]) -> int:
             )
         try:
             argv, resume = _resolve_resume(argv, multirun)
+            argv = _torchrun_world(argv)
         except ValueError as e:
-            return _fail(f"config error: trainer.resume: {e}")
+            return _fail(f"config error: {e}")
         overrides = [a for a in argv if not a.startswith("-")]
         warnings: list[str] = []
         problems = preflight(overrides, multirun, warnings, resume=resume, info=sweep)
@@ -109,14 +110,23 @@ def train(argv: list[str]) -> int:
                 argv = [*argv, f"hydra.sweep.dir={_quote(str(sweep['dir']))}"]
             print(f"l2l: sweep of {sweep['jobs']} jobs into {sweep['dir']}/", flush=True)
     rank = int(os.environ.get("RANK", "0"))
-    if rank > 0 and "WORLD_SIZE" in os.environ:  # under torchrun: only rank 0 owns the run dir
-        import tempfile
+    if rank > 0 and "WORLD_SIZE" in os.environ:  # under torchrun: rank 0 owns the run dir
+        given = [a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")]
+        if given:  # every node was given it: the other ranks log there, as under dist.nproc
+            log = f"{given[-1].strip(chr(39))}/train-rank{rank}.log"
+            argv = [
+                *argv,
+                "hydra.output_subdir=null",
+                f"hydra.job_logging.handlers.file.filename={_quote(log)}",
+            ]
+        else:  # each node would name its own timestamped dir: the others' logs stay out of rank 0's
+            import tempfile
 
-        argv = [
-            *argv,
-            "hydra.output_subdir=null",
-            f"hydra.run.dir={tempfile.gettempdir()}/l2l-rank{rank}-{os.getpid()}",
-        ]
+            argv = [
+                *argv,
+                "hydra.output_subdir=null",
+                f"hydra.run.dir={tempfile.gettempdir()}/l2l-rank{rank}-{os.getpid()}",
+            ]
     _STATUSES.clear()
     _run_hydra(["l2l-train", *argv])
     if not _STATUSES:
@@ -131,6 +141,21 @@ def train(argv: list[str]) -> int:
     print(f"l2l: sweep done ({done}) in {sweep.get('dir', 'the sweep dir')}/; tables and plots: "
           f"l2l report {sweep.get('dir', '<sweep dir>')}", flush=True)  # fmt: skip
     return 0 if all(s in ("ok", "oom") for s in _STATUSES) else 1
+
+
+def _torchrun_world(argv: list[str]) -> list[str]:
+    """Under torchrun the world size is torchrun's (``--nnodes`` x ``--nproc-per-node``): ``dist.nproc``
+    follows it (given, it must agree), so every rule that reads it sees the ranks really started."""
+    if "WORLD_SIZE" not in os.environ:
+        return argv
+    world = int(os.environ["WORLD_SIZE"])
+    given = [a.split("=", 1)[1] for a in argv if a.startswith("dist.nproc=")]
+    if not given:
+        return [*argv, f"dist.nproc={world}"]
+    if given[-1] != str(world):
+        raise ValueError(f"dist.nproc: got {given[-1]}, but torchrun started {world} ranks; allowed: {world}, "
+                         "or leave it out under torchrun")  # fmt: skip
+    return argv
 
 
 def _quote(value: str) -> str:
@@ -161,9 +186,11 @@ def _resolve_resume(argv: list[str], multirun: bool) -> tuple[list[str], Path | 
         try:
             run_dir = find_latest_run(Path("outputs")) if value == "latest" else Path(value)
         except CheckpointError as e:
-            raise ValueError(str(e).removeprefix("trainer.resume=latest: ")) from e
+            raise ValueError("trainer.resume: " + str(e).removeprefix("trainer.resume=latest: ")) from e
         if not run_dir.is_dir():
-            raise ValueError(f"{value} is not a run directory; allowed: a run dir or 'latest'")
+            raise ValueError(
+                f"trainer.resume: {value} is not a run directory; allowed: a run dir or 'latest'"
+            )
         run_dir = run_dir.resolve()
         out[k] = f"trainer.resume={_quote(str(run_dir))}"
         if not any(a.startswith("hydra.run.dir=") for a in argv):

@@ -11,6 +11,8 @@ import os
 import re
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -35,7 +37,24 @@ def run_task(cfg: DictConfig) -> str:
             logging.getLogger("l2l").info("resume: %s=%s (was %s)", key, new, old)
     if cfg.dist.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return launch_ranks(cfg, run_dir)
+    if "WORLD_SIZE" in os.environ:  # a rank under torchrun
+        watch_agent()
     return run_job(cfg, run_dir)
+
+
+def watch_agent(interval_s: float = 1.0) -> None:
+    """A rank whose agent died (torchrun killed with SIGKILL cannot stop its workers) stops as if the agent
+    had: SIGTERM to itself, the trainer's stop at the next step boundary, every rank agreeing; the job ends
+    non-zero on every node instead of the orphans training on."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        logging.getLogger("l2l").error("the launcher (pid %d) died: stopping this rank", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="l2l-agent-watch", daemon=True).start()
 
 
 def launch_ranks(cfg: DictConfig, run_dir: Path) -> str:
@@ -84,6 +103,7 @@ def _rank_main(cfg_yaml: str, run_dir: str) -> str:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     logging.getLogger("l2l").info("rank %d of %s, pid %d", rank, os.environ.get("WORLD_SIZE"), os.getpid())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent turns the user's Ctrl-C into one SIGTERM
+    watch_agent()
     cfg = OmegaConf.create(cfg_yaml)
     status = run_job(cfg, Path(run_dir), handle_sigint=False)
     if status != "ok":
@@ -142,5 +162,7 @@ def _jobs_main(jobs: list[list[str]], steps: int, save: dict[int, str]) -> list[
                 "samples": [r.samples * s.dist.data_world for r in reports],
                 "weights": {n: t.detach().float().clone() for n, t in s.runner.hf_tensors()} if rank0 else None,
                 "sections": sections if rank0 else None,
+                "peak": s.runner.acc.meter.peak_bytes,  # this rank's device peak, and its parts
+                "parts": dict(s.runner.acc.meter.peak_parts),
             })  # fmt: skip
     return out

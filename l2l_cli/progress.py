@@ -150,7 +150,8 @@ def summary_table(summary: Summary) -> Table:
     if pipe and pipe.get("bubble_measured") is not None:  # layered-GA §4: measured vs appendix C
         rows.append(
             ("pipeline", f"{pipe['data_parallel']} x {pipe['pipeline']} ranks, {pipe['placement']} "
-             f"{pipe['schedule']}: bubble {pipe['bubble_measured']:.1%} (predicted {pipe['bubble_predicted']:.1%})")
+             f"{pipe['schedule']}: bubble {pipe['bubble_measured']:.1%} (predicted {pipe['bubble_predicted']:.1%} "
+             f"with messages, {pipe['bubble_predicted_paper']:.1%} without)")
         )  # fmt: skip
     for name, value in summary.eval.items():
         rows.append((f"eval {name}", f"{value:.4f}"))

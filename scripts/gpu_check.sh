@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Does the CUDA path hold? One command on a machine with a GPU: the `gpu` tests (equivalence on the device,
 # copies overlapped on streams without host waits, half-precision gradients over the link, allocator-measured
-# memory), then the BERT-Large benchmark, summarised in one JSON file (default outputs/gpu_check.json).
+# memory; with two GPUs, a 2-rank pipeline on NCCL), then the BERT-Large benchmark, summarised in one JSON file (default outputs/gpu_check.json).
 #   bash scripts/gpu_check.sh [out.json]
 # Without a CUDA device it says so in one line and exits 0 (nothing to check). Exit 1: a test or the
 # benchmark failed (the JSON says which).
@@ -21,6 +21,12 @@ if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
   exit 0
 fi
 
+gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+if [ "$gpus" -ge 2 ]; then
+  echo "gpu_check: $gpus CUDA devices: the 2-rank NCCL pipeline test runs (tests/test_pipeline.py, marker gpu)"
+else
+  echo "gpu_check: $gpus CUDA device: the 2-rank NCCL pipeline test needs two and is skipped"
+fi
 echo "gpu_check: pytest -m gpu"
 "$PY" -m pytest -m gpu -q -rs --junitxml="$TMP/gpu.xml" tests 2>&1 | tee "$TMP/pytest.log"
 tests_rc=${PIPESTATUS[0]}

@@ -89,11 +89,10 @@ def test_invalid_pipeline_configs_are_refused_naming_the_key() -> None:
     gpipe = problems(*ok, "dist.schedule=gpipe")["dist.schedule"]
     assert "one stage per rank" in gpipe and "allowed: breadth_first, interleaved_1f1b" in gpipe
     assert "1f1b runs one stage per rank" in problems(*ok, "dist.schedule=1f1b")["dist.schedule"]
-    l2l = problems(*ok, "mode=l2l")["mode.name"]
-    assert (
-        "mode=l2l cannot run as a pipeline stage" in l2l
-        and "allowed with dist.pipeline > 1: baseline_ag" in l2l
-    )
+    assert problems(*ok, "mode=l2l") == {} and problems(*ok, "mode=l2l", "mode.stash=cpu") == {}
+    l2l_p = problems(*ok, "mode=l2l_p")["mode.name"]
+    assert "mode=l2l_p's speculative update" in l2l_p and "allowed with dist.pipeline > 1: l2l" in l2l_p
+    assert "cannot run as a pipeline stage" in problems(*ok, "mode=baseline")["mode.name"]
     stages = problems(*ok, "model.num_layers=6", "dist.layers_per_stage=2")["dist.layers_per_stage"]
     assert "allowed: 1, 3" in stages
     assert "optim=adamw" in problems(*ok, "optim=lamb", "dist.partition_state=true")["dist.partition_state"]
@@ -173,7 +172,14 @@ def test_two_ranks_match_one_process_reshard_on_resume_and_fill_the_modular_pipe
     assert [r["stages"] for r in section["ranks"]] == [[0, 2], [1, 3]]
     assert con["sections"]["pipeline"]["torch_schedule"] == "Schedule1F1B"
     pm, pc = mod_b["sections"]["pipeline"], con_b["sections"]["pipeline"]
-    assert pm["bubble_predicted"] == pytest.approx(1 / 17) and pc["bubble_predicted"] == pytest.approx(0.2)
+    assert pm["bubble_predicted_paper"] == pytest.approx(1 / 17) and pc[
+        "bubble_predicted_paper"
+    ] == pytest.approx(0.2)
+    # with the messages counted: 2(S-1)n/P exchanges per rank, L/P = 4 times more in the modular placement
+    assert pm["messages_per_rank"] == 28 and pc["messages_per_rank"] == 4
+    assert pm["message_bytes"] == 4 * 8 * 64 * 256 and pm["exchange_from"] == "hardware"
+    for p in (pm, pc):
+        assert p["bubble_predicted"] > p["bubble_predicted_paper"]
     for r in pm["ranks"] + pc["ranks"]:
         assert (
             r["compute_s"] > 0 and r["pipeline_s"] >= r["compute_s"] and r["wait_s"] >= 0 and r["idle_s"] >= 0
@@ -233,3 +239,158 @@ def test_four_ranks_two_pipelines_of_two_match_one_process() -> None:
 
 def test_killing_one_pipeline_rank_ends_the_job(tmp_path) -> None:
     kill_rank_1_mid_run(tmp_path, *TINY, *PIPE, "model.num_layers=4")
+
+
+# ---- backends, torch versions, the message model -------------------------------------------------------
+
+
+def test_the_pipeline_builds_its_groups_with_the_configured_backend(monkeypatch) -> None:
+    """Hidden states cross ranks on the run's backend (NCCL between GPUs); the small host collectives get a
+    gloo group beside an NCCL one; an EPS's data-parallel group is gloo (it reduces host buffers)."""
+    from l2l_cli.parallel.pipeline import runner
+
+    made: list[tuple[tuple[int, ...], str]] = []
+    monkeypatch.setattr(runner.dist, "new_group", lambda ranks, backend: made.append((tuple(ranks), backend))
+                        or (tuple(ranks), backend))  # fmt: skip
+    g = runner.pipeline_groups(2, 4, pp_rank=1, dp_rank=1, backend="nccl")
+    assert g.pp == ((2, 3), "nccl") and g.pp_host == ((2, 3), "gloo") and g.dp == ((1, 3), "nccl")
+    assert [b for _, b in made] == ["nccl", "gloo", "nccl", "gloo", "nccl", "nccl"]  # every rank, same order
+    made.clear()
+    g = runner.pipeline_groups(2, 4, pp_rank=0, dp_rank=0, backend="gloo", dp_backend="gloo")
+    assert g.pp is g.pp_host and g.pp == ((0, 1), "gloo") and len(made) == 4  # no second gloo group
+    made.clear()
+    g = runner.pipeline_groups(2, 2, pp_rank=0, dp_rank=0, backend="nccl", dp_backend="gloo")
+    assert g.dp == ((0,), "gloo") and g.pp == ((0, 1), "nccl")
+    from l2l_cli.engine.dist import resolve_backend
+
+    assert (
+        resolve_backend("auto", "cuda", cuda=True) == "nccl"
+        and resolve_backend("auto", "cpu", cuda=True) == "gloo"
+    )
+    assert resolve_backend("auto", "auto", cuda=False) == "gloo" and resolve_backend("nccl", "cpu") == "nccl"
+
+
+def test_backends_and_an_old_torch_are_refused_before_any_rank_starts(monkeypatch) -> None:
+    ok = [*PIPE, "model.num_layers=4"]
+    nccl = problems(*ok, "dist.backend=nccl", "device=cpu")["dist.backend"]
+    assert "nccl moves CUDA tensors" in nccl and "allowed: gloo, auto" in nccl
+    if not torch.cuda.is_available():
+        assert "gloo's send/recv take CPU tensors" in problems(*ok, "device=cuda")["dist.backend"]
+    from l2l_cli.parallel.pipeline import settings
+
+    monkeypatch.setattr(settings.torch, "__version__", "2.9.1+cpu")
+    old = problems(*ok)["dist.pipeline"]
+    assert "torch 2.9.1+cpu is older than 2.10" in old and "REDUCE_GRAD" in old
+    assert settings.torch_problem("2.10.0") is None and settings.torch_problem("3.0") is None
+    assert problems(*ok, "mode=l2l") == {}  # L2L stages run their own schedule: no REDUCE_GRAD needed
+
+
+def test_l2l_stage_configs_that_cannot_work_are_refused() -> None:
+    ok = [*PIPE, "model.num_layers=4", "mode=l2l"]
+    assert "allowed: breadth_first" in problems(*ok, "dist.schedule=interleaved_1f1b")["dist.schedule"]
+    assert "runs in one process" in problems(*ok, "eps.tier=disk")["eps.tier"]  # the disk tier's own rule
+    assert "allowed: false" in problems(*ok, "dist.partition_state=true")["dist.partition_state"]
+    assert "not written yet" in problems(*ok, "trainer.save_every=2")["trainer.save_every"]
+
+
+def test_the_message_model_counts_the_modular_pipelines_messages() -> None:
+    from l2l_cli.parallel.pipeline.plan import exchange_seconds
+
+    mod = StagePlan(num_layers=8, pipeline=2, placement="modular", layers_per_stage=1)
+    con = StagePlan(num_layers=8, pipeline=2, placement="contiguous", layers_per_stage=1)
+    assert mod.messages_per_rank(4) == 28 and con.messages_per_rank(4) == 4  # 2(S-1) n / P
+    assert exchange_seconds(1e6, 1e-5, 1e9) == pytest.approx(1e-5 + 2e-3)
+    # free messages: the paper's o / (1 + o); a rank computing 1 s and exchanging 28 x 10 ms
+    assert mod.bubble_with_messages(4, 1.0, 0.0) == pytest.approx(mod.bubble_fraction(4))
+    t = 1.0 + mod.bubble_overhead(4) + 28 * 0.01
+    assert mod.bubble_with_messages(4, 1.0, 0.01) == pytest.approx((t - 1.0) / t)
+    # where messages are dear the modular placement idles more than the contiguous one, as measured here
+    assert mod.bubble_fraction(4) < con.bubble_fraction(4)
+    assert mod.bubble_with_messages(4, 1.0, 0.01) > con.bubble_with_messages(4, 1.0, 0.01)
+
+
+# ---- L2L stages: each rank's EPS holds its stages' layers --------------------------------------------
+
+CLIP = ["optim.max_grad_norm=0.05"]  # global clipping that triggers (the tiny model's norms: ~0.2)
+# the flatness study: a fixed shape, 8 then 16 layers, 2 steps
+FLAT = ["task.pad_to_max=true", "task.max_seq_len=16", "batch.size=8", "batch.ubatch_size=2", "task.num_train=64",
+        "task.num_eval=8", *PIPE[1:]]  # fmt: skip
+
+
+def test_l2l_stages_equal_one_process_l2l_and_keep_device_memory_flat_in_depth() -> None:
+    """Acceptance 1 and 2: modular breadth-first L2L stages on 2 ranks (device stash and CPU stash) give one
+    process mode=l2l's weights after 3 clipped steps; with the CPU stash each rank's device peak does not
+    grow from 8 to 16 layers, while baseline_ag stages' does."""
+    ref = train(tiny_cfg(*EQ[len(TINY) :], *CLIP, "mode=l2l"), steps=3, total_steps=3)
+    assert all(r.grad_norm > 0.05 for r in ref["reports"][:2])  # clipping applied
+    jobs = [[*EQ, *CLIP, *PIPE[1:], "mode=l2l"], [*EQ, *CLIP, *PIPE[1:], "mode=l2l", "mode.stash=cpu"]]
+    for layers in (8, 16):
+        for mode in (["mode=l2l", "mode.stash=cpu"], ["mode=baseline_ag"]):
+            jobs.append([*TINY, f"model.num_layers={layers}", *FLAT, *mode, "trainer.max_steps=2"])
+    jobs.append(
+        [*EQ, *CLIP, *PIPE[1:], "mode=l2l", "precision=cmp"]
+    )  # a loss scale: the loss reported unscaled
+    results = run_jobs(2, jobs, steps=3)
+    cmp = train(tiny_cfg(*EQ[len(TINY) :], *CLIP, "mode=l2l", "precision=cmp"), steps=3, total_steps=3)
+    assert results[0][6]["losses"] == pytest.approx(cmp["losses"], rel=1e-6)
+    assert max(float((results[0][6]["weights"][k] - w).abs().max()) for k, w in cmp["weights"].items()) < 1e-3
+    for job in results[0][:2]:
+        assert_same_weights(job["weights"], ref["weights"])
+        assert job["losses"] == pytest.approx(ref["losses"], rel=1e-6)
+    section = results[0][1]["sections"]["pipeline"]
+    assert section["stage_mode"] == "l2l" and section["stash"] == "cpu" and section["torch_schedule"] is None
+    assert [r["layers"] for r in section["ranks"]] == [[0, 1, 3], [2, 4, 5]]  # each EPS: its stages only
+    peaks = {(k, r): results[r][k]["peak"] for k in range(2, 6) for r in (0, 1)}
+    for r in (0, 1):
+        l2l8, base8, l2l16, base16 = (peaks[k, r] for k in range(2, 6))
+        print(
+            f"rank {r}: l2l stash cpu {l2l8} -> {l2l16} B, baseline_ag {base8} -> {base16} B (8 -> 16 layers)"
+        )
+        assert l2l16 <= 1.1 * l2l8 and base16 > 1.5 * base8
+        assert "weights" not in results[r][2]["parts"]  # no resident layer: the relay's slots only
+
+
+@pytest.mark.slow
+def test_four_l2l_ranks_two_pipelines_of_two_match_one_process() -> None:
+    """Acceptance 1, 2 x 2: two pipelines of L2L stages, the EPS reducing each layer over the pipelines."""
+    ref = train(tiny_cfg(*EQ[len(TINY) :], *CLIP, "mode=l2l"), steps=3, total_steps=3)["weights"]
+    dp = [*EQ, *CLIP, "mode=l2l", "dist.nproc=4", "dist.pipeline=2", "batch.size=4"]
+    results = run_jobs(4, [dp, [*dp, "mode.stash=cpu"]], steps=3)
+    for job in results[0]:
+        assert_same_weights(job["weights"], ref)
+        assert job["sections"]["pipeline"]["data_parallel"] == 2
+
+
+@pytest.mark.slow
+def test_an_untied_llama_on_l2l_stages_equals_one_process(tmp_path) -> None:
+    """Acceptance 1 for a decoder: a Llama (untied head) on 2 L2L stages' ranks, through the CLI (the LM
+    task), equals one process mode=l2l: the final model and the evaluation loss."""
+    common = ["model=llama-tiny", "task=lm", "model.num_layers=4", "model.hidden_size=32", "model.num_heads=4",
+              "model.num_kv_heads=2", "model.intermediate_size=64", "model.dropout=0.0", "task.max_seq_len=16",
+              "task.max_eval_samples=8", "batch.size=8", "batch.ubatch_size=2", "trainer.max_steps=3",
+              "trainer.save_final=true", "trainer.progress=none", "mode=l2l", *CLIP]  # fmt: skip
+    for name, extra in (("one", []), ("pipe", ["dist.nproc=2", "dist.pipeline=2", "mode.stash=cpu"])):
+        r = subprocess.run(
+            [sys.executable, "-m", "l2l_cli", "train", *common, *extra, f"hydra.run.dir={tmp_path / name}"],
+            capture_output=True, text=True, timeout=600, cwd=REPO,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+    one, pipe = (json.loads((tmp_path / n / "summary.json").read_text()) for n in ("one", "pipe"))
+    assert pipe["pipeline"]["stage_mode"] == "l2l" and pipe["eval"]["loss"] == pytest.approx(
+        one["eval"]["loss"]
+    )
+    assert_same_weights(load_file(tmp_path / "pipe/final/model.safetensors"),
+                        load_file(tmp_path / "one/final/model.safetensors"))  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a 2-rank NCCL pipeline needs two CUDA devices")
+def test_a_two_rank_nccl_pipeline_equals_one_gpu() -> None:
+    """Acceptance 5: on two GPUs the pipeline's groups are NCCL (dist.backend=auto), hidden states cross as
+    device tensors, and baseline_ag and L2L stages equal one GPU's run."""
+    cuda = ["device=cuda", "model.num_layers=4"]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    results = run_jobs(2, [[*EQ, *cuda, *PIPE], [*EQ, *cuda, *PIPE[1:], "mode=l2l", *CLIP]], steps=3)
+    for job, mode in zip(results[0], (["mode=baseline_ag"], ["mode=l2l", *CLIP]), strict=True):
+        ref = train(tiny_cfg(*EQ[len(TINY) :], *cuda, *mode), steps=3, total_steps=3)["weights"]
+        assert_same_weights(job["weights"], ref, rtol=1e-3)

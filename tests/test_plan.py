@@ -442,3 +442,38 @@ def test_compare_run_is_the_round_trip_report_can_call(tmp_path) -> None:
     assert out["phases"]["forward"]["measured"] == 0.05 and out["step"]["predicted"] > 0
     with pytest.raises(PlanError, match=r"no\.such"):
         compare_run(tmp_path, ["no.such=1"])
+
+
+def test_the_pipeline_section_counts_messages_for_both_placements() -> None:
+    """Issue 23: the bubble adds each rank's 2(S-1)n_mu/P exchanges at the preset's latency + bytes over its
+    network; the paper's free-overlap value stays beside it; L2L stages keep the rank's state on the host."""
+    over = ["model=bert-mini", "model.num_layers=8", "dist.nproc=2", "dist.pipeline=2", "batch.size=16",
+            "batch.ubatch_size=4", "task.max_seq_len=128", "hardware=cpu-eps"]  # fmt: skip
+    cfg = compose([*over, "mode=baseline_ag"])
+    pipe = make_plan(cfg)["pipeline"]
+    rows = {(r["placement"], r["schedule"]): r for r in pipe["alternatives"]}
+    mod, con = rows[("modular", "breadth_first")], rows[("contiguous", "1f1b")]
+    assert (
+        mod["messages_per_rank"] == 7 * mod["messages_per_rank"] / 7 == 28 and con["messages_per_rank"] == 4
+    )
+    exchange = 50e-6 + 2 * 4 * 4 * 128 * 256 / 12.5e9  # cpu-eps: 50 µs, 12.5 GB/s; a 4 x 128 x 256 FP32 state
+    assert pipe["exchange_s"] == pytest.approx(exchange)
+    for r in (mod, con):
+        assert r["bubble_predicted"] > r["bubble_predicted_paper"]
+    assert mod["bubble_predicted_paper"] == pytest.approx((1 / 16) / (1 + 1 / 16))
+    assert pipe["bubble_predicted_paper"] == mod["bubble_predicted_paper"]
+    # slower messages: the modular placement's many exchanges cost more than the contiguous one's few
+    slow = make_plan(compose([*over, "mode=baseline_ag", "hardware.p2p_latency_us=20000"]))["pipeline"]
+    srows = {(r["placement"], r["schedule"]): r for r in slow["alternatives"]}
+    assert (
+        srows[("modular", "breadth_first")]["bubble_predicted"]
+        > srows[("contiguous", "1f1b")]["bubble_predicted"]
+    )
+    l2l = make_plan(compose([*over, "mode=l2l", "mode.stash=cpu"]))
+    mem = l2l["memory_bytes"]
+    assert "training_state" not in mem["device"]["parts"] and mem["host"]["parts"]["training_state"] > 0
+    base = make_plan(compose([*over, "mode=baseline_ag", "model.num_layers=16"]))["memory_bytes"]["device"][
+        "total"
+    ]
+    deep = make_plan(compose([*over, "mode=l2l", "mode.stash=cpu", "model.num_layers=16"]))["memory_bytes"]
+    assert deep["device"]["total"] == mem["device"]["total"] < base  # flat in depth on the device

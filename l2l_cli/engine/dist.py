@@ -31,6 +31,9 @@ class DistContext:
     data_rank: int = 0  # which shard of each global minibatch this rank reads
     data_world: int = 1  # how many shards a global minibatch has (the data-parallel degree)
     eval_ranks: tuple[int, ...] = (0,)  # the ranks that run ``predict`` together; rank 0 keeps the metrics
+    backend: str = (
+        "gloo"  # the default group's backend (dist.backend, ``auto`` resolved): device tensors' groups
+    )
 
     @property
     def enabled(self) -> bool:
@@ -57,20 +60,27 @@ class DistContext:
             dist.barrier()
 
 
+def resolve_backend(backend: str, device: str, cuda: bool | None = None) -> str:
+    """``dist.backend`` for ``device``: auto is NCCL where the ranks run on CUDA devices, gloo otherwise."""
+    if backend != "auto":
+        return backend
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    return "nccl" if device in ("auto", "cuda") and cuda else "gloo"
+
+
 def from_env(cfg: Any) -> DistContext:
     """Join the process group described by the environment (set by the elastic launcher or torchrun)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return DistContext()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    backend = cfg.dist.backend
-    if backend == "auto":
-        backend = "nccl" if cfg.device in ("auto", "cuda") and torch.cuda.is_available() else "gloo"
+    backend = resolve_backend(cfg.dist.backend, cfg.device)
     timeout = timedelta(seconds=cfg.dist.timeout_s)
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timeout)
     eps_group = dist.new_group(backend="gloo", timeout=timeout)
-    return DistContext(rank, world, local_rank, eps_group, data_rank=rank, data_world=world)
+    backend = str(dist.get_backend())  # a group someone else initialised (torchrun's caller) may differ
+    return DistContext(rank, world, local_rank, eps_group, data_rank=rank, data_world=world, backend=backend)
 
 
 def shutdown(ctx: DistContext) -> None:

@@ -95,11 +95,7 @@ class EagerParamServer(LayerServer):
     ) -> tuple[bool, float]:
         """Alg. 3's update: once every layer's gradient is reduced, skip the step on a non-finite one,
         clip (globally or per layer), update every layer."""
-        for i in self._deferred:
-            self.worker.submit(self.layer_job, self._reduce_and_norm, i)
-        self._deferred = []
-        with timer("reduce" if self.dist.enabled else "transfer"):  # the reductions not hidden by backward
-            self.wait_background()
+        self.gather_grads(timer)
         with timer("optimizer"), self.worker.work():
             norms = self.grad_norms(scaler)
             finite = bool(torch.isfinite(norms).all())
@@ -109,6 +105,14 @@ class EagerParamServer(LayerServer):
                 for i in range(len(self.layers)):
                     self.update_layer(i, lr, self.grad_mult(scaler, None if coefs is None else coefs[i]))
         return finite, float(torch.linalg.vector_norm(norms))
+
+    def gather_grads(self, timer: PhaseTimer) -> None:
+        """Every layer's gradient in and reduced (the deferred reductions started now), before an update."""
+        for i in self._deferred:
+            self.worker.submit(self.layer_job, self._reduce_and_norm, i)
+        self._deferred = []
+        with timer("reduce" if self.dist.enabled else "transfer"):  # the reductions not hidden by backward
+            self.wait_background()
 
     def grad_mult(self, scaler: LossScaler, coef: torch.Tensor | None) -> torch.Tensor | float | None:
         """The one multiplier that unscales, averages over ranks and clips a gradient (None: as is)."""

@@ -382,5 +382,6 @@ SPEC = register_mode(
         host_state="eps",
         distribute="eps",
         state_layout="eps-flat-v1",  # shared by l2l and l2l_p: either resumes the other's checkpoints
+        pipeline_stage=True,  # dist.pipeline > 1: each rank's EPS holds its stages (parallel/pipeline/l2l.py)
     )
 )

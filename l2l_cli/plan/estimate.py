@@ -538,22 +538,43 @@ def _pipeline_ranks(shape: ModelShape, s: Setup, rates: Rates) -> list[dict[str,
     return out
 
 
+def _exchange(shape: ModelShape, s: Setup, rates: Rates) -> float:
+    """One exchange between pipeline neighbours: a micro-batch's hidden state (FP32) out and one in."""
+    from l2l_cli.parallel.pipeline.plan import exchange_seconds, hidden_bytes
+
+    return exchange_seconds(
+        hidden_bytes(s.ubatch, s.seq, shape.hidden), rates.p2p_latency, rates.p2p_bytes_per_s
+    )
+
+
 def pipeline_time(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Phase]:
     """A pipeline step on its busiest rank: that rank's forward and backward, the bubble (appendix C:
-    (P-1)/n_mu of the compute, divided by the stages each rank holds: §4's L/P for the modular pipeline),
-    its optimizer, and the data-parallel reduction of its layers' gradients, which overlaps the backward of
-    the rank's other stages (each stage reduces as soon as its last micro-batch is through)."""
+    (P-1)/n_mu of the compute, divided by the stages each rank holds: §4's L/P for the modular pipeline)
+    plus the rank's messages (2(S-1)·n_mu/P exchanges, each latency + bytes over the link: the modular
+    placement sends L/P times more), its optimizer (on the device, or the EPS's on the host for L2L
+    stages), and the data-parallel reduction of its layers' gradients, which overlaps the backward of the
+    rank's other stages (each stage reduces as soon as its last micro-batch is through)."""
     ph = {p: Phase() for p in PHASES}
     plan = _stage_plan(shape, s)
     busy = max(_pipeline_ranks(shape, s, rates), key=lambda r: r["forward"] + r["backward"])
     f, b = busy["forward"], busy["backward"]
     ph["forward"].add(f, f)
     ph["backward"].add(b, b)
+    if s.l2l:  # L2L stages recompute each layer's forward in backward
+        ph["recompute"].add(f, f)
+        b += f
     bubble = plan.bubble_overhead(s.num_ubatches) * (f + b)
+    bubble += plan.messages_per_rank(s.num_ubatches) * _exchange(shape, s, rates)
     ph["bubble"].add(bubble, bubble)
     D = s.data_parallel
-    t = rates.device_update_time(busy["params"] / (D if s.partition_state else 1))
+    if s.l2l:
+        t = rates.host_update_time(busy["params"])
+    else:
+        t = rates.device_update_time(busy["params"] / (D if s.partition_state else 1))
     ph["optimizer"].add(t, t)
+    if s.l2l:  # each layer relayed twice (forward, backward), behind the previous layer's compute
+        copy = 2 * rates.copy_time(busy["params"] * device_weight_bytes(s.precision))
+        ph["transfer"].add(copy, max(0.0, copy - (f + b)) if rates.async_copy else copy)
     if D > 1:
         red = 2 * (D - 1) / D * 4.0 * busy["params"] / rates.network
         v = plan.stages_per_rank
@@ -571,6 +592,16 @@ def pipeline_memory(shape: ModelShape, s: Setup) -> dict[str, dict[str, float]]:
     ranks = [[i for st in plan.stages_of(r) for i in plan.layers(st)] for r in range(s.pipeline)]
     params = max(sum(per.get(i, shape.block_params) for i in layers) for layers in ranks)
     layers = max(len(x) for x in ranks)
+    if s.l2l:  # L2L stages: the relay's slots and the stash on the device, the rank's state on its EPS
+        A = shape.output_bytes(s.seq, s.precision)
+        slots = 2 if s.prefetch else 1
+        dev = {"param_grad_buffers": 2.0 * slots * shape.max_layer_params * device_weight_bytes(s.precision),
+               "stash": 2.0 * s.ubatch * A if s.stash == "cpu" else layers * s.batch * A,
+               "working_activations": s.ubatch * shape.block_working_bytes(s.seq, s.precision) + 2 * s.batch * A}  # fmt: skip
+        host = {"training_state": FP32_STATE * params}
+        if s.stash == "cpu":
+            host["stash"] = layers * s.batch * A
+        return {"device": dev, "host": host, "disk": {}}
     moments = 8.0 * params / (s.data_parallel if s.partition_state else 1)
     in_flight = (
         s.num_ubatches if s.schedule in ("breadth_first", "gpipe") else min(s.num_ubatches, s.pipeline)
@@ -600,10 +631,16 @@ def pipeline_view(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Any] |
             if shape.num_layers % (s.pipeline * plan.block_size) or (plan.stages_per_rank > 1 and not many):
                 continue  # the config check refuses it
             r = evaluate(shape, alt, rates)
+            busy = max(_pipeline_ranks(shape, alt, rates), key=lambda x: x["forward"] + x["backward"])
+            compute = busy["forward"] * (2 if alt.l2l else 1) + busy["backward"]  # L2L: + the recompute
+            exchange = _exchange(shape, alt, rates)
             rows.append({
                 "placement": placement, "schedule": schedule, "torch_schedule": cls.__name__,
                 "stages_per_rank": plan.stages_per_rank, "bubble_overhead": plan.bubble_overhead(s.num_ubatches),
-                "bubble_predicted": plan.bubble_fraction(s.num_ubatches), "step_time_s": r["step_time_s"],
+                "bubble_predicted": plan.bubble_with_messages(s.num_ubatches, compute, exchange),
+                "bubble_predicted_paper": plan.bubble_fraction(s.num_ubatches),
+                "messages_per_rank": plan.messages_per_rank(s.num_ubatches), "exchange_s": exchange,
+                "step_time_s": r["step_time_s"],
                 "samples_per_s": r["samples_per_s"], "configured": alt == s,
             })  # fmt: skip
     mine = next(r for r in rows if r["configured"])
@@ -611,6 +648,8 @@ def pipeline_view(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Any] |
         "pipeline": s.pipeline, "data_parallel": s.data_parallel, "placement": s.placement, "schedule": s.schedule,
         "num_ubatches": s.num_ubatches, "layers_per_stage": s.layers_per_stage, "partition_state": s.partition_state,
         "bubble_overhead": mine["bubble_overhead"], "bubble_predicted": mine["bubble_predicted"],
+        "bubble_predicted_paper": mine["bubble_predicted_paper"], "messages_per_rank": mine["messages_per_rank"],
+        "exchange_s": mine["exchange_s"],
         "step_time_s": mine["step_time_s"], "samples_per_s": mine["samples_per_s"],
         "ranks": _pipeline_ranks(shape, s, rates), "alternatives": rows,
     }  # fmt: skip

@@ -33,6 +33,8 @@ class Rates:
     tensor_link: float  # bytes/s, input + output (0: none)
     offload: float  # bytes/s, input + output
     async_copy: bool
+    p2p_latency: float = 10e-6  # seconds: a message between pipeline ranks, before its bytes
+    p2p_bytes_per_s: float = 12.5e9  # bytes/s, input + output, of pipeline messages (the network's)
     disk_read: float = 3e9  # the disk EPS tier: bytes/s, sequential
     disk_write: float = 2e9
     disk_free: float = float("inf")  # bytes the disk EPS may take
@@ -110,6 +112,8 @@ def resolve(cfg: Any, shape: ModelShape) -> Rates:
         host_memory=hw.host_memory_gb * GiB,
         h2d=hw.h2d_gbps * GB,
         network=hw.network_gbps * GB,
+        p2p_latency=hw.p2p_latency_us * 1e-6,
+        p2p_bytes_per_s=hw.network_gbps * GB,
         tensor_link=hw.tensor_link_gbps * GB,
         offload=hw.offload_gbps * GB,
         async_copy=hw.async_copy,
@@ -137,6 +141,14 @@ def resolve(cfg: Any, shape: ModelShape) -> Rates:
             host_shares_device=on_cpu,
         )
         notes.append(f"measured on this machine ({measured.threads} threads, median of {measured.repeats})")
+        if cfg.dist.pipeline > 1:  # the pipeline's messages: an exchange between two processes here
+            from l2l_cli.plan.measure import measure_exchange
+
+            hidden = 4.0 * cfg.batch.ubatch_size * cfg.task.max_seq_len * shape.hidden
+            latency, bw = measure_exchange(hidden, cfg.plan.measure_repeats)
+            rates = replace(rates, p2p_latency=latency, p2p_bytes_per_s=bw)
+            notes.append(f"pipeline messages measured between two gloo processes: {latency * 1e6:.0f} µs, "
+                         f"{bw / GB:.2f} GB/s")  # fmt: skip
         if measured.disk is not None:
             d = measured.disk
             rates = replace(

@@ -303,3 +303,44 @@ def measure(cfg: Any, shape: ModelShape) -> MeasuredTimes:
         repeats=repeats,
         threads=torch.get_num_threads(),
     )
+
+
+def _exchange_rank(rank: int, store_path: str, nbytes: list[int], repeats: int, out: Any) -> None:
+    """One of two gloo processes timing exchanges (a message out to the other, one in) of each size."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        res = []
+        for n in nbytes:
+            a, b = torch.zeros(max(1, n // 4)), torch.empty(max(1, n // 4))
+            times = []
+            for _ in range(repeats + 1):
+                dist.barrier()
+                t0 = time.perf_counter()
+                for r in (dist.isend(a, dst=1 - rank), dist.irecv(b, src=1 - rank)):
+                    r.wait()
+                times.append(time.perf_counter() - t0)
+            res.append(statistics.median(times[1:]))
+        if rank == 0:
+            out.put(res)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_exchange(nbytes: float, repeats: int = 7) -> tuple[float, float]:
+    """(latency s, bytes/s input + output) of a message between two processes on this machine (gloo, as a
+    CPU pipeline's ranks exchange hidden states): exchanges of 4 bytes and of ``nbytes``, medians."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    sizes = [4, max(8, int(nbytes))]
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_exchange_rank, args=(f"{tmp}/store", sizes, repeats, out), nprocs=2, join=True,
+                           start_method="spawn")  # fmt: skip
+        small, big = out.get()
+    return small, 2.0 * sizes[1] / max(big - small, 1e-9)

@@ -197,7 +197,12 @@ def pipeline_plot(runs: list[Run], out: Path) -> tuple[str, str] | None:
         xs = [x for x, *_ in pts]
         bubble.plot(xs, [100 * m for _, m, _, _ in pts], "o-", color=color, label=f"{series} measured")
         bubble.plot(
-            xs, [100 * p for _, _, p, _ in pts], "s--", color=color, alpha=0.6, label=f"{series} predicted"
+            xs,
+            [100 * p for _, _, p, _ in pts],
+            "s--",
+            color=color,
+            alpha=0.6,
+            label=f"{series} predicted (+ messages)",
         )
         speed.plot(xs, [t or 0.0 for *_, t in pts], "o-", color=color, label=series)
     xs_all = [r.pipeline["num_ubatches"] for r in piped]

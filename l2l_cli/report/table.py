@@ -236,7 +236,7 @@ CSV_FIELDS = [
     "h2d_bytes", "d2h_bytes", "train_samples", "epoch_time_s", "steps", "final_loss", "skipped_steps",
     "wall_time_s", "device", "optimizer_s", "optimizer_exposed_s", "optimizer_hidden_share", "rollbacks",
     "wall_time_s", "device", "pipeline", "data_parallel", "placement", "schedule", "bubble_measured",
-    "bubble_predicted",
+    "bubble_predicted", "bubble_predicted_paper",
 ]  # fmt: skip
 PIPELINE_FIELDS = (
     "pipeline",
@@ -245,6 +245,7 @@ PIPELINE_FIELDS = (
     "schedule",
     "bubble_measured",
     "bubble_predicted",
+    "bubble_predicted_paper",
 )
 
 

@@ -5,9 +5,12 @@ engine, ``dist.pipeline > 1``. A reader's path through it:
 - ``plan.py``: which layers each stage holds, which rank runs it, and the bubble the paper predicts;
 - ``stage.py``: a stage's module (its layers in order) and torch's ``PipelineStage`` timing it;
 - ``state.py``: a stage's flat weights, gradients, optimizer shard and moments, and its reduction;
-- ``runner.py``: one rank's ``PipelineRunner``: its stages, torch's schedule, the update, checkpoints.
+- ``runner.py``: one rank's ``PipelineRunner``: its stages, torch's schedule, the update, checkpoints;
+- ``l2l_stages.py``: ``L2LStagesRunner``, stages that run L2L (an EPS mode): each rank's EPS holds its
+  stages' layers, relayed once per batch each way, the breadth-first schedule written out as Alg. 3.
 """
 
+from l2l_cli.parallel.pipeline.l2l_stages import L2LStagesRunner, stage_runner
 from l2l_cli.parallel.pipeline.plan import StagePlan, plan_of
 from l2l_cli.parallel.pipeline.runner import PipelineRunner, layout
 from l2l_cli.parallel.pipeline.settings import AUTO_SCHEDULE, SCHEDULES, PipelineSettings, selected, validate
@@ -20,10 +23,18 @@ SPEC = register_parallel(
         "data parallel across pipelines",
         selected=selected,
         settings=PipelineSettings.from_cfg,
-        runner=PipelineRunner,
+        runner=stage_runner,
         layout=layout,
         validate=validate,
     )
 )
 
-__all__ = ["AUTO_SCHEDULE", "SCHEDULES", "PipelineRunner", "PipelineSettings", "StagePlan", "plan_of"]
+__all__ = [
+    "AUTO_SCHEDULE",
+    "SCHEDULES",
+    "L2LStagesRunner",
+    "PipelineRunner",
+    "PipelineSettings",
+    "StagePlan",
+    "plan_of",
+]

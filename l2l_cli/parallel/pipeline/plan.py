@@ -52,9 +52,35 @@ class StagePlan:
         return (self.pipeline - 1) / (num_ubatches * self.stages_per_rank)
 
     def bubble_fraction(self, num_ubatches: int) -> float:
-        """The predicted share of a step's pipeline time a rank spends not computing: o / (1 + o)."""
+        """The paper's predicted share of a step's pipeline time a rank spends not computing: o / (1 + o),
+        messages free (they overlap compute)."""
         o = self.bubble_overhead(num_ubatches)
         return o / (1.0 + o)
+
+    def messages_per_rank(self, num_ubatches: int) -> float:
+        """Exchanges per rank and training step: every micro-batch's hidden state crosses the S-1 stage
+        boundaries forward and its gradient back, 2(S-1)·n_mu messages spread over the P ranks, each rank
+        sending as many as it receives. The modular placement sends L/P times more than the contiguous."""
+        return 2 * (self.num_stages - 1) * num_ubatches / self.pipeline
+
+    def bubble_with_messages(self, num_ubatches: int, compute_s: float, exchange_s: float) -> float:
+        """The bubble counting what the messages cost: a step's pipeline time is the rank's compute
+        times (1 + o) plus its exchanges (one message out, one in: ``exchange_s``), which nothing hides
+        where ranks copy messages on their own cores (gloo on CPU) and NCCL hides only in part."""
+        t = compute_s * (1.0 + self.bubble_overhead(num_ubatches))
+        t += self.messages_per_rank(num_ubatches) * exchange_s
+        return (t - compute_s) / t if t > 0 else 0.0
+
+
+def exchange_seconds(nbytes: float, latency_s: float, bytes_per_s: float) -> float:
+    """One exchange between pipeline neighbours: a message of ``nbytes`` out and one in (``bytes_per_s``:
+    input + output, as ``hardware.network_gbps``), after the link's latency."""
+    return latency_s + 2.0 * nbytes / bytes_per_s
+
+
+def hidden_bytes(rows: int, seq: int, hidden: int) -> float:
+    """One micro-batch's hidden state (or its gradient) between stages: FP32 on the wire."""
+    return 4.0 * rows * seq * hidden
 
 
 def plan_of(cfg: Any, num_layers: int) -> StagePlan:

@@ -13,13 +13,14 @@ with the first stage, the head with the last) and placed
 through one of its stages before the next (layered gradient accumulation across ranks, Figure 3's
 modular pipeline); ``interleaved_1f1b`` (``ScheduleInterleaved1F1B``), and ``gpipe`` / ``1f1b``, which
 take one stage per rank. ``mode`` names what each stage runs: Alg. 2 (``baseline_ag``), the stage's
-layers, gradients and optimizer state resident on the rank's device.
+layers, gradients and optimizer state resident on the rank's device (this runner); an EPS mode runs L2L
+stages (``l2l_stages.py``).
 
 Side inputs are rebuilt per stage from the batch (stage.py); only hidden states travel between ranks.
 
 Data parallel across pipelines: as soon as a stage's last micro-batch finishes backward (torch's
-REDUCE_GRAD action), its gradient starts an asynchronous reduction on the data-parallel group (a gloo group
-of its own, like the EPS's eager per-layer reduction), overlapping the backward of the stages below it.
+REDUCE_GRAD action), its gradient starts an asynchronous reduction on the data-parallel group (a group of
+its own, on the run's backend, like the EPS's eager per-layer reduction), overlapping the backward of the stages below it.
 ``dist.partition_state``: the reduction is a reduce-scatter, each data-parallel rank updates its shard of
 every stage with the optimizer state of that shard only, and an all-gather brings the updated weights back.
 
@@ -30,10 +31,11 @@ bubble = 1 - compute / pipeline time, next to appendix C's prediction (§2.4 and
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +51,8 @@ from l2l_cli.engine.optim import clip_coefficients
 from l2l_cli.models.base import BLOCK, POST, PRE
 from l2l_cli.modes.base import RunnerArgs, RunnerBase, StepReport
 from l2l_cli.modes.registry import ModeSpec
-from l2l_cli.parallel.pipeline.plan import StagePlan
-from l2l_cli.parallel.pipeline.settings import SCHEDULES, PipelineSettings
+from l2l_cli.parallel.pipeline.plan import StagePlan, exchange_seconds, hidden_bytes
+from l2l_cli.parallel.pipeline.settings import SCHEDULES, PipelineSettings, torch_problem
 from l2l_cli.parallel.pipeline.stage import TimedStage, Timeline
 from l2l_cli.parallel.pipeline.state import Shard, StageState
 
@@ -65,6 +67,78 @@ def layout(ctx: DistContext, s: PipelineSettings) -> DistContext:
     )
 
 
+@dataclass(frozen=True)
+class Groups:
+    """This rank's process groups: ``pp`` carries the hidden states between pipeline ranks (the run's
+    backend: NCCL between GPUs, whose send/recv take device tensors; gloo on CPU); ``dp`` the data-parallel
+    reduction; ``pp_host`` the pipeline's small host-side collectives (the loss, the norms, logits, the
+    gathered checkpoint): gloo, the same group as ``pp`` where that is gloo."""
+
+    pp: Any
+    dp: Any
+    pp_host: Any
+
+
+def pipeline_groups(
+    P: int, world: int, pp_rank: int, dp_rank: int, backend: str, dp_backend: str | None = None
+) -> Groups:
+    """This rank's groups: pipelines are consecutive ranks, data-parallel groups share a pipeline rank;
+    every rank creates every group, in the same order, as torch.distributed requires. ``dp_backend``: the
+    data-parallel group's when it differs (an EPS reduces host buffers, on gloo)."""
+    pp = dp = host = None
+    for d in range(world // P):
+        ranks = [d * P + i for i in range(P)]
+        g = dist.new_group(ranks, backend=backend)
+        h = g if backend == "gloo" else dist.new_group(ranks, backend="gloo")
+        pp, host = (g, h) if d == dp_rank else (pp, host)
+    for i in range(P):
+        g = dist.new_group([d * P + i for d in range(world // P)], backend=dp_backend or backend)
+        dp = g if i == pp_rank else dp
+    return Groups(pp, dp, host)
+
+
+def exchange_s(
+    s: PipelineSettings, groups: tuple[Any, Any], peers: tuple[int, int], nbytes: float, device: torch.device
+) -> tuple[float, str]:
+    """Seconds of one exchange between pipeline neighbours (a hidden state out, one in) and where the number
+    comes from: with ``hardware=measure`` timed here on the pipeline's own group (each rank sends ``nbytes``
+    to the next rank and receives as many from the previous; the median of 7), else the ``hardware``
+    preset's latency plus the bytes over its network. Collective over the pipeline (``groups``: the
+    messages' group and its host group; ``peers``: the previous and the next rank, global)."""
+    if not s.measure_p2p:
+        return exchange_seconds(nbytes, s.p2p_latency_s, s.p2p_bytes_per_s), "hardware"
+    group, host = groups
+    n = max(1, int(nbytes) // 4)
+    out, into = torch.zeros(n, device=device), torch.empty(n, device=device)
+    times = []
+    for _ in range(8):
+        dist.barrier(group=host)
+        t0 = time.perf_counter()
+        reqs = [dist.isend(out, dst=peers[1], group=group), dist.irecv(into, src=peers[0], group=group)]
+        for r in reqs:
+            r.wait()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]), "measured"
+
+
+def bubble_section(
+    plan: StagePlan, n: int, ranks: list[dict[str, Any]], exchange: tuple[float, str], nbytes: float
+) -> dict[str, Any]:
+    """summary.json's predicted bubbles: the paper's (messages free) and with each rank's exchanges counted
+    (the mean compute of the ranks, their messages at ``exchange`` seconds each)."""
+    computes = [r["compute_s"] for r in ranks if r.get("compute_s")]
+    compute = sum(computes) / len(computes) if computes else 0.0
+    return {
+        "bubble_predicted": plan.bubble_with_messages(n, compute, exchange[0]),
+        "bubble_predicted_paper": plan.bubble_fraction(n),
+        "bubble_overhead_predicted": plan.bubble_overhead(n),
+        "messages_per_rank": plan.messages_per_rank(n), "message_bytes": nbytes,
+        "exchange_s": exchange[0], "exchange_from": exchange[1],
+    }  # fmt: skip
+
+
 class PipelineRunner(RunnerBase):
     """One rank of a pipeline: its stages, torch's schedule over them, and the update of its layers."""
 
@@ -76,7 +150,10 @@ class PipelineRunner(RunnerBase):
         if world % P:
             raise RuntimeError(f"dist.pipeline={P} does not divide the {world} ranks launched")
         self.pp_rank, self.dp_rank, self.dp_world = rank % P, rank // P, world // P
-        self.pp_group, self.dp_group = self._groups(P, world)
+        if (why := torch_problem()) is not None:
+            raise RuntimeError(why)
+        groups = pipeline_groups(P, world, self.pp_rank, self.dp_rank, self.dist.backend)
+        self.pp_group, self.dp_group, self.pp_host = groups.pp, groups.dp, groups.pp_host
         self.plan = StagePlan(self.spec.num_layers, P, s.placement, s.layers_per_stage)
         self.head = self.spec.num_layers + 1
         self.last_rank = self.dp_rank * P + self.plan.rank_of(self.plan.num_stages - 1)  # global rank
@@ -86,7 +163,7 @@ class PipelineRunner(RunnerBase):
             st: StageState(self, self.plan.layers(st), self.layouts, shard)
             for st in self.plan.stages_of(self.pp_rank)
         }
-        self.timeline = Timeline()
+        self.timeline = Timeline(cuda=self.acc.device.type == "cuda")
         self._schedules: OrderedDict[tuple[bool, int, int], Any] = OrderedDict()
         self._full: dict[str, dict[str, Any]] | None = None  # collect()'s weights and moments (rank 0)
         self._collected_at = -1
@@ -94,18 +171,7 @@ class PipelineRunner(RunnerBase):
         self.timed_steps = 0
         self.first_step = True
         self._first: dict[str, float] = {}
-
-    def _groups(self, P: int, world: int) -> tuple[Any, Any]:
-        """Pipeline groups (consecutive ranks) and data-parallel groups (same pipeline rank); every rank
-        creates every group, in the same order, as torch.distributed requires."""
-        pp = dp = None
-        for d in range(world // P):
-            g = dist.new_group([d * P + i for i in range(P)], backend="gloo")
-            pp = g if d == self.dp_rank else pp
-        for i in range(P):
-            g = dist.new_group([d * P + i for d in range(world // P)], backend="gloo")
-            dp = g if i == self.pp_rank else dp
-        return pp, dp
+        self.message_bytes = 0.0  # one micro-batch's hidden state on the wire (the last step's)
 
     # ---- schedules: one per padded shape -----------------------------------------------------------
 
@@ -179,21 +245,18 @@ class PipelineRunner(RunnerBase):
         n = self.num_ubatches
         rows = len(mb) // n
         sched = self.schedule(rows, mb.seq_len, train=True)
+        self.message_bytes = hidden_bytes(rows, mb.seq_len, self.spec.hidden_size)
         # side inputs by keyword: torch cuts them into the same micro-batches for every stage
-        kwargs = {
-            "mask": mb.attention_mask,
-            "ubatch": torch.arange(n, device=mb.input_ids.device).repeat_interleave(rows),
-            "labels": mb.labels,
-        }
+        kwargs = {"mask": mb.attention_mask, "labels": mb.labels}
         args = (mb.input_ids, mb.token_type_ids) if 0 in self.stages else ()
         losses: list[torch.Tensor] = []
         # the pipeline's window opens and closes together on its ranks: a rank's wait for the first
         # micro-batch (fill) and for the others to finish (drain) is its bubble, not its neighbour's update
-        dist.barrier(group=self.pp_group)
+        dist.barrier(group=self.pp_host)
         t0 = time.perf_counter()
         with self.acc.meter.part("activations"):
             sched.step(*args, target=mb.labels, losses=losses, return_outputs=False, **kwargs)
-        dist.barrier(group=self.pp_group)
+        dist.barrier(group=self.pp_host)
         t1 = time.perf_counter()
         times = self.timeline.pop(t0, t1)
         loss = self._pipeline_loss(losses)
@@ -219,7 +282,7 @@ class PipelineRunner(RunnerBase):
         t = torch.zeros((), dtype=torch.float32)
         if losses:
             t = torch.stack([x.detach().float() for x in losses]).sum().cpu() / self.precision.scaler.scale
-        dist.broadcast(t, src=self.last_rank, group=self.pp_group)
+        dist.broadcast(t, src=self.last_rank, group=self.pp_host)
         return t
 
     def update(self, lr: float) -> tuple[bool, float]:
@@ -230,7 +293,9 @@ class PipelineRunner(RunnerBase):
         for st in self.stages.values():
             st.add_sq_norms(sq)
         partitioned = any(st.partitioned for st in self.stages.values())
-        dist.all_reduce(sq, group=None if partitioned else self.pp_group)  # shards: over every rank
+        # shards: over every rank (on the EPS's gloo group over all of them where the default is NCCL)
+        every = None if self.dist.backend == "gloo" else self.dist.eps_group
+        dist.all_reduce(sq, group=every if partitioned else self.pp_host)
         norms = (sq.sqrt() / (scaler.scale * D)).float()
         finite = bool(torch.isfinite(norms).all())
         scaler.update(not finite)
@@ -279,6 +344,14 @@ class PipelineRunner(RunnerBase):
             "steps_timed": self.timed_steps,
         }  # fmt: skip
 
+    def exchange(self) -> tuple[float, str]:
+        """One exchange's seconds between this rank's pipeline neighbours (collective over the pipeline)."""
+        P, base = self.pipe.pipeline, self.dp_rank * self.pipe.pipeline
+        peers = (base + (self.pp_rank - 1) % P, base + (self.pp_rank + 1) % P)
+        return exchange_s(
+            self.pipe, (self.pp_group, self.pp_host), peers, self.message_bytes, self.acc.device
+        )
+
     def sections(self) -> dict[str, dict[str, Any]]:
         """summary.json's ``pipeline``: the layout, each rank's times, the bubble measured and predicted."""
         ranks = [None] * self.dist.world
@@ -295,8 +368,7 @@ class PipelineRunner(RunnerBase):
                 "side_inputs": "rebuilt per stage from the batch (mask, labels, micro-batch index as keyword "
                                "arguments); only hidden states cross ranks",
                 "bubble_measured": sum(bubbles) / len(bubbles) if bubbles else None,
-                "bubble_predicted": plan.bubble_fraction(n),
-                "bubble_overhead_predicted": plan.bubble_overhead(n),
+                **bubble_section(plan, n, ranks, self.exchange(), self.message_bytes),
                 "ranks": ranks,
             }
         }  # fmt: skip
@@ -312,7 +384,7 @@ class PipelineRunner(RunnerBase):
             st.module.eval()
         try:
             args = (b.input_ids, b.token_type_ids) if 0 in self.stages else ()
-            kwargs = {"mask": b.attention_mask, "ubatch": torch.zeros(len(b), dtype=torch.long)}
+            kwargs = {"mask": b.attention_mask}
             with self.acc.meter.part("activations"):
                 out = sched.step(*args, return_outputs=True, **kwargs)
             self.timeline.chunks.clear()
@@ -323,10 +395,10 @@ class PipelineRunner(RunnerBase):
         shape = torch.zeros(3, dtype=torch.long)
         if out is not None:
             shape[: out.dim()] = torch.tensor(out.shape)
-        dist.broadcast(shape, src=self.last_rank, group=self.pp_group)
+        dist.broadcast(shape, src=self.last_rank, group=self.pp_host)
         dims = [int(d) for d in shape if d > 0]
         logits = out.float().cpu() if out is not None else torch.empty(dims)
-        dist.broadcast(logits, src=self.last_rank, group=self.pp_group)
+        dist.broadcast(logits, src=self.last_rank, group=self.pp_host)
         return logits
 
     # ---- checkpoints and weights: Hugging Face names, gathered on rank 0 ----------------------------
@@ -353,7 +425,7 @@ class PipelineRunner(RunnerBase):
         if self.dp_rank != 0:
             return
         parts: list[Any] | None = [None] * self.pipe.pipeline if self.dist.rank == 0 else None
-        dist.gather_object(mine, parts, dst=0, group=self.pp_group)
+        dist.gather_object(mine, parts, dst=0, group=self.pp_host)
         if parts is not None:
             self._full = {"weights": {}, "moments": {}}
             for part in parts:

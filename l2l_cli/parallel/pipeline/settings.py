@@ -3,10 +3,12 @@ the strategy's own config rules (``validate``), checked for every config before 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
@@ -14,6 +16,7 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
 )
 
+from l2l_cli.engine.dist import resolve_backend
 from l2l_cli.engine.optim import OPTIMIZERS
 from l2l_cli.models import FAMILIES, family_for_dir
 from l2l_cli.modes.registry import MODES
@@ -28,6 +31,27 @@ SCHEDULES: dict[str, tuple[type, bool]] = {
     "1f1b": (Schedule1F1B, False),
 }
 AUTO_SCHEDULE = {"modular": "breadth_first", "contiguous": "1f1b"}
+# the first torch whose schedules drive the data-parallel reduction: torch 2.10 added the REDUCE_GRAD
+# action (pytorch#166449), after each stage's last backward; from it our stage starts its reduction
+# (TimedStage.perform_reduce_grad). Older schedules never call it, and data-parallel pipelines would drift
+# apart silently. Keep in step with pyproject.toml.
+MIN_TORCH = (2, 10)
+
+
+def torch_problem(version: str | None = None) -> str | None:
+    """Why this torch cannot run the pipeline's stages on its schedules (None: it can)."""
+    version = version or torch.__version__
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if m is None or (int(m.group(1)), int(m.group(2))) >= MIN_TORCH:
+        return None
+    need = ".".join(map(str, MIN_TORCH))
+    return (f"torch {version} is older than {need}, whose pipeline schedules first call REDUCE_GRAD (the "
+            f"data-parallel pipelines would drift apart); install torch>={need}")  # fmt: skip
+
+
+def eps_stages(mode: Any) -> bool:
+    """Whether ``mode`` keeps its state in an EPS: its stages run L2L (stages.py), not torch's schedules."""
+    return mode is not None and mode.host_state == "eps"
 
 
 @dataclass(frozen=True)
@@ -39,12 +63,17 @@ class PipelineSettings:
     schedule: str
     layers_per_stage: int
     partition_state: bool
+    # the bubble's message cost (hardware.*): a preset's latency and network, or measured between the ranks
+    p2p_latency_s: float = 10e-6
+    p2p_bytes_per_s: float = 12.5e9
+    measure_p2p: bool = False  # hardware=measure: time an exchange between the pipeline's ranks
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> PipelineSettings:
-        d = cfg.dist
+        d, hw = cfg.dist, cfg.hardware
         schedule = AUTO_SCHEDULE[d.placement] if d.schedule == "auto" else d.schedule
-        return cls(d.pipeline, d.placement, schedule, d.layers_per_stage, bool(d.partition_state))
+        return cls(d.pipeline, d.placement, schedule, d.layers_per_stage, bool(d.partition_state),
+                   hw.p2p_latency_us * 1e-6, hw.network_gbps * 1e9, bool(hw.measured))  # fmt: skip
 
 
 def selected(cfg: Any) -> bool:
@@ -128,11 +157,58 @@ def validate(cfg: Any) -> list[Problem]:
         bad("batch.ubatch_size", f"interleaved_1f1b runs rounds of P micro-batches: {n} is not a multiple of "
             f"its {max(1, n // P)} rounds; allowed: a multiple of {P}, or dist.schedule=breadth_first")  # fmt: skip
     spec = MODES.get(cfg.mode.name)
-    if spec is not None and not spec.pipeline_stage:
+    p.extend(_device_rules(cfg))
+    if eps_stages(spec):
+        p.extend(_l2l_stage_rules(cfg, spec, schedule))
+    elif (why := torch_problem()) is not None:
+        bad("dist.pipeline", why)
+    if spec is not None and not spec.pipeline_stage and not (eps_stages(spec) and spec.overlapped_update):
         stage_modes = ", ".join(m.name for m in MODES.values() if m.pipeline_stage)
         bad("mode.name", f"mode={spec.name} cannot run as a pipeline stage; allowed with dist.pipeline > 1: "
             f"{stage_modes}")  # fmt: skip
     if d.partition_state and cfg.optim.name in OPTIMIZERS and not OPTIMIZERS[cfg.optim.name].elementwise:
         bad("dist.partition_state", f"optim={cfg.optim.name}'s trust ratio needs whole parameter tensors, which "
             "a shard of the state splits; use optim=adamw, or dist.partition_state=false")  # fmt: skip
+    return p
+
+
+def _device_rules(cfg: Any) -> list[Problem]:
+    """The backend must move the stages' hidden states: NCCL between GPUs, gloo between CPU processes."""
+    d, dev = cfg.dist, cfg.device
+    cuda = dev == "cuda" or (dev == "auto" and torch.cuda.is_available())
+    backend = resolve_backend(d.backend, dev)
+    if backend == "nccl" and not cuda:
+        return [Problem("dist.backend", f"nccl moves CUDA tensors, and device={dev} runs the stages on the CPU "
+                        "here; allowed: gloo, auto")]  # fmt: skip
+    if backend == "gloo" and cuda:
+        return [Problem("dist.backend", "gloo's send/recv take CPU tensors: the stages' hidden states on "
+                        f"device={dev} cannot cross ranks; allowed: nccl, auto")]  # fmt: skip
+    return []
+
+
+def _l2l_stage_rules(cfg: Any, mode: Any, schedule: str) -> list[Problem]:
+    (
+        """L2L stages (an EPS mode with dist.pipeline > 1) run layered gradient accumulation breadth-first:
+    what they cannot do yet is refused here, one line each (the disk tier refuses several ranks itself:
+    each would keep the whole model's files)."""
+        ""
+    )
+    p: list[Problem] = []
+    if schedule != "breadth_first":
+        p.append(Problem("dist.schedule", f"mode={mode.name} stages load each layer once per batch, every "
+                         "micro-batch through it first: allowed: breadth_first, auto (modular)"))  # fmt: skip
+    if mode.overlapped_update:
+        p.append(Problem("mode.name", f"mode={mode.name}'s speculative update needs every pipeline rank's "
+                         "norm before any layer's verdict, not combined across ranks yet; allowed with "
+                         "dist.pipeline > 1: l2l (host update after the backward)"))  # fmt: skip
+    if cfg.dist.partition_state:
+        p.append(Problem("dist.partition_state", f"mode={mode.name}'s state is on the host EPS, reduced there "
+                         "whole; allowed: false"))  # fmt: skip
+    t = cfg.trainer
+    for key, on in (("save_every", t.save_every > 0), ("resume", bool(t.resume)),
+                    ("realtime_ckpt", t.realtime_ckpt)):  # fmt: skip
+        if on:
+            p.append(Problem(f"trainer.{key}", f"checkpoints of mode={mode.name} pipeline stages are not written "
+                             "yet (each rank's EPS holds its stages only; trainer.save_final works); unset it, or use "
+                             "mode=baseline_ag"))  # fmt: skip
     return p

@@ -3,8 +3,12 @@
 
 Side inputs are rebuilt per stage from the batch, not sent with the activations: every rank of a pipeline
 reads the same data shard, and torch's schedules hand every stage the same keyword arguments cut into the
-same micro-batches, so the attention mask (and the labels, and the micro-batch index that seeds dropout)
-reach each stage without crossing the network. Only hidden states travel between ranks.
+same micro-batches, so the attention mask (and the labels) reach each stage without crossing the network.
+The micro-batch index that seeds dropout is the schedule's own chunk id, set on the module before each
+forward (no tensor read back on the host per micro-batch). Only hidden states travel between ranks.
+
+On CUDA a chunk's compute is timed with CUDA events (kernels run after the host returns); they are read
+once per step, after the schedule's end, so timing adds no host wait per micro-batch.
 """
 
 from __future__ import annotations
@@ -30,20 +34,21 @@ def _ubatch(ids: torch.Tensor | None, tt: torch.Tensor | None, mask: torch.Tenso
 class StageModule(nn.Module):
     """The layers of one stage. Its forward takes the stage's input (token ids and segment ids for the first
     stage, hidden states otherwise) and, as keyword arguments cut into the same micro-batches on every
-    stage, the attention mask, the micro-batch index (dropout seeding) and, training, the labels; the last
-    stage returns the micro-batch's loss (training) or its logits."""
+    stage, the attention mask and, training, the labels; the last stage returns the micro-batch's loss
+    (training) or its logits. ``ubatch``: the micro-batch the next forward runs (dropout seeding), set by
+    :class:`TimedStage` from the schedule's chunk id."""
 
     def __init__(self, spec: ModelSpec, index: list[int], layers: list[nn.Module], runner: RunnerBase):
         super().__init__()
         self.spec, self.index = spec, index
         self.layers = nn.ModuleList(layers)
         self.runner = runner  # dropout seeding and the precision (a plain object, not a submodule)
+        self.ubatch = 0
 
     def forward(
-        self, *x: torch.Tensor, mask: torch.Tensor, ubatch: torch.Tensor, labels: torch.Tensor | None = None
+        self, *x: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor | None = None
     ) -> torch.Tensor:
-        runner, spec = self.runner, self.spec
-        u = int(ubatch[0])
+        runner, spec, u = self.runner, self.spec, self.ubatch
         first = self.index[0] == 0
         ub = _ubatch(x[0] if first else None, x[1] if first else None, mask, labels)
         h = None if first else x[0]
@@ -65,21 +70,44 @@ class StageModule(nn.Module):
 
 
 class Timeline:
-    """When this rank computed during the schedule: (start, end) of every forward and backward chunk."""
+    """When this rank computed during the schedule: (start, end) of every forward and backward chunk, on
+    the host clock; on CUDA also a pair of events per chunk, whose elapsed time is its compute."""
 
-    def __init__(self) -> None:
+    def __init__(self, cuda: bool = False) -> None:
+        self.cuda = cuda
         self.chunks: list[tuple[str, float, float]] = []
+        self.events: list[tuple[Any, Any]] = []
 
-    def add(self, kind: str, t0: float) -> None:
+    def start(self) -> tuple[float, Any]:
+        ev = None
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+        return time.perf_counter(), ev
+
+    def add(self, kind: str, t0: float, ev: Any = None) -> None:
         self.chunks.append((kind, t0, time.perf_counter()))
+        if ev is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.events.append((ev, end))
+
+    def _durations(self) -> list[float]:
+        """Each chunk's compute: the host interval, or on CUDA its events' (one wait, for the last)."""
+        events, self.events = self.events, []
+        if not events or len(events) != len(self.chunks):
+            return [b - a for _, a, b in self.chunks]
+        events[-1][1].synchronize()
+        return [a.elapsed_time(b) / 1e3 for a, b in events]
 
     def pop(self, t0: float, t1: float) -> dict[str, float]:
         """This step's times: compute by kind, idle (before the first chunk and after the last: the
         pipeline's fill and drain), wait (between chunks: blocked on a neighbour)."""
+        durations = self._durations()
         chunks, self.chunks = self.chunks, []
         out = {"forward": 0.0, "backward": 0.0}
-        for kind, a, b in chunks:
-            out[kind] += b - a
+        for (kind, _, _), d in zip(chunks, durations):
+            out[kind] += d
         compute = out["forward"] + out["backward"]
         idle = (chunks[0][1] - t0) + (t1 - chunks[-1][2]) if chunks else t1 - t0
         out.update(pipeline=t1 - t0, compute=compute, idle=idle, wait=max(0.0, t1 - t0 - compute - idle))
@@ -94,19 +122,20 @@ class TimedStage(PipelineStage):
         super().__init__(*args, **kw)
         self.timeline, self.grads_ready = timeline, grads_ready
 
-    def forward_one_chunk(self, *args: Any, **kw: Any) -> Any:
-        t0 = time.perf_counter()
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kw: Any) -> Any:
+        self.submod.ubatch = fwd_chunk_id  # the micro-batch index, from the schedule (no host sync)
+        t0, ev = self.timeline.start()
         try:
-            return super().forward_one_chunk(*args, **kw)
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kw)
         finally:
-            self.timeline.add("forward", t0)
+            self.timeline.add("forward", t0, ev)
 
     def backward_one_chunk(self, *args: Any, **kw: Any) -> None:
-        t0 = time.perf_counter()
+        t0, ev = self.timeline.start()
         try:
             super().backward_one_chunk(*args, **kw)
         finally:
-            self.timeline.add("backward", t0)
+            self.timeline.add("backward", t0, ev)
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         super().perform_reduce_grad(grad_scale_factor)

@@ -1,0 +1,418 @@
+"""L2L stages: a modular pipeline whose stages run layer-to-layer execution (L2L Alg. 3 on each rank, the
+layered-GA paper's §3 and §8.2 offloaded rows), ``mode=l2l`` with ``dist.pipeline > 1``.
+
+Each rank's eager param-server holds only the layers of its stages, in host memory; the device holds the
+relay's slots and the stash. The schedule is Alg. 3's with the layer loop cut at stage boundaries, the
+layered-GA paper's breadth-first pipeline:
+
+- forward: for each of this rank's stages, in order; for each of its layers: load the layer once (the
+  relay), then every micro-batch through it, stashing its input (device or host, ``mode.stash``); a stage's
+  first layer receives each micro-batch's hidden state from the previous stage's rank as it arrives, its last
+  sends each one on as soon as it is computed, so the next rank starts on micro-batch 0 at once;
+- the turn: the head's forward and backward per micro-batch, on the last stage's rank;
+- backward: the stages in reverse, each layer loaded once more, recomputed from its stash per micro-batch
+  with the gradient from the stage above (received per micro-batch), its accumulated gradient handed to the
+  EPS, which reduces it over the data-parallel pipelines in the background as it lands;
+- the update: on the host, once every gradient is in; the gradient norms are combined over the pipeline's
+  ranks first (global clipping is exact: the same coefficient as one process), and one verdict on
+  non-finite gradients holds for every rank.
+
+Hidden states travel in FP32 over the pipeline group (NCCL between GPUs, gloo on CPU); the micro-batch index
+is the loop's own. What is not built: L2L-p's overlapped update (its speculative verdict would need the
+other ranks' norms mid-backward), the disk tier, and checkpoints of these stages (refused in settings.py).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from l2l_cli.data.batches import Batch
+from l2l_cli.engine.dist import DistContext
+from l2l_cli.engine.eps import EagerParamServer
+from l2l_cli.engine.optim import clip_coefficients
+from l2l_cli.engine.relay import Relay
+from l2l_cli.engine.stash import CpuStash, DeviceStash
+from l2l_cli.models.base import ModelSpec
+from l2l_cli.modes.base import RunnerArgs, RunnerBase, StepReport
+from l2l_cli.modes.registry import ModeSpec
+from l2l_cli.parallel.pipeline.plan import StagePlan, hidden_bytes
+from l2l_cli.parallel.pipeline.runner import PipelineRunner, bubble_section, exchange_s, pipeline_groups
+from l2l_cli.parallel.pipeline.settings import PipelineSettings, eps_stages
+
+
+class RankLayers:
+    """The model as this rank's EPS, relay and stash see it: only its stages' layers, numbered 0..k-1 in
+    model order (local index j is the model's layer ``index[j]``); everything else is the model's."""
+
+    def __init__(self, spec: ModelSpec, index: list[int]):
+        self.spec, self.index = spec, index
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.spec, name)
+
+    @property
+    def num_all_layers(self) -> int:
+        return len(self.index)
+
+    def kind(self, j: int) -> str:
+        return self.spec.kind(self.index[j])
+
+    def build_layer(self, j: int, seed: int, device: Any = None) -> nn.Module:
+        return self.spec.build_layer(self.index[j], seed, device)  # the model's seeded init of that layer
+
+    def init_layer(self, module: nn.Module, j: int, seed: int) -> nn.Module:
+        return self.spec.init_layer(module, self.index[j], seed)
+
+    def hf_name(self, j: int, name: str) -> str:
+        return self.spec.hf_name(self.index[j], name)
+
+    def rows_read(self, j: int, batch: Any) -> Any:
+        return self.spec.rows_read(self.index[j], batch)
+
+    def tied_params(self) -> dict[str, str]:
+        return {}  # a tied head is refused with dist.pipeline > 1 (settings.py)
+
+
+class L2LStagesRunner(RunnerBase):
+    """One rank of a pipeline of L2L stages: its EPS (its stages' layers), the relay and the stash."""
+
+    def __init__(self, args: RunnerArgs, mode: ModeSpec):
+        super().__init__(args)
+        s: PipelineSettings = args.parallel
+        self.pipe, self.stage_mode = s, mode
+        P, world, rank = s.pipeline, self.dist.world, self.dist.rank
+        if world % P:
+            raise RuntimeError(f"dist.pipeline={P} does not divide the {world} ranks launched")
+        self.pp_rank, self.dp_rank, self.dp_world = rank % P, rank // P, world // P
+        # hidden states on the run's backend; the EPS reduces host buffers over a gloo group of its own
+        groups = pipeline_groups(P, world, self.pp_rank, self.dp_rank, self.dist.backend, dp_backend="gloo")
+        self.pp_group, self.pp_host = groups.pp, groups.pp_host
+        self.plan = StagePlan(self.spec.num_layers, P, s.placement, s.layers_per_stage)
+        self.head = self.spec.num_layers + 1
+        self.my_stages = self.plan.stages_of(self.pp_rank)
+        self.index = [i for st in self.my_stages for i in self.plan.layers(st)]
+        self.local = {i: j for j, i in enumerate(self.index)}
+        self.last_rank = self._global(self.plan.num_stages - 1)
+        dtype = self.precision.device_dtype
+        eps_dist = DistContext(
+            self.dp_rank, self.dp_world, eps_group=groups.dp
+        )  # the EPS's view: D pipelines
+        self.layers = RankLayers(self.spec, self.index)
+        self.eps = EagerParamServer(
+            self.layers, self.optim, self.acc, dtype, seed=self.seed, dist=eps_dist,  # type: ignore[arg-type]
+            eager_reduce=self.settings.eager_reduce, tier=args.eps_tier, timer=self.timer,
+        )  # fmt: skip
+        self.relay = Relay(self.acc, self.layers, self.eps, dtype, self.settings.prefetch, self.timer)  # type: ignore[arg-type]
+        cpu = self.settings.stash == "cpu"
+        self.stash = CpuStash(self.acc, self.eps, self.timer) if cpu else DeviceStash(self.acc, self.timer)
+        self.sends: list[Any] = []
+        self.steps_timed, self.totals = 0, {"compute": 0.0, "pipeline": 0.0}
+        self._full: dict[str, torch.Tensor] | None = None
+        self.message_bytes = 0.0
+
+    def _global(self, stage: int) -> int:
+        """The global rank that runs ``stage`` in this rank's pipeline."""
+        return self.dp_rank * self.pipe.pipeline + self.plan.rank_of(stage)
+
+    def _body(self, stage: int) -> list[int]:
+        """The stage's layers that run per micro-batch forward (the head runs in the turn)."""
+        return [i for i in self.plan.layers(stage) if i != self.head]
+
+    def run_layer(self, layer: nn.Module, i: int, x: Any, ub: Batch, side: Any) -> torch.Tensor:
+        """The model's layer i on one micro-batch (as L2L's runner: under the precision's autocast)."""
+        with self.precision.autocast():
+            return self.spec.run_layer(layer, i, x, ub, side)
+
+    # ---- hidden states and their gradients between ranks: per micro-batch, as soon as computed ---------
+
+    def _recv(self, shape: tuple[int, ...], stage: int, n: int, backward: bool) -> list[tuple[Any, Any]]:
+        """Post the receives of ``stage``'s n micro-batches (from the stage below in forward, above in
+        backward): (buffer, request) per micro-batch, waited for one at a time."""
+        peer = self._global(stage - 1 if not backward else stage + 1)
+        out = []
+        for u in range(n):
+            buf = torch.empty(shape, dtype=torch.float32, device=self.acc.device)
+            out.append(
+                (buf, dist.irecv(buf, src=peer, group=self.pp_group, tag=self._tag(stage, u, backward)))
+            )
+        return out
+
+    def _send(self, x: torch.Tensor, stage: int, u: int, backward: bool) -> None:
+        peer = self._global(stage + 1 if not backward else stage - 1)
+        t = x.detach().float().contiguous()
+        tag = self._tag(stage + (1 if not backward else -1), u, backward)
+        self.sends.append((t, dist.isend(t, dst=peer, group=self.pp_group, tag=tag)))
+
+    def _tag(self, stage: int, u: int, backward: bool) -> int:
+        """A message's tag: the receiving stage, the direction and the micro-batch."""
+        return ((2 * stage + int(backward)) * self.num_ubatches + u) % (2**31)
+
+    @staticmethod
+    def _arrived(req: tuple[Any, Any], dtype: torch.dtype) -> torch.Tensor:
+        buf, handle = req
+        handle.wait()
+        return buf.to(dtype)
+
+    def _wait_sends(self) -> None:
+        for _, h in self.sends:
+            h.wait()
+        self.sends = []
+
+    # ---- the step: Alg. 3 over this rank's layers, stage by stage -------------------------------------
+
+    def step(self, minibatch: Batch) -> StepReport:
+        t_start, lr = time.perf_counter(), self.lr()
+        ubatches = self.to_device(minibatch).split(self.num_ubatches)
+        dtype = self.precision.device_dtype
+        masks = [self.spec.side_inputs(ub, dtype) for ub in ubatches]
+        shape = (len(ubatches[0]), ubatches[0].seq_len, self.spec.hidden_size)
+        self.message_bytes = hidden_bytes(*shape)
+        dist.barrier(group=self.pp_host)  # the pipeline's window opens together (as PipelineRunner's)
+        t0 = time.perf_counter()
+        x = self.forward_pass(ubatches, masks, shape)
+        g: list[Any] = [None] * len(ubatches)
+        loss = torch.zeros((), device=self.acc.device)
+        if self.head in self.local:
+            g, loss = self.turn(x, ubatches)
+        self.backward_pass(g, ubatches, masks, shape)
+        self._wait_sends()
+        dist.barrier(group=self.pp_host)
+        t1 = time.perf_counter()
+        loss = self._pipeline_loss(loss)
+        applied, norm = self.update(lr)
+        phases = self.timer.pop()
+        compute = sum(phases.get(k, 0.0) for k in ("forward", "recompute", "backward"))
+        if self.step_count > 0 or not self.steps_timed:  # steady state: the first step only if alone
+            if self.step_count == 1:
+                self.steps_timed, self.totals = 0, {"compute": 0.0, "pipeline": 0.0}
+            self.steps_timed += 1
+            self.totals["compute"] += compute
+            self.totals["pipeline"] += t1 - t0
+        report = self.finish(loss, len(minibatch), t_start, lr, skipped=not applied, grad_norm=norm)
+        report.phases = phases
+        report.extra = {"eps_background_s": self.eps.pop_busy(), **self.eps.pop_optimizer(),
+                        "pipe_compute_s": compute, "pipe_bubble": max(0.0, 1 - compute / max(t1 - t0, 1e-9))}  # fmt: skip
+        return report
+
+    def forward_pass(self, ubatches: list[Batch], masks: list[Any], shape: tuple[int, ...]) -> list[Any]:
+        """for stage in my stages: for l in its layers: for u in ubatches: act = forward(act), stashing each
+        layer's input. Returns the last block's output per micro-batch (on the head's rank)."""
+        n, S = len(ubatches), self.plan.num_stages
+        x: list[Any] = [None] * n
+        for s in self.my_stages:
+            body = self._body(s)
+            self._wait_sends()  # the last stage's messages are out: one stage's in flight, whatever the depth
+            recv = self._recv(shape, s, n, backward=False) if s > 0 else None
+            for k, i in enumerate(body):
+                j = self.local[i]
+                layer = self.relay.acquire(j, prefetch=j + 1 if j + 1 < len(self.index) else None)
+                for u, ub in enumerate(ubatches):
+                    if k == 0 and recv is not None:
+                        x[u] = self._arrived(recv[u], self.precision.device_dtype)
+                    if i > 0:
+                        self.stash.put(j, u, x[u])  # the input of layer i
+                    self.seed_dropout(i, u)
+                    with self.timer("forward"), torch.no_grad(), self.acc.meter.part("activations"):
+                        x[u] = self.run_layer(layer, i, x[u], ub, masks[u])
+                    if k == len(body) - 1 and s < S - 1:
+                        self._send(x[u], s, u, backward=False)  # on to the next stage's rank at once
+                        x[u] = None
+        return x
+
+    def turn(self, x: list[Any], ubatches: list[Batch]) -> tuple[list[Any], torch.Tensor]:
+        """The head: forward and backward per micro-batch (nothing to recompute), as L2L's turn."""
+        n, j = len(ubatches), self.local[self.head]
+        g: list[Any] = [None] * n
+        loss = torch.zeros((), device=self.acc.device)
+        layer = self.relay.acquire(j, prefetch=j - 1, grads=True)
+        for u, ub in enumerate(ubatches):
+            x_in = x[u].detach().requires_grad_()
+            self.seed_dropout(self.head, u)
+            with self.timer("forward"), self.acc.meter.part("activations"), self.precision.autocast():
+                loss_u, _ = self.spec.run_head(layer, x_in, ub)
+            with self.timer("backward"), self.acc.meter.part("workspace"):
+                self.precision.scaler.scale_loss(loss_u / n).backward()
+            g[u], x[u] = x_in.grad, None
+            loss += loss_u.detach().float() / n
+        self.relay.send_grads(j)
+        self.eps.reduce_async(j)
+        return g, loss
+
+    def backward_pass(
+        self, g: list[Any], ubatches: list[Batch], masks: list[Any], shape: tuple[int, ...]
+    ) -> None:
+        """for stage in reversed(my stages): for l in reversed(its layers): for u in ubatches: recompute l
+        from its stash, g = backward(g); each layer's gradient leaves for the EPS once accumulated."""
+        n, S = len(ubatches), self.plan.num_stages
+        for s in reversed(self.my_stages):
+            body = self._body(s)
+            self._wait_sends()
+            recv = self._recv(shape, s, n, backward=True) if s < S - 1 else None
+            for k in reversed(range(len(body))):
+                i = body[k]
+                j = self.local[i]
+                layer = self.relay.acquire(j, prefetch=j - 1 if j > 0 else None, grads=True)
+                for u, ub in enumerate(ubatches):
+                    if k == len(body) - 1 and recv is not None:
+                        g[u] = self._arrived(recv[u], self.precision.device_dtype)
+                    x_in = None
+                    if i > 0:
+                        x_in = self.stash.pop(j, u).detach().requires_grad_()
+                        if u + 1 < n:
+                            self.stash.prefetch(j, u + 1)
+                    self.seed_dropout(i, u)  # the forward's dropout masks
+                    with self.timer("recompute"), self.acc.meter.part("workspace"):
+                        y = self.run_layer(layer, i, x_in, ub, masks[u])
+                    with self.timer("backward"), self.acc.meter.part("workspace"):
+                        torch.autograd.backward(y, g[u])
+                    g[u] = x_in.grad if x_in is not None else None
+                    if k == 0 and s > 0:
+                        self._send(g[u], s, u, backward=True)  # down to the previous stage's rank
+                        g[u] = None
+                self.relay.send_grads(j)
+                self.eps.reduce_async(j)  # reduced over the pipelines as it lands
+
+    def _pipeline_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The minibatch's mean loss (unscaled: the turn sums the losses before scaling), from the last
+        stage's rank to every rank of the pipeline."""
+        t = loss.detach().float().cpu()
+        dist.broadcast(t, src=self.last_rank, group=self.pp_host)
+        return t
+
+    def update(self, lr: float) -> tuple[bool, float]:
+        """Alg. 3's host update of this rank's layers, with the norms of every rank of the pipeline: one
+        verdict and one global clipping coefficient for the whole model, as one process takes them."""
+        eps, scaler = self.eps, self.precision.scaler
+        eps.gather_grads(self.timer)
+        with self.timer("optimizer"), eps.worker.work():
+            local = eps.grad_norms(scaler).double()
+            sq = torch.zeros(self.spec.num_all_layers, dtype=torch.float64)
+            sq[self.index] = local**2
+            dist.all_reduce(sq, group=self.pp_host)  # every layer's squared norm, on every rank
+            norms = sq.sqrt().float()
+            finite = bool(torch.isfinite(norms).all())
+            scaler.update(not finite)
+            if finite:
+                coefs = clip_coefficients(norms, self.clip, self.settings.max_grad_norm)
+                for j, i in enumerate(self.index):
+                    eps.update_layer(j, lr, eps.grad_mult(scaler, None if coefs is None else coefs[i]))
+        return finite, float(torch.linalg.vector_norm(norms))
+
+    # ---- evaluation: forward only through the first pipeline ---------------------------------------
+
+    @torch.no_grad()
+    def predict(self, batch: Batch) -> torch.Tensor:
+        """Logits of a batch (one micro-batch), layer by layer through the pipeline; every rank gets them."""
+        self.eps.settle()
+        b = self.to_device(batch)
+        mask = self.spec.side_inputs(b, self.precision.device_dtype)
+        shape = (len(b), b.seq_len, self.spec.hidden_size)
+        x: Any = None
+        self.relay.train(False)
+        try:
+            for s in self.my_stages:
+                if s > 0:
+                    x = self._arrived(self._recv(shape, s, 1, backward=False)[0], self.precision.device_dtype)
+                for i in self._body(s):
+                    layer = self.relay.acquire(self.local[i])
+                    with self.acc.meter.part("activations"):
+                        x = self.run_layer(layer, i, x, b, mask)
+                if s < self.plan.num_stages - 1:
+                    self._send(x, s, 0, backward=False)
+            logits = None
+            if self.head in self.local:
+                layer = self.relay.acquire(self.local[self.head])
+                with self.precision.autocast():
+                    logits = self.spec.head_logits(layer, x).float().cpu()
+            self._wait_sends()
+        finally:
+            self.relay.train(True)
+            self.timer.pop()
+        shape_t = torch.zeros(3, dtype=torch.long)
+        if logits is not None:
+            shape_t[: logits.dim()] = torch.tensor(logits.shape)
+        dist.broadcast(shape_t, src=self.last_rank, group=self.pp_host)
+        out = logits if logits is not None else torch.empty([int(d) for d in shape_t if d > 0])
+        dist.broadcast(out, src=self.last_rank, group=self.pp_host)
+        return out
+
+    # ---- weights: by Hugging Face name, gathered on rank 0 ------------------------------------------
+
+    def collect(self) -> None:
+        """Collective: rank 0 gets every stage's weights by Hugging Face name (the final model)."""
+        self.eps.settle()
+        mine = {name: t.detach().cpu().clone() for name, t in self.eps.hf_tensors()}
+        self._full = None
+        if self.dp_rank != 0:
+            return
+        parts: list[Any] | None = [None] * self.pipe.pipeline if self.dist.rank == 0 else None
+        dist.gather_object(mine, parts, dst=0, group=self.pp_host)
+        if parts is not None:
+            self._full = {k: v for part in parts for k, v in part.items()}
+
+    def hf_tensors(self) -> Any:
+        if self._full is not None:
+            return iter(self._full.items())
+        self.eps.settle()
+        return self.eps.hf_tensors()
+
+    def load_hf(self, tensors: Any) -> list[str]:
+        self.eps.settle()
+        return self.eps.load_hf(tensors)
+
+    def host_parts(self) -> dict[str, int]:
+        return self.eps.host_parts()
+
+    def state_files(self) -> Any:
+        raise NotImplementedError("checkpoints of L2L pipeline stages (refused by the config check)")
+
+    def load_state(self, ckpt: Any, manifest: dict[str, Any]) -> None:
+        raise NotImplementedError("checkpoints of L2L pipeline stages (refused by the config check)")
+
+    def sections(self) -> dict[str, dict[str, Any]]:
+        """summary.json's ``pipeline``: the layout, the bubble measured (1 - compute / pipeline time, the
+        mean over ranks) and predicted."""
+        n = max(self.steps_timed, 1)
+        mine = {"rank": self.dist.rank, "pipeline_rank": self.pp_rank, "data_rank": self.dp_rank,
+                "stages": self.my_stages, "layers": self.index, "compute_s": self.totals["compute"] / n,
+                "pipeline_s": self.totals["pipeline"] / n}  # fmt: skip
+        mine["bubble"] = 1 - mine["compute_s"] / mine["pipeline_s"] if mine["pipeline_s"] > 0 else None
+        ranks: list[Any] = [None] * self.dist.world
+        dist.all_gather_object(ranks, mine)
+        bubbles = [r["bubble"] for r in ranks if r["bubble"] is not None]
+        s, plan = self.pipe, self.plan
+        base = self.dp_rank * s.pipeline
+        peers = (base + (self.pp_rank - 1) % s.pipeline, base + (self.pp_rank + 1) % s.pipeline)
+        exchange = exchange_s(s, (self.pp_group, self.pp_host), peers, self.message_bytes, self.acc.device)
+        return {
+            "pipeline": {
+                "pipeline": s.pipeline, "data_parallel": self.dp_world, "placement": s.placement,
+                "schedule": s.schedule, "torch_schedule": None, "stage_mode": self.stage_mode.name,
+                "num_stages": plan.num_stages, "layers_per_stage": plan.block_size,
+                "stages_per_rank": plan.stages_per_rank, "num_ubatches": self.num_ubatches,
+                "stash": self.settings.stash, "bubble_measured": sum(bubbles) / len(bubbles) if bubbles else None,
+                **bubble_section(plan, self.num_ubatches, ranks, exchange, self.message_bytes), "ranks": ranks,
+            }
+        }  # fmt: skip
+
+    def close(self) -> None:
+        try:
+            self.eps.settle()
+        finally:
+            self.eps.close()
+
+
+def stage_runner(args: RunnerArgs, mode: ModeSpec) -> RunnerBase:
+    """The runner of a pipeline rank: L2L stages for a mode whose state is on an EPS, torch's schedules
+    over device-resident stages (Alg. 2) otherwise."""
+    if eps_stages(mode):
+        return L2LStagesRunner(args, mode)
+    return PipelineRunner(args, mode)
+
+
+__all__ = ["L2LStagesRunner", "RankLayers", "stage_runner"]
