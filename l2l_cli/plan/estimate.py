@@ -635,7 +635,7 @@ def pipeline_view(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Any] |
             compute = busy["forward"] * (2 if alt.l2l else 1) + busy["backward"]  # L2L: + the recompute
             exchange = _exchange(shape, alt, rates)
             rows.append({
-                "placement": placement, "schedule": schedule, "torch_schedule": cls.__name__,
+                "placement": placement, "schedule": schedule, "torch_schedule": cls,
                 "stages_per_rank": plan.stages_per_rank, "bubble_overhead": plan.bubble_overhead(s.num_ubatches),
                 "bubble_predicted": plan.bubble_with_messages(s.num_ubatches, compute, exchange),
                 "bubble_predicted_paper": plan.bubble_fraction(s.num_ubatches),

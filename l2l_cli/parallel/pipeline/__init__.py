@@ -10,11 +10,35 @@ engine, ``dist.pipeline > 1``. A reader's path through it:
   stages' layers, relayed once per batch each way, the breadth-first schedule written out as Alg. 3.
 """
 
-from l2l_cli.parallel.pipeline.l2l_stages import L2LStagesRunner, stage_runner
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from l2l_cli.parallel.pipeline.plan import StagePlan, plan_of
-from l2l_cli.parallel.pipeline.runner import PipelineRunner, layout
 from l2l_cli.parallel.pipeline.settings import AUTO_SCHEDULE, SCHEDULES, PipelineSettings, selected, validate
 from l2l_cli.parallel.registry import ParallelSpec, register_parallel
+
+if TYPE_CHECKING:
+    from l2l_cli.engine.dist import DistContext
+    from l2l_cli.modes.base import RunnerArgs, RunnerBase
+    from l2l_cli.modes.registry import ModeSpec
+
+
+# The runners import torch.distributed.pipelining (~1 s): only a pipeline rank pays it, not every `l2l`
+# command that registers the strategy (plan, report, validation, a one-process run).
+def stage_runner(args: RunnerArgs, mode: ModeSpec) -> RunnerBase:
+    """A pipeline rank's runner (L2L stages or torch's schedules: see ``l2l_stages.stage_runner``)."""
+    from l2l_cli.parallel.pipeline.l2l_stages import stage_runner as make
+
+    return make(args, mode)
+
+
+def layout(ctx: DistContext, s: PipelineSettings) -> DistContext:
+    """Which ranks share a data shard and evaluate together (``runner.layout``)."""
+    from l2l_cli.parallel.pipeline.runner import layout as lay
+
+    return lay(ctx, s)
+
 
 SPEC = register_parallel(
     ParallelSpec(
@@ -29,12 +53,4 @@ SPEC = register_parallel(
     )
 )
 
-__all__ = [
-    "AUTO_SCHEDULE",
-    "SCHEDULES",
-    "L2LStagesRunner",
-    "PipelineRunner",
-    "PipelineSettings",
-    "StagePlan",
-    "plan_of",
-]
+__all__ = ["AUTO_SCHEDULE", "SCHEDULES", "PipelineSettings", "StagePlan", "layout", "plan_of", "stage_runner"]

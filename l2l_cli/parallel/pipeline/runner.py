@@ -52,7 +52,7 @@ from l2l_cli.models.base import BLOCK, POST, PRE
 from l2l_cli.modes.base import RunnerArgs, RunnerBase, StepReport
 from l2l_cli.modes.registry import ModeSpec
 from l2l_cli.parallel.pipeline.plan import StagePlan, exchange_seconds, hidden_bytes
-from l2l_cli.parallel.pipeline.settings import SCHEDULES, PipelineSettings, torch_problem
+from l2l_cli.parallel.pipeline.settings import SCHEDULES, PipelineSettings, schedule_class, torch_problem
 from l2l_cli.parallel.pipeline.stage import TimedStage, Timeline
 from l2l_cli.parallel.pipeline.state import Shard, StageState
 
@@ -218,7 +218,7 @@ class PipelineRunner(RunnerBase):
         n = self.num_ubatches if train else 1
         loss_fn = self._loss if train else None
         if train:
-            cls, many = SCHEDULES[self.pipe.schedule]
+            cls, many = schedule_class(self.pipe.schedule), SCHEDULES[self.pipe.schedule][1]
         else:  # evaluation: forward only, one micro-batch, through every stage in order
             cls, many = ScheduleLoopedBFS, True
         sched = cls(stages if many else stages[0], n, loss_fn=loss_fn, scale_grads=False)
@@ -358,7 +358,7 @@ class PipelineRunner(RunnerBase):
         dist.all_gather_object(ranks, self.rank_stats())
         bubbles = [r["bubble"] for r in ranks if r["bubble"] is not None]
         s, plan, n = self.pipe, self.plan, self.num_ubatches
-        cls = SCHEDULES[s.schedule][0].__name__
+        cls = SCHEDULES[s.schedule][0]
         return {
             "pipeline": {
                 "pipeline": s.pipeline, "data_parallel": self.dp_world, "placement": s.placement,

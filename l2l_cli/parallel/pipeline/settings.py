@@ -9,12 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.pipelining import (
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleLoopedBFS,
-)
 
 from l2l_cli.engine.dist import resolve_backend
 from l2l_cli.engine.optim import OPTIMIZERS
@@ -23,13 +17,24 @@ from l2l_cli.modes.registry import MODES
 from l2l_cli.parallel.pipeline.plan import plan_of
 from l2l_cli.problems import Problem, divisors
 
-# dist.schedule -> torch's schedule, and whether it runs several stages per rank
-SCHEDULES: dict[str, tuple[type, bool]] = {
-    "breadth_first": (ScheduleLoopedBFS, True),
-    "interleaved_1f1b": (ScheduleInterleaved1F1B, True),
-    "gpipe": (ScheduleGPipe, False),
-    "1f1b": (Schedule1F1B, False),
+# dist.schedule -> torch's schedule (its class in torch.distributed.pipelining, imported only by a rank that
+# runs it: that package costs ~1 s to import, paid otherwise by every `l2l` command), and whether it runs
+# several stages per rank
+SCHEDULES: dict[str, tuple[str, bool]] = {
+    "breadth_first": ("ScheduleLoopedBFS", True),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", True),
+    "gpipe": ("ScheduleGPipe", False),
+    "1f1b": ("Schedule1F1B", False),
 }
+
+
+def schedule_class(schedule: str) -> type:
+    """torch's class for ``dist.schedule``."""
+    import torch.distributed.pipelining as pipelining
+
+    return getattr(pipelining, SCHEDULES[schedule][0])
+
+
 AUTO_SCHEDULE = {"modular": "breadth_first", "contiguous": "1f1b"}
 # the first torch whose schedules drive the data-parallel reduction: torch 2.10 added the REDUCE_GRAD
 # action (pytorch#166449), after each stage's last backward; from it our stage starts its reduction
