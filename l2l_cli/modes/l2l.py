@@ -165,19 +165,9 @@ class L2LRunner(RunnerBase):
     def turn(self, x: list[torch.Tensor], ubatches: list[Batch]) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The head runs forward and backward per micro-batch right away (nothing to recompute): gives
         dLoss/d(last block output) per micro-batch, and sends the head's gradient to the EPS."""
-        n, head = len(ubatches), self.head
-        g: list[Any] = [None] * n
-        loss = torch.zeros((), device=self.acc.device)  # summed on the device: no host sync per micro-batch
+        head = self.head
         layer = self.relay.acquire(head, prefetch=head - 1, grads=True)
-        for u, ub in enumerate(ubatches):
-            x_in = x[u].detach().requires_grad_()
-            self.seed_dropout(head, u)
-            with self.timer("forward"), self.acc.meter.part("activations"), self.precision.autocast():
-                loss_u, _ = self.spec.run_head(layer, x_in, ub)
-            with self.timer("backward"), self.acc.meter.part("workspace"):
-                self.precision.scaler.scale_loss(loss_u / n).backward()
-            g[u], x[u] = x_in.grad, None
-            loss += loss_u.detach().float() / n
+        g, loss = head_turn(self, layer, head, x, ubatches)
         self.relay.send_grads(head)
         return g, loss
 
@@ -385,3 +375,24 @@ SPEC = register_mode(
         pipeline_stage=True,  # dist.pipeline > 1: each rank's EPS holds its stages (parallel/pipeline/l2l.py)
     )
 )
+
+
+def head_turn(
+    r: RunnerBase, layer: nn.Module, head: int, x: list[Any], ubatches: list[Batch]
+) -> tuple[list[Any], torch.Tensor]:
+    """The head's forward and backward per micro-batch (``head``: its index in the model, for the dropout
+    seed): dLoss/d(last block output) per micro-batch and the mean loss, summed on the device (no host sync
+    per micro-batch). Shared by L2L and the pipeline's L2L stages."""
+    n = len(ubatches)
+    g: list[Any] = [None] * n
+    loss = torch.zeros((), device=r.acc.device)
+    for u, ub in enumerate(ubatches):
+        x_in = x[u].detach().requires_grad_()
+        r.seed_dropout(head, u)
+        with r.timer("forward"), r.acc.meter.part("activations"), r.precision.autocast():
+            loss_u, _ = r.spec.run_head(layer, x_in, ub)
+        with r.timer("backward"), r.acc.meter.part("workspace"):
+            r.precision.scaler.scale_loss(loss_u / n).backward()
+        g[u], x[u] = x_in.grad, None
+        loss += loss_u.detach().float() / n
+    return g, loss

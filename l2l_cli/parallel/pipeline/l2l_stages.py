@@ -39,9 +39,16 @@ from l2l_cli.engine.relay import Relay
 from l2l_cli.engine.stash import CpuStash, DeviceStash
 from l2l_cli.models.base import ModelSpec
 from l2l_cli.modes.base import RunnerArgs, RunnerBase, StepReport
+from l2l_cli.modes.l2l import head_turn
 from l2l_cli.modes.registry import ModeSpec
 from l2l_cli.parallel.pipeline.plan import StagePlan, hidden_bytes
-from l2l_cli.parallel.pipeline.runner import PipelineRunner, bubble_section, exchange_s, pipeline_groups
+from l2l_cli.parallel.pipeline.runner import (
+    PipelineRunner,
+    bubble_section,
+    exchange_s,
+    pipeline_groups,
+    pipeline_position,
+)
 from l2l_cli.parallel.pipeline.settings import PipelineSettings, eps_stages
 
 
@@ -85,10 +92,8 @@ class L2LStagesRunner(RunnerBase):
         super().__init__(args)
         s: PipelineSettings = args.parallel
         self.pipe, self.stage_mode = s, mode
-        P, world, rank = s.pipeline, self.dist.world, self.dist.rank
-        if world % P:
-            raise RuntimeError(f"dist.pipeline={P} does not divide the {world} ranks launched")
-        self.pp_rank, self.dp_rank, self.dp_world = rank % P, rank // P, world // P
+        P, world = s.pipeline, self.dist.world
+        self.pp_rank, self.dp_rank, self.dp_world = pipeline_position(self.dist, P)
         # hidden states on the run's backend; the EPS reduces host buffers over a gloo group of its own
         groups = pipeline_groups(P, world, self.pp_rank, self.dp_rank, self.dist.backend, dp_backend="gloo")
         self.pp_group, self.pp_host = groups.pp, groups.pp_host
@@ -226,19 +231,9 @@ class L2LStagesRunner(RunnerBase):
 
     def turn(self, x: list[Any], ubatches: list[Batch]) -> tuple[list[Any], torch.Tensor]:
         """The head: forward and backward per micro-batch (nothing to recompute), as L2L's turn."""
-        n, j = len(ubatches), self.local[self.head]
-        g: list[Any] = [None] * n
-        loss = torch.zeros((), device=self.acc.device)
+        j = self.local[self.head]
         layer = self.relay.acquire(j, prefetch=j - 1, grads=True)
-        for u, ub in enumerate(ubatches):
-            x_in = x[u].detach().requires_grad_()
-            self.seed_dropout(self.head, u)
-            with self.timer("forward"), self.acc.meter.part("activations"), self.precision.autocast():
-                loss_u, _ = self.spec.run_head(layer, x_in, ub)
-            with self.timer("backward"), self.acc.meter.part("workspace"):
-                self.precision.scaler.scale_loss(loss_u / n).backward()
-            g[u], x[u] = x_in.grad, None
-            loss += loss_u.detach().float() / n
+        g, loss = head_turn(self, layer, self.head, x, ubatches)
         self.relay.send_grads(j)
         self.eps.reduce_async(j)
         return g, loss

@@ -67,6 +67,13 @@ def layout(ctx: DistContext, s: PipelineSettings) -> DistContext:
     )
 
 
+def pipeline_position(ctx: DistContext, P: int) -> tuple[int, int, int]:
+    """This rank's place: (its pipeline rank, its pipeline's index = data-parallel rank, the pipelines)."""
+    if ctx.world % P:
+        raise RuntimeError(f"dist.pipeline={P} does not divide the {ctx.world} ranks launched")
+    return ctx.rank % P, ctx.rank // P, ctx.world // P
+
+
 @dataclass(frozen=True)
 class Groups:
     """This rank's process groups: ``pp`` carries the hidden states between pipeline ranks (the run's
@@ -146,10 +153,8 @@ class PipelineRunner(RunnerBase):
         super().__init__(args)
         s: PipelineSettings = args.parallel
         self.pipe, self.stage_mode = s, mode
-        P, world, rank = s.pipeline, self.dist.world, self.dist.rank
-        if world % P:
-            raise RuntimeError(f"dist.pipeline={P} does not divide the {world} ranks launched")
-        self.pp_rank, self.dp_rank, self.dp_world = rank % P, rank // P, world // P
+        P, world = s.pipeline, self.dist.world
+        self.pp_rank, self.dp_rank, self.dp_world = pipeline_position(self.dist, P)
         if (why := torch_problem()) is not None:
             raise RuntimeError(why)
         groups = pipeline_groups(P, world, self.pp_rank, self.dp_rank, self.dist.backend)
