@@ -289,7 +289,8 @@ def test_l2l_stage_configs_that_cannot_work_are_refused() -> None:
     assert "allowed: breadth_first" in problems(*ok, "dist.schedule=interleaved_1f1b")["dist.schedule"]
     assert "runs in one process" in problems(*ok, "eps.tier=disk")["eps.tier"]  # the disk tier's own rule
     assert "allowed: false" in problems(*ok, "dist.partition_state=true")["dist.partition_state"]
-    assert "not written yet" in problems(*ok, "trainer.save_every=2")["trainer.save_every"]
+    assert problems(*ok, "trainer.save_every=2") == {}  # each rank writes its layers' files
+    assert "one process's" in problems(*ok, "trainer.realtime_ckpt=true")["trainer.realtime_ckpt"]
 
 
 def test_the_message_model_counts_the_modular_pipelines_messages() -> None:
@@ -316,10 +317,11 @@ FLAT = ["task.pad_to_max=true", "task.max_seq_len=16", "batch.size=8", "batch.ub
         "task.num_eval=8", *PIPE[1:]]  # fmt: skip
 
 
-def test_l2l_stages_equal_one_process_l2l_and_keep_device_memory_flat_in_depth() -> None:
-    """Acceptance 1 and 2: modular breadth-first L2L stages on 2 ranks (device stash and CPU stash) give one
-    process mode=l2l's weights after 3 clipped steps; with the CPU stash each rank's device peak does not
-    grow from 8 to 16 layers, while baseline_ag stages' does."""
+def test_l2l_stages_equal_one_process_l2l_and_keep_device_memory_flat_in_depth(tmp_path) -> None:
+    """Acceptance 1 and 2: modular breadth-first L2L stages on 2 ranks (device stash and CPU stash, and
+    L2L-p) give one process mode=l2l's weights after 3 clipped steps; with the CPU stash each rank's device
+    peak does not grow from 8 to 16 layers, while baseline_ag stages' does. And their checkpoints: each rank
+    writes its layers' EPS files, a resumed run equals the uninterrupted one, one process resumes them."""
     ref = train(tiny_cfg(*EQ[len(TINY) :], *CLIP, "mode=l2l"), steps=3, total_steps=3)
     assert all(r.grad_norm > 0.05 for r in ref["reports"][:2])  # clipping applied
     jobs = [[*EQ, *CLIP, *PIPE[1:], "mode=l2l"], [*EQ, *CLIP, *PIPE[1:], "mode=l2l", "mode.stash=cpu"]]
@@ -330,7 +332,13 @@ def test_l2l_stages_equal_one_process_l2l_and_keep_device_memory_flat_in_depth()
         [*EQ, *CLIP, *PIPE[1:], "mode=l2l", "precision=cmp"]
     )  # a loss scale: the loss reported unscaled
     jobs.append([*EQ, *CLIP, *PIPE[1:], "mode=l2l_p"])  # the update overlapped, judged on the pipeline's norm
-    results = run_jobs(2, jobs, steps=3)
+    # checkpoint and resume: 2 steps saved (each rank its layers), resumed to 3, = 3 steps uninterrupted bit
+    # for bit (a constant learning rate: the saved run's schedule ends at 2 steps)
+    at2, lr = tmp_path / "pipe_at2", ["optim.schedule=constant", "optim.warmup_steps=0"]
+    jobs += [[*EQ, *CLIP, *PIPE[1:], *lr, "mode=l2l_p", "trainer.max_steps=2"],
+             [*EQ, *CLIP, *PIPE[1:], *lr, "mode=l2l_p", f"trainer.resume={at2}"],
+             [*EQ, *CLIP, *PIPE[1:], *lr, "mode=l2l_p"]]  # fmt: skip
+    results = run_jobs(2, jobs, steps=3, save={8: str(at2)})
     cmp = train(tiny_cfg(*EQ[len(TINY) :], *CLIP, "mode=l2l", "precision=cmp"), steps=3, total_steps=3)
     assert results[0][6]["losses"] == pytest.approx(cmp["losses"], rel=1e-6)
     assert max(float((results[0][6]["weights"][k] - w).abs().max()) for k, w in cmp["weights"].items()) < 1e-3
@@ -343,6 +351,21 @@ def test_l2l_stages_equal_one_process_l2l_and_keep_device_memory_flat_in_depth()
     ranks_p = results[0][7]["sections"]["pipeline"]["ranks"]
     assert ranks_p[0]["rollbacks"] == 2 and ranks_p[0]["rolled_back_layer_updates"] > 0
     assert all(torch.equal(results[0][7]["weights"][k], w) for k, w in results[0][0]["weights"].items())
+    # the checkpoint is one process's EPS layout, every layer's file written by the rank that holds it
+    resumed, whole = results[0][9], results[0][10]
+    assert len(resumed["losses"]) == 1 and resumed["losses"] == whole["losses"][2:]
+    assert all(torch.equal(resumed["weights"][k], w) for k, w in whole["weights"].items())
+    step2 = at2 / "checkpoints" / "step_2"
+    manifest = json.loads((step2 / "manifest.json").read_text())
+    assert manifest["state_layout"] == "eps-flat-v1" and manifest["step"] == 2
+    assert sorted(manifest["files"]) == sorted([*(f"layer_{i}.safetensors" for i in range(6)), "state.json",
+                                                "config.yaml"])  # fmt: skip
+    assert sorted(p.name for p in (at2 / "checkpoints").iterdir()) == ["step_2"]  # no shards left behind
+    cfg = tiny_cfg(*EQ[len(TINY) :], *CLIP, *lr, "mode=l2l", f"trainer.resume={at2}")
+    with build(cfg, tmp_path / "one", data=tiny_data(cfg)) as s:  # one process goes on from it
+        assert s.runner is not None and s.stream is not None and s.runner.step_count == 2
+        s.runner.step(next(s.stream.batches(start_step=2)))
+        assert_same_weights(dict(s.runner.hf_tensors()), whole["weights"])
     section = results[0][1]["sections"]["pipeline"]
     assert section["stage_mode"] == "l2l" and section["stash"] == "cpu" and section["torch_schedule"] is None
     assert [r["layers"] for r in section["ranks"]] == [[0, 1, 3], [2, 4, 5]]  # each EPS: its stages only

@@ -27,13 +27,16 @@ is the loop's own. What is not built: the disk tier (refused by the tier: one pr
 
 from __future__ import annotations
 
+import shutil
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from l2l_cli import checkpoint as ckpt
 from l2l_cli.data.batches import Batch
 from l2l_cli.engine.dist import DistContext
 from l2l_cli.engine.eps import EagerParamServer
@@ -118,6 +121,10 @@ class L2LStagesRunner(RunnerBase):
         self.relay = Relay(self.acc, self.layers, self.eps, dtype, self.settings.prefetch, self.timer)  # type: ignore[arg-type]
         cpu = self.settings.stash == "cpu"
         self.stash = CpuStash(self.acc, self.eps, self.timer) if cpu else DeviceStash(self.acc, self.timer)
+        self.eps.files.numbers = self.index  # its checkpoint files by the model's layer: one process's
+        self._shards: dict[str, ckpt.Written] | None = (
+            None  # rank 0: the files the ranks wrote for a checkpoint
+        )
         self.overlapped = mode.overlapped_update  # l2l_p: each layer updated as its gradient lands
         self.eps.speculation.combine = self.pipeline_norms  # its verdict: the whole pipeline's norms
         self._lr = 0.0
@@ -400,11 +407,43 @@ class L2LStagesRunner(RunnerBase):
     def host_parts(self) -> dict[str, int]:
         return self.eps.host_parts()
 
-    def state_files(self) -> Any:
-        raise NotImplementedError("checkpoints of L2L pipeline stages (refused by the config check)")
+    # ---- checkpoints: each rank writes its layers' files, rank 0 commits them -------------------------
 
-    def load_state(self, ckpt: Any, manifest: dict[str, Any]) -> None:
-        raise NotImplementedError("checkpoints of L2L pipeline stages (refused by the config check)")
+    def write_shards(self, root: Path, step: int) -> None:
+        """Collective: the first pipeline's ranks each write their layers' EPS files (one process's layout,
+        by the model's layer number; the other pipelines hold the same state) under the step's shard
+        directory; rank 0 gets their names and checksums, and its checkpoint renames them in. No rank ever
+        holds another's state; the manifest rank 0 writes last is the commit, as for any checkpoint."""
+        self._shards = None
+        if self.dp_rank != 0:
+            return
+        self.eps.settle()
+        where = ckpt.shard_dir(root, step)
+        if self.pp_rank == 0:  # (a crash's leftovers of this step go first)
+            shutil.rmtree(where, ignore_errors=True)
+            where.mkdir(parents=True)
+        dist.barrier(group=self.pp_host)
+        mine = {name: ckpt.write_bytes(where / name, data) for name, data in self.eps.state_files()}
+        parts: list[Any] | None = [None] * self.pipe.pipeline if self.dist.rank == 0 else None
+        dist.gather_object(mine, parts, dst=0, group=self.pp_host)
+        if parts is not None:
+            self._shards = {n: ckpt.Written(where / n, e) for part in parts for n, e in part.items()}
+
+    def state_files(self) -> Any:
+        """Rank 0: the files every rank wrote (``write_shards``), in the model's layer order."""
+        if self._shards is None:
+            raise RuntimeError(
+                "L2L stages write their checkpoint files in write_shards, called by the trainer"
+            )
+        shards, self._shards = self._shards, None
+        number = {n: int(n.removeprefix("layer_").split(".")[0]) for n in shards}
+        return iter(sorted(shards.items(), key=lambda item: number[item[0]]))
+
+    def load_state(self, ckpt_dir: Any, manifest: dict[str, Any]) -> None:
+        """This rank's layers from any checkpoint of the EPS layout: one process's, or a pipeline's of any
+        placement (each file is one of the model's layers)."""
+        self.eps.settle()
+        self.eps.load_state(ckpt_dir, manifest)
 
     def sections(self) -> dict[str, dict[str, Any]]:
         """summary.json's ``pipeline``: the layout, the bubble measured (1 - compute / pipeline time, the

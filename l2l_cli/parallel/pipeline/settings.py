@@ -205,11 +205,8 @@ def _l2l_stage_rules(cfg: Any, mode: Any, schedule: str) -> list[Problem]:
     if cfg.dist.partition_state:
         p.append(Problem("dist.partition_state", f"mode={mode.name}'s state is on the host EPS, reduced there "
                          "whole; allowed: false"))  # fmt: skip
-    t = cfg.trainer
-    for key, on in (("save_every", t.save_every > 0), ("resume", bool(t.resume)),
-                    ("realtime_ckpt", t.realtime_ckpt)):  # fmt: skip
-        if on:
-            p.append(Problem(f"trainer.{key}", f"checkpoints of mode={mode.name} pipeline stages are not written "
-                             "yet (each rank's EPS holds its stages only; trainer.save_final works); unset it, or use "
-                             "mode=baseline_ag"))  # fmt: skip
+    if cfg.trainer.realtime_ckpt:
+        p.append(Problem("trainer.realtime_ckpt", f"mode={mode.name} pipeline stages write checkpoints every "
+                         "trainer.save_every steps, each rank its layers, rank 0 committing them; real-time "
+                         "checkpoints (one commit per layer update) are one process's: unset it"))  # fmt: skip
     return p
