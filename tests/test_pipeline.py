@@ -381,14 +381,21 @@ def test_l2l_stages_equal_one_process_l2l_and_keep_device_memory_flat_in_depth(t
 
 
 @pytest.mark.slow
-def test_four_l2l_ranks_two_pipelines_of_two_match_one_process() -> None:
-    """Acceptance 1, 2 x 2: two pipelines of L2L stages, the EPS reducing each layer over the pipelines."""
+def test_four_l2l_ranks_two_pipelines_of_two_match_one_process(tmp_path) -> None:
+    """Acceptance 1, 2 x 2: two pipelines of L2L stages (and L2L-p stages), the EPS reducing each layer over
+    the pipelines; a checkpoint of 2 steps (the first pipeline's ranks write it) resumed to 3 equals 3."""
     ref = train(tiny_cfg(*EQ[len(TINY) :], *CLIP, "mode=l2l"), steps=3, total_steps=3)["weights"]
     dp = [*EQ, *CLIP, "mode=l2l", "dist.nproc=4", "dist.pipeline=2", "batch.size=4"]
-    results = run_jobs(4, [dp, [*dp, "mode.stash=cpu"], [*dp, "mode=l2l_p"]], steps=3)
-    for job in results[0]:
+    at2, lr = tmp_path / "at2", ["optim.schedule=constant", "optim.warmup_steps=0", "mode=l2l_p"]
+    jobs = [dp, [*dp, "mode.stash=cpu"], [*dp, "mode=l2l_p"],
+            [*dp, *lr, "trainer.max_steps=2"], [*dp, *lr, f"trainer.resume={at2}"], [*dp, *lr]]  # fmt: skip
+    results = run_jobs(4, jobs, steps=3, save={3: str(at2)})
+    for job in results[0][:3]:
         assert_same_weights(job["weights"], ref)
         assert job["sections"]["pipeline"]["data_parallel"] == 2
+    resumed, whole = results[0][4], results[0][5]
+    assert len(resumed["losses"]) == 1 and resumed["losses"] == whole["losses"][2:]
+    assert all(torch.equal(resumed["weights"][k], w) for k, w in whole["weights"].items())
 
 
 @pytest.mark.slow
