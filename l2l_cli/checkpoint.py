@@ -34,6 +34,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -407,17 +408,40 @@ def recover_dir(final: Path) -> None:
         _fsync_dir(final.parent)
 
 
+def shard_dir(root: Path, step: int) -> Path:
+    """Where the ranks of a run whose state no rank holds whole (a pipeline's L2L stages) write their files
+    of step ``step``'s checkpoint for rank 0 to commit (a dot name: never taken for a checkpoint)."""
+    return root / f".shards-step_{step}"
+
+
+@dataclass(frozen=True)
+class Written:
+    """A checkpoint file another rank has written and fsynced (:func:`write_bytes`) under
+    :func:`shard_dir`, with its manifest entry: :func:`save` moves it into the checkpoint it commits."""
+
+    path: Path
+    entry: dict[str, Any]
+
+
+def _put(tmp: Path, name: str, data: bytes | Written) -> dict[str, Any]:
+    if isinstance(data, Written):  # renamed in: its bytes are on disk, the manifest's fsync covers the name
+        os.replace(data.path, tmp / name)
+        return data.entry
+    return write_bytes(tmp / name, data)
+
+
 def save(
     root: Path, step: int, runner: Any, ident: dict[str, Any], trainer_state: dict[str, Any], keep: int,
     config_yaml: str,
 ) -> Path:  # fmt: skip
-    """A full checkpoint of ``runner`` after ``step`` steps, under ``root`` (``<run dir>/checkpoints``)."""
+    """A full checkpoint of ``runner`` after ``step`` steps, under ``root`` (``<run dir>/checkpoints``).
+    Crash-consistent whoever wrote its files: nothing is a checkpoint before the manifest is in place."""
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-step_{step}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        files = {name: write_bytes(tmp / name, data) for name, data in runner.state_files()}
+        files = {name: _put(tmp, name, data) for name, data in runner.state_files()}
         files["state.json"] = write_bytes(tmp / "state.json", json.dumps(trainer_state).encode())
         files["config.yaml"] = write_bytes(tmp / "config.yaml", config_yaml.encode())
         meta = {"step": step, "created": time.time(), **ident}
@@ -425,6 +449,8 @@ def save(
     except BaseException:  # a full disk, say: the partial checkpoint goes, the last whole one stays
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        shutil.rmtree(shard_dir(root, step), ignore_errors=True)
     prune(root, keep)
     return final
 

@@ -159,6 +159,7 @@ class Trainer:
     def save(self) -> Path | None:
         """Every rank calls it (a pipeline's ranks first bring their stages to rank 0); rank 0 writes."""
         self.runner.collect()
+        self.runner.write_shards(self.ckpt_root, self.runner.step_count)  # (L2L stages: each rank its own)
         if not self.files.enabled:  # rank 0 writes (the state is identical on every rank)
             return None
         if self.realtime is not None:

@@ -90,8 +90,7 @@ def test_invalid_pipeline_configs_are_refused_naming_the_key() -> None:
     assert "one stage per rank" in gpipe and "allowed: breadth_first, interleaved_1f1b" in gpipe
     assert "1f1b runs one stage per rank" in problems(*ok, "dist.schedule=1f1b")["dist.schedule"]
     assert problems(*ok, "mode=l2l") == {} and problems(*ok, "mode=l2l", "mode.stash=cpu") == {}
-    l2l_p = problems(*ok, "mode=l2l_p")["mode.name"]
-    assert "mode=l2l_p's speculative update" in l2l_p and "allowed with dist.pipeline > 1: l2l" in l2l_p
+    assert problems(*ok, "mode=l2l_p") == {}  # L2L-p stages: the verdict on the pipeline's norms
     assert "cannot run as a pipeline stage" in problems(*ok, "mode=baseline")["mode.name"]
     stages = problems(*ok, "model.num_layers=6", "dist.layers_per_stage=2")["dist.layers_per_stage"]
     assert "allowed: 1, 3" in stages
@@ -288,9 +287,11 @@ def test_backends_and_an_old_torch_are_refused_before_any_rank_starts(monkeypatc
 def test_l2l_stage_configs_that_cannot_work_are_refused() -> None:
     ok = [*PIPE, "model.num_layers=4", "mode=l2l"]
     assert "allowed: breadth_first" in problems(*ok, "dist.schedule=interleaved_1f1b")["dist.schedule"]
-    assert "runs in one process" in problems(*ok, "eps.tier=disk")["eps.tier"]  # the disk tier's own rule
+    disk = problems(*ok, "eps.tier=disk")["eps.tier"]  # the disk tier's own rule
+    assert "runs in one process" in disk and "pipeline-wide commit record" in disk
     assert "allowed: false" in problems(*ok, "dist.partition_state=true")["dist.partition_state"]
-    assert "not written yet" in problems(*ok, "trainer.save_every=2")["trainer.save_every"]
+    assert problems(*ok, "trainer.save_every=2") == {}  # each rank writes its layers' files
+    assert "one process's" in problems(*ok, "trainer.realtime_ckpt=true")["trainer.realtime_ckpt"]
 
 
 def test_the_message_model_counts_the_modular_pipelines_messages() -> None:
@@ -317,10 +318,11 @@ FLAT = ["task.pad_to_max=true", "task.max_seq_len=16", "batch.size=8", "batch.ub
         "task.num_eval=8", *PIPE[1:]]  # fmt: skip
 
 
-def test_l2l_stages_equal_one_process_l2l_and_keep_device_memory_flat_in_depth() -> None:
-    """Acceptance 1 and 2: modular breadth-first L2L stages on 2 ranks (device stash and CPU stash) give one
-    process mode=l2l's weights after 3 clipped steps; with the CPU stash each rank's device peak does not
-    grow from 8 to 16 layers, while baseline_ag stages' does."""
+def test_l2l_stages_equal_one_process_l2l_and_keep_device_memory_flat_in_depth(tmp_path) -> None:
+    """Acceptance 1 and 2: modular breadth-first L2L stages on 2 ranks (device stash and CPU stash, and
+    L2L-p) give one process mode=l2l's weights after 3 clipped steps; with the CPU stash each rank's device
+    peak does not grow from 8 to 16 layers, while baseline_ag stages' does. And their checkpoints: each rank
+    writes its layers' EPS files, a resumed run equals the uninterrupted one, one process resumes them."""
     ref = train(tiny_cfg(*EQ[len(TINY) :], *CLIP, "mode=l2l"), steps=3, total_steps=3)
     assert all(r.grad_norm > 0.05 for r in ref["reports"][:2])  # clipping applied
     jobs = [[*EQ, *CLIP, *PIPE[1:], "mode=l2l"], [*EQ, *CLIP, *PIPE[1:], "mode=l2l", "mode.stash=cpu"]]
@@ -330,13 +332,41 @@ def test_l2l_stages_equal_one_process_l2l_and_keep_device_memory_flat_in_depth()
     jobs.append(
         [*EQ, *CLIP, *PIPE[1:], "mode=l2l", "precision=cmp"]
     )  # a loss scale: the loss reported unscaled
-    results = run_jobs(2, jobs, steps=3)
+    jobs.append([*EQ, *CLIP, *PIPE[1:], "mode=l2l_p"])  # the update overlapped, judged on the pipeline's norm
+    # checkpoint and resume: 2 steps saved (each rank its layers), resumed to 3, = 3 steps uninterrupted bit
+    # for bit (a constant learning rate: the saved run's schedule ends at 2 steps)
+    at2, lr = tmp_path / "pipe_at2", ["optim.schedule=constant", "optim.warmup_steps=0"]
+    jobs += [[*EQ, *CLIP, *PIPE[1:], *lr, "mode=l2l_p", "trainer.max_steps=2"],
+             [*EQ, *CLIP, *PIPE[1:], *lr, "mode=l2l_p", f"trainer.resume={at2}"],
+             [*EQ, *CLIP, *PIPE[1:], *lr, "mode=l2l_p"]]  # fmt: skip
+    results = run_jobs(2, jobs, steps=3, save={8: str(at2)})
     cmp = train(tiny_cfg(*EQ[len(TINY) :], *CLIP, "mode=l2l", "precision=cmp"), steps=3, total_steps=3)
     assert results[0][6]["losses"] == pytest.approx(cmp["losses"], rel=1e-6)
     assert max(float((results[0][6]["weights"][k] - w).abs().max()) for k, w in cmp["weights"].items()) < 1e-3
-    for job in results[0][:2]:
+    for job in (*results[0][:2], results[0][7]):
         assert_same_weights(job["weights"], ref["weights"])
         assert job["losses"] == pytest.approx(ref["losses"], rel=1e-6)
+    # L2L-p stages: rank 0's layers (0, 1, 3) alone stay under the limit when its first gradients land, so
+    # it updates them speculatively; the pipeline's norm says clip, and it rolls them back and redoes them.
+    # The result is the L2L stages' bit for bit (the same kernels; one process differs in its threads' sums)
+    ranks_p = results[0][7]["sections"]["pipeline"]["ranks"]
+    assert ranks_p[0]["rollbacks"] == 2 and ranks_p[0]["rolled_back_layer_updates"] > 0
+    assert all(torch.equal(results[0][7]["weights"][k], w) for k, w in results[0][0]["weights"].items())
+    # the checkpoint is one process's EPS layout, every layer's file written by the rank that holds it
+    resumed, whole = results[0][9], results[0][10]
+    assert len(resumed["losses"]) == 1 and resumed["losses"] == whole["losses"][2:]
+    assert all(torch.equal(resumed["weights"][k], w) for k, w in whole["weights"].items())
+    step2 = at2 / "checkpoints" / "step_2"
+    manifest = json.loads((step2 / "manifest.json").read_text())
+    assert manifest["state_layout"] == "eps-flat-v1" and manifest["step"] == 2
+    assert sorted(manifest["files"]) == sorted([*(f"layer_{i}.safetensors" for i in range(6)), "state.json",
+                                                "config.yaml"])  # fmt: skip
+    assert sorted(p.name for p in (at2 / "checkpoints").iterdir()) == ["step_2"]  # no shards left behind
+    cfg = tiny_cfg(*EQ[len(TINY) :], *CLIP, *lr, "mode=l2l", f"trainer.resume={at2}")
+    with build(cfg, tmp_path / "one", data=tiny_data(cfg)) as s:  # one process goes on from it
+        assert s.runner is not None and s.stream is not None and s.runner.step_count == 2
+        s.runner.step(next(s.stream.batches(start_step=2)))
+        assert_same_weights(dict(s.runner.hf_tensors()), whole["weights"])
     section = results[0][1]["sections"]["pipeline"]
     assert section["stage_mode"] == "l2l" and section["stash"] == "cpu" and section["torch_schedule"] is None
     assert [r["layers"] for r in section["ranks"]] == [[0, 1, 3], [2, 4, 5]]  # each EPS: its stages only
@@ -351,36 +381,45 @@ def test_l2l_stages_equal_one_process_l2l_and_keep_device_memory_flat_in_depth()
 
 
 @pytest.mark.slow
-def test_four_l2l_ranks_two_pipelines_of_two_match_one_process() -> None:
-    """Acceptance 1, 2 x 2: two pipelines of L2L stages, the EPS reducing each layer over the pipelines."""
+def test_four_l2l_ranks_two_pipelines_of_two_match_one_process(tmp_path) -> None:
+    """Acceptance 1, 2 x 2: two pipelines of L2L stages (and L2L-p stages), the EPS reducing each layer over
+    the pipelines; a checkpoint of 2 steps (the first pipeline's ranks write it) resumed to 3 equals 3."""
     ref = train(tiny_cfg(*EQ[len(TINY) :], *CLIP, "mode=l2l"), steps=3, total_steps=3)["weights"]
     dp = [*EQ, *CLIP, "mode=l2l", "dist.nproc=4", "dist.pipeline=2", "batch.size=4"]
-    results = run_jobs(4, [dp, [*dp, "mode.stash=cpu"]], steps=3)
-    for job in results[0]:
+    at2, lr = tmp_path / "at2", ["optim.schedule=constant", "optim.warmup_steps=0", "mode=l2l_p"]
+    jobs = [dp, [*dp, "mode.stash=cpu"], [*dp, "mode=l2l_p"],
+            [*dp, *lr, "trainer.max_steps=2"], [*dp, *lr, f"trainer.resume={at2}"], [*dp, *lr]]  # fmt: skip
+    results = run_jobs(4, jobs, steps=3, save={3: str(at2)})
+    for job in results[0][:3]:
         assert_same_weights(job["weights"], ref)
         assert job["sections"]["pipeline"]["data_parallel"] == 2
+    resumed, whole = results[0][4], results[0][5]
+    assert len(resumed["losses"]) == 1 and resumed["losses"] == whole["losses"][2:]
+    assert all(torch.equal(resumed["weights"][k], w) for k, w in whole["weights"].items())
 
 
 @pytest.mark.slow
 def test_an_untied_llama_on_l2l_stages_equals_one_process(tmp_path) -> None:
-    """Acceptance 1 for a decoder: a Llama (untied head) on 2 L2L stages' ranks, through the CLI (the LM
-    task), equals one process mode=l2l: the final model and the evaluation loss."""
+    """Acceptance 1 for a decoder: a Llama (untied head) on 2 L2L stages' ranks (and L2L-p stages), through
+    the CLI (the LM task), equals one process mode=l2l: the final model and the evaluation loss."""
     common = ["model=llama-tiny", "task=lm", "model.num_layers=4", "model.hidden_size=32", "model.num_heads=4",
               "model.num_kv_heads=2", "model.intermediate_size=64", "model.dropout=0.0", "task.max_seq_len=16",
               "task.max_eval_samples=8", "batch.size=8", "batch.ubatch_size=2", "trainer.max_steps=3",
               "trainer.save_final=true", "trainer.progress=none", "mode=l2l", *CLIP]  # fmt: skip
-    for name, extra in (("one", []), ("pipe", ["dist.nproc=2", "dist.pipeline=2", "mode.stash=cpu"])):
+    two = ["dist.nproc=2", "dist.pipeline=2"]
+    for name, extra in (("one", []), ("pipe", [*two, "mode.stash=cpu"]), ("pipe_p", [*two, "mode=l2l_p"])):
         r = subprocess.run(
             [sys.executable, "-m", "l2l_cli", "train", *common, *extra, f"hydra.run.dir={tmp_path / name}"],
             capture_output=True, text=True, timeout=600, cwd=REPO,
         )  # fmt: skip
         assert r.returncode == 0, r.stderr[-3000:]
-    one, pipe = (json.loads((tmp_path / n / "summary.json").read_text()) for n in ("one", "pipe"))
-    assert pipe["pipeline"]["stage_mode"] == "l2l" and pipe["eval"]["loss"] == pytest.approx(
-        one["eval"]["loss"]
-    )
-    assert_same_weights(load_file(tmp_path / "pipe/final/model.safetensors"),
-                        load_file(tmp_path / "one/final/model.safetensors"))  # fmt: skip
+    one = json.loads((tmp_path / "one" / "summary.json").read_text())
+    for name, mode in (("pipe", "l2l"), ("pipe_p", "l2l_p")):
+        pipe = json.loads((tmp_path / name / "summary.json").read_text())
+        assert pipe["pipeline"]["stage_mode"] == mode
+        assert pipe["eval"]["loss"] == pytest.approx(one["eval"]["loss"])
+        assert_same_weights(load_file(tmp_path / name / "final/model.safetensors"),
+                            load_file(tmp_path / "one/final/model.safetensors"))  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -23,6 +23,13 @@ class EpsFiles:
 
     def __init__(self, spec: ModelSpec, layers: list[LayerState], tier: Tier):
         self.spec, self.layers, self.tier = spec, layers, tier
+        # the model's number of each of these layers, which names its file (a pipeline rank's EPS holds some
+        # of the model's layers; its files are one process's, so either resumes the other's); None: all
+        self.numbers: list[int] | None = None
+
+    def file_name(self, i: int) -> str:
+        """Layer i's checkpoint file, by the model's layer number."""
+        return f"layer_{i if self.numbers is None else self.numbers[i]}.safetensors"
 
     # ---- checkpoints: one file per layer (w, m, v, step), the same for full and real-time ones --------
 
@@ -34,7 +41,7 @@ class EpsFiles:
             step = next(iter(st.optimizer.state.values()))["step"]
             return {"w": st.w, "m": st.m, "v": st.v, "step": step.reshape(())}
 
-        return f"layer_{i}.safetensors", payload
+        return self.file_name(i), payload
 
     def state_files(self) -> Iterator[tuple[str, bytes]]:
         for i in range(len(self.layers)):
@@ -46,7 +53,7 @@ class EpsFiles:
     @torch.no_grad()
     def load_state(self, ckpt: Any, manifest: dict[str, Any]) -> None:
         for st in self.layers:
-            t = read_tensors(ckpt, f"layer_{st.index}.safetensors", manifest)
+            t = read_tensors(ckpt, self.file_name(st.index), manifest)
             with self.tier.holding(st.index, "wmv", fresh=True, dirty=True):
                 for key, buf in (("w", st.w), ("m", st.m), ("v", st.v)):
                     if key not in t or t[key].shape != buf.shape:

@@ -11,6 +11,8 @@ keeps that bookkeeping (the step's norms, the layers updated and held, the rollb
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from l2l_cli.engine.layer_server import LayerServer, grad_mult
@@ -33,6 +35,11 @@ class Speculation:
         self.rollbacks = 0  # steps whose speculative updates were undone (clipping, or a non-finite gradient)
         self.rollback_layers = 0
         self.last_rollback: str | None = None  # why the last step rolled back (None: it did not)
+        # the verdict's norms beyond this EPS: this EPS's per-layer norms -> (the whole model's, in model
+        # order; where each of this EPS's layers is in them). A pipeline's L2L stages set it (each rank's
+        # EPS holds some layers: the clipping factor and the verdict are the whole model's); None: this
+        # EPS holds the model
+        self.combine: Callable[[torch.Tensor], tuple[torch.Tensor, list[int]]] | None = None
 
     def update_async(self, i: int, lr: float, scaler: LossScaler, clip: str, max_norm: float) -> None:
         """Reduce and update layer i in the background (Alg. 4, Process 2), speculatively: with global
@@ -100,6 +107,9 @@ class Speculation:
         scale = scaler.scale * eps.dist.world
         self._norms[i0] = torch.linalg.vector_norm(eps.layers[i0].g) / scale
         norms = torch.stack([self._norms[i] for i in sorted(self._norms)])  # in layer order, as Alg. 3
+        where = list(range(len(norms)))
+        if self.combine is not None:  # (a pipeline rank: every rank's norms, one verdict for all)
+            norms, where = self.combine(norms)
         bad, updated, held = self._bad or not bool(torch.isfinite(norms).all()), self._updated, self._held
         self._bad, self._updated, self._held, self._norms = False, [], [], {}
         self.last_rollback = None
@@ -123,7 +133,7 @@ class Speculation:
                 self._count_rollback(
                     redo, f"global gradient norm {total:.4g} > optim.max_grad_norm {max_norm:g}"
                 )
-        mult = grad_mult(scale, None if coefs is None else coefs[i0])
+        mult = grad_mult(scale, None if coefs is None else coefs[where[i0]])
         if defer and eps.elementwise and eps.realtime is None and not eps.tier.durable:
             self.trailing.hold(i0, lr, mult)
         else:

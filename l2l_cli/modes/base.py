@@ -131,6 +131,12 @@ class Runner(Protocol):
         and the final model. A no-op where rank 0 already holds all of it."""
         ...
 
+    def write_shards(self, root: Path, step: int) -> None:
+        """Collective, before rank 0 writes step ``step``'s checkpoint under ``root``: where no rank holds
+        the whole state (a pipeline's L2L stages), each rank writes its own files under
+        ``checkpoint.shard_dir`` and rank 0's ``state_files`` names them. A no-op otherwise."""
+        ...
+
     def sections(self) -> dict[str, dict[str, Any]]:
         """Collective: the mode's own summary.json sections (``pipeline``: per-rank times, the bubble)."""
         ...
@@ -218,6 +224,9 @@ class RunnerBase:
         return {}
 
     def collect(self) -> None:
+        return None
+
+    def write_shards(self, root: Path, step: int) -> None:
         return None
 
     def sections(self) -> dict[str, dict[str, Any]]:

@@ -79,5 +79,6 @@ SPEC = register_mode(
         overlapped_update=True,
         distribute="eps",
         state_layout="eps-flat-v1",
+        pipeline_stage=True,  # dist.pipeline > 1: the verdict on the pipeline's norms (pipeline/l2l_stages.py)
     )
 )

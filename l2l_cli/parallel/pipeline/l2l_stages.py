@@ -15,22 +15,28 @@ layered-GA paper's breadth-first pipeline:
   EPS, which reduces it over the data-parallel pipelines in the background as it lands;
 - the update: on the host, once every gradient is in; the gradient norms are combined over the pipeline's
   ranks first (global clipping is exact: the same coefficient as one process), and one verdict on
-  non-finite gradients holds for every rank.
+  non-finite gradients holds for every rank;
+- ``mode=l2l_p``: each layer is updated on the EPS thread as its gradient lands (Alg. 4), speculatively as
+  in one process (engine/speculative.py); the verdict at the step's end takes the pipeline's norms
+  (``pipeline_norms``), so a rank whose own layers would not clip still rolls its updates back and redoes
+  them when the whole model's norm says clip. The numbers are ``mode=l2l`` stages' bit for bit.
 
 Hidden states travel in FP32 over the pipeline group (NCCL between GPUs, gloo on CPU); the micro-batch index
-is the loop's own. What is not built: L2L-p's overlapped update (its speculative verdict would need the
-other ranks' norms mid-backward), the disk tier, and checkpoints of these stages (refused in settings.py).
+is the loop's own. What is not built: the disk tier (refused by the tier: one process).
 """
 
 from __future__ import annotations
 
+import shutil
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from l2l_cli import checkpoint as ckpt
 from l2l_cli.data.batches import Batch
 from l2l_cli.engine.dist import DistContext
 from l2l_cli.engine.eps import EagerParamServer
@@ -115,6 +121,13 @@ class L2LStagesRunner(RunnerBase):
         self.relay = Relay(self.acc, self.layers, self.eps, dtype, self.settings.prefetch, self.timer)  # type: ignore[arg-type]
         cpu = self.settings.stash == "cpu"
         self.stash = CpuStash(self.acc, self.eps, self.timer) if cpu else DeviceStash(self.acc, self.timer)
+        self.eps.files.numbers = self.index  # its checkpoint files by the model's layer: one process's
+        self._shards: dict[str, ckpt.Written] | None = (
+            None  # rank 0: the files the ranks wrote for a checkpoint
+        )
+        self.overlapped = mode.overlapped_update  # l2l_p: each layer updated as its gradient lands
+        self.eps.speculation.combine = self.pipeline_norms  # its verdict: the whole pipeline's norms
+        self._lr = 0.0
         self.sends: list[Any] = []
         self.steps_timed, self.totals = 0, {"compute": 0.0, "pipeline": 0.0}
         self._full: dict[str, torch.Tensor] | None = None
@@ -172,6 +185,10 @@ class L2LStagesRunner(RunnerBase):
 
     def step(self, minibatch: Batch) -> StepReport:
         t_start, lr = time.perf_counter(), self.lr()
+        self._lr = lr
+        if self.overlapped:
+            with self.timer("optimizer"):  # L2L-p: the last step's trailing update, the rows read first
+                self.eps.start_step(minibatch)
         ubatches = self.to_device(minibatch).split(self.num_ubatches)
         dtype = self.precision.device_dtype
         masks = [self.spec.side_inputs(ub, dtype) for ub in ubatches]
@@ -189,7 +206,7 @@ class L2LStagesRunner(RunnerBase):
         dist.barrier(group=self.pp_host)
         t1 = time.perf_counter()
         loss = self._pipeline_loss(loss)
-        applied, norm = self.update(lr)
+        applied, norm = self.finish_overlapped(lr) if self.overlapped else self.update(lr)
         phases = self.timer.pop()
         compute = sum(phases.get(k, 0.0) for k in ("forward", "recompute", "backward"))
         if self.step_count > 0 or not self.steps_timed:  # steady state: the first step only if alone
@@ -202,6 +219,8 @@ class L2LStagesRunner(RunnerBase):
         report.phases = phases
         report.extra = {"eps_background_s": self.eps.pop_busy(), **self.eps.pop_optimizer(),
                         "pipe_compute_s": compute, "pipe_bubble": max(0.0, 1 - compute / max(t1 - t0, 1e-9))}  # fmt: skip
+        if self.overlapped and self.eps.last_rollback is not None:
+            report.extra["rollback"] = 1.0
         return report
 
     def forward_pass(self, ubatches: list[Batch], masks: list[Any], shape: tuple[int, ...]) -> list[Any]:
@@ -235,8 +254,18 @@ class L2LStagesRunner(RunnerBase):
         layer = self.relay.acquire(j, prefetch=j - 1, grads=True)
         g, loss = head_turn(self, layer, self.head, x, ubatches)
         self.relay.send_grads(j)
-        self.eps.reduce_async(j)
+        self.landed(j)
         return g, loss
+
+    def landed(self, j: int) -> None:
+        """Local layer j's gradient has left the device: L2L reduces it in the background (the update waits
+        for the step's end); L2L-p reduces and updates it, speculatively (Alg. 4's Process 2), while the
+        device runs the layers below; except local layer 0, the rank's last, whose update trails."""
+        if not self.overlapped:
+            self.eps.reduce_async(j)
+        elif j > 0:
+            s = self.settings
+            self.eps.update_async(j, self._lr, self.precision.scaler, self.clip, s.max_grad_norm)
 
     def backward_pass(
         self, g: list[Any], ubatches: list[Batch], masks: list[Any], shape: tuple[int, ...]
@@ -270,7 +299,7 @@ class L2LStagesRunner(RunnerBase):
                         self._send(g[u], s, u, backward=True)  # down to the previous stage's rank
                         g[u] = None
                 self.relay.send_grads(j)
-                self.eps.reduce_async(j)  # reduced over the pipelines as it lands
+                self.landed(j)  # reduced over the pipelines as it lands (and, L2L-p, updated)
 
     def _pipeline_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The minibatch's mean loss (unscaled: the turn sums the losses before scaling), from the last
@@ -279,17 +308,32 @@ class L2LStagesRunner(RunnerBase):
         dist.broadcast(t, src=self.last_rank, group=self.pp_host)
         return t
 
+    def pipeline_norms(self, local: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """Collective over the pipeline: every layer's gradient norm in model order, from each rank's own
+        (``local``: this rank's layers'), and where this rank's layers are in it. Bit for bit the norms one
+        process takes: a float32 squared in float64 is exact, summed with zeros, its root the same float."""
+        sq = torch.zeros(self.spec.num_all_layers, dtype=torch.float64)
+        sq[self.index] = local.double() ** 2
+        dist.all_reduce(sq, group=self.pp_host)  # every layer's squared norm, on every rank
+        return sq.sqrt().float(), self.index
+
+    def finish_overlapped(self, lr: float) -> tuple[bool, float]:
+        """L2L-p's verdict on the speculative updates (engine/speculative.py), on the pipeline's norms: a
+        rank's updates are rolled back and redone when the whole model's norm says clip, though its own
+        layers' norm would not; one non-finite gradient anywhere undoes every rank's step."""
+        s = self.settings
+        with self.timer("optimizer"):
+            return self.eps.finish_async(
+                self.precision.scaler, (0, lr, self.clip, s.max_grad_norm), defer=True
+            )
+
     def update(self, lr: float) -> tuple[bool, float]:
         """Alg. 3's host update of this rank's layers, with the norms of every rank of the pipeline: one
         verdict and one global clipping coefficient for the whole model, as one process takes them."""
         eps, scaler = self.eps, self.precision.scaler
         eps.gather_grads(self.timer)
         with self.timer("optimizer"), eps.worker.work():
-            local = eps.grad_norms(scaler).double()
-            sq = torch.zeros(self.spec.num_all_layers, dtype=torch.float64)
-            sq[self.index] = local**2
-            dist.all_reduce(sq, group=self.pp_host)  # every layer's squared norm, on every rank
-            norms = sq.sqrt().float()
+            norms, _ = self.pipeline_norms(eps.grad_norms(scaler))
             finite = bool(torch.isfinite(norms).all())
             scaler.update(not finite)
             if finite:
@@ -363,11 +407,43 @@ class L2LStagesRunner(RunnerBase):
     def host_parts(self) -> dict[str, int]:
         return self.eps.host_parts()
 
-    def state_files(self) -> Any:
-        raise NotImplementedError("checkpoints of L2L pipeline stages (refused by the config check)")
+    # ---- checkpoints: each rank writes its layers' files, rank 0 commits them -------------------------
 
-    def load_state(self, ckpt: Any, manifest: dict[str, Any]) -> None:
-        raise NotImplementedError("checkpoints of L2L pipeline stages (refused by the config check)")
+    def write_shards(self, root: Path, step: int) -> None:
+        """Collective: the first pipeline's ranks each write their layers' EPS files (one process's layout,
+        by the model's layer number; the other pipelines hold the same state) under the step's shard
+        directory; rank 0 gets their names and checksums, and its checkpoint renames them in. No rank ever
+        holds another's state; the manifest rank 0 writes last is the commit, as for any checkpoint."""
+        self._shards = None
+        if self.dp_rank != 0:
+            return
+        self.eps.settle()
+        where = ckpt.shard_dir(root, step)
+        if self.pp_rank == 0:  # (a crash's leftovers of this step go first)
+            shutil.rmtree(where, ignore_errors=True)
+            where.mkdir(parents=True)
+        dist.barrier(group=self.pp_host)
+        mine = {name: ckpt.write_bytes(where / name, data) for name, data in self.eps.state_files()}
+        parts: list[Any] | None = [None] * self.pipe.pipeline if self.dist.rank == 0 else None
+        dist.gather_object(mine, parts, dst=0, group=self.pp_host)
+        if parts is not None:
+            self._shards = {n: ckpt.Written(where / n, e) for part in parts for n, e in part.items()}
+
+    def state_files(self) -> Any:
+        """Rank 0: the files every rank wrote (``write_shards``), in the model's layer order."""
+        if self._shards is None:
+            raise RuntimeError(
+                "L2L stages write their checkpoint files in write_shards, called by the trainer"
+            )
+        shards, self._shards = self._shards, None
+        number = {n: int(n.removeprefix("layer_").split(".")[0]) for n in shards}
+        return iter(sorted(shards.items(), key=lambda item: number[item[0]]))
+
+    def load_state(self, ckpt_dir: Any, manifest: dict[str, Any]) -> None:
+        """This rank's layers from any checkpoint of the EPS layout: one process's, or a pipeline's of any
+        placement (each file is one of the model's layers)."""
+        self.eps.settle()
+        self.eps.load_state(ckpt_dir, manifest)
 
     def sections(self) -> dict[str, dict[str, Any]]:
         """summary.json's ``pipeline``: the layout, the bubble measured (1 - compute / pipeline time, the
@@ -376,6 +452,8 @@ class L2LStagesRunner(RunnerBase):
         mine = {"rank": self.dist.rank, "pipeline_rank": self.pp_rank, "data_rank": self.dp_rank,
                 "stages": self.my_stages, "layers": self.index, "compute_s": self.totals["compute"] / n,
                 "pipeline_s": self.totals["pipeline"] / n}  # fmt: skip
+        if self.overlapped:  # L2L-p: steps whose speculative updates this rank undid, and how many
+            mine |= {"rollbacks": self.eps.rollbacks, "rolled_back_layer_updates": self.eps.rollback_layers}
         mine["bubble"] = 1 - mine["compute_s"] / mine["pipeline_s"] if mine["pipeline_s"] > 0 else None
         ranks: list[Any] = [None] * self.dist.world
         dist.all_gather_object(ranks, mine)

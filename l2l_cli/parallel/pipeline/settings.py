@@ -167,7 +167,7 @@ def validate(cfg: Any) -> list[Problem]:
         p.extend(_l2l_stage_rules(cfg, spec, schedule))
     elif (why := torch_problem()) is not None:
         bad("dist.pipeline", why)
-    if spec is not None and not spec.pipeline_stage and not (eps_stages(spec) and spec.overlapped_update):
+    if spec is not None and not spec.pipeline_stage:
         stage_modes = ", ".join(m.name for m in MODES.values() if m.pipeline_stage)
         bad("mode.name", f"mode={spec.name} cannot run as a pipeline stage; allowed with dist.pipeline > 1: "
             f"{stage_modes}")  # fmt: skip
@@ -202,18 +202,11 @@ def _l2l_stage_rules(cfg: Any, mode: Any, schedule: str) -> list[Problem]:
     if schedule != "breadth_first":
         p.append(Problem("dist.schedule", f"mode={mode.name} stages load each layer once per batch, every "
                          "micro-batch through it first: allowed: breadth_first, auto (modular)"))  # fmt: skip
-    if mode.overlapped_update:
-        p.append(Problem("mode.name", f"mode={mode.name}'s speculative update needs every pipeline rank's "
-                         "norm before any layer's verdict, not combined across ranks yet; allowed with "
-                         "dist.pipeline > 1: l2l (host update after the backward)"))  # fmt: skip
     if cfg.dist.partition_state:
         p.append(Problem("dist.partition_state", f"mode={mode.name}'s state is on the host EPS, reduced there "
                          "whole; allowed: false"))  # fmt: skip
-    t = cfg.trainer
-    for key, on in (("save_every", t.save_every > 0), ("resume", bool(t.resume)),
-                    ("realtime_ckpt", t.realtime_ckpt)):  # fmt: skip
-        if on:
-            p.append(Problem(f"trainer.{key}", f"checkpoints of mode={mode.name} pipeline stages are not written "
-                             "yet (each rank's EPS holds its stages only; trainer.save_final works); unset it, or use "
-                             "mode=baseline_ag"))  # fmt: skip
+    if cfg.trainer.realtime_ckpt:
+        p.append(Problem("trainer.realtime_ckpt", f"mode={mode.name} pipeline stages write checkpoints every "
+                         "trainer.save_every steps, each rank its layers, rank 0 committing them; real-time "
+                         "checkpoints (one commit per layer update) are one process's: unset it"))  # fmt: skip
     return p

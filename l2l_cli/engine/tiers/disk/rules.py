@@ -36,7 +36,12 @@ def validate(cfg: Any, check_files: bool) -> list[Problem]:
     """What ``eps.tier=disk`` cannot run with (``check_files``: the directory's space is checked by
     :func:`check_space`, once the config knows the model)."""
     p: list[Problem] = []
-    if cfg.dist.nproc > 1:
+    if cfg.dist.nproc > 1 and cfg.dist.pipeline > 1:  # L2L stages: each rank would hold its layers
+        p.append(Problem("eps.tier", "disk runs in one process (dist.nproc=1): a pipeline's ranks would each "
+                         "commit their layers' files after every step, and a crash between two ranks' commits "
+                         "leaves no step that every rank can resume from (a pipeline-wide commit record is not "
+                         "built); use eps.tier=host with dist.pipeline > 1"))  # fmt: skip
+    elif cfg.dist.nproc > 1:
         p.append(
             Problem("eps.tier", "disk runs in one process (dist.nproc=1): every rank would keep its own copy")
         )
