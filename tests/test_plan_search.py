@@ -422,3 +422,47 @@ def test_plan_takes_a_plan_recipe_and_refuses_a_training_sweep(capsys) -> None:
     assert json.loads(capsys.readouterr().out)["search"][0]["n_gpu"] == 38640
     assert main(["recipe=l2l_v2_table2"]) == 2
     assert "a sweep of 4 jobs (run it with l2l train)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model=llama-tiny"],
+        ["model=llama-tiny", "model.num_kv_heads=1", "model.tie_word_embeddings=true"],
+        ["model=llama-7b"],
+        ["model=gpt2-tiny"],
+        ["model=gpt2-tiny", "model.tie_word_embeddings=false", "model.intermediate_size=48"],
+    ],
+)
+def test_decoder_closed_form_counts_equal_the_meta_count(overrides: list[str]) -> None:
+    """``l2l plan`` counts a decoder built from ``model.*`` by its family's formula (no ``transformers``
+    import: acceptance 5's < 2 s); it must be the meta-device count of the layers ``l2l train`` builds."""
+    from l2l_cli.models import FAMILIES
+    from l2l_cli.models.decoder import _param_counts
+
+    m = compose([*overrides, "task=lm"]).model
+    spec = FAMILIES[m.family].from_config(m, 2)
+    assert spec.formula_counts() is not None
+    assert spec.formula_counts() == _param_counts(spec)
+    assert spec.param_counts() == _param_counts(spec)
+
+
+def test_search_for_a_decoder_does_not_import_transformers() -> None:
+    """Acceptance 5: ``l2l plan --search model=llama-7b`` answers without importing ``transformers`` (its
+    import alone is ~2 s here); the config is composed once (preflight's)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, io, contextlib\n"
+        "from l2l_cli.plan.cli import main\n"
+        "import l2l_cli.compose as c\n"
+        "calls = []\n"
+        "orig = c.hydra_compose\n"
+        "c.hydra_compose = lambda *a, **k: calls.append(1) or orig(*a, **k)\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    rc = main(['--search', '--json', 'model=llama-7b', 'task=lm', 'hardware=a100-80g', 'plan.max_gpus=8'])\n"
+        "print(rc, 'transformers' in sys.modules, len(calls))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["0", "False", "1"]
