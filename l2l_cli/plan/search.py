@@ -128,9 +128,7 @@ def _tensor_limit(t: Target, b: Bounds) -> int:
     if b.heads or b.whole:
         return m.d_a
     links = t.links
-    gbps = links.tensor_gbps if links.tensor_gbps > 0 else links.network_gbps
-    if links.node_size > 0 and links.network_gbps > 0:  # beyond the node the network carries it
-        gbps = max(gbps, links.network_gbps) if links.tensor_gbps <= 0 else gbps
+    gbps = links.tensor_gbps if links.tensor_gbps > 0 else links.network_gbps  # (beyond a node: slower)
     per = (4 + 2 * m.n_I) * m.d_m / 3.0  # ν_a·(n_a - 1)
     return max(m.d_a, 1 + math.floor(b.max_overhead * per / links.threshold(gbps) + 1e-9))
 
@@ -310,6 +308,7 @@ class Found:
     overheads: dict[str, float]
     binding: list[str]
     meets_days: bool | None = None
+    over_memory: bool = False  # chosen without the device-memory bound, as nothing fits (figures only)
 
     def row(self) -> dict[str, Any]:
         """The ``--json`` row: exactly the issue's fields (memory in the paper's GB, i.e. GiB)."""
