@@ -16,7 +16,7 @@ from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from l2l_cli.compose import check_overrides, compose, extra_keys, resolution_problem, values
@@ -37,7 +37,9 @@ def preflight(
     stop the others: it is listed in ``warn`` and will end as a failed job. Problems every job shares
     (unknown keys, options, types), or a sweep with no valid job, are errors. ``resume``: the run being
     resumed; the config checked is its own with these overrides on top (l2l_cli/inherit.py). ``info``
-    receives ``multirun``, ``jobs``, the sweep's ``dir`` and the jobs' ``pretrained`` references.
+    receives ``multirun``, ``jobs``, the sweep's ``dir``, the jobs' ``pretrained`` references and, for one
+    valid job, its composed ``cfg`` (without the ``hydra`` node: what ``compose`` returns, so a caller such
+    as ``l2l plan`` need not compose it again).
     """
     problems, parsed = check_overrides(overrides)
     if problems:
@@ -83,8 +85,11 @@ def preflight(
                 found = [resolution_problem(e)]
         if found:
             failing.append((job, found))
-        elif info is not None and cfg.model.pretrained:
-            info.setdefault("pretrained", {})[str(cfg.model.pretrained)] = str(cfg.model.family)
+        elif info is not None:
+            if cfg.model.pretrained:
+                info.setdefault("pretrained", {})[str(cfg.model.pretrained)] = str(cfg.model.family)
+            if len(jobs) == 1:
+                info["cfg"] = _without_hydra(cfg)
     if len(jobs) == 1 or len(failing) == len(jobs):
         seen: dict[str, Problem] = {}
         for job, found in failing:
@@ -96,6 +101,13 @@ def preflight(
         for job, found in failing:
             warn.append(f"job {' '.join(job)} will fail: " + "; ".join(map(str, found)))
     return []
+
+
+def _without_hydra(cfg: Any) -> Any:
+    """``cfg`` as ``compose`` returns it (the checked job's config is not used after this)."""
+    with open_dict(cfg):
+        cfg.pop("hydra", None)
+    return cfg
 
 
 def _resume_preflight(run_dir: Path, overrides: list[str]) -> list[Problem]:

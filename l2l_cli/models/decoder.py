@@ -210,8 +210,15 @@ class DecoderSpec(ModelSpec):
     # ---- planner and evaluation --------------------------------------------------------------------
 
     def param_counts(self) -> tuple[int, int, int]:
-        """Counted on meta-device layers (exact for every variant: biases, GQA, tied or not)."""
-        return _param_counts(self)
+        """The family's closed form for a model built from the ``model.*`` keys (``l2l plan`` then needs
+        no ``transformers``); otherwise counted on meta-device layers (exact for every variant a
+        checkpoint's config.json may bring: biases, another head size, GQA, tied or not)."""
+        return self.formula_counts() or _param_counts(self)
+
+    def formula_counts(self) -> tuple[int, int, int] | None:
+        """(pre, block, post) by formula, or None where only the meta count is exact (tests check the two
+        agree)."""
+        return None
 
     def head_flops(self, seq: int) -> float:
         return 2.0 * seq * self.hidden_size * self.vocab_size  # the LM head over every position

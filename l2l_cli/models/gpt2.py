@@ -47,6 +47,15 @@ class GPT2Spec(DecoderSpec):
     def hf_config(self) -> Any:
         return _config(self)
 
+    def formula_counts(self) -> tuple[int, int, int] | None:
+        """From ``model.*`` (no config.json): token and position embeddings; the block's fused QKV and
+        output projections, MLP and two LayerNorms (all with biases); ``ln_f`` and the LM head unless tied."""
+        if self.hf_json:
+            return None
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        block = 4 * h * h + 2 * h * i + 9 * h + i
+        return (v + self.seq_len) * h, block, 2 * h + (0 if self.tie_word_embeddings else v * h)
+
     def causal_lm_class(self) -> str:
         return "GPT2LMHeadModel"
 

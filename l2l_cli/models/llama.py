@@ -56,6 +56,16 @@ class LlamaSpec(DecoderSpec):
     def hf_config(self) -> Any:
         return _config(self)
 
+    def formula_counts(self) -> tuple[int, int, int] | None:
+        """From ``model.*`` (no config.json): bias-free q, k, v, o (k and v over the KV heads), the gated
+        MLP's three matrices, two RMSNorms; the head's norm and the LM head unless tied."""
+        if self.hf_json:
+            return None
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        kv = self.num_kv_heads * (h // self.num_heads)
+        block = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
+        return v * h, block, h + (0 if self.tie_word_embeddings else v * h)
+
     def module(self, what: str) -> Any:
         """``transformers``' class ``<Prefix><what>`` for this model_type (DecoderLayer, RMSNorm, ...)."""
         mod = importlib.import_module(f"transformers.models.{self.model_type}.modeling_{self.model_type}")

@@ -114,13 +114,13 @@ def main(argv: list[str]) -> int:
         if problems:
             return _fail([f"config error: {p}" for p in problems])
         overrides = base + overrides
-    _, parsed = check_overrides(overrides)
-    sweeps = [ov.key_or_group for ov in parsed if ov.is_sweep_override()]
-    if sweeps:
-        return _fail([f"config error: {', '.join(sweeps)}: l2l plan takes one config; give one value"])
     info: dict[str, Any] = {}
     problems = preflight(overrides, multirun=False, info=info)
-    if problems:
+    if problems:  # a sweep is one of them (checked here, not before: a valid command line parses once)
+        _, parsed = check_overrides(overrides)
+        sweeps = [ov.key_or_group for ov in parsed if ov.is_sweep_override()]
+        if sweeps:
+            return _fail([f"config error: {', '.join(sweeps)}: l2l plan takes one config; give one value"])
         return _fail([f"config error: {p}" for p in problems])
     if info.get("jobs", 1) > 1:  # a training recipe's sweep (hydra.sweeper.params): plan one config of it
         return _fail(
@@ -129,7 +129,7 @@ def main(argv: list[str]) -> int:
                 "one config: give one value for each swept key"
             ]
         )
-    cfg = compose(overrides)
+    cfg = info.get("cfg") or compose(overrides)  # preflight's composed config: Hydra composes once
     if flags["search"] or flags["scaling"]:
         return _search_or_scaling(cfg, overrides, flags)
     from l2l_cli.plan.planner import make_plan

@@ -3,8 +3,12 @@ fastest configuration of each method at every size (``plan/search.py``), and dra
 (InfiniBand, 16 GPUs per node), 5 (no node-size limit) and 8 (25 Gb/s Ethernet), with ``scaling.csv`` and
 the limits §7 reads off Figure 4.
 
-The sweep treats the degrees as free (any n_l <= d_l, n_a <= d_a), as the paper's smooth curves do: the X[x]
+The sweep treats the degrees as free (any n_l <= d_l, any n_a), as the paper's smooth curves do: the X[x]
 head counts x/2 have few divisors, and a divisor rule would make the curves jump where it does not matter.
+Nor does it bound n_a by the head count: §7 says tensor parallelism "is limited by a computer design choice
+which limits the node size to 16 ... tensor parallelism only requires a ring topology, which is easy to
+scale to an arbitrary size", and Figure 5's numbers need it (``tests/test_plan_search.py``); with 16-GPU
+nodes the tensor cap over the network binds long before the heads do, so Figures 4 and 8 do not change.
 """
 
 from __future__ import annotations
@@ -35,7 +39,13 @@ FIGURES = {  # name -> what differs from the base machine
 LABELS = {"baseline": "3d Baseline", "partitioned": "2d Partitioned", "improved": "3d Improved"}
 CSV_FIELDS = ("figure", "network", "node_size", "method", "parallelism", "x", "params", "critical_batch", "b",
               "b_mu", "n_mu", "n_b", "n_l", "n_a", "n_gpu", "offload", "efficiency", "days",
-              *(f"{k}_gb" for k in MEMORY_KEYS), "binding")  # fmt: skip
+              *(f"{k}_gb" for k in MEMORY_KEYS), "fits_device", "binding")  # fmt: skip
+
+
+# The paper's analysis: free degrees, no head bound (module doc)
+PAPER = Bounds(whole=False, heads=False)
+X_MAX = 4096  # the largest X[x] a limit is looked for at (1.4e19 parameters)
+UNBOUNDED_GIB = 1e12  # device memory for the part of a curve past the device's (no configuration fits)
 
 
 def sizes(points: int, lo: float = 1e9, hi: float = 1e16) -> list[int]:
@@ -47,14 +57,23 @@ def sizes(points: int, lo: float = 1e9, hi: float = 1e16) -> list[int]:
 def sweep(
     links: ga.Links, xs: list[int], bounds: Bounds | None = None
 ) -> list[tuple[int, str, Found | None]]:
-    """For each size and method, the fastest configuration over the method's parallelism mixes."""
-    b = bounds or Bounds(whole=False)
+    """For each size and method, the fastest configuration over the method's parallelism mixes. Where none
+    fits the device, the fastest without that bound (``Found.over_memory``): the paper's curves go on past
+    the 80 GB line (§7 reads "80 GB is enough ... up to 280 trillion" off them; Figure 4's time axis
+    reaches 10^5 days), and the figures draw that part dashed."""
+    b = bounds or PAPER
+    unbounded = replace(links, device_memory_gib=UNBOUNDED_GIB, host_memory_gib=0.0)
     out = []
     for x in xs:
         t = Target(ga.x_family(x), ga.x_critical_batch_size(x), links)
         for method in METHODS:
             mixes = tuple(mix for mix, m in PAIRS if m == method)
-            out.append((x, method, fastest(t, b, method, mixes)))
+            f = fastest(t, b, method, mixes)
+            if f is None:
+                f = fastest(replace(t, links=unbounded), b, method, mixes)
+                if f is not None:
+                    f.over_memory = True
+            out.append((x, method, f))
     return out
 
 
@@ -78,9 +97,17 @@ def _last_true(xs: list[int], test: Any) -> int | None:
     if not flags[0]:
         return None
     i = next((k for k, f in enumerate(flags) if not f), None)
-    if i is None:
-        return xs[-1]
-    lo, hi = xs[i - 1], xs[i]
+    if i is None:  # still true at the sweep's top: look further up (Figure 5 fits past 1e16)
+        lo = xs[-1]
+        while True:
+            hi = min(X_MAX, max(lo + 2, 2 * round(lo * 1.25 / 2)))
+            if hi <= lo or not test(hi):
+                break
+            lo = hi
+        if hi <= lo:
+            return lo
+    else:
+        lo, hi = xs[i - 1], xs[i]
     while hi - lo > 2:
         mid = (lo + hi) // 4 * 2
         lo, hi = (mid, hi) if test(mid) else (lo, mid)
@@ -93,7 +120,7 @@ def limits(rows: list[tuple[int, str, Found | None]], links: ga.Links, bounds: B
     non-offloadable memory), the largest with a configuration that needs no offload (above it offload is
     required), and the
     largest trainable in a month and in a year (log-log interpolation of the time between sizes)."""
-    b = bounds or Bounds(whole=False)
+    b = bounds or PAPER
     mixes = tuple(mix for mix, m in PAIRS if m == method)
     found = {x: f for x, m, f in rows if m == method}
     xs = sorted(found)
@@ -103,18 +130,22 @@ def limits(rows: list[tuple[int, str, Found | None]], links: ga.Links, bounds: B
             found[x] = fastest(Target(ga.x_family(x), ga.x_critical_batch_size(x), links), b, method, mixes)
         return found[x]
 
+    def fits(x: int) -> bool:
+        f = best(x)
+        return f is not None and not f.over_memory
+
     stay = replace(b, offload=False)
 
     def fits_on_device(x: int) -> bool:
         t = Target(ga.x_family(x), ga.x_critical_batch_size(x), links)
         return fastest(t, stay, method, mixes) is not None
 
-    fits = _last_true(xs, lambda x: best(x) is not None)
+    largest = _last_true(xs, fits)
     no_offload = _last_true(xs, fits_on_device)
-    pts = [(ga.x_family(x).p, found[x].time_s / DAY) for x in xs if found[x] is not None]
+    pts = [(ga.x_family(x).p, found[x].time_s / DAY) for x in xs if found[x] is not None and fits(x)]
     p, days = [q for q, _ in pts], [d for _, d in pts]
     return {
-        "fits_80gb_params": None if fits is None else ga.x_family(fits).p,
+        "fits_80gb_params": None if largest is None else ga.x_family(largest).p,
         "offload_above_params": None if no_offload is None else ga.x_family(no_offload).p,
         "one_month_params": crossing(p, days, MONTH_DAYS),
         "one_year_params": crossing(p, days, YEAR_DAYS),
@@ -133,7 +164,8 @@ def csv_rows(
             "figure": name, "network": network, "node_size": links.node_size, "method": method,
             "parallelism": f.mix, "x": x, "params": ga.x_family(x).p, "critical_batch": ga.x_critical_batch_size(x),
             **{k: r[k] for k in ("b", "b_mu", "n_mu", "n_b", "n_l", "n_a", "n_gpu", "offload", "efficiency", "days")},
-            **{f"{k}_gb": r["memory"][k] for k in MEMORY_KEYS}, "binding": r["binding"],
+            **{f"{k}_gb": r["memory"][k] for k in MEMORY_KEYS}, "fits_device": not f.over_memory,
+            "binding": r["binding"],
         })  # fmt: skip
     return out
 
@@ -154,23 +186,34 @@ def draw(path: Path, rows: list[tuple[int, str, Found | None]], memory_gib: floa
         ("Training time (days)", lambda f: f.time_s / DAY),
     )
     colors = {"baseline": "tab:blue", "partitioned": "tab:orange", "improved": "tab:green"}
+    beyond = any(f is not None and f.over_memory for _, _, f in rows)
     for ax, (ylabel, value) in zip(axes, panels):
         for method in METHODS:
-            pts = [(ga.x_family(x).p, value(f)) for x, m, f in rows if m == method and f is not None]
-            if pts:
-                ax.plot(*zip(*pts), color=colors[method], label=LABELS[method])
+            pts = [
+                (ga.x_family(x).p, value(f), f.over_memory)
+                for x, m, f in rows
+                if m == method and f is not None
+            ]
+            fit = [(p, v) for p, v, over in pts if not over]
+            if fit:
+                ax.plot(*zip(*fit), color=colors[method], label=LABELS[method])
+            over = [(p, v) for p, v, o in pts if o]
+            if over:  # past the device's memory: from the last point that fits, dashed
+                ax.plot(*zip(*(fit[-1:] + over)), color=colors[method], ls="--", lw=1)
             if compare:
                 cp = [(ga.x_family(x).p, value(f)) for x, m, f in compare if m == method and f is not None]
                 if cp:
                     ax.plot(*zip(*cp), color=colors[method], ls=":", lw=1,
                             label=compare_label if method == "improved" else None)  # fmt: skip
         if "time" in ylabel:
-            ax.axhline(MONTH_DAYS, color="gray", ls="--", lw=1, label="One month")
-            ax.axhline(YEAR_DAYS, color="black", ls="--", lw=1, label="One year")
+            ax.axhline(MONTH_DAYS, color="gray", ls="-.", lw=1, label="One month")
+            ax.axhline(YEAR_DAYS, color="black", ls="-.", lw=1, label="One year")
         else:
-            ax.axhline(memory_gib, color="red", ls="--", lw=1, label=f"{memory_gib:g} GB (device)")
+            ax.axhline(memory_gib, color="red", ls="-.", lw=1, label=f"{memory_gib:g} GB (device)")
             if "Offloadable" in ylabel:
-                ax.axhline(1024, color="purple", ls="--", lw=1, label="1 TB (offload)")
+                ax.axhline(1024, color="purple", ls="-.", lw=1, label="1 TB (offload)")
+        if beyond:
+            ax.plot([], [], color="gray", ls="--", lw=1, label=f"dashed: nothing fits {memory_gib:g} GB")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("Parameters")
@@ -194,7 +237,7 @@ def scaling_plan(cfg: Any, out: Path) -> dict[str, Any]:
     base = links_for(cfg)
     hw = cfg.hardware
     xs = sizes(int(cfg.plan.scaling_points))
-    bounds = Bounds(whole=False, max_overhead=float(cfg.plan.max_overhead), steps=int(cfg.plan.train_steps))
+    bounds = replace(PAPER, max_overhead=float(cfg.plan.max_overhead), steps=int(cfg.plan.train_steps))
     out.mkdir(parents=True, exist_ok=True)
     results, table, files = {}, [], []
     for name, spec in FIGURES.items():
@@ -248,7 +291,7 @@ def _finite(obj: Any) -> Any:
 
 def ethernet_slowdown(links: ga.Links, ib: float, eth: float, bounds: Bounds | None = None) -> float:
     """§8.3: how much longer X160's fastest improved configuration takes over Ethernet than InfiniBand."""
-    b = bounds or Bounds(whole=False)
+    b = bounds or PAPER
     t = {}
     for net in (ib, eth):
         tg = Target(

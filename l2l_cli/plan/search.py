@@ -65,6 +65,10 @@ class Bounds:
     max_days: float = 0.0  # > 0: the fewest GPUs that train within it, instead of the fastest
     max_overhead: float = 0.25  # cap on each exposed overhead (the paper's 25%)
     whole: bool = True  # n_l divides d_l and n_a divides d_a (what a runner can split evenly)
+    # n_a <= d_a: Megatron-LM splits attention by heads. False (only with whole=False): tensor parallelism
+    # is bounded by its link alone, as §7's Figure 5 takes it ("only requires a ring topology, which is
+    # easy to scale to an arbitrary size")
+    heads: bool = True
     n_l: int = 0  # > 0: pin the pipeline degree
     n_a: int = 0  # > 0: pin the tensor degree
     offload: bool = True  # may offload the state and checkpoints to CPU memory
@@ -117,12 +121,24 @@ def _tensor_ok(t: Target, n_a: np.ndarray, cap: float) -> np.ndarray:
     return (n_a == 1) | (tr["threshold"] / tr["value"] <= cap)
 
 
+def _tensor_limit(t: Target, b: Bounds) -> int:
+    """The largest n_a to consider: the head count, or without that bound (``Bounds.heads``) the largest
+    the tensor cap allows on the fastest link it may use (eq. 12: n_a - 1 <= cap·ν_a·(n_a - 1) / ν_net)."""
+    m = t.model
+    if b.heads or b.whole:
+        return m.d_a
+    links = t.links
+    gbps = links.tensor_gbps if links.tensor_gbps > 0 else links.network_gbps  # (beyond a node: slower)
+    per = (4 + 2 * m.n_I) * m.d_m / 3.0  # ν_a·(n_a - 1)
+    return max(m.d_a, 1 + math.floor(b.max_overhead * per / links.threshold(gbps) + 1e-9))
+
+
 def _candidates(t: Target, b: Bounds, method: str, mix: str, prune: bool) -> dict[str, np.ndarray]:
     m, links = t.model, t.links
     _, pipe, tensor = MIXES[mix]
     B = math.floor(t.b_c + 1e-9)
     budget = links.device_memory_gib * GiB
-    n_a_set = _allowed(m.d_a, b.whole) if tensor else np.array([1])
+    n_a_set = _allowed(_tensor_limit(t, b), b.whole) if tensor else np.array([1])
     n_a_set = n_a_set[_tensor_ok(t, n_a_set, b.max_overhead)]
     n_l_set = _allowed(m.d_l, b.whole) if pipe else np.array([1])
     if b.n_a:
@@ -248,7 +264,7 @@ def _violations(t: Target, b: Bounds, method: str, c: dict[str, Any], r: dict[st
         "offload link": over("offload"),
         "pcie": over("pcie"),
         "depth": c["n_l"] > m.d_l,
-        "heads": c["n_a"] > m.d_a,
+        "heads": (c["n_a"] > m.d_a) if b.heads or b.whole else np.zeros_like(off),
     }
     return v
 
@@ -292,6 +308,7 @@ class Found:
     overheads: dict[str, float]
     binding: list[str]
     meets_days: bool | None = None
+    over_memory: bool = False  # chosen without the device-memory bound, as nothing fits (figures only)
 
     def row(self) -> dict[str, Any]:
         """The ``--json`` row: exactly the issue's fields (memory in the paper's GB, i.e. GiB)."""
@@ -425,7 +442,9 @@ def binding(t: Target, b: Bounds, f: Found) -> list[str]:
             elif f.overheads.get("bubble", 0) > 0 and not [x for x in w if x not in ("max_gpus", "memory")]:
                 out.append(f"bubble: n_l = {c.n_l} balances the bubble against the pipeline's transfers")
     if tensor:
-        bigger = [k for k in range(c.n_a + 1, m.d_a + 1) if not b.whole or m.d_a % k == 0]
+        bigger = [k for k in range(c.n_a + 1, _tensor_limit(t, b) + 2) if not b.whole or m.d_a % k == 0]
+        if b.heads or b.whole:
+            bigger = [k for k in bigger if k <= m.d_a]
         node = t.links.node_size
         if not bigger:
             out.append(f"heads: n_a = d_a = {m.d_a}")
