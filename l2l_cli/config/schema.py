@@ -191,7 +191,7 @@ class EpsConfig:
 
     tier: str = "host"  # host (RAM) | disk (the L2L modes: one file per layer, a few cached in RAM)
     path: str | None = None  # disk: the directory of the layer files (unset: <run dir>/eps; a fast local SSD)
-    host_cache_layers: int = 3  # disk: layers in RAM at once (>= 2; 3: the backward's read serves the update)
+    host_cache_layers: int = 4  # disk: layers in RAM at once (>= 2; 4: the backward's read serves the update)
     grad_ram_gb: float = 8.0  # disk: gradients kept in RAM (parked, or for a rollback) instead of on disk, GB
 
 

@@ -38,7 +38,7 @@ class Setup:
     ubatch: int
     nproc: int = 1
     tier: str = "host"  # eps.tier: where the EPS keeps the state (the L2L modes)
-    cache_layers: int = 3  # eps.host_cache_layers (tier=disk)
+    cache_layers: int = 4  # eps.host_cache_layers (tier=disk)
     pipeline: int = 1  # dist.pipeline: ranks per pipeline (layered-GA §4); nproc / pipeline pipelines
     placement: str = "modular"
     schedule: str = "breadth_first"  # resolved (dist.schedule=auto: by placement)
