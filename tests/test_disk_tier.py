@@ -342,7 +342,7 @@ def _plan(*over: str) -> dict[str, Any]:
 
 def test_plan_says_which_tier_a_model_needs_and_predicts_the_disk_tier() -> None:
     """BERT-Base's EPS needs ~2.9 GiB of RAM (16 bytes per parameter, 12 more for L2L-p's undo): with 2 GiB of
-    host memory only the disk tier fits (3 layers cached, 4 bytes per parameter of waiting gradients), and
+    host memory only the disk tier fits (4 layers cached, 4 bytes per parameter of waiting gradients), and
     the plan says so; on disk it takes 24 bytes per parameter."""
     small = _plan("hardware.host_memory_gb=2")
     assert not small["fits"] and "eps.tier=disk fits" in small["verdict"]
@@ -351,7 +351,7 @@ def test_plan_says_which_tier_a_model_needs_and_predicts_the_disk_tier() -> None
     assert on_disk["fits"] and on_disk["verdict"] == "fits"
     params = on_disk["params"]["total"]
     assert on_disk["memory_bytes"]["disk"]["total"] == 24 * params
-    assert on_disk["memory_bytes"]["host"]["parts"]["eps_cache"] == 3 * 16 * on_disk["params"]["embeddings"]
+    assert on_disk["memory_bytes"]["host"]["parts"]["eps_cache"] == 4 * 16 * on_disk["params"]["embeddings"]
     assert on_disk["memory_bytes"]["host"]["parts"]["eps_grad_pool"] == 4 * params
     assert _plan()["eps_tier"]["needed"] == "host"
     # a slow disk is exposed, a fast one hides behind compute
