@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from l2l_cli.compose import compose
 from l2l_cli.config.validate import validate
 from l2l_cli.engine.tiers.disk import disk_bytes
+from l2l_cli.engine.tiers.disk.format import clear_marks, join_master, split_master
 from l2l_cli.problems import ConfigError
 from l2l_cli.session import build
 from l2l_cli.train import run_job
@@ -433,3 +434,55 @@ def test_l2l_train_resumes_a_disk_tier_run_from_its_commit_alone(tmp_path: Path)
     assert r.returncode == 0, r.stderr[-2000:]
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_disk_tier_under_cmp_equals_the_host_tier_bit_for_bit(dtype: str, tmp_path: Path) -> None:
+    """bf16 CMP keeps the master on disk as two 16-bit planes (format 2: the forward reads the bf16 hi plane
+    alone, 2 bytes per parameter); fp16 keeps FP32 weights (format 1). Either way the weights are the host
+    tier's, bit for bit, and the commit record names its format."""
+    over = ("mode=l2l", "precision=cmp", f"precision.dtype={dtype}")
+    ref = _host(*over)
+    got = train(
+        tiny_cfg(
+            *over,
+            "eps.tier=disk",
+            f"eps.path={tmp_path / 'eps'}",
+            "eps.host_cache_layers=2",
+            "trainer.max_steps=3",
+        )
+    )
+    ref3 = _host(*over, "trainer.max_steps=3")
+    _assert_identical(got, ref3)
+    assert ref["weights"].keys() == got["weights"].keys()
+    head = (tmp_path / "eps" / "layer_00001.eps").read_bytes()[:300]
+    assert (b'"parts": ["h", "l", "m", "v"]' in head) == (dtype == "bf16")
+    assert (b'"format": 2' in head) == (dtype == "bf16")
+
+
+def test_the_master_splits_into_bf16_hi_and_lo_planes_and_joins_back_exactly() -> None:
+    """Format 2's planes over every bf16 pattern (±0, subnormals, the largest finite values, ±inf) times low
+    halves at and around the rounding tie (0x7FFF, 0x8000, 0x8001) and random ones: hi is torch's own bf16
+    rounding, the join gives the FP32 bits back, and v (where a tie's missing bit waits) is unchanged after."""
+    gen = torch.Generator().manual_seed(0)
+    hi_bits = torch.arange(0, 1 << 16, dtype=torch.int64)
+    lows = torch.tensor([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFE, 0xFFFF], dtype=torch.int64)
+    lows = torch.cat([lows, torch.randint(0, 1 << 16, (9,), generator=gen)])
+    bits = (hi_bits[:, None] << 16 | lows[None, :]).flatten()
+    w = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
+    w = w[~torch.isnan(w)].clone()
+    n = w.numel()
+    hi = w.to(torch.bfloat16)
+    lo = torch.empty(n, dtype=torch.int16)
+    v = torch.rand(n, generator=gen)
+    v[::5] = 0.0
+    v0 = v.clone()
+    marks = split_master(w, hi, lo, v)
+    assert marks.numel() > 0  # ties that rounded down are in the set
+    on_disk = v.clone()
+    clear_marks(v, marks)
+    assert torch.equal(v.view(torch.int32), v0.view(torch.int32))
+    back = torch.empty_like(w)
+    join_master(hi, lo, on_disk, back)
+    assert torch.equal(back.view(torch.int32), w.view(torch.int32))
+    assert torch.equal(on_disk.view(torch.int32), v0.view(torch.int32))

@@ -227,7 +227,7 @@ class LayerFile:
         self.parts = SPLIT if split else STATE  # the file's parts, in slot order
         self.part_bytes = aligned(4 * numel)  # an FP32 part (w, m, v, g in RAM)
         self._bytes = {p: aligned(part_width(p) * numel) for p in self.parts}
-        self._at = {p: sum(self._bytes[q] for q in self.parts[: k]) for k, p in enumerate(self.parts)}
+        self._at = {p: sum(self._bytes[q] for q in self.parts[:k]) for k, p in enumerate(self.parts)}
         self.slot_bytes = sum(self._bytes.values())
         self.size = layer_file_bytes(numel, split)
 
@@ -237,6 +237,10 @@ class LayerFile:
 
     def offset(self, slot: int, part: str) -> int:
         return ALIGN + slot * self.slot_bytes + self._at[part]
+
+    def park_offset(self, slot: int) -> int:
+        """Where a parked gradient (FP32) waits: over the weights of the slot the update will write."""
+        return self.offset(slot, self.parts[0])
 
     def header(self) -> bytes:
         fmt = FORMAT_SPLIT if self.split else FORMAT
