@@ -218,7 +218,7 @@ def main() -> int:
     ref = {"tier_path": measure_disk(root, int(a.dd_gib * GiB)), "dd": dd(root, int(a.dd_gib * GiB))}
     seq = ref["tier_path"]
     print(f"sequential, this disk: the tier's I/O path {seq['write_gbps']:.2f} GB/s write, {seq['read_gbps']:.2f} GB/s "
-          f"read ({'O_DIRECT' if seq['direct_io'] else 'buffered'})"
+          f"read, {seq['mixed_gbps']:.2f} GB/s both at once ({'O_DIRECT' if seq['direct_io'] else 'buffered'})"
           + (f"; dd oflag/iflag=direct {ref['dd']['write_gbps']:.2f} / {ref['dd']['read_gbps']:.2f}" if ref["dd"] else ""))  # fmt: skip
 
     data = synthetic(max(64, a.batch * (a.steps + 1)), a.seq, a.vocab, seed=1)
@@ -294,7 +294,9 @@ def main() -> int:
         what = (READS if k.startswith("read_") else WRITES)[k.split("_", 1)[1]]
         print(f"  {k:<13} {v:6.2f} B  {what}")
     if a.compare_host:
-        rates = {"disk_read_gbps": seq["read_gbps"], "disk_write_gbps": seq["write_gbps"]}
+        rates = {
+            k: seq[k.removeprefix("disk_")] for k in ("disk_read_gbps", "disk_write_gbps", "disk_mixed_gbps")
+        }
         result["compare"] = compare_host(overrides, host, step_s, rates)
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1, default=str))

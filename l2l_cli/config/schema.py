@@ -233,6 +233,7 @@ class HardwareConfig:
     async_copy: bool = True  # copies run beside compute (GPU copy engines, device=sim); false: inline
     disk_read_gbps: float = 3.0  # the disk EPS tier's sequential read, GB/s (a datacenter NVMe drive)
     disk_write_gbps: float = 2.0  # ... and write
+    disk_mixed_gbps: float = 0.0  # ... read + write at once, GB/s in all (0: unknown; their times add up)
     disk_free_gb: float = 3500.0  # GiB free for the disk EPS (hardware=measure: the eps.path filesystem's)
     measured: bool = False  # hardware=measure: time this machine and use those numbers instead
 

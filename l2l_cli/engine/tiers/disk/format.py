@@ -283,29 +283,51 @@ class LayerFile:
 
 def measure_disk(root: Path, nbytes: int) -> dict[str, Any]:
     """Sequential write then read bandwidth of ``root``'s filesystem, the way the disk tier does its I/O
-    (O_DIRECT where allowed, 64 MiB calls, fdatasync): a dd-style measurement of the same disk. Writes a
-    temporary file of ``nbytes`` (rounded to 4 KiB) and removes it."""
+    (O_DIRECT where allowed, 64 MiB calls, fdatasync): a dd-style measurement of the same disk; then both at
+    once (``mixed_gbps``: bytes read + written per second while a reader and a writer thread run together,
+    as the tier's read-ahead and write-behind do). Writes temporary files of ``nbytes`` (rounded to 4 KiB)
+    and removes them."""
+    import threading
+
     root.mkdir(parents=True, exist_ok=True)
     nbytes = max(ALIGN, aligned(nbytes))
     io = DiskIo(probe_direct(root))
     buf = AlignedBuffer(min(nbytes, CHUNK))
     buf.tensor.random_(0, 255)  # not zeros: some filesystems and drives shortcut those
-    path = root / f".l2l-disk-bench-{os.getpid()}"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if io.direct else 0), 0o644)
+    buf2 = AlignedBuffer(min(nbytes, CHUNK))
+    flag = os.O_DIRECT if io.direct else 0
+    path, path2 = root / f".l2l-disk-bench-{os.getpid()}", root / f".l2l-disk-bench-{os.getpid()}-b"
+
+    def write_all(fd: int, b: AlignedBuffer) -> None:
+        for off in range(0, nbytes, CHUNK):
+            io.write(fd, b.view(0, min(CHUNK, nbytes - off)), off)
+        io.sync(fd, 0, nbytes)
+
+    def read_all(fd: int, b: AlignedBuffer) -> None:
+        for off in range(0, nbytes, CHUNK):
+            io.read(fd, b.view(0, min(CHUNK, nbytes - off)), off)
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | flag, 0o644)
+    fd2 = os.open(path2, os.O_RDWR | os.O_CREAT | os.O_TRUNC | flag, 0o644)
     try:
         t0 = time.perf_counter()
-        for off in range(0, nbytes, CHUNK):
-            io.write(fd, buf.view(0, min(CHUNK, nbytes - off)), off)
-        io.sync(fd, 0, nbytes)
+        write_all(fd, buf)
         write_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        for off in range(0, nbytes, CHUNK):
-            io.read(fd, buf.view(0, min(CHUNK, nbytes - off)), off)
+        read_all(fd, buf)
         read_s = time.perf_counter() - t0
+        t0 = time.perf_counter()  # a write-behind and a read-ahead at once, each on its own thread
+        writer = threading.Thread(target=write_all, args=(fd2, buf2))
+        writer.start()
+        read_all(fd, buf)
+        writer.join()
+        mixed_s = time.perf_counter() - t0
     finally:
         os.close(fd)
-        with contextlib.suppress(OSError):
-            path.unlink()
+        os.close(fd2)
+        for q in (path, path2):
+            with contextlib.suppress(OSError):
+                q.unlink()
     st = os.statvfs(root)
     return {
         "path": str(root),
@@ -313,5 +335,6 @@ def measure_disk(root: Path, nbytes: int) -> dict[str, Any]:
         "direct_io": io.direct,
         "write_gbps": nbytes / write_s / 1e9,
         "read_gbps": nbytes / read_s / 1e9,
+        "mixed_gbps": 2 * nbytes / mixed_s / 1e9,
         "free_bytes": st.f_bavail * st.f_frsize,
     }
