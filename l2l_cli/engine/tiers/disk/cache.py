@@ -107,17 +107,21 @@ class SlotCache:
 
     def victim(self, avoid: set[int], later: dict[int, int]) -> CacheSlot | None:
         """An unpinned slot to reuse: empty, else one nobody will use soon (least recently used, clean
-        before one whose gradient must be parked), else the one needed last."""
+        before one whose gradient must be parked, one whose write-back is done first), else the one needed
+        last."""
         free = [s for s in self.slots if s.pins == 0 and not s.busy and s.layer not in avoid]
         if not free:
             return None
 
-        def cost(s: CacheSlot) -> tuple[int, float]:
+        def cost(s: CacheSlot) -> tuple[int, int, float]:
+            # a slot whose write-back is still going would hold the reader up (its reads and the writes are
+            # on their own queues, so a read never waits behind a write it does not need to)
+            writing = int(s.writing is not None and not s.writing.done())
             if s.layer is None:
-                return (0, 0.0)
+                return (0, writing, 0.0)
             if s.layer not in later:
-                return (1 + int(s.g_dirty), float(s.used))
-            return (3, -float(later[s.layer]))
+                return (1 + int(s.g_dirty), writing, float(s.used))
+            return (3, writing, -float(later[s.layer]))
 
         return min(free, key=cost)
 
