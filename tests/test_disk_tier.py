@@ -486,3 +486,40 @@ def test_the_master_splits_into_bf16_hi_and_lo_planes_and_joins_back_exactly() -
     join_master(hi, lo, on_disk, back)
     assert torch.equal(back.view(torch.int32), w.view(torch.int32))
     assert torch.equal(on_disk.view(torch.int32), v0.view(torch.int32))
+
+
+def test_a_format_1_directory_is_read_as_it_is_and_a_format_2_one_refused_without_bf16(
+    tmp_path: Path,
+) -> None:
+    """A disk EPS written before format 2 (FP32 weights) is continued as format 1 even by a bf16 CMP run; a
+    format-2 directory (the master as bf16 + 16-bit planes) without bf16 CMP, or an unknown format, is
+    refused with one line that says what to do."""
+    import threading
+
+    from l2l_cli.checkpoint import CheckpointError
+    from l2l_cli.engine.flat import FlatLayout
+    from l2l_cli.engine.tiers.base import TierSettings
+    from l2l_cli.engine.tiers.disk.stats import IoCounts
+    from l2l_cli.engine.tiers.disk.store import LayerStore
+    from l2l_cli.models.base import BLOCK, POST, PRE
+
+    spec = bert_spec(2, 32, 2, 64, vocab_size=512)
+    layouts = {k: FlatLayout(spec.new_layer(k, "meta")) for k in (PRE, BLOCK, POST)}
+
+    def store(resume: bool, split: bool) -> LayerStore:
+        settings = TierSettings("disk", str(tmp_path), resume=resume)
+        return LayerStore(settings, spec, layouts, threading.Condition(), IoCounts(), split)
+
+    old = store(resume=False, split=False)
+    old.create()
+    record = {"format": 1, "step": 1, "layers": [{"slot": 0, "step": 1.0}] * len(old)}
+    (tmp_path / "commit.json").write_text(json.dumps(record))
+    again = store(resume=True, split=True)
+    again.adopt()
+    assert again.adopted and not again.split and not any(f.split for f in again.files)
+    (tmp_path / "commit.json").write_text(json.dumps({**record, "format": 2}))
+    with pytest.raises(CheckpointError, match=r"resume it with precision=cmp precision\.dtype=bf16"):
+        store(resume=True, split=False).adopt()
+    (tmp_path / "commit.json").write_text(json.dumps({**record, "format": 7}))
+    with pytest.raises(CheckpointError, match="format 7"):
+        store(resume=True, split=True).adopt()
