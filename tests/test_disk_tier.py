@@ -206,6 +206,7 @@ def test_unwritable_paths_and_another_runs_state_are_refused(tmp_path: Path, mon
 # ---- acceptance 3: SIGKILL at several points, resumed: the uninterrupted run's weights ----------------
 
 STEPS = 6
+CMP_BF16 = ["precision=cmp", "precision.dtype=bf16"]
 # (mode, how it dies): a layer slot torn mid-write (w written, the moments not), a gradient torn while
 # parked (with no RAM pool for gradients, so they go to disk), a commit record written but not yet renamed
 # into place, and a kill from outside at a random time
@@ -215,6 +216,8 @@ KILLS = [
     ("l2l_p", {"crash": "write:13"}),
     ("l2l_p", {"crash": "commit:3"}),
     ("l2l_p", {"kill_after_steps": 2, "kill_delay_s": 0.13}),
+    # format 2 (bf16 CMP): the master's hi plane written, its lo plane and the moments not yet
+    ("l2l", {"crash": "write:8", "extra": CMP_BF16, "ref": CMP_BF16}),
 ]
 
 
@@ -224,9 +227,9 @@ def _overrides(mode: str, *extra: str) -> list[str]:
 
 
 @functools.cache
-def _uninterrupted(mode: str, root: str) -> dict[str, torch.Tensor]:
-    run = Path(root) / f"ref-{mode}"
-    assert run_job(compose(_overrides(mode)), run) == "ok"
+def _uninterrupted(mode: str, root: str, *extra: str) -> dict[str, torch.Tensor]:
+    run = Path(root) / f"ref-{mode}{'-'.join(('', *extra)).replace('=', '')}"
+    assert run_job(compose(_overrides(mode, *extra)), run) == "ok"
     return load_file(run / "final" / "model.safetensors")
 
 
@@ -238,7 +241,7 @@ def killed(tmp_path_factory: Any) -> tuple[Path, list[dict[str, Any]]]:
         {
             "overrides": _overrides(mode, *how.get("extra", [])),
             "run_dir": str(root / f"kill{k}"),
-            **{key: v for key, v in how.items() if key != "extra"},
+            **{key: v for key, v in how.items() if key not in ("extra", "ref")},
         }
         for k, (mode, how) in enumerate(KILLS)
     ]
@@ -248,7 +251,11 @@ def killed(tmp_path_factory: Any) -> tuple[Path, list[dict[str, Any]]]:
     return root, json.loads((root / "results.json").read_text())
 
 
-@pytest.mark.parametrize("k", range(len(KILLS)), ids=[f"{m}-{h.get('crash', 'random')}" for m, h in KILLS])
+@pytest.mark.parametrize(
+    "k",
+    range(len(KILLS)),
+    ids=[f"{m}{'-cmp' if 'ref' in h else ''}-{h.get('crash', 'random')}" for m, h in KILLS],
+)
 def test_sigkill_at_any_point_resumes_to_the_uninterrupted_weights(killed: Any, k: int) -> None:
     root, results = killed
     mode, how = KILLS[k]
@@ -264,7 +271,10 @@ def test_sigkill_at_any_point_resumes_to_the_uninterrupted_weights(killed: Any, 
     assert run_job(compose(_overrides(mode, *how.get("extra", []), f"trainer.resume={run}")), run) == "ok"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["resumed_from"]["step"] == done and summary["eps_disk"]["last_commit_step"] == STEPS
-    got, ref = load_file(run / "final" / "model.safetensors"), _uninterrupted(mode, str(root))
+    got, ref = (
+        load_file(run / "final" / "model.safetensors"),
+        _uninterrupted(mode, str(root), *how.get("ref", [])),
+    )
     assert got.keys() == ref.keys()
     for name in ref:
         assert torch.equal(got[name], ref[name]), name
