@@ -79,36 +79,63 @@ def dd(root: Path, nbytes: int) -> dict[str, float] | None:
     return out
 
 
-def compare_host(
-    a: argparse.Namespace, overrides: list[str], data: Any, disk_step_s: float, seq: dict[str, Any]
-) -> dict[str, Any]:
-    """The same steps on the host tier, and the planner's disk step from bytes and this disk's rates."""
-    from l2l_cli.plan.planner import make_plan
-
+def host_child(a: argparse.Namespace, overrides: list[str], out: Path) -> None:
+    """The host tier's steps (``--host-only``): this process runs them and exits, so the ~20 GB they need is
+    never held beside the disk run's memory (the parent runs the disk tier only after this process ends)."""
     host_over = [o for o in overrides if not o.startswith("eps.")]
+    data = synthetic(max(64, a.batch * (a.steps + 1)), a.seq, a.vocab, seed=1)
     task = TaskData(TASKS["synthetic"], data, data, "synthetic")
     times = []
     with build(compose(host_over), data=task) as session:
         runner = session.runner
         assert runner is not None
         batches = TrainStream(data, a.batch, seed=0, pad_to_max=a.seq).batches()
-        for _ in range(a.steps):
+        for step in range(1, a.steps + 1):
             times.append(runner.step(next(batches)).step_time_s)
-    host_s = statistics.mean(times[1:] or times)
-    rates = [
-        f"hardware.disk_read_gbps={seq['read_gbps']:.4g}",
-        f"hardware.disk_write_gbps={seq['write_gbps']:.4g}",
+            print(f"host tier step {step}: {times[-1]:.3g} s", flush=True)
+    out.write_text(json.dumps({"step_times_s": times, "peak_rss_bytes": vm_hwm()}))
+
+
+def run_host_first(a: argparse.Namespace) -> dict[str, Any] | None:
+    """The host tier in a child process (this script with ``--host-only``), before the disk run starts."""
+    out = Path(a.path).resolve() / ".host-run.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    args = [x for x in sys.argv[1:] if x != "--compare-host"]
+    r = subprocess.run([sys.executable, __file__, *args, "--host-only", str(out)])
+    if r.returncode != 0 or not out.is_file():
+        print(f"host tier: the child process failed (exit {r.returncode}); no comparison", flush=True)
+        return None
+    res = json.loads(out.read_text())
+    out.unlink()
+    times = res["step_times_s"]
+    res["host_step_s"] = statistics.mean(times[1:] or times)
+    print(f"host tier: {res['host_step_s']:.3g} s per steady step, peak RSS {res['peak_rss_bytes'] / GiB:.2f} GiB "
+          "(its own process, ended before the disk run)", flush=True)  # fmt: skip
+    return res
+
+
+def compare_host(
+    overrides: list[str], host: dict[str, Any] | None, disk_step_s: float, rates: dict[str, Any]
+) -> dict[str, Any]:
+    """Disk step / host step, and the planner's disk step from bytes and this disk's measured rates."""
+    from l2l_cli.plan.planner import make_plan
+
+    out: dict[str, Any] = {"disk_step_s": disk_step_s}
+    if host is not None:
+        host_s = host["host_step_s"]
+        out.update(
+            host_step_s=host_s,
+            host_peak_rss_bytes=host["peak_rss_bytes"],
+            disk_over_host=disk_step_s / host_s,
+        )
+        print(f"disk step / host step: {disk_step_s:.3g} s / {host_s:.3g} s = {disk_step_s / host_s:.2f}x")
+    hw = [
+        f"hardware.{k}={rates[k]:.4g}"
+        for k in ("disk_read_gbps", "disk_write_gbps", "disk_mixed_gbps")
+        if k in rates
     ]
-    out: dict[str, Any] = {
-        "host_step_s": host_s,
-        "disk_step_s": disk_step_s,
-        "disk_over_host": disk_step_s / host_s,
-    }
-    print(
-        f"host tier: {host_s:.3g} s per step; disk tier {disk_step_s:.3g} s = {disk_step_s / host_s:.2f}x the host's"
-    )
     try:
-        plan = make_plan(compose([*overrides, "hardware=measure", *rates]))
+        plan = make_plan(compose([*overrides, "hardware=measure", *hw]))
         pred = plan["step_time_s"]["total"]
         out.update(predicted_disk_step_s=pred, predicted_over_measured=pred / disk_step_s)
         print(f"planner (hardware=measure, this disk's rates): disk step {pred:.3g} s predicted, "
@@ -130,7 +157,13 @@ def main() -> int:
     ap.add_argument("--ubatch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3, help="the first is a warm-up (no read-ahead plan yet)")
     ap.add_argument("--mode", default="l2l", choices=["l2l", "l2l_p"])
-    ap.add_argument("--cache-layers", type=int, default=3)
+    ap.add_argument("--cache-layers", type=int, default=4)
+    ap.add_argument(
+        "--max-grad-norm",
+        type=float,
+        help="optim.max_grad_norm (default 1.0: this synthetic model's "
+        "norm exceeds it every step, so every update waits for the norm; raise it for steps that do not clip)",
+    )
     ap.add_argument("--cmp", action="store_true", help="precision=cmp (bf16 on the device)")
     ap.add_argument("--compare-host", action="store_true", help="also run the host tier; print the ratios")
     ap.add_argument("--path", default="outputs/disk-tier-bench", help="a directory on the disk to measure")
@@ -138,6 +171,7 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="keep the layer files afterwards")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--tiny", action="store_true", help="a tiny model: checks that the benchmark runs")
+    ap.add_argument("--host-only", help=argparse.SUPPRESS)  # (the host tier's child process: results here)
     a = ap.parse_args()
     if a.tiny:
         a.layers, a.hidden, a.vocab, a.seq, a.batch, a.ubatch, a.dd_gib = 2, 64, 512, 16, 4, 2, 1 / 16
@@ -152,7 +186,12 @@ def main() -> int:
         f"batch.size={a.batch}", f"batch.ubatch_size={a.ubatch}", "trainer.progress=none",
         f"trainer.max_steps={a.steps}", "eps.tier=disk", f"eps.path={eps_dir}", f"eps.host_cache_layers={a.cache_layers}",
         *(["precision=cmp", "precision.dtype=bf16"] if a.cmp else []),
+        *([f"optim.max_grad_norm={a.max_grad_norm}"] if a.max_grad_norm else []),
     ]  # fmt: skip
+    if a.host_only:
+        host_child(a, overrides, Path(a.host_only))
+        return 0
+    host = run_host_first(a) if a.compare_host else None  # first, in its own process (it needs ~20 GB)
     cfg = compose(overrides)
     spec = make_spec(cfg.model, 2)
     params, ram = spec.total_params, ram_bytes()
@@ -179,11 +218,16 @@ def main() -> int:
     ref = {"tier_path": measure_disk(root, int(a.dd_gib * GiB)), "dd": dd(root, int(a.dd_gib * GiB))}
     seq = ref["tier_path"]
     print(f"sequential, this disk: the tier's I/O path {seq['write_gbps']:.2f} GB/s write, {seq['read_gbps']:.2f} GB/s "
-          f"read ({'O_DIRECT' if seq['direct_io'] else 'buffered'})"
+          f"read, {seq['mixed_gbps']:.2f} GB/s both at once ({'O_DIRECT' if seq['direct_io'] else 'buffered'})"
           + (f"; dd oflag/iflag=direct {ref['dd']['write_gbps']:.2f} / {ref['dd']['read_gbps']:.2f}" if ref["dd"] else ""))  # fmt: skip
 
     data = synthetic(max(64, a.batch * (a.steps + 1)), a.seq, a.vocab, seed=1)
     task = TaskData(TASKS["synthetic"], data, data, "synthetic")
+
+    def clipped(norm: float | None) -> bool:
+        """Global clipping applied (every update of the step waited for the norm: not the 28 B scheme)."""
+        return norm is not None and norm > cfg.optim.max_grad_norm
+
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
     with build(cfg, data=task) as session:
@@ -206,12 +250,13 @@ def main() -> int:
                 "disk_read_s": ph.get("disk_read", 0.0), "disk_write_s": ph.get("disk_write", 0.0),
                 "disk_wait_s": ph.get("disk_wait", 0.0),
                 "hidden_share": max(0.0, 1 - ph.get("disk_wait", 0.0) / io_s) if io_s else None,
-                "phases": ph,
+                "grad_norm": r.grad_norm, "clipped": clipped(r.grad_norm), "phases": ph,
             }  # fmt: skip
             rows.append(row)
             print(f"step {step}: {r.step_time_s:.3g} s, read {row['read_gb']:.3g} GB in {row['disk_read_s']:.3g} s, "
                   f"wrote {row['write_gb']:.3g} GB in {row['disk_write_s']:.3g} s, waited {row['disk_wait_s']:.3g} s "
-                  f"(I/O hidden {100 * (row['hidden_share'] or 0):.0f}%), loss {r.loss:.4f}")  # fmt: skip
+                  f"(I/O hidden {100 * (row['hidden_share'] or 0):.0f}%), loss {r.loss:.4f}, grad norm {r.grad_norm:.3g}"
+                  + (" (clipped: its updates wait for the norm)" if row["clipped"] else ""))  # fmt: skip
         total = tier.summary()
     peak = vm_hwm()
     steady = rows[1:] or rows
@@ -249,7 +294,10 @@ def main() -> int:
         what = (READS if k.startswith("read_") else WRITES)[k.split("_", 1)[1]]
         print(f"  {k:<13} {v:6.2f} B  {what}")
     if a.compare_host:
-        result["compare"] = compare_host(a, overrides, data, step_s, seq)
+        rates = {
+            k: seq[k.removeprefix("disk_")] for k in ("disk_read_gbps", "disk_write_gbps", "disk_mixed_gbps")
+        }
+        result["compare"] = compare_host(overrides, host, step_s, rates)
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1, default=str))
     if not a.keep:

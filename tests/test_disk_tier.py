@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from l2l_cli.compose import compose
 from l2l_cli.config.validate import validate
 from l2l_cli.engine.tiers.disk import disk_bytes
+from l2l_cli.engine.tiers.disk.format import clear_marks, join_master, split_master
 from l2l_cli.problems import ConfigError
 from l2l_cli.session import build
 from l2l_cli.train import run_job
@@ -205,6 +206,7 @@ def test_unwritable_paths_and_another_runs_state_are_refused(tmp_path: Path, mon
 # ---- acceptance 3: SIGKILL at several points, resumed: the uninterrupted run's weights ----------------
 
 STEPS = 6
+CMP_BF16 = ["precision=cmp", "precision.dtype=bf16"]
 # (mode, how it dies): a layer slot torn mid-write (w written, the moments not), a gradient torn while
 # parked (with no RAM pool for gradients, so they go to disk), a commit record written but not yet renamed
 # into place, and a kill from outside at a random time
@@ -214,6 +216,8 @@ KILLS = [
     ("l2l_p", {"crash": "write:13"}),
     ("l2l_p", {"crash": "commit:3"}),
     ("l2l_p", {"kill_after_steps": 2, "kill_delay_s": 0.13}),
+    # format 2 (bf16 CMP): the master's hi plane written, its lo plane and the moments not yet
+    ("l2l", {"crash": "write:8", "extra": CMP_BF16, "ref": CMP_BF16}),
 ]
 
 
@@ -223,9 +227,9 @@ def _overrides(mode: str, *extra: str) -> list[str]:
 
 
 @functools.cache
-def _uninterrupted(mode: str, root: str) -> dict[str, torch.Tensor]:
-    run = Path(root) / f"ref-{mode}"
-    assert run_job(compose(_overrides(mode)), run) == "ok"
+def _uninterrupted(mode: str, root: str, *extra: str) -> dict[str, torch.Tensor]:
+    run = Path(root) / f"ref-{mode}{'-'.join(('', *extra)).replace('=', '')}"
+    assert run_job(compose(_overrides(mode, *extra)), run) == "ok"
     return load_file(run / "final" / "model.safetensors")
 
 
@@ -237,7 +241,7 @@ def killed(tmp_path_factory: Any) -> tuple[Path, list[dict[str, Any]]]:
         {
             "overrides": _overrides(mode, *how.get("extra", [])),
             "run_dir": str(root / f"kill{k}"),
-            **{key: v for key, v in how.items() if key != "extra"},
+            **{key: v for key, v in how.items() if key not in ("extra", "ref")},
         }
         for k, (mode, how) in enumerate(KILLS)
     ]
@@ -247,7 +251,11 @@ def killed(tmp_path_factory: Any) -> tuple[Path, list[dict[str, Any]]]:
     return root, json.loads((root / "results.json").read_text())
 
 
-@pytest.mark.parametrize("k", range(len(KILLS)), ids=[f"{m}-{h.get('crash', 'random')}" for m, h in KILLS])
+@pytest.mark.parametrize(
+    "k",
+    range(len(KILLS)),
+    ids=[f"{m}{'-cmp' if 'ref' in h else ''}-{h.get('crash', 'random')}" for m, h in KILLS],
+)
 def test_sigkill_at_any_point_resumes_to_the_uninterrupted_weights(killed: Any, k: int) -> None:
     root, results = killed
     mode, how = KILLS[k]
@@ -263,7 +271,10 @@ def test_sigkill_at_any_point_resumes_to_the_uninterrupted_weights(killed: Any, 
     assert run_job(compose(_overrides(mode, *how.get("extra", []), f"trainer.resume={run}")), run) == "ok"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["resumed_from"]["step"] == done and summary["eps_disk"]["last_commit_step"] == STEPS
-    got, ref = load_file(run / "final" / "model.safetensors"), _uninterrupted(mode, str(root))
+    got, ref = (
+        load_file(run / "final" / "model.safetensors"),
+        _uninterrupted(mode, str(root), *how.get("ref", [])),
+    )
     assert got.keys() == ref.keys()
     for name in ref:
         assert torch.equal(got[name], ref[name]), name
@@ -342,7 +353,7 @@ def _plan(*over: str) -> dict[str, Any]:
 
 def test_plan_says_which_tier_a_model_needs_and_predicts_the_disk_tier() -> None:
     """BERT-Base's EPS needs ~2.9 GiB of RAM (16 bytes per parameter, 12 more for L2L-p's undo): with 2 GiB of
-    host memory only the disk tier fits (3 layers cached, 4 bytes per parameter of waiting gradients), and
+    host memory only the disk tier fits (4 layers cached, 4 bytes per parameter of waiting gradients), and
     the plan says so; on disk it takes 24 bytes per parameter."""
     small = _plan("hardware.host_memory_gb=2")
     assert not small["fits"] and "eps.tier=disk fits" in small["verdict"]
@@ -351,7 +362,7 @@ def test_plan_says_which_tier_a_model_needs_and_predicts_the_disk_tier() -> None
     assert on_disk["fits"] and on_disk["verdict"] == "fits"
     params = on_disk["params"]["total"]
     assert on_disk["memory_bytes"]["disk"]["total"] == 24 * params
-    assert on_disk["memory_bytes"]["host"]["parts"]["eps_cache"] == 3 * 16 * on_disk["params"]["embeddings"]
+    assert on_disk["memory_bytes"]["host"]["parts"]["eps_cache"] == 4 * 16 * on_disk["params"]["embeddings"]
     assert on_disk["memory_bytes"]["host"]["parts"]["eps_grad_pool"] == 4 * params
     assert _plan()["eps_tier"]["needed"] == "host"
     # a slow disk is exposed, a fast one hides behind compute
@@ -433,3 +444,92 @@ def test_l2l_train_resumes_a_disk_tier_run_from_its_commit_alone(tmp_path: Path)
     assert r.returncode == 0, r.stderr[-2000:]
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_disk_tier_under_cmp_equals_the_host_tier_bit_for_bit(dtype: str, tmp_path: Path) -> None:
+    """bf16 CMP keeps the master on disk as two 16-bit planes (format 2: the forward reads the bf16 hi plane
+    alone, 2 bytes per parameter); fp16 keeps FP32 weights (format 1). Either way the weights are the host
+    tier's, bit for bit, and the commit record names its format."""
+    over = ("mode=l2l", "precision=cmp", f"precision.dtype={dtype}")
+    ref = _host(*over)
+    got = train(
+        tiny_cfg(
+            *over,
+            "eps.tier=disk",
+            f"eps.path={tmp_path / 'eps'}",
+            "eps.host_cache_layers=2",
+            "trainer.max_steps=3",
+        )
+    )
+    ref3 = _host(*over, "trainer.max_steps=3")
+    _assert_identical(got, ref3)
+    assert ref["weights"].keys() == got["weights"].keys()
+    head = (tmp_path / "eps" / "layer_00001.eps").read_bytes()[:300]
+    assert (b'"parts": ["h", "l", "m", "v"]' in head) == (dtype == "bf16")
+    assert (b'"format": 2' in head) == (dtype == "bf16")
+
+
+def test_the_master_splits_into_bf16_hi_and_lo_planes_and_joins_back_exactly() -> None:
+    """Format 2's planes over every bf16 pattern (±0, subnormals, the largest finite values, ±inf) times low
+    halves at and around the rounding tie (0x7FFF, 0x8000, 0x8001) and random ones: hi is torch's own bf16
+    rounding, the join gives the FP32 bits back, and v (where a tie's missing bit waits) is unchanged after."""
+    gen = torch.Generator().manual_seed(0)
+    hi_bits = torch.arange(0, 1 << 16, dtype=torch.int64)
+    lows = torch.tensor([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFE, 0xFFFF], dtype=torch.int64)
+    lows = torch.cat([lows, torch.randint(0, 1 << 16, (9,), generator=gen)])
+    bits = (hi_bits[:, None] << 16 | lows[None, :]).flatten()
+    w = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
+    w = w[~torch.isnan(w)].clone()
+    n = w.numel()
+    hi = w.to(torch.bfloat16)
+    lo = torch.empty(n, dtype=torch.int16)
+    v = torch.rand(n, generator=gen)
+    v[::5] = 0.0
+    v0 = v.clone()
+    marks = split_master(w, hi, lo, v)
+    assert marks.numel() > 0  # ties that rounded down are in the set
+    on_disk = v.clone()
+    clear_marks(v, marks)
+    assert torch.equal(v.view(torch.int32), v0.view(torch.int32))
+    back = torch.empty_like(w)
+    join_master(hi, lo, on_disk, back)
+    assert torch.equal(back.view(torch.int32), w.view(torch.int32))
+    assert torch.equal(on_disk.view(torch.int32), v0.view(torch.int32))
+
+
+def test_a_format_1_directory_is_read_as_it_is_and_a_format_2_one_refused_without_bf16(
+    tmp_path: Path,
+) -> None:
+    """A disk EPS written before format 2 (FP32 weights) is continued as format 1 even by a bf16 CMP run; a
+    format-2 directory (the master as bf16 + 16-bit planes) without bf16 CMP, or an unknown format, is
+    refused with one line that says what to do."""
+    import threading
+
+    from l2l_cli.checkpoint import CheckpointError
+    from l2l_cli.engine.flat import FlatLayout
+    from l2l_cli.engine.tiers.base import TierSettings
+    from l2l_cli.engine.tiers.disk.stats import IoCounts
+    from l2l_cli.engine.tiers.disk.store import LayerStore
+    from l2l_cli.models.base import BLOCK, POST, PRE
+
+    spec = bert_spec(2, 32, 2, 64, vocab_size=512)
+    layouts = {k: FlatLayout(spec.new_layer(k, "meta")) for k in (PRE, BLOCK, POST)}
+
+    def store(resume: bool, split: bool) -> LayerStore:
+        settings = TierSettings("disk", str(tmp_path), resume=resume)
+        return LayerStore(settings, spec, layouts, threading.Condition(), IoCounts(), split)
+
+    old = store(resume=False, split=False)
+    old.create()
+    record = {"format": 1, "step": 1, "layers": [{"slot": 0, "step": 1.0}] * len(old)}
+    (tmp_path / "commit.json").write_text(json.dumps(record))
+    again = store(resume=True, split=True)
+    again.adopt()
+    assert again.adopted and not again.split and not any(f.split for f in again.files)
+    (tmp_path / "commit.json").write_text(json.dumps({**record, "format": 2}))
+    with pytest.raises(CheckpointError, match=r"resume it with precision=cmp precision\.dtype=bf16"):
+        store(resume=True, split=False).adopt()
+    (tmp_path / "commit.json").write_text(json.dumps({**record, "format": 7}))
+    with pytest.raises(CheckpointError, match="format 7"):
+        store(resume=True, split=True).adopt()

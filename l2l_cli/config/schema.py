@@ -191,7 +191,7 @@ class EpsConfig:
 
     tier: str = "host"  # host (RAM) | disk (the L2L modes: one file per layer, a few cached in RAM)
     path: str | None = None  # disk: the directory of the layer files (unset: <run dir>/eps; a fast local SSD)
-    host_cache_layers: int = 3  # disk: layers in RAM at once (>= 2; 3: the backward's read serves the update)
+    host_cache_layers: int = 4  # disk: layers in RAM at once (>= 2; 4: the backward's read serves the update)
     grad_ram_gb: float = 8.0  # disk: gradients kept in RAM (parked, or for a rollback) instead of on disk, GB
 
 
@@ -233,6 +233,7 @@ class HardwareConfig:
     async_copy: bool = True  # copies run beside compute (GPU copy engines, device=sim); false: inline
     disk_read_gbps: float = 3.0  # the disk EPS tier's sequential read, GB/s (a datacenter NVMe drive)
     disk_write_gbps: float = 2.0  # ... and write
+    disk_mixed_gbps: float = 0.0  # ... read + write at once, GB/s in all (0: unknown; their times add up)
     disk_free_gb: float = 3500.0  # GiB free for the disk EPS (hardware=measure: the eps.path filesystem's)
     measured: bool = False  # hardware=measure: time this machine and use those numbers instead
 

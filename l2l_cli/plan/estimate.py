@@ -38,13 +38,14 @@ class Setup:
     ubatch: int
     nproc: int = 1
     tier: str = "host"  # eps.tier: where the EPS keeps the state (the L2L modes)
-    cache_layers: int = 3  # eps.host_cache_layers (tier=disk)
+    cache_layers: int = 4  # eps.host_cache_layers (tier=disk)
     pipeline: int = 1  # dist.pipeline: ranks per pipeline (layered-GA §4); nproc / pipeline pipelines
     placement: str = "modular"
     schedule: str = "breadth_first"  # resolved (dist.schedule=auto: by placement)
     layers_per_stage: int = 1
     partition_state: bool = False
     grad_ram_gb: float = 8.0  # eps.grad_ram_gb (tier=disk): gradients waiting in RAM
+    bf16_master_planes: bool = False  # CMP in bf16 on the disk tier: the forward reads a 2-byte hi plane
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> Setup:
@@ -57,6 +58,7 @@ class Setup:
             pipe.pipeline, pipe.placement, pipe.schedule,
             pipe.layers_per_stage if pipe.placement == "modular" else 1, pipe.partition_state,
             grad_ram_gb=cfg.eps.grad_ram_gb,
+            bf16_master_planes=run_precision(cfg) == "cmp" and cfg.precision.dtype == "bf16",
         )  # fmt: skip
 
     @property
@@ -223,10 +225,11 @@ def _disk(
 ) -> None:
     """The disk EPS tier's I/O, read a layer ahead and written back behind the compute: each layer's I/O
     hides behind the compute of the layer before it in that pass (the first read of a pass is waited for).
-    Per parameter: the forward reads the weights (4 bytes); the backward reads the weights and moments
-    and writes the new state (12 + 12): L2L and L2L-p alike update each layer right after its backward on
-    this tier (the gradient waits in RAM for the clipping verdict), so 28 bytes in all. With every layer in
-    the cache only the writes remain (the state is committed every step)."""
+    Per parameter: the forward reads the weights (4 bytes; 2 under bf16 CMP, the master's bf16 hi plane);
+    the backward reads the weights and moments and writes the new state (12 + 12): L2L and L2L-p alike update each layer right after its backward on
+    this tier (the gradient waits in RAM for the clipping verdict), so 28 bytes in all (26 under bf16 CMP).
+    Reads and writes run on their own queues at once (``Rates.disk_time``). With every layer in the cache
+    only the writes remain (the state is committed every step)."""
     n = len(params)
     cached = s.cache_layers >= n  # nothing is ever evicted: no reads after the first step
 
@@ -237,7 +240,7 @@ def _disk(
     def io(read: float, write: float) -> list[float]:
         return [rates.disk_time(0.0 if cached else read * p, write * p) for p in params]
 
-    pas(io(4, 0), fwd)  # forward: layer j's weights while layer j-1 computes
+    pas(io(2 if s.bf16_master_planes else 4, 0), fwd)  # forward: layer j's weights while layer j-1 computes
     down = list(reversed(range(n)))  # the backward, from the head down
     t = io(12, 12)  # each layer's read and write-back beside the backward below it
     pas([t[j] for j in down], [win_b[j] for j in down])

@@ -37,6 +37,7 @@ class Rates:
     p2p_bytes_per_s: float = 12.5e9  # bytes/s, input + output, of pipeline messages (the network's)
     disk_read: float = 3e9  # the disk EPS tier: bytes/s, sequential
     disk_write: float = 2e9
+    disk_mixed: float = 0.0  # bytes/s read + written while both run (0: unknown, the times add up)
     disk_free: float = float("inf")  # bytes the disk EPS may take
     host_shares_device: bool = False  # the EPS update competes with device compute (a CPU device tier)
     measured: MeasuredTimes | None = None
@@ -70,8 +71,13 @@ class Rates:
         return params * OPT_FLOP_PER_PARAM / self.device_optim_flops
 
     def disk_time(self, read_bytes: float, write_bytes: float) -> float:
-        """The disk EPS tier's I/O: reads and writes share one disk."""
-        return read_bytes / self.disk_read + write_bytes / self.disk_write
+        """The disk EPS tier's I/O: reads and writes share one disk. They run on their own queues (read-ahead,
+        write-behind) at once: with a measured mixed rate, the slower of each alone and both at that rate;
+        else their times add up."""
+        alone = read_bytes / self.disk_read, write_bytes / self.disk_write
+        if self.disk_mixed > 0:
+            return max(*alone, (read_bytes + write_bytes) / self.disk_mixed)
+        return sum(alone)
 
     def summary(self) -> dict[str, Any]:
         out = {
@@ -86,6 +92,7 @@ class Rates:
             "host_shares_device": self.host_shares_device,
             "disk_read_gbps": self.disk_read / GB,
             "disk_write_gbps": self.disk_write / GB,
+            "disk_mixed_gbps": self.disk_mixed / GB,
             "disk_free_gib": self.disk_free / GiB,
         }
         if self.measured is not None:
@@ -119,6 +126,7 @@ def resolve(cfg: Any, shape: ModelShape) -> Rates:
         async_copy=hw.async_copy,
         disk_read=hw.disk_read_gbps * GB,
         disk_write=hw.disk_write_gbps * GB,
+        disk_mixed=hw.disk_mixed_gbps * GB,
         disk_free=hw.disk_free_gb * GiB,
     )
     if hw.measured:
@@ -155,11 +163,13 @@ def resolve(cfg: Any, shape: ModelShape) -> Rates:
                 rates,
                 disk_read=d["read_gbps"] * GB,
                 disk_write=d["write_gbps"] * GB,
+                disk_mixed=d.get("mixed_gbps", 0.0) * GB,
                 disk_free=d["free_bytes"],
             )
             notes.append(
                 f"disk for eps.tier=disk measured at {d['path']}: {d['read_gbps']:.2f} GB/s read, "
-                f"{d['write_gbps']:.2f} GB/s write ({'O_DIRECT' if d['direct_io'] else 'buffered'}, "
+                f"{d['write_gbps']:.2f} GB/s write, {d.get('mixed_gbps', 0.0):.2f} GB/s both at once "
+                f"({'O_DIRECT' if d['direct_io'] else 'buffered'}, "
                 f"{fmt_bytes(d['bytes'])}), {fmt_bytes(d['free_bytes'])} free"
             )
         if on_cpu:

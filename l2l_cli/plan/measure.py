@@ -7,7 +7,7 @@ What is timed (median of ``plan.measure_repeats`` after a warm-up), each as the 
   the device-resident optimizer on one block's separate tensors (the baselines' update), per parameter;
 - a host->device copy of one block's device copy (a plain memcpy when the device tier is the CPU);
 - the disk the EPS's disk tier would use (``eps.path``, else ``outputs/``): sequential O_DIRECT write and
-  read of one block's state, and its free space.
+  read of one block's state, both at once (the tier's read-ahead and write-behind), and its free space.
 
 The plan then scales these by the layer counts and micro-batches; nothing else is calibrated.
 """

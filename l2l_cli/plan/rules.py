@@ -40,6 +40,8 @@ def plan_problems(cfg: Any) -> list[Problem]:
         positive(p, f"hardware.{k}", getattr(hw, k))
     if hw.p2p_latency_us < 0:
         p.append(Problem("hardware.p2p_latency_us", f"got {hw.p2p_latency_us}; must be >= 0"))
+    if hw.disk_mixed_gbps < 0:
+        p.append(Problem("hardware.disk_mixed_gbps", f"got {hw.disk_mixed_gbps}; must be >= 0 (0: unknown)"))
     if hw.tensor_link_gbps < 0:
         p.append(Problem("hardware.tensor_link_gbps", f"got {hw.tensor_link_gbps}; must be >= 0 (0: none)"))
     return p + search_problems(cfg)

@@ -46,7 +46,7 @@ class TierSettings:
 
     tier: str = "host"  # a registered tier's name (TIERS)
     path: str | None = None  # a tier that keeps files: their directory (None: a temporary one)
-    cache_layers: int = 3  # disk: layers whose state is in RAM at once
+    cache_layers: int = 4  # disk: layers whose state is in RAM at once
     resume: bool = False  # disk: continue from the state committed at ``path`` (trainer.resume)
     grad_ram_bytes: int = 0  # disk: gradients kept in RAM instead of on disk, bytes (eps.grad_ram_gb)
 

@@ -20,15 +20,23 @@ class CacheSlot:
 
     def __init__(
         self, n_max: int, layouts: dict[str, FlatLayout], acc: Accelerator, send_dtype: torch.dtype,
-        optim: OptimSettings,
+        optim: OptimSettings, split: bool = False,
     ):  # fmt: skip
+        self.split = split  # format 2: the send copy is the file's hi plane, ``lo`` its lo plane
         self.part_bytes = aligned(4 * n_max)
         self.buf = AlignedBuffer(4 * self.part_bytes, acc)
         pb = self.part_bytes
         self.f32 = {
             p: self.buf.tensor[k * pb : (k + 1) * pb].view(torch.float32) for k, p in enumerate("wmvg")
         }
-        self.w_send = acc.host_empty(n_max, send_dtype) if send_dtype != torch.float32 else None
+        self.w_send: torch.Tensor | None = None
+        self._send = self._lo = None
+        if send_dtype != torch.float32:  # page-aligned: format 2 reads the hi plane straight into it
+            self._send = AlignedBuffer(aligned(send_dtype.itemsize * n_max), acc)
+            self.w_send = self._send.tensor.view(send_dtype)[:n_max]
+        if split:
+            self._lo = AlignedBuffer(aligned(2 * n_max))
+        self.lo = self._lo.tensor.view(torch.int16)[:n_max] if self._lo is not None else None
         # CMP: the device's half gradient lands here and is widened into g on the host
         self.g_recv = acc.host_empty(n_max, send_dtype) if send_dtype != torch.float32 else None
         self.optimizers = {
@@ -45,11 +53,25 @@ class CacheSlot:
         self.used = 0
 
     def mv(self, part: str, nbytes: int) -> memoryview:
+        """A buffer to read a file part into or write it from (``h``, ``l``: the planes of format 2)."""
+        if part == "h":
+            assert self._send is not None
+            return self._send.view(0, nbytes)
+        if part == "l":
+            assert self._lo is not None
+            return self._lo.view(0, nbytes)
         return self.buf.view("wmvg".index(part) * self.part_bytes, nbytes)
+
+    def missing(self, parts: frozenset[str] | set[str]) -> frozenset[str]:
+        """What of ``parts`` this slot does not hold (format 2: the hi plane is the send copy of a valid
+        master, refreshed by whoever changed it before unpinning)."""
+        have = self.valid | {"h"} if self.split and "w" in self.valid else self.valid
+        return frozenset(parts) - have
 
     @property
     def nbytes(self) -> int:
-        return self.buf.tensor.nbytes + sum(t.nbytes for t in (self.w_send, self.g_recv) if t is not None)
+        bufs = (self.buf.tensor, self.w_send, self.g_recv, self.lo)
+        return sum(t.nbytes for t in bufs if t is not None)
 
 
 class SlotCache:
@@ -57,9 +79,9 @@ class SlotCache:
 
     def __init__(
         self, k: int, n_max: int, layouts: dict[str, FlatLayout], acc: Accelerator, send_dtype: torch.dtype,
-        optim: OptimSettings,
+        optim: OptimSettings, split: bool = False,
     ):  # fmt: skip
-        self.slots = [CacheSlot(n_max, layouts, acc, send_dtype, optim) for _ in range(k)]
+        self.slots = [CacheSlot(n_max, layouts, acc, send_dtype, optim, split) for _ in range(k)]
         self._clock = 0
 
     def __len__(self) -> int:
@@ -85,17 +107,21 @@ class SlotCache:
 
     def victim(self, avoid: set[int], later: dict[int, int]) -> CacheSlot | None:
         """An unpinned slot to reuse: empty, else one nobody will use soon (least recently used, clean
-        before one whose gradient must be parked), else the one needed last."""
+        before one whose gradient must be parked, one whose write-back is done first), else the one needed
+        last."""
         free = [s for s in self.slots if s.pins == 0 and not s.busy and s.layer not in avoid]
         if not free:
             return None
 
-        def cost(s: CacheSlot) -> tuple[int, float]:
+        def cost(s: CacheSlot) -> tuple[int, int, float]:
+            # a slot whose write-back is still going would hold the reader up (its reads and the writes are
+            # on their own queues, so a read never waits behind a write it does not need to)
+            writing = int(s.writing is not None and not s.writing.done())
             if s.layer is None:
-                return (0, 0.0)
+                return (0, writing, 0.0)
             if s.layer not in later:
-                return (1 + int(s.g_dirty), float(s.used))
-            return (3, -float(later[s.layer]))
+                return (1 + int(s.g_dirty), writing, float(s.used))
+            return (3, writing, -float(later[s.layer]))
 
         return min(free, key=cost)
 

@@ -1,7 +1,10 @@
 """The disk tier's on-disk format and its raw I/O: what a layer file is, byte for byte.
 
 A layer file (``layer_<i>.eps``) is a 4 KiB header and two slots, each ``[w | m | v]`` (FP32, every part
-block-aligned), so a layer's state is one sequential read or write, with ``O_DIRECT`` where the filesystem
+block-aligned; format 1), or under bf16 CMP ``[h | l | m | v]`` (format 2, :data:`SPLIT`): the FP32 master
+split in two 16-bit planes, ``h`` its bf16 round-to-nearest-even (exactly the weights the device computes
+with, so the forward reads 2 bytes per parameter) and ``l`` its low 16 bits (see :func:`split_master`).
+A layer's state is one sequential read or write, with ``O_DIRECT`` where the filesystem
 allows it (else buffered I/O whose pages are dropped after use), so the page cache never holds a second
 copy. ``commit.json`` (:data:`COMMIT`, written by :mod:`.writeback`) names each layer's current slot. The
 functions here keep no state of the tier: sizes, the header, aligned buffers, large sequential calls, a
@@ -25,8 +28,11 @@ from l2l_cli.models.base import ModelSpec
 
 ALIGN = 4096  # O_DIRECT: buffers, offsets and lengths block-aligned
 CHUNK = 64 << 20  # one read/write call
-STATE = "wmv"  # the parts a slot of a layer file holds, in file order
-FORMAT = 1
+STATE = "wmv"  # the parts of a layer's state (a slot of a format-1 file holds them, in file order)
+SPLIT = "hlmv"  # a format-2 slot: the master as bf16 hi and 16-bit lo planes, then the moments
+FORMAT = 1  # FP32 weights (FP32 and fp16 CMP runs; what every disk EPS before format 2 wrote)
+FORMAT_SPLIT = 2  # bf16 CMP: the master split in hi/lo planes, the forward reads hi alone
+FORMATS = (FORMAT, FORMAT_SPLIT)
 MAGIC = b"l2l-eps-layer\n"
 COMMIT = "commit.json"
 
@@ -35,9 +41,72 @@ def aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def layer_file_bytes(numel: int) -> int:
-    """Bytes of one layer's file: the header and two slots of FP32 weights and moments."""
-    return ALIGN + 2 * len(STATE) * aligned(4 * numel)
+def layer_file_bytes(numel: int, split: bool = False) -> int:
+    """Bytes of one layer's file: the header and two slots of weights (FP32, or two 16-bit planes) and
+    moments: 24 bytes per parameter either way."""
+    parts = SPLIT if split else STATE
+    return ALIGN + 2 * sum(aligned(part_width(p) * numel) for p in parts)
+
+
+def part_width(part: str) -> int:
+    """Bytes per parameter of a file part: 2 for the master's hi and lo planes, else 4 (FP32)."""
+    return 2 if part in "hl" else 4
+
+
+# ---- the master as two 16-bit planes (format 2) ----------------------------------------------------------
+#
+# hi = bf16(w) rounded to nearest even: its bits are the top half of w's, or that plus one (rounded up).
+# lo = w's low 16 bits. Then w = ((hi - borrow) << 16) | lo, with borrow = 1 exactly when rounding went up:
+# lo > 0x8000, or the tie lo == 0x8000 with w's top half odd (ties go to the even hi). In the tie the lo
+# plane cannot tell the two apart (for an even hi, 65537 FP32 values round to it: one more than 16 bits
+# hold), so the missing bit goes where no value needs it: the sign bit of v (Adam's second moment is
+# >= +0, never -0 or negative), set in the file for a tie that rounded *down*. (A NaN master comes back a
+# NaN, its payload not kept: bf16 rounding makes every NaN the same one.)
+
+_CHUNK_EL = 1 << 22  # elements per vectorised pass (bounded temporaries)
+_SIGN = -(2**31)
+
+
+def split_master(w: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Write ``lo`` (int16) from the FP32 master ``w`` whose bf16 rounding ``hi`` already holds, and mark
+    the ties that rounded down in ``v``'s sign bit. Returns those indices: the caller clears the marks
+    (:func:`clear_marks`) once ``v`` is on disk."""
+    n = w.numel()
+    wi = w.view(torch.int32)
+    lo.copy_(w.view(torch.int16).view(n, 2)[:, 0])  # little-endian: the low half of each element
+    ties = torch.nonzero(lo == -32768).flatten()  # lo == 0x8000
+    if ties.numel():
+        top_even = (wi[ties].bitwise_right_shift(16) & 1) == 0
+        down = ties[top_even]
+        vi = v.view(torch.int32)
+        vi[down] = vi[down] | _SIGN
+        return down
+    return ties
+
+
+def clear_marks(v: torch.Tensor, marks: torch.Tensor) -> None:
+    """Undo :func:`split_master`'s tie marks in ``v`` (its sign bits back to 0)."""
+    if marks.numel():
+        vi = v.view(torch.int32)
+        vi[marks] = vi[marks] & 0x7FFFFFFF
+
+
+def join_master(hi: torch.Tensor, lo: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> None:
+    """The FP32 master from its planes (``v`` as read from the file: its tie marks are cleared here)."""
+    n = w.numel()
+    wi = w.view(torch.int32)
+    for a in range(0, n, _CHUNK_EL):
+        b = min(n, a + _CHUNK_EL)
+        out = wi[a:b]
+        out.copy_(hi[a:b].view(torch.int16))  # sign-extended: (hi << 16) wraps to hi's bits exactly
+        out.bitwise_left_shift_(16)
+        out.add_(lo[a:b])  # lo as a signed 16-bit value: -(0x10000 - lo) when it borrowed
+    ties = torch.nonzero(lo == -32768).flatten()
+    if ties.numel():
+        vi = v.view(torch.int32)
+        down = ties[vi[ties] < 0]  # marked: the tie rounded down, lo is +0x8000, not -0x8000
+        wi[down] = wi[down] + 0x10000
+        vi[down] = vi[down] & 0x7FFFFFFF
 
 
 def disk_bytes(spec: ModelSpec) -> int:
@@ -149,20 +218,35 @@ class DiskIo:
 
 
 class LayerFile:
-    """``layer_<i>.eps``: a header block, then slots 0 and 1, each [w | m | v] in FP32, parts block-aligned."""
+    """``layer_<i>.eps``: a header block, then slots 0 and 1, each [w | m | v] in FP32 (format 1) or
+    [h | l | m | v] (format 2, ``split``), parts block-aligned."""
 
-    def __init__(self, root: Path, index: int, kind: str, numel: int):
+    def __init__(self, root: Path, index: int, kind: str, numel: int, split: bool = False):
         self.path = root / f"layer_{index:05d}.eps"
-        self.index, self.kind, self.numel = index, kind, numel
-        self.part_bytes = aligned(4 * numel)
-        self.size = layer_file_bytes(numel)
+        self.index, self.kind, self.numel, self.split = index, kind, numel, split
+        self.parts = SPLIT if split else STATE  # the file's parts, in slot order
+        self.part_bytes = aligned(4 * numel)  # an FP32 part (w, m, v, g in RAM)
+        self._bytes = {p: aligned(part_width(p) * numel) for p in self.parts}
+        self._at = {p: sum(self._bytes[q] for q in self.parts[:k]) for k, p in enumerate(self.parts)}
+        self.slot_bytes = sum(self._bytes.values())
+        self.size = layer_file_bytes(numel, split)
+
+    def nbytes(self, part: str) -> int:
+        """Bytes of a file part (block-aligned)."""
+        return self._bytes[part]
 
     def offset(self, slot: int, part: str) -> int:
-        return ALIGN + (len(STATE) * slot + STATE.index(part)) * self.part_bytes
+        return ALIGN + slot * self.slot_bytes + self._at[part]
+
+    def park_offset(self, slot: int) -> int:
+        """Where a parked gradient (FP32) waits: over the weights of the slot the update will write."""
+        return self.offset(slot, self.parts[0])
 
     def header(self) -> bytes:
-        meta = {"format": FORMAT, "index": self.index, "kind": self.kind, "numel": self.numel, "dtype": "float32",
-                "part_bytes": self.part_bytes, "slots": 2, "parts": list(STATE)}  # fmt: skip
+        fmt = FORMAT_SPLIT if self.split else FORMAT
+        dtype = "bfloat16+int16" if self.split else "float32"
+        meta = {"format": fmt, "index": self.index, "kind": self.kind, "numel": self.numel, "dtype": dtype,
+                "part_bytes": self.part_bytes, "slots": 2, "parts": list(self.parts)}  # fmt: skip
         text = MAGIC + json.dumps(meta).encode() + b"\n"
         return text + b" " * (ALIGN - len(text))
 
@@ -199,29 +283,51 @@ class LayerFile:
 
 def measure_disk(root: Path, nbytes: int) -> dict[str, Any]:
     """Sequential write then read bandwidth of ``root``'s filesystem, the way the disk tier does its I/O
-    (O_DIRECT where allowed, 64 MiB calls, fdatasync): a dd-style measurement of the same disk. Writes a
-    temporary file of ``nbytes`` (rounded to 4 KiB) and removes it."""
+    (O_DIRECT where allowed, 64 MiB calls, fdatasync): a dd-style measurement of the same disk; then both at
+    once (``mixed_gbps``: bytes read + written per second while a reader and a writer thread run together,
+    as the tier's read-ahead and write-behind do). Writes temporary files of ``nbytes`` (rounded to 4 KiB)
+    and removes them."""
+    import threading
+
     root.mkdir(parents=True, exist_ok=True)
     nbytes = max(ALIGN, aligned(nbytes))
     io = DiskIo(probe_direct(root))
     buf = AlignedBuffer(min(nbytes, CHUNK))
     buf.tensor.random_(0, 255)  # not zeros: some filesystems and drives shortcut those
-    path = root / f".l2l-disk-bench-{os.getpid()}"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if io.direct else 0), 0o644)
+    buf2 = AlignedBuffer(min(nbytes, CHUNK))
+    flag = os.O_DIRECT if io.direct else 0
+    path, path2 = root / f".l2l-disk-bench-{os.getpid()}", root / f".l2l-disk-bench-{os.getpid()}-b"
+
+    def write_all(fd: int, b: AlignedBuffer) -> None:
+        for off in range(0, nbytes, CHUNK):
+            io.write(fd, b.view(0, min(CHUNK, nbytes - off)), off)
+        io.sync(fd, 0, nbytes)
+
+    def read_all(fd: int, b: AlignedBuffer) -> None:
+        for off in range(0, nbytes, CHUNK):
+            io.read(fd, b.view(0, min(CHUNK, nbytes - off)), off)
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | flag, 0o644)
+    fd2 = os.open(path2, os.O_RDWR | os.O_CREAT | os.O_TRUNC | flag, 0o644)
     try:
         t0 = time.perf_counter()
-        for off in range(0, nbytes, CHUNK):
-            io.write(fd, buf.view(0, min(CHUNK, nbytes - off)), off)
-        io.sync(fd, 0, nbytes)
+        write_all(fd, buf)
         write_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        for off in range(0, nbytes, CHUNK):
-            io.read(fd, buf.view(0, min(CHUNK, nbytes - off)), off)
+        read_all(fd, buf)
         read_s = time.perf_counter() - t0
+        t0 = time.perf_counter()  # a write-behind and a read-ahead at once, each on its own thread
+        writer = threading.Thread(target=write_all, args=(fd2, buf2))
+        writer.start()
+        read_all(fd, buf)
+        writer.join()
+        mixed_s = time.perf_counter() - t0
     finally:
         os.close(fd)
-        with contextlib.suppress(OSError):
-            path.unlink()
+        os.close(fd2)
+        for q in (path, path2):
+            with contextlib.suppress(OSError):
+                q.unlink()
     st = os.statvfs(root)
     return {
         "path": str(root),
@@ -229,5 +335,6 @@ def measure_disk(root: Path, nbytes: int) -> dict[str, Any]:
         "direct_io": io.direct,
         "write_gbps": nbytes / write_s / 1e9,
         "read_gbps": nbytes / read_s / 1e9,
+        "mixed_gbps": 2 * nbytes / mixed_s / 1e9,
         "free_bytes": st.f_bavail * st.f_frsize,
     }

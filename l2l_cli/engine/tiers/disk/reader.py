@@ -92,7 +92,7 @@ class Reader:
             if s is not None:
                 if s.busy:
                     continue
-                missing = frozenset() if d.fresh else d.need - s.valid
+                missing = frozenset() if d.fresh else s.missing(d.need)
                 if not missing:
                     self._grant(d, s)
                     continue
@@ -106,7 +106,7 @@ class Reader:
             parts = self.store.readable(j, parts)
             s = self.cache.slot_of(j)
             if s is not None:
-                missing = parts - s.valid
+                missing = s.missing(parts)
                 if missing and not s.busy:
                     s.busy = True
                     return _Job(s, j, missing)
@@ -183,22 +183,20 @@ class Reader:
         if "g" in job.parts and not st.parked[i]:
             raise RuntimeError(f"layer {i}'s gradient is neither in RAM nor parked on disk")
         f = st.files[i]
-        state = [p for p in STATE if p in job.parts]
+        state = [p for p in ("h", *STATE) if p in job.parts]
         with self.cv:  # what the reads are for (the byte breakdown)
             what = "state" if "w" in state and len(state) > 1 else "moments"
-            if state == ["w"]:
+            if state in (["w"], ["h"]):
                 what = st.weights_read(i)
             in_ram = "g" in job.parts and i in st.pool.live
         fd = st.io.open(f.path)
         try:
-            for p in state:
-                st.read(fd, s.mv(p, f.part_bytes), f.offset(st.newest(i), p), what)
+            if state:
+                st.read_state(fd, s, i, st.newest(i), state, what)
             if "g" in job.parts:
                 if in_ram:
                     st.pool.get(i, s.f32["g"][: f.numel])
                 else:
-                    st.read(fd, s.mv("g", f.part_bytes), f.offset(1 - st.newest(i), "w"), "grad")
+                    st.read(fd, s.mv("g", f.part_bytes), f.park_offset(1 - st.newest(i)), "grad")
         finally:
             os.close(fd)
-        if "w" in job.parts and s.w_send is not None:
-            s.w_send[: f.numel].copy_(s.f32["w"][: f.numel])

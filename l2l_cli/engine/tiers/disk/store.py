@@ -21,7 +21,17 @@ from l2l_cli.checkpoint import CheckpointError
 from l2l_cli.engine.flat import FlatLayout
 from l2l_cli.engine.tiers.base import TierSettings
 from l2l_cli.engine.tiers.disk.cache import CacheSlot
-from l2l_cli.engine.tiers.disk.format import COMMIT, FORMAT, STATE, DiskIo, LayerFile, probe_direct
+from l2l_cli.engine.tiers.disk.format import (
+    COMMIT,
+    FORMAT,
+    FORMAT_SPLIT,
+    FORMATS,
+    STATE,
+    DiskIo,
+    LayerFile,
+    join_master,
+    probe_direct,
+)
 from l2l_cli.engine.tiers.disk.pool import GradPool
 from l2l_cli.engine.tiers.disk.stats import IoCounts
 from l2l_cli.models.base import ModelSpec
@@ -33,7 +43,7 @@ class LayerStore:
 
     def __init__(
         self, settings: TierSettings, spec: ModelSpec, layouts: dict[str, FlatLayout], cv: threading.Condition,
-        counts: IoCounts,
+        counts: IoCounts, split: bool = False,
     ):  # fmt: skip
         self._tmp = None if settings.path else tempfile.mkdtemp(prefix="l2l-eps-")
         self.root = Path(settings.path or self._tmp or ".")
@@ -41,7 +51,10 @@ class LayerStore:
         self.cv, self.counts = cv, counts
         n = spec.num_all_layers
         kinds = [spec.kind(i) for i in range(n)]
-        self.files = [LayerFile(self.root, i, kinds[i], layouts[kinds[i]].numel) for i in range(n)]
+        # format 2 (the master in bf16 hi / lo planes) where the device computes in bf16; a run adopted from
+        # a format-1 directory keeps format 1 (``adopt``)
+        self.split, self.can_split = split, split
+        self.files = [LayerFile(self.root, i, kinds[i], layouts[kinds[i]].numel, split) for i in range(n)]
         self.io = DiskIo(probe_direct(self.root))
         self.latest: list[int | None] = [None] * n  # the file slot holding each layer's newest version
         self.committed: list[int | None] | None = None  # what commit.json names (None: no commit yet)
@@ -76,11 +89,20 @@ class LayerStore:
             layers = rec["layers"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{path}: unreadable commit record ({e})") from e
-        if rec.get("format") != FORMAT or len(layers) != len(self.files):
+        fmt = rec.get("format")
+        if fmt not in FORMATS or len(layers) != len(self.files):
             raise CheckpointError(
-                f"{path}: a disk EPS of {len(layers)} layers (format {rec.get('format')}); this model has "
-                f"{len(self.files)}: resume with the same model, or set eps.path to an empty directory"
+                f"{path}: a disk EPS of {len(layers)} layers (format {fmt}); this model has "
+                f"{len(self.files)} (format {FORMAT} or {FORMAT_SPLIT}): resume with the same model and l2l, "
+                f"or set eps.path to an empty directory"
             )
+        if fmt == FORMAT_SPLIT and not self.can_split:
+            raise CheckpointError(
+                f"{path}: a disk EPS in format {FORMAT_SPLIT} (bf16 CMP: the master as bf16 + 16-bit planes); "
+                f"resume it with precision=cmp precision.dtype=bf16, or set eps.path to an empty directory"
+            )
+        self.split = fmt == FORMAT_SPLIT  # a format-1 directory is read as it is (FP32 weights)
+        self.files = [LayerFile(self.root, f.index, f.kind, f.numel, self.split) for f in self.files]
         for f, entry in zip(self.files, layers):
             problem = f.problem()
             if problem is None and entry.get("slot") not in (0, 1):
@@ -101,11 +123,18 @@ class LayerStore:
             raise RuntimeError(f"layer {i} was never written")
         return slot
 
+    def expand(self, parts: frozenset[str]) -> frozenset[str]:
+        """The parts a pin of ``parts`` reads: under format 2 the master, m and v come together (the master's
+        tie bits are in v's sign bits, and an update needs all three anyway)."""
+        if self.split and parts & set(STATE):
+            return parts | set(STATE)
+        return parts
+
     def readable(self, j: int, parts: frozenset[str]) -> frozenset[str]:
         """What of ``parts`` can be read from disk for layer j now."""
         out = set(parts)
         if self.latest[j] is None:
-            out -= set(STATE)
+            out -= {*STATE, "h"}
         if not self.parked[j]:
             out.discard("g")
         return frozenset(out)
@@ -120,6 +149,30 @@ class LayerStore:
                 self.grad_live[i], self.parked[i], s.g_dirty = True, False, False
                 self.pool.live.discard(i)
         s.valid |= set(parts)
+
+    def read_state(self, fd: int, s: CacheSlot, i: int, slot: int, parts: list[str], what: str) -> None:
+        """Layer i's ``parts`` (of ``h`` and STATE) from file slot ``slot`` into cache slot ``s``. Format 2:
+        ``h`` into the send copy; ``w`` is read as its lo plane (and hi, unless the send copy holds it) and
+        joined, with ``v`` (required with it, see :meth:`expand`); FP32 weights are converted to the send
+        copy here (the send copy is what the device loads)."""
+        f = self.files[i]
+        if not self.split:
+            for p in STATE:
+                if p in parts:
+                    self.read(fd, s.mv(p, f.part_bytes), f.offset(slot, p), what)
+            if "w" in parts and s.w_send is not None:
+                s.w_send[: f.numel].copy_(s.f32["w"][: f.numel])
+            return
+        w = "w" in parts
+        need = [
+            p for p in f.parts if p in parts or (w and p == "l") or (w and p == "h" and "h" not in s.valid)
+        ]
+        for p in need:
+            self.read(fd, s.mv(p, f.nbytes(p)), f.offset(slot, p), what)
+        if "w" in parts:
+            assert s.w_send is not None and s.lo is not None and "v" in parts
+            n = f.numel
+            join_master(s.w_send[:n], s.lo[:n], s.f32["v"][:n], s.f32["w"][:n])
 
     def read(self, fd: int, mv: memoryview, offset: int, what: str) -> None:
         """One read, counted in the step's I/O (``what``: what it is for, a key of ``stats.READS``)."""

@@ -53,20 +53,23 @@ class DiskTier:
         self.settings, self.acc, self.timer = settings, acc, timer
         self.cv = threading.Condition()  # one lock for every part's state
         self.counts = IoCounts()
-        self.store = LayerStore(settings, spec, layouts, self.cv, self.counts)
+        # bf16 CMP: the master as bf16 hi / lo planes on disk (format 2), the forward reads hi alone. fp16's
+        # bits are no half of FP32's: its CMP keeps FP32 weights (format 1) and converts them on reading
+        split = send_dtype == torch.bfloat16
+        self.store = LayerStore(settings, spec, layouts, self.cv, self.counts, split)
         self.pool = self.store.pool
         self.params = spec.total_params
         self.root = self.store.root
+        if settings.resume:
+            self.store.adopt()  # (its format decides the cache's: a format-1 directory stays FP32)
         n = len(self.store)
         n_max = max(layout.numel for layout in layouts.values())
         with acc.meter.paused():
             k = min(settings.cache_layers, n)  # more slots than layers would never be used
-            self.cache = SlotCache(k, n_max, layouts, acc, send_dtype, optim)
+            self.cache = SlotCache(k, n_max, layouts, acc, send_dtype, optim, self.store.split)
         self.plan = ReadAhead(n, k, threading.get_ident())
         self.layers: dict[int, DiskLayer] = {}
         self._main = threading.get_ident()
-        if settings.resume:
-            self.store.adopt()
         if not self.store.adopted:
             self.store.create()
         self.adopted = self.store.adopted
@@ -105,6 +108,8 @@ class DiskTier:
 
     def pin(self, i: int, parts: str = "w", *, fresh: bool = False) -> None:
         """Layer i's ``parts`` in RAM until ``unpin`` (``fresh``: the caller overwrites them; nothing is read)."""
+        if self.store.split and parts == "w" and not fresh:
+            parts = "h"  # the relay sends the device the hi plane (format 2): 2 bytes per parameter read
         self._pin(i, frozenset(parts), fresh, "relay" if not fresh else None)
 
     def unpin(self, i: int, after: CopyHandle | None = None) -> None:
@@ -170,6 +175,8 @@ class DiskTier:
         return t.clone()
 
     def _pin(self, i: int, need: frozenset[str], fresh: bool, stream: str | None) -> CacheSlot:
+        if not fresh:
+            need = self.store.expand(need)
         hit = self._pin_cached(i, need, fresh, stream)
         if hit is not None:
             return self._settled(hit, fresh)
@@ -190,7 +197,7 @@ class DiskTier:
             if stream is not None:
                 self.plan.note(stream, i, need)
             s = self.cache.slot_of(i)
-            if s is not None and (need <= s.valid or (fresh and not s.busy)):
+            if s is not None and (not s.missing(need) or (fresh and not s.busy)):
                 if fresh:
                     self.store.make_fresh(s, i, need - s.valid)
                 self.counts.step.hits += 1
@@ -242,7 +249,7 @@ class DiskTier:
             if s is None or (s.pins == 0 and not s.busy):
                 self.store.latest[i] = undo
                 if s is not None:
-                    s.valid -= set(STATE)
+                    s.valid -= {*STATE, "h"}
                 self._regrad(st)
                 st.opt_step = st.undo_step
                 return
@@ -258,8 +265,7 @@ class DiskTier:
             def read() -> None:
                 fd = self.store.io.open(f.path)
                 try:
-                    for p in STATE:
-                        self.store.read(fd, s.mv(p, f.part_bytes), f.offset(undo, p), "undo")
+                    self.store.read_state(fd, s, i, undo, ["h", *STATE], "undo")
                 finally:
                     os.close(fd)
 

@@ -12,7 +12,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 from l2l_cli.engine.tiers.disk.cache import CacheSlot
-from l2l_cli.engine.tiers.disk.format import COMMIT, FORMAT, STATE, crash_point
+from l2l_cli.engine.tiers.disk.format import (
+    COMMIT,
+    FORMAT,
+    FORMAT_SPLIT,
+    clear_marks,
+    crash_point,
+    split_master,
+)
 from l2l_cli.engine.tiers.disk.stats import IoCounts
 from l2l_cli.engine.tiers.disk.store import LayerStore
 from l2l_cli.problems import writing
@@ -44,29 +51,40 @@ class WriteBehind:
                 f"layer {i} was updated twice between commits; the committed copy would be lost"
             )
         target = 0 if prev is None else 1 - prev
-        parts = "w" if prev is None else STATE  # a new file's moments are zeros already (fallocate)
+        f = st.files[i]
+        parts = f.parts  # (format 1, a new file: its moments are zeros already (fallocate), w alone)
+        if prev is None and not f.split:
+            parts = "w"
         st.latest[i], st.parked[i], st.grad_live[i], s.g_dirty = target, False, False, False
         st.pool.live.discard(i)
         s.valid.discard("g")  # applied: what is left in g is no gradient to keep
         c = self.counts.setup if setup else self.counts.step  # bytes when queued: the step that wrote them
-        c.write_bytes += len(parts) * st.files[i].part_bytes
-        c.write_state += len(parts) * st.files[i].part_bytes
+        nbytes = sum(f.nbytes(p) for p in parts)
+        c.write_bytes += nbytes
+        c.write_state += nbytes
         s.writing = self._pool.submit(self._write, s, i, target, parts, setup)
 
     def _write(self, s: CacheSlot, i: int, target: int, parts: str, setup: bool) -> None:
         f = self.store.files[i]
         io = self.store.io
         t0 = time.perf_counter()
+        marks = None
+        if f.split:  # the master's lo plane from the cached FP32 master (hi: the send copy already)
+            assert s.w_send is not None and s.lo is not None
+            n = f.numel
+            marks = split_master(s.f32["w"][:n], s.w_send[:n], s.lo[:n], s.f32["v"][:n])
         with writing(f.path):  # a full disk: named; the committed slot stays as it was
             fd = io.open(f.path)
             try:
                 for k, p in enumerate(parts):
-                    io.write(fd, s.mv(p, f.part_bytes), f.offset(target, p))
+                    io.write(fd, s.mv(p, f.nbytes(p)), f.offset(target, p))
                     if k == 0:
                         crash_point("write")  # a torn slot: w written, the moments not yet
-                io.sync(fd, f.offset(target, parts[0]), len(parts) * f.part_bytes)
+                io.sync(fd, f.offset(target, parts[0]), sum(f.nbytes(p) for p in parts))
             finally:
                 os.close(fd)
+                if marks is not None:
+                    clear_marks(s.f32["v"][: f.numel], marks)
         with self.cv:
             (self.counts.setup if setup else self.counts.step).write_s += time.perf_counter() - t0
 
@@ -86,9 +104,9 @@ class WriteBehind:
             fd = io.open(f.path)
             try:
                 target = 1 - self.store.newest(i)
-                io.write(fd, s.mv("g", f.part_bytes), f.offset(target, "w"))
+                io.write(fd, s.mv("g", f.part_bytes), f.park_offset(target))
                 crash_point("park")
-                io.sync(fd, f.offset(target, "w"), f.part_bytes)
+                io.sync(fd, f.park_offset(target), f.part_bytes)
             finally:
                 os.close(fd)
         with self.cv:
@@ -110,7 +128,7 @@ class WriteBehind:
                 raise RuntimeError("commit before every layer was written")
             st.committed = list(st.latest)
             entries = [{"slot": st.latest[i], "step": layers[i].opt_step} for i in range(len(st.files))]
-        record = {"format": FORMAT, "step": step, "created": time.time(), **(ident or {}), "layers": entries,
+        record = {"format": FORMAT_SPLIT if st.split else FORMAT, "step": step, "created": time.time(), **(ident or {}), "layers": entries,
                   "trainer": trainer_state}  # fmt: skip
         self._commit_job = self._pool.submit(self._write_record, record)
         self.commits += 1
