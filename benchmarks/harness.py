@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,8 +32,14 @@ def session(overrides: list[str], samples: int = 256) -> Session:
     return build(cfg, data=TaskData(TASKS["synthetic"], data, data, "synthetic"))
 
 
-def measure(overrides: list[str], steps: int = 3, warmup: int = 1) -> dict[str, Any]:
-    """Median samples/s and mean phase times over ``steps - warmup`` steps, and the device-tier peak."""
+def measure(
+    overrides: list[str],
+    steps: int = 3,
+    warmup: int = 1,
+    probe: Callable[[Session], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Median samples/s and mean phase times over ``steps - warmup`` steps, and the device-tier peak;
+    ``probe(session)``'s entries too, read once built, before the first step (no second build)."""
     cfg = compose([*overrides, "trainer.max_steps=100"])
     data = synthetic(
         max(256, cfg.batch.size * (steps + 1)), cfg.task.max_seq_len, cfg.model.vocab_size, seed=1
@@ -42,6 +49,7 @@ def measure(overrides: list[str], steps: int = 3, warmup: int = 1) -> dict[str, 
     with build(cfg, data=task) as session:
         runner = session.runner
         assert runner is not None
+        probed = probe(session) if probe is not None else {}
         it = stream.batches()
         reports = [runner.step(next(it)) for _ in range(steps)][warmup:]
         peak = runner.acc.meter.peak_bytes
@@ -54,6 +62,7 @@ def measure(overrides: list[str], steps: int = 3, warmup: int = 1) -> dict[str, 
         "step_time_s": statistics.median(r.step_time_s for r in reports),
         "peak_bytes": peak,
         "phases": phases,
+        **probed,
     }
 
 
