@@ -70,8 +70,8 @@ class StagePlan:
         times (1 + o) plus its exchanges (one message out, one in: ``exchange_s``), which nothing hides
         where ranks copy messages on their own cores (gloo on CPU) and NCCL hides only in part.
         ``schedule_s``, where measured (``hardware=measure``): what the schedule itself costs a step
-        beyond its compute, timed by running it with trivial compute (its messages, their waits and its
-        per-action work: posting sends and recvs, bookkeeping), in place of the exchanges' count."""
+        beyond compute x (1 + o), timed by running it with stand-in compute (its messages, the waits they
+        cause and its per-action work: posting sends and recvs, bookkeeping), in place of the count."""
         t = compute_s * (1.0 + self.bubble_overhead(num_ubatches))
         if schedule_s is None:
             t += self.messages_per_rank(num_ubatches) * exchange_s

@@ -57,7 +57,7 @@ from l2l_cli.parallel.pipeline.stage import RelayModule, TimedStage, Timeline
 from l2l_cli.parallel.pipeline.state import Shard, StageState
 
 MAX_SCHEDULES = 8  # one per padded batch shape (torch fixes shapes at a schedule's first step), LRU
-SCHEDULE_STEPS = 4  # steps of the trivial-compute schedule hardware=measure times (the first is not timed)
+SCHEDULE_STEPS = 3  # steps of the stand-in-compute schedule hardware=measure times (the first is not timed)
 
 
 def layout(ctx: DistContext, s: PipelineSettings) -> DistContext:
@@ -142,7 +142,7 @@ def bubble_section(
     schedule = sum(measured) / len(measured) if measured else None
     return {
         "bubble_predicted": plan.bubble_with_messages(n, compute, exchange[0], schedule),
-        "bubble_predicted_from": "the schedule run with trivial compute" if schedule is not None
+        "bubble_predicted_from": "the schedule run with stand-in compute" if schedule is not None
                                  else "the exchanges counted",
         "schedule_s": schedule,
         "bubble_predicted_paper": plan.bubble_fraction(n),
@@ -256,30 +256,35 @@ class PipelineRunner(RunnerBase):
         return cls(stages if many else stages[0], n, loss_fn=loss, scale_grads=False)
 
     def measure_schedule(self) -> float | None:
-        """``hardware=measure``: what torch's schedule costs a step beyond its compute, on this run's
-        stages, group, backend, micro-batches and message size: the same schedule run with trivial compute
-        (``RelayModule``), its pipeline time less its chunks' (the median of ``SCHEDULE_STEPS`` - 1 steps).
-        Its messages, the waits they cause and the schedule's per-action work are all in it. Collective
-        over the pipeline; None before a training step or without ``hardware=measure``."""
+        """``hardware=measure``: what torch's schedule costs a step beyond compute x (1 + o), on this run's
+        stages, group, backend, micro-batches and message size: the same schedule run again with stand-in
+        compute (``RelayModule``: each chunk keeps the core busy for this rank's measured mean forward or
+        backward chunk), its pipeline time less its chunks' and less the paper's fill and drain (o times its
+        compute); the median of ``SCHEDULE_STEPS`` - 1 steps. Its messages, the waits they cause and the
+        schedule's per-action work, under the load of compute, are all in it. Collective over the
+        pipeline; None before a training step or without ``hardware=measure``."""
         rows, seq = self.shape
         if not self.pipe.measure_p2p or rows == 0:
             return None
-        S, H, dev = self.plan.num_stages, self.spec.hidden_size, self.acc.device
-        mods = {s: RelayModule(s == 0, s == S - 1, H).to(dev) for s in self.stages}
+        S, H, dev, n = self.plan.num_stages, self.spec.hidden_size, self.acc.device, self.num_ubatches
+        steps = max(self.timed_steps, 1)
+        totals = self.totals if self.timed_steps else self._first
+        per_chunk = [totals.get(k, 0.0) / steps / (n * len(self.stages)) for k in ("forward", "backward")]
+        mods = {s: RelayModule(s == 0, s == S - 1, H, *per_chunk).to(dev) for s in self.stages}
         timeline = Timeline(cuda=dev.type == "cuda")
         sched = self._build(mods, rows, seq, True, timeline, lambda out, target: out)
-        n = self.num_ubatches
         ids = torch.zeros((n * rows, seq), dtype=torch.long, device=dev)
         args = (ids, ids) if 0 in self.stages else ()
-        gaps = []
+        o = self.plan.bubble_overhead(n)
+        costs = []
         for _ in range(SCHEDULE_STEPS):
             dist.barrier(group=self.pp_host)
             t0 = time.perf_counter()
             sched.step(*args, target=ids, losses=[], return_outputs=False, mask=ids, labels=ids)
             dist.barrier(group=self.pp_host)
             times = timeline.pop(t0, time.perf_counter())
-            gaps.append(times["pipeline"] - times["compute"])
-        return statistics.median(gaps[1:])
+            costs.append(times["pipeline"] - times["compute"] * (1.0 + o))  # < 0: less than the fill
+        return statistics.median(costs[1:])
 
     def _loss(self, loss: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """What the last stage's backward starts from: the micro-batch's share of the minibatch's mean
