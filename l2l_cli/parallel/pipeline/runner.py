@@ -57,7 +57,7 @@ from l2l_cli.parallel.pipeline.stage import RelayModule, TimedStage, Timeline
 from l2l_cli.parallel.pipeline.state import Shard, StageState
 
 MAX_SCHEDULES = 8  # one per padded batch shape (torch fixes shapes at a schedule's first step), LRU
-SCHEDULE_STEPS = 3  # steps of the stand-in-compute schedule hardware=measure times (the first is not timed)
+SCHEDULE_STEPS = 5  # steps of the stand-in-compute schedule hardware=measure times (the first is not timed)
 
 
 def layout(ctx: DistContext, s: PipelineSettings) -> DistContext:
@@ -258,8 +258,8 @@ class PipelineRunner(RunnerBase):
     def measure_schedule(self) -> float | None:
         """``hardware=measure``: what torch's schedule costs a step beyond compute x (1 + o), on this run's
         stages, group, backend, micro-batches and message size: the same schedule run again with stand-in
-        compute (``RelayModule``: each chunk keeps the core busy for this rank's measured mean forward or
-        backward chunk), its pipeline time less its chunks' and less the paper's fill and drain (o times its
+        compute (``RelayModule``: each chunk keeps the core busy for its stage's measured mean forward or
+        backward chunk, the host's clock), its pipeline time less its chunks' and less the paper's fill and drain (o times its
         compute); the median of ``SCHEDULE_STEPS`` - 1 steps. Its messages, the waits they cause and the
         schedule's per-action work, under the load of compute, are all in it. Collective over the
         pipeline; None before a training step or without ``hardware=measure``."""
@@ -267,10 +267,16 @@ class PipelineRunner(RunnerBase):
         if not self.pipe.measure_p2p or rows == 0:
             return None
         S, H, dev, n = self.plan.num_stages, self.spec.hidden_size, self.acc.device, self.num_ubatches
-        steps = max(self.timed_steps, 1)
-        totals = self.totals if self.timed_steps else self._first
-        per_chunk = [totals.get(k, 0.0) / steps / (n * len(self.stages)) for k in ("forward", "backward")]
-        mods = {s: RelayModule(s == 0, s == S - 1, H, *per_chunk).to(dev) for s in self.stages}
+        by = self.timeline.by_stage
+
+        def mean(s: int, kind: str) -> float:
+            total, count = by.get((s, kind), (0.0, 0.0))
+            return total / count if count else 0.0
+
+        mods = {
+            s: RelayModule(s == 0, s == S - 1, H, mean(s, "forward"), mean(s, "backward")).to(dev)
+            for s in self.stages
+        }
         timeline = Timeline(cuda=dev.type == "cuda")
         sched = self._build(mods, rows, seq, True, timeline, lambda out, target: out)
         ids = torch.zeros((n * rows, seq), dtype=torch.long, device=dev)
@@ -444,6 +450,7 @@ class PipelineRunner(RunnerBase):
         sched = self.schedule(len(b), b.seq_len, train=False)
         for st in self.stages.values():
             st.module.eval()
+        by_stage = {k: list(v) for k, v in self.timeline.by_stage.items()}
         try:
             args = (b.input_ids, b.token_type_ids) if 0 in self.stages else ()
             kwargs = {"mask": b.attention_mask}
@@ -451,6 +458,7 @@ class PipelineRunner(RunnerBase):
                 out = sched.step(*args, return_outputs=True, **kwargs)
             self.timeline.chunks.clear()
             self.timeline.recv_waits.clear()
+            self.timeline.by_stage = by_stage  # training chunks only
         finally:
             for st in self.stages.values():
                 st.module.train()

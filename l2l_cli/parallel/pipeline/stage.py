@@ -125,6 +125,8 @@ class Timeline:
         self.chunks: list[tuple[str, float, float]] = []
         self.events: list[tuple[Any, Any]] = []
         self.recv_waits: list[tuple[float, float]] = []  # blocked on a neighbour's message (own recvs, gloo)
+        # (stage, kind) -> [host seconds, chunks] over the run: each stage's mean chunk (hardware=measure)
+        self.by_stage: dict[tuple[int, str], list[float]] = {}
 
     def start(self) -> tuple[float, Any]:
         ev = None
@@ -133,8 +135,11 @@ class Timeline:
             ev.record()
         return time.perf_counter(), ev
 
-    def add(self, kind: str, t0: float, ev: Any = None) -> None:
-        self.chunks.append((kind, t0, time.perf_counter()))
+    def add(self, kind: str, t0: float, ev: Any = None, stage: int = -1) -> None:
+        t1 = time.perf_counter()
+        self.chunks.append((kind, t0, t1))
+        acc = self.by_stage.setdefault((stage, kind), [0.0, 0.0])
+        acc[0], acc[1] = acc[0] + t1 - t0, acc[1] + 1
         if ev is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
@@ -208,7 +213,7 @@ class TimedStage(PipelineStage):
         try:
             return super().forward_one_chunk(fwd_chunk_id, *args, **kw)
         finally:
-            self.timeline.add("forward", t0, ev)
+            self.timeline.add("forward", t0, ev, self.stage_index)
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kw: Any) -> None:
         self._wait("backward", bwd_chunk_id)
@@ -216,7 +221,7 @@ class TimedStage(PipelineStage):
         try:
             super().backward_one_chunk(bwd_chunk_id, *args, **kw)
         finally:
-            self.timeline.add("backward", t0, ev)
+            self.timeline.add("backward", t0, ev, self.stage_index)
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         super().perform_reduce_grad(grad_scale_factor)
