@@ -1,7 +1,10 @@
 """Issues 14 and 23's benchmark: the pipeline bubble, measured against two predictions: the layered-GA
 paper's (appendix C: a step lengthened by (P-1)/n_mu of its compute; §4: divided by L/P for the modular
-pipeline; messages free) and the one counting messages (each rank's 2(S-1)·n_mu/P exchanges, each timed
-between the ranks at the end of the run: ``hardware=measure``), and the throughput, for modular vs contiguous placement x breadth-first vs 1F1B x n_mu in {P, 2P, 4P}, on a
+pipeline; messages free) and the one counting messages: with ``hardware=measure`` the run times its own
+schedule once more with trivial compute (same stages, group, micro-batches and message size: its messages,
+their waits and the schedule's per-action work) and adds that to the compute times (1 + o). Each row also
+splits the ranks' step (means): compute, blocked on a recv, the schedule's own work between chunks
+(posting, send waits, bookkeeping) and the fill/drain idle; and the throughput, for modular vs contiguous placement x breadth-first vs 1F1B x n_mu in {P, 2P, 4P}, on a
 bert-mini-shaped model (width 256, 4 heads; a 2k vocabulary, as the recipe) with 8 layers and P = 2 ranks.
 One process group runs every configuration (starting ranks costs seconds).
 Usage: python benchmarks/pipeline_bubble.py [--steps 6] [--seq 128] [--ubatch 4] [--layers 8] [--mode baseline_ag]
@@ -59,7 +62,8 @@ def main() -> None:
     results = run_jobs(P, [ov for _, ov in plan], args.steps)[0]
     rows = []
     print(f"{'placement':11s} {'schedule':17s} {'n_mu':>4s} {'bubble':>7s} {'+messages':>9s} {'paper':>7s} "
-          f"{'exchange':>9s} {'samples/s':>9s} within 5 points")  # fmt: skip
+          f"{'compute':>8s} {'recv':>7s} {'overhd':>7s} {'idle':>7s} {'sched':>7s} {'samples/s':>9s} "
+          f"within 5 points")  # fmt: skip
     for (placement, schedule, n), res in zip([k for k, _ in plan], results, strict=True):
         pipe = res["sections"]["pipeline"]
         sps = statistics.median(s / t for s, t in zip(res["samples"][1:], res["step_time_s"][1:]))
@@ -68,10 +72,14 @@ def main() -> None:
                pipe["bubble_measured"], "bubble_predicted": pipe["bubble_predicted"],
                "bubble_predicted_paper": pipe["bubble_predicted_paper"], "exchange_s": pipe["exchange_s"],
                "within_5_points": close, "samples_per_s": sps, "ranks": pipe["ranks"]}  # fmt: skip
+        split = {k: statistics.mean(r.get(k) or 0.0 for r in pipe["ranks"])
+                 for k in ("compute_s", "recv_wait_s", "overhead_s", "idle_s")}  # fmt: skip
+        row.update(split=split, schedule_s=pipe.get("schedule_s"))
         rows.append(row)
+        ms = [f"{1e3 * v:.0f}ms" for v in split.values()]
         print(f"{placement:11s} {schedule:17s} {n:4d} {pipe['bubble_measured']:7.3f} {pipe['bubble_predicted']:9.3f} "
-              f"{pipe['bubble_predicted_paper']:7.3f} {pipe['exchange_s'] * 1e6:7.0f}us {sps:9.1f} "
-              f"{'yes' if close else 'NO'}")  # fmt: skip
+              f"{pipe['bubble_predicted_paper']:7.3f} {ms[0]:>8s} {ms[1]:>7s} {ms[2]:>7s} {ms[3]:>7s} "
+              f"{1e3 * (pipe.get('schedule_s') or 0.0):5.1f}ms {sps:9.1f} {'yes' if close else 'NO'}")  # fmt: skip
     for n in (P, 2 * P, 4 * P):
         by = {(r["placement"], r["schedule"]): r for r in rows if r["num_ubatches"] == n}
         mod, con = (

@@ -151,7 +151,7 @@ def test_two_ranks_match_one_process_reshard_on_resume_and_fill_the_modular_pipe
         # a baseline_ag checkpoint resumed by a 2-rank modular pipeline (interleaved 1F1B): each rank takes its
         # stages' tensors by name
         [*EQ, *PIPE, "dist.placement=modular", "dist.schedule=interleaved_1f1b", f"trainer.resume={at2}"],
-        [*BUBBLE, *MODULAR],
+        [*BUBBLE, *MODULAR, "hardware=measure"],
         [*BUBBLE, *CONTIGUOUS],
     ]
     results = run_jobs(2, jobs, steps=3, save={1: str(tmp_path / "pipe")})
@@ -176,14 +176,24 @@ def test_two_ranks_match_one_process_reshard_on_resume_and_fill_the_modular_pipe
     ] == pytest.approx(0.2)
     # with the messages counted: 2(S-1)n/P exchanges per rank, L/P = 4 times more in the modular placement
     assert pm["messages_per_rank"] == 28 and pc["messages_per_rank"] == 4
-    assert pm["message_bytes"] == 4 * 8 * 64 * 256 and pm["exchange_from"] == "hardware"
+    assert pm["message_bytes"] == 4 * 8 * 64 * 256 and pc["exchange_from"] == "hardware"
     for p in (pm, pc):
         assert p["bubble_predicted"] > p["bubble_predicted_paper"]
+    # hardware=measure: the run timed its own schedule with trivial compute, and the prediction adds that
+    assert pm["exchange_from"] == "measured" and pc["schedule_s"] is None
+    assert all(r["schedule_s"] > 0 for r in pm["ranks"]) and pm["schedule_s"] > 0
+    compute = statistics.mean(r["compute_s"] for r in pm["ranks"])
+    t = compute * (1 + pm["bubble_overhead_predicted"]) + pm["schedule_s"]
+    assert pm["bubble_predicted"] == pytest.approx((t - compute) / t)
     for r in pm["ranks"] + pc["ranks"]:
         assert (
             r["compute_s"] > 0 and r["pipeline_s"] >= r["compute_s"] and r["wait_s"] >= 0 and r["idle_s"] >= 0
         )
         assert 0 < r["bubble"] < 1
+        # the wait between chunks splits into blocked on a recv (gloo: timed by the stage) and the rest
+        assert r["recv_wait_s"] >= 0 and r["overhead_s"] >= 0
+        assert r["recv_wait_s"] + r["overhead_s"] == pytest.approx(r["wait_s"], abs=1e-6)
+        assert r["chunks"] == 2 * 4 * len(r["stages"])  # a forward and a backward per micro-batch and stage
     # the fill and drain (a rank's idle before its first and after its last micro-batch) are L/P = 4 times
     # shorter in the modular pipeline: one layer's forward and backward instead of a block of four. Only
     # two waits each, so the ordering holds on a loaded machine; the whole bubble's ordering, which adds a
@@ -308,6 +318,9 @@ def test_the_message_model_counts_the_modular_pipelines_messages() -> None:
     # where messages are dear the modular placement idles more than the contiguous one, as measured here
     assert mod.bubble_fraction(4) < con.bubble_fraction(4)
     assert mod.bubble_with_messages(4, 1.0, 0.01) > con.bubble_with_messages(4, 1.0, 0.01)
+    # a measured schedule cost (hardware=measure: the schedule with trivial compute) replaces the count
+    t = 1.0 + mod.bubble_overhead(4) + 0.05
+    assert mod.bubble_with_messages(4, 1.0, 0.01, schedule_s=0.05) == pytest.approx((t - 1.0) / t)
 
 
 # ---- L2L stages: each rank's EPS holds its stages' layers --------------------------------------------

@@ -63,12 +63,20 @@ class StagePlan:
         sending as many as it receives. The modular placement sends L/P times more than the contiguous."""
         return 2 * (self.num_stages - 1) * num_ubatches / self.pipeline
 
-    def bubble_with_messages(self, num_ubatches: int, compute_s: float, exchange_s: float) -> float:
+    def bubble_with_messages(
+        self, num_ubatches: int, compute_s: float, exchange_s: float, schedule_s: float | None = None
+    ) -> float:
         """The bubble counting what the messages cost: a step's pipeline time is the rank's compute
         times (1 + o) plus its exchanges (one message out, one in: ``exchange_s``), which nothing hides
-        where ranks copy messages on their own cores (gloo on CPU) and NCCL hides only in part."""
+        where ranks copy messages on their own cores (gloo on CPU) and NCCL hides only in part.
+        ``schedule_s``, where measured (``hardware=measure``): what the schedule itself costs a step
+        beyond compute x (1 + o), timed by running it with stand-in compute (its messages, the waits they
+        cause and its per-action work: posting sends and recvs, bookkeeping), in place of the count."""
         t = compute_s * (1.0 + self.bubble_overhead(num_ubatches))
-        t += self.messages_per_rank(num_ubatches) * exchange_s
+        if schedule_s is None:
+            t += self.messages_per_rank(num_ubatches) * exchange_s
+        else:
+            t += schedule_s
         return (t - compute_s) / t if t > 0 else 0.0
 
 

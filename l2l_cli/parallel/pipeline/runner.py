@@ -53,10 +53,11 @@ from l2l_cli.modes.base import RunnerArgs, RunnerBase, StepReport
 from l2l_cli.modes.registry import ModeSpec
 from l2l_cli.parallel.pipeline.plan import StagePlan, exchange_seconds, hidden_bytes
 from l2l_cli.parallel.pipeline.settings import SCHEDULES, PipelineSettings, schedule_class, torch_problem
-from l2l_cli.parallel.pipeline.stage import TimedStage, Timeline
+from l2l_cli.parallel.pipeline.stage import RelayModule, TimedStage, Timeline
 from l2l_cli.parallel.pipeline.state import Shard, StageState
 
 MAX_SCHEDULES = 8  # one per padded batch shape (torch fixes shapes at a schedule's first step), LRU
+SCHEDULE_STEPS = 5  # steps of the stand-in-compute schedule hardware=measure times (the first is not timed)
 
 
 def layout(ctx: DistContext, s: PipelineSettings) -> DistContext:
@@ -137,8 +138,13 @@ def bubble_section(
     (the mean compute of the ranks, their messages at ``exchange`` seconds each)."""
     computes = [r["compute_s"] for r in ranks if r.get("compute_s")]
     compute = sum(computes) / len(computes) if computes else 0.0
+    measured = [r["schedule_s"] for r in ranks if r.get("schedule_s") is not None]
+    schedule = sum(measured) / len(measured) if measured else None
     return {
-        "bubble_predicted": plan.bubble_with_messages(n, compute, exchange[0]),
+        "bubble_predicted": plan.bubble_with_messages(n, compute, exchange[0], schedule),
+        "bubble_predicted_from": "the schedule run with stand-in compute" if schedule is not None
+                                 else "the exchanges counted",
+        "schedule_s": schedule,
         "bubble_predicted_paper": plan.bubble_fraction(n),
         "bubble_overhead_predicted": plan.bubble_overhead(n),
         "messages_per_rank": plan.messages_per_rank(n), "message_bytes": nbytes,
@@ -177,6 +183,10 @@ class PipelineRunner(RunnerBase):
         self.first_step = True
         self._first: dict[str, float] = {}
         self.message_bytes = 0.0  # one micro-batch's hidden state on the wire (the last step's)
+        self.shape = (0, 0)  # the last step's micro-batch (rows, sequence)
+        self.schedule_s: float | None = (
+            None  # hardware=measure: the schedule's cost per step, trivial compute
+        )
 
     # ---- schedules: one per padded shape -----------------------------------------------------------
 
@@ -191,9 +201,26 @@ class PipelineRunner(RunnerBase):
         if key in self._schedules:
             self._schedules.move_to_end(key)
             return self._schedules[key]
+        mods = {s: st.module for s, st in self.stages.items()}
+        sched = self._build(mods, rows, seq, train, self.timeline, self._loss if train else None)
+        self._schedules[key] = sched
+        while len(self._schedules) > MAX_SCHEDULES:
+            self._schedules.popitem(last=False)
+        return sched
+
+    def _build(
+        self,
+        modules: dict[int, torch.nn.Module],
+        rows: int,
+        seq: int,
+        train: bool,
+        timeline: Timeline,
+        loss: Any,
+    ) -> Any:
+        """torch's schedule of the configured kind over ``modules`` (this rank's stages, by index)."""
         H, S = self.spec.hidden_size, self.plan.num_stages
         stages = []
-        for s, st in self.stages.items():
+        for s, module in modules.items():
             if s == 0:
                 inputs: tuple[torch.Tensor, ...] = (
                     self._meta((rows, seq), torch.long, False),
@@ -209,28 +236,61 @@ class PipelineRunner(RunnerBase):
                 out = self._meta((rows, self.spec.num_labels), torch.float32, False)
             stages.append(
                 TimedStage(
-                    st.module,
+                    module,
                     s,
                     S,
                     self.acc.device,
                     input_args=inputs,
                     output_args=out,
                     group=self.pp_group,
-                    timeline=self.timeline,
-                    grads_ready=self._grads_ready,
+                    timeline=timeline,
+                    grads_ready=self._grads_ready if loss == self._loss else lambda _: None,
+                    own_recvs=self.dist.backend == "gloo",
                 )
             )
         n = self.num_ubatches if train else 1
-        loss_fn = self._loss if train else None
         if train:
             cls, many = schedule_class(self.pipe.schedule), SCHEDULES[self.pipe.schedule][1]
         else:  # evaluation: forward only, one micro-batch, through every stage in order
             cls, many = ScheduleLoopedBFS, True
-        sched = cls(stages if many else stages[0], n, loss_fn=loss_fn, scale_grads=False)
-        self._schedules[key] = sched
-        while len(self._schedules) > MAX_SCHEDULES:
-            self._schedules.popitem(last=False)
-        return sched
+        return cls(stages if many else stages[0], n, loss_fn=loss, scale_grads=False)
+
+    def measure_schedule(self) -> float | None:
+        """``hardware=measure``: what torch's schedule costs a step beyond compute x (1 + o), on this run's
+        stages, group, backend, micro-batches and message size: the same schedule run again with stand-in
+        compute (``RelayModule``: each chunk keeps the core busy for its stage's measured mean forward or
+        backward chunk, the host's clock), its pipeline time less its chunks' and less the paper's fill and drain (o times its
+        compute); the median of ``SCHEDULE_STEPS`` - 1 steps. Its messages, the waits they cause and the
+        schedule's per-action work, under the load of compute, are all in it. Collective over the
+        pipeline; None before a training step or without ``hardware=measure``."""
+        rows, seq = self.shape
+        if not self.pipe.measure_p2p or rows == 0:
+            return None
+        S, H, dev, n = self.plan.num_stages, self.spec.hidden_size, self.acc.device, self.num_ubatches
+        by = self.timeline.by_stage
+
+        def mean(s: int, kind: str) -> float:
+            total, count = by.get((s, kind), (0.0, 0.0))
+            return total / count if count else 0.0
+
+        mods = {
+            s: RelayModule(s == 0, s == S - 1, H, mean(s, "forward"), mean(s, "backward")).to(dev)
+            for s in self.stages
+        }
+        timeline = Timeline(cuda=dev.type == "cuda")
+        sched = self._build(mods, rows, seq, True, timeline, lambda out, target: out)
+        ids = torch.zeros((n * rows, seq), dtype=torch.long, device=dev)
+        args = (ids, ids) if 0 in self.stages else ()
+        o = self.plan.bubble_overhead(n)
+        costs = []
+        for _ in range(SCHEDULE_STEPS):
+            dist.barrier(group=self.pp_host)
+            t0 = time.perf_counter()
+            sched.step(*args, target=ids, losses=[], return_outputs=False, mask=ids, labels=ids)
+            dist.barrier(group=self.pp_host)
+            times = timeline.pop(t0, time.perf_counter())
+            costs.append(times["pipeline"] - times["compute"] * (1.0 + o))  # < 0: less than the fill
+        return statistics.median(costs[1:])
 
     def _loss(self, loss: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """What the last stage's backward starts from: the micro-batch's share of the minibatch's mean
@@ -250,6 +310,7 @@ class PipelineRunner(RunnerBase):
         n = self.num_ubatches
         rows = len(mb) // n
         sched = self.schedule(rows, mb.seq_len, train=True)
+        self.shape = (rows, mb.seq_len)
         self.message_bytes = hidden_bytes(rows, mb.seq_len, self.spec.hidden_size)
         # side inputs by keyword: torch cuts them into the same micro-batches for every stage
         kwargs = {"mask": mb.attention_mask, "labels": mb.labels}
@@ -344,9 +405,10 @@ class PipelineRunner(RunnerBase):
             "stages": sorted(self.stages), "layers": [i for s in sorted(self.stages) for i in self.plan.layers(s)],
             "compute_s": mean.get("compute", 0.0), "forward_s": mean.get("forward", 0.0),
             "backward_s": mean.get("backward", 0.0), "wait_s": mean.get("wait", 0.0),
-            "idle_s": mean.get("idle", 0.0), "pipeline_s": pipe, "step_s": mean.get("step", 0.0),
+            "idle_s": mean.get("idle", 0.0), "recv_wait_s": mean.get("recv_wait", 0.0),
+            "overhead_s": mean.get("overhead", 0.0), "chunks": mean.get("chunks", 0.0), "pipeline_s": pipe, "step_s": mean.get("step", 0.0),
             "bubble": (pipe - mean.get("compute", 0.0)) / pipe if pipe > 0 else None,
-            "steps_timed": self.timed_steps,
+            "steps_timed": self.timed_steps, "schedule_s": self.schedule_s,
         }  # fmt: skip
 
     def exchange(self) -> tuple[float, str]:
@@ -359,6 +421,7 @@ class PipelineRunner(RunnerBase):
 
     def sections(self) -> dict[str, dict[str, Any]]:
         """summary.json's ``pipeline``: the layout, each rank's times, the bubble measured and predicted."""
+        self.schedule_s = self.measure_schedule()
         ranks = [None] * self.dist.world
         dist.all_gather_object(ranks, self.rank_stats())
         bubbles = [r["bubble"] for r in ranks if r["bubble"] is not None]
@@ -387,12 +450,15 @@ class PipelineRunner(RunnerBase):
         sched = self.schedule(len(b), b.seq_len, train=False)
         for st in self.stages.values():
             st.module.eval()
+        by_stage = {k: list(v) for k, v in self.timeline.by_stage.items()}
         try:
             args = (b.input_ids, b.token_type_ids) if 0 in self.stages else ()
             kwargs = {"mask": b.attention_mask}
             with self.acc.meter.part("activations"):
                 out = sched.step(*args, return_outputs=True, **kwargs)
             self.timeline.chunks.clear()
+            self.timeline.recv_waits.clear()
+            self.timeline.by_stage = by_stage  # training chunks only
         finally:
             for st in self.stages.values():
                 st.module.train()

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
@@ -69,6 +70,52 @@ class StageModule(nn.Module):
         return h.float()  # FP32 on the wire whatever the precision: the next stage's buffers are FP32
 
 
+def _spin(seconds: float) -> None:
+    """Keep this rank's core busy for ``seconds``, as a chunk's compute would (a sleep would free the
+    core for the message threads, which real compute does not)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+class _SpinBackward(torch.autograd.Function):
+    """Identity forward; its backward keeps the core busy for a backward chunk's compute."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        _spin(ctx.seconds)
+        return grad, None
+
+
+class RelayModule(nn.Module):
+    """A stage whose compute is a stand-in (one scalar weight; the core kept busy for ``forward_s`` and
+    ``backward_s`` per chunk), for timing what the schedule costs beyond its compute: the same inputs,
+    outputs and messages as the stage it stands for."""
+
+    def __init__(self, first: bool, last: bool, hidden: int, forward_s: float = 0.0, backward_s: float = 0.0):
+        super().__init__()
+        self.first, self.last, self.hidden = first, last, hidden
+        self.forward_s, self.backward_s = forward_s, backward_s
+        self.w = nn.Parameter(torch.ones(()))
+        self.ubatch = 0
+
+    def forward(
+        self, *x: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if self.first:
+            h = self.w * x[0].new_ones((*x[0].shape, self.hidden), dtype=torch.float32)
+        else:
+            h = x[0] * self.w
+        _spin(self.forward_s)
+        h = _SpinBackward.apply(h, self.backward_s)
+        return h.mean() if self.last else h
+
+
 class Timeline:
     """When this rank computed during the schedule: (start, end) of every forward and backward chunk, on
     the host clock; on CUDA also a pair of events per chunk, whose elapsed time is its compute."""
@@ -77,6 +124,9 @@ class Timeline:
         self.cuda = cuda
         self.chunks: list[tuple[str, float, float]] = []
         self.events: list[tuple[Any, Any]] = []
+        self.recv_waits: list[tuple[float, float]] = []  # blocked on a neighbour's message (own recvs, gloo)
+        # (stage, kind) -> [host seconds, chunks] over the run: each stage's mean chunk (hardware=measure)
+        self.by_stage: dict[tuple[int, str], list[float]] = {}
 
     def start(self) -> tuple[float, Any]:
         ev = None
@@ -85,8 +135,11 @@ class Timeline:
             ev.record()
         return time.perf_counter(), ev
 
-    def add(self, kind: str, t0: float, ev: Any = None) -> None:
-        self.chunks.append((kind, t0, time.perf_counter()))
+    def add(self, kind: str, t0: float, ev: Any = None, stage: int = -1) -> None:
+        t1 = time.perf_counter()
+        self.chunks.append((kind, t0, t1))
+        acc = self.by_stage.setdefault((stage, kind), [0.0, 0.0])
+        acc[0], acc[1] = acc[0] + t1 - t0, acc[1] + 1
         if ev is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
@@ -105,12 +158,18 @@ class Timeline:
         pipeline's fill and drain), wait (between chunks: blocked on a neighbour)."""
         durations = self._durations()
         chunks, self.chunks = self.chunks, []
+        waits, self.recv_waits = self.recv_waits, []
         out = {"forward": 0.0, "backward": 0.0}
         for (kind, _, _), d in zip(chunks, durations):
             out[kind] += d
         compute = out["forward"] + out["backward"]
         idle = (chunks[0][1] - t0) + (t1 - chunks[-1][2]) if chunks else t1 - t0
-        out.update(pipeline=t1 - t0, compute=compute, idle=idle, wait=max(0.0, t1 - t0 - compute - idle))
+        wait = max(0.0, t1 - t0 - compute - idle)
+        recv_wait = sum(b - a for a, b in waits if chunks and a >= chunks[0][1])  # the fill's wait is idle
+        # between chunks: blocked on a message (recv_wait, where the stage times its recvs), and the rest:
+        # the schedule's own work per action (posting sends and recvs, its bookkeeping, Python)
+        out.update(pipeline=t1 - t0, compute=compute, idle=idle, wait=wait, recv_wait=min(recv_wait, wait),
+                   overhead=max(0.0, wait - recv_wait), chunks=float(len(chunks)))  # fmt: skip
         return out
 
 
@@ -118,24 +177,51 @@ class TimedStage(PipelineStage):
     """torch's ``PipelineStage``, timing each chunk's compute, and telling the runner when the stage's
     last micro-batch is through backward (torch's REDUCE_GRAD point) so its reduction can start."""
 
-    def __init__(self, *args: Any, timeline: Timeline, grads_ready: Any, **kw: Any):
+    def __init__(self, *args: Any, timeline: Timeline, grads_ready: Any, own_recvs: bool = False, **kw: Any):
         super().__init__(*args, **kw)
         self.timeline, self.grads_ready = timeline, grads_ready
+        # gloo: the stage posts its recvs itself where the schedule would, and waits for them just before the
+        # chunk that reads them, timed (the schedule's wait is the same, untimed). Not on NCCL, whose
+        # schedules fuse a recv with sends in one batch to avoid deadlock.
+        self.own_recvs = own_recvs
+        self._recvs: dict[tuple[str, int], list[Any]] = {}
+
+    def _post(self, kind: str, chunk: int, ops: list[Any]) -> list[Any]:
+        if not self.own_recvs or not ops:
+            return ops
+        self._recvs[(kind, chunk)] = [dist.irecv(op.tensor, op.peer, op.group, op.tag) for op in ops]
+        return []  # nothing left for the schedule to post or wait on
+
+    def _wait(self, kind: str, chunk: int) -> None:
+        works = self._recvs.pop((kind, chunk), None)
+        if works:
+            t0 = time.perf_counter()
+            for w in works:
+                w.wait()
+            self.timeline.recv_waits.append((t0, time.perf_counter()))
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[Any]:
+        return self._post("forward", fwd_chunk_id, super().get_fwd_recv_ops(fwd_chunk_id))
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[Any]:
+        return self._post("backward", bwd_chunk_id, super().get_bwd_recv_ops(bwd_chunk_id))
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kw: Any) -> Any:
         self.submod.ubatch = fwd_chunk_id  # the micro-batch index, from the schedule (no host sync)
+        self._wait("forward", fwd_chunk_id)
         t0, ev = self.timeline.start()
         try:
             return super().forward_one_chunk(fwd_chunk_id, *args, **kw)
         finally:
-            self.timeline.add("forward", t0, ev)
+            self.timeline.add("forward", t0, ev, self.stage_index)
 
-    def backward_one_chunk(self, *args: Any, **kw: Any) -> None:
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kw: Any) -> None:
+        self._wait("backward", bwd_chunk_id)
         t0, ev = self.timeline.start()
         try:
-            super().backward_one_chunk(*args, **kw)
+            super().backward_one_chunk(bwd_chunk_id, *args, **kw)
         finally:
-            self.timeline.add("backward", t0, ev)
+            self.timeline.add("backward", t0, ev, self.stage_index)
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         super().perform_reduce_grad(grad_scale_factor)
