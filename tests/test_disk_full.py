@@ -37,7 +37,9 @@ def ref_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("disk-full-ref")
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.slow) if c == "metrics" else c for c in CASES]
+)  # metrics.jsonl's guard is the checkpoint's guard (problems.py); -m slow runs it too
 def test_a_full_disk_stops_in_one_line_and_the_run_resumes_bit_for_bit(tmp_path, ref_root, case: str) -> None:
     fault, overrides = CASES[case]
     run = tmp_path / "run"

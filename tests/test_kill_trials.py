@@ -30,10 +30,9 @@ RUNNERS = {
     "pipeline2": ["mode=baseline_ag", "dist.nproc=2", "dist.pipeline=2", "model.num_layers=4"],
 }
 DEFAULT = [
-    "baseline_ag",
     "l2l_p",
     "disk",
-]  # the default suite: the device-resident state, the EPS, its disk tier
+]  # the default suite: the EPS and its disk tier (the device-resident state: test_signals' SIGKILLs; all: -m slow)
 STEPS = 16
 COMMON = [*TINY, f"trainer.max_steps={STEPS}", "trainer.save_every=1", "trainer.keep_checkpoints=1",
           "trainer.save_final=true", "task.num_train=256", "task.num_eval=16", "logger=none"]  # fmt: skip
