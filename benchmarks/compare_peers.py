@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +78,11 @@ def _dist_env() -> None:
     )
 
 
-def run_peer(name: str, overrides: list[str], steps: int, device: str) -> dict[str, Any]:
+def run_peer(
+    name: str, overrides: list[str], steps: int, device: str, mark: Callable[[], Any] | None = None
+) -> dict[str, Any]:
+    """One peer's ``steps`` steps; ``mark``: called right before and after each step (its values come back
+    as ``marks``, one (before, after) pair per step: e.g. recompute.py's CPU load per step)."""
     from l2l_cli.compose import compose
     from l2l_cli.data.batches import TrainStream
     from l2l_cli.data.synthetic import synthetic
@@ -90,7 +95,7 @@ def run_peer(name: str, overrides: list[str], steps: int, device: str) -> dict[s
     ).batches()
     n_ub = cfg.batch.size // cfg.batch.ubatch_size
     if name in ("l2l", "l2l_p"):
-        return _run_l2l(name, cfg, data, batches, steps, device)
+        return _run_l2l(name, cfg, data, batches, steps, device, mark)
     dev = torch.device(device)
     torch.manual_seed(cfg.trainer.seed)
     model = Bert(make_spec(cfg.model, 2), cfg.trainer.seed, ckpt=name != "pytorch-ga").to(dev).train()
@@ -149,45 +154,55 @@ def run_peer(name: str, overrides: list[str], steps: int, device: str) -> dict[s
             opt.zero_grad(set_to_none=False)
             return loss
 
-    times, losses = [], []
+    times, losses, marks = [], [], []
     for _ in range(steps):
         mb = next(batches)
         if dev.type == "cuda":
             torch.cuda.synchronize()
+        m0 = mark() if mark else None
         t0 = time.perf_counter()
         losses.append(step(mb))
         if dev.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+        marks.append((m0, mark() if mark else None))
     peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
-    return _result(cfg.batch.size, times, losses, peak)
+    return _result(cfg.batch.size, times, losses, peak, marks if mark else None)
 
 
-def _run_l2l(name: str, cfg: Any, data: Any, batches: Any, steps: int, device: str) -> dict[str, Any]:
+def _run_l2l(
+    name: str, cfg: Any, data: Any, batches: Any, steps: int, device: str, mark: Callable[[], Any] | None
+) -> dict[str, Any]:
     from l2l_cli.data.tasks import TASKS, TaskData
     from l2l_cli.session import build
 
     cfg.mode.name, cfg.device = name, device
-    times, losses = [], []
+    times, losses, marks = [], [], []
     with build(cfg, data=TaskData(TASKS["synthetic"], data, data, "synthetic")) as s:
         runner = s.runner
         assert runner is not None
         for _ in range(steps):
             mb = next(batches)
+            m0 = mark() if mark else None
             t0 = time.perf_counter()
             losses.append(runner.step(mb).loss)
             times.append(time.perf_counter() - t0)
+            marks.append((m0, mark() if mark else None))
         peak = runner.acc.meter.peak_bytes or None
-    return _result(cfg.batch.size, times, losses, peak)
+    return _result(cfg.batch.size, times, losses, peak, marks if mark else None)
 
 
-def _result(batch: int, times: list[float], losses: list[float], peak: int | None) -> dict[str, Any]:
+def _result(
+    batch: int, times: list[float], losses: list[float], peak: int | None, marks: list[Any] | None = None
+) -> dict[str, Any]:
     steady = times[1:] or times
     return {
         "samples_per_s": batch * len(steady) / sum(steady),
         "device_peak_bytes": peak,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "losses": losses,
+        "step_times_s": times,
+        **({"marks": marks} if marks is not None else {}),
     }
 
 

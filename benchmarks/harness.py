@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -37,9 +39,11 @@ def measure(
     steps: int = 3,
     warmup: int = 1,
     probe: Callable[[Session], dict[str, Any]] | None = None,
+    load: bool = False,
 ) -> dict[str, Any]:
     """Median samples/s and mean phase times over ``steps - warmup`` steps, and the device-tier peak;
-    ``probe(session)``'s entries too, read once built, before the first step (no second build)."""
+    ``probe(session)``'s entries too, read once built, before the first step (no second build);
+    ``load``: every step's wall time and CPU load (``steps``: see :func:`step_load`)."""
     cfg = compose([*overrides, "trainer.max_steps=100"])
     data = synthetic(
         max(256, cfg.batch.size * (steps + 1)), cfg.task.max_seq_len, cfg.model.vocab_size, seed=1
@@ -51,7 +55,13 @@ def measure(
         assert runner is not None
         probed = probe(session) if probe is not None else {}
         it = stream.batches()
-        reports = [runner.step(next(it)) for _ in range(steps)][warmup:]
+        reports, loads = [], []
+        for _ in range(steps):
+            mb = next(it)
+            before = cpu_mark()
+            reports.append(runner.step(mb))
+            loads.append(step_load(before, cpu_mark()))
+        reports = reports[warmup:]
         peak = runner.acc.meter.peak_bytes
     phases: dict[str, float] = {}
     for r in reports:
@@ -62,7 +72,40 @@ def measure(
         "step_time_s": statistics.median(r.step_time_s for r in reports),
         "peak_bytes": peak,
         "phases": phases,
+        **({"steps": loads} if load else {}),
         **probed,
+    }
+
+
+_BUSY = (0, 1, 2, 5, 6, 7)  # /proc/stat's cpu line: user nice system (idle iowait) irq softirq steal
+
+
+def cpu_mark() -> tuple[float, float, float, int, float]:
+    """(wall, this process's CPU seconds, the machine's busy CPU seconds, minor faults, steal seconds)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    busy = steal = 0.0
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+        hz = os.sysconf("SC_CLK_TCK")
+        busy, steal = sum(ticks[i] for i in _BUSY) / hz, ticks[7] / hz
+    except (OSError, ValueError, IndexError):
+        pass
+    return time.perf_counter(), ru.ru_utime + ru.ru_stime, busy, ru.ru_minflt, steal
+
+
+def step_load(
+    a: tuple[float, float, float, int, float], b: tuple[float, float, float, int, float]
+) -> dict[str, float]:
+    """One step between two :func:`cpu_mark` s: its wall seconds, this process's CPU seconds, the CPU seconds
+    the rest of the machine used meanwhile (other processes: a timing with them is under contention), the
+    minor page faults it took, and the hypervisor's steal."""
+    return {
+        "wall_s": b[0] - a[0],
+        "cpu_s": b[1] - a[1],
+        "others_cpu_s": max(0.0, (b[2] - a[2]) - (b[1] - a[1])),
+        "faults": b[3] - a[3],
+        "steal_s": b[4] - a[4],
     }
 
 
