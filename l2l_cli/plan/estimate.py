@@ -251,8 +251,11 @@ def _disk(
     r = 0.0 if cached else 1.0
     fr = 2 if s.bf16_master_planes else 4
     uses = [Use(fwd[j], r * fr * params[j]) for j in range(n)]  # the forward, from the embeddings up
-    uses += [  # the backward, from the head down: each layer's weights, its moments, its update, its write
-        Use(win_b[j], r * 4 * params[j], r * 8 * params[j], upd[j], 12 * params[j])
+    # the backward, from the head down: each layer's weights, its moments, its update, its write. The last
+    # update (the embeddings') is waited for at the step's end (the commit needs it): it is on the step's
+    # clock already (``win_b[0]``), not beside it
+    uses += [
+        Use(win_b[j], r * 4 * params[j], r * 8 * params[j], upd[j] if j else 0.0, 12 * params[j])
         for j in reversed(range(n))
     ]
     io = sum(rates.disk_time(u.read + u.late_read, u.write) for u in uses)
