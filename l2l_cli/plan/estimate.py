@@ -16,6 +16,7 @@ from l2l_cli.engine.recompute import MARGIN, SELECTIVE_SHARE, LayerBytes, Recomp
 from l2l_cli.engine.tiers import TIERS
 from l2l_cli.modes import MODES, ModeSpec, find_mode, run_precision, run_stash
 from l2l_cli.plan import costmodel as cm
+from l2l_cli.plan.diskqueue import Disk, Use, exposed_wait
 from l2l_cli.plan.hardware import Rates
 from l2l_cli.plan.shapes import ModelShape, act_bytes, device_weight_bytes
 from l2l_cli.problems import fmt_bytes
@@ -201,6 +202,7 @@ def step_time(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Phase]:
     _transfer(ph["transfer"], s, rates, fwd_c, win_b, load, stash)
 
     t_upd = [rates.host_update_time(p) for p in params]
+    upd_on = [0.0] * len(params)  # the updates' exposed seconds, by the backward window they land in
     if s.spec.overlapped_update or s.disk:  # (the disk tier updates each layer in its backward: L2L too)
         # l2l-v1 eq. 7: the update of layer l+1 runs on the host during layer l's recompute + backward;
         # the last layer's (the embeddings') update trails the step. When the host shares the device's
@@ -208,42 +210,57 @@ def step_time(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Phase]:
         cost = rates.measured.overlap_cost if rates.measured is not None else None
         for j in range(len(params) - 1, 0, -1):
             if rates.host_shares_device:
-                ph["optimizer"].add(t_upd[j], (1.0 if cost is None else cost) * t_upd[j])
+                upd_on[j - 1] = (1.0 if cost is None else cost) * t_upd[j]
             else:
-                ph["optimizer"].add(t_upd[j], t_upd[j] - win_b[j - 1])
+                upd_on[j - 1] = max(t_upd[j] - win_b[j - 1], 0.0)
+            ph["optimizer"].add(t_upd[j], upd_on[j - 1])
         ph["optimizer"].add(t_upd[0], t_upd[0])
+        upd_on[0] += t_upd[0]
     else:
         ph["optimizer"].add(sum(t_upd), sum(t_upd))
     _reduce(ph, s, rates, P, hide=0.0 if rates.host_shares_device else sum(win_b))
     if s.disk:
-        _disk(ph["disk_wait"], s, rates, params, fwd_c, win_b)
+        # the disk's clock is the step's: each layer's turn lasts its compute, the exposed updates that land
+        # in it and its share of the exposed copies (half in each pass, by its bytes)
+        copies = [ph["transfer"].exposed * p / (2 * sum(params)) for p in params]
+        fwd_t = [c + x for c, x in zip(fwd_c, copies)]
+        bwd_t = [c + u + x for c, u, x in zip(win_b, upd_on, copies)]
+        _disk(ph["disk_wait"], s, rates, params, fwd_t, bwd_t, t_upd)
     return ph
 
 
 def _disk(
-    out: Phase, s: Setup, rates: Rates, params: list[int], fwd: list[float], win_b: list[float]
+    out: Phase,
+    s: Setup,
+    rates: Rates,
+    params: list[int],
+    fwd: list[float],
+    win_b: list[float],
+    upd: list[float],
 ) -> None:
-    """The disk EPS tier's I/O, read a layer ahead and written back behind the compute: each layer's I/O
-    hides behind the compute of the layer before it in that pass (the first read of a pass is waited for).
+    """The disk EPS tier's I/O, read ahead and written back behind the compute as the tier does it: the
+    exposed part is what :func:`~l2l_cli.plan.diskqueue.exposed_wait` finds the compute waiting for, with
+    reads up to ``eps.host_cache_layers - 1`` layers ahead and write-backs behind as far as the slots allow.
     Per parameter: the forward reads the weights (4 bytes; 2 under bf16 CMP, the master's bf16 hi plane);
-    the backward reads the weights and moments and writes the new state (12 + 12): L2L and L2L-p alike update each layer right after its backward on
-    this tier (the gradient waits in RAM for the clipping verdict), so 28 bytes in all (26 under bf16 CMP).
-    Reads and writes run on their own queues at once (``Rates.disk_time``). With every layer in the cache
-    only the writes remain (the state is committed every step)."""
+    the backward reads the weights, then the moments for the update, and writes the new state (12 + 12): L2L
+    and L2L-p alike update each layer right after its backward on this tier (the gradient waits in RAM for
+    the clipping verdict), so 28 bytes in all (26 under bf16 CMP). With every layer in the cache only the
+    writes remain (the state is committed every step)."""
     n = len(params)
     cached = s.cache_layers >= n  # nothing is ever evicted: no reads after the first step
-
-    def pas(io: list[float], windows: list[float]) -> None:
-        for j, t in enumerate(io):
-            out.add(t, t - (windows[j - 1] if j else 0.0))
-
-    def io(read: float, write: float) -> list[float]:
-        return [rates.disk_time(0.0 if cached else read * p, write * p) for p in params]
-
-    pas(io(2 if s.bf16_master_planes else 4, 0), fwd)  # forward: layer j's weights while layer j-1 computes
-    down = list(reversed(range(n)))  # the backward, from the head down
-    t = io(12, 12)  # each layer's read and write-back beside the backward below it
-    pas([t[j] for j in down], [win_b[j] for j in down])
+    r = 0.0 if cached else 1.0
+    fr = 2 if s.bf16_master_planes else 4
+    uses = [Use(fwd[j], r * fr * params[j]) for j in range(n)]  # the forward, from the embeddings up
+    # the backward, from the head down: each layer's weights, its moments, its update, its write. The last
+    # update (the embeddings') is waited for at the step's end (the commit needs it): it is on the step's
+    # clock already (``win_b[0]``), not beside it
+    uses += [
+        Use(win_b[j], r * 4 * params[j], r * 8 * params[j], upd[j] if j else 0.0, 12 * params[j])
+        for j in reversed(range(n))
+    ]
+    io = sum(rates.disk_time(u.read + u.late_read, u.write) for u in uses)
+    disk = Disk(rates.disk_read, rates.disk_write, rates.disk_share())
+    out.add(io, exposed_wait(uses, None if cached else s.cache_layers, disk))
 
 
 def _transfer(

@@ -79,6 +79,14 @@ class Rates:
             return max(*alone, (read_bytes + write_bytes) / self.disk_mixed)
         return sum(alone)
 
+    def disk_share(self) -> float:
+        """The share of its own rate a read keeps while a write runs (and the write while a read runs): with a
+        mixed rate, what makes both together move ``disk_mixed`` bytes/s (never more than alone); else half,
+        so that equal reads and writes take the sum of their times, as ``disk_time`` says."""
+        if self.disk_mixed > 0:
+            return min(1.0, self.disk_mixed / (self.disk_read + self.disk_write))
+        return 0.5
+
     def summary(self) -> dict[str, Any]:
         out = {
             "name": self.name,
