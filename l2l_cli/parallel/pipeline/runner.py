@@ -151,8 +151,11 @@ def bubble_section(
     pipeline rank, read off the schedule), ``action`` seconds per action and ``exchange`` per exchange
     (each with where it came from), and ``load_s`` per relay load or offload (L2L stages)."""
     costs = [(r["compute_s"], actions[r["pipeline_rank"]]) for r in ranks if r.get("compute_s")]
+    model = (
+        plan.bubble_with_costs(n, costs, action[0], exchange[0], load_s) if costs else plan.bubble_fraction(n)
+    )
     return {
-        "bubble_predicted": plan.bubble_with_costs(n, costs, action[0], exchange[0], load_s) if costs else None,
+        "bubble_predicted": model,
         "bubble_predicted_paper": plan.bubble_fraction(n),
         "bubble_overhead_predicted": plan.bubble_overhead(n),
         "messages_per_rank": plan.messages_per_rank(n), "message_bytes": nbytes,
