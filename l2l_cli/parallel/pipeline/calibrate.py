@@ -23,8 +23,9 @@ from l2l_cli.parallel.pipeline.stage import TimedStage, Timeline
 STAGES_PER_RANK = 2  # the calibration's modular pipeline: 2 stages per rank (S = 2P), breadth-first
 UBATCHES = 8
 HIDDEN = 4  # floats per message row: near-zero bytes, so what is left is the per-action cost
-STEPS = 16  # timed steps (the first is not counted)
-BUSY_S = 0.002  # each stand-in chunk keeps its core busy this long: an action's cost under load, not idle
+STEPS = 12  # timed steps (the first is not counted)
+BUSY_S = 0.005  # each stand-in chunk keeps its core busy 5 ms (a layer's chunk on a CPU: milliseconds): the
+# action's cost under load, as a real chunk leaves it, not on an idle core
 
 
 class StandIn(nn.Module):
