@@ -197,7 +197,6 @@ class PipelineRunner(RunnerBase):
         self.first_step = True
         self._first: dict[str, float] = {}
         self.message_bytes = 0.0  # one micro-batch's hidden state on the wire (the last step's)
-        self.shape = (0, 0)  # the last step's micro-batch (rows, sequence)
 
     # ---- schedules: one per padded shape -----------------------------------------------------------
 
@@ -284,7 +283,6 @@ class PipelineRunner(RunnerBase):
         n = self.num_ubatches
         rows = len(mb) // n
         sched = self.schedule(rows, mb.seq_len, train=True)
-        self.shape = (rows, mb.seq_len)
         self.message_bytes = hidden_bytes(rows, mb.seq_len, self.spec.hidden_size)
         # side inputs by keyword: torch cuts them into the same micro-batches for every stage
         kwargs = {"mask": mb.attention_mask, "labels": mb.labels}
