@@ -110,7 +110,7 @@ def exchange_s(
 ) -> tuple[float, str]:
     """Seconds of one exchange between pipeline neighbours (a hidden state out, one in) and where the number
     comes from: with ``hardware=measure`` timed here on the pipeline's own group (each rank sends ``nbytes``
-    to the next rank and receives as many from the previous; the median of 7), else the ``hardware``
+    to the next rank and receives as many from the previous; the median of 15), else the ``hardware``
     preset's latency plus the bytes over its network. Collective over the pipeline (``groups``: the
     messages' group and its host group; ``peers``: the previous and the next rank, global)."""
     if not s.measure_p2p:
@@ -119,7 +119,7 @@ def exchange_s(
     n = max(1, int(nbytes) // 4)
     out, into = torch.zeros(n, device=device), torch.empty(n, device=device)
     times = []
-    for _ in range(8):
+    for _ in range(16):  # a median of 15: one exchange's time enters the model once per message of the step
         dist.barrier(group=host)
         t0 = time.perf_counter()
         reqs = [dist.isend(out, dst=peers[1], group=group), dist.irecv(into, src=peers[0], group=group)]
