@@ -151,7 +151,7 @@ def summary_table(summary: Summary) -> Table:
         rows.append(
             ("pipeline", f"{pipe['data_parallel']} x {pipe['pipeline']} ranks, {pipe['placement']} "
              f"{pipe['schedule']}: bubble {pipe['bubble_measured']:.1%} (predicted {pipe['bubble_predicted']:.1%} "
-             f"with messages, {pipe['bubble_predicted_paper']:.1%} without)")
+             f"counting the schedule's actions and messages, {pipe['bubble_predicted_paper']:.1%} the paper's)")
         )  # fmt: skip
     for name, value in summary.eval.items():
         rows.append((f"eval {name}", f"{value:.4f}"))

@@ -179,12 +179,19 @@ def test_two_ranks_match_one_process_reshard_on_resume_and_fill_the_modular_pipe
     assert pm["message_bytes"] == 4 * 8 * 64 * 256 and pc["exchange_from"] == "hardware"
     for p in (pm, pc):
         assert p["bubble_predicted"] > p["bubble_predicted_paper"]
-    # hardware=measure: the run timed its own schedule with trivial compute, and the prediction adds that
-    assert pm["exchange_from"] == "measured" and pc["schedule_s"] is None
-    assert all(r["schedule_s"] > 0 for r in pm["ranks"]) and pm["schedule_s"] > 0
-    compute = statistics.mean(r["compute_s"] for r in pm["ranks"])
-    t = compute * (1 + pm["bubble_overhead_predicted"]) + pm["schedule_s"]
-    assert pm["bubble_predicted"] == pytest.approx((t - compute) / t)
+    # the pre-run model's actions, read off torch's schedules: a forward and a backward chunk per stage and
+    # micro-batch, and each rank's sends and receives (modular breadth-first: 32 + 28 + 28; 1F1B: 8 + 4 + 4)
+    assert pm["actions_per_rank"] == [88, 88] and pc["actions_per_rank"] == [16, 16]
+    assert pm["chunks_per_rank"] == [r["chunks"] for r in pm["ranks"]]  # what the stages ran, counted
+    # the cost per action: the preset's (v100-16g: 100 µs), or, with hardware=measure, timed on the
+    # pipeline's own group, and the prediction is the model on that constant and the run's compute
+    assert pc["action_from"] == "hardware" and pc["action_s"] == pytest.approx(100e-6)
+    assert pm["exchange_from"] == "measured" and pm["action_from"] == "measured" and pm["action_s"] >= 0
+    o = pm["bubble_overhead_predicted"]
+    t = max(r["compute_s"] * (1 + o) + 88 * pm["action_s"] + 28 * pm["exchange_s"] for r in pm["ranks"])
+    assert pm["bubble_predicted"] == pytest.approx(
+        statistics.mean(1 - r["compute_s"] / t for r in pm["ranks"])
+    )
     for r in pm["ranks"] + pc["ranks"]:
         assert (
             r["compute_s"] > 0 and r["pipeline_s"] >= r["compute_s"] and r["wait_s"] >= 0 and r["idle_s"] >= 0
@@ -304,23 +311,52 @@ def test_l2l_stage_configs_that_cannot_work_are_refused() -> None:
     assert "one process's" in problems(*ok, "trainer.realtime_ckpt=true")["trainer.realtime_ckpt"]
 
 
-def test_the_message_model_counts_the_modular_pipelines_messages() -> None:
-    from l2l_cli.parallel.pipeline.plan import exchange_seconds
+def test_the_pre_run_model_counts_the_schedules_actions() -> None:
+    """Issue 23: the bubble model counts what the schedule costs, from torch's own schedules: more actions,
+    more bubble; the modular placement acts and sends L/P times more than the contiguous one."""
+    from l2l_cli.parallel.pipeline.plan import Actions, exchange_seconds
+    from l2l_cli.parallel.pipeline.settings import SCHEDULES
 
     mod = StagePlan(num_layers=8, pipeline=2, placement="modular", layers_per_stage=1)
     con = StagePlan(num_layers=8, pipeline=2, placement="contiguous", layers_per_stage=1)
     assert mod.messages_per_rank(4) == 28 and con.messages_per_rank(4) == 4  # 2(S-1) n / P
     assert exchange_seconds(1e6, 1e-5, 1e9) == pytest.approx(1e-5 + 2e-3)
-    # free messages: the paper's o / (1 + o); a rank computing 1 s and exchanging 28 x 10 ms
-    assert mod.bubble_with_messages(4, 1.0, 0.0) == pytest.approx(mod.bubble_fraction(4))
-    t = 1.0 + mod.bubble_overhead(4) + 28 * 0.01
-    assert mod.bubble_with_messages(4, 1.0, 0.01) == pytest.approx((t - 1.0) / t)
-    # where messages are dear the modular placement idles more than the contiguous one, as measured here
+    acts = {(p, k): [plan.actions(r, 4, *SCHEDULES[k]) for r in (0, 1)]
+            for p, plan in (("modular", mod), ("contiguous", con)) for k in SCHEDULES
+            if SCHEDULES[k][1] or plan.stages_per_rank == 1}  # fmt: skip
+    # read off the schedule: a forward and a backward per stage and micro-batch; one send and one receive per
+    # micro-batch and stage boundary a rank's stage touches, each way
+    for k in ("breadth_first", "interleaved_1f1b"):
+        assert acts["modular", k] == [Actions(32, 28, 28)] * 2
+    for k in ("breadth_first", "1f1b", "gpipe"):
+        assert acts["contiguous", k] == [Actions(8, 4, 4)] * 2
+    for (p, _), per in acts.items():  # the exchanges the schedule posts are the 2(S-1)n/P of the formula
+        assert all(a.exchanges == (mod if p == "modular" else con).messages_per_rank(4) for a in per)
+    assert (
+        mod.actions(0, 8, *SCHEDULES["breadth_first"]).total
+        == 2 * mod.actions(0, 4, *SCHEDULES["breadth_first"]).total
+    )
+    # L2L stages: their own loops; the relay loads each layer twice and offloads its gradient once
+    l2l = mod.l2l_actions(0, 4)
+    assert l2l.loads == 3 * sum(len(mod.layers(s)) for s in mod.stages_of(0)) and l2l.exchanges == 28
+    # free actions and messages on balanced ranks: the paper's o / (1 + o)
+    one = [(1.0, Actions(32, 28, 28))] * 2
+    assert mod.bubble_with_costs(4, one, 0.0, 0.0) == pytest.approx(mod.bubble_fraction(4))
+    t = 1.0 + mod.bubble_overhead(4) + 88 * 1e-3 + 28 * 0.01
+    assert mod.bubble_with_costs(4, one, 1e-3, 0.01) == pytest.approx((t - 1.0) / t)
+    # more actions, more bubble; dear actions make the modular placement idle more than the contiguous one
+    more = [(1.0, Actions(64, 28, 28))] * 2
+    assert mod.bubble_with_costs(4, more, 1e-3, 0.01) > mod.bubble_with_costs(4, one, 1e-3, 0.01)
+    few = [(1.0, Actions(8, 4, 4))] * 2
     assert mod.bubble_fraction(4) < con.bubble_fraction(4)
-    assert mod.bubble_with_messages(4, 1.0, 0.01) > con.bubble_with_messages(4, 1.0, 0.01)
-    # a measured schedule cost (hardware=measure: the schedule with trivial compute) replaces the count
-    t = 1.0 + mod.bubble_overhead(4) + 0.05
-    assert mod.bubble_with_messages(4, 1.0, 0.01, schedule_s=0.05) == pytest.approx((t - 1.0) / t)
+    assert mod.bubble_with_costs(4, one, 5e-3, 0.0) > con.bubble_with_costs(4, few, 5e-3, 0.0)
+    # the slowest rank sets the pace: the faster one idles for the difference
+    uneven = [(1.0, Actions(8, 4, 4)), (1.2, Actions(8, 4, 4))]
+    t = 1.2 * (1 + con.bubble_overhead(4))
+    assert con.bubble_with_costs(4, uneven, 0.0, 0.0) == pytest.approx(1 - (1.0 / t + 1.2 / t) / 2)
+    # L2L stages: each relay move where copies are inline
+    l2l_ranks = [(1.0, l2l)] * 2
+    assert mod.bubble_with_costs(4, l2l_ranks, 0.0, 0.0, 1e-3) > mod.bubble_with_costs(4, l2l_ranks, 0.0, 0.0)
 
 
 # ---- L2L stages: each rank's EPS holds its stages' layers --------------------------------------------
@@ -383,6 +419,9 @@ def test_l2l_stages_equal_one_process_l2l_and_keep_device_memory_flat_in_depth(t
     section = results[0][1]["sections"]["pipeline"]
     assert section["stage_mode"] == "l2l" and section["stash"] == "cpu" and section["torch_schedule"] is None
     assert [r["layers"] for r in section["ranks"]] == [[0, 1, 3], [2, 4, 5]]  # each EPS: its stages only
+    # the same pre-run model: its own loops' actions, the relay's 3 moves per layer at their measured mean
+    assert section["relay_moves_per_rank"] == [9, 9] and section["relay_move_s"] > 0
+    assert section["bubble_predicted"] > section["bubble_predicted_paper"]
     peaks = {(k, r): results[r][k]["peak"] for k in range(2, 6) for r in (0, 1)}
     for r in (0, 1):
         l2l8, base8, l2l16, base16 = (peaks[k, r] for k in range(2, 6))

@@ -462,12 +462,27 @@ def test_the_pipeline_section_counts_messages_for_both_placements() -> None:
         assert r["bubble_predicted"] > r["bubble_predicted_paper"]
     assert mod["bubble_predicted_paper"] == pytest.approx((1 / 16) / (1 + 1 / 16))
     assert pipe["bubble_predicted_paper"] == mod["bubble_predicted_paper"]
+    # the schedule's actions, read off torch's schedules (2 x 4 x 4 chunks + 28 + 28 vs 8 + 4 + 4), at the
+    # preset's cost per action (cpu-eps: gloo, 300 µs)
+    assert mod["actions_per_rank"] == 88 and con["actions_per_rank"] == 16 and pipe["action_s"] == 300e-6
     # slower messages: the modular placement's many exchanges cost more than the contiguous one's few
     slow = make_plan(compose([*over, "mode=baseline_ag", "hardware.p2p_latency_us=20000"]))["pipeline"]
     srows = {(r["placement"], r["schedule"]): r for r in slow["alternatives"]}
     assert (
         srows[("modular", "breadth_first")]["bubble_predicted"]
         > srows[("contiguous", "1f1b")]["bubble_predicted"]
+    )
+    # dearer actions: more bubble, more for the placement that acts more
+    dear = make_plan(compose([*over, "mode=baseline_ag", "hardware.pipe_action_us=3000"]))["pipeline"]
+    drows = {(r["placement"], r["schedule"]): r for r in dear["alternatives"]}
+    dmod, dcon = drows[("modular", "breadth_first")], drows[("contiguous", "1f1b")]
+    assert (
+        dmod["bubble_predicted"] > mod["bubble_predicted"]
+        and dcon["bubble_predicted"] > con["bubble_predicted"]
+    )
+    assert (
+        dmod["bubble_predicted"] - mod["bubble_predicted"]
+        > dcon["bubble_predicted"] - con["bubble_predicted"]
     )
     l2l = make_plan(compose([*over, "mode=l2l", "mode.stash=cpu"]))
     mem = l2l["memory_bytes"]
@@ -477,3 +492,21 @@ def test_the_pipeline_section_counts_messages_for_both_placements() -> None:
     ]
     deep = make_plan(compose([*over, "mode=l2l", "mode.stash=cpu", "model.num_layers=16"]))["memory_bytes"]
     assert deep["device"]["total"] == mem["device"]["total"] < base  # flat in depth on the device
+
+
+def test_hardware_measure_puts_the_measured_action_cost_into_the_pipeline_model(monkeypatch) -> None:
+    """Issue 23: hardware=measure times a schedule action once (with the exchange, between two gloo
+    processes) and the planner's pipeline section predicts with that constant, not the preset's."""
+    from l2l_cli.plan import measure
+
+    over = ["model=bert-mini", "model.num_layers=8", "dist.nproc=2", "dist.pipeline=2", "batch.size=16",
+            "batch.ubatch_size=4", "task.max_seq_len=128", "mode=baseline_ag"]  # fmt: skip
+    cfg = compose([*over, "hardware=cpu-eps"])
+    shape = model_shape(cfg)[0]
+    lt = resolve(cfg, shape).layer_times(shape, 128, 4)
+    monkeypatch.setattr(measure, "measure", lambda cfg, shape: MeasuredTimes(lt, 1e-9, 1e-9, 1e10, 1, 2))
+    monkeypatch.setattr(measure, "measure_exchange", lambda nbytes, repeats: (50e-6, 12.5e9, 2e-3))
+    pipe = make_plan(compose([*over, "hardware=measure"]))["pipeline"]
+    preset = make_plan(cfg)["pipeline"]
+    assert pipe["action_s"] == 2e-3 and preset["action_s"] == 300e-6
+    assert pipe["bubble_predicted"] > preset["bubble_predicted"]

@@ -567,16 +567,30 @@ def _exchange(shape: ModelShape, s: Setup, rates: Rates) -> float:
     )
 
 
+def _actions(shape: ModelShape, s: Setup, rank: int) -> Any:
+    """Pipeline rank ``rank``'s schedule actions in a step (``StagePlan.actions``): read off torch's schedule
+    of the configured kind, or L2L stages' own loops."""
+    from l2l_cli.parallel.pipeline.settings import SCHEDULES
+
+    plan = _stage_plan(shape, s)
+    if s.l2l:
+        return plan.l2l_actions(rank, s.num_ubatches)
+    return plan.actions(rank, s.num_ubatches, *SCHEDULES[s.schedule])
+
+
 def pipeline_time(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Phase]:
     """A pipeline step on its busiest rank: that rank's forward and backward, the bubble (appendix C:
     (P-1)/n_mu of the compute, divided by the stages each rank holds: §4's L/P for the modular pipeline)
-    plus the rank's messages (2(S-1)·n_mu/P exchanges, each latency + bytes over the link: the modular
-    placement sends L/P times more), its optimizer (on the device, or the EPS's on the host for L2L
+    plus what its schedule costs beyond compute (each action, read off the schedule, at
+    ``hardware.pipe_action_us``; each of its 2(S-1)·n_mu/P exchanges at latency + bytes over the link: the
+    modular placement acts and sends L/P times more), its optimizer (on the device, or the EPS's on the host for L2L
     stages), and the data-parallel reduction of its layers' gradients, which overlaps the backward of the
     rank's other stages (each stage reduces as soon as its last micro-batch is through)."""
     ph = {p: Phase() for p in PHASES}
     plan = _stage_plan(shape, s)
-    busy = max(_pipeline_ranks(shape, s, rates), key=lambda r: r["forward"] + r["backward"])
+    ranks = _pipeline_ranks(shape, s, rates)
+    r_busy = max(range(s.pipeline), key=lambda r: ranks[r]["forward"] + ranks[r]["backward"])
+    busy = ranks[r_busy]
     f, b = busy["forward"], busy["backward"]
     ph["forward"].add(f, f)
     ph["backward"].add(b, b)
@@ -584,7 +598,8 @@ def pipeline_time(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Phase]
         ph["recompute"].add(f, f)
         b += f
     bubble = plan.bubble_overhead(s.num_ubatches) * (f + b)
-    bubble += plan.messages_per_rank(s.num_ubatches) * _exchange(shape, s, rates)
+    acts = _actions(shape, s, r_busy)
+    bubble += acts.total * rates.pipe_action + acts.exchanges * _exchange(shape, s, rates)
     ph["bubble"].add(bubble, bubble)
     D = s.data_parallel
     if s.l2l:
@@ -651,13 +666,18 @@ def pipeline_view(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Any] |
             if shape.num_layers % (s.pipeline * plan.block_size) or (plan.stages_per_rank > 1 and not many):
                 continue  # the config check refuses it
             r = evaluate(shape, alt, rates)
-            busy = max(_pipeline_ranks(shape, alt, rates), key=lambda x: x["forward"] + x["backward"])
-            compute = busy["forward"] * (2 if alt.l2l else 1) + busy["backward"]  # L2L: + the recompute
+            # each rank's compute (L2L: + the recompute) and its schedule's actions
+            costs = [(x["forward"] * (2 if alt.l2l else 1) + x["backward"], _actions(shape, alt, k))
+                     for k, x in enumerate(_pipeline_ranks(shape, alt, rates))]  # fmt: skip
             exchange = _exchange(shape, alt, rates)
+            # L2L stages: a relay move per layer load or offload, inline where copies do not overlap
+            move = rates.copy_time(shape.block_params * device_weight_bytes(alt.precision))
+            load = 0.0 if rates.async_copy else move
             rows.append({
                 "placement": placement, "schedule": schedule, "torch_schedule": cls,
                 "stages_per_rank": plan.stages_per_rank, "bubble_overhead": plan.bubble_overhead(s.num_ubatches),
-                "bubble_predicted": plan.bubble_with_messages(s.num_ubatches, compute, exchange),
+                "bubble_predicted": plan.bubble_with_costs(s.num_ubatches, costs, rates.pipe_action, exchange, load),
+                "actions_per_rank": costs[0][1].total, "action_s": rates.pipe_action,
                 "bubble_predicted_paper": plan.bubble_fraction(s.num_ubatches),
                 "messages_per_rank": plan.messages_per_rank(s.num_ubatches), "exchange_s": exchange,
                 "step_time_s": r["step_time_s"],
@@ -669,7 +689,7 @@ def pipeline_view(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Any] |
         "num_ubatches": s.num_ubatches, "layers_per_stage": s.layers_per_stage, "partition_state": s.partition_state,
         "bubble_overhead": mine["bubble_overhead"], "bubble_predicted": mine["bubble_predicted"],
         "bubble_predicted_paper": mine["bubble_predicted_paper"], "messages_per_rank": mine["messages_per_rank"],
-        "exchange_s": mine["exchange_s"],
+        "exchange_s": mine["exchange_s"], "actions_per_rank": mine["actions_per_rank"], "action_s": mine["action_s"],
         "step_time_s": mine["step_time_s"], "samples_per_s": mine["samples_per_s"],
         "ranks": _pipeline_ranks(shape, s, rates), "alternatives": rows,
     }  # fmt: skip

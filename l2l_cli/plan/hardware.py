@@ -35,6 +35,7 @@ class Rates:
     async_copy: bool
     p2p_latency: float = 10e-6  # seconds: a message between pipeline ranks, before its bytes
     p2p_bytes_per_s: float = 12.5e9  # bytes/s, input + output, of pipeline messages (the network's)
+    pipe_action: float = 100e-6  # seconds: one pipeline schedule action beyond compute and bytes
     disk_read: float = 3e9  # the disk EPS tier: bytes/s, sequential
     disk_write: float = 2e9
     disk_mixed: float = 0.0  # bytes/s read + written while both run (0: unknown, the times add up)
@@ -128,6 +129,7 @@ def resolve(cfg: Any, shape: ModelShape) -> Rates:
         h2d=hw.h2d_gbps * GB,
         network=hw.network_gbps * GB,
         p2p_latency=hw.p2p_latency_us * 1e-6,
+        pipe_action=hw.pipe_action_us * 1e-6,
         p2p_bytes_per_s=hw.network_gbps * GB,
         tensor_link=hw.tensor_link_gbps * GB,
         offload=hw.offload_gbps * GB,
@@ -161,10 +163,10 @@ def resolve(cfg: Any, shape: ModelShape) -> Rates:
             from l2l_cli.plan.measure import measure_exchange
 
             hidden = 4.0 * cfg.batch.ubatch_size * cfg.task.max_seq_len * shape.hidden
-            latency, bw = measure_exchange(hidden, cfg.plan.measure_repeats)
-            rates = replace(rates, p2p_latency=latency, p2p_bytes_per_s=bw)
+            latency, bw, action = measure_exchange(hidden, cfg.plan.measure_repeats)
+            rates = replace(rates, p2p_latency=latency, p2p_bytes_per_s=bw, pipe_action=action)
             notes.append(f"pipeline messages measured between two gloo processes: {latency * 1e6:.0f} µs, "
-                         f"{bw / GB:.2f} GB/s")  # fmt: skip
+                         f"{bw / GB:.2f} GB/s; a schedule action {action * 1e6:.0f} µs beyond compute")  # fmt: skip
         if measured.disk is not None:
             d = measured.disk
             rates = replace(

@@ -306,8 +306,11 @@ def measure(cfg: Any, shape: ModelShape) -> MeasuredTimes:
 
 
 def _exchange_rank(rank: int, store_path: str, nbytes: list[int], repeats: int, out: Any) -> None:
-    """One of two gloo processes timing exchanges (a message out to the other, one in) of each size."""
+    """One of two gloo processes timing exchanges (a message out to the other, one in) of each size, and
+    then what one pipeline schedule action costs (``calibrate.action_seconds``, a 2-rank pipeline)."""
     import torch.distributed as dist
+
+    from l2l_cli.parallel.pipeline.calibrate import action_seconds
 
     store = dist.FileStore(store_path, 2)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
@@ -323,15 +326,18 @@ def _exchange_rank(rank: int, store_path: str, nbytes: list[int], repeats: int, 
                     r.wait()
                 times.append(time.perf_counter() - t0)
             res.append(statistics.median(times[1:]))
+        group = dist.new_group([0, 1], backend="gloo")
+        res.append(action_seconds(group, group, torch.device("cpu"), "gloo"))
         if rank == 0:
             out.put(res)
     finally:
         dist.destroy_process_group()
 
 
-def measure_exchange(nbytes: float, repeats: int = 7) -> tuple[float, float]:
-    """(latency s, bytes/s input + output) of a message between two processes on this machine (gloo, as a
-    CPU pipeline's ranks exchange hidden states): exchanges of 4 bytes and of ``nbytes``, medians."""
+def measure_exchange(nbytes: float, repeats: int = 7) -> tuple[float, float, float]:
+    """(latency s, bytes/s input + output, s per schedule action) of a message between two processes on
+    this machine (gloo, as a CPU pipeline's ranks exchange hidden states): exchanges of 4 bytes and of
+    ``nbytes``, medians; and one action of a 2-rank schedule beyond its compute and latency."""
     import tempfile
 
     import torch.multiprocessing as mp
@@ -342,5 +348,5 @@ def measure_exchange(nbytes: float, repeats: int = 7) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_exchange_rank, args=(f"{tmp}/store", sizes, repeats, out), nprocs=2, join=True,
                            start_method="spawn")  # fmt: skip
-        small, big = out.get()
-    return small, 2.0 * sizes[1] / max(big - small, 1e-9)
+        small, big, action = out.get()
+    return small, 2.0 * sizes[1] / max(big - small, 1e-9), action

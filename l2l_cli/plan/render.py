@@ -201,14 +201,17 @@ def render_pipeline(p: dict[str, Any], console: Console) -> None:
     other placements and schedules."""
     t = _table(
         f"Pipeline bubble at {p['num_ubatches']} ubatches (layered-GA appendix C, §4): o = (P-1)/n_mu/(stages per "
-        "rank), the share of the pipeline's time o/(1+o) (paper: messages free); with messages: plus each "
-        f"rank's 2(S-1)n_mu/P exchanges at {fmt_s(p['exchange_s'])} (latency + bytes over the link)",
-        "placement", "schedule", "stages/rank", "bubble (paper)", "messages", "bubble", "step", "samples/s",
+        "rank), the share of the pipeline's time o/(1+o) (paper: messages free); the model adds each rank's "
+        f"schedule actions (read off the schedule) at {fmt_s(p['action_s'])} and its 2(S-1)n_mu/P exchanges at "
+        f"{fmt_s(p['exchange_s'])} (latency + bytes over the link); the slowest rank sets the pace",
+        "placement", "schedule", "stages/rank", "bubble (paper)", "actions", "messages", "bubble", "step",
+        "samples/s",
     )  # fmt: skip
     for row in p["alternatives"]:
         t.add_row(
             row["placement"], row["schedule"], str(row["stages_per_rank"]), f"{row['bubble_predicted_paper']:.1%}",
-            f"{row['messages_per_rank']:.3g}", f"{row['bubble_predicted']:.1%}", fmt_s(row["step_time_s"]),
+            str(row["actions_per_rank"]), f"{row['messages_per_rank']:.3g}", f"{row['bubble_predicted']:.1%}",
+            fmt_s(row["step_time_s"]),
             f"{row['samples_per_s']:.4g}",
             style="bold" if row["configured"] else "",
         )  # fmt: skip

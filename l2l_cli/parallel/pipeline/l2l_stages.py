@@ -50,6 +50,7 @@ from l2l_cli.modes.registry import ModeSpec
 from l2l_cli.parallel.pipeline.plan import StagePlan, hidden_bytes
 from l2l_cli.parallel.pipeline.runner import (
     PipelineRunner,
+    action_s,
     bubble_section,
     exchange_s,
     pipeline_groups,
@@ -129,7 +130,7 @@ class L2LStagesRunner(RunnerBase):
         self.eps.speculation.combine = self.pipeline_norms  # its verdict: the whole pipeline's norms
         self._lr = 0.0
         self.sends: list[Any] = []
-        self.steps_timed, self.totals = 0, {"compute": 0.0, "pipeline": 0.0}
+        self.steps_timed, self.totals = 0, {"compute": 0.0, "pipeline": 0.0, "transfer": 0.0}
         self._full: dict[str, torch.Tensor] | None = None
         self.message_bytes = 0.0
 
@@ -211,8 +212,9 @@ class L2LStagesRunner(RunnerBase):
         compute = sum(phases.get(k, 0.0) for k in ("forward", "recompute", "backward"))
         if self.step_count > 0 or not self.steps_timed:  # steady state: the first step only if alone
             if self.step_count == 1:
-                self.steps_timed, self.totals = 0, {"compute": 0.0, "pipeline": 0.0}
+                self.steps_timed, self.totals = 0, {"compute": 0.0, "pipeline": 0.0, "transfer": 0.0}
             self.steps_timed += 1
+            self.totals["transfer"] += phases.get("transfer", 0.0)
             self.totals["compute"] += compute
             self.totals["pipeline"] += t1 - t0
         report = self.finish(loss, len(minibatch), t_start, lr, skipped=not applied, grad_norm=norm)
@@ -451,7 +453,7 @@ class L2LStagesRunner(RunnerBase):
         n = max(self.steps_timed, 1)
         mine = {"rank": self.dist.rank, "pipeline_rank": self.pp_rank, "data_rank": self.dp_rank,
                 "stages": self.my_stages, "layers": self.index, "compute_s": self.totals["compute"] / n,
-                "pipeline_s": self.totals["pipeline"] / n}  # fmt: skip
+                "pipeline_s": self.totals["pipeline"] / n, "transfer_s": self.totals["transfer"] / n}  # fmt: skip
         if self.overlapped:  # L2L-p: steps whose speculative updates this rank undid, and how many
             mine |= {"rollbacks": self.eps.rollbacks, "rolled_back_layer_updates": self.eps.rollback_layers}
         mine["bubble"] = 1 - mine["compute_s"] / mine["pipeline_s"] if mine["pipeline_s"] > 0 else None
@@ -461,7 +463,13 @@ class L2LStagesRunner(RunnerBase):
         s, plan = self.pipe, self.plan
         base = self.dp_rank * s.pipeline
         peers = (base + (self.pp_rank - 1) % s.pipeline, base + (self.pp_rank + 1) % s.pipeline)
-        exchange = exchange_s(s, (self.pp_group, self.pp_host), peers, self.message_bytes, self.acc.device)
+        groups = (self.pp_group, self.pp_host)
+        exchange = exchange_s(s, groups, peers, self.message_bytes, self.acc.device)
+        # the pre-run model on this run's compute: its own loops' actions, the relay's moves at their mean
+        actions = [plan.l2l_actions(r, self.num_ubatches) for r in range(s.pipeline)]
+        moves = sum(actions[r["pipeline_rank"]].loads for r in ranks)
+        load_s = sum(r["transfer_s"] for r in ranks) / moves if moves else 0.0
+        action = action_s(s, groups, self.dist.backend, self.acc.device)
         return {
             "pipeline": {
                 "pipeline": s.pipeline, "data_parallel": self.dp_world, "placement": s.placement,
@@ -469,7 +477,9 @@ class L2LStagesRunner(RunnerBase):
                 "num_stages": plan.num_stages, "layers_per_stage": plan.block_size,
                 "stages_per_rank": plan.stages_per_rank, "num_ubatches": self.num_ubatches,
                 "stash": self.settings.stash, "bubble_measured": sum(bubbles) / len(bubbles) if bubbles else None,
-                **bubble_section(plan, self.num_ubatches, ranks, exchange, self.message_bytes), "ranks": ranks,
+                **bubble_section(plan, self.num_ubatches, ranks, actions, exchange, action, self.message_bytes,
+                                 load_s),
+                "ranks": ranks,
             }
         }  # fmt: skip
 

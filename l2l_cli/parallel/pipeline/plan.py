@@ -3,8 +3,41 @@ predicts for it (layered-GA appendix C, §2.4 and §4). Pure arithmetic, shared 
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True)
+class Actions:
+    """What one rank's schedule does in a training step besides compute: its chunks (a forward or a backward
+    of one stage on one micro-batch: each a call into the schedule and autograd), the sends and receives
+    it posts, and (L2L stages) the layer loads and gradient offloads of its relay."""
+
+    chunks: int
+    sends: int
+    recvs: int
+    loads: int = 0  # L2L stages: host->device layer loads and device->host gradient offloads
+
+    @property
+    def total(self) -> int:
+        """Schedule actions, each costing ``hardware.pipe_action_us`` beyond its compute and bytes."""
+        return self.chunks + self.sends + self.recvs
+
+    @property
+    def exchanges(self) -> float:
+        """Messages out and in, paired: each pair one exchange (latency + bytes over the link)."""
+        return (self.sends + self.recvs) / 2.0
+
+
+class _StubStage:
+    """What torch's schedule constructors read of a stage, enough to lay out its actions without a
+    process group (``StagePlan.actions``)."""
+
+    def __init__(self, index: int, num_stages: int, pipeline: int):
+        self.stage_index, self.num_stages = index, num_stages
+        self.group_size, self.group_rank = pipeline, index % pipeline
+        self.is_first, self.is_last, self.has_backward = index == 0, index == num_stages - 1, True
 
 
 @dataclass(frozen=True)
@@ -63,21 +96,61 @@ class StagePlan:
         sending as many as it receives. The modular placement sends L/P times more than the contiguous."""
         return 2 * (self.num_stages - 1) * num_ubatches / self.pipeline
 
-    def bubble_with_messages(
-        self, num_ubatches: int, compute_s: float, exchange_s: float, schedule_s: float | None = None
-    ) -> float:
-        """The bubble counting what the messages cost: a step's pipeline time is the rank's compute
-        times (1 + o) plus its exchanges (one message out, one in: ``exchange_s``), which nothing hides
-        where ranks copy messages on their own cores (gloo on CPU) and NCCL hides only in part.
-        ``schedule_s``, where measured (``hardware=measure``): what the schedule itself costs a step
-        beyond compute x (1 + o), timed by running it with stand-in compute (its messages, the waits they
-        cause and its per-action work: posting sends and recvs, bookkeeping), in place of the count."""
-        t = compute_s * (1.0 + self.bubble_overhead(num_ubatches))
-        if schedule_s is None:
-            t += self.messages_per_rank(num_ubatches) * exchange_s
-        else:
-            t += schedule_s
-        return (t - compute_s) / t if t > 0 else 0.0
+    def actions(self, rank: int, num_ubatches: int, torch_schedule: str, many: bool) -> Actions:
+        """Pipeline rank ``rank``'s actions in a training step, read off torch's own schedule
+        (``torch_schedule``: the class name the runner builds; ``many``: whether it takes several stages):
+        its compute actions, and the sends and receives its runtime posts (``pipeline_order_with_comms``;
+        a single-stage schedule sends each forward on and each backward back, and receives the same)."""
+        import torch.distributed.pipelining as pipelining  # ~1 s to import: only where a pipeline is planned
+
+        S = self.num_stages
+        stages = [_StubStage(s, S, self.pipeline) for s in self.stages_of(rank)]
+        cls = getattr(pipelining, torch_schedule)
+        sched = cls(stages if many else stages[0], num_ubatches, loss_fn=lambda out, target: out,
+                    scale_grads=False)  # fmt: skip
+        order = getattr(sched, "pipeline_order_with_comms", None) or sched.pipeline_order
+        kinds = Counter(a.computation_type.name for a in order[rank] if a is not None)
+        chunks = (
+            kinds["FORWARD"] + kinds["FULL_BACKWARD"] + kinds["BACKWARD_INPUT"] + kinds["BACKWARD_WEIGHT"]
+        )
+        if "pipeline_order_with_comms" in vars(sched):
+            return Actions(chunks, kinds["SEND_F"] + kinds["SEND_B"], kinds["RECV_F"] + kinds["RECV_B"])
+        (s,) = self.stages_of(rank)  # one stage: forwards leave unless last, backwards unless first
+        f, b = kinds["FORWARD"], kinds["FULL_BACKWARD"] + kinds["BACKWARD_INPUT"]
+        sends = (f if s < S - 1 else 0) + (b if s > 0 else 0)
+        recvs = (f if s > 0 else 0) + (b if s < S - 1 else 0)
+        return Actions(chunks, sends, recvs)
+
+    def l2l_actions(self, rank: int, num_ubatches: int) -> Actions:
+        """The same for L2L stages (``l2l_stages.py``'s loops, breadth-first): every layer of the rank's
+        stages runs each micro-batch forward and (recomputed) backward, a stage's input arrives per
+        micro-batch and its output leaves per micro-batch, each way; the relay loads every layer twice
+        (forward, backward) and offloads its gradient once."""
+        n, S, chunks, sends, recvs, loads = num_ubatches, self.num_stages, 0, 0, 0, 0
+        for s in self.stages_of(rank):
+            layers = len(self.layers(s))
+            chunks += 2 * n * layers
+            loads += 3 * layers
+            sends += n * ((s < S - 1) + (s > 0))
+            recvs += n * ((s > 0) + (s < S - 1))
+        return Actions(chunks, sends, recvs, loads)
+
+    def bubble_with_costs(
+        self, num_ubatches: int, ranks: list[tuple[float, Actions]], action_s: float, exchange_s: float,
+        load_s: float = 0.0,
+    ) -> float:  # fmt: skip
+        """The pre-run bubble, a mean over the pipeline's ranks of 1 - compute / pipeline time. ``ranks``:
+        each rank's compute seconds and its actions. A rank takes its compute times (1 + o) plus what its
+        schedule costs beyond compute: each action (a chunk's call, a posted send or recv) ``action_s``
+        (``hardware.pipe_action_us``, measured by running a schedule with no compute), each exchange
+        ``exchange_s`` (latency and bytes over the link), and, for L2L stages, each relay load or offload
+        ``load_s`` (a CPU's inline copies hide behind nothing). The slowest rank sets the pipeline's time;
+        the others idle for the difference."""
+        o = self.bubble_overhead(num_ubatches)
+        t = max(
+            c * (1.0 + o) + a.total * action_s + a.exchanges * exchange_s + a.loads * load_s for c, a in ranks
+        )
+        return sum(1.0 - c / t for c, _ in ranks) / len(ranks) if t > 0 else 0.0
 
 
 def exchange_seconds(nbytes: float, latency_s: float, bytes_per_s: float) -> float:

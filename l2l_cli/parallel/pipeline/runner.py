@@ -51,13 +51,13 @@ from l2l_cli.engine.optim import clip_coefficients
 from l2l_cli.models.base import BLOCK, POST, PRE
 from l2l_cli.modes.base import RunnerArgs, RunnerBase, StepReport
 from l2l_cli.modes.registry import ModeSpec
-from l2l_cli.parallel.pipeline.plan import StagePlan, exchange_seconds, hidden_bytes
+from l2l_cli.parallel.pipeline.calibrate import action_seconds
+from l2l_cli.parallel.pipeline.plan import Actions, StagePlan, exchange_seconds, hidden_bytes
 from l2l_cli.parallel.pipeline.settings import SCHEDULES, PipelineSettings, schedule_class, torch_problem
-from l2l_cli.parallel.pipeline.stage import RelayModule, TimedStage, Timeline
+from l2l_cli.parallel.pipeline.stage import TimedStage, Timeline
 from l2l_cli.parallel.pipeline.state import Shard, StageState
 
 MAX_SCHEDULES = 8  # one per padded batch shape (torch fixes shapes at a schedule's first step), LRU
-SCHEDULE_STEPS = 5  # steps of the stand-in-compute schedule hardware=measure times (the first is not timed)
 
 
 def layout(ctx: DistContext, s: PipelineSettings) -> DistContext:
@@ -110,7 +110,7 @@ def exchange_s(
 ) -> tuple[float, str]:
     """Seconds of one exchange between pipeline neighbours (a hidden state out, one in) and where the number
     comes from: with ``hardware=measure`` timed here on the pipeline's own group (each rank sends ``nbytes``
-    to the next rank and receives as many from the previous; the median of 7), else the ``hardware``
+    to the next rank and receives as many from the previous; the median of 15), else the ``hardware``
     preset's latency plus the bytes over its network. Collective over the pipeline (``groups``: the
     messages' group and its host group; ``peers``: the previous and the next rank, global)."""
     if not s.measure_p2p:
@@ -119,7 +119,7 @@ def exchange_s(
     n = max(1, int(nbytes) // 4)
     out, into = torch.zeros(n, device=device), torch.empty(n, device=device)
     times = []
-    for _ in range(8):
+    for _ in range(16):  # a median of 15: one exchange's time enters the model once per message of the step
         dist.barrier(group=host)
         t0 = time.perf_counter()
         reqs = [dist.isend(out, dst=peers[1], group=group), dist.irecv(into, src=peers[0], group=group)]
@@ -131,24 +131,38 @@ def exchange_s(
     return statistics.median(times[1:]), "measured"
 
 
+def action_s(
+    s: PipelineSettings, groups: tuple[Any, Any], backend: str, device: torch.device
+) -> tuple[float, str]:
+    """Seconds one schedule action costs beyond compute and bytes, and where the number comes from: with
+    ``hardware=measure`` timed once on the pipeline's own group (``calibrate.action_seconds``), else the
+    preset's ``hardware.pipe_action_us``. Collective over the pipeline."""
+    if not s.measure_p2p:
+        return s.action_s, "hardware"
+    return action_seconds(groups[0], groups[1], device, backend), "measured"
+
+
 def bubble_section(
-    plan: StagePlan, n: int, ranks: list[dict[str, Any]], exchange: tuple[float, str], nbytes: float
-) -> dict[str, Any]:
-    """summary.json's predicted bubbles: the paper's (messages free) and with each rank's exchanges counted
-    (the mean compute of the ranks, their messages at ``exchange`` seconds each)."""
-    computes = [r["compute_s"] for r in ranks if r.get("compute_s")]
-    compute = sum(computes) / len(computes) if computes else 0.0
-    measured = [r["schedule_s"] for r in ranks if r.get("schedule_s") is not None]
-    schedule = sum(measured) / len(measured) if measured else None
+    plan: StagePlan, n: int, ranks: list[dict[str, Any]], actions: list[Actions], exchange: tuple[float, str],
+    action: tuple[float, str], nbytes: float, load_s: float = 0.0,
+) -> dict[str, Any]:  # fmt: skip
+    """summary.json's predicted bubbles: the paper's (messages free), and the pre-run model
+    (``StagePlan.bubble_with_costs``) on the ranks' compute, each pipeline rank's actions (``actions``, by
+    pipeline rank, read off the schedule), ``action`` seconds per action and ``exchange`` per exchange
+    (each with where it came from), and ``load_s`` per relay load or offload (L2L stages)."""
+    costs = [(r["compute_s"], actions[r["pipeline_rank"]]) for r in ranks if r.get("compute_s")]
+    model = (
+        plan.bubble_with_costs(n, costs, action[0], exchange[0], load_s) if costs else plan.bubble_fraction(n)
+    )
     return {
-        "bubble_predicted": plan.bubble_with_messages(n, compute, exchange[0], schedule),
-        "bubble_predicted_from": "the schedule run with stand-in compute" if schedule is not None
-                                 else "the exchanges counted",
-        "schedule_s": schedule,
+        "bubble_predicted": model,
         "bubble_predicted_paper": plan.bubble_fraction(n),
         "bubble_overhead_predicted": plan.bubble_overhead(n),
         "messages_per_rank": plan.messages_per_rank(n), "message_bytes": nbytes,
         "exchange_s": exchange[0], "exchange_from": exchange[1],
+        "actions_per_rank": [a.total for a in actions], "action_s": action[0], "action_from": action[1],
+        "chunks_per_rank": [a.chunks for a in actions], "relay_moves_per_rank": [a.loads for a in actions],
+        "relay_move_s": load_s,
     }  # fmt: skip
 
 
@@ -183,10 +197,6 @@ class PipelineRunner(RunnerBase):
         self.first_step = True
         self._first: dict[str, float] = {}
         self.message_bytes = 0.0  # one micro-batch's hidden state on the wire (the last step's)
-        self.shape = (0, 0)  # the last step's micro-batch (rows, sequence)
-        self.schedule_s: float | None = (
-            None  # hardware=measure: the schedule's cost per step, trivial compute
-        )
 
     # ---- schedules: one per padded shape -----------------------------------------------------------
 
@@ -255,43 +265,6 @@ class PipelineRunner(RunnerBase):
             cls, many = ScheduleLoopedBFS, True
         return cls(stages if many else stages[0], n, loss_fn=loss, scale_grads=False)
 
-    def measure_schedule(self) -> float | None:
-        """``hardware=measure``: what torch's schedule costs a step beyond compute x (1 + o), on this run's
-        stages, group, backend, micro-batches and message size: the same schedule run again with stand-in
-        compute (``RelayModule``: each chunk keeps the core busy for its stage's measured mean forward or
-        backward chunk, the host's clock), its pipeline time less its chunks' and less the paper's fill and drain (o times its
-        compute); the median of ``SCHEDULE_STEPS`` - 1 steps. Its messages, the waits they cause and the
-        schedule's per-action work, under the load of compute, are all in it. Collective over the
-        pipeline; None before a training step or without ``hardware=measure``."""
-        rows, seq = self.shape
-        if not self.pipe.measure_p2p or rows == 0:
-            return None
-        S, H, dev, n = self.plan.num_stages, self.spec.hidden_size, self.acc.device, self.num_ubatches
-        by = self.timeline.by_stage
-
-        def mean(s: int, kind: str) -> float:
-            total, count = by.get((s, kind), (0.0, 0.0))
-            return total / count if count else 0.0
-
-        mods = {
-            s: RelayModule(s == 0, s == S - 1, H, mean(s, "forward"), mean(s, "backward")).to(dev)
-            for s in self.stages
-        }
-        timeline = Timeline(cuda=dev.type == "cuda")
-        sched = self._build(mods, rows, seq, True, timeline, lambda out, target: out)
-        ids = torch.zeros((n * rows, seq), dtype=torch.long, device=dev)
-        args = (ids, ids) if 0 in self.stages else ()
-        o = self.plan.bubble_overhead(n)
-        costs = []
-        for _ in range(SCHEDULE_STEPS):
-            dist.barrier(group=self.pp_host)
-            t0 = time.perf_counter()
-            sched.step(*args, target=ids, losses=[], return_outputs=False, mask=ids, labels=ids)
-            dist.barrier(group=self.pp_host)
-            times = timeline.pop(t0, time.perf_counter())
-            costs.append(times["pipeline"] - times["compute"] * (1.0 + o))  # < 0: less than the fill
-        return statistics.median(costs[1:])
-
     def _loss(self, loss: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """What the last stage's backward starts from: the micro-batch's share of the minibatch's mean
         loss, scaled (Alg. 2's loss / #ubatches)."""
@@ -310,7 +283,6 @@ class PipelineRunner(RunnerBase):
         n = self.num_ubatches
         rows = len(mb) // n
         sched = self.schedule(rows, mb.seq_len, train=True)
-        self.shape = (rows, mb.seq_len)
         self.message_bytes = hidden_bytes(rows, mb.seq_len, self.spec.hidden_size)
         # side inputs by keyword: torch cuts them into the same micro-batches for every stage
         kwargs = {"mask": mb.attention_mask, "labels": mb.labels}
@@ -408,7 +380,7 @@ class PipelineRunner(RunnerBase):
             "idle_s": mean.get("idle", 0.0), "recv_wait_s": mean.get("recv_wait", 0.0),
             "overhead_s": mean.get("overhead", 0.0), "chunks": mean.get("chunks", 0.0), "pipeline_s": pipe, "step_s": mean.get("step", 0.0),
             "bubble": (pipe - mean.get("compute", 0.0)) / pipe if pipe > 0 else None,
-            "steps_timed": self.timed_steps, "schedule_s": self.schedule_s,
+            "steps_timed": self.timed_steps,
         }  # fmt: skip
 
     def exchange(self) -> tuple[float, str]:
@@ -421,12 +393,14 @@ class PipelineRunner(RunnerBase):
 
     def sections(self) -> dict[str, dict[str, Any]]:
         """summary.json's ``pipeline``: the layout, each rank's times, the bubble measured and predicted."""
-        self.schedule_s = self.measure_schedule()
         ranks = [None] * self.dist.world
         dist.all_gather_object(ranks, self.rank_stats())
         bubbles = [r["bubble"] for r in ranks if r["bubble"] is not None]
         s, plan, n = self.pipe, self.plan, self.num_ubatches
-        cls = SCHEDULES[s.schedule][0]
+        cls, many = SCHEDULES[s.schedule]
+        actions = [plan.actions(r, n, cls, many) for r in range(s.pipeline)]
+        groups = (self.pp_group, self.pp_host)
+        action = action_s(s, groups, self.dist.backend, self.acc.device)
         return {
             "pipeline": {
                 "pipeline": s.pipeline, "data_parallel": self.dp_world, "placement": s.placement,
@@ -436,7 +410,7 @@ class PipelineRunner(RunnerBase):
                 "side_inputs": "rebuilt per stage from the batch (mask, labels, micro-batch index as keyword "
                                "arguments); only hidden states cross ranks",
                 "bubble_measured": sum(bubbles) / len(bubbles) if bubbles else None,
-                **bubble_section(plan, n, ranks, self.exchange(), self.message_bytes),
+                **bubble_section(plan, n, ranks, actions, self.exchange(), action, self.message_bytes),
                 "ranks": ranks,
             }
         }  # fmt: skip

@@ -71,14 +71,16 @@ class PipelineSettings:
     # the bubble's message cost (hardware.*): a preset's latency and network, or measured between the ranks
     p2p_latency_s: float = 10e-6
     p2p_bytes_per_s: float = 12.5e9
-    measure_p2p: bool = False  # hardware=measure: time an exchange between the pipeline's ranks
+    measure_p2p: bool = False  # hardware=measure: time an exchange and a schedule's action on the ranks
+    action_s: float = 100e-6  # hardware.pipe_action_us: one schedule action beyond compute and bytes
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> PipelineSettings:
         d, hw = cfg.dist, cfg.hardware
         schedule = AUTO_SCHEDULE[d.placement] if d.schedule == "auto" else d.schedule
         return cls(d.pipeline, d.placement, schedule, d.layers_per_stage, bool(d.partition_state),
-                   hw.p2p_latency_us * 1e-6, hw.network_gbps * 1e9, bool(hw.measured))  # fmt: skip
+                   hw.p2p_latency_us * 1e-6, hw.network_gbps * 1e9, bool(hw.measured),
+                   hw.pipe_action_us * 1e-6)  # fmt: skip
 
 
 def selected(cfg: Any) -> bool:

@@ -70,52 +70,6 @@ class StageModule(nn.Module):
         return h.float()  # FP32 on the wire whatever the precision: the next stage's buffers are FP32
 
 
-def _spin(seconds: float) -> None:
-    """Keep this rank's core busy for ``seconds``, as a chunk's compute would (a sleep would free the
-    core for the message threads, which real compute does not)."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
-
-
-class _SpinBackward(torch.autograd.Function):
-    """Identity forward; its backward keeps the core busy for a backward chunk's compute."""
-
-    @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, seconds: float) -> torch.Tensor:
-        ctx.seconds = seconds
-        return h.view_as(h)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        _spin(ctx.seconds)
-        return grad, None
-
-
-class RelayModule(nn.Module):
-    """A stage whose compute is a stand-in (one scalar weight; the core kept busy for ``forward_s`` and
-    ``backward_s`` per chunk), for timing what the schedule costs beyond its compute: the same inputs,
-    outputs and messages as the stage it stands for."""
-
-    def __init__(self, first: bool, last: bool, hidden: int, forward_s: float = 0.0, backward_s: float = 0.0):
-        super().__init__()
-        self.first, self.last, self.hidden = first, last, hidden
-        self.forward_s, self.backward_s = forward_s, backward_s
-        self.w = nn.Parameter(torch.ones(()))
-        self.ubatch = 0
-
-    def forward(
-        self, *x: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        if self.first:
-            h = self.w * x[0].new_ones((*x[0].shape, self.hidden), dtype=torch.float32)
-        else:
-            h = x[0] * self.w
-        _spin(self.forward_s)
-        h = _SpinBackward.apply(h, self.backward_s)
-        return h.mean() if self.last else h
-
-
 class Timeline:
     """When this rank computed during the schedule: (start, end) of every forward and backward chunk, on
     the host clock; on CUDA also a pair of events per chunk, whose elapsed time is its compute."""

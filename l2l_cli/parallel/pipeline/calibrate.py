@@ -1,0 +1,112 @@
+"""``hardware=measure``'s per-action cost of a pipeline schedule (``hardware.pipe_action_us``): torch's
+breadth-first schedule over stand-in stages that compute nothing and send almost nothing, timed on the
+pipeline's own group and backend. What its step takes beyond its chunks and its messages' latency,
+divided by the actions it ran (read off the schedule: ``StagePlan.actions``), is what one action costs:
+a chunk's call into the schedule and autograd, a posted send or recv, the schedule's bookkeeping. The
+pre-run bubble model (``StagePlan.bubble_with_costs``) multiplies it by the actions of any placement and
+schedule. Measurement code, apart from the product stage (``stage.py``)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import ScheduleLoopedBFS
+
+from l2l_cli.parallel.pipeline.plan import StagePlan
+from l2l_cli.parallel.pipeline.stage import TimedStage, Timeline
+
+STAGES_PER_RANK = 2  # the calibration's modular pipeline: 2 stages per rank (S = 2P), breadth-first
+UBATCHES = 8
+HIDDEN = 4  # floats per message row: near-zero bytes, so what is left is the per-action cost
+STEPS = 12  # timed steps (the first is not counted)
+BUSY_S = 0.005  # each stand-in chunk keeps its core busy 5 ms (a layer's chunk on a CPU: milliseconds): the
+# action's cost under load, as a real chunk leaves it, not on an idle core
+
+
+class StandIn(nn.Module):
+    """A stage with no compute (one scalar weight), with the inputs, outputs and messages of a real one."""
+
+    def __init__(self, first: bool, last: bool, hidden: int, busy_s: float = 0.0):
+        super().__init__()
+        self.first, self.last, self.hidden, self.busy_s = first, last, hidden, busy_s
+        self.w = nn.Parameter(torch.ones(()))
+        self.ubatch = 0
+
+    def forward(
+        self, *x: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if self.first:
+            h = self.w * x[0].new_ones((*x[0].shape, self.hidden), dtype=torch.float32)
+        else:
+            h = x[0] * self.w
+        end = time.perf_counter() + self.busy_s
+        while time.perf_counter() < end:
+            pass
+        return h.mean() if self.last else h
+
+
+def _latency(group: Any, host: Any, device: torch.device, peers: tuple[int, int]) -> float:
+    """One tiny exchange's seconds on ``group`` (a message to the next rank, one from the previous)."""
+    out, into = torch.zeros(HIDDEN, device=device), torch.empty(HIDDEN, device=device)
+    times = []
+    for _ in range(8):
+        dist.barrier(group=host)
+        t0 = time.perf_counter()
+        for r in (dist.isend(out, dst=peers[1], group=group), dist.irecv(into, src=peers[0], group=group)):
+            r.wait()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def action_seconds(
+    group: Any, host: Any, device: torch.device, backend: str, steps: int = STEPS, busy_s: float = BUSY_S
+) -> float:
+    """Seconds one schedule action costs beyond its compute and its messages' latency, on ``group``'s
+    backend (``backend``; ``host``: a gloo group over the same ranks, for the barriers): the median step's
+    time beyond compute x (1 + o), less its exchanges at the tiny messages' latency, over its actions; the
+    mean over the pipeline's ranks. Collective over the pipeline."""
+    P, rank = dist.get_world_size(group), dist.get_rank(group)
+    ranks = dist.get_process_group_ranks(group)
+    latency_s = _latency(group, host, device, (ranks[(rank - 1) % P], ranks[(rank + 1) % P]))
+    plan = StagePlan(STAGES_PER_RANK * P, P, "modular", 1)
+    S, n, rows = plan.num_stages, UBATCHES, 1
+    timeline = Timeline(cuda=device.type == "cuda")
+
+    def meta(shape: tuple[int, ...], dtype: torch.dtype, grad: bool) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype, device="meta")
+        return t.requires_grad_(grad) if dtype.is_floating_point else t
+
+    stages = []
+    for s in plan.stages_of(rank):
+        ids = meta((rows, 1), torch.long, False)
+        inputs = (ids, ids) if s == 0 else (meta((rows, 1, HIDDEN), torch.float32, True),)
+        out = meta((), torch.float32, True) if s == S - 1 else meta((rows, 1, HIDDEN), torch.float32, True)
+        stages.append(TimedStage(StandIn(s == 0, s == S - 1, HIDDEN, busy_s).to(device), s, S, device,
+                                 input_args=inputs, output_args=out, group=group, timeline=timeline,
+                                 grads_ready=lambda _: None, own_recvs=backend == "gloo"))  # fmt: skip
+    sched = ScheduleLoopedBFS(stages, n, loss_fn=lambda out, target: out, scale_grads=False)
+    ids = torch.zeros((n * rows, 1), dtype=torch.long, device=device)
+    args = (ids, ids) if 0 in plan.stages_of(rank) else ()
+    costs = []
+    for _ in range(steps):
+        dist.barrier(group=host)
+        t0 = time.perf_counter()
+        sched.step(*args, target=ids, losses=[], return_outputs=False, mask=ids, labels=ids)
+        dist.barrier(group=host)
+        costs.append(timeline.pop(t0, time.perf_counter()))
+    acts = plan.actions(rank, n, "ScheduleLoopedBFS", True)
+    o = plan.bubble_overhead(n)
+    beyond = (
+        statistics.median(c["pipeline"] - c["compute"] * (1 + o) for c in costs[1:])
+        - acts.exchanges * latency_s
+    )
+    mine = torch.tensor([max(0.0, beyond) / acts.total], dtype=torch.float64)
+    dist.all_reduce(mine, group=host)
+    return float(mine) / P
