@@ -226,8 +226,8 @@ def test_report_reads_runs_written_before_the_schema_version(tmp_path) -> None:
 def test_the_registries_are_read_without_torch() -> None:
     """``l2l plan`` reads the modes, tiers, optimizers and task kinds (their names, specs and rules) to check
     a config; none of them may import torch (~1.3 s here) for that: the runners, the tiers' I/O and the
-    optimizers' kernels are imported when a run builds them. (The model families and the pipeline's
-    rules, which read them, still do: issue 24.)"""
+    optimizers' kernels are imported when a run builds them; so do the model families (their layers'
+    modules load when a run builds a layer) and the config's whole check."""
     import subprocess
     import sys
 
@@ -238,7 +238,9 @@ def test_the_registries_are_read_without_torch() -> None:
         "from l2l_cli.engine.optim import OPTIMIZERS\n"
         "from l2l_cli.data.loading import KINDS\n"
         "from l2l_cli.engine.recompute_plan import choose\n"
-        "print('torch' in sys.modules, len(MODES), len(TIERS), len(OPTIMIZERS), len(KINDS))\n"
+        "from l2l_cli.models import FAMILIES\n"
+        "import l2l_cli.config.validate\n"
+        "print('torch' in sys.modules, len(MODES), len(TIERS), len(OPTIMIZERS), len(KINDS), len(FAMILIES))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["False", "4", "2", "2", "5"]
+    assert out.split() == ["False", "4", "2", "2", "5", "3"]
