@@ -35,13 +35,25 @@ DISK = register_tier(
 
 
 def __getattr__(name: str) -> Any:
-    """The I/O and the tier's classes, imported on first use (they need torch; ``l2l plan`` does not)."""
-    from l2l_cli.engine.tiers.disk import format as fmt
-    from l2l_cli.engine.tiers.disk import layer, tier
+    """The I/O and the tier's classes, imported on first use (they need torch; ``l2l plan`` does not).
+    Each is imported from its module by name: ``from <this package> import <module>`` here would ask this
+    very function for the module first, and recurse."""
+    if name == "measure_disk":
+        from l2l_cli.engine.tiers.disk.format import measure_disk
 
-    for module in (fmt, layer, tier):
-        if name in ("measure_disk", "probe_direct", "DiskLayer", "DiskTier") and hasattr(module, name):
-            return getattr(module, name)
+        return measure_disk
+    if name == "probe_direct":
+        from l2l_cli.engine.tiers.disk.format import probe_direct
+
+        return probe_direct
+    if name == "DiskLayer":
+        from l2l_cli.engine.tiers.disk.layer import DiskLayer
+
+        return DiskLayer
+    if name == "DiskTier":
+        from l2l_cli.engine.tiers.disk.tier import DiskTier
+
+        return DiskTier
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
