@@ -475,8 +475,11 @@ def test_search_imports_neither_torch_nor_transformers(model: list[str]) -> None
         "orig = c.hydra_compose\n"
         "c.hydra_compose = lambda *a, **k: calls.append(1) or orig(*a, **k)\n"
         "out = io.StringIO()\n"
-        "with contextlib.redirect_stdout(out):\n"
-        f"    rc = main(['plan', '--search', '--json', *{model!r}, 'hardware=a100-80g', 'plan.max_gpus=8'])\n"
+        "try:\n"
+        "    with contextlib.redirect_stdout(out):\n"
+        f"        main(['plan', '--search', '--json', *{model!r}, 'hardware=a100-80g', 'plan.max_gpus=8'])\n"
+        "except SystemExit as e:\n"
+        "    rc = e.code\n"
         "heavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules)\n"
         "print(json.dumps([rc, heavy, len(calls), out.getvalue()]))\n"
     )

@@ -142,3 +142,14 @@ class GPT2Embeddings(nn.Module):
         if positions_BS is None:
             positions_BS = torch.arange(input_ids_BS.shape[1], device=input_ids_BS.device)[None]
         return self.drop(self.wte(input_ids_BS) + self.wpe(positions_BS))
+
+
+class TokenEmbedding(nn.Module):
+    """pre: ``embed_tokens(ids)`` (Llama adds no positions here: they are rotary, inside attention)."""
+
+    def __init__(self, cfg: Any):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, cfg.pad_token_id)
+
+    def forward(self, input_ids_BS: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids_BS)
