@@ -195,7 +195,7 @@ def test_stash_cpu_device_peak_flat_in_depth_for_a_decoder() -> None:
 def test_chunked_lm_loss_equals_the_whole_loss(monkeypatch: pytest.MonkeyPatch) -> None:
     """Training takes the LM loss over chunks of positions (logits recomputed in backward): the same loss
     and gradients as over all the logits at once, ignored labels included."""
-    from l2l_cli.models import decoder
+    from l2l_cli.models import decoder_modules
     from l2l_cli.models.decoder import LMHead, lm_loss
 
     torch.manual_seed(0)
@@ -208,7 +208,9 @@ def test_chunked_lm_loss_equals_the_whole_loss(monkeypatch: pytest.MonkeyPatch) 
     grads = [x.grad.clone(), head.lm_head.weight.grad.clone()]
     x.grad = None
     head.zero_grad()
-    monkeypatch.setattr(decoder, "LOSS_CHUNK", 4 * 100)  # 4 positions per chunk: 7 chunks of 27 positions
+    monkeypatch.setattr(
+        decoder_modules, "LOSS_CHUNK", 4 * 100
+    )  # 4 positions per chunk: 7 chunks of 27 positions
     loss, logits = head(x, y)
     loss.backward()
     assert logits is None  # no logits kept in training

@@ -221,3 +221,26 @@ def test_report_reads_runs_written_before_the_schema_version(tmp_path) -> None:
     assert ok.memory is not None and ok.memory.device.method == "torch_dispatch_storage_tracking"
     assert [m.step for m in ok.metrics] == [1, 2, 3] and ok.breakdown["recompute"] > 0
     assert oom.status == "oom" and "OOM" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_the_registries_are_read_without_torch() -> None:
+    """``l2l plan`` reads the modes, tiers, optimizers and task kinds (their names, specs and rules) to check
+    a config; none of them may import torch (~1.3 s here) for that: the runners, the tiers' I/O and the
+    optimizers' kernels are imported when a run builds them; so do the model families (their layers'
+    modules load when a run builds a layer) and the config's whole check."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from l2l_cli.modes import MODES\n"
+        "from l2l_cli.engine.tiers import TIERS\n"
+        "from l2l_cli.engine.optim import OPTIMIZERS\n"
+        "from l2l_cli.data.loading import KINDS\n"
+        "from l2l_cli.engine.recompute_plan import choose\n"
+        "from l2l_cli.models import FAMILIES\n"
+        "import l2l_cli.config.validate\n"
+        "print('torch' in sys.modules, len(MODES), len(TIERS), len(OPTIMIZERS), len(KINDS), len(FAMILIES))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "4", "2", "2", "5", "3"]

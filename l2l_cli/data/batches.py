@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported where a batch is made: l2l plan reads the task kinds without torch
+    import torch
 
 
 @dataclass
@@ -62,6 +64,8 @@ class Encoded:
         return Encoded(self.input_ids[:n], self.token_type_ids[:n], self.labels[:n], self.regression)
 
     def collate(self, idx: list[int], pad_to: int) -> Batch:
+        import torch
+
         n = len(idx)
         ids = torch.zeros(n, pad_to, dtype=torch.long)
         tt = torch.zeros(n, pad_to, dtype=torch.long)
@@ -107,6 +111,8 @@ class TrainStream:
             )
 
     def epoch_order(self, epoch: int) -> list[list[int]]:
+        import torch
+
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         perm = torch.randperm(len(self.data), generator=g).tolist()
         lengths = [len(self.data.input_ids[i]) for i in perm]

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from l2l_cli.data.batches import Batch
 from l2l_cli.data.rows import RowMaker, Rows, StreamedTrain
@@ -88,6 +87,8 @@ class Packed:
 
     def collate(self, idx: list[int], pad_to: int) -> Batch:
         """The blocks ``idx`` as a batch (``pad_to`` is moot: every block is already full)."""
+        import torch  # here, not at the top: l2l plan reads the task kinds without torch
+
         ids = torch.from_numpy(self.blocks[np.asarray(idx, dtype=np.int64)].astype(np.int64))
         return Batch(ids, torch.zeros_like(ids), torch.ones_like(ids), ids.clone())
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from l2l_cli.data.batches import Batch
 from l2l_cli.data.sources import RowStream
@@ -27,6 +26,8 @@ Row = tuple[np.ndarray, np.ndarray, np.ndarray]  # (ids, labels, docs), int32 ea
 
 def collate_rows(rows: list[Row], pad_to: int) -> Batch:
     """Rows as a right-padded batch: padding has id 0, label IGNORE and document 0."""
+    import torch  # here, not at the top: l2l plan reads the task kinds without torch
+
     n = len(rows)
     ids = torch.zeros(n, pad_to, dtype=torch.long)
     labels = torch.full((n, pad_to), IGNORE, dtype=torch.long)

@@ -6,13 +6,13 @@ The baselines and the eager param-server use the same optimizer classes over the
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # torch is imported where an optimizer is built or a norm taken, so ``l2l plan`` reads
+    import torch  # the registry (``OPTIMIZERS``) without it
+    from torch import nn
 
 
 def no_decay(name: str) -> bool:
@@ -33,59 +33,6 @@ def param_groups(named: Iterable[tuple[str, torch.Tensor]], weight_decay: float)
     ]
 
 
-class Lamb(torch.optim.Optimizer):
-    """LAMB (You et al. 2019), as L2L v2 trains BERT-Large: Adam moments with bias correction, decoupled
-    weight decay inside the update, and a layer-wise trust ratio ||w|| / ||update|| applied per parameter
-    tensor. Multi-tensor (foreach) kernels; no Python loop over the elements of a layer."""
-
-    def __init__(
-        self,
-        params: Any,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-6,
-        weight_decay: float = 0.0,
-    ):
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            grads = [p.grad for p in params]
-            for p in params:
-                st = self.state[p]
-                if not st:
-                    st["step"] = torch.tensor(0.0)
-                    st["exp_avg"] = torch.zeros_like(p)
-                    st["exp_avg_sq"] = torch.zeros_like(p)
-            states = [self.state[p] for p in params]
-            m = [s["exp_avg"] for s in states]
-            v = [s["exp_avg_sq"] for s in states]
-            for s in states:
-                s["step"] += 1
-            t = float(states[0]["step"])
-            b1, b2 = group["betas"]
-            torch._foreach_lerp_(m, grads, 1 - b1)
-            torch._foreach_mul_(v, b2)
-            torch._foreach_addcmul_(v, grads, grads, value=1 - b2)
-            # update = m_hat / (sqrt(v_hat) + eps) + wd * w
-            denom = torch._foreach_sqrt(v)
-            torch._foreach_div_(denom, math.sqrt(1 - b2**t))
-            torch._foreach_add_(denom, group["eps"])
-            update = torch._foreach_div(m, denom)
-            torch._foreach_mul_(update, 1.0 / (1 - b1**t))
-            if group["weight_decay"]:
-                torch._foreach_add_(update, params, alpha=group["weight_decay"])
-            w_norm = torch.stack(torch._foreach_norm(params))
-            u_norm = torch.stack(torch._foreach_norm(update))
-            trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
-            torch._foreach_mul_(update, list((trust * -group["lr"]).unbind()))
-            torch._foreach_add_(params, update)
-
-
 @dataclass(frozen=True)
 class OptimizerKind:
     """An optimizer ``optim.name`` selects: how to build it over parameter groups, and whether its update
@@ -99,6 +46,8 @@ class OptimizerKind:
 
 
 def _adamw(groups: list[dict[str, Any]], o: OptimSettings) -> torch.optim.Optimizer:
+    import torch
+
     # torch's fused AdamW kernel runs on CPU too and is ~5x faster there than the default for-loop one
     return torch.optim.AdamW(
         groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True
@@ -106,6 +55,8 @@ def _adamw(groups: list[dict[str, Any]], o: OptimSettings) -> torch.optim.Optimi
 
 
 def _lamb(groups: list[dict[str, Any]], o: OptimSettings) -> torch.optim.Optimizer:
+    from l2l_cli.engine.lamb import Lamb
+
     return Lamb(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
 
 
@@ -176,6 +127,9 @@ def bind_flat(
     """An optimizer working in place on flat buffers: each run (name, w, g, exp_avg, exp_avg_sq) is one
     parameter, a view of the weights whose ``.grad`` is a view of the gradient, and its moments are views
     too (they shard, gather and checkpoint as flat buffers). Weight decay by ``param_groups`` on the names."""
+    import torch
+    from torch import nn
+
     named, moments = [], []
     for name, w, g, m, v in runs:
         p = nn.Parameter(w)
@@ -205,6 +159,8 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
 
 def layer_norms(layers: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
     """The L2 norm of each layer's gradients (one value per layer, float32)."""
+    import torch
+
     out = []
     for grads in layers:
         if len(grads) == 1:
@@ -217,6 +173,8 @@ def layer_norms(layers: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
 def clip_coefficients(norms: torch.Tensor, clip: str, max_norm: float) -> torch.Tensor | None:
     """Per-layer multipliers for ``clip`` (global: one shared coefficient from the total norm, as
     torch.nn.utils.clip_grad_norm_; layer: each layer by its own norm), or None for no clipping."""
+    import torch
+
     if clip == "none":
         return None
     if clip == "global":

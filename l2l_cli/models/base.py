@@ -1,5 +1,7 @@
 """What every model family gives the engine: a :class:`ModelSpec` (the sizes, and how each layer is built,
-run, named in a Hugging Face checkpoint and saved) and :class:`LayeredModel` = pre · blocks · post over it.
+run, named in a Hugging Face checkpoint and saved); ``layered.py`` holds :class:`LayeredModel` = pre ·
+blocks · post over it. This file imports no torch (``l2l plan`` reads the sizes, counts and FLOPs): a
+family imports it, and its modules, where a run builds or runs a layer.
 
 Layer indices are global: 0 = pre (embeddings), 1..N = transformer blocks, N+1 = post (head and loss).
 Every runner builds layer i the same way from the same seed, so all modes start from the same weights.
@@ -9,12 +11,13 @@ Nothing here knows about L2L: where layers live and when they run is decided by 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
-from torch import nn
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 PRE, BLOCK, POST = "pre", "block", "post"
 
@@ -60,6 +63,8 @@ class ModelSpec(ABC):
         """A layer built on the meta device (a shell whose parameters are views of flat buffers bound
         elsewhere: the relay's device slots, a pipeline stage's buffers), made runnable: its buffers become
         real tensors on ``device`` and the family re-creates their values (``reset_buffers``)."""
+        import torch
+
         for owner in shell.modules():  # index buffers (position ids) become real tensors
             for name, buf in list(owner._buffers.items()):
                 if buf is not None and buf.device.type == "meta":
@@ -157,66 +162,3 @@ class ModelSpec(ABC):
     def evaluate(self, predict: Callable[[Any], torch.Tensor], dev: Any, task: Any, batch_size: int,
                  pad_to: int | None) -> dict[str, float]:  # fmt: skip
         """The task's metrics of the head's predictions on the dev split."""
-
-
-class LayeredModel(nn.Module):
-    """The whole model, resident in one place: how the baselines (Alg. 1 and 2) hold it."""
-
-    def __init__(self, spec: ModelSpec, seed: int = 0, device: torch.device | str | None = None):
-        super().__init__()
-        self.spec = spec
-        self.pre = spec.build_layer(0, seed, device)
-        self.blocks = nn.ModuleList(spec.build_layer(i, seed, device) for i in range(1, spec.num_layers + 1))
-        self.post = spec.build_layer(spec.num_layers + 1, seed, device)
-        self.tied = spec.tied_params()
-        for post_name, pre_name in self.tied.items():  # a tied LM head: the post layer uses pre's tensor
-            owner, _, leaf = post_name.rpartition(".")
-            self.post.get_submodule(owner)._parameters[leaf] = self.pre.get_parameter(pre_name)
-
-    def layers(self) -> Iterator[tuple[int, nn.Module]]:
-        """(global index, module) for pre, blocks, post."""
-        yield 0, self.pre
-        yield from enumerate(self.blocks, start=1)
-        yield self.spec.num_layers + 1, self.post
-
-    def forward(
-        self, batch: Any, seed_fn: Callable[[int], None] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(loss, logits) of a (micro-)batch. ``seed_fn(layer)`` reseeds dropout before each layer, so a
-        layer-by-layer runner can reproduce the exact dropout masks."""
-        spec = self.spec
-        if seed_fn:
-            seed_fn(0)
-        x = spec.run_layer(self.pre, 0, None, batch, None)
-        side = spec.side_inputs(batch, x.dtype)
-        for i, block in enumerate(self.blocks, start=1):
-            if seed_fn:
-                seed_fn(i)
-            x = spec.run_layer(block, i, x, batch, side)
-        if seed_fn:
-            seed_fn(spec.num_layers + 1)
-        return spec.run_head(self.post, x, batch)
-
-    def own_parameters(self, index: int, layer: nn.Module) -> list[tuple[str, nn.Parameter]]:
-        """Layer ``index``'s parameters, less the tied ones it borrows from the pre layer (counted, clipped,
-        saved and loaded once: as the pre layer's)."""
-        skip = self.tied if index == self.spec.num_layers + 1 else {}
-        return [(n, p) for n, p in layer.named_parameters() if n not in skip]
-
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        return {
-            self.spec.hf_name(i, n): p for i, layer in self.layers() for n, p in self.own_parameters(i, layer)
-        }
-
-    @torch.no_grad()
-    def load_hf_state_dict(self, tensors: Any) -> list[str]:
-        """Copy matching HF tensors in; returns the names left at their initialization."""
-        missing = []
-        for i, layer in self.layers():
-            for n, p in self.own_parameters(i, layer):
-                t = self.spec.lookup_hf(tensors, self.spec.hf_name(i, n))
-                if t is None:
-                    missing.append(self.spec.hf_name(i, n))
-                else:
-                    p.copy_(t)
-        return missing

@@ -11,14 +11,14 @@ import json
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
-
-import numpy as np
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from l2l_cli.models.base import BLOCK, PRE, ModelSpec
 from l2l_cli.models.registry import ModelFamily, register_family
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,10 @@ class BertSpec(ModelSpec):
     # ---- building --------------------------------------------------------------------------------
 
     def new_layer(self, kind: str, device: torch.device | str | None = None) -> nn.Module:
+        import torch
         from transformers.models.bert.modeling_bert import BertEmbeddings, BertLayer
+
+        from l2l_cli.models.bert_modules import Head
 
         cfg = self.hf_config()
         with torch.device(device or "cpu"):
@@ -73,26 +76,31 @@ class BertSpec(ModelSpec):
                 return BertLayer(cfg)
             return Head(cfg)
 
-    @torch.no_grad()
     def init_layer(self, module: nn.Module, index: int, seed: int) -> nn.Module:
         """BERT's initialization (normal(0, init_std) weights, zero biases, unit LayerNorm), seeded per
         layer so that every mode builds layer ``index`` with identical weights, one layer at a time."""
+        import torch
+        from torch import nn
+
         g = torch.Generator().manual_seed(layer_seed(seed, index))
-        for m in module.modules():
-            if isinstance(m, nn.Linear):
-                m.weight.copy_(torch.empty(m.weight.shape).normal_(0.0, self.init_std, generator=g))
-                if m.bias is not None:
+        with torch.no_grad():
+            for m in module.modules():
+                if isinstance(m, nn.Linear):
+                    m.weight.copy_(torch.empty(m.weight.shape).normal_(0.0, self.init_std, generator=g))
+                    if m.bias is not None:
+                        m.bias.zero_()
+                elif isinstance(m, nn.Embedding):
+                    m.weight.copy_(torch.empty(m.weight.shape).normal_(0.0, self.init_std, generator=g))
+                    if m.padding_idx is not None:
+                        m.weight[m.padding_idx].zero_()
+                elif isinstance(m, nn.LayerNorm):
+                    m.weight.fill_(1.0)
                     m.bias.zero_()
-            elif isinstance(m, nn.Embedding):
-                m.weight.copy_(torch.empty(m.weight.shape).normal_(0.0, self.init_std, generator=g))
-                if m.padding_idx is not None:
-                    m.weight[m.padding_idx].zero_()
-            elif isinstance(m, nn.LayerNorm):
-                m.weight.fill_(1.0)
-                m.bias.zero_()
         return module
 
     def reset_buffers(self, module: nn.Module) -> None:
+        import torch
+
         if hasattr(module, "position_ids") and hasattr(module, "token_type_ids"):  # BertEmbeddings
             n = module.position_ids.shape[-1]
             module.position_ids.copy_(torch.arange(n, device=module.position_ids.device).expand(1, -1))
@@ -101,6 +109,8 @@ class BertSpec(ModelSpec):
     # ---- running ---------------------------------------------------------------------------------
 
     def side_inputs(self, ub: Any, dtype: torch.dtype) -> torch.Tensor:
+        from l2l_cli.models.bert_modules import extended_mask
+
         return extended_mask(ub.attention_mask, dtype)
 
     def run_layer(
@@ -121,6 +131,8 @@ class BertSpec(ModelSpec):
         is read whole."""
         if self.kind(index) != PRE:
             return None
+        import torch
+
         return {
             "word_embeddings.weight": batch.input_ids,
             "position_embeddings.weight": torch.arange(batch.seq_len),
@@ -142,6 +154,7 @@ class BertSpec(ModelSpec):
         self, out_dir: Path, named_tensors: Iterable[tuple[str, torch.Tensor]], task: Any = None
     ) -> None:
         """Write ``config.json`` + ``model.safetensors`` that ``BertForSequenceClassification`` loads."""
+        import torch
         from safetensors.torch import save_file
 
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -177,6 +190,8 @@ class BertSpec(ModelSpec):
     def evaluate(self, predict: Callable[[Any], torch.Tensor], dev: Any, task: Any, batch_size: int,
                  pad_to: int | None) -> dict[str, float]:  # fmt: skip
         """The task's GLUE metrics: argmax of the logits (classification) or the score (regression)."""
+        import numpy as np
+
         from l2l_cli.data.batches import eval_batches
         from l2l_cli.data.metrics import compute
 
@@ -187,39 +202,17 @@ class BertSpec(ModelSpec):
         return compute(task.metrics, preds, np.asarray(dev.labels))
 
 
-class Head(nn.Module):
-    """post: BERT pooler, dropout, classifier, and the task loss (cross-entropy, or MSE for regression)."""
+def __getattr__(name: str) -> Any:
+    """The torch part's names (``Head``, ``extended_mask``), importable from here as before."""
+    if name in ("Head", "extended_mask"):
+        from l2l_cli.models import bert_modules
 
-    def __init__(self, cfg: Any):
-        from transformers.models.bert.modeling_bert import BertPooler
-
-        super().__init__()
-        self.pooler = BertPooler(cfg)
-        self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
-        self.classifier = nn.Linear(cfg.hidden_size, cfg.num_labels)
-        self.num_labels = cfg.num_labels
-
-    def logits(self, x_BSH: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.dropout(self.pooler(x_BSH)))
-
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = logits.float()  # the loss in FP32 even when the device runs in half precision
-        if self.num_labels == 1:
-            return nn.functional.mse_loss(logits.squeeze(-1), labels.float())
-        return nn.functional.cross_entropy(logits, labels)
-
-    def forward(self, x_BSH: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.logits(x_BSH)
-        return self.loss(logits, labels), logits
+        return getattr(bert_modules, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def layer_seed(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index * 7_919 + 17) % (2**63)
-
-
-def extended_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[B, S] 1/0 padding mask -> additive [B, 1, 1, S] mask for BertLayer (0 keep, dtype-min drop)."""
-    return (1.0 - attention_mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
 
 
 def from_config(m: Any, num_labels: int) -> BertSpec:

@@ -16,19 +16,18 @@ from abc import abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from l2l_cli.models.base import BLOCK, POST, PRE, ModelSpec
 from l2l_cli.models.bert import layer_seed
 
-IGNORE = -100  # label of a position without a next-token target (padding)
-LOSS_CHUNK = 1 << 22  # training: the loss over chunks of at most this many logits (16 MiB in fp32)
-# evaluation: rows per forward so that their logits are at most one loss chunk's (at least one row), so an
-# evaluation does not raise the device peak far above training's
-LOGITS_BUDGET = LOSS_CHUNK
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+# the torch part (decoder_modules.py), importable from here as before (module __getattr__ below)
+_MODULES = ("IGNORE", "LOSS_CHUNK", "LOGITS_BUDGET", "LMHead", "lm_loss", "token_nll", "is_packed",
+            "doc_positions", "causal_mask", "GPT2Embeddings", "TokenEmbedding")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -116,6 +115,10 @@ class DecoderSpec(ModelSpec):
     # ---- building ----------------------------------------------------------------------------------
 
     def new_layer(self, kind: str, device: torch.device | str | None = None) -> nn.Module:
+        import torch
+
+        from l2l_cli.models.decoder_modules import LMHead
+
         cfg = self.hf_config()
         with torch.device(device or "cpu"):
             if kind == PRE:
@@ -124,32 +127,37 @@ class DecoderSpec(ModelSpec):
                 return self.new_block(cfg)
             return LMHead(self.norm_name, self.new_norm(cfg), self.hidden_size, self.vocab_size)
 
-    @torch.no_grad()
     def init_layer(self, module: nn.Module, index: int, seed: int) -> nn.Module:
         """GPT-style initialization (normal(0, init_std) matrices and embeddings, zero biases, unit norms),
         seeded per layer so every mode builds layer ``index`` alike, one layer at a time."""
+        import torch
+        from torch import nn
+
         g = torch.Generator().manual_seed(layer_seed(seed, index))
-        for name, m in module.named_modules():
-            weight = getattr(m, "weight", None)
-            if isinstance(m, nn.Linear | nn.Embedding) or type(m).__name__ == "Conv1D":
-                std = self.init_std * self.residual_init_scale(name)
-                m.weight.copy_(torch.empty(m.weight.shape).normal_(0.0, std, generator=g))
-                bias = getattr(m, "bias", None)
-                if bias is not None:
-                    bias.zero_()
-                if isinstance(m, nn.Embedding) and m.padding_idx is not None:
-                    m.weight[m.padding_idx].zero_()
-            elif isinstance(m, nn.LayerNorm) or (
-                isinstance(weight, nn.Parameter) and "Norm" in type(m).__name__
-            ):
-                m.weight.fill_(1.0)
-                if getattr(m, "bias", None) is not None:
-                    m.bias.zero_()
+        with torch.no_grad():
+            for name, m in module.named_modules():
+                weight = getattr(m, "weight", None)
+                if isinstance(m, nn.Linear | nn.Embedding) or type(m).__name__ == "Conv1D":
+                    std = self.init_std * self.residual_init_scale(name)
+                    m.weight.copy_(torch.empty(m.weight.shape).normal_(0.0, std, generator=g))
+                    bias = getattr(m, "bias", None)
+                    if bias is not None:
+                        bias.zero_()
+                    if isinstance(m, nn.Embedding) and m.padding_idx is not None:
+                        m.weight[m.padding_idx].zero_()
+                elif isinstance(m, nn.LayerNorm) or (
+                    isinstance(weight, nn.Parameter) and "Norm" in type(m).__name__
+                ):
+                    m.weight.fill_(1.0)
+                    if getattr(m, "bias", None) is not None:
+                        m.bias.zero_()
         return module
 
     # ---- running -----------------------------------------------------------------------------------
 
     def side_inputs(self, ub: Any, dtype: torch.dtype) -> DecoderSide:
+        from l2l_cli.models.decoder_modules import causal_mask
+
         window = self.sliding_window()
         seq = ub.attention_mask.shape[1]  # (a pipeline stage past the first has no token ids)
         return DecoderSide(
@@ -194,6 +202,7 @@ class DecoderSpec(ModelSpec):
     ) -> None:
         """Write ``config.json`` + ``model.safetensors`` that ``AutoModelForCausalLM`` loads; a tied head
         is saved once (as the embedding) and tied again by ``tie_word_embeddings`` on load."""
+        import torch
         from safetensors.torch import save_file
 
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -232,6 +241,7 @@ class DecoderSpec(ModelSpec):
                  pad_to: int | None) -> dict[str, float]:  # fmt: skip
         """Mean next-token loss over the dev tokens, and its perplexity (exp of it)."""
         from l2l_cli.data.batches import eval_batches
+        from l2l_cli.models.decoder_modules import LOGITS_BUDGET, token_nll
 
         seq = max(1, dev.seq_len)
         rows = max(1, min(batch_size, LOGITS_BUDGET // (seq * self.vocab_size)))
@@ -241,116 +251,6 @@ class DecoderSpec(ModelSpec):
             total, count = total + nll, count + n
         loss = total / max(1, count)
         return {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}
-
-
-class LMHead(nn.Module):
-    """post: the final norm, the LM head and the next-token cross-entropy (in FP32, whatever the device
-    dtype). ``norm_name`` keeps Hugging Face's parameter names (``ln_f``, ``norm``)."""
-
-    def __init__(self, norm_name: str, norm: nn.Module, hidden: int, vocab: int):
-        super().__init__()
-        self.norm_name = norm_name
-        self.add_module(norm_name, norm)
-        self.lm_head = nn.Linear(hidden, vocab, bias=False)
-
-    def logits(self, x_BSH: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(getattr(self, self.norm_name)(x_BSH))
-
-    def forward(
-        self, x_BSH: torch.Tensor, labels_BS: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(loss, logits). Training (gradients on) returns no logits: the loss is taken over chunks of
-        positions whose logits are recomputed in backward, so the head's device memory is one chunk's
-        (a micro-batch's logits over a 50k vocabulary would outweigh a whole transformer layer)."""
-        if torch.is_grad_enabled():
-            return self.chunked_loss(x_BSH, labels_BS), None
-        logits = self.logits(x_BSH)
-        return lm_loss(logits, labels_BS), logits
-
-    def chunked_loss(self, x_BSH: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
-        """``lm_loss(self.logits(x), labels)`` over chunks of positions of at most ``LOSS_CHUNK`` logits,
-        each chunk's logits recomputed in backward (activation checkpointing); in one piece when they fit
-        (then exactly ``lm_loss``)."""
-        from torch.utils.checkpoint import checkpoint
-
-        b, s, h = x_BSH.shape
-        rows = max(1, LOSS_CHUNK // self.lm_head.out_features)
-        if b * (s - 1) <= rows:
-            return lm_loss(self.logits(x_BSH), labels_BS)
-        x = x_BSH[:, :-1].reshape(-1, h)  # the positions that predict a next token
-        y = labels_BS[:, 1:].reshape(-1)
-        total = x.new_zeros((), dtype=torch.float32)
-        for start in range(0, x.shape[0], rows):
-            end = start + rows
-            total = total + checkpoint(self._nll_sum, x[start:end], y[start:end], use_reentrant=False)
-        return total / (y != IGNORE).sum().clamp(min=1)
-
-    def _nll_sum(self, x_NH: torch.Tensor, y_N: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(
-            self.logits(x_NH).float(), y_N, ignore_index=IGNORE, reduction="sum"
-        )
-
-
-def lm_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of predicting token t+1 from positions <= t (labels are the inputs, unshifted)."""
-    v = logits_BSV.shape[-1]
-    return nn.functional.cross_entropy(
-        logits_BSV[:, :-1].float().reshape(-1, v), labels_BS[:, 1:].reshape(-1), ignore_index=IGNORE
-    )
-
-
-def token_nll(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> tuple[float, int]:
-    """(summed next-token loss, number of predicted tokens) of a batch."""
-    v = logits_BSV.shape[-1]
-    target = labels_BS[:, 1:].reshape(-1)
-    nll = nn.functional.cross_entropy(
-        logits_BSV[:, :-1].float().reshape(-1, v), target, ignore_index=IGNORE, reduction="sum"
-    )
-    return float(nll), int((target != IGNORE).sum())
-
-
-def is_packed(attention_mask_BS: torch.Tensor) -> bool:
-    """Whether rows hold several documents: a packed row's ``attention_mask`` is each token's document
-    number (1, 2, ...; 0 for padding) rather than 1 for every token (``task.packing``, data/chat.py)."""
-    return attention_mask_BS.numel() > 0 and int(attention_mask_BS.max()) > 1
-
-
-def doc_positions(attention_mask_BS: torch.Tensor) -> torch.Tensor | None:
-    """Each token's position inside its own document in packed rows ([B, S], restarting at 0 where a
-    document begins), so a packed example sees the positions it would alone; None for unpacked rows."""
-    if not is_packed(attention_mask_BS):
-        return None
-    m = attention_mask_BS
-    idx = torch.arange(m.shape[1], device=m.device).expand_as(m)
-    begins = torch.ones_like(m, dtype=torch.bool)
-    begins[:, 1:] = m[:, 1:] != m[:, :-1]
-    return idx - torch.where(begins, idx, torch.zeros_like(idx)).cummax(dim=1).values
-
-
-def causal_mask(attention_mask_BS: torch.Tensor, window: int | None) -> torch.Tensor | None:
-    """None for full blocks without a window (SDPA then runs its causal kernel); else a boolean mask
-    [B, 1, S, S] (True: attend) of key <= query, inside the window, and not padding (as transformers'
-    ``create_causal_mask`` / ``create_sliding_window_causal_mask`` build it). Packed rows (document
-    numbers in ``attention_mask``) also keep each query inside its own document, so attention never
-    crosses examples; a padding query sees itself only (a row with no key would be NaN)."""
-    padded = not bool(attention_mask_BS.all())
-    packed = is_packed(attention_mask_BS)
-    if window is None and not padded and not packed:
-        return None
-    s = attention_mask_BS.shape[1]
-    q = torch.arange(s, device=attention_mask_BS.device)[:, None]
-    k = torch.arange(s, device=attention_mask_BS.device)[None, :]
-    allowed = k <= q
-    if window is not None:
-        allowed = allowed & (k > q - window)
-    mask = allowed[None, None]
-    if packed:
-        doc = attention_mask_BS
-        same = (doc[:, :, None] == doc[:, None, :]) & (doc[:, None, :] != 0)
-        mask = mask & (same | (q == k))[:, None]
-    elif padded:
-        mask = mask & attention_mask_BS.bool()[:, None, None, :]
-    return mask
 
 
 @functools.cache
@@ -366,3 +266,12 @@ def _param_counts(spec: DecoderSpec) -> tuple[int, int, int]:
 
 def config_dict(hf_json: str) -> dict[str, Any]:
     return json.loads(hf_json) if hf_json else {}
+
+
+def __getattr__(name: str) -> Any:
+    """The torch part's names (``decoder_modules.py``), imported on first use."""
+    if name in _MODULES:
+        from l2l_cli.models import decoder_modules
+
+        return getattr(decoder_modules, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,14 +12,15 @@ import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from l2l_cli.data.tasks import LM
-from l2l_cli.models.decoder import DecoderSide, DecoderSpec, config_dict, doc_positions
+from l2l_cli.models.decoder import DecoderSide, DecoderSpec, config_dict
 from l2l_cli.models.registry import ModelFamily, UnsupportedModel, register_family
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,8 @@ class GPT2Spec(DecoderSpec):
         return "GPT2LMHeadModel"
 
     def new_pre(self, cfg: Any) -> nn.Module:
+        from l2l_cli.models.decoder_modules import GPT2Embeddings
+
         return GPT2Embeddings(cfg)
 
     def new_block(self, cfg: Any) -> nn.Module:
@@ -68,10 +71,14 @@ class GPT2Spec(DecoderSpec):
         return GPT2Block(cfg, layer_idx=0)
 
     def new_norm(self, cfg: Any) -> nn.Module:
+        from torch import nn
+
         return nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
 
     def run_pre(self, layer: nn.Module, ub: Any) -> torch.Tensor:
         """Token + learned position embeddings; packed rows take each document's positions from 0."""
+        from l2l_cli.models.decoder_modules import doc_positions
+
         return layer(ub.input_ids, doc_positions(ub.attention_mask))
 
     def run_block(self, layer: nn.Module, index: int, x: torch.Tensor, side: DecoderSide) -> torch.Tensor:
@@ -85,23 +92,6 @@ class GPT2Spec(DecoderSpec):
     def residual_init_scale(self, name: str) -> float:
         """GPT-2's scheme: the projections into the residual stream at init_std / sqrt(2 · layers)."""
         return (2 * self.num_layers) ** -0.5 if name.endswith("c_proj") else 1.0
-
-
-class GPT2Embeddings(nn.Module):
-    """pre: ``wte(ids) + wpe(positions)``, then dropout, as ``GPT2Model.forward`` begins."""
-
-    def __init__(self, cfg: Any):
-        super().__init__()
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
-        self.drop = nn.Dropout(cfg.embd_pdrop)
-
-    def forward(self, input_ids_BS: torch.Tensor, positions_BS: torch.Tensor | None = None) -> torch.Tensor:
-        """``positions``: each token's (packed rows: its document's; generation: past a cache); default
-        0..S-1."""
-        if positions_BS is None:
-            positions_BS = torch.arange(input_ids_BS.shape[1], device=input_ids_BS.device)[None]
-        return self.drop(self.wte(input_ids_BS) + self.wpe(positions_BS))
 
 
 @functools.cache  # built once per spec: every layer build and the relay's shells share it (read-only)

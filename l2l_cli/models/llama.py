@@ -14,15 +14,16 @@ import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from l2l_cli.data.tasks import LM
-from l2l_cli.models.decoder import DecoderSide, DecoderSpec, config_dict, doc_positions
+from l2l_cli.models.decoder import DecoderSide, DecoderSpec, config_dict
 from l2l_cli.models.registry import ModelFamily, UnsupportedModel, register_family
 from l2l_cli.problems import Problem, divisors
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 # model_type -> the class-name prefix of its transformers modules (modeling_<type>.<Prefix>DecoderLayer)
 PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
@@ -75,6 +76,8 @@ class LlamaSpec(DecoderSpec):
         return PREFIX[self.model_type] + "ForCausalLM"
 
     def new_pre(self, cfg: Any) -> nn.Module:
+        from l2l_cli.models.decoder_modules import TokenEmbedding
+
         return TokenEmbedding(cfg)
 
     def new_block(self, cfg: Any) -> nn.Module:
@@ -86,6 +89,10 @@ class LlamaSpec(DecoderSpec):
     def rope(self, ub: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of the rotary embedding at positions 0..S-1 (packed rows: each document's own,
         from 0), from the family's own module."""
+        import torch
+
+        from l2l_cli.models.decoder_modules import doc_positions
+
         ids = ub.attention_mask  # positions 0..S-1 (a pipeline stage past the first has no token ids)
         positions = doc_positions(ids)
         if positions is None:
@@ -93,6 +100,8 @@ class LlamaSpec(DecoderSpec):
         return self.rope_at(positions, dtype)
 
     def rope_at(self, positions_BS: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
         device = positions_BS.device
         return _rotary(self, device)(torch.empty(0, dtype=dtype, device=device), positions_BS)
 
@@ -103,17 +112,6 @@ class LlamaSpec(DecoderSpec):
         sliding = side.window_mask is not None and (index - 1) in _window(self)[1]
         mask = side.window_mask if sliding else side.mask
         return layer(x, attention_mask=mask, position_embeddings=side.rope, cache=side.cache)
-
-
-class TokenEmbedding(nn.Module):
-    """pre: ``embed_tokens(ids)`` (Llama adds no positions here: they are rotary, inside attention)."""
-
-    def __init__(self, cfg: Any):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, cfg.pad_token_id)
-
-    def forward(self, input_ids_BS: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids_BS)
 
 
 @functools.cache  # built once per spec: every layer build and the relay's shells share it (read-only)

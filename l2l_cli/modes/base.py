@@ -30,7 +30,8 @@ from l2l_cli.engine.optim import (
 from l2l_cli.engine.precision import Precision
 from l2l_cli.engine.recompute import RecomputeSettings
 from l2l_cli.engine.tiers import TierSettings
-from l2l_cli.models.base import LayeredModel, ModelSpec
+from l2l_cli.models.base import ModelSpec
+from l2l_cli.models.layered import LayeredModel
 from l2l_cli.profiling.timers import PhaseTimer
 
 if TYPE_CHECKING:

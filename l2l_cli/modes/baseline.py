@@ -7,7 +7,6 @@ import time
 
 from l2l_cli.data.batches import Batch
 from l2l_cli.modes.base import DeviceResident, StepReport
-from l2l_cli.modes.registry import ModeSpec, register_mode
 
 
 class BaselineRunner(DeviceResident):
@@ -21,15 +20,3 @@ class BaselineRunner(DeviceResident):
         with self.timer("optimizer"):
             applied, norm = self.update()
         return self.finish(loss, len(mb), t0, lr, skipped=not applied, grad_norm=norm)
-
-
-SPEC = register_mode(
-    ModeSpec(
-        name="baseline",
-        label="baseline",
-        runner=BaselineRunner,
-        description="Alg. 1: the whole minibatch through the whole model on the device, then the update",
-        precision_note="cmp keeps the FP32 master in the eager param-server, which only the L2L modes have",
-        microbatches=False,
-    )
-)

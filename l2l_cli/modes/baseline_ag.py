@@ -7,7 +7,6 @@ import time
 
 from l2l_cli.data.batches import Batch
 from l2l_cli.modes.base import DeviceResident, StepReport
-from l2l_cli.modes.registry import ModeSpec, register_mode
 
 
 class BaselineAGRunner(DeviceResident):
@@ -24,15 +23,3 @@ class BaselineAGRunner(DeviceResident):
         with self.timer("optimizer"):
             applied, norm = self.update()
         return self.finish(loss, len(minibatch), t0, lr, skipped=not applied, grad_norm=norm)
-
-
-SPEC = register_mode(
-    ModeSpec(
-        name="baseline_ag",
-        label="baseline-ag",
-        runner=BaselineAGRunner,
-        description="Alg. 2: each micro-batch through the whole model on the device, gradients accumulated",
-        precision_note="cmp keeps the FP32 master in the eager param-server, which only the L2L modes have",
-        pipeline_stage=True,  # Alg. 2 per stage: the pipeline's micro-batches accumulate each stage's gradient
-    )
-)

@@ -24,7 +24,6 @@ from l2l_cli.engine.decode import LayeredDecoder
 from l2l_cli.engine.eps import EagerParamServer
 from l2l_cli.engine.recompute import (
     MARGIN,
-    POLICIES,
     LayerBytes,
     RecomputePlan,
     choose,
@@ -36,8 +35,6 @@ from l2l_cli.engine.relay import Relay
 from l2l_cli.engine.stash import CpuStash, DeviceStash
 from l2l_cli.models.decoder import DecoderSpec
 from l2l_cli.modes.base import DurableState, LayerFiles, RunnerArgs, RunnerBase, StepReport
-from l2l_cli.modes.registry import ModeSpec, register_mode
-from l2l_cli.problems import Problem, one_of
 
 if TYPE_CHECKING:
     from l2l_cli.checkpoint import RealtimeWriter
@@ -333,48 +330,6 @@ class L2LRunner(RunnerBase):
             self.eps.settle()
         finally:
             self.eps.close()
-
-
-L2L_PRECISIONS = {"fp32": "fp32", "amp": "amp", "cmp": "cmp", "mixed": "cmp"}
-
-
-def recompute_rules(cfg: Any) -> list[Problem]:
-    """``mode.recompute`` / ``keep_layers`` / ``activation_budget_gb``: the L2L runners read them."""
-    p: list[Problem] = []
-    m = cfg.mode
-    one_of(p, "mode.recompute", m.recompute, POLICIES)
-    keep = m.keep_layers
-    depth = cfg.model.get("num_layers")
-    if keep is not None and keep != "auto":
-        if isinstance(keep, bool) or not isinstance(keep, int):
-            p.append(Problem("mode.keep_layers", f"got {keep!r}; allowed: an integer 0..depth, or auto"))
-        elif keep < 0 or (isinstance(depth, int) and keep > depth):
-            bound = f"0..{depth} (model.num_layers)" if isinstance(depth, int) else "0 or more"
-            p.append(Problem("mode.keep_layers", f"got {keep}; allowed: {bound}, or auto"))
-        elif m.recompute == "none":
-            p.append(Problem("mode.keep_layers", "recompute=none keeps every layer; leave keep_layers unset"))
-    budget = m.activation_budget_gb
-    if budget is not None and not (isinstance(budget, int | float) and budget > 0):
-        p.append(Problem("mode.activation_budget_gb", f"got {budget!r}; allowed: a positive number of GiB"))
-    return p
-
-
-SPEC = register_mode(
-    ModeSpec(
-        name="l2l",
-        label="l2l",
-        runner=L2LRunner,
-        description="Alg. 3: layers relayed from the eager param-server, every micro-batch through layer l first",
-        precisions=L2L_PRECISIONS,
-        stash=("device", "cpu"),
-        recompute=True,
-        validate=recompute_rules,
-        host_state="eps",
-        distribute="eps",
-        state_layout="eps-flat-v1",  # shared by l2l and l2l_p: either resumes the other's checkpoints
-        pipeline_stage=True,  # dist.pipeline > 1: each rank's EPS holds its stages (parallel/pipeline/l2l.py)
-    )
-)
 
 
 def head_turn(

@@ -28,8 +28,7 @@ from typing import Any
 
 from l2l_cli.data.batches import Batch
 from l2l_cli.modes.base import StepReport
-from l2l_cli.modes.l2l import L2L_PRECISIONS, L2LRunner, recompute_rules
-from l2l_cli.modes.registry import ModeSpec, register_mode
+from l2l_cli.modes.l2l import L2LRunner
 
 log = logging.getLogger("l2l")
 
@@ -60,25 +59,3 @@ class L2LPRunner(L2LRunner):
         """summary.json's ``l2l_p`` section (steps rolled back, layer updates undone) besides L2L's."""
         rollbacks = {"rollbacks": self.eps.rollbacks, "rolled_back_layer_updates": self.eps.rollback_layers}
         return {**super().sections(), "l2l_p": rollbacks}
-
-
-SPEC = register_mode(
-    ModeSpec(
-        name="l2l_p",
-        label="l2l-p",
-        runner=L2LPRunner,
-        description="Alg. 4: L2L with the host update of layer l+1 overlapped with the backward of layer l",
-        precisions=L2L_PRECISIONS,
-        default_clip="global",  # exact: speculative updates, rolled back and redone when clipping applies
-        clips=("global", "layer", "none"),
-        stash=("device", "cpu"),
-        recompute=True,
-        validate=recompute_rules,
-        host_state="eps",
-        undo_log=True,
-        overlapped_update=True,
-        distribute="eps",
-        state_layout="eps-flat-v1",
-        pipeline_stage=True,  # dist.pipeline > 1: the verdict on the pipeline's norms (pipeline/l2l_stages.py)
-    )
-)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from l2l_cli.engine.recompute import MARGIN, SELECTIVE_SHARE, LayerBytes, RecomputeSettings, choose
+from l2l_cli.engine.recompute_plan import MARGIN, SELECTIVE_SHARE, LayerBytes, RecomputeSettings, choose
 from l2l_cli.engine.tiers import TIERS
 from l2l_cli.modes import MODES, ModeSpec, find_mode, run_precision, run_stash
 from l2l_cli.plan import costmodel as cm

@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-
 from l2l_cli.problems import Problem
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch too: the registry is read without it (l2l plan)
+    import torch
+
     from l2l_cli.engine.device import Accelerator, CopyHandle
     from l2l_cli.engine.flat import FlatLayout
     from l2l_cli.engine.layer_state import LayerState

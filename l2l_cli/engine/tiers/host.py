@@ -7,14 +7,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from l2l_cli.engine.layer_state import LayerState
 from l2l_cli.engine.tiers.base import TierKind, TierSettings, register_tier
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch and the layer state are imported when a run builds the tier, not by l2l plan
+    import torch
+
     from l2l_cli.engine.device import Accelerator, CopyHandle
     from l2l_cli.engine.flat import FlatLayout
+    from l2l_cli.engine.layer_state import LayerState
     from l2l_cli.engine.optim import OptimSettings
     from l2l_cli.models.base import ModelSpec
     from l2l_cli.profiling.timers import PhaseTimer
@@ -32,6 +32,8 @@ class HostTier:
         self, index: int, kind: str, layout: FlatLayout, acc: Accelerator, send_dtype: torch.dtype,
         optim: OptimSettings,
     ) -> LayerState:  # fmt: skip
+        from l2l_cli.engine.layer_state import LayerState
+
         return LayerState(index, kind, layout, acc, send_dtype, optim)
 
     def pin(self, i: int, parts: str = "w", *, fresh: bool = False) -> None:

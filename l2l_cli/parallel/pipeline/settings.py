@@ -8,9 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from l2l_cli.engine.dist import resolve_backend
 from l2l_cli.engine.optim import OPTIMIZERS
 from l2l_cli.models import FAMILIES, family_for_dir
 from l2l_cli.modes.registry import MODES
@@ -45,6 +42,8 @@ MIN_TORCH = (2, 10)
 
 def torch_problem(version: str | None = None) -> str | None:
     """Why this torch cannot run the pipeline's stages on its schedules (None: it can)."""
+    import torch  # here, not at the top: the strategy's rules are read without torch (l2l plan)
+
     version = version or torch.__version__
     m = re.match(r"(\d+)\.(\d+)", version)
     if m is None or (int(m.group(1)), int(m.group(2))) >= MIN_TORCH:
@@ -181,6 +180,10 @@ def validate(cfg: Any) -> list[Problem]:
 
 def _device_rules(cfg: Any) -> list[Problem]:
     """The backend must move the stages' hidden states: NCCL between GPUs, gloo between CPU processes."""
+    import torch  # a pipeline's rules only (dist.pipeline > 1): plan and plain runs do not import torch here
+
+    from l2l_cli.engine.dist import resolve_backend
+
     d, dev = cfg.dist, cfg.device
     cuda = dev == "cuda" or (dev == "auto" and torch.cuda.is_available())
     backend = resolve_backend(d.backend, dev)

@@ -24,33 +24,22 @@ from typing import Any
 import torch
 
 from l2l_cli.engine.device import Accelerator
-from l2l_cli.models.base import ModelSpec
+from l2l_cli.engine.tiers.disk.layout import (  # noqa: F401  (the sizes, re-exported for the I/O's users)
+    ALIGN,
+    COMMIT,
+    SPLIT,
+    STATE,
+    aligned,
+    disk_bytes,
+    layer_file_bytes,
+    part_width,
+)
 
-ALIGN = 4096  # O_DIRECT: buffers, offsets and lengths block-aligned
 CHUNK = 64 << 20  # one read/write call
-STATE = "wmv"  # the parts of a layer's state (a slot of a format-1 file holds them, in file order)
-SPLIT = "hlmv"  # a format-2 slot: the master as bf16 hi and 16-bit lo planes, then the moments
 FORMAT = 1  # FP32 weights (FP32 and fp16 CMP runs; what every disk EPS before format 2 wrote)
 FORMAT_SPLIT = 2  # bf16 CMP: the master split in hi/lo planes, the forward reads hi alone
 FORMATS = (FORMAT, FORMAT_SPLIT)
 MAGIC = b"l2l-eps-layer\n"
-COMMIT = "commit.json"
-
-
-def aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def layer_file_bytes(numel: int, split: bool = False) -> int:
-    """Bytes of one layer's file: the header and two slots of weights (FP32, or two 16-bit planes) and
-    moments: 24 bytes per parameter either way."""
-    parts = SPLIT if split else STATE
-    return ALIGN + 2 * sum(aligned(part_width(p) * numel) for p in parts)
-
-
-def part_width(part: str) -> int:
-    """Bytes per parameter of a file part: 2 for the master's hi and lo planes, else 4 (FP32)."""
-    return 2 if part in "hl" else 4
 
 
 # ---- the master as two 16-bit planes (format 2) ----------------------------------------------------------
@@ -107,12 +96,6 @@ def join_master(hi: torch.Tensor, lo: torch.Tensor, v: torch.Tensor, w: torch.Te
         down = ties[vi[ties] < 0]  # marked: the tie rounded down, lo is +0x8000, not -0x8000
         wi[down] = wi[down] + 0x10000
         vi[down] = vi[down] & 0x7FFFFFFF
-
-
-def disk_bytes(spec: ModelSpec) -> int:
-    """What the disk tier needs on disk for ``spec``: 24 bytes per parameter (two versions of w, m, v)."""
-    pre, block, post = spec.param_counts()
-    return layer_file_bytes(pre) + spec.num_layers * layer_file_bytes(block) + layer_file_bytes(post)
 
 
 # ---- crash injection (the tests' kill points; unset in normal runs) ---------------------------------

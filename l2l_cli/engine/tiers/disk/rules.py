@@ -8,14 +8,16 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from l2l_cli.engine.tiers.base import TierSettings
-from l2l_cli.engine.tiers.disk.format import COMMIT, disk_bytes
-from l2l_cli.models.base import ModelSpec
+from l2l_cli.engine.tiers.disk.layout import COMMIT, disk_bytes
 from l2l_cli.problems import Problem, at_least, fmt_bytes
+
+if TYPE_CHECKING:
+    from l2l_cli.models.base import ModelSpec
 
 DIR = "eps"  # the run dir's folder for the layer files, unless eps.path says
 EPS_MODES_ONLY = "disk moves the eager param-server's state to disk"
