@@ -317,7 +317,7 @@ def generate_layered(cfg: DictConfig, weights: Path, tok: Any, ids: list[list[in
     from l2l_cli.modes import MODES
 
     cfg = cfg.copy()
-    decoding = [name for name, m in MODES.items() if callable(getattr(m.runner, "decoder", None))]
+    decoding = [name for name, m in MODES.items() if m.decodes]
     own = str(cfg.mode.name) in decoding
     with tempfile.TemporaryDirectory(prefix="l2l-generate-") as tmp:
         if not own and (weights / "manifest.json").is_file():  # another state layout: through HF names

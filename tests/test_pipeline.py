@@ -294,7 +294,7 @@ def test_backends_and_an_old_torch_are_refused_before_any_rank_starts(monkeypatc
         assert "gloo's send/recv take CPU tensors" in problems(*ok, "device=cuda")["dist.backend"]
     from l2l_cli.parallel.pipeline import settings
 
-    monkeypatch.setattr(settings.torch, "__version__", "2.9.1+cpu")
+    monkeypatch.setattr(torch, "__version__", "2.9.1+cpu")  # settings imports torch in its rule
     old = problems(*ok)["dist.pipeline"]
     assert "torch 2.9.1+cpu is older than 2.10" in old and "REDUCE_GRAD" in old
     assert settings.torch_problem("2.10.0") is None and settings.torch_problem("3.0") is None

@@ -42,6 +42,7 @@ class ModeSpec:
     state_layout: str = "module-v1"  # checkpoint layout; modes sharing one resume each other's checkpoints
     validate: Callable[[Any], list[Problem]] | None = None  # mode-specific rules on the composed config
     pipeline_stage: bool = False  # can be the algorithm each stage of a pipeline runs (dist.pipeline > 1)
+    decodes: bool = False  # its runner decodes layer by layer (``decoder()``): what ``l2l generate`` runs
 
     @property
     def realtime_ckpt(self) -> bool:
