@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from l2l_cli.data.loading import load_task
 from l2l_cli.data.rows import IGNORE, collate_rows
 from l2l_cli.data.tasks import TaskData
-from l2l_cli.models.decoder import causal_mask, doc_positions
+from l2l_cli.models.decoder_modules import causal_mask, doc_positions
 from tests.util import assert_same_weights, l2l, tiny_cfg, train
 
 CHATML = (

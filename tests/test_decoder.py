@@ -196,7 +196,7 @@ def test_chunked_lm_loss_equals_the_whole_loss(monkeypatch: pytest.MonkeyPatch) 
     """Training takes the LM loss over chunks of positions (logits recomputed in backward): the same loss
     and gradients as over all the logits at once, ignored labels included."""
     from l2l_cli.models import decoder_modules
-    from l2l_cli.models.decoder import LMHead, lm_loss
+    from l2l_cli.models.decoder_modules import LMHead, lm_loss
 
     torch.manual_seed(0)
     head = LMHead("ln_f", torch.nn.LayerNorm(16), 16, 100)

@@ -197,7 +197,7 @@ def test_parameter_counts_match_the_modules(sizes: tuple[int, int, int, int]) ->
 def test_block_activation_bytes_match_the_storage_meter() -> None:
     import torch
 
-    from l2l_cli.models.bert import extended_mask
+    from l2l_cli.models.bert_modules import extended_mask
     from l2l_cli.profiling.memory import StorageMeter
     from tests.util import bert_spec
 

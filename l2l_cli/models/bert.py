@@ -202,15 +202,6 @@ class BertSpec(ModelSpec):
         return compute(task.metrics, preds, np.asarray(dev.labels))
 
 
-def __getattr__(name: str) -> Any:
-    """The torch part's names (``Head``, ``extended_mask``), importable from here as before."""
-    if name in ("Head", "extended_mask"):
-        from l2l_cli.models import bert_modules
-
-        return getattr(bert_modules, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def layer_seed(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index * 7_919 + 17) % (2**63)
 

@@ -25,10 +25,6 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-# the torch part (decoder_modules.py), importable from here as before (module __getattr__ below)
-_MODULES = ("IGNORE", "LOSS_CHUNK", "LOGITS_BUDGET", "LMHead", "lm_loss", "token_nll", "is_packed",
-            "doc_positions", "causal_mask", "GPT2Embeddings", "TokenEmbedding")  # fmt: skip
-
 
 @dataclass(frozen=True)
 class DecoderSide:
@@ -266,12 +262,3 @@ def _param_counts(spec: DecoderSpec) -> tuple[int, int, int]:
 
 def config_dict(hf_json: str) -> dict[str, Any]:
     return json.loads(hf_json) if hf_json else {}
-
-
-def __getattr__(name: str) -> Any:
-    """The torch part's names (``decoder_modules.py``), imported on first use."""
-    if name in _MODULES:
-        from l2l_cli.models import decoder_modules
-
-        return getattr(decoder_modules, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
