@@ -11,11 +11,10 @@ nor a tier: they import it.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from l2l_cli.engine.device import DONE, Accelerator, CopyHandle
 from l2l_cli.engine.flat import FlatLayout
-from l2l_cli.engine.optim import OptimSettings, make_optimizer, param_groups, set_lr
+from l2l_cli.engine.optim import OptimSettings, bind_flat, set_lr
 
 
 def bind_optimizer(
@@ -31,20 +30,8 @@ def bind_optimizer(
     # AdamW is elementwise: two flat tensors per layer (decayed, not) give the fused kernel long runs.
     # LAMB's trust ratio is per parameter tensor, so it gets a view per tensor.
     split = layout.segments if optim.elementwise else layout.views
-    named = []
     grads, ms, vs = dict(split(g)), dict(split(m)), dict(split(v))
-    for name, view in split(w):
-        p = nn.Parameter(view)
-        p.grad = grads[name]
-        named.append((name, p))
-    optimizer = make_optimizer(param_groups(named, optim.weight_decay), optim)
-    for name, p in named:  # the moments live in the flat buffers (checkpointable per layer as 4 tensors)
-        optimizer.state[p] = {
-            "step": torch.zeros((), dtype=torch.float32),
-            "exp_avg": ms[name],
-            "exp_avg_sq": vs[name],
-        }
-    return optimizer
+    return bind_flat(((name, view, grads[name], ms[name], vs[name]) for name, view in split(w)), optim)
 
 
 class LayerState:
