@@ -243,8 +243,107 @@ def test_section_7_memory_limits_are_set_by_the_tensor_cap_over_infiniband() -> 
         assert lim["offload_above_params"] == pytest.approx(offload, rel=0.1), cap
 
 
-@pytest.mark.xfail(strict=True, reason="§7's 280T / 90T need a ~28% tensor cap over InfiniBand (see above)")
+def test_section_7_memory_statements_all_put_the_infiniband_tensor_cap_near_28_percent() -> None:
+    """The readings of §7's memory limits tried beside the tensor cap (the test above), and the paper's other
+    memory statements, which all point the same way:
+
+    - "limits of about 4.5 and 50 trillion parameters, with total memory usages of 13 and 62 GB": at 4.5T
+      (n_a = 16 in the node, no cap question) ours is 12.8-13.3 GB, the paper's 13. At 50T (X334) ours is
+      70.2 GB with n_a = 20, the most the 25% cap allows over InfiniBand; the paper's 62 GB needs n_a = 22-23
+      there, an overhead of 27.3-28.7% (eq. 12 at 5.81k flop/B) - as the 25T sentence (27.4%) and 280T / 90T
+      (28%) do.
+    - The curve's crossing vs the largest size that fits: with integer n_a the memory is a sawtooth (each
+      step of n_a = 1 + floor(ε·4x²/ν_net) drops it ~3%), so X446 (212T) fits while X444 (202T is X442)
+      and X448 do not. "80 GB is enough to train models up to" is every size below, 202T; the last tooth
+      would be 212T, just inside 25% of 280T, but offload is still needed from X354 (66.7T) on, 26% below
+      90T, and no size above fits without it.
+    - Non-offloadable memory is buffers + layer activations, as Table 6.2's column (1.58 + 3.14 GB for
+      X160's 3d improved row, checked in test_table_6_2...); checkpoints are offloadable (C.3).
+    - What else could lower the memory near 1e14 does not: n_a is the only divisor of the buffers
+      (6·p_l/n_a), b_mu = 1 already, the head count (x/2 = 221) is far above n_a ~ 34, and GB for GiB or
+      the combined overheads under one cap only make the cap stricter."""
+    lk = ga.Links()
+
+    def best(x: int, **kw) -> S.Found | None:
+        t = S.Target(ga.x_family(x), ga.x_critical_batch_size(x), lk)
+        return S.fastest(t, replace(F.PAPER, **kw), "improved")
+
+    def total(f: S.Found) -> float:
+        return (f.memory_bytes["offloadable"] + f.memory_bytes["non_offloadable"]) / GiB
+
+    assert [round(total(best(x)), 1) for x in (206, 208)] == [12.8, 13.3]
+    assert ga.x_params(206) < 4.5e12 < ga.x_params(208)
+    x = 334  # 50T
+    assert ga.x_params(x) == pytest.approx(50e12, rel=0.01)
+    f = best(x)
+    assert f.config.n_a == 20 and total(f) == pytest.approx(70.2, abs=0.1)
+    for n_a, gb in ((22, 63.8), (23, 61.0)):
+        mem = ga.memory(ga.x_family(x), replace(f.config, n_a=n_a))
+        assert (mem["offloadable"] + mem["non_offloadable"]) / GiB == pytest.approx(gb, abs=0.1)
+    assert [round(lk.threshold(50.0) * (n - 1) / (4 * x * x), 3) for n in (20, 21, 22, 23)] == [
+        0.247, 0.260, 0.273, 0.287]  # fmt: skip
+    # the sawtooth
+    assert [best(x) is not None for x in (442, 444, 446, 448)] == [True, False, True, False]
+    assert (best(446).config.n_a, best(442).config.n_a) == (35, 34)
+    assert best(352, offload=False) is not None and best(354, offload=False) is None
+    assert all(best(x, offload=False) is None for x in range(356, 392, 4))
+    assert 0.75 * 280e12 <= ga.x_params(446) < 0.76 * 280e12  # just inside 25%
+    assert ga.x_params(352) < ga.x_params(354) < 0.75 * 90e12
+
+
+def test_section_7_time_statements_hold_only_if_the_tensor_overhead_is_not_charged(monkeypatch) -> None:
+    """A pattern in the paper's time statements, and why it is not a reading we may adopt. Where n_a sits at
+    the tensor cap, our times are ~1.4x the paper's: one year at 37.7T (paper ~50T), X474 (287T) in 5.7
+    years ("would take up to four years"), Figure 5's 32T / 721T (paper 40T / 900T). Leaving the tensor
+    overhead out of the training time (eq. 12 still caps n_a) brings Figure 5 to 42T / 954T and Figure 4's
+    year to 43T; with a 28% cap as well, all four of §7's numbers come out (275T, 85.5T, 4.74T, 49.4T). But
+    §5 counts "the measurable overheads from the pipeline bubble and non-overlapped data transfers" (eq. 12's
+    are never overlapped), and Table 6.1 prints them: data + tensor 0.93 = 1/(1 + 7.1%), 3d improved 0.88;
+    without it they would be 1.00 and 0.94, off by more than acceptance 1's 0.05. So the paper's text and
+    Table 6.1 do not give §7's numbers, and we keep the stated model."""
+    # the other tests' grids (F.sizes(36) and F.sizes(14, 1e12, 1e16)) around the limits: the same numbers
+    base4 = [x for x in F.sizes(36) if 1e12 <= ga.x_params(x) <= 1e15]
+    base5 = [x for x in F.sizes(14, 1e12, 1e16) if 1e13 <= ga.x_params(x) <= 3e15]
+    fig5 = ga.Links(node_size=0)
+    t = S.Target(ga.x_family(474), ga.x_critical_batch_size(474))
+    over = S.fastest(replace(t, links=replace(t.links, device_memory_gib=1e12)), F.PAPER, "improved")
+    assert over.time_s / S.DAY / 365.25 == pytest.approx(5.69, abs=0.01)
+    assert ga.x_params(474) == pytest.approx(280e12, rel=0.03)
+
+    def lim(links: ga.Links, xs: list[int], cap: float = 0.25) -> dict:
+        b = replace(F.PAPER, max_overhead=cap)
+        return {k: v / 1e12 for k, v in F.limits(F.sweep(links, xs, b), links, b).items()}
+
+    assert lim(ga.Links(), base4)["one_year_params"] == pytest.approx(37.6, abs=0.3)
+    assert lim(fig5, base5)["one_month_params"] == pytest.approx(31.9, abs=0.3)
+    orig = ga.overheads_of
+
+    def uncharged(m, method, n_mu, n_l, tr):  # the tensor overhead left out of the time, not the cap
+        return {**orig(m, method, n_mu, n_l, tr), "tensor": np.zeros(np.shape(tr["tensor"]["value"]))}
+
+    monkeypatch.setattr(ga, "overheads_of", uncharged)
+    l5, l4, l4c = lim(fig5, base5), lim(ga.Links(), base4), lim(ga.Links(), base4, 0.28)
+    assert (l5["one_month_params"], l5["one_year_params"]) == pytest.approx((42.2, 954), rel=0.01)
+    assert l4["one_year_params"] == pytest.approx(43.4, rel=0.01)
+    assert (l4["fits_80gb_params"], l4["offload_above_params"]) == pytest.approx((202, 64.8), rel=0.01)
+    assert [l4c[k] for k in ("fits_80gb_params", "offload_above_params", "one_month_params",
+                             "one_year_params")] == pytest.approx([275, 85.5, 4.74, 49.4], rel=0.01)  # fmt: skip
+    effs = {mix: S.search_one(X160, S.Bounds(), m, mix).efficiency
+            for mix, m in (("data+tensor", "partitioned"), ("3d", "improved"))}  # fmt: skip
+    assert effs == pytest.approx({"data+tensor": 1.0, "3d": 0.94}, abs=0.005)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="§7's 280T / 90T need a ~28% tensor cap over InfiniBand; the paper states 25% (see the tests above)",
+)
 def test_section_7_memory_limits_within_25_percent(figure4: list) -> None:
+    """Acceptance 3's memory half. Not met, and we find no reading of the paper that meets it: the three
+    tests above show the limits are set by eq. 12's cap on tensor parallelism over InfiniBand (p grows as
+    the cap^2.5), that all four of the paper's memory statements (25T, 50T's 62 GB, 90T, 280T) put that cap
+    at 27-29% where §5 states 25%, and that the other readings (largest size that fits vs the crossing,
+    what the non-offloadable memory holds, GB vs GiB, combined caps, the time-side pattern) do not close
+    the gap while keeping Table 6.1."""
     lim = F.limits(figure4, ga.Links())
     assert lim["fits_80gb_params"] == pytest.approx(280e12, rel=0.25)
     assert lim["offload_above_params"] == pytest.approx(90e12, rel=0.25)
@@ -273,7 +372,7 @@ def test_figure_8_no_configuration_is_within_4_percent() -> None:
     Time is the fixed work over n_gpu·peak·efficiency; n_b·n_mu <= b_c forces n_mu >= 37 with n_b <= 65, and
     n_l up to n_mu = 37 brings the bubble (n_l - 1)·n_l/(n_mu·d_l) to 22.5% (§4). The slowdown in Figure 8
     at 1T parameters cannot be read from the extracted text; "about 4%" may be a misprint of ~40%, which
-    is ours."""
+    is ours. The other readings (no partition, partial overlap, 1e12, other methods): the next test."""
     m, links = X160.model, replace(X160.links, network_gbps=6.25)
     best = 0.0
     for n_b in range(1, 484):
@@ -295,10 +394,83 @@ def test_figure_8_no_configuration_is_within_4_percent() -> None:
     )
 
 
+def _x160_best_over(links: ga.Links, eq: int, pipe: str) -> tuple[float, tuple[int, int, int]]:
+    """The largest n_gpu·efficiency of X160's improved 3d configurations (n_a = 16 on NVLink, b_mu = 1: a
+    larger b_mu only lowers n_mu for the same b/n_b, and the bubble with it) whose reduction is compute-bound,
+    over every (n_mu, n_l <= n_mu) with n_b = floor(b_c / n_mu). ``eq``: 9 (partitioned state, ν = b·d_s/(2·n_b))
+    or 8 (no partition, ν = 3·b·d_s/(4·n_b), 1.5x eq. 9). ``pipe``: the modular pipeline's transfers (eq. 11)
+    by the search's rule ("ours": free when n_mu >= n_l·(1 + ν_net/ν_l), C.4.2, else exposed), exposed in
+    proportion to the micro-batches missing ("partial": max(0, n_l·(1 + ν_net/ν_l)/n_mu - 1)), or "free"."""
+    m, B = X160.model, math.floor(X160.b_c)
+    n_mu, n_l = np.meshgrid(np.arange(1, B + 1), np.arange(1, m.d_l + 1), indexing="ij")
+    n_b = B // n_mu
+    tr = ga.transfers(m, "improved", 1, n_mu, n_b, n_l, 16, False, links)
+    nu_d = tr["data"]["value"] * (1.5 if eq == 8 else 1.0)
+    ok = (n_l <= n_mu) & (nu_d >= tr["data"]["threshold"])
+    r = np.where(n_l > 1, tr["pipeline"]["threshold"] / tr["pipeline"]["value"], 0.0)
+    exposed = {"ours": np.where(tr["pipeline"]["overlapped"], 0.0, r),
+               "partial": np.maximum(0.0, n_l * (1 + r) / n_mu - 1), "free": 0.0}[pipe]  # fmt: skip
+    tensor = tr["tensor"]["threshold"] / tr["tensor"]["value"]
+    eff = 1.0 / ((1 + ga.bubble_of(m, "improved", n_mu, n_l)) * (1 + exposed) * (1 + tensor))
+    thr = np.where(ok, n_b * n_l * 16 * eff, 0.0)
+    i = np.unravel_index(int(np.argmax(thr)), thr.shape)
+    return float(thr[i]), (int(n_b[i]), int(n_mu[i]), int(n_l[i]))
+
+
+def test_figure_8_readings_tried() -> None:
+    """The readings of §8.3 / Figure 8 tried beside the one above, none within "about 4%" (1-7%):
+
+    - Figure 8's legend has a "No partition" line ("For the smallest models, the partition can be avoided
+      to further reduce the training time at a minimal memory cost (dotted line)"): the improved method
+      with eq. 8 (ν = 3·b·d_s/(4·n_b)) instead of eq. 9 needs b/n_b >= 25 instead of 37. Our search has no
+      such method; by the same formulas it gives +35.1% (n_b = 96, n_mu = 25, n_l = 19, and its
+      unpartitioned state fits 80 GB), and >= +8.8% even with the pipeline's transfers free.
+    - C.4.2's "adding a small number of extra micro-batches, approximately given by ν_l/ν_net·n_mu" read
+      as a partial exposure (the micro-batches missing, not all or nothing): +39.8%. The bubble is counted
+      with the extra micro-batches (``bubble_of`` takes the n_mu searched), and b = n_b·n_mu >= n_b·n_l.
+    - The best of all methods: over Ethernet the baseline takes 16.4 d and the partitioned 238 d, against
+      9.58 d for the improved, so the improved line is the one to compare.
+    - Reading the curve at 1e12 parameters (X152) instead of X160: +45%; the slowdown falls with size
+      (+19% at 9.6T, +14% at 29T), so "little difference" holds for larger models, not at 1T.
+    - Footnote 10 (a data-parallel ring gets the node's whole Ethernet) is ignored by the paper "for
+      simplicity" and does not apply with n_a = 16 per node anyway. The per-GPU bandwidth at which X160
+      slows by ~4% is ~30 GB/s in + out, 4.8x Table A.1's 6.25 GB/s for 25 Gb/s (25 GB/s gives 7.0%).
+    So "about 4%" does not follow from the paper's equations under any of these readings."""
+    eth = replace(X160.links, network_gbps=6.25)
+    ib = S.search_one(X160, S.Bounds(), "improved", "3d")
+    ib_thr = ib.config.n_gpu * ib.efficiency
+    slow = {(eq, pipe): ib_thr / _x160_best_over(eth, eq, pipe)[0] - 1
+            for eq in (9, 8) for pipe in ("ours", "partial", "free")}  # fmt: skip
+    assert slow[9, "ours"] == pytest.approx(F.ethernet_slowdown(ga.Links(), 50.0, 6.25), abs=1e-9)
+    assert slow[9, "free"] == pytest.approx(0.156, abs=0.005)
+    assert slow[9, "partial"] == pytest.approx(0.398, abs=0.005)
+    assert slow[8, "ours"] == pytest.approx(0.351, abs=0.005)
+    assert slow[8, "free"] == pytest.approx(0.088, abs=0.005)
+    assert min(slow.values()) > 0.07
+    # the no-partition configuration fits without offload: state 12p/(n_l·n_a) and the rest (C.3)
+    n_b, n_mu, n_l = _x160_best_over(eth, 8, "ours")[1]
+    assert (n_b, n_mu, n_l) == (96, 25, 19)
+    mem = ga.memory(X160.model, ga.Parallel("baseline", n_b * n_mu, 1, n_mu, n_b, n_l, 16))
+    assert mem["offloadable"] + mem["non_offloadable"] < 80 * GiB
+    # the other methods over Ethernet, and X152 (1e12 parameters)
+    et = replace(X160, links=eth)
+    days = {k: S.fastest(et, F.PAPER, k).time_s / S.DAY for k in ("baseline", "partitioned", "improved")}
+    assert days["improved"] < days["baseline"] < days["partitioned"]
+    t152 = S.Target(ga.x_family(152), ga.x_critical_batch_size(152))
+    assert ga.x_params(152) == pytest.approx(1e12, rel=0.03)
+    e152 = S.fastest(replace(t152, links=replace(t152.links, network_gbps=6.25)), F.PAPER, "improved")
+    assert e152.time_s / S.fastest(t152, F.PAPER, "improved").time_s - 1 == pytest.approx(0.451, abs=0.005)
+    assert F.ethernet_slowdown(ga.Links(), 50.0, 30.0) == pytest.approx(0.043, abs=0.003)
+    assert F.ethernet_slowdown(ga.Links(), 50.0, 25.0) == pytest.approx(0.070, abs=0.003)
+
+
 @pytest.mark.xfail(
-    strict=True, reason="the paper's ~4% Ethernet slowdown is not reachable (>= 15.6%; ours 41%)"
+    strict=True,
+    reason="the paper's ~4% Ethernet slowdown is not reachable (>= 8.8% under any reading tried; ours 41%)",
 )
 def test_figure_8_about_four_percent() -> None:
+    """Acceptance 3's Figure 8 half. Not met: test_figure_8_no_configuration_is_within_4_percent and
+    test_figure_8_readings_tried show no reading of eqs. 8, 9, 11 and §4's bubble comes within 7%."""
     assert F.ethernet_slowdown(ga.Links(), 50.0, 6.25) == pytest.approx(0.04, abs=0.03)
 
 
