@@ -1,10 +1,13 @@
 """``hardware=measure``'s per-action cost of a pipeline schedule (``hardware.pipe_action_us``): torch's
 breadth-first schedule over stand-in stages that compute nothing and send almost nothing, timed on the
-pipeline's own group and backend. What its step takes beyond its chunks and its messages' latency,
-divided by the actions it ran (read off the schedule: ``StagePlan.actions``), is what one action costs:
-a chunk's call into the schedule and autograd, a posted send or recv, the schedule's bookkeeping. The
-pre-run bubble model (``StagePlan.bubble_with_costs``) multiplies it by the actions of any placement and
-schedule. Measurement code, apart from the product stage (``stage.py``)."""
+pipeline's own group and backend. The cost is what the pre-run model charges: the per-action seconds at
+which the dependency-ordered simulation of this very schedule (``plan.simulate``, on the chunks' measured
+durations and the tiny messages' measured latency) takes as long as the step did (``plan.fit_action``),
+fitted per step and the median over the steps taken: a chunk's call into the schedule and autograd, a
+posted send or recv, the schedule's bookkeeping, one constant. One suffices: the simulation charges it to
+each chunk, send and recv alike, and this schedule's mix of them is the modular placements'; the
+contiguous ones post about one message per chunk instead of two (their rows in the benchmark test it).
+Measurement code, apart from the product stage (``stage.py``)."""
 
 from __future__ import annotations
 
@@ -17,13 +20,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import ScheduleLoopedBFS
 
-from l2l_cli.parallel.pipeline.plan import StagePlan
+from l2l_cli.parallel.pipeline.plan import StagePlan, fit_action, table_cost
 from l2l_cli.parallel.pipeline.stage import TimedStage, Timeline
 
 STAGES_PER_RANK = 2  # the calibration's modular pipeline: 2 stages per rank (S = 2P), breadth-first
 UBATCHES = 8
 HIDDEN = 4  # floats per message row: near-zero bytes, so what is left is the per-action cost
-STEPS = 12  # timed steps (the first is not counted)
+STEPS = 24  # timed steps (the first is not counted): a fit per step, their median
 BUSY_S = 0.005  # each stand-in chunk keeps its core busy 5 ms (a layer's chunk on a CPU: milliseconds): the
 # action's cost under load, as a real chunk leaves it, not on an idle core
 
@@ -69,9 +72,9 @@ def action_seconds(
     group: Any, host: Any, device: torch.device, backend: str, steps: int = STEPS, busy_s: float = BUSY_S
 ) -> float:
     """Seconds one schedule action costs beyond its compute and its messages' latency, on ``group``'s
-    backend (``backend``; ``host``: a gloo group over the same ranks, for the barriers): the median step's
-    time beyond compute x (1 + o), less its exchanges at the tiny messages' latency, over its actions; the
-    mean over the pipeline's ranks. Collective over the pipeline."""
+    backend (``backend``; ``host``: a gloo group over the same ranks, for the barriers): per timed step,
+    the action cost at which the simulation of the step's schedule, on the chunks each rank timed that
+    step, takes the step's time; the median over the steps. Collective over the pipeline."""
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     ranks = dist.get_process_group_ranks(group)
     latency_s = _latency(group, host, device, (ranks[(rank - 1) % P], ranks[(rank + 1) % P]))
@@ -94,19 +97,24 @@ def action_seconds(
     sched = ScheduleLoopedBFS(stages, n, loss_fn=lambda out, target: out, scale_grads=False)
     ids = torch.zeros((n * rows, 1), dtype=torch.long, device=device)
     args = (ids, ids) if 0 in plan.stages_of(rank) else ()
-    costs = []
-    for _ in range(steps):
+    per_chunk = n * plan.stages_per_rank
+    mine = torch.zeros(
+        (steps - 1, P, 3), dtype=torch.float64
+    )  # per step: pipeline s, forward, backward chunk
+    for k in range(steps):
         dist.barrier(group=host)
         t0 = time.perf_counter()
         sched.step(*args, target=ids, losses=[], return_outputs=False, mask=ids, labels=ids)
         dist.barrier(group=host)
-        costs.append(timeline.pop(t0, time.perf_counter()))
-    acts = plan.actions(rank, n, "ScheduleLoopedBFS", True)
-    o = plan.bubble_overhead(n)
-    beyond = (
-        statistics.median(c["pipeline"] - c["compute"] * (1 + o) for c in costs[1:])
-        - acts.exchanges * latency_s
-    )
-    mine = torch.tensor([max(0.0, beyond) / acts.total], dtype=torch.float64)
-    dist.all_reduce(mine, group=host)
-    return float(mine) / P
+        c = timeline.pop(t0, time.perf_counter())
+        if k > 0:
+            mine[k - 1, rank] = torch.tensor(
+                [c["pipeline"], c["forward"] / per_chunk, c["backward"] / per_chunk]
+            )
+    dist.all_reduce(mine, group=host)  # every rank's steps, on every rank
+    orders = plan.orders(n, "ScheduleLoopedBFS", True)
+    fits = []
+    for step in mine.tolist():
+        table = {s: (step[r][1], step[r][2]) for r in range(P) for s in plan.stages_of(r)}
+        fits.append(fit_action(orders, table_cost(table), latency_s, max(x[0] for x in step)))
+    return statistics.median(fits)

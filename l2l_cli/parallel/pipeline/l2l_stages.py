@@ -47,7 +47,7 @@ from l2l_cli.models.base import ModelSpec
 from l2l_cli.modes.base import RunnerArgs, RunnerBase, StepReport
 from l2l_cli.modes.l2l import head_turn
 from l2l_cli.modes.registry import ModeSpec
-from l2l_cli.parallel.pipeline.plan import StagePlan, hidden_bytes
+from l2l_cli.parallel.pipeline.plan import StagePlan, count, hidden_bytes, layer_weights
 from l2l_cli.parallel.pipeline.runner import (
     PipelineRunner,
     action_s,
@@ -130,7 +130,7 @@ class L2LStagesRunner(RunnerBase):
         self.eps.speculation.combine = self.pipeline_norms  # its verdict: the whole pipeline's norms
         self._lr = 0.0
         self.sends: list[Any] = []
-        self.steps_timed, self.totals = 0, {"compute": 0.0, "pipeline": 0.0, "transfer": 0.0}
+        self.steps_timed, self.totals = 0, {"compute": 0.0, "pipeline": 0.0, "transfer": 0.0, "forward": 0.0}
         self._full: dict[str, torch.Tensor] | None = None
         self.message_bytes = 0.0
 
@@ -212,10 +212,14 @@ class L2LStagesRunner(RunnerBase):
         compute = sum(phases.get(k, 0.0) for k in ("forward", "recompute", "backward"))
         if self.step_count > 0 or not self.steps_timed:  # steady state: the first step only if alone
             if self.step_count == 1:
-                self.steps_timed, self.totals = 0, {"compute": 0.0, "pipeline": 0.0, "transfer": 0.0}
+                self.steps_timed, self.totals = (
+                    0,
+                    {"compute": 0.0, "pipeline": 0.0, "transfer": 0.0, "forward": 0.0},
+                )
             self.steps_timed += 1
             self.totals["transfer"] += phases.get("transfer", 0.0)
             self.totals["compute"] += compute
+            self.totals["forward"] += phases.get("forward", 0.0)
             self.totals["pipeline"] += t1 - t0
         report = self.finish(loss, len(minibatch), t_start, lr, skipped=not applied, grad_norm=norm)
         report.phases = phases
@@ -453,7 +457,8 @@ class L2LStagesRunner(RunnerBase):
         n = max(self.steps_timed, 1)
         mine = {"rank": self.dist.rank, "pipeline_rank": self.pp_rank, "data_rank": self.dp_rank,
                 "stages": self.my_stages, "layers": self.index, "compute_s": self.totals["compute"] / n,
-                "pipeline_s": self.totals["pipeline"] / n, "transfer_s": self.totals["transfer"] / n}  # fmt: skip
+                "pipeline_s": self.totals["pipeline"] / n, "transfer_s": self.totals["transfer"] / n,
+                "forward_s": self.totals.get("forward", 0.0) / n}  # fmt: skip
         if self.overlapped:  # L2L-p: steps whose speculative updates this rank undid, and how many
             mine |= {"rollbacks": self.eps.rollbacks, "rolled_back_layer_updates": self.eps.rollback_layers}
         mine["bubble"] = 1 - mine["compute_s"] / mine["pipeline_s"] if mine["pipeline_s"] > 0 else None
@@ -466,8 +471,8 @@ class L2LStagesRunner(RunnerBase):
         groups = (self.pp_group, self.pp_host)
         exchange = exchange_s(s, groups, peers, self.message_bytes, self.acc.device)
         # the pre-run model on this run's compute: its own loops' actions, the relay's moves at their mean
-        actions = [plan.l2l_actions(r, self.num_ubatches) for r in range(s.pipeline)]
-        moves = sum(actions[r["pipeline_rank"]].loads for r in ranks)
+        orders = plan.l2l_orders(self.num_ubatches)
+        moves = sum(count(orders[r["pipeline_rank"]]).loads for r in ranks)
         load_s = sum(r["transfer_s"] for r in ranks) / moves if moves else 0.0
         action = action_s(s, groups, self.dist.backend, self.acc.device)
         return {
@@ -477,8 +482,8 @@ class L2LStagesRunner(RunnerBase):
                 "num_stages": plan.num_stages, "layers_per_stage": plan.block_size,
                 "stages_per_rank": plan.stages_per_rank, "num_ubatches": self.num_ubatches,
                 "stash": self.settings.stash, "bubble_measured": sum(bubbles) / len(bubbles) if bubbles else None,
-                **bubble_section(plan, self.num_ubatches, ranks, actions, exchange, action, self.message_bytes,
-                                 load_s),
+                **bubble_section(plan, self.num_ubatches, ranks, orders, lambda p: layer_weights(plan, p), exchange,
+                                 action, self.message_bytes, load_s),
                 "ranks": ranks,
             }
         }  # fmt: skip
