@@ -327,7 +327,7 @@ def _exchange_rank(rank: int, store_path: str, nbytes: list[int], repeats: int, 
                 times.append(time.perf_counter() - t0)
             res.append(statistics.median(times[1:]))
         group = dist.new_group([0, 1], backend="gloo")
-        res.append(action_seconds(group, group, torch.device("cpu"), "gloo"))
+        res.append(action_seconds(group, group, torch.device("cpu"), "gloo", nbytes=nbytes[-1]))
         if rank == 0:
             out.put(res)
     finally:

@@ -1,8 +1,9 @@
 """``hardware=measure``'s per-action cost of a pipeline schedule (``hardware.pipe_action_us``): torch's
-breadth-first schedule over stand-in stages that compute nothing and send almost nothing, timed on the
+breadth-first schedule over stand-in stages that compute nothing but keep the core busy and send messages
+of the run's size, timed on the
 pipeline's own group and backend. The cost is what the pre-run model charges: the per-action seconds at
 which the dependency-ordered simulation of this very schedule (``plan.simulate``, on the chunks' measured
-durations and the tiny messages' measured latency) takes as long as the step did (``plan.fit_action``),
+durations and the measured exchange of that size) takes as long as the step did (``plan.fit_action``),
 fitted per step and the median over the steps taken: a chunk's call into the schedule and autograd, a
 posted send or recv, the schedule's bookkeeping, one constant. One suffices: the simulation charges it to
 each chunk, send and recv alike, and this schedule's mix of them is the modular placements'; the
@@ -25,7 +26,7 @@ from l2l_cli.parallel.pipeline.stage import TimedStage, Timeline
 
 STAGES_PER_RANK = 2  # the calibration's modular pipeline: 2 stages per rank (S = 2P), breadth-first
 UBATCHES = 8
-HIDDEN = 4  # floats per message row: near-zero bytes, so what is left is the per-action cost
+HIDDEN = 4  # floats per message where no size is given: near-zero bytes
 STEPS = 24  # timed steps (the first is not counted): a fit per step, their median
 BUSY_S = 0.005  # each stand-in chunk keeps its core busy 5 ms (a layer's chunk on a CPU: milliseconds): the
 # action's cost under load, as a real chunk leaves it, not on an idle core
@@ -53,9 +54,9 @@ class StandIn(nn.Module):
         return h.mean() if self.last else h
 
 
-def _latency(group: Any, host: Any, device: torch.device, peers: tuple[int, int]) -> float:
+def _latency(group: Any, host: Any, device: torch.device, peers: tuple[int, int], hidden: int) -> float:
     """One tiny exchange's seconds on ``group`` (a message to the next rank, one from the previous)."""
-    out, into = torch.zeros(HIDDEN, device=device), torch.empty(HIDDEN, device=device)
+    out, into = torch.zeros(hidden, device=device), torch.empty(hidden, device=device)
     times = []
     for _ in range(16):  # the median of 15: an inflated latency would hide the actions in the fit
         dist.barrier(group=host)
@@ -69,15 +70,24 @@ def _latency(group: Any, host: Any, device: torch.device, peers: tuple[int, int]
 
 
 def action_seconds(
-    group: Any, host: Any, device: torch.device, backend: str, steps: int = STEPS, busy_s: float = BUSY_S
+    group: Any,
+    host: Any,
+    device: torch.device,
+    backend: str,
+    steps: int = STEPS,
+    busy_s: float = BUSY_S,
+    nbytes: float = 4 * HIDDEN,
 ) -> float:
     """Seconds one schedule action costs beyond its compute and its messages' latency, on ``group``'s
     backend (``backend``; ``host``: a gloo group over the same ranks, for the barriers): per timed step,
     the action cost at which the simulation of the step's schedule, on the chunks each rank timed that
-    step, takes the step's time; the median over the steps. Collective over the pipeline."""
+    step, takes the step's time; the median over the steps. Messages of ``nbytes`` (the run's hidden
+    state), their exchange timed beside: what their copies cost the ranks' cores beyond that (gloo copies
+    on the rank's own core) lands in the action, as it does in the run. Collective over the pipeline."""
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     ranks = dist.get_process_group_ranks(group)
-    latency_s = _latency(group, host, device, (ranks[(rank - 1) % P], ranks[(rank + 1) % P]))
+    hidden = max(1, int(nbytes) // 4)  # the run's message size: its copies cost the ranks' cores (gloo)
+    latency_s = _latency(group, host, device, (ranks[(rank - 1) % P], ranks[(rank + 1) % P]), hidden)
     plan = StagePlan(STAGES_PER_RANK * P, P, "modular", 1)
     S, n, rows = plan.num_stages, UBATCHES, 1
     timeline = Timeline(cuda=device.type == "cuda")
@@ -89,9 +99,9 @@ def action_seconds(
     stages = []
     for s in plan.stages_of(rank):
         ids = meta((rows, 1), torch.long, False)
-        inputs = (ids, ids) if s == 0 else (meta((rows, 1, HIDDEN), torch.float32, True),)
-        out = meta((), torch.float32, True) if s == S - 1 else meta((rows, 1, HIDDEN), torch.float32, True)
-        stages.append(TimedStage(StandIn(s == 0, s == S - 1, HIDDEN, busy_s).to(device), s, S, device,
+        inputs = (ids, ids) if s == 0 else (meta((rows, 1, hidden), torch.float32, True),)
+        out = meta((), torch.float32, True) if s == S - 1 else meta((rows, 1, hidden), torch.float32, True)
+        stages.append(TimedStage(StandIn(s == 0, s == S - 1, hidden, busy_s).to(device), s, S, device,
                                  input_args=inputs, output_args=out, group=group, timeline=timeline,
                                  grads_ready=lambda _: None, own_recvs=backend == "gloo"))  # fmt: skip
     sched = ScheduleLoopedBFS(stages, n, loss_fn=lambda out, target: out, scale_grads=False)

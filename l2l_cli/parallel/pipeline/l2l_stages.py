@@ -474,7 +474,7 @@ class L2LStagesRunner(RunnerBase):
         orders = plan.l2l_orders(self.num_ubatches)
         moves = sum(count(orders[r["pipeline_rank"]]).loads for r in ranks)
         load_s = sum(r["transfer_s"] for r in ranks) / moves if moves else 0.0
-        action = action_s(s, groups, self.dist.backend, self.acc.device)
+        action = action_s(s, groups, self.dist.backend, self.acc.device, self.message_bytes)
         return {
             "pipeline": {
                 "pipeline": s.pipeline, "data_parallel": self.dp_world, "placement": s.placement,

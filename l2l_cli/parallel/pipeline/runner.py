@@ -140,14 +140,15 @@ def exchange_s(
 
 
 def action_s(
-    s: PipelineSettings, groups: tuple[Any, Any], backend: str, device: torch.device
+    s: PipelineSettings, groups: tuple[Any, Any], backend: str, device: torch.device, nbytes: float
 ) -> tuple[float, str]:
     """Seconds one schedule action costs beyond compute and bytes, and where the number comes from: with
-    ``hardware=measure`` timed once on the pipeline's own group (``calibrate.action_seconds``), else the
+    ``hardware=measure`` timed once on the pipeline's own group with messages of ``nbytes``
+    (``calibrate.action_seconds``), else the
     preset's ``hardware.pipe_action_us``. Collective over the pipeline."""
     if not s.measure_p2p:
         return s.action_s, "hardware"
-    return action_seconds(groups[0], groups[1], device, backend), "measured"
+    return action_seconds(groups[0], groups[1], device, backend, nbytes=nbytes), "measured"
 
 
 def bubble_section(
@@ -424,7 +425,7 @@ class PipelineRunner(RunnerBase):
         # a rank's compute over its stages: as their measured mean chunks (all ranks', gathered above)
         chunks = {int(k): v for r in ranks for k, v in r["stage_chunks"].items()}
         groups = (self.pp_group, self.pp_host)
-        action = action_s(s, groups, self.dist.backend, self.acc.device)
+        action = action_s(s, groups, self.dist.backend, self.acc.device, self.message_bytes)
         return {
             "pipeline": {
                 "pipeline": s.pipeline, "data_parallel": self.dp_world, "placement": s.placement,
