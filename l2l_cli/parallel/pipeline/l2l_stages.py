@@ -132,7 +132,7 @@ class L2LStagesRunner(RunnerBase):
         self.sends: list[Any] = []
         self.steps_timed, self.totals = 0, {"compute": 0.0, "pipeline": 0.0, "transfer": 0.0, "forward": 0.0}
         self._full: dict[str, torch.Tensor] | None = None
-        self.message_bytes = 0.0
+        self.message_bytes, self.seq_len = 0.0, 1  # the last step's hidden state on the wire, its tokens
 
     def _global(self, stage: int) -> int:
         """The global rank that runs ``stage`` in this rank's pipeline."""
@@ -195,6 +195,7 @@ class L2LStagesRunner(RunnerBase):
         masks = [self.spec.side_inputs(ub, dtype) for ub in ubatches]
         shape = (len(ubatches[0]), ubatches[0].seq_len, self.spec.hidden_size)
         self.message_bytes = hidden_bytes(*shape)
+        self.seq_len = shape[1]
         dist.barrier(group=self.pp_host)  # the pipeline's window opens together (as PipelineRunner's)
         t0 = time.perf_counter()
         x = self.forward_pass(ubatches, masks, shape)
@@ -306,6 +307,14 @@ class L2LStagesRunner(RunnerBase):
                         g[u] = None
                 self.relay.send_grads(j)
                 self.landed(j)  # reduced over the pipelines as it lands (and, L2L-p, updated)
+
+    def _layer_flops(self, i: int) -> float:
+        """Forward FLOPs of model layer i on one sample: the split of the rank's measured compute over its
+        layers (the embeddings' lookup and sums: ~seq·hidden)."""
+        seq, spec = self.seq_len, self.spec
+        if i == 0:
+            return 2.0 * seq * spec.hidden_size
+        return spec.head_flops(seq) if i == self.head else spec.block_flops(seq)
 
     def _pipeline_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The minibatch's mean loss (unscaled: the turn sums the losses before scaling), from the last
@@ -482,7 +491,7 @@ class L2LStagesRunner(RunnerBase):
                 "num_stages": plan.num_stages, "layers_per_stage": plan.block_size,
                 "stages_per_rank": plan.stages_per_rank, "num_ubatches": self.num_ubatches,
                 "stash": self.settings.stash, "bubble_measured": sum(bubbles) / len(bubbles) if bubbles else None,
-                **bubble_section(plan, self.num_ubatches, ranks, orders, lambda p: layer_weights(plan, p), exchange,
+                **bubble_section(plan, self.num_ubatches, ranks, orders, lambda p: layer_weights(plan, p, self._layer_flops), exchange,
                                  action, self.message_bytes, load_s),
                 "ranks": ranks,
             }

@@ -355,7 +355,8 @@ def fit_action(
     return (lo + hi) / 2
 
 
-def layer_weights(plan: StagePlan, rank: int) -> dict[int, float]:
-    """L2L stages' chunks are per layer: each of the rank's layers an equal share of its forward and of its
-    recompute + backward (the runner times the rank's phases, not its layers)."""
-    return {i: 1.0 for s in plan.stages_of(rank) for i in plan.layers(s)}
+def layer_weights(plan: StagePlan, rank: int, flops: Callable[[int], float]) -> dict[int, float]:
+    """L2L stages' chunks are per layer: each of the rank's layers its share of the rank's forward and of
+    its recompute + backward by its forward FLOPs (``flops(layer)``; the runner times the rank's phases,
+    not its layers). A cheap head matters: the turn runs it for every micro-batch between fill and drain."""
+    return {i: flops(i) for s in plan.stages_of(rank) for i in plan.layers(s)}
