@@ -399,6 +399,24 @@ def test_the_simulated_schedule_reproduces_the_paper_and_charges_what_the_schedu
     assert simulate(late, lambda r, op: 1.0 if op[1] != 9 else 5.0, 0.0, 0.3)[0] == pytest.approx(
         5.0 + 0.3 + 1.0
     )
+    # the sender's core (gloo on a CPU): a message whose recv is posted while its sender computes leaves a
+    # wake later, at most when the chunk ends; one posted while the sender idles is not delayed
+    busy_sender = [
+        [("SEND_F", 0, 0, -1), ("F", 7, 0, -1)],
+        [("F", 9, 0, -1), ("RECV_F", 1, 0, -1), ("F", 1, 0, -1)],
+    ]
+    c = lambda r, op: {7: 4.0, 9: 1.0, 1: 10.0}[op[1]]  # noqa: E731
+    assert simulate(busy_sender, c, 0.0, 0.3)[0] == pytest.approx(1.0 + 0.3 + 10.0)
+    assert simulate(busy_sender, c, 0.0, 0.3, 0.5)[0] == pytest.approx(1.0 + 0.5 + 0.3 + 10.0)
+    assert simulate(busy_sender, c, 0.0, 0.3, 9.0)[0] == pytest.approx(4.0 + 0.3 + 10.0)  # the chunk's end
+    idle_sender = [[("SEND_F", 0, 0, -1)], busy_sender[1]]
+    assert simulate(idle_sender, c, 0.0, 0.3, 0.5)[0] == pytest.approx(1.0 + 0.3 + 10.0)
+    # more wake: more bubble, the modular placement's (more messages) more than the contiguous one's
+    wm = mod.bubble_simulated(om, em, 0.0, 0.0, 0.2) - mod.bubble_simulated(om, em, 0.0, 0.0)
+    wc = con.bubble_simulated(oc, ec, 0.0, 0.0, 0.2) - con.bubble_simulated(oc, ec, 0.0, 0.0)
+    assert wm > wc >= 0
+    t = simulate(om, em, 3e-3, 1e-3, 2e-3)[0]
+    assert fit_action(om, em, 1e-3, t, wake_s=2e-3) == pytest.approx(3e-3, rel=1e-6)
     with pytest.raises(ValueError, match="deadlock"):  # a chunk waiting on a message nobody sends
         simulate([[("RECV_F", 1, 0, -1), ("F", 1, 0, -1)]], lambda r, op: 1.0, 0.0, 0.0)
     # the slowest rank sets the pace: the faster one idles for the difference

@@ -582,7 +582,8 @@ def _simulation(shape: ModelShape, s: Setup, rates: Rates, load_s: float = 0.0) 
     """The step's pipeline, simulated in dependency order (``plan.simulate``): (step seconds, each rank's
     compute). A chunk lasts its layers' times per micro-batch (a stage's; L2L stages' per layer: forward,
     then recompute + backward in one chunk); each action ``hardware.pipe_action_us``; each message latency
-    + bytes over the link; each L2L relay move ``load_s``."""
+    + bytes over the link, ``hardware.pipe_wake_us`` later where its sender computes; each L2L relay move
+    ``load_s``."""
     from l2l_cli.parallel.pipeline.plan import simulate, table_cost
 
     plan = _stage_plan(shape, s)
@@ -597,7 +598,11 @@ def _simulation(shape: ModelShape, s: Setup, rates: Rates, load_s: float = 0.0) 
         table = {st: (sum(per[i][0] for i in plan.layers(st)), sum(per[i][1] for i in plan.layers(st)))
                  for st in range(plan.num_stages)}  # fmt: skip
     return simulate(
-        _orders(shape, s), table_cost(table, load_s), rates.pipe_action, _exchange(shape, s, rates)
+        _orders(shape, s),
+        table_cost(table, load_s),
+        rates.pipe_action,
+        _exchange(shape, s, rates),
+        rates.pipe_wake,
     )
 
 
@@ -698,7 +703,7 @@ def pipeline_view(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Any] |
                 "placement": placement, "schedule": schedule, "torch_schedule": cls,
                 "stages_per_rank": plan.stages_per_rank, "bubble_overhead": plan.bubble_overhead(s.num_ubatches),
                 "bubble_predicted": sum(1 - c / step for c in busy) / len(busy) if step > 0 else 0.0,
-                "actions_per_rank": acts.total, "action_s": rates.pipe_action,
+                "actions_per_rank": acts.total, "action_s": rates.pipe_action, "wake_s": rates.pipe_wake,
                 "bubble_predicted_paper": plan.bubble_fraction(s.num_ubatches),
                 "messages_per_rank": plan.messages_per_rank(s.num_ubatches), "exchange_s": exchange,
                 "step_time_s": r["step_time_s"],

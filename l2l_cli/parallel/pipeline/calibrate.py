@@ -69,6 +69,53 @@ def _latency(group: Any, host: Any, device: torch.device, peers: tuple[int, int]
     return statistics.median(times[1:])
 
 
+WAKE_REPS = 30  # per side of the wake probe: the slice is a tail (a fifth of messages here), so a mean of 30
+WAKE_BUSY_S = 0.02  # the sender computes this long after posting its send
+
+
+def _compute(seconds: float) -> None:
+    """Keep this rank's core busy with torch compute (a chunk's kind: the GIL released), ``seconds``."""
+    a = torch.full((128, 128), 1.0 / 128)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a = a @ a
+
+
+def wake_seconds(group: Any, host: Any, device: torch.device, hidden: int, reps: int = WAKE_REPS) -> float:
+    """How much later a message arrives when its sender computes than when it idles
+    (``hardware.pipe_wake_us``): pipeline rank 0 posts a send, then computes (or sleeps) 20 ms; rank 1
+    posts the recv 5 ms in and times it; the difference of the means. gloo moves a message on a thread of
+    the sender's process, which waits for a core the chunk holds (an OS scheduler slice, milliseconds, on
+    some of the messages); on CUDA the copies run beside compute: 0. Collective over the pipeline."""
+    if device.type == "cuda":
+        return 0.0
+    P, rank = dist.get_world_size(group), dist.get_rank(group)
+    ranks = dist.get_process_group_ranks(group)
+    buf = torch.zeros(hidden, device=device)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for k in range(2 * reps + 2):
+        busy = k % 2 == 1
+        dist.barrier(group=host)
+        if rank == 0:
+            work = dist.isend(buf, dst=ranks[1], group=group)
+            if busy:
+                _compute(WAKE_BUSY_S)
+            else:
+                time.sleep(WAKE_BUSY_S)
+            work.wait()
+        elif rank == 1:
+            time.sleep(0.005)
+            t0 = time.perf_counter()
+            dist.irecv(buf, src=ranks[0], group=group).wait()
+            if k >= 2:  # the first of each: warm-up
+                times[busy].append(time.perf_counter() - t0)
+    out = torch.zeros(1, dtype=torch.float64)
+    if rank == 1:
+        out[0] = max(0.0, statistics.mean(times[True]) - statistics.mean(times[False]))
+    dist.all_reduce(out, group=host)  # rank 1's value on every rank
+    return float(out[0]) if P > 1 else 0.0
+
+
 def action_seconds(
     group: Any,
     host: Any,
@@ -77,17 +124,20 @@ def action_seconds(
     steps: int = STEPS,
     busy_s: float = BUSY_S,
     nbytes: float = 4 * HIDDEN,
-) -> float:
-    """Seconds one schedule action costs beyond its compute and its messages' latency, on ``group``'s
+) -> tuple[float, float]:
+    """(Seconds one schedule action costs beyond its compute and its messages' latency, the message wake
+    of :func:`wake_seconds`), on ``group``'s
     backend (``backend``; ``host``: a gloo group over the same ranks, for the barriers): per timed step,
     the action cost at which the simulation of the step's schedule, on the chunks each rank timed that
     step, takes the step's time; the median over the steps. Messages of ``nbytes`` (the run's hidden
     state), their exchange timed beside: what their copies cost the ranks' cores beyond that (gloo copies
-    on the rank's own core) lands in the action, as it does in the run. Collective over the pipeline."""
+    on the rank's own core) lands in the action, as it does in the run; the wake is measured first and
+    simulated in the fit, so the action does not absorb it. Collective over the pipeline."""
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     ranks = dist.get_process_group_ranks(group)
     hidden = max(1, int(nbytes) // 4)  # the run's message size: its copies cost the ranks' cores (gloo)
     latency_s = _latency(group, host, device, (ranks[(rank - 1) % P], ranks[(rank + 1) % P]), hidden)
+    wake_s = wake_seconds(group, host, device, hidden)
     plan = StagePlan(STAGES_PER_RANK * P, P, "modular", 1)
     S, n, rows = plan.num_stages, UBATCHES, 1
     timeline = Timeline(cuda=device.type == "cuda")
@@ -126,5 +176,5 @@ def action_seconds(
     fits = []
     for step in mine.tolist():
         table = {s: (step[r][1], step[r][2]) for r in range(P) for s in plan.stages_of(r)}
-        fits.append(fit_action(orders, table_cost(table), latency_s, max(x[0] for x in step)))
-    return statistics.median(fits)
+        fits.append(fit_action(orders, table_cost(table), latency_s, max(x[0] for x in step), wake_s=wake_s))
+    return statistics.median(fits), wake_s

@@ -172,11 +172,12 @@ class StagePlan:
         return count(self.l2l_orders(num_ubatches)[rank])
 
     def bubble_simulated(
-        self, orders: list[list[Op]], cost: Callable[[int, Op], float], action_s: float, link_s: float
-    ) -> float:
+        self, orders: list[list[Op]], cost: Callable[[int, Op], float], action_s: float, link_s: float,
+        wake_s: float = 0.0,
+    ) -> float:  # fmt: skip
         """The pre-run bubble (:func:`simulate`): the mean over the pipeline's ranks of 1 - compute / step
         time, as the runner measures it."""
-        t, busy = simulate(orders, cost, action_s, link_s)
+        t, busy = simulate(orders, cost, action_s, link_s, wake_s)
         return sum(1.0 - c / t for c in busy) / len(busy) if t > 0 else 0.0
 
 
@@ -238,26 +239,42 @@ def _single_stage(s: int, S: int, n: int, one_f_one_b: bool) -> list[Op]:
 
 
 def simulate(
-    orders: list[list[Op]], cost: Callable[[int, Op], float], action_s: float, link_s: float
-) -> tuple[float, list[float]]:
+    orders: list[list[Op]], cost: Callable[[int, Op], float], action_s: float, link_s: float,
+    wake_s: float = 0.0,
+) -> tuple[float, list[float]]:  # fmt: skip
     """A training step's pipeline, each rank running its actions in order (``orders``, by pipeline rank):
     every chunk, send and recv costs ``action_s`` on its own rank (the schedule's call, posting, autograd
     entry), then a chunk lasts ``cost(rank, op)``, as does a relay move (``LOAD``); a chunk that reads a
     message starts no earlier than its arrival: both ends posted (gloo pairs a send with its recv) plus
-    ``link_s`` (latency + bytes over the link). ``WAIT_SENDS`` and the step's end wait for the rank's
-    sends to arrive. Returns the step time (the last rank's end: the pipeline's window closes together)
-    and each rank's compute. No queues or contention beyond each rank's own order; O(actions)."""
+    ``link_s`` (latency + bytes over the link). Where the transport shares the sender's core (gloo on a
+    CPU), a message whose recv is posted while its sender computes moves only once the OS gives that core
+    to the transport: ``wake_s`` later (``hardware.pipe_wake_us``, at most until the chunk ends). A sender
+    still waiting for a message of its own counts as idle. ``WAIT_SENDS`` and the step's end wait for the
+    rank's sends to arrive. Returns the step time (the last rank's end: the pipeline's window closes
+    together) and each rank's compute. No queues or contention beyond that; O(actions)."""
     P = len(orders)
     clock, busy, pos = [0.0] * P, [0.0] * P, [0] * P
-    sent: dict[tuple[str, int, int], float] = {}
+    sent: dict[tuple[str, int, int], tuple[float, int]] = {}  # message -> (posted, sending rank)
     posted: dict[tuple[str, int, int], float] = {}
     pending: list[list[tuple[str, int, int]]] = [[] for _ in range(P)]
+    chunks: list[list[tuple[float, float]]] = [[] for _ in range(P)]  # each rank's compute intervals
+    idle: set[tuple[str, int, int]] = set()  # messages whose sender was found blocked: idle, not computing
     reads = [{_message(op) for op in ops if op[0].startswith("RECV")} for ops in orders]
 
     def arrival(key: tuple[str, int, int]) -> float | None:
-        if key in sent and key in posted:
-            return max(sent[key], posted[key]) + link_s
-        return None
+        if key not in sent or key not in posted:
+            return None
+        t, r = max(sent[key][0], posted[key]), sent[key][1]
+        if wake_s > 0 and key not in idle:
+            if clock[r] < t and pos[r] < len(orders[r]):
+                return None  # the sender's timeline has not reached the moment yet
+            for a, b in reversed(chunks[r]):
+                if a <= t < b:
+                    t = min(b, t + wake_s)
+                    break
+                if b <= t:
+                    break
+        return t + link_s
 
     def sends_done(r: int) -> float | None:
         times = [arrival(k) for k in pending[r]]
@@ -275,13 +292,14 @@ def simulate(
                     if key in reads[r]:
                         a = arrival(key)
                         if a is None:
-                            break  # its message's send is not posted yet: another rank first
+                            break  # its message is not posted yet (or its sender not there): another rank first
                         start = max(start, a)
                     d = cost(r, op)
+                    chunks[r].append((start, start + d))
                     clock[r], busy[r] = start + d, busy[r] + d
                 elif kind.startswith("SEND"):
                     clock[r] += action_s
-                    sent[_message(op)] = clock[r]
+                    sent[_message(op)] = (clock[r], r)
                     pending[r].append(_message(op))
                 elif kind.startswith("RECV"):
                     clock[r] += action_s
@@ -296,7 +314,10 @@ def simulate(
                 pos[r] += 1
                 moved = True
         if not moved:
-            raise ValueError("the pipeline's orders deadlock: a chunk waits for a message never sent")
+            stuck = {k for k in sent.keys() & posted.keys() if k not in idle}
+            if not stuck:
+                raise ValueError("the pipeline's orders deadlock: a chunk waits for a message never sent")
+            idle |= stuck  # every rank waits: the senders of these messages are blocked, so not computing
     ends = []
     for r in range(P):
         done = sends_done(r)
@@ -342,16 +363,17 @@ def table_cost(table: dict[int, tuple[float, float]], load_s: float = 0.0) -> Ca
 
 
 def fit_action(
-    orders: list[list[Op]], cost: Callable[[int, Op], float], link_s: float, step_s: float, hi: float = 0.01
-) -> float:
+    orders: list[list[Op]], cost: Callable[[int, Op], float], link_s: float, step_s: float, hi: float = 0.01,
+    wake_s: float = 0.0,
+) -> float:  # fmt: skip
     """The per-action seconds at which :func:`simulate` of ``orders`` takes ``step_s`` (bisection: the
     step time grows with it); 0 where the step is no longer than its chunks and messages alone."""
-    if simulate(orders, cost, 0.0, link_s)[0] >= step_s:
+    if simulate(orders, cost, 0.0, link_s, wake_s)[0] >= step_s:
         return 0.0
     lo = 0.0
     for _ in range(40):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if simulate(orders, cost, mid, link_s)[0] < step_s else (lo, mid)
+        lo, hi = (mid, hi) if simulate(orders, cost, mid, link_s, wake_s)[0] < step_s else (lo, mid)
     return (lo + hi) / 2
 
 

@@ -141,26 +141,26 @@ def exchange_s(
 
 def action_s(
     s: PipelineSettings, groups: tuple[Any, Any], backend: str, device: torch.device, nbytes: float
-) -> tuple[float, str]:
-    """Seconds one schedule action costs beyond compute and bytes, and where the number comes from: with
-    ``hardware=measure`` timed once on the pipeline's own group with messages of ``nbytes``
-    (``calibrate.action_seconds``), else the
-    preset's ``hardware.pipe_action_us``. Collective over the pipeline."""
+) -> tuple[float, float, str]:
+    """Seconds one schedule action costs beyond compute and bytes, the seconds a message waits for its
+    computing sender's core, and where the numbers come from: with ``hardware=measure`` timed once on the
+    pipeline's own group with messages of ``nbytes`` (``calibrate.action_seconds``), else the preset's
+    ``hardware.pipe_action_us`` and ``hardware.pipe_wake_us``. Collective over the pipeline."""
     if not s.measure_p2p:
-        return s.action_s, "hardware"
-    return action_seconds(groups[0], groups[1], device, backend, nbytes=nbytes), "measured"
+        return s.action_s, s.wake_s, "hardware"
+    return (*action_seconds(groups[0], groups[1], device, backend, nbytes=nbytes), "measured")
 
 
 def bubble_section(
     plan: StagePlan, n: int, ranks: list[dict[str, Any]], orders: list[list[Op]],
-    weights: Callable[[int], dict[int, float]], exchange: tuple[float, str], action: tuple[float, str],
+    weights: Callable[[int], dict[int, float]], exchange: tuple[float, str], action: tuple[float, float, str],
     nbytes: float, load_s: float = 0.0,
 ) -> dict[str, Any]:  # fmt: skip
     """summary.json's predicted bubbles: the paper's (messages free), and the pre-run model: the
     dependency-ordered simulation (``plan.simulate``) of each pipeline rank's actions (``orders``, read off
     the schedule), its chunks lasting the rank's measured forward and backward seconds split over its
-    stages (or layers) by ``weights(pipeline rank)``, ``action`` seconds per action, ``exchange`` per
-    message (each with where it came from) and ``load_s`` per relay move (L2L stages)."""
+    stages (or layers) by ``weights(pipeline rank)``, ``action`` (seconds per action, the message wake,
+    where they came from), ``exchange`` per message (and where it came from) and ``load_s`` per relay move (L2L stages)."""
     by: dict[int, list[dict[str, Any]]] = {}
     for r in ranks:
         if r.get("compute_s"):
@@ -170,7 +170,7 @@ def bubble_section(
         fwd = statistics.mean(r.get("forward_s", r["compute_s"] / 3) for r in rs)
         table |= split_by_weight((fwd, statistics.mean(r["compute_s"] for r in rs) - fwd), weights(p), n)
     model = (
-        plan.bubble_simulated(orders, table_cost(table, load_s), action[0], exchange[0])
+        plan.bubble_simulated(orders, table_cost(table, load_s), action[0], exchange[0], action[1])
         if len(by) == plan.pipeline else plan.bubble_fraction(n)
     )  # fmt: skip
     actions = [count(o) for o in orders]
@@ -180,7 +180,8 @@ def bubble_section(
         "bubble_overhead_predicted": plan.bubble_overhead(n),
         "messages_per_rank": plan.messages_per_rank(n), "message_bytes": nbytes,
         "exchange_s": exchange[0], "exchange_from": exchange[1],
-        "actions_per_rank": [a.total for a in actions], "action_s": action[0], "action_from": action[1],
+        "actions_per_rank": [a.total for a in actions], "action_s": action[0], "action_from": action[2],
+        "wake_s": action[1],
         "chunks_per_rank": [a.chunks for a in actions], "relay_moves_per_rank": [a.loads for a in actions],
         "relay_move_s": load_s,
     }  # fmt: skip
