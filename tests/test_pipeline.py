@@ -189,7 +189,7 @@ def test_two_ranks_match_one_process_reshard_on_resume_and_fill_the_modular_pipe
     assert pc["action_from"] == "hardware" and pc["action_s"] == pytest.approx(100e-6)
     assert pm["exchange_from"] == "measured" and pm["action_from"] == "measured" and pm["action_s"] >= 0
     # the prediction is the simulated schedule on the run's own compute, split over each rank's stages as
-    # their measured chunks, at the measured action and exchange: more than the free-message simulation
+    # their measured chunks, at the measured action, wake and exchange: more than the free-message simulation
     from l2l_cli.parallel.pipeline.plan import split_by_weight, table_cost
 
     plan = StagePlan(num_layers=8, pipeline=2, placement="modular", layers_per_stage=1)
@@ -199,8 +199,9 @@ def test_two_ranks_match_one_process_reshard_on_resume_and_fill_the_modular_pipe
         table |= split_by_weight((r["forward_s"], r["compute_s"] - r["forward_s"]), w, 4)
     orders = plan.orders(4, "ScheduleLoopedBFS", True)
     assert pm["bubble_predicted"] == pytest.approx(
-        plan.bubble_simulated(orders, table_cost(table), pm["action_s"], pm["exchange_s"])
+        plan.bubble_simulated(orders, table_cost(table), pm["action_s"], pm["exchange_s"], pm["wake_s"])
     )
+    assert pm["wake_s"] >= 0 and pc["wake_s"] == 0.0  # measured; the CPU preset's default
     assert pm["bubble_predicted"] > plan.bubble_simulated(orders, table_cost(table), 0.0, 0.0)
     for r in pm["ranks"] + pc["ranks"]:
         assert (
