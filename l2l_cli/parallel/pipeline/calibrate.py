@@ -69,8 +69,10 @@ def _latency(group: Any, host: Any, device: torch.device, peers: tuple[int, int]
     return statistics.median(times[1:])
 
 
-WAKE_REPS = 30  # per side of the wake probe: the slice is a tail (a fifth of messages here), so a mean of 30
-WAKE_BUSY_S = 0.02  # the sender computes this long after posting its send
+WAKE_REPS = (
+    100  # per side of the wake probe: the slice is a tail (a fifth of messages here), so a mean of 100
+)
+WAKE_BUSY_S = 0.01  # the sender computes this long after posting its send
 
 
 def _compute(seconds: float) -> None:
@@ -104,7 +106,7 @@ def wake_seconds(group: Any, host: Any, device: torch.device, hidden: int, reps:
                 time.sleep(WAKE_BUSY_S)
             work.wait()
         elif rank == 1:
-            time.sleep(0.005)
+            time.sleep(WAKE_BUSY_S / 4)
             t0 = time.perf_counter()
             dist.irecv(buf, src=ranks[0], group=group).wait()
             if k >= 2:  # the first of each: warm-up
