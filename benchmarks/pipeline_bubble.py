@@ -1,10 +1,10 @@
 """Issues 14 and 23's benchmark: the pipeline bubble, measured against two predictions: the layered-GA
 paper's (appendix C: a step lengthened by (P-1)/n_mu of its compute; §4: divided by L/P for the modular
-pipeline; messages free) and the pre-run model (``StagePlan.bubble_with_costs``): each rank's compute
-times (1 + o), plus its schedule's actions (read off torch's schedule) at ``hardware.pipe_action_us`` and
-its exchanges at latency + bytes over the link, the slowest rank setting the pace. With ``hardware=measure``
-both constants are timed once on the pipeline's group (the action on a stand-in schedule with no real
-compute: ``parallel/pipeline/calibrate.py``), not on the configuration being predicted. Each row also
+pipeline; messages free) and the pre-run model (``plan.simulate``): each rank's actions, read off torch's
+schedule, run in dependency order, every chunk lasting its stage's measured forward or backward, every
+action ``hardware.pipe_action_us``, every message latency + bytes over the link after both ends posted it.
+With ``hardware=measure`` both constants are timed once on the pipeline's group (the action fitted to a
+stand-in schedule with no real compute: ``parallel/pipeline/calibrate.py``), not on the configuration being predicted. Each row also
 splits the ranks' step (means): compute, blocked on a recv, the schedule's own work between chunks
 (posting, send waits, bookkeeping) and the fill/drain idle; and the throughput, for modular vs contiguous placement x breadth-first vs 1F1B x n_mu in {P, 2P, 4P}, on a
 bert-mini-shaped model (width 256, 4 heads; a 2k vocabulary, as the recipe) with 8 layers and P = 2 ranks.
@@ -64,7 +64,7 @@ def main() -> None:
     results = run_jobs(P, [ov for _, ov in plan], args.steps)[0]
     rows = []
     print(f"{'placement':11s} {'schedule':17s} {'n_mu':>4s} {'bubble':>7s} {'pre-run':>7s} {'paper':>7s} "
-          f"{'compute':>8s} {'recv':>7s} {'overhd':>7s} {'idle':>7s} {'actions':>7s} {'action':>7s} {'samples/s':>9s} "
+          f"{'compute':>8s} {'recv':>7s} {'overhd':>7s} {'idle':>7s} {'actions':>7s} {'action':>7s} {'wake':>7s} {'samples/s':>9s} "
           f"within 5 points")  # fmt: skip
     for (placement, schedule, n), res in zip([k for k, _ in plan], results, strict=True):
         pipe = res["sections"]["pipeline"]
@@ -73,7 +73,7 @@ def main() -> None:
         row = {"placement": placement, "schedule": schedule, "num_ubatches": n, "bubble_measured":
                pipe["bubble_measured"], "bubble_predicted": pipe["bubble_predicted"],
                "bubble_predicted_paper": pipe["bubble_predicted_paper"], "exchange_s": pipe["exchange_s"],
-               "action_s": pipe["action_s"], "actions_per_rank": pipe["actions_per_rank"],
+               "action_s": pipe["action_s"], "wake_s": pipe["wake_s"], "actions_per_rank": pipe["actions_per_rank"],
                "within_5_points": close, "samples_per_s": sps, "ranks": pipe["ranks"]}  # fmt: skip
         split = {k: statistics.mean(r.get(k) or 0.0 for r in pipe["ranks"])
                  for k in ("compute_s", "recv_wait_s", "overhead_s", "idle_s")}  # fmt: skip
@@ -82,7 +82,7 @@ def main() -> None:
         ms = [f"{1e3 * v:.0f}ms" for v in split.values()]
         print(f"{placement:11s} {schedule:17s} {n:4d} {pipe['bubble_measured']:7.3f} {pipe['bubble_predicted']:7.3f} "
               f"{pipe['bubble_predicted_paper']:7.3f} {ms[0]:>8s} {ms[1]:>7s} {ms[2]:>7s} {ms[3]:>7s} "
-              f"{max(pipe['actions_per_rank']):7d} {1e6 * pipe['action_s']:5.0f}us {sps:9.1f} "
+              f"{max(pipe['actions_per_rank']):7d} {1e6 * pipe['action_s']:5.0f}us {1e6 * pipe['wake_s']:5.0f}us {sps:9.1f} "
               f"{'yes' if close else 'NO'}")  # fmt: skip
     for n in (P, 2 * P, 4 * P):
         by = {(r["placement"], r["schedule"]): r for r in rows if r["num_ubatches"] == n}

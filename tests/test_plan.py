@@ -505,8 +505,9 @@ def test_hardware_measure_puts_the_measured_action_cost_into_the_pipeline_model(
     shape = model_shape(cfg)[0]
     lt = resolve(cfg, shape).layer_times(shape, 128, 4)
     monkeypatch.setattr(measure, "measure", lambda cfg, shape: MeasuredTimes(lt, 1e-9, 1e-9, 1e10, 1, 2))
-    monkeypatch.setattr(measure, "measure_exchange", lambda nbytes, repeats: (50e-6, 12.5e9, 2e-3))
+    monkeypatch.setattr(measure, "measure_exchange", lambda nbytes, repeats: (50e-6, 12.5e9, 2e-3, 1e-3))
     pipe = make_plan(compose([*over, "hardware=measure"]))["pipeline"]
     preset = make_plan(cfg)["pipeline"]
     assert pipe["action_s"] == 2e-3 and preset["action_s"] == 300e-6
+    assert pipe["alternatives"][0]["wake_s"] == 1e-3 and preset["alternatives"][0]["wake_s"] == 500e-6
     assert pipe["bubble_predicted"] > preset["bubble_predicted"]

@@ -567,25 +567,53 @@ def _exchange(shape: ModelShape, s: Setup, rates: Rates) -> float:
     )
 
 
-def _actions(shape: ModelShape, s: Setup, rank: int) -> Any:
-    """Pipeline rank ``rank``'s schedule actions in a step (``StagePlan.actions``): read off torch's schedule
-    of the configured kind, or L2L stages' own loops."""
+def _orders(shape: ModelShape, s: Setup) -> list[Any]:
+    """Each pipeline rank's actions in a step, in order (``StagePlan.orders``): read off torch's schedule of
+    the configured kind, or L2L stages' own loops."""
     from l2l_cli.parallel.pipeline.settings import SCHEDULES
 
     plan = _stage_plan(shape, s)
     if s.l2l:
-        return plan.l2l_actions(rank, s.num_ubatches)
-    return plan.actions(rank, s.num_ubatches, *SCHEDULES[s.schedule])
+        return plan.l2l_orders(s.num_ubatches)
+    return plan.orders(s.num_ubatches, *SCHEDULES[s.schedule])
+
+
+def _simulation(shape: ModelShape, s: Setup, rates: Rates, load_s: float = 0.0) -> tuple[float, list[float]]:
+    """The step's pipeline, simulated in dependency order (``plan.simulate``): (step seconds, each rank's
+    compute). A chunk lasts its layers' times per micro-batch (a stage's; L2L stages' per layer: forward,
+    then recompute + backward in one chunk); each action ``hardware.pipe_action_us``; each message latency
+    + bytes over the link, ``hardware.pipe_wake_us`` later where its sender computes; each L2L relay move
+    ``load_s``."""
+    from l2l_cli.parallel.pipeline.plan import simulate, table_cost
+
+    plan = _stage_plan(shape, s)
+    lt = rates.layer_times(shape, s.seq, s.ubatch)
+    head = shape.num_layers + 1
+    fwd = {0: lt.pre_fwd_grad, head: lt.post_fwd_grad}
+    bwd = {0: lt.pre_bwd, head: lt.post_bwd}
+    per = {i: (fwd.get(i, lt.block_fwd_grad), bwd.get(i, lt.block_bwd)) for i in range(head + 1)}
+    if s.l2l:  # a body layer's backward chunk recomputes its forward first
+        table = {i: (f, b + (f if i != head else 0.0)) for i, (f, b) in per.items()}
+    else:
+        table = {st: (sum(per[i][0] for i in plan.layers(st)), sum(per[i][1] for i in plan.layers(st)))
+                 for st in range(plan.num_stages)}  # fmt: skip
+    return simulate(
+        _orders(shape, s),
+        table_cost(table, load_s),
+        rates.pipe_action,
+        _exchange(shape, s, rates),
+        rates.pipe_wake,
+    )
 
 
 def pipeline_time(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Phase]:
-    """A pipeline step on its busiest rank: that rank's forward and backward, the bubble (appendix C:
-    (P-1)/n_mu of the compute, divided by the stages each rank holds: §4's L/P for the modular pipeline)
-    plus what its schedule costs beyond compute (each action, read off the schedule, at
-    ``hardware.pipe_action_us``; each of its 2(S-1)·n_mu/P exchanges at latency + bytes over the link: the
-    modular placement acts and sends L/P times more), its optimizer (on the device, or the EPS's on the host for L2L
-    stages), and the data-parallel reduction of its layers' gradients, which overlaps the backward of the
-    rank's other stages (each stage reduces as soon as its last micro-batch is through)."""
+    """A pipeline step on its busiest rank: that rank's forward and backward, the bubble (the simulated
+    step, :func:`_simulation`, less the busiest rank's compute: appendix C's (P-1)/n_mu fill and drain, ÷ L/P
+    for the modular pipeline, where actions and messages are free; what each action and message on the
+    critical path adds where not: the modular placement acts and sends L/P times more), its optimizer (on
+    the device, or the EPS's on the host for L2L stages), and the data-parallel reduction of its layers'
+    gradients, which overlaps the backward of the rank's other stages (each stage reduces as soon as its
+    last micro-batch is through)."""
     ph = {p: Phase() for p in PHASES}
     plan = _stage_plan(shape, s)
     ranks = _pipeline_ranks(shape, s, rates)
@@ -597,9 +625,8 @@ def pipeline_time(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Phase]
     if s.l2l:  # L2L stages recompute each layer's forward in backward
         ph["recompute"].add(f, f)
         b += f
-    bubble = plan.bubble_overhead(s.num_ubatches) * (f + b)
-    acts = _actions(shape, s, r_busy)
-    bubble += acts.total * rates.pipe_action + acts.exchanges * _exchange(shape, s, rates)
+    step, busy_s = _simulation(shape, s, rates)  # the relay's moves: the transfer phase's below
+    bubble = max(0.0, step - max(busy_s))
     ph["bubble"].add(bubble, bubble)
     D = s.data_parallel
     if s.l2l:
@@ -655,6 +682,7 @@ def pipeline_view(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Any] |
     step time, and the other placements and schedules at the same batch beside it."""
     if s.pipeline <= 1:
         return None
+    from l2l_cli.parallel.pipeline.plan import count
     from l2l_cli.parallel.pipeline.settings import SCHEDULES
 
     rows = []
@@ -666,18 +694,16 @@ def pipeline_view(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Any] |
             if shape.num_layers % (s.pipeline * plan.block_size) or (plan.stages_per_rank > 1 and not many):
                 continue  # the config check refuses it
             r = evaluate(shape, alt, rates)
-            # each rank's compute (L2L: + the recompute) and its schedule's actions
-            costs = [(x["forward"] * (2 if alt.l2l else 1) + x["backward"], _actions(shape, alt, k))
-                     for k, x in enumerate(_pipeline_ranks(shape, alt, rates))]  # fmt: skip
             exchange = _exchange(shape, alt, rates)
             # L2L stages: a relay move per layer load or offload, inline where copies do not overlap
             move = rates.copy_time(shape.block_params * device_weight_bytes(alt.precision))
-            load = 0.0 if rates.async_copy else move
+            step, busy = _simulation(shape, alt, rates, 0.0 if rates.async_copy else move)
+            acts = count(_orders(shape, alt)[0])
             rows.append({
                 "placement": placement, "schedule": schedule, "torch_schedule": cls,
                 "stages_per_rank": plan.stages_per_rank, "bubble_overhead": plan.bubble_overhead(s.num_ubatches),
-                "bubble_predicted": plan.bubble_with_costs(s.num_ubatches, costs, rates.pipe_action, exchange, load),
-                "actions_per_rank": costs[0][1].total, "action_s": rates.pipe_action,
+                "bubble_predicted": sum(1 - c / step for c in busy) / len(busy) if step > 0 else 0.0,
+                "actions_per_rank": acts.total, "action_s": rates.pipe_action, "wake_s": rates.pipe_wake,
                 "bubble_predicted_paper": plan.bubble_fraction(s.num_ubatches),
                 "messages_per_rank": plan.messages_per_rank(s.num_ubatches), "exchange_s": exchange,
                 "step_time_s": r["step_time_s"],

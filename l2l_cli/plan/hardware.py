@@ -36,6 +36,7 @@ class Rates:
     p2p_latency: float = 10e-6  # seconds: a message between pipeline ranks, before its bytes
     p2p_bytes_per_s: float = 12.5e9  # bytes/s, input + output, of pipeline messages (the network's)
     pipe_action: float = 100e-6  # seconds: one pipeline schedule action beyond compute and bytes
+    pipe_wake: float = 0.0  # seconds: a message's wait for its computing sender's core (gloo on a CPU)
     disk_read: float = 3e9  # the disk EPS tier: bytes/s, sequential
     disk_write: float = 2e9
     disk_mixed: float = 0.0  # bytes/s read + written while both run (0: unknown, the times add up)
@@ -130,6 +131,7 @@ def resolve(cfg: Any, shape: ModelShape) -> Rates:
         network=hw.network_gbps * GB,
         p2p_latency=hw.p2p_latency_us * 1e-6,
         pipe_action=hw.pipe_action_us * 1e-6,
+        pipe_wake=hw.pipe_wake_us * 1e-6,
         p2p_bytes_per_s=hw.network_gbps * GB,
         tensor_link=hw.tensor_link_gbps * GB,
         offload=hw.offload_gbps * GB,
@@ -163,10 +165,13 @@ def resolve(cfg: Any, shape: ModelShape) -> Rates:
             from l2l_cli.plan.measure import measure_exchange
 
             hidden = 4.0 * cfg.batch.ubatch_size * cfg.task.max_seq_len * shape.hidden
-            latency, bw, action = measure_exchange(hidden, cfg.plan.measure_repeats)
-            rates = replace(rates, p2p_latency=latency, p2p_bytes_per_s=bw, pipe_action=action)
+            latency, bw, action, wake = measure_exchange(hidden, cfg.plan.measure_repeats)
+            rates = replace(
+                rates, p2p_latency=latency, p2p_bytes_per_s=bw, pipe_action=action, pipe_wake=wake
+            )
             notes.append(f"pipeline messages measured between two gloo processes: {latency * 1e6:.0f} µs, "
-                         f"{bw / GB:.2f} GB/s; a schedule action {action * 1e6:.0f} µs beyond compute")  # fmt: skip
+                         f"{bw / GB:.2f} GB/s; a schedule action {action * 1e6:.0f} µs beyond compute, a message "
+                         f"{wake * 1e6:.0f} µs later while its sender computes")  # fmt: skip
         if measured.disk is not None:
             d = measured.disk
             rates = replace(

@@ -327,17 +327,18 @@ def _exchange_rank(rank: int, store_path: str, nbytes: list[int], repeats: int, 
                 times.append(time.perf_counter() - t0)
             res.append(statistics.median(times[1:]))
         group = dist.new_group([0, 1], backend="gloo")
-        res.append(action_seconds(group, group, torch.device("cpu"), "gloo"))
+        res.extend(action_seconds(group, group, torch.device("cpu"), "gloo", nbytes=nbytes[-1]))
         if rank == 0:
             out.put(res)
     finally:
         dist.destroy_process_group()
 
 
-def measure_exchange(nbytes: float, repeats: int = 7) -> tuple[float, float, float]:
-    """(latency s, bytes/s input + output, s per schedule action) of a message between two processes on
-    this machine (gloo, as a CPU pipeline's ranks exchange hidden states): exchanges of 4 bytes and of
-    ``nbytes``, medians; and one action of a 2-rank schedule beyond its compute and latency."""
+def measure_exchange(nbytes: float, repeats: int = 7) -> tuple[float, float, float, float]:
+    """(latency s, bytes/s input + output, s per schedule action, s a message waits for its computing
+    sender) between two processes on this machine (gloo, as a CPU pipeline's ranks exchange hidden
+    states): exchanges of 4 bytes and of ``nbytes``, medians; one action of a 2-rank schedule beyond its
+    compute and latency, and the wake (``calibrate.action_seconds``)."""
     import tempfile
 
     import torch.multiprocessing as mp
@@ -348,5 +349,5 @@ def measure_exchange(nbytes: float, repeats: int = 7) -> tuple[float, float, flo
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_exchange_rank, args=(f"{tmp}/store", sizes, repeats, out), nprocs=2, join=True,
                            start_method="spawn")  # fmt: skip
-        small, big, action = out.get()
-    return small, 2.0 * sizes[1] / max(big - small, 1e-9), action
+        small, big, action, wake = out.get()
+    return small, 2.0 * sizes[1] / max(big - small, 1e-9), action, wake

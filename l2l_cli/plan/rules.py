@@ -38,8 +38,9 @@ def plan_problems(cfg: Any) -> list[Problem]:
               "device_memory_gb", "device_optim_gflops", "host_gflops", "host_memory_gb", "h2d_gbps",
               "network_gbps", "offload_gbps", "disk_read_gbps", "disk_write_gbps", "disk_free_gb"):  # fmt: skip
         positive(p, f"hardware.{k}", getattr(hw, k))
-    if hw.pipe_action_us < 0:
-        p.append(Problem("hardware.pipe_action_us", f"got {hw.pipe_action_us}; must be >= 0"))
+    for k in ("pipe_action_us", "pipe_wake_us"):
+        if getattr(hw, k) < 0:
+            p.append(Problem(f"hardware.{k}", f"got {getattr(hw, k)}; must be >= 0"))
     if hw.p2p_latency_us < 0:
         p.append(Problem("hardware.p2p_latency_us", f"got {hw.p2p_latency_us}; must be >= 0"))
     if hw.disk_mixed_gbps < 0:

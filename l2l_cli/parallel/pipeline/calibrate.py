@@ -1,10 +1,14 @@
 """``hardware=measure``'s per-action cost of a pipeline schedule (``hardware.pipe_action_us``): torch's
-breadth-first schedule over stand-in stages that compute nothing and send almost nothing, timed on the
-pipeline's own group and backend. What its step takes beyond its chunks and its messages' latency,
-divided by the actions it ran (read off the schedule: ``StagePlan.actions``), is what one action costs:
-a chunk's call into the schedule and autograd, a posted send or recv, the schedule's bookkeeping. The
-pre-run bubble model (``StagePlan.bubble_with_costs``) multiplies it by the actions of any placement and
-schedule. Measurement code, apart from the product stage (``stage.py``)."""
+breadth-first schedule over stand-in stages that compute nothing but keep the core busy and send messages
+of the run's size, timed on the
+pipeline's own group and backend. The cost is what the pre-run model charges: the per-action seconds at
+which the dependency-ordered simulation of this very schedule (``plan.simulate``, on the chunks' measured
+durations and the measured exchange of that size) takes as long as the step did (``plan.fit_action``),
+fitted per step and the median over the steps taken: a chunk's call into the schedule and autograd, a
+posted send or recv, the schedule's bookkeeping, one constant. One suffices: the simulation charges it to
+each chunk, send and recv alike, and this schedule's mix of them is the modular placements'; the
+contiguous ones post about one message per chunk instead of two (their rows in the benchmark test it).
+Measurement code, apart from the product stage (``stage.py``)."""
 
 from __future__ import annotations
 
@@ -17,13 +21,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import ScheduleLoopedBFS
 
-from l2l_cli.parallel.pipeline.plan import StagePlan
+from l2l_cli.parallel.pipeline.plan import StagePlan, fit_action, table_cost
 from l2l_cli.parallel.pipeline.stage import TimedStage, Timeline
 
 STAGES_PER_RANK = 2  # the calibration's modular pipeline: 2 stages per rank (S = 2P), breadth-first
 UBATCHES = 8
-HIDDEN = 4  # floats per message row: near-zero bytes, so what is left is the per-action cost
-STEPS = 12  # timed steps (the first is not counted)
+HIDDEN = 4  # floats per message where no size is given: near-zero bytes
+STEPS = 24  # timed steps (the first is not counted): a fit per step, their median
 BUSY_S = 0.005  # each stand-in chunk keeps its core busy 5 ms (a layer's chunk on a CPU: milliseconds): the
 # action's cost under load, as a real chunk leaves it, not on an idle core
 
@@ -50,11 +54,11 @@ class StandIn(nn.Module):
         return h.mean() if self.last else h
 
 
-def _latency(group: Any, host: Any, device: torch.device, peers: tuple[int, int]) -> float:
+def _latency(group: Any, host: Any, device: torch.device, peers: tuple[int, int], hidden: int) -> float:
     """One tiny exchange's seconds on ``group`` (a message to the next rank, one from the previous)."""
-    out, into = torch.zeros(HIDDEN, device=device), torch.empty(HIDDEN, device=device)
+    out, into = torch.zeros(hidden, device=device), torch.empty(hidden, device=device)
     times = []
-    for _ in range(8):
+    for _ in range(16):  # the median of 15: an inflated latency would hide the actions in the fit
         dist.barrier(group=host)
         t0 = time.perf_counter()
         for r in (dist.isend(out, dst=peers[1], group=group), dist.irecv(into, src=peers[0], group=group)):
@@ -65,16 +69,77 @@ def _latency(group: Any, host: Any, device: torch.device, peers: tuple[int, int]
     return statistics.median(times[1:])
 
 
-def action_seconds(
-    group: Any, host: Any, device: torch.device, backend: str, steps: int = STEPS, busy_s: float = BUSY_S
-) -> float:
-    """Seconds one schedule action costs beyond its compute and its messages' latency, on ``group``'s
-    backend (``backend``; ``host``: a gloo group over the same ranks, for the barriers): the median step's
-    time beyond compute x (1 + o), less its exchanges at the tiny messages' latency, over its actions; the
-    mean over the pipeline's ranks. Collective over the pipeline."""
+WAKE_REPS = (
+    100  # per side of the wake probe: the slice is a tail (a fifth of messages here), so a mean of 100
+)
+WAKE_BUSY_S = 0.01  # the sender computes this long after posting its send
+
+
+def _compute(seconds: float) -> None:
+    """Keep this rank's core busy with torch compute (a chunk's kind: the GIL released), ``seconds``."""
+    a = torch.full((128, 128), 1.0 / 128)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a = a @ a
+
+
+def wake_seconds(group: Any, host: Any, device: torch.device, hidden: int, reps: int = WAKE_REPS) -> float:
+    """How much later a message arrives when its sender computes than when it idles
+    (``hardware.pipe_wake_us``): pipeline rank 0 posts a send, then computes (or sleeps) 20 ms; rank 1
+    posts the recv 5 ms in and times it; the difference of the means. gloo moves a message on a thread of
+    the sender's process, which waits for a core the chunk holds (an OS scheduler slice, milliseconds, on
+    some of the messages); on CUDA the copies run beside compute: 0. Collective over the pipeline."""
+    if device.type == "cuda":
+        return 0.0
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     ranks = dist.get_process_group_ranks(group)
-    latency_s = _latency(group, host, device, (ranks[(rank - 1) % P], ranks[(rank + 1) % P]))
+    buf = torch.zeros(hidden, device=device)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for k in range(2 * reps + 2):
+        busy = k % 2 == 1
+        dist.barrier(group=host)
+        if rank == 0:
+            work = dist.isend(buf, dst=ranks[1], group=group)
+            if busy:
+                _compute(WAKE_BUSY_S)
+            else:
+                time.sleep(WAKE_BUSY_S)
+            work.wait()
+        elif rank == 1:
+            time.sleep(WAKE_BUSY_S / 4)
+            t0 = time.perf_counter()
+            dist.irecv(buf, src=ranks[0], group=group).wait()
+            if k >= 2:  # the first of each: warm-up
+                times[busy].append(time.perf_counter() - t0)
+    out = torch.zeros(1, dtype=torch.float64)
+    if rank == 1:
+        out[0] = max(0.0, statistics.mean(times[True]) - statistics.mean(times[False]))
+    dist.all_reduce(out, group=host)  # rank 1's value on every rank
+    return float(out[0]) if P > 1 else 0.0
+
+
+def action_seconds(
+    group: Any,
+    host: Any,
+    device: torch.device,
+    backend: str,
+    steps: int = STEPS,
+    busy_s: float = BUSY_S,
+    nbytes: float = 4 * HIDDEN,
+) -> tuple[float, float]:
+    """(Seconds one schedule action costs beyond its compute and its messages' latency, the message wake
+    of :func:`wake_seconds`), on ``group``'s
+    backend (``backend``; ``host``: a gloo group over the same ranks, for the barriers): per timed step,
+    the action cost at which the simulation of the step's schedule, on the chunks each rank timed that
+    step, takes the step's time; the median over the steps. Messages of ``nbytes`` (the run's hidden
+    state), their exchange timed beside: what their copies cost the ranks' cores beyond that (gloo copies
+    on the rank's own core) lands in the action, as it does in the run; the wake is measured first and
+    simulated in the fit, so the action does not absorb it. Collective over the pipeline."""
+    P, rank = dist.get_world_size(group), dist.get_rank(group)
+    ranks = dist.get_process_group_ranks(group)
+    hidden = max(1, int(nbytes) // 4)  # the run's message size: its copies cost the ranks' cores (gloo)
+    latency_s = _latency(group, host, device, (ranks[(rank - 1) % P], ranks[(rank + 1) % P]), hidden)
+    wake_s = wake_seconds(group, host, device, hidden)
     plan = StagePlan(STAGES_PER_RANK * P, P, "modular", 1)
     S, n, rows = plan.num_stages, UBATCHES, 1
     timeline = Timeline(cuda=device.type == "cuda")
@@ -86,27 +151,32 @@ def action_seconds(
     stages = []
     for s in plan.stages_of(rank):
         ids = meta((rows, 1), torch.long, False)
-        inputs = (ids, ids) if s == 0 else (meta((rows, 1, HIDDEN), torch.float32, True),)
-        out = meta((), torch.float32, True) if s == S - 1 else meta((rows, 1, HIDDEN), torch.float32, True)
-        stages.append(TimedStage(StandIn(s == 0, s == S - 1, HIDDEN, busy_s).to(device), s, S, device,
+        inputs = (ids, ids) if s == 0 else (meta((rows, 1, hidden), torch.float32, True),)
+        out = meta((), torch.float32, True) if s == S - 1 else meta((rows, 1, hidden), torch.float32, True)
+        stages.append(TimedStage(StandIn(s == 0, s == S - 1, hidden, busy_s).to(device), s, S, device,
                                  input_args=inputs, output_args=out, group=group, timeline=timeline,
                                  grads_ready=lambda _: None, own_recvs=backend == "gloo"))  # fmt: skip
     sched = ScheduleLoopedBFS(stages, n, loss_fn=lambda out, target: out, scale_grads=False)
     ids = torch.zeros((n * rows, 1), dtype=torch.long, device=device)
     args = (ids, ids) if 0 in plan.stages_of(rank) else ()
-    costs = []
-    for _ in range(steps):
+    per_chunk = n * plan.stages_per_rank
+    mine = torch.zeros(
+        (steps - 1, P, 3), dtype=torch.float64
+    )  # per step: pipeline s, forward, backward chunk
+    for k in range(steps):
         dist.barrier(group=host)
         t0 = time.perf_counter()
         sched.step(*args, target=ids, losses=[], return_outputs=False, mask=ids, labels=ids)
         dist.barrier(group=host)
-        costs.append(timeline.pop(t0, time.perf_counter()))
-    acts = plan.actions(rank, n, "ScheduleLoopedBFS", True)
-    o = plan.bubble_overhead(n)
-    beyond = (
-        statistics.median(c["pipeline"] - c["compute"] * (1 + o) for c in costs[1:])
-        - acts.exchanges * latency_s
-    )
-    mine = torch.tensor([max(0.0, beyond) / acts.total], dtype=torch.float64)
-    dist.all_reduce(mine, group=host)
-    return float(mine) / P
+        c = timeline.pop(t0, time.perf_counter())
+        if k > 0:
+            mine[k - 1, rank] = torch.tensor(
+                [c["pipeline"], c["forward"] / per_chunk, c["backward"] / per_chunk]
+            )
+    dist.all_reduce(mine, group=host)  # every rank's steps, on every rank
+    orders = plan.orders(n, "ScheduleLoopedBFS", True)
+    fits = []
+    for step in mine.tolist():
+        table = {s: (step[r][1], step[r][2]) for r in range(P) for s in plan.stages_of(r)}
+        fits.append(fit_action(orders, table_cost(table), latency_s, max(x[0] for x in step), wake_s=wake_s))
+    return statistics.median(fits), wake_s

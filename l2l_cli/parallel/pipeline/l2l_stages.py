@@ -47,7 +47,7 @@ from l2l_cli.models.base import ModelSpec
 from l2l_cli.modes.base import RunnerArgs, RunnerBase, StepReport
 from l2l_cli.modes.l2l import head_turn
 from l2l_cli.modes.registry import ModeSpec
-from l2l_cli.parallel.pipeline.plan import StagePlan, hidden_bytes
+from l2l_cli.parallel.pipeline.plan import StagePlan, count, hidden_bytes, layer_weights
 from l2l_cli.parallel.pipeline.runner import (
     PipelineRunner,
     action_s,
@@ -130,9 +130,9 @@ class L2LStagesRunner(RunnerBase):
         self.eps.speculation.combine = self.pipeline_norms  # its verdict: the whole pipeline's norms
         self._lr = 0.0
         self.sends: list[Any] = []
-        self.steps_timed, self.totals = 0, {"compute": 0.0, "pipeline": 0.0, "transfer": 0.0}
+        self.steps_timed, self.totals = 0, {"compute": 0.0, "pipeline": 0.0, "transfer": 0.0, "forward": 0.0}
         self._full: dict[str, torch.Tensor] | None = None
-        self.message_bytes = 0.0
+        self.message_bytes, self.seq_len = 0.0, 1  # the last step's hidden state on the wire, its tokens
 
     def _global(self, stage: int) -> int:
         """The global rank that runs ``stage`` in this rank's pipeline."""
@@ -195,6 +195,7 @@ class L2LStagesRunner(RunnerBase):
         masks = [self.spec.side_inputs(ub, dtype) for ub in ubatches]
         shape = (len(ubatches[0]), ubatches[0].seq_len, self.spec.hidden_size)
         self.message_bytes = hidden_bytes(*shape)
+        self.seq_len = shape[1]
         dist.barrier(group=self.pp_host)  # the pipeline's window opens together (as PipelineRunner's)
         t0 = time.perf_counter()
         x = self.forward_pass(ubatches, masks, shape)
@@ -212,10 +213,14 @@ class L2LStagesRunner(RunnerBase):
         compute = sum(phases.get(k, 0.0) for k in ("forward", "recompute", "backward"))
         if self.step_count > 0 or not self.steps_timed:  # steady state: the first step only if alone
             if self.step_count == 1:
-                self.steps_timed, self.totals = 0, {"compute": 0.0, "pipeline": 0.0, "transfer": 0.0}
+                self.steps_timed, self.totals = (
+                    0,
+                    {"compute": 0.0, "pipeline": 0.0, "transfer": 0.0, "forward": 0.0},
+                )
             self.steps_timed += 1
             self.totals["transfer"] += phases.get("transfer", 0.0)
             self.totals["compute"] += compute
+            self.totals["forward"] += phases.get("forward", 0.0)
             self.totals["pipeline"] += t1 - t0
         report = self.finish(loss, len(minibatch), t_start, lr, skipped=not applied, grad_norm=norm)
         report.phases = phases
@@ -302,6 +307,14 @@ class L2LStagesRunner(RunnerBase):
                         g[u] = None
                 self.relay.send_grads(j)
                 self.landed(j)  # reduced over the pipelines as it lands (and, L2L-p, updated)
+
+    def _layer_flops(self, i: int) -> float:
+        """Forward FLOPs of model layer i on one sample: the split of the rank's measured compute over its
+        layers (the embeddings' lookup and sums: ~seq·hidden)."""
+        seq, spec = self.seq_len, self.spec
+        if i == 0:
+            return 2.0 * seq * spec.hidden_size
+        return spec.head_flops(seq) if i == self.head else spec.block_flops(seq)
 
     def _pipeline_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The minibatch's mean loss (unscaled: the turn sums the losses before scaling), from the last
@@ -453,7 +466,8 @@ class L2LStagesRunner(RunnerBase):
         n = max(self.steps_timed, 1)
         mine = {"rank": self.dist.rank, "pipeline_rank": self.pp_rank, "data_rank": self.dp_rank,
                 "stages": self.my_stages, "layers": self.index, "compute_s": self.totals["compute"] / n,
-                "pipeline_s": self.totals["pipeline"] / n, "transfer_s": self.totals["transfer"] / n}  # fmt: skip
+                "pipeline_s": self.totals["pipeline"] / n, "transfer_s": self.totals["transfer"] / n,
+                "forward_s": self.totals.get("forward", 0.0) / n}  # fmt: skip
         if self.overlapped:  # L2L-p: steps whose speculative updates this rank undid, and how many
             mine |= {"rollbacks": self.eps.rollbacks, "rolled_back_layer_updates": self.eps.rollback_layers}
         mine["bubble"] = 1 - mine["compute_s"] / mine["pipeline_s"] if mine["pipeline_s"] > 0 else None
@@ -466,10 +480,10 @@ class L2LStagesRunner(RunnerBase):
         groups = (self.pp_group, self.pp_host)
         exchange = exchange_s(s, groups, peers, self.message_bytes, self.acc.device)
         # the pre-run model on this run's compute: its own loops' actions, the relay's moves at their mean
-        actions = [plan.l2l_actions(r, self.num_ubatches) for r in range(s.pipeline)]
-        moves = sum(actions[r["pipeline_rank"]].loads for r in ranks)
+        orders = plan.l2l_orders(self.num_ubatches)
+        moves = sum(count(orders[r["pipeline_rank"]]).loads for r in ranks)
         load_s = sum(r["transfer_s"] for r in ranks) / moves if moves else 0.0
-        action = action_s(s, groups, self.dist.backend, self.acc.device)
+        action = action_s(s, groups, self.dist.backend, self.acc.device, self.message_bytes)
         return {
             "pipeline": {
                 "pipeline": s.pipeline, "data_parallel": self.dp_world, "placement": s.placement,
@@ -477,8 +491,8 @@ class L2LStagesRunner(RunnerBase):
                 "num_stages": plan.num_stages, "layers_per_stage": plan.block_size,
                 "stages_per_rank": plan.stages_per_rank, "num_ubatches": self.num_ubatches,
                 "stash": self.settings.stash, "bubble_measured": sum(bubbles) / len(bubbles) if bubbles else None,
-                **bubble_section(plan, self.num_ubatches, ranks, actions, exchange, action, self.message_bytes,
-                                 load_s),
+                **bubble_section(plan, self.num_ubatches, ranks, orders, lambda p: layer_weights(plan, p, self._layer_flops), exchange,
+                                 action, self.message_bytes, load_s),
                 "ranks": ranks,
             }
         }  # fmt: skip

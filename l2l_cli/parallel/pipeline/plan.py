@@ -4,6 +4,7 @@ predicts for it (layered-GA appendix C, §2.4 and §4). Pure arithmetic, shared 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,61 +97,232 @@ class StagePlan:
         sending as many as it receives. The modular placement sends L/P times more than the contiguous."""
         return 2 * (self.num_stages - 1) * num_ubatches / self.pipeline
 
-    def actions(self, rank: int, num_ubatches: int, torch_schedule: str, many: bool) -> Actions:
-        """Pipeline rank ``rank``'s actions in a training step, read off torch's own schedule
-        (``torch_schedule``: the class name the runner builds; ``many``: whether it takes several stages):
-        its compute actions, and the sends and receives its runtime posts (``pipeline_order_with_comms``;
-        a single-stage schedule sends each forward on and each backward back, and receives the same)."""
+    def orders(self, num_ubatches: int, torch_schedule: str, many: bool) -> list[list[Op]]:
+        """Each pipeline rank's actions in a training step, in the order its runtime runs them, read off
+        torch's own schedule (``torch_schedule``: the class name the runner builds; ``many``: whether it
+        takes several stages): ``pipeline_order_with_comms`` where the schedule has one (chunks, sends,
+        receives: the runtime posts each recv where it stands and waits for it at the chunk that reads it).
+        A single-stage schedule runs torch's own loops (:func:`_single_stage`), whose order its IR does
+        not say (``Schedule1F1B.pipeline_order`` is not the order its loop runs)."""
         import torch.distributed.pipelining as pipelining  # ~1 s to import: only where a pipeline is planned
 
-        S = self.num_stages
-        stages = [_StubStage(s, S, self.pipeline) for s in self.stages_of(rank)]
+        S, n, out = self.num_stages, num_ubatches, []
         cls = getattr(pipelining, torch_schedule)
-        sched = cls(stages if many else stages[0], num_ubatches, loss_fn=lambda out, target: out,
-                    scale_grads=False)  # fmt: skip
-        order = getattr(sched, "pipeline_order_with_comms", None) or sched.pipeline_order
-        kinds = Counter(a.computation_type.name for a in order[rank] if a is not None)
-        chunks = (
-            kinds["FORWARD"] + kinds["FULL_BACKWARD"] + kinds["BACKWARD_INPUT"] + kinds["BACKWARD_WEIGHT"]
-        )
-        if "pipeline_order_with_comms" in vars(sched):
-            return Actions(chunks, kinds["SEND_F"] + kinds["SEND_B"], kinds["RECV_F"] + kinds["RECV_B"])
-        (s,) = self.stages_of(rank)  # one stage: forwards leave unless last, backwards unless first
-        f, b = kinds["FORWARD"], kinds["FULL_BACKWARD"] + kinds["BACKWARD_INPUT"]
-        sends = (f if s < S - 1 else 0) + (b if s > 0 else 0)
-        recvs = (f if s > 0 else 0) + (b if s < S - 1 else 0)
-        return Actions(chunks, sends, recvs)
+        kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "B", "SEND_F": "SEND_F",
+                 "SEND_B": "SEND_B", "RECV_F": "RECV_F", "RECV_B": "RECV_B"}  # fmt: skip
+        for rank in range(self.pipeline):
+            stages = [_StubStage(s, S, self.pipeline) for s in self.stages_of(rank)]
+            sched = cls(stages if many else stages[0], n, loss_fn=lambda out, target: out, scale_grads=False)
+            if "pipeline_order_with_comms" not in vars(sched):  # one stage: torch's own loops
+                (s,) = self.stages_of(rank)
+                out.append(_single_stage(s, S, n, one_f_one_b=isinstance(sched, pipelining.Schedule1F1B)))
+                continue
+            ops: list[Op] = []
+            for a in sched.pipeline_order_with_comms[rank]:
+                k = kinds.get(a.computation_type.name) if a is not None else None
+                if k is not None:  # not (un)shard or REDUCE_GRAD: no compute, no message
+                    ops.append((k, a.stage_index, a.microbatch_index, -1))
+            out.append(ops)
+        return out
+
+    def l2l_orders(self, num_ubatches: int) -> list[list[Op]]:
+        """The same for L2L stages, from their own loops (``l2l_stages.py``): per stage, its sends of the
+        stage before drained, its n recvs posted, then layer by layer a relay load and every micro-batch's
+        chunk (the head's turn: forward and backward per micro-batch); backward in reverse, each layer's
+        recompute and backward as one chunk, its gradient offloaded after the last micro-batch."""
+        n, S, head, out = num_ubatches, self.num_stages, self.num_layers + 1, []
+        for rank in range(self.pipeline):
+            ops: list[Op] = []
+            mine = self.stages_of(rank)
+            for s in mine:
+                ops.append(("WAIT_SENDS", s, -1, -1))
+                ops += [("RECV_F", s, u, -1) for u in range(n)] if s > 0 else []
+                body = [i for i in self.layers(s) if i != head]
+                for k, i in enumerate(body):
+                    ops.append(("LOAD", s, -1, i))
+                    for u in range(n):
+                        ops.append(("F", s, u, i))
+                        ops += [("SEND_F", s, u, -1)] if k == len(body) - 1 and s < S - 1 else []
+            if S - 1 in mine:
+                ops.append(("LOAD", S - 1, -1, head))
+                for u in range(n):
+                    ops += [("F", S - 1, u, head), ("B", S - 1, u, head)]
+                ops.append(("LOAD", S - 1, -1, head))  # its gradient offloaded
+            for s in reversed(mine):
+                ops.append(("WAIT_SENDS", s, -1, -1))
+                ops += [("RECV_B", s, u, -1) for u in range(n)] if s < S - 1 else []
+                body = [i for i in self.layers(s) if i != head]
+                for k in reversed(range(len(body))):
+                    ops.append(("LOAD", s, -1, body[k]))
+                    for u in range(n):
+                        ops.append(("B", s, u, body[k]))
+                        ops += [("SEND_B", s, u, -1)] if k == 0 and s > 0 else []
+                    ops.append(("LOAD", s, -1, body[k]))  # the gradient offloaded
+            out.append(ops)
+        return out
+
+    def actions(self, rank: int, num_ubatches: int, torch_schedule: str, many: bool) -> Actions:
+        """Pipeline rank ``rank``'s action counts in a training step (:meth:`orders`)."""
+        return count(self.orders(num_ubatches, torch_schedule, many)[rank])
 
     def l2l_actions(self, rank: int, num_ubatches: int) -> Actions:
-        """The same for L2L stages (``l2l_stages.py``'s loops, breadth-first): every layer of the rank's
-        stages runs each micro-batch forward and (recomputed) backward, a stage's input arrives per
-        micro-batch and its output leaves per micro-batch, each way; the relay loads every layer twice
-        (forward, backward) and offloads its gradient once."""
-        n, S, chunks, sends, recvs, loads = num_ubatches, self.num_stages, 0, 0, 0, 0
-        for s in self.stages_of(rank):
-            layers = len(self.layers(s))
-            chunks += 2 * n * layers
-            loads += 3 * layers
-            sends += n * ((s < S - 1) + (s > 0))
-            recvs += n * ((s > 0) + (s < S - 1))
-        return Actions(chunks, sends, recvs, loads)
+        """The same for L2L stages (:meth:`l2l_orders`): every layer of the rank's stages runs each
+        micro-batch forward and (recomputed) backward; the relay loads every layer twice (forward,
+        backward) and offloads its gradient once."""
+        return count(self.l2l_orders(num_ubatches)[rank])
 
-    def bubble_with_costs(
-        self, num_ubatches: int, ranks: list[tuple[float, Actions]], action_s: float, exchange_s: float,
-        load_s: float = 0.0,
+    def bubble_simulated(
+        self, orders: list[list[Op]], cost: Callable[[int, Op], float], action_s: float, link_s: float,
+        wake_s: float = 0.0,
     ) -> float:  # fmt: skip
-        """The pre-run bubble, a mean over the pipeline's ranks of 1 - compute / pipeline time. ``ranks``:
-        each rank's compute seconds and its actions. A rank takes its compute times (1 + o) plus what its
-        schedule costs beyond compute: each action (a chunk's call, a posted send or recv) ``action_s``
-        (``hardware.pipe_action_us``, measured by running a schedule with no compute), each exchange
-        ``exchange_s`` (latency and bytes over the link), and, for L2L stages, each relay load or offload
-        ``load_s`` (a CPU's inline copies hide behind nothing). The slowest rank sets the pipeline's time;
-        the others idle for the difference."""
-        o = self.bubble_overhead(num_ubatches)
-        t = max(
-            c * (1.0 + o) + a.total * action_s + a.exchanges * exchange_s + a.loads * load_s for c, a in ranks
+        """The pre-run bubble (:func:`simulate`): the mean over the pipeline's ranks of 1 - compute / step
+        time, as the runner measures it."""
+        t, busy = simulate(orders, cost, action_s, link_s, wake_s)
+        return sum(1.0 - c / t for c in busy) / len(busy) if t > 0 else 0.0
+
+
+Op = tuple[
+    str, int, int, int
+]  # (kind, stage, micro-batch, layer): F, B, SEND_F/B, RECV_F/B, LOAD, WAIT_SENDS
+
+
+def count(ops: list[Op]) -> Actions:
+    """A rank's chunks, sends, recvs and relay moves."""
+    c = Counter(op[0] for op in ops)
+    return Actions(c["F"] + c["B"], c["SEND_F"] + c["SEND_B"], c["RECV_F"] + c["RECV_B"], c["LOAD"])
+
+
+def _message(op: Op) -> tuple[str, int, int]:
+    """The message a send or recv names: (direction, receiving stage, micro-batch)."""
+    kind, s, u, _ = op
+    if kind == "SEND_F":
+        return ("F", s + 1, u)
+    if kind == "SEND_B":
+        return ("B", s - 1, u)
+    return (kind[-1], s, u)
+
+
+def _single_stage(s: int, S: int, n: int, one_f_one_b: bool) -> list[Op]:
+    """Stage s's actions under torch's single-stage loops (``ScheduleGPipe`` / ``Schedule1F1B``
+    ``_step_microbatches``): a chunk's recv posted just before it (the stage posts its own, gloo), its
+    send after it; GPipe waits for its forward sends before the backward; 1F1B runs min(n, S - s) forwards,
+    then a backward and a forward in turn, each waiting for the send posted just before it."""
+    F = lambda u: ([("RECV_F", s, u, -1)] if s > 0 else []) + [("F", s, u, -1)]  # noqa: E731
+    B = lambda u: ([("RECV_B", s, u, -1)] if s < S - 1 else []) + [("B", s, u, -1)]  # noqa: E731
+    sf = lambda u: [("SEND_F", s, u, -1)] if s < S - 1 else []  # noqa: E731
+    sb = lambda u: [("SEND_B", s, u, -1)] if s > 0 else []  # noqa: E731
+    wait: list[Op] = [("WAIT_SENDS", s, -1, -1)]
+    if not one_f_one_b:
+        return (
+            [x for u in range(n) for x in F(u) + sf(u)]
+            + wait
+            + [x for u in range(n) for x in B(u) + sb(u)]
+            + wait
         )
-        return sum(1.0 - c / t for c, _ in ranks) / len(ranks) if t > 0 else 0.0
+    w, ops, f, b = min(n, S - s), [], 0, 0
+    for i in range(w):  # warm-up: the last forward's send goes with the first backward's recv
+        ops += F(f) + wait + (sf(f) if i < w - 1 else [])
+        f += 1
+    deferred = sf(f - 1)
+    while True:
+        ops += deferred + ([("RECV_B", s, b, -1)] if s < S - 1 else []) + wait + [("B", s, b, -1)]
+        b += 1
+        if f == n:
+            break
+        ops += sb(b - 1) + ([("RECV_F", s, f, -1)] if s > 0 else []) + wait + [("F", s, f, -1)]
+        deferred, f = sf(f), f + 1
+    ops += sb(b - 1)
+    while b < n:  # cool-down
+        ops += B(b) + wait + sb(b)
+        b += 1
+    return ops + wait
+
+
+def simulate(
+    orders: list[list[Op]], cost: Callable[[int, Op], float], action_s: float, link_s: float,
+    wake_s: float = 0.0,
+) -> tuple[float, list[float]]:  # fmt: skip
+    """A training step's pipeline, each rank running its actions in order (``orders``, by pipeline rank):
+    every chunk, send and recv costs ``action_s`` on its own rank (the schedule's call, posting, autograd
+    entry), then a chunk lasts ``cost(rank, op)``, as does a relay move (``LOAD``); a chunk that reads a
+    message starts no earlier than its arrival: both ends posted (gloo pairs a send with its recv) plus
+    ``link_s`` (latency + bytes over the link). Where the transport shares the sender's core (gloo on a
+    CPU), a message whose recv is posted while its sender computes moves only once the OS gives that core
+    to the transport: ``wake_s`` later (``hardware.pipe_wake_us``, at most until the chunk ends). A sender
+    still waiting for a message of its own counts as idle. ``WAIT_SENDS`` and the step's end wait for the
+    rank's sends to arrive. Returns the step time (the last rank's end: the pipeline's window closes
+    together) and each rank's compute. No queues or contention beyond that; O(actions)."""
+    P = len(orders)
+    clock, busy, pos = [0.0] * P, [0.0] * P, [0] * P
+    sent: dict[tuple[str, int, int], tuple[float, int]] = {}  # message -> (posted, sending rank)
+    posted: dict[tuple[str, int, int], float] = {}
+    pending: list[list[tuple[str, int, int]]] = [[] for _ in range(P)]
+    chunks: list[list[tuple[float, float]]] = [[] for _ in range(P)]  # each rank's compute intervals
+    idle: set[tuple[str, int, int]] = set()  # messages whose sender was found blocked: idle, not computing
+    reads = [{_message(op) for op in ops if op[0].startswith("RECV")} for ops in orders]
+
+    def arrival(key: tuple[str, int, int]) -> float | None:
+        if key not in sent or key not in posted:
+            return None
+        t, r = max(sent[key][0], posted[key]), sent[key][1]
+        if wake_s > 0 and key not in idle:
+            if clock[r] < t and pos[r] < len(orders[r]):
+                return None  # the sender's timeline has not reached the moment yet
+            for a, b in reversed(chunks[r]):
+                if a <= t < b:
+                    t = min(b, t + wake_s)
+                    break
+                if b <= t:
+                    break
+        return t + link_s
+
+    def sends_done(r: int) -> float | None:
+        times = [arrival(k) for k in pending[r]]
+        return None if any(t is None for t in times) else max(times, default=clock[r])  # type: ignore[type-var]
+
+    while any(pos[r] < len(orders[r]) for r in range(P)):
+        moved = False
+        for r in range(P):
+            while pos[r] < len(orders[r]):
+                op = orders[r][pos[r]]
+                kind = op[0]
+                if kind in ("F", "B"):
+                    key = (kind, op[1], op[2])
+                    start = clock[r] + action_s
+                    if key in reads[r]:
+                        a = arrival(key)
+                        if a is None:
+                            break  # its message is not posted yet (or its sender not there): another rank first
+                        start = max(start, a)
+                    d = cost(r, op)
+                    chunks[r].append((start, start + d))
+                    clock[r], busy[r] = start + d, busy[r] + d
+                elif kind.startswith("SEND"):
+                    clock[r] += action_s
+                    sent[_message(op)] = (clock[r], r)
+                    pending[r].append(_message(op))
+                elif kind.startswith("RECV"):
+                    clock[r] += action_s
+                    posted[_message(op)] = clock[r]
+                elif kind == "LOAD":
+                    clock[r] += cost(r, op)
+                elif kind == "WAIT_SENDS":
+                    done = sends_done(r)
+                    if done is None:
+                        break
+                    clock[r], pending[r] = max(clock[r], done), []
+                pos[r] += 1
+                moved = True
+        if not moved:
+            stuck = {k for k in sent.keys() & posted.keys() if k not in idle}
+            if not stuck:
+                raise ValueError("the pipeline's orders deadlock: a chunk waits for a message never sent")
+            idle |= stuck  # every rank waits: the senders of these messages are blocked, so not computing
+    ends = []
+    for r in range(P):
+        done = sends_done(r)
+        ends.append(max(clock[r], done if done is not None else clock[r]))
+    return max(ends, default=0.0), busy
 
 
 def exchange_seconds(nbytes: float, latency_s: float, bytes_per_s: float) -> float:
@@ -167,3 +339,46 @@ def hidden_bytes(rows: int, seq: int, hidden: int) -> float:
 def plan_of(cfg: Any, num_layers: int) -> StagePlan:
     d = cfg.dist
     return StagePlan(num_layers, d.pipeline, d.placement, d.layers_per_stage)
+
+
+def split_by_weight(
+    total: tuple[float, float], weights: dict[int, float], num_ubatches: int
+) -> dict[int, tuple[float, float]]:
+    """One rank's forward and backward seconds over a step (``total``) as per-micro-batch chunks of each
+    of its stages (or layers), in proportion to ``weights`` (their layers, or their measured mean chunks)."""
+    w = sum(weights.values()) or 1.0
+    return {k: (total[0] * v / w / num_ubatches, total[1] * v / w / num_ubatches) for k, v in weights.items()}
+
+
+def table_cost(table: dict[int, tuple[float, float]], load_s: float = 0.0) -> Callable[[int, Op], float]:
+    """:func:`simulate`'s costs from per-micro-batch (forward, backward) chunk seconds by stage (torch's
+    schedules) or by layer (L2L stages, whose ops name their layer); ``load_s`` per relay move."""
+
+    def cost(rank: int, op: Op) -> float:
+        if op[0] == "LOAD":
+            return load_s
+        return table[op[3] if op[3] >= 0 else op[1]][op[0] == "B"]
+
+    return cost
+
+
+def fit_action(
+    orders: list[list[Op]], cost: Callable[[int, Op], float], link_s: float, step_s: float, hi: float = 0.01,
+    wake_s: float = 0.0,
+) -> float:  # fmt: skip
+    """The per-action seconds at which :func:`simulate` of ``orders`` takes ``step_s`` (bisection: the
+    step time grows with it); 0 where the step is no longer than its chunks and messages alone."""
+    if simulate(orders, cost, 0.0, link_s, wake_s)[0] >= step_s:
+        return 0.0
+    lo = 0.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if simulate(orders, cost, mid, link_s, wake_s)[0] < step_s else (lo, mid)
+    return (lo + hi) / 2
+
+
+def layer_weights(plan: StagePlan, rank: int, flops: Callable[[int], float]) -> dict[int, float]:
+    """L2L stages' chunks are per layer: each of the rank's layers its share of the rank's forward and of
+    its recompute + backward by its forward FLOPs (``flops(layer)``; the runner times the rank's phases,
+    not its layers). A cheap head matters: the turn runs it for every micro-batch between fill and drain."""
+    return {i: flops(i) for s in plan.stages_of(rank) for i in plan.layers(s)}

@@ -34,7 +34,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -52,7 +52,15 @@ from l2l_cli.models.base import BLOCK, POST, PRE
 from l2l_cli.modes.base import RunnerArgs, RunnerBase, StepReport
 from l2l_cli.modes.registry import ModeSpec
 from l2l_cli.parallel.pipeline.calibrate import action_seconds
-from l2l_cli.parallel.pipeline.plan import Actions, StagePlan, exchange_seconds, hidden_bytes
+from l2l_cli.parallel.pipeline.plan import (
+    Op,
+    StagePlan,
+    count,
+    exchange_seconds,
+    hidden_bytes,
+    split_by_weight,
+    table_cost,
+)
 from l2l_cli.parallel.pipeline.settings import SCHEDULES, PipelineSettings, schedule_class, torch_problem
 from l2l_cli.parallel.pipeline.stage import TimedStage, Timeline
 from l2l_cli.parallel.pipeline.state import Shard, StageState
@@ -132,35 +140,48 @@ def exchange_s(
 
 
 def action_s(
-    s: PipelineSettings, groups: tuple[Any, Any], backend: str, device: torch.device
-) -> tuple[float, str]:
-    """Seconds one schedule action costs beyond compute and bytes, and where the number comes from: with
-    ``hardware=measure`` timed once on the pipeline's own group (``calibrate.action_seconds``), else the
-    preset's ``hardware.pipe_action_us``. Collective over the pipeline."""
+    s: PipelineSettings, groups: tuple[Any, Any], backend: str, device: torch.device, nbytes: float
+) -> tuple[float, float, str]:
+    """Seconds one schedule action costs beyond compute and bytes, the seconds a message waits for its
+    computing sender's core, and where the numbers come from: with ``hardware=measure`` timed once on the
+    pipeline's own group with messages of ``nbytes`` (``calibrate.action_seconds``), else the preset's
+    ``hardware.pipe_action_us`` and ``hardware.pipe_wake_us``. Collective over the pipeline."""
     if not s.measure_p2p:
-        return s.action_s, "hardware"
-    return action_seconds(groups[0], groups[1], device, backend), "measured"
+        return s.action_s, s.wake_s, "hardware"
+    return (*action_seconds(groups[0], groups[1], device, backend, nbytes=nbytes), "measured")
 
 
 def bubble_section(
-    plan: StagePlan, n: int, ranks: list[dict[str, Any]], actions: list[Actions], exchange: tuple[float, str],
-    action: tuple[float, str], nbytes: float, load_s: float = 0.0,
+    plan: StagePlan, n: int, ranks: list[dict[str, Any]], orders: list[list[Op]],
+    weights: Callable[[int], dict[int, float]], exchange: tuple[float, str], action: tuple[float, float, str],
+    nbytes: float, load_s: float = 0.0,
 ) -> dict[str, Any]:  # fmt: skip
-    """summary.json's predicted bubbles: the paper's (messages free), and the pre-run model
-    (``StagePlan.bubble_with_costs``) on the ranks' compute, each pipeline rank's actions (``actions``, by
-    pipeline rank, read off the schedule), ``action`` seconds per action and ``exchange`` per exchange
-    (each with where it came from), and ``load_s`` per relay load or offload (L2L stages)."""
-    costs = [(r["compute_s"], actions[r["pipeline_rank"]]) for r in ranks if r.get("compute_s")]
+    """summary.json's predicted bubbles: the paper's (messages free), and the pre-run model: the
+    dependency-ordered simulation (``plan.simulate``) of each pipeline rank's actions (``orders``, read off
+    the schedule), its chunks lasting the rank's measured forward and backward seconds split over its
+    stages (or layers) by ``weights(pipeline rank)``, ``action`` (seconds per action, the message wake,
+    where they came from), ``exchange`` per message (and where it came from) and ``load_s`` per relay move (L2L stages)."""
+    by: dict[int, list[dict[str, Any]]] = {}
+    for r in ranks:
+        if r.get("compute_s"):
+            by.setdefault(r["pipeline_rank"], []).append(r)
+    table: dict[int, tuple[float, float]] = {}
+    for p, rs in by.items():  # data-parallel copies of a pipeline rank: their mean
+        fwd = statistics.mean(r.get("forward_s", r["compute_s"] / 3) for r in rs)
+        table |= split_by_weight((fwd, statistics.mean(r["compute_s"] for r in rs) - fwd), weights(p), n)
     model = (
-        plan.bubble_with_costs(n, costs, action[0], exchange[0], load_s) if costs else plan.bubble_fraction(n)
-    )
+        plan.bubble_simulated(orders, table_cost(table, load_s), action[0], exchange[0], action[1])
+        if len(by) == plan.pipeline else plan.bubble_fraction(n)
+    )  # fmt: skip
+    actions = [count(o) for o in orders]
     return {
-        "bubble_predicted": model,
+        "bubble_predicted": model, "bubble_predicted_from": "simulated schedule" if len(by) == plan.pipeline else "paper",
         "bubble_predicted_paper": plan.bubble_fraction(n),
         "bubble_overhead_predicted": plan.bubble_overhead(n),
         "messages_per_rank": plan.messages_per_rank(n), "message_bytes": nbytes,
         "exchange_s": exchange[0], "exchange_from": exchange[1],
-        "actions_per_rank": [a.total for a in actions], "action_s": action[0], "action_from": action[1],
+        "actions_per_rank": [a.total for a in actions], "action_s": action[0], "action_from": action[2],
+        "wake_s": action[1],
         "chunks_per_rank": [a.chunks for a in actions], "relay_moves_per_rank": [a.loads for a in actions],
         "relay_move_s": load_s,
     }  # fmt: skip
@@ -381,6 +402,9 @@ class PipelineRunner(RunnerBase):
             "overhead_s": mean.get("overhead", 0.0), "chunks": mean.get("chunks", 0.0), "pipeline_s": pipe, "step_s": mean.get("step", 0.0),
             "bubble": (pipe - mean.get("compute", 0.0)) / pipe if pipe > 0 else None,
             "steps_timed": self.timed_steps,
+            # each stage's mean forward + backward chunk over the run: how the rank's compute splits
+            "stage_chunks": {str(st): sum(v[0] / max(v[1], 1) for (i, _), v in self.timeline.by_stage.items() if i == st)
+                             or 1.0 for st in sorted(self.stages)},
         }  # fmt: skip
 
     def exchange(self) -> tuple[float, str]:
@@ -398,9 +422,11 @@ class PipelineRunner(RunnerBase):
         bubbles = [r["bubble"] for r in ranks if r["bubble"] is not None]
         s, plan, n = self.pipe, self.plan, self.num_ubatches
         cls, many = SCHEDULES[s.schedule]
-        actions = [plan.actions(r, n, cls, many) for r in range(s.pipeline)]
+        orders = plan.orders(n, cls, many)
+        # a rank's compute over its stages: as their measured mean chunks (all ranks', gathered above)
+        chunks = {int(k): v for r in ranks for k, v in r["stage_chunks"].items()}
         groups = (self.pp_group, self.pp_host)
-        action = action_s(s, groups, self.dist.backend, self.acc.device)
+        action = action_s(s, groups, self.dist.backend, self.acc.device, self.message_bytes)
         return {
             "pipeline": {
                 "pipeline": s.pipeline, "data_parallel": self.dp_world, "placement": s.placement,
@@ -410,7 +436,8 @@ class PipelineRunner(RunnerBase):
                 "side_inputs": "rebuilt per stage from the batch (mask, labels, micro-batch index as keyword "
                                "arguments); only hidden states cross ranks",
                 "bubble_measured": sum(bubbles) / len(bubbles) if bubbles else None,
-                **bubble_section(plan, n, ranks, actions, self.exchange(), action, self.message_bytes),
+                **bubble_section(plan, n, ranks, orders, lambda p: {k: chunks[k] for k in plan.stages_of(p)},
+                                 self.exchange(), action, self.message_bytes),
                 "ranks": ranks,
             }
         }  # fmt: skip

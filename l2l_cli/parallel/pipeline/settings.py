@@ -72,6 +72,7 @@ class PipelineSettings:
     p2p_bytes_per_s: float = 12.5e9
     measure_p2p: bool = False  # hardware=measure: time an exchange and a schedule's action on the ranks
     action_s: float = 100e-6  # hardware.pipe_action_us: one schedule action beyond compute and bytes
+    wake_s: float = 0.0  # hardware.pipe_wake_us: a message's wait for its computing sender's core
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> PipelineSettings:
@@ -79,7 +80,7 @@ class PipelineSettings:
         schedule = AUTO_SCHEDULE[d.placement] if d.schedule == "auto" else d.schedule
         return cls(d.pipeline, d.placement, schedule, d.layers_per_stage, bool(d.partition_state),
                    hw.p2p_latency_us * 1e-6, hw.network_gbps * 1e9, bool(hw.measured),
-                   hw.pipe_action_us * 1e-6)  # fmt: skip
+                   hw.pipe_action_us * 1e-6, hw.pipe_wake_us * 1e-6)  # fmt: skip
 
 
 def selected(cfg: Any) -> bool:
