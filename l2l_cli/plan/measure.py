@@ -310,24 +310,15 @@ def _exchange_rank(rank: int, store_path: str, nbytes: list[int], repeats: int, 
     then what one pipeline schedule action costs (``calibrate.action_seconds``, a 2-rank pipeline)."""
     import torch.distributed as dist
 
-    from l2l_cli.parallel.pipeline.calibrate import action_seconds
+    from l2l_cli.parallel.pipeline.calibrate import action_seconds, time_exchange
 
     store = dist.FileStore(store_path, 2)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     try:
-        res = []
-        for n in nbytes:
-            a, b = torch.zeros(max(1, n // 4)), torch.empty(max(1, n // 4))
-            times = []
-            for _ in range(repeats + 1):
-                dist.barrier()
-                t0 = time.perf_counter()
-                for r in (dist.isend(a, dst=1 - rank), dist.irecv(b, src=1 - rank)):
-                    r.wait()
-                times.append(time.perf_counter() - t0)
-            res.append(statistics.median(times[1:]))
+        cpu = torch.device("cpu")
+        res = [time_exchange(None, None, cpu, (1 - rank, 1 - rank), n, repeats) for n in nbytes]
         group = dist.new_group([0, 1], backend="gloo")
-        res.extend(action_seconds(group, group, torch.device("cpu"), "gloo", nbytes=nbytes[-1]))
+        res.extend(action_seconds(group, group, cpu, "gloo", nbytes=nbytes[-1]))
         if rank == 0:
             out.put(res)
     finally:

@@ -54,11 +54,17 @@ class StandIn(nn.Module):
         return h.mean() if self.last else h
 
 
-def _latency(group: Any, host: Any, device: torch.device, peers: tuple[int, int], hidden: int) -> float:
-    """One tiny exchange's seconds on ``group`` (a message to the next rank, one from the previous)."""
-    out, into = torch.zeros(hidden, device=device), torch.empty(hidden, device=device)
+def time_exchange(
+    group: Any, host: Any, device: torch.device, peers: tuple[int, int], nbytes: float, repeats: int = 15
+) -> float:
+    """One exchange's seconds on ``group`` (``nbytes`` to ``peers[1]``, as many from ``peers[0]``; global
+    ranks; ``host``: a gloo group over the same ranks for the barriers; ``None``: the default group):
+    the median of ``repeats`` after one warm-up (an inflated latency would hide the actions in the fit).
+    Collective over the group."""
+    n = max(1, int(nbytes) // 4)
+    out, into = torch.zeros(n, device=device), torch.empty(n, device=device)
     times = []
-    for _ in range(16):  # the median of 15: an inflated latency would hide the actions in the fit
+    for _ in range(repeats + 1):
         dist.barrier(group=host)
         t0 = time.perf_counter()
         for r in (dist.isend(out, dst=peers[1], group=group), dist.irecv(into, src=peers[0], group=group)):
@@ -69,10 +75,9 @@ def _latency(group: Any, host: Any, device: torch.device, peers: tuple[int, int]
     return statistics.median(times[1:])
 
 
-WAKE_REPS = (
-    100  # per side of the wake probe: the slice is a tail (a fifth of messages here), so a mean of 100
-)
-WAKE_BUSY_S = 0.01  # the sender computes this long after posting its send
+# per side of the wake probe: the slice is a tail (a fifth of messages here), so a mean of 100
+WAKE_REPS = 100
+WAKE_BUSY_S = 0.01  # the sender computes this long after posting its send; the recv comes a quarter in
 
 
 def _compute(seconds: float) -> None:
@@ -85,8 +90,8 @@ def _compute(seconds: float) -> None:
 
 def wake_seconds(group: Any, host: Any, device: torch.device, hidden: int, reps: int = WAKE_REPS) -> float:
     """How much later a message arrives when its sender computes than when it idles
-    (``hardware.pipe_wake_us``): pipeline rank 0 posts a send, then computes (or sleeps) 20 ms; rank 1
-    posts the recv 5 ms in and times it; the difference of the means. gloo moves a message on a thread of
+    (``hardware.pipe_wake_us``): pipeline rank 0 posts a send, then computes (or sleeps) 10 ms; rank 1
+    posts the recv 2.5 ms in and times it; the difference of the means. gloo moves a message on a thread of
     the sender's process, which waits for a core the chunk holds (an OS scheduler slice, milliseconds, on
     some of the messages); on CUDA the copies run beside compute: 0. Collective over the pipeline."""
     if device.type == "cuda":
@@ -138,7 +143,7 @@ def action_seconds(
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     ranks = dist.get_process_group_ranks(group)
     hidden = max(1, int(nbytes) // 4)  # the run's message size: its copies cost the ranks' cores (gloo)
-    latency_s = _latency(group, host, device, (ranks[(rank - 1) % P], ranks[(rank + 1) % P]), hidden)
+    latency_s = time_exchange(group, host, device, (ranks[(rank - 1) % P], ranks[(rank + 1) % P]), 4 * hidden)
     wake_s = wake_seconds(group, host, device, hidden)
     plan = StagePlan(STAGES_PER_RANK * P, P, "modular", 1)
     S, n, rows = plan.num_stages, UBATCHES, 1

@@ -51,7 +51,7 @@ from l2l_cli.engine.optim import clip_coefficients
 from l2l_cli.models.base import BLOCK, POST, PRE
 from l2l_cli.modes.base import RunnerArgs, RunnerBase, StepReport
 from l2l_cli.modes.registry import ModeSpec
-from l2l_cli.parallel.pipeline.calibrate import action_seconds
+from l2l_cli.parallel.pipeline.calibrate import action_seconds, time_exchange
 from l2l_cli.parallel.pipeline.plan import (
     Op,
     StagePlan,
@@ -123,20 +123,7 @@ def exchange_s(
     messages' group and its host group; ``peers``: the previous and the next rank, global)."""
     if not s.measure_p2p:
         return exchange_seconds(nbytes, s.p2p_latency_s, s.p2p_bytes_per_s), "hardware"
-    group, host = groups
-    n = max(1, int(nbytes) // 4)
-    out, into = torch.zeros(n, device=device), torch.empty(n, device=device)
-    times = []
-    for _ in range(16):  # a median of 15: one exchange's time enters the model once per message of the step
-        dist.barrier(group=host)
-        t0 = time.perf_counter()
-        reqs = [dist.isend(out, dst=peers[1], group=group), dist.irecv(into, src=peers[0], group=group)]
-        for r in reqs:
-            r.wait()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:]), "measured"
+    return time_exchange(groups[0], groups[1], device, peers, nbytes), "measured"
 
 
 def action_s(
