@@ -578,12 +578,14 @@ def _orders(shape: ModelShape, s: Setup) -> list[Any]:
     return plan.orders(s.num_ubatches, *SCHEDULES[s.schedule])
 
 
-def _simulation(shape: ModelShape, s: Setup, rates: Rates, load_s: float = 0.0) -> tuple[float, list[float]]:
+def _simulation(
+    shape: ModelShape, s: Setup, rates: Rates, load_s: float = 0.0, orders: list[Any] | None = None
+) -> tuple[float, list[float]]:
     """The step's pipeline, simulated in dependency order (``plan.simulate``): (step seconds, each rank's
     compute). A chunk lasts its layers' times per micro-batch (a stage's; L2L stages' per layer: forward,
     then recompute + backward in one chunk); each action ``hardware.pipe_action_us``; each message latency
     + bytes over the link, ``hardware.pipe_wake_us`` later where its sender computes; each L2L relay move
-    ``load_s``."""
+    ``load_s``. ``orders``: :func:`_orders`, where the caller has them."""
     from l2l_cli.parallel.pipeline.plan import simulate, table_cost
 
     plan = _stage_plan(shape, s)
@@ -598,7 +600,7 @@ def _simulation(shape: ModelShape, s: Setup, rates: Rates, load_s: float = 0.0) 
         table = {st: (sum(per[i][0] for i in plan.layers(st)), sum(per[i][1] for i in plan.layers(st)))
                  for st in range(plan.num_stages)}  # fmt: skip
     return simulate(
-        _orders(shape, s),
+        orders if orders is not None else _orders(shape, s),
         table_cost(table, load_s),
         rates.pipe_action,
         _exchange(shape, s, rates),
@@ -697,8 +699,9 @@ def pipeline_view(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Any] |
             exchange = _exchange(shape, alt, rates)
             # L2L stages: a relay move per layer load or offload, inline where copies do not overlap
             move = rates.copy_time(shape.block_params * device_weight_bytes(alt.precision))
-            step, busy = _simulation(shape, alt, rates, 0.0 if rates.async_copy else move)
-            acts = count(_orders(shape, alt)[0])
+            orders = _orders(shape, alt)
+            step, busy = _simulation(shape, alt, rates, 0.0 if rates.async_copy else move, orders)
+            acts = count(orders[0])
             rows.append({
                 "placement": placement, "schedule": schedule, "torch_schedule": cls,
                 "stages_per_rank": plan.stages_per_rank, "bubble_overhead": plan.bubble_overhead(s.num_ubatches),
