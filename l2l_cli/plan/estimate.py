@@ -719,7 +719,7 @@ def pipeline_view(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Any] |
         "bubble_overhead": mine["bubble_overhead"], "bubble_predicted": mine["bubble_predicted"],
         "bubble_predicted_paper": mine["bubble_predicted_paper"], "messages_per_rank": mine["messages_per_rank"],
         "exchange_s": mine["exchange_s"], "actions_per_rank": mine["actions_per_rank"], "action_s": mine["action_s"],
-        "step_time_s": mine["step_time_s"], "samples_per_s": mine["samples_per_s"],
+        "wake_s": mine["wake_s"], "step_time_s": mine["step_time_s"], "samples_per_s": mine["samples_per_s"],
         "ranks": _pipeline_ranks(shape, s, rates), "alternatives": rows,
     }  # fmt: skip
 

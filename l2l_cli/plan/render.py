@@ -201,9 +201,10 @@ def render_pipeline(p: dict[str, Any], console: Console) -> None:
     other placements and schedules."""
     t = _table(
         f"Pipeline bubble at {p['num_ubatches']} ubatches (layered-GA appendix C, §4): o = (P-1)/n_mu/(stages per "
-        "rank), the share of the pipeline's time o/(1+o) (paper: messages free); the model adds each rank's "
-        f"schedule actions (read off the schedule) at {fmt_s(p['action_s'])} and its 2(S-1)n_mu/P exchanges at "
-        f"{fmt_s(p['exchange_s'])} (latency + bytes over the link); the slowest rank sets the pace",
+        "rank), the share of the pipeline's time o/(1+o) (paper: messages free); the model runs each rank's "
+        f"schedule actions (read off the schedule) in dependency order, each action {fmt_s(p['action_s'])}, each "
+        f"of its 2(S-1)n_mu/P exchanges {fmt_s(p['exchange_s'])} (latency + bytes over the link), a message "
+        f"{fmt_s(p['wake_s'])} later where its sender computes",
         "placement", "schedule", "stages/rank", "bubble (paper)", "actions", "messages", "bubble", "step",
         "samples/s",
     )  # fmt: skip
