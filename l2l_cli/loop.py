@@ -24,6 +24,9 @@ from l2l_cli.rundir import Logger, RunFiles
 from l2l_cli.runfiles import BACKGROUND_PHASES, OTHER, MetricsRow, Summary
 
 log = logging.getLogger("l2l")
+LOWER_IS_BETTER = frozenset(
+    {"loss", "perplexity"}
+)  # eval metrics where smaller is better (trainer.save_best)
 
 
 class TrainingError(Exception):
@@ -74,6 +77,8 @@ class TrainerSettings:
     max_bad_steps: int  # non-finite steps in a row (no loss scale left to lower) that end the run
     progress: str  # the console's progress: auto | rich | plain | none
     title: str  # the progress header (method, model, task)
+    save_best: str | None = None  # the eval metric whose best value's weights best/ holds (auto: the task's)
+    patience: int = 0  # evaluations without improvement that end the run (0: never)
 
 
 class Trainer:
@@ -100,6 +105,10 @@ class Trainer:
         self.store = runner.durable_state()
         self.progress_bar: RunProgress | None = None
         self.last_saved = -1
+        self.best: dict[str, Any] | None = None  # trainer.save_best: {metric, value, step} of best/
+        self.watch = data.spec.main_metric if settings.save_best == "auto" else settings.save_best
+        self.evals_since_best = 0
+        self.early_stopped_at: int | None = None
 
     # ---- checkpoint state --------------------------------------------------------------------------
 
@@ -117,6 +126,8 @@ class Trainer:
             "phase_sum": self.phase_sum,
             "world_size": self.ctx.world,
             "global_batch_size": self.stream.global_batch,
+            "best": self.best,
+            "evals_since_best": self.evals_since_best,
         }
 
     def resume(self, run_dir: Path) -> None:
@@ -151,6 +162,7 @@ class Trainer:
         ckpt.set_rng_state(state["rng"])
         self.skipped, self.bad_in_row = state["skipped"], state["bad_in_row"]
         self.steady, self.phase_sum = state["steady"], state["phase_sum"]
+        self.best, self.evals_since_best = state.get("best"), state.get("evals_since_best", 0)
         for logger in self.loggers:  # the logs continue from the checkpoint's step
             logger.resume_at(state["step"])
         log.info("resumed from %s at step %d", path, state["step"])
@@ -217,7 +229,16 @@ class Trainer:
                     if stop_now:
                         self.interrupt(step)
                     if knobs.eval_every and step % knobs.eval_every == 0 and step < knobs.steps:
-                        self._log_eval(step, self.evaluate(step))
+                        metrics = self.evaluate(step)
+                        self._log_eval(step, metrics)
+                        if self.track_best(step, metrics):
+                            self.early_stopped_at = step
+                            self.note(
+                                f"early stopping at step {step}: {self.watch} has not improved for "
+                                f"{self.evals_since_best} evaluations (best {self.best['value']:.4f} at "
+                                f"step {self.best['step']}, in best/)"
+                            )
+                            break
                 if self.realtime is not None:
                     self.realtime.wait_commit()
                 self.finish()
@@ -304,17 +325,47 @@ class Trainer:
         if self.settings.save_every:
             self.save()  # the final state is resumable too (e.g. to train further with more steps)
         if self.settings.save_final:
-            runner.collect()  # (collective: a pipeline brings every stage's layers to rank 0)
-            if self.files.enabled:
-                runner.spec.save_hf(self.files.dir / "final", runner.hf_tensors(), self.data.spec)
-                if self.data.tokenizer is not None:  # a language model's export carries its tokenizer
-                    from l2l_cli.data.lm import save_tokenizer
-
-                    save_tokenizer(self.data.tokenizer, self.files.dir / "final")
-                log.info("saved final/ (a Hugging Face model directory) to %s", self.files.dir / "final")
+            self.export("final")
         metrics = self.evaluate(runner.step_count, final=True)
         self._log_eval(runner.step_count, metrics)
+        self.track_best(runner.step_count, metrics)
         self.summary.eval = metrics
+        if self.settings.save_best:
+            self.summary.sections["best"] = {**(self.best or {}), "early_stopped_at": self.early_stopped_at}
+
+    def export(self, name: str) -> None:
+        """``<run dir>/<name>/``: a Hugging Face model directory of the current weights (every rank calls it:
+        a pipeline first brings its stages' layers to rank 0)."""
+        runner = self.runner
+        runner.collect()
+        if self.files.enabled:
+            runner.spec.save_hf(self.files.dir / name, runner.hf_tensors(), self.data.spec)
+            if self.data.tokenizer is not None:  # a language model's export carries its tokenizer
+                from l2l_cli.data.lm import save_tokenizer
+
+                save_tokenizer(self.data.tokenizer, self.files.dir / name)
+            log.info("saved %s/ (a Hugging Face model directory) to %s", name, self.files.dir / name)
+
+    def track_best(self, step: int, metrics: dict[str, float]) -> bool:
+        """``trainer.save_best``: export best/ when the watched metric improves (as transformers'
+        ``load_best_model_at_end`` keeps the best checkpoint); True when early stopping ends the run. The
+        value is averaged over ranks first, so every rank takes the same decision."""
+        name = self.watch
+        if name is None or name not in metrics:
+            return False
+        value, _ = self.ctx.mean_and_any(float(metrics[name]), 0)
+        if self.best is not None and self.best["step"] == step:
+            return False  # the final evaluation of a step already evaluated
+        old = None if self.best is None else self.best["value"]
+        better = old is None or (value < old if name in LOWER_IS_BETTER else value > old)
+        if better and math.isfinite(value):
+            self.best = {"metric": name, "value": value, "step": step}
+            self.evals_since_best = 0
+            self.export("best")
+            self.note(f"best {name} so far: {value:.4f} at step {step} (saved best/)")
+            return False
+        self.evals_since_best += 1
+        return bool(self.settings.patience) and self.evals_since_best >= self.settings.patience
 
     def summarize(self) -> None:
         runner = self.runner

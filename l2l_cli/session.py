@@ -83,7 +83,7 @@ def trainer_settings(cfg: Any, steps: int, ident: dict[str, Any], title: str) ->
         steps=steps, ident=ident, config_yaml=OmegaConf.to_yaml(cfg, resolve=True), save_every=tr.save_every,
         keep_checkpoints=tr.keep_checkpoints, realtime_ckpt=tr.realtime_ckpt, save_final=tr.save_final,
         eval_every=tr.eval_every, log_every=tr.log_every, max_bad_steps=tr.max_bad_steps,
-        progress=tr.progress, title=title,
+        progress=tr.progress, title=title, save_best=tr.save_best, patience=tr.early_stopping_patience,
     )  # fmt: skip
 
 

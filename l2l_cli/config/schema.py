@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 PRECISIONS = ("fp32", "amp", "cmp", "mixed")
 HALF_DTYPES = ("auto", "bf16", "fp16")
 LOSS_SCALE = ("dynamic", "none")
-SCHEDULES = ("linear", "constant")
+SCHEDULES = ("linear", "cosine", "constant")
 CLIP = ("auto", "global", "layer", "none")
 DEVICES = ("auto", "cpu", "cuda", "sim")
 PROGRESS = ("auto", "rich", "plain", "none")
@@ -131,7 +131,7 @@ class OptimConfig:
     eps: float = 1e-6  # Adam epsilon
     warmup_ratio: float = 0.1  # share of the steps spent warming up the learning rate
     warmup_steps: int | None = None  # warmup in steps (overrides warmup_ratio)
-    schedule: str = "linear"  # linear (decay to 0 after warmup) | constant
+    schedule: str = "linear"  # after warmup: linear (decay to 0) | cosine (decay to 0) | constant
     clip: str = "auto"  # auto (the mode's default: global in every built-in mode) | global | layer | none
     max_grad_norm: float = 1.0  # clipping threshold (global norm, or per layer with clip=layer)
 
@@ -157,6 +157,8 @@ class TrainerConfig:
     realtime_ckpt: bool = False  # L2L modes: the EPS writes each layer right after its update
     max_bad_steps: int = 3  # non-finite steps in a row that stop the run
     progress: str = "auto"  # auto | rich | plain | none
+    save_best: str | None = None  # an eval metric (auto: the task's main one): best/ holds the best weights
+    early_stopping_patience: int = 0  # with save_best: evaluations without improvement that end the run
 
 
 @dataclass

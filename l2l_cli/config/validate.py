@@ -307,6 +307,39 @@ def _trainer(cfg: Any, check_files: bool) -> list[Problem]:
         )
     if tr.resume is not None and check_files:
         p.extend(check_resume(tr.resume))
+    p.extend(_best_rules(cfg))
+    return p
+
+
+def _best_rules(cfg: Any) -> list[Problem]:
+    """``trainer.save_best`` names a metric the task's evaluation reports; early stopping needs it and
+    evaluations during training."""
+    p: list[Problem] = []
+    tr = cfg.trainer
+    at_least(p, "trainer.early_stopping_patience", tr.early_stopping_patience, 0)
+    spec = TASKS.get(cfg.task.name)
+    if tr.save_best is not None and tr.save_best != "auto" and spec is not None:
+        allowed = set(spec.metrics) | (
+            {"accuracy", "f1", "pearson", "spearmanr"} if spec.file_format else set()
+        )
+        if tr.save_best not in allowed:
+            p.append(
+                Problem(
+                    "trainer.save_best", f"got {tr.save_best!r}; allowed: auto, {', '.join(sorted(allowed))}"
+                )
+            )
+    if tr.early_stopping_patience:
+        if tr.save_best is None:
+            p.append(
+                Problem("trainer.early_stopping_patience", "needs trainer.save_best (the metric to watch)")
+            )
+        if not tr.eval_every:
+            p.append(
+                Problem(
+                    "trainer.early_stopping_patience",
+                    "needs trainer.eval_every > 0 (evaluations during training)",
+                )
+            )
     return p
 
 

@@ -6,6 +6,7 @@ The baselines and the eager param-server use the same optimizer classes over the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -143,12 +144,17 @@ def bind_flat(
 
 
 def lr_at(step: int, total_steps: int, o: OptimSettings) -> float:
-    """Learning rate for optimizer step ``step`` (0-based): linear warmup, then linear decay to 0."""
+    """Learning rate for optimizer step ``step`` (0-based): linear warmup, then ``optim.schedule``: constant,
+    linear decay to 0, or cosine decay to 0 (half a cosine over the steps after warmup, as Hugging Face's and
+    torchtune's ``get_cosine_schedule_with_warmup``)."""
     warmup = o.warmup_steps if o.warmup_steps is not None else int(o.warmup_ratio * total_steps)
     if warmup and step < warmup:
         return o.lr * (step + 1) / warmup
     if o.schedule == "constant":
         return o.lr
+    if o.schedule == "cosine":
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return o.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
     return o.lr * max(0.0, (total_steps - step) / max(1, total_steps - warmup))
 
 

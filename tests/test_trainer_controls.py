@@ -1,0 +1,73 @@
+"""The loop's usual controls (issue 40 item 8): a cosine schedule, the best checkpoint (``trainer.save_best``)
+and early stopping (``trainer.early_stopping_patience``), as Hugging Face's Trainer and torchtune offer."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from l2l_cli.config.schema import OptimConfig
+from l2l_cli.engine.optim import OptimSettings, lr_at
+from tests.util import l2l
+
+TINY = ["model=bert-tiny", "task.num_train=64", "task.num_eval=32", "batch.size=8", "batch.ubatch_size=4"]
+
+
+def _settings(schedule: str, warmup: int) -> OptimSettings:
+    cfg = OptimConfig(lr=1.0, schedule=schedule, warmup_steps=warmup)
+    return OptimSettings(
+        cfg.name, cfg.lr, cfg.weight_decay, cfg.beta1, cfg.beta2, cfg.eps, cfg.warmup_ratio, cfg.warmup_steps,
+        cfg.schedule,
+    )  # fmt: skip
+
+
+def test_cosine_schedule_warms_up_then_follows_half_a_cosine_to_zero() -> None:
+    o = _settings("cosine", warmup=2)
+    assert [lr_at(s, 10, o) for s in (0, 1)] == [0.5, 1.0]
+    assert lr_at(2, 10, o) == 1.0  # the first step after warmup: the peak
+    assert math.isclose(lr_at(6, 10, o), 0.5)  # half way through the decay
+    assert math.isclose(lr_at(10, 10, o), 0.0, abs_tol=1e-12)
+    lin = _settings("linear", warmup=2)
+    assert lr_at(6, 10, o) == lr_at(6, 10, lin)  # at the midpoint both are at half
+    assert lr_at(4, 10, o) > lr_at(4, 10, lin)  # a cosine stays high longer
+
+
+def test_a_run_logs_the_cosine_rates(tmp_path: Path) -> None:
+    r = l2l("train", *TINY, "optim.schedule=cosine", "optim.warmup_steps=1", "optim.lr=1e-3",
+            "trainer.max_steps=5", f"hydra.run.dir={tmp_path}")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    o = _settings("cosine", warmup=1)
+    assert [row["lr"] for row in rows] == [1e-3 * lr_at(s, 5, o) for s in range(5)]
+
+
+def test_best_checkpoint_and_early_stopping(tmp_path: Path) -> None:
+    """With a rate too small to change the predictions, accuracy never improves on the first evaluation: the
+    run keeps best/ from step 1 and stops after ``patience`` evaluations without improvement."""
+    r = l2l("train", *TINY, "optim.lr=1e-12", "optim.schedule=constant", "optim.warmup_steps=0",
+            "trainer.max_steps=20", "trainer.eval_every=1", "trainer.save_best=accuracy",
+            "trainer.early_stopping_patience=2", f"hydra.run.dir={tmp_path}")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "ok"
+    assert summary["steps"] == 3  # evaluations at 1 (best), 2 and 3 (no better): stopped after step 3
+    assert summary["best"]["metric"] == "accuracy" and summary["best"]["step"] == 1
+    assert summary["best"]["early_stopped_at"] == 3
+    assert (tmp_path / "best" / "model.safetensors").is_file() and (
+        tmp_path / "best" / "config.json"
+    ).is_file()
+    assert "early stopping at step 3" in (tmp_path / "train.log").read_text()
+
+
+def test_save_best_rules_are_one_line_each(tmp_path: Path) -> None:
+    r = l2l("train", *TINY, "trainer.save_best=bleu", f"hydra.run.dir={tmp_path / 'a'}")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "l2l: config error: trainer.save_best: got 'bleu'; allowed: auto, accuracy"
+    ]
+    r = l2l("train", *TINY, "trainer.early_stopping_patience=2", f"hydra.run.dir={tmp_path / 'b'}")
+    assert r.returncode == 2
+    assert "trainer.early_stopping_patience: needs trainer.save_best" in r.stderr
+    assert "needs trainer.eval_every > 0" in r.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
