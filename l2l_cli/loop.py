@@ -340,7 +340,7 @@ class Trainer:
         runner.collect()
         if self.files.enabled:
             runner.spec.save_hf(self.files.dir / name, runner.hf_tensors(), self.data.spec)
-            if self.data.tokenizer is not None:  # a language model's export carries its tokenizer
+            if self.data.tokenizer is not None:  # the export loads with AutoTokenizer from one directory
                 from l2l_cli.data.lm import save_tokenizer
 
                 save_tokenizer(self.data.tokenizer, self.files.dir / name)

@@ -21,7 +21,7 @@ from l2l_cli.checkpoint import CheckpointError, identity
 from l2l_cli.config.validate import validate
 from l2l_cli.data.batches import TrainStream
 from l2l_cli.data.loading import load_task
-from l2l_cli.data.tasks import TaskData
+from l2l_cli.data.tasks import LM, TaskData
 from l2l_cli.engine.device import Accelerator, make_accelerator
 from l2l_cli.engine.dist import DistContext
 from l2l_cli.engine.dist import from_env as dist_from_env
@@ -105,8 +105,8 @@ def eps_tier(cfg: Any, run_dir: Path | None) -> TierSettings:
 
 
 def check_vocab(data: TaskData, spec: ModelSpec, cfg: Any) -> None:
-    """A tokenizer's ids must index the model's embedding (a bundled 2048-id BPE fits any decoder size)."""
-    if data.tokenizer is None or len(data.tokenizer) <= spec.vocab_size:
+    """A language model's tokenizer ids must index its embedding (a bundled 2048-id BPE fits any decoder)."""
+    if data.tokenizer is None or data.spec.objective != LM or len(data.tokenizer) <= spec.vocab_size:
         return
     key = "model.pretrained" if cfg.model.pretrained else "model.vocab_size"
     raise ConfigError(

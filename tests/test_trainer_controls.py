@@ -71,3 +71,26 @@ def test_save_best_rules_are_one_line_each(tmp_path: Path) -> None:
     assert "trainer.early_stopping_patience: needs trainer.save_best" in r.stderr
     assert "needs trainer.eval_every > 0" in r.stderr
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_classifier_final_dir_is_self_contained_for_transformers_pipeline(tmp_path: Path) -> None:
+    """final/ carries the tokenizer: ``pipeline("text-classification", model=final/)`` with no other argument
+    gives the labels ``l2l predict`` gives (issue 40 item 2)."""
+    from transformers import pipeline
+
+    rows = ["text,label"] + [f"{w} film {i},{w}" for i in range(32) for w in ("great", "awful")]
+    (tmp_path / "train.csv").write_text("\n".join(rows) + "\n")
+    run = tmp_path / "run"
+    r = l2l("train", "task=csv", f"task.files={tmp_path / 'train.csv'}", "model=bert-tiny", "batch.size=8",
+            "batch.ubatch_size=8", "task.max_seq_len=16", "trainer.max_steps=8", "trainer.save_final=true",
+            f"hydra.run.dir={run}")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (run / "final" / "tokenizer.json").is_file() or (run / "final" / "vocab.txt").is_file()
+    texts = ["great film 3", "awful film 7", "great film 30", "awful film 1"]
+    (tmp_path / "texts.csv").write_text("text\n" + "\n".join(texts) + "\n")
+    r = l2l("predict", str(run), "--input", str(tmp_path / "texts.csv"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    ours = [json.loads(line)["prediction"] for line in r.stdout.splitlines() if line.startswith("{")]
+    clf = pipeline("text-classification", model=str(run / "final"), device="cpu")
+    theirs = [out["label"] for out in clf(texts)]
+    assert theirs == ours

@@ -156,7 +156,7 @@ class TaskData:
     train: Any  # Encoded (classification) | lm.Packed (token blocks)
     dev: Any
     source: str  # "synthetic", "tsv:<dir>", "hub:glue/<name>", "lm:<files>"
-    tokenizer: Any = None  # lm: the tokenizer (its vocabulary must fit the model's; saved with final/)
+    tokenizer: Any = None  # the texts' tokenizer, saved with final/ (lm: its vocabulary must fit the model's)
     stream: Callable[..., Any] | None = (
         None  # task.streaming: (batch size, world, rank, pad) -> its train stream
     )

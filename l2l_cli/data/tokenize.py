@@ -62,4 +62,4 @@ def encode_splits(
     tok = load_tokenizer(task_cfg.tokenizer, model_cfg.pretrained)
     train = tokenize(tok, raw_train, task_cfg.max_seq_len, spec.is_regression)
     dev = tokenize(tok, raw_dev, task_cfg.max_seq_len, spec.is_regression)
-    return TaskData(spec, train, dev, source)
+    return TaskData(spec, train, dev, source, tokenizer=tok)  # saved beside final/ (a self-contained export)
