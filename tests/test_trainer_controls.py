@@ -94,3 +94,18 @@ def test_a_classifier_final_dir_is_self_contained_for_transformers_pipeline(tmp_
     clf = pipeline("text-classification", model=str(run / "final"), device="cpu")
     theirs = [out["label"] for out in clf(texts)]
     assert theirs == ours
+
+
+def test_l2l_modes_default_to_auto_recompute_and_the_cpu_stash_keeps_full() -> None:
+    """Issue 40 item 7: auto keeps the activations that fit (bit-identical weights); the CPU stash's reason to
+    be is device memory constant in depth, so it recomputes every layer; the papers' recipes pin full."""
+    from l2l_cli.compose import compose
+    from l2l_cli.paths import recipes_dir
+
+    assert compose(["mode=l2l"]).mode.recompute == "auto"
+    assert compose(["mode=l2l_p"]).mode.recompute == "auto"
+    assert compose(["mode=l2l_stash_cpu"]).mode.recompute == "full"
+    for recipe in sorted(recipes_dir().glob("*.yaml")):
+        text = recipe.read_text()
+        if "mode" in text and recipe.stem != "layered_ga_scaling":
+            assert "recompute: full" in text, recipe.name

@@ -38,6 +38,7 @@ TINY = [
     "batch.size=8",
     "batch.ubatch_size=2",
     "trainer.progress=none",
+    "mode.recompute=full",  # the papers' algorithm (every layer recomputed); the L2L modes' default is auto
 ]
 
 
