@@ -146,7 +146,16 @@ def resume_problems(saved: DictConfig, cfg: DictConfig, run_dir: Path) -> list[P
 
     problems: list[Problem] = []
     try:
-        latest_valid(run_dir)
+        path, manifest = latest_valid(run_dir)
+        step = int(manifest["step"])
+        if 0 < cfg.trainer.max_steps < step:  # (equal: a finished run, nothing left to train)
+            problems.append(
+                Problem(
+                    "trainer.max_steps",
+                    f"{cfg.trainer.max_steps} is below step {step} of the checkpoint being resumed ({path}): "
+                    f"a resume trains further; allowed: {step} or more",
+                )
+            )
     except CheckpointError as e:
         # a disk EPS commits after every step: its commit record is the run's checkpoint (the trainer
         # resumes from it when no full checkpoint is newer)

@@ -109,3 +109,15 @@ def test_l2l_modes_default_to_auto_recompute_and_the_cpu_stash_keeps_full() -> N
         text = recipe.read_text()
         if "mode" in text and recipe.stem != "layered_ga_scaling":
             assert "recompute: full" in text, recipe.name
+
+
+def test_resume_with_max_steps_below_the_checkpoint_is_refused_and_writes_nothing(tmp_path: Path) -> None:
+    """Issue 40 item 5: the run's 4 steps must not silently become 1 (nor its status 'ok' at step 1)."""
+    r = l2l("train", *TINY, "trainer.max_steps=4", "trainer.save_every=2", f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    r = l2l("train", f"trainer.resume={tmp_path}", "trainer.max_steps=1")
+    assert r.returncode == 2
+    assert r.stderr.startswith("l2l: config error: trainer.max_steps: 1 is below step 4 of the checkpoint")
+    after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert after == before
