@@ -85,7 +85,10 @@ def preflight(
                 found = [resolution_problem(e)]
         if found:
             failing.append((job, found))
-        elif info is not None:
+            continue
+        if warn is not None and (advice := _lr_advice(cfg, job)) and advice not in warn:
+            warn.append(advice)
+        if info is not None:
             if cfg.model.pretrained:
                 info.setdefault("pretrained", {})[str(cfg.model.pretrained)] = str(cfg.model.family)
             if len(jobs) == 1:
@@ -101,6 +104,25 @@ def preflight(
         for job, found in failing:
             warn.append(f"job {' '.join(job)} will fail: " + "; ".join(map(str, found)))
     return []
+
+
+def _lr_advice(cfg: Any, job: list[str]) -> str | None:
+    """A fine-tuning task's rate (task=csv, json, chat, GLUE: 5e-5, 2e-5) on a model that starts from random
+    weights trains it barely at all: said before the run, unless the command line or a recipe chose it."""
+    chosen = any(a.split("=", 1)[0].lstrip("+") in ("optim.lr", "recipe") for a in job)
+    lr, own = cfg.optim.lr, cfg.model.lr
+    if (
+        chosen
+        or cfg.model.pretrained
+        or not (isinstance(lr, float) and isinstance(own, float))
+        or lr >= own / 4
+    ):
+        return None
+    return (
+        f"optim.lr={lr:g} is task={cfg.task.name}'s fine-tuning rate, but the model starts from random weights "
+        f"(no model.pretrained): {cfg.model.name} from scratch trains at model.lr={own:g}; set "
+        f"model.pretrained=<checkpoint> to fine-tune, or optim.lr=<rate> to keep this one and silence this"
+    )
 
 
 def _without_hydra(cfg: Any) -> Any:

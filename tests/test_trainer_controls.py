@@ -121,3 +121,18 @@ def test_resume_with_max_steps_below_the_checkpoint_is_refused_and_writes_nothin
     assert r.stderr.startswith("l2l: config error: trainer.max_steps: 1 is below step 4 of the checkpoint")
     after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     assert after == before
+
+
+def test_a_fine_tuning_rate_on_random_weights_is_announced(tmp_path: Path, minilm: str) -> None:
+    """Issue 40 item 6: bert-tiny on a CSV at 5e-5 trains to chance without a word; now a warning says why."""
+    from l2l_cli.preflight import preflight
+
+    (tmp_path / "x.csv").write_text("text,label\n" + "".join(f"t {i},{i % 2}\n" for i in range(20)))
+    base = ["task=csv", f"task.files={tmp_path / 'x.csv'}"]
+    warn: list[str] = []
+    assert preflight(base, False, warn) == []
+    assert any("optim.lr=5e-05 is task=csv's fine-tuning rate" in w and "model.lr=0.001" in w for w in warn)
+    for chosen in (["optim.lr=5e-5"], [f"model.pretrained={minilm}"]):
+        warn = []
+        assert preflight([*base, *chosen], False, warn) == []
+        assert not any("fine-tuning rate" in w for w in warn), chosen
