@@ -26,6 +26,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from l2l_cli.engine.decode import DiskKV, Generated, HostKV, Sampling
+from l2l_cli.engine.stops import cut_at_strings, stop_ids
 from l2l_cli.evaluate import UsageError, run_config, weights_of
 from l2l_cli.problems import ConfigError, Problem
 
@@ -62,6 +63,8 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="generate layer by layer through the relay even if the model fits in RAM",
     )
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end a completion where this text appears (repeatable; the text is not kept)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object per prompt instead of text")
     return p
 
@@ -169,10 +172,11 @@ def main(argv: list[str]) -> int:
                 print(f"l2l: warning: prompt {i}: at most {n} new tokens (model.seq_len={spec.seq_len})",
                       file=sys.stderr)  # fmt: skip
         engine = choose_engine(run_tier(run_dir, args.overrides), spec, args.layered)
+        eos = stop_ids(tok, weights, cfg.model.pretrained, chat=args.chat)  # every id that ends a turn
         if engine.layered:
-            results = generate_layered(cfg, weights, tok, ids, sampling, limits, engine)
+            results = generate_layered(cfg, weights, tok, ids, sampling, limits, engine, eos)
         else:
-            results = generate_hf(cfg, weights, tok, ids, sampling, limits)
+            results = generate_hf(cfg, weights, tok, ids, sampling, limits, eos)
     except UsageError as e:
         print(f"l2l: {e}", file=sys.stderr)
         return 2
@@ -186,7 +190,7 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print("\nl2l: generate interrupted", file=sys.stderr)
         return 130
-    write(prompts, results, tok, engine.name, args.json)
+    write(prompts, results, tok, engine.name, args.json, args.stop)
     return 0
 
 
@@ -274,7 +278,7 @@ def choose_engine(run_tier: str, spec: Any, layered: bool) -> Engine:
 
 
 def generate_hf(cfg: DictConfig, weights: Path, tok: Any, ids: list[list[int]], sampling: Sampling,
-                limits: list[int]) -> list[Generated]:  # fmt: skip
+                limits: list[int], eos: set[int]) -> list[Generated]:  # fmt: skip
     """``transformers``' ``generate`` on the exported model (a checkpoint is exported first), one prompt at
     a time, prompt i seeded ``seed + i``."""
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -285,7 +289,7 @@ def generate_hf(cfg: DictConfig, weights: Path, tok: Any, ids: list[list[int]], 
         model_dir = weights if (weights / "config.json").is_file() else export(cfg, weights, tok, Path(tmp))
         device = "cuda" if str(cfg.device).startswith("cuda") and torch.cuda.is_available() else "cpu"
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
-    eos, pad = eos_ids(tok), pad_id(tok)
+    pad = pad_id(tok)
     out = []
     for i, (p, n) in enumerate(zip(ids, limits)):
         gen = GenerationConfig(max_new_tokens=n, eos_token_id=sorted(eos) or None, pad_token_id=pad,
@@ -310,7 +314,7 @@ def export(cfg: DictConfig, weights: Path, tok: Any, out: Path) -> Path:
 
 
 def generate_layered(cfg: DictConfig, weights: Path, tok: Any, ids: list[list[int]], sampling: Sampling,
-                     limits: list[int], engine: Engine) -> list[Generated]:  # fmt: skip
+                     limits: list[int], engine: Engine, eos: set[int]) -> list[Generated]:  # fmt: skip
     """Layer by layer through an EPS (a mode whose runner decodes: the run's own if it can, so its
     checkpoints load as they are) on ``engine.tier``; a disk tier's layers and the caches in a temporary
     folder, never the run's own eps/."""
@@ -335,7 +339,7 @@ def generate_layered(cfg: DictConfig, weights: Path, tok: Any, ids: list[list[in
         with _session(cfg, weights, tok) as session:
             capacity = max(len(p) for p in ids) + max(limits)
             kv = DiskKV(capacity, Path(tmp) / "kv") if engine.on_disk else HostKV(capacity)
-            return session.runner.decoder().generate(ids, sampling, eos_ids(tok), pad_id(tok), limits, kv)
+            return session.runner.decoder().generate(ids, sampling, eos, pad_id(tok), limits, kv)
 
 
 def _session(cfg: DictConfig, weights: Path, tok: Any) -> Any:
@@ -351,21 +355,23 @@ def _session(cfg: DictConfig, weights: Path, tok: Any) -> Any:
         raise ConfigError([Problem("model.pretrained", str(e))]) from e
 
 
-def eos_ids(tok: Any) -> set[int]:
-    return {int(tok.eos_token_id)} if tok.eos_token_id is not None else set()
-
-
 def pad_id(tok: Any) -> int:
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     return int(pad) if pad is not None else 0
 
 
-def write(prompts: list[Prompt], results: list[Generated], tok: Any, engine: str, as_json: bool) -> None:
+def write(prompts: list[Prompt], results: list[Generated], tok: Any, engine: str, as_json: bool,
+          stops: list[str] | None = None) -> None:  # fmt: skip
     """Each prompt's completion: as text (several prompts: each under a ``== prompt i ==`` line), or one
-    JSON object per prompt (``index``, ``prompt``, ``completion``, ``tokens``, ``new_tokens``, ``stop``,
-    ``engine``)."""
+    JSON object per prompt (``index``, ``prompt``, ``completion``, ``tokens``, ``new_tokens``, ``stop``:
+    ``eos`` (an end-of-sequence or end-of-turn id) | ``stop`` (a ``--stop`` text) | ``length``, ``engine``);
+    a completion ends at the first ``--stop`` text, which is not kept."""
+    reasons: dict[str, int] = {}
     for i, (p, r) in enumerate(zip(prompts, results)):
-        text = tok.decode(r.tokens, skip_special_tokens=True)
+        tokens, cut, stopped = cut_at_strings(r.tokens, tok, stops or [])
+        r = Generated(tokens, "stop" if stopped else r.stop)
+        text = cut if cut is not None else tok.decode(r.tokens, skip_special_tokens=True)
+        reasons[r.stop] = reasons.get(r.stop, 0) + 1
         if as_json:
             print(json.dumps({"index": i, "prompt": p.text, "completion": text, "tokens": r.tokens,
                               "new_tokens": len(r.tokens), "stop": r.stop, "engine": engine}))  # fmt: skip
@@ -373,4 +379,5 @@ def write(prompts: list[Prompt], results: list[Generated], tok: Any, engine: str
             if len(prompts) > 1:
                 print(f"== prompt {i} ==")
             print(text)
-    print(f"l2l: {len(results)} completion(s) by {engine}", file=sys.stderr)
+    why = ", ".join(f"{k} {v}" for k, v in sorted(reasons.items()))
+    print(f"l2l: {len(results)} completion(s) by {engine} (stopped by {why})", file=sys.stderr)

@@ -16,8 +16,9 @@ from typing import Any, NoReturn, Protocol
 from l2l_cli import checkpoint as ckpt
 from l2l_cli.checkpoint import CheckpointError, RealtimeWriter
 from l2l_cli.data.batches import TrainStream
-from l2l_cli.data.tasks import TaskData
+from l2l_cli.data.tasks import LM, TaskData
 from l2l_cli.engine.dist import DistContext
+from l2l_cli.engine.stops import write_generation_config
 from l2l_cli.modes.base import Runner, StepReport
 from l2l_cli.progress import RunProgress
 from l2l_cli.rundir import Logger, RunFiles
@@ -344,6 +345,8 @@ class Trainer:
                 from l2l_cli.data.lm import save_tokenizer
 
                 save_tokenizer(self.data.tokenizer, self.files.dir / name)
+                if self.data.spec.objective == LM:  # where generation stops: the base's list, end of turn
+                    write_generation_config(self.files.dir / name, self.data.tokenizer, base_dir(self.data))
             log.info("saved %s/ (a Hugging Face model directory) to %s", name, self.files.dir / name)
 
     def track_best(self, step: int, metrics: dict[str, float]) -> bool:
@@ -386,3 +389,9 @@ class Trainer:
         s.sections.update(runner.sections())
         if self.store is not None:
             s.sections["eps_disk"] = self.store.summary()
+
+
+def base_dir(data: TaskData) -> str | None:
+    """The folder the run's tokenizer came from (a pretrained checkpoint's own, with its generation config)."""
+    ref = getattr(data.tokenizer, "name_or_path", None)
+    return ref if ref and Path(ref).expanduser().is_dir() else None

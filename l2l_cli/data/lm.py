@@ -266,7 +266,11 @@ def save_tokenizer(tok: Any, out_dir: Path) -> None:
     config = out_dir / "config.json"
     if config.is_file():
         c = json.loads(config.read_text())
-        ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+        ids = {
+            "bos_token_id": tok.bos_token_id,
+            "eos_token_id": tok.eos_token_id,
+            "pad_token_id": tok.pad_token_id,
+        }
         c.update({k: v for k, v in ids.items() if v is not None})  # (a WordPiece tokenizer has no bos/eos)
         config.write_text(json.dumps(c, indent=2, sort_keys=True) + "\n")
 

@@ -155,7 +155,7 @@ class Generated:
     """One prompt's new tokens (an end-of-sequence token, if one came, included) and why it stopped."""
 
     tokens: list[int]
-    stop: str  # "eos" | "length"
+    stop: str  # "eos" (an end-of-sequence or end-of-turn id) | "length" | "stop" (a --stop text)
 
 
 class LayeredDecoder:
