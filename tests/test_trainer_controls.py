@@ -136,3 +136,16 @@ def test_a_fine_tuning_rate_on_random_weights_is_announced(tmp_path: Path, minil
         warn = []
         assert preflight([*base, *chosen], False, warn) == []
         assert not any("fine-tuning rate" in w for w in warn), chosen
+
+
+def test_a_chat_run_from_a_missing_checkpoint_is_one_config_line(tmp_path: Path) -> None:
+    """Issue 40 item 1: task=chat names model.pretrained in one line, exit 2, as task=csv and task=lm do."""
+    (tmp_path / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}, '
+                                         '{"role": "assistant", "content": "hello"}]}\n')  # fmt: skip
+    for task in ("chat", "lm"):
+        r = l2l("train", f"task={task}", f"model.pretrained={tmp_path / 'nowhere'}",
+                f"task.files={tmp_path / 'chat.jsonl'}", f"hydra.run.dir={tmp_path / task}")  # fmt: skip
+        assert r.returncode == 2, r.stderr[-2000:]
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("l2l: config error: model.pretrained: "), lines
+        assert not (tmp_path / task).exists()

@@ -432,7 +432,9 @@ def validate(cfg: Any, *, check_files: bool = True) -> list[Problem]:
     problems = _finite(cfg) + _limits(cfg)
     for _, fn in CHECKS:
         problems.extend(fn(cfg, check_files))
-    return problems
+    # a checkpoint that cannot be had is one fact, though the model, the tokenizer and the data all read it
+    first = next((p for p in problems if p.key == "model.pretrained"), None)
+    return [p for p in problems if p.key != "model.pretrained" or p is first]
 
 
 # ---- files the config points at -------------------------------------------------------------------

@@ -107,12 +107,15 @@ def has_tokenizer(path: Path) -> bool:
 def tokenizer_ref(task_cfg: Any, model_cfg: Any) -> tuple[str, str]:
     """(where the tokenizer comes from, the key that chose it): ``task.tokenizer``, else the checkpoint's
     (``model.pretrained``), else the bundled byte-level BPE."""
-    from l2l_cli.models import resolve_pretrained
+    from l2l_cli.models import PretrainedUnavailable, resolve_pretrained
 
     if task_cfg.tokenizer:
         return str(task_cfg.tokenizer), "task.tokenizer"
     if model_cfg.pretrained:
-        root = resolve_pretrained(model_cfg.pretrained)
+        try:  # a missing dir or an unreachable hub id: the key's one line, as every task kind says it
+            root = resolve_pretrained(model_cfg.pretrained)
+        except PretrainedUnavailable as e:
+            raise ConfigError([Problem("model.pretrained", str(e))]) from e
         if not has_tokenizer(root):
             raise ConfigError([Problem(
                 "task.tokenizer", f"unset, and model.pretrained={model_cfg.pretrained} has no tokenizer files "
