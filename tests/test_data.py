@@ -156,7 +156,7 @@ def test_stream_resumes_at_a_step() -> None:
 
 def test_user_files_json_lines_arrays_labels_and_holdout(tmp_path) -> None:
     """task=json|csv: labels come from the training file (sorted, numbers numerically), regression when the
-    labels are numbers that are not all integers, dev = the training file's last 10% when unset."""
+    labels are numbers that are not all integers, dev = a seeded 10% of the training file when unset."""
     import json
 
     from l2l_cli.compose import compose
@@ -180,7 +180,8 @@ def test_user_files_json_lines_arrays_labels_and_holdout(tmp_path) -> None:
     assert (
         spec.is_regression and spec.metrics == ("pearson", "spearmanr") and (len(train), len(dev)) == (27, 3)
     )
-    assert dev[0].label == 27 / 7
+    assert sorted(d.label for d in [*train, *dev]) == [i / 7 for i in range(30)]
+    assert [d.label for d in dev] != [27 / 7, 28 / 7, 29 / 7]  # a seeded shuffle, not the file's tail
     # integers are classes unless told otherwise
     assert files.load(compose([*base, "task.label_field=grade", "task.regression=true"]).task)[
         0
@@ -195,3 +196,32 @@ def test_user_files_json_lines_arrays_labels_and_holdout(tmp_path) -> None:
     cfg = compose([*base, f"task.dev_files={tmp_path / 'dev.json'}", "task.label_field=grade"])
     with pytest.raises(ConfigError, match=r"label 7 is not among the training file's labels \(1, 2, 10\)"):
         files.load(cfg.task)
+
+
+def test_a_held_out_dev_split_is_shuffled_and_stratified(tmp_path, caplog) -> None:
+    """Issue 40 item 3: a file sorted by label gave a one-class dev set (accuracy 1.0 after one step); the
+    dev split now holds 10% of each label, the same for every run of these files, and says so."""
+    import logging
+
+    from l2l_cli.compose import compose
+    from l2l_cli.data import files
+
+    rows = (
+        ["text,label"] + [f"good text {i},pos" for i in range(40)] + [f"bad text {i},neg" for i in range(40)]
+    )
+    (tmp_path / "sorted.csv").write_text("\n".join(rows) + "\n")
+    cfg = compose(["task=csv", f"task.files={tmp_path / 'sorted.csv'}"])
+    with caplog.at_level(logging.INFO, logger="l2l"):
+        spec, train, dev = files.load(cfg.task)
+    assert (len(train), len(dev)) == (72, 8)
+    assert sorted(spec.label_names[d.label] for d in dev) == ["neg"] * 4 + ["pos"] * 4
+    assert "dev split: 8 of 80 examples held out" in caplog.text and "neg 4, pos 4" in caplog.text
+    assert [d.text_a for d in files.load(cfg.task)[2]] == [d.text_a for d in dev]  # one split per file
+    rows = (
+        ["text,label"] + [f"good text {i},pos" for i in range(40)] + [f"bad text {i},neg" for i in range(3)]
+    )
+    (tmp_path / "rare.csv").write_text("\n".join(rows) + "\n")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="l2l"):
+        files.load(compose(["task=csv", f"task.files={tmp_path / 'rare.csv'}"]).task)
+    assert "the dev split holds one label only" in caplog.text

@@ -5,14 +5,16 @@ Files: CSV (``.csv``, comma) or TSV (``.tsv``, tab, quoting off as GLUE's), each
 sentence, or a pair), ``task.label_field`` the target. Classification labels are the distinct values of the
 training file, sorted (numbers numerically); ``task.regression`` unset means regression exactly when every
 label is a number and not all are integers. ``task.files`` (and ``task.dev_files``) is a path or a list of them,
-read in order; without ``task.dev_files`` the last 10% of the training examples is held out as the dev split.
+read in order; without ``task.dev_files`` a seeded, stratified 10% of the training examples is the dev split.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
+import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,8 +24,10 @@ from l2l_cli.data.tasks import Example, TaskData, TaskKind, TaskSpec
 from l2l_cli.data.tokenize import encode_splits
 from l2l_cli.problems import ConfigError, Problem
 
-HOLDOUT = 0.1  # share of the training examples held out as dev when task.dev_files is unset
+HOLDOUT = 0.1  # share of each label's training examples held out as dev when task.dev_files is unset
+HOLDOUT_SEED = 0  # the held-out examples' shuffle (fixed: one dev split per set of files)
 SPLITS = {"train": "task.files", "dev": "task.dev_files"}  # each split's key
+log = logging.getLogger("l2l")
 
 
 def read_records(path: Path, fmt: str) -> Iterator[dict[str, Any]]:
@@ -202,19 +206,10 @@ def load(task: Any) -> tuple[TaskSpec, list[Example], list[Example]]:
     texts, raw = _examples(train_paths, task, "train")
     if split_files(task, "dev"):
         dev_texts, dev_raw = _examples([Path(f).expanduser() for f in split_files(task, "dev")], task, "dev")
-    else:  # hold out the tail of the training file
-        cut = max(1, int(len(texts) * (1 - HOLDOUT)))
-        if cut >= len(texts):
-            raise ConfigError(
-                [
-                    Problem(
-                        "task.dev_files",
-                        f"{', '.join(map(str, train_paths))}: too few examples to hold out a dev split; "
-                        "set task.dev_files",
-                    )
-                ]
-            )
-        texts, dev_texts, raw, dev_raw = texts[:cut], texts[cut:], raw[:cut], raw[cut:]
+    else:  # hold out a seeded, stratified 10% of the training examples
+        keep, held = hold_out(raw, task, train_paths)
+        texts, dev_texts = [texts[i] for i in keep], [texts[i] for i in held]
+        raw, dev_raw = [raw[i] for i in keep], [raw[i] for i in held]
     regression, names = label_space(task, raw)
     spec = user_spec(task.name, names)
 
@@ -238,6 +233,41 @@ def load(task: Any) -> tuple[TaskSpec, list[Example], list[Example]]:
         return out
 
     return spec, convert(texts, raw, "train"), convert(dev_texts, dev_raw, "dev")
+
+
+def hold_out(raw: list[Any], task: Any, paths: list[Path]) -> tuple[list[int], list[int]]:
+    """(train, dev) indices of a dev split held out of the training examples: ``HOLDOUT`` of each label's
+    examples (all examples for regression), picked by a seeded shuffle (the same split for every run, eval
+    and predict of these files, whatever ``trainer.seed``), so a file sorted by label still gives a dev set
+    of every label. Its size and label counts are logged; a dev set of one label is a warning."""
+    regression, _ = label_space(task, raw)
+    groups: dict[str, list[int]] = {}
+    for i, v in enumerate(raw):
+        groups.setdefault("" if regression else _key(v)[2], []).append(i)
+    rng = random.Random(HOLDOUT_SEED)
+    keep: list[int] = []
+    held: list[int] = []
+    for name in sorted(groups):
+        idx = groups[name][:]
+        rng.shuffle(idx)
+        k = round(len(idx) * HOLDOUT)
+        held += idx[:k]
+        keep += idx[k:]
+    if not held or not keep:
+        where = ", ".join(map(str, paths))
+        raise ConfigError([Problem("task.dev_files", f"{where}: too few examples to hold out a dev split; "
+                                   "set task.dev_files")])  # fmt: skip
+    keep.sort()
+    held.sort()
+    counts = {} if regression else {n: sum(1 for i in held if _key(raw[i])[2] == n) for n in sorted(groups)}
+    shown = ", ".join(f"{n} {c}" for n, c in counts.items() if c)
+    log.info("dev split: %d of %d examples held out of task.files (seeded, stratified by label%s)",
+             len(held), len(raw), f": {shown}" if shown else "")  # fmt: skip
+    if len([c for c in counts.values() if c]) == 1:
+        log.warning(
+            "the dev split holds one label only (%s): its accuracy says little; set task.dev_files", shown
+        )
+    return keep, held
 
 
 def user_spec(name: str, label_names: tuple[str, ...] | None) -> TaskSpec:
