@@ -43,6 +43,13 @@ examples:
 """
 
 
+def _console() -> Any:
+    """The terminal's width; piped to a file, wide enough that no table cell wraps or is cut."""
+    from rich.console import Console
+
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 240)
+
+
 def _fail(lines: list[str]) -> int:
     for line in lines:
         print(f"l2l: {line}", file=sys.stderr)
@@ -146,11 +153,9 @@ def main(argv: list[str]) -> int:
     if flags["json"]:
         print(json.dumps(_jsonable(out)))
         return 0
-    from rich.console import Console
-
     from l2l_cli.plan.render import render, render_compare
 
-    console = Console(highlight=False)
+    console = _console()
     render(plan, console)
     if run_dir is not None:
         render_compare(out["compare"], console)
@@ -179,9 +184,7 @@ def _search_or_scaling(cfg: Any, overrides: list[str], flags: dict[str, Any]) ->
     if flags["json"]:
         print(json.dumps(_jsonable(out)))
         return 0
-    from rich.console import Console
-
     from l2l_cli.plan.render import render_scaling, render_search
 
-    (render_search if flags["search"] else render_scaling)(out, Console(highlight=False))
+    (render_search if flags["search"] else render_scaling)(out, _console())
     return 0

@@ -7,6 +7,7 @@ from typing import Any
 
 from l2l_cli.plan import PlanError, scaling
 from l2l_cli.plan import estimate as est
+from l2l_cli.plan.budget import budget_of
 from l2l_cli.plan.hardware import Rates, resolve
 from l2l_cli.plan.shapes import ModelShape
 
@@ -37,7 +38,8 @@ def model_shape(cfg: Any) -> tuple[ModelShape, list[str]]:
 def links_of(rates: Rates, cfg: Any) -> scaling.Links:
     hw = cfg.hardware
     return scaling.Links(
-        peak_flops=rates.peak_flops if not hw.measured else rates.device_flops,
+        peak_flops=rates.peak_flops,
+        mfu=rates.mfu,
         network_gbps=hw.network_gbps,
         tensor_gbps=hw.tensor_link_gbps,
         offload_gbps=hw.offload_gbps,
@@ -63,6 +65,8 @@ def make_plan(cfg: Any, rates: Rates | None = None) -> dict[str, Any]:
         ga["critical_batch_size"] = scaling.x_critical_batch_size(int(cfg.model.x))  # Table B.1's form
         ga["batch_vs_critical"] = ga["batch"] / ga["critical_batch_size"]
     mem = r["memory"]
+    budget = budget_of(cfg)
+    steps = budget.steps_of(s.batch * s.data_parallel, s.seq)
     return {
         "config": {
             "model": cfg.model.name,
@@ -103,6 +107,7 @@ def make_plan(cfg: Any, rates: Rates | None = None) -> dict[str, Any]:
         "step_time_s": {"total": r["step_time_s"], **exposed},
         "hidden_s": hidden,
         "samples_per_s": r["samples_per_s"],
+        "budget": {**budget.summary(s.seq), "steps": steps, "time_s": steps * r["step_time_s"]},
         "recommendation": est.recommend(shape, s, rates, cfg.plan.max_transfer_overhead),
         "modes": est.compare_modes(shape, s, rates),
         "equations": est.equations(shape, s, rates),

@@ -158,12 +158,35 @@ class Links:
     node_size: int = (
         16  # GPUs one tensor link joins; tensor parallelism beyond it uses the network (0: no limit)
     )
+    # The share of peak_flops a training step achieves (hardware.mfu): the paper computes at peak × each
+    # configuration's efficiency, i.e. 1.0; l2l plan's own questions use the hardware's published figure.
+    mfu: float = 1.0
     # Offload budget per GPU (0: no limit). The paper sets none: Table 6.2 offloads 61.2K GB from one GPU;
     # Figure 4 only draws a "1 TB (offload)" line for reference.
     host_memory_gib: float = 0.0
+    # The tool's machine (hardware.host_memory_gb, hardware.gpus_per_node): a node's host memory, shared by
+    # the GPUs of a job on it (0: no such bound)
+    node_host_memory_gib: float = 0.0
+    gpus_per_node: int = 1
+
+    def host_per_gpu(self, n_gpu: Any) -> Any:
+        """Offload bytes one GPU may use: ``host_memory_gib``, and its share of a node's host memory among
+        the job's GPUs on that node (inf where neither bounds it)."""
+        per = self.host_memory_gib * GiB if self.host_memory_gib > 0 else math.inf
+        if self.node_host_memory_gib > 0:
+            on_node = np.clip(n_gpu, 1, max(1, self.gpus_per_node))
+            per = np.minimum(per, self.node_host_memory_gib * GiB / on_node)
+        return per
+
+    @property
+    def rate(self) -> float:
+        """FLOP/s one device achieves on the counted work: peak × mfu."""
+        return self.peak_flops * self.mfu
 
     def threshold(self, gbps: Any) -> Any:
-        """The arithmetic intensity (flop/B) above which a transfer hides behind compute (eq. 3)."""
+        """The arithmetic intensity (flop/B) above which a transfer hides behind compute (eq. 3). At peak, not
+        peak × mfu: the matmuls a transfer overlaps run near peak (the mfu's loss is elsewhere: kernels
+        between them, launches, the step's edges), so the search's choices do not depend on the mfu."""
         if np.ndim(gbps) == 0:
             return self.peak_flops / (gbps * GiB) if gbps > 0 else math.inf
         return self.peak_flops / (np.asarray(gbps, dtype=float) * GiB)
@@ -319,9 +342,10 @@ def efficiency(m: Transformer, c: Parallel, links: Links) -> dict[str, Any]:
     return {"efficiency": float(efficiency_of(ov)), "overheads": ov, "intensities": intensities(m, c, links)}
 
 
-def train_seconds(total_flops: Any, n_gpu: Any, peak_flops: float, efficiency: Any) -> Any:
-    """Training time: the work over the cluster's peak times the efficiency (§5 "Resource usage")."""
-    return total_flops / (np.multiply(n_gpu, peak_flops) * efficiency)
+def train_seconds(total_flops: Any, n_gpu: Any, rate: float, efficiency: Any) -> Any:
+    """Training time: the work over the cluster's rate (peak × mfu) times the efficiency (§5 "Resource
+    usage")."""
+    return total_flops / (np.multiply(n_gpu, rate) * efficiency)
 
 
 def analyze(
@@ -334,7 +358,7 @@ def analyze(
     eff = efficiency(m, c, links)
     flops = batch_flops(c.b, m.d_s, m.p)
     total = flops * (steps if samples is None else samples / c.b)
-    time_s = float(train_seconds(total, c.n_gpu, links.peak_flops, eff["efficiency"]))
+    time_s = float(train_seconds(total, c.n_gpu, links.rate, eff["efficiency"]))
     budget = links.device_memory_gib * GiB
     return {
         "method": c.method,
@@ -363,15 +387,23 @@ def transformer_of(shape: Any, d_s: int) -> Transformer:
 
 def for_config(cfg: Any, shape: Any, links: Links) -> dict[str, Any]:
     """The layered-GA analysis of the config: d_s = model.seq_len (the model's context, as the paper's
-    X[x] and BERT rows use), b = batch.size × plan.data_parallel, b_mu = batch.ubatch_size."""
+    X[x] and BERT rows use), b = batch.size × plan.data_parallel, b_mu = batch.ubatch_size, trained on the
+    config's budget (``plan/budget.py``) in samples of d_s, as ``--search`` trains it."""
+    from l2l_cli.plan.budget import budget_of
+
     m = transformer_of(shape, int(cfg.model.seq_len))
     nb, nl, na = cfg.plan.data_parallel, cfg.plan.pipeline_parallel, cfg.plan.tensor_parallel
     b, bmu = cfg.batch.size * nb, cfg.batch.ubatch_size
+    budget = budget_of(cfg)
+    samples = budget.tokens / m.d_s if budget.tokens else float(budget.steps * b)
     rows = []
     for method in METHODS:
         c = Parallel(method, b, bmu, cfg.batch.size // bmu, nb, nl, na)
-        rows.append(analyze(m, c, links, cfg.plan.train_steps))
+        rows.append(analyze(m, c, links, samples=samples))
     return {
+        "budget": budget.label,
+        "rate_tflops": links.rate / 1e12,
+        "mfu": links.mfu,
         "d_s": m.d_s,
         "params": m.p,
         "params_per_layer": m.p_l,

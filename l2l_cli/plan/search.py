@@ -73,6 +73,7 @@ class Bounds:
     n_a: int = 0  # > 0: pin the tensor degree
     offload: bool = True  # may offload the state and checkpoints to CPU memory
     steps: int = 100_000  # training = steps × b_c samples (the paper's 100k steps at the critical batch)
+    samples: float = 0.0  # > 0: training = this many samples (a budget in tokens / d_s), instead
 
 
 @dataclass(frozen=True)
@@ -204,22 +205,22 @@ def _evaluate(t: Target, b: Bounds, method: str, mix: str, c: dict[str, np.ndarr
     n_b_max = B // (bmu * nmu) if data else np.ones_like(bmu)
     if b.max_gpus:
         n_b_max = np.minimum(n_b_max, b.max_gpus // la)
-    total = ga.batch_flops(t.b_c, m.d_s, m.p) * b.steps
+    total = ga.batch_flops(b.samples or t.b_c * b.steps, m.d_s, m.p)
     n_b = n_b_max
     if b.max_days > 0 and data:
         # the fewest data-parallel instances that train within max_days (and whose state fits)
         eff0 = _costs(t, method, bmu, nmu, np.maximum(n_b_max, 1), n_l, n_a, off)["efficiency"]
-        need = np.ceil(total / (b.max_days * DAY * links.peak_flops * eff0 * la) - 1e-9)
+        need = np.ceil(total / (b.max_days * DAY * links.rate * eff0 * la) - 1e-9)
         if method != GA_BASELINE:  # the partitioned state shrinks with n_b
             ck = 2.0 * bmu * nmu * m.d_s * m.d_m * m.d_l / la
-            rest = np.where(off, (links.host_memory_gib * GiB or math.inf) - ck,
+            rest = np.where(off, links.host_per_gpu(n_b_max * la) - ck,
                             links.device_memory_gib * GiB - ck - 6.0 * m.p_l / n_a - bmu * m.d_s * m.m0 / n_a)  # fmt: skip
             need = np.maximum(need, np.ceil(12.0 * m.p / (la * np.maximum(rest, 1.0)) - 1e-9))
         n_b = np.minimum(np.maximum(need, 1), n_b_max).astype(np.int64)
     n_b = np.maximum(n_b, 0)
     r = _costs(t, method, bmu, nmu, np.maximum(n_b, 1), n_l, n_a, off)
     r["n_b"] = n_b
-    r["time_s"] = ga.train_seconds(total, np.maximum(n_b, 1) * la, links.peak_flops, r["efficiency"])
+    r["time_s"] = ga.train_seconds(total, np.maximum(n_b, 1) * la, links.rate, r["efficiency"])
     r["violations"] = _violations(t, b, method, c, r)
     r["feasible"] = (n_b >= 1) & ~np.any(np.stack(list(r["violations"].values())), axis=0)
     if b.max_days > 0:
@@ -248,7 +249,7 @@ def _violations(t: Target, b: Bounds, method: str, c: dict[str, Any], r: dict[st
     def over(k: str) -> Any:  # an overlapped transfer that is data-bound, or an exposed one above the cap
         return tr[k]["active"] & np.where(tr[k]["overlapped"], rat[k] > 1 + eps, rat[k] > cap + eps)
 
-    budget, host = links.device_memory_gib * GiB, links.host_memory_gib * GiB or math.inf
+    budget, host = links.device_memory_gib * GiB, links.host_per_gpu(n_b * c["n_l"] * c["n_a"])
     fits = np.where(off, (mem["non_offloadable"] <= budget) & (mem["offloadable"] <= host),
                     mem["offloadable"] + mem["non_offloadable"] <= budget)  # fmt: skip
     B = math.floor(t.b_c + 1e-9)
