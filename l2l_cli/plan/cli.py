@@ -122,7 +122,8 @@ def main(argv: list[str]) -> int:
             return _fail([f"config error: {p}" for p in problems])
         overrides = base + overrides
     info: dict[str, Any] = {}
-    problems = preflight(overrides, multirun=False, info=info)
+    # this machine's disk is not the question (hardware.disk_free_gb, or hardware=measure's reading, is)
+    problems = preflight(overrides, multirun=False, info=info, check_space=False)
     if problems:  # a sweep is one of them (checked here, not before: a valid command line parses once)
         _, parsed = check_overrides(overrides)
         sweeps = [ov.key_or_group for ov in parsed if ov.is_sweep_override()]

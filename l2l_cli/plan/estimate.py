@@ -327,13 +327,15 @@ def evaluate(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Any]:
     dev, host, disk = sum(mem["device"].values()), sum(mem["host"].values()), sum(mem["disk"].values())
     phases = step_time(shape, s, rates)
     total = sum(p.exposed for p in phases.values())
-    fits = dev <= rates.device_memory and host <= rates.host_memory and disk <= rates.disk_free
+    node = host * rates.ranks_on_node(s.nproc)  # the ranks on a node share its host memory
+    fits = dev <= rates.device_memory and node <= rates.host_memory and disk <= rates.disk_free
     return {
         "label": s.label,
         "setup": s,
         "memory": mem,
         "device_bytes": dev,
         "host_bytes": host,
+        "host_node_bytes": node,
         "disk_bytes": disk,
         "fits": fits,
         "phases": phases,
@@ -346,7 +348,7 @@ def fits(shape: ModelShape, s: Setup, rates: Rates) -> bool:
     mem = memory(shape, s)
     return (
         sum(mem["device"].values()) <= rates.device_memory
-        and sum(mem["host"].values()) <= rates.host_memory
+        and sum(mem["host"].values()) * rates.ranks_on_node(s.nproc) <= rates.host_memory
         and sum(mem["disk"].values()) <= rates.disk_free
     )
 
@@ -362,7 +364,7 @@ def eps_tier(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Any] | None
         r = evaluate(shape, s.but(tier=tier), rates)
         tiers[tier] = {
             "host_bytes": r["host_bytes"], "disk_bytes": r["disk_bytes"], "fits": r["fits"],
-            "host_fits": r["host_bytes"] <= rates.host_memory, "disk_fits": r["disk_bytes"] <= rates.disk_free,
+            "host_fits": r["host_node_bytes"] <= rates.host_memory, "disk_fits": r["disk_bytes"] <= rates.disk_free,
             "step_time_s": r["step_time_s"], "disk_wait_s": r["phases"]["disk_wait"].exposed,
             "disk_hidden_s": r["phases"]["disk_wait"].hidden,
         }  # fmt: skip
@@ -500,8 +502,13 @@ def verdict(shape: ModelShape, s: Setup, rates: Rates, result: dict[str, Any]) -
             f"does not fit: the disk EPS needs {fmt_bytes(result['disk_bytes'])} on disk > "
             f"{fmt_bytes(rates.disk_free)} free (24 bytes per parameter: two versions of weights and moments)"
         )
-    if result["host_bytes"] > host_budget:
-        why = f"host memory needs {fmt_bytes(result['host_bytes'])} > {fmt_bytes(host_budget)}"
+    if result["host_node_bytes"] > host_budget:
+        ranks = rates.ranks_on_node(s.nproc)
+        why = (
+            f"host memory needs {fmt_bytes(result['host_node_bytes'])}"
+            + (f" ({ranks} ranks on a node × {fmt_bytes(result['host_bytes'])})" if ranks > 1 else "")
+            + f" > {fmt_bytes(host_budget)} per node"
+        )
         if s.disk:
             return f"does not fit: {why} (eps.host_cache_layers={s.cache_layers} layers cached); lower it"
         on_disk = next(t for t, kind in TIERS.items() if kind.on_disk)

@@ -98,7 +98,13 @@ def make_plan(cfg: Any, rates: Rates | None = None) -> dict[str, Any]:
         },
         "memory_bytes": {
             "device": {"total": r["device_bytes"], "parts": mem["device"], "budget": rates.device_memory},
-            "host": {"total": r["host_bytes"], "parts": mem["host"], "budget": rates.host_memory},
+            "host": {
+                "total": r["host_bytes"],
+                "parts": mem["host"],
+                "budget": rates.host_memory,
+                "node_total": r["host_node_bytes"],
+                "ranks_on_node": rates.ranks_on_node(s.nproc),
+            },
             "disk": {"total": r["disk_bytes"], "parts": mem["disk"], "budget": rates.disk_free},
         },
         "eps_tier": est.eps_tier(shape, s, rates),

@@ -63,13 +63,15 @@ def render(plan: dict[str, Any], console: Console) -> None:
             if c.get("pipeline", 1) > 1
             else ""
         )
-        + f"\nhardware [bold]{hw['name']}[/]: {hw['device_tflops']:.3g} TFLOP/s, "
+        + f"\nhardware [bold]{hw['name']}[/]: {hw['rate']}, "
         f"{hw['device_memory_gib']:.3g} GiB device, link {hw['h2d_gbps']:.3g} GB/s, "
         f"host update {hw['host_gflops']:.3g} GFLOP/s"
     )
     ok = plan["fits"]
     verdict = Text(("✓ " if ok else "✗ ") + plan["verdict"], style="bold green" if ok else "bold red")
-    console.print(Panel(Group(Text.from_markup(head), verdict), title="l2l plan", title_align="left"))
+    console.print(
+        Panel(Group(Text.from_markup(head), verdict), title="l2l plan", title_align="left", expand=False)
+    )
 
     p = plan["params"]
     t = _table("Parameters", "layer", "parameters")
@@ -94,7 +96,11 @@ def render(plan: dict[str, Any], console: Console) -> None:
             *(fmt_bytes(m[x]["parts"][k]) if m[x]["parts"].get(k) else "-" for x in tiers),
         )
     t.add_row("[bold]total", *(f"[bold]{fmt_bytes(m[x]['total'])}" for x in tiers))
-    t.add_row("budget", *(fmt_bytes(m[x]["budget"]) for x in tiers))
+    if m["host"].get("ranks_on_node", 1) > 1:
+        n = m["host"]["ranks_on_node"]
+        t.add_row(f"host per node: {n} ranks share it", "", fmt_bytes(m["host"]["node_total"]),
+                  *([""] if "disk" in tiers else []))  # fmt: skip
+    t.add_row("budget", *(fmt_bytes(m[x]["budget"]) + (" per node" if x == "host" else "") for x in tiers))
     console.print(t)
 
     st, hid = plan["step_time_s"], plan["hidden_s"]
