@@ -173,7 +173,13 @@ def _run_tiny(command: str, tmp_path, nproc: int) -> None:
         elif k in sub:
             a = f"{k}={sub[k]}"
         out.append(a)
-    out += ["device=sim", "logger=none", "trainer.progress=none", f"hydra.run.dir={tmp_path}/run"]
+    out += [
+        "device=sim",
+        "logger=none",
+        "trainer.progress=none",
+        "task.max_eval_samples=4",
+        f"hydra.run.dir={tmp_path}/run",
+    ]
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     run = subprocess.run([sys.executable, "-m", "l2l_cli", "train", *out], capture_output=True, text=True,
                          cwd=tmp_path, env=env, timeout=300)  # fmt: skip
@@ -240,3 +246,48 @@ def test_layered_ga_links_default_to_the_papers_peak() -> None:
     """The paper's own analysis (Tables 6.1-6.3, Figures) computes at peak × efficiency: mfu 1."""
     assert ga.Links().rate == ga.Links().peak_flops
     assert compose(["recipe=layered_ga_scaling"]).hardware.mfu == 1.0
+
+
+# --------------------------------------------------------------------------------------------------
+# 5. L2L's memory model against the L2L papers' tables (V100 16 GB, BERT-Large widths, 512 tokens)
+
+
+def _l2l_device_gib(overrides: list[str], layers: tuple[int, ...]) -> list[float]:
+    """L2L's device peak (GiB) for BERT-Large widths at these depths, on the v100-16g preset's fixed terms
+    (``hardware.device_reserved_gb``, ``hardware.attention_bytes_half``)."""
+    from l2l_cli.plan import estimate as est
+    from l2l_cli.plan.shapes import ModelShape
+
+    s = est.Setup.from_cfg(compose(["model=bert-large", "hardware=v100-16g", "mode=l2l", "task.max_seq_len=512",
+                                    *overrides]))  # fmt: skip
+    return [sum(est.memory(ModelShape.bert(n, 1024, 16, 4096), s)["device"].values()) / 2**30 for n in layers]
+
+
+def test_v1_table_2_l2l_memory_within_10_percent() -> None:
+    """L2L v1 Table 2 (quoted): "L2L 32 12 5.75 / L2L 32 24 6.52 / L2L 32 48 8.06 / L2L 32 96 11.13" (device
+    batch 32, FP32, no inner loop: one micro-batch of 32). The depth slope is the FP32 stash (32 × 512 × 1024
+    × 4 bytes a layer); the rest is one layer's working set under HF's math attention plus the V100's fixed
+    1.0 GiB (CUDA context, workspaces, allocator)."""
+    ours = _l2l_device_gib(["precision=fp32", "batch.size=32", "batch.ubatch_size=32"], (12, 24, 48, 96))
+    for got, paper in zip(ours, (5.75, 6.52, 8.06, 11.13)):
+        assert got == pytest.approx(paper, rel=0.10), (ours, paper)
+
+
+def test_v2_table_4_l2l_memory_with_the_stash_on_gpu_and_cpu_within_10_percent() -> None:
+    """L2L v2 Table 4 (quoted): stash on GPU "64 64 24 ... 5.22 / 64 64 48 ... 6.76 / 64 64 96 ... 9.83",
+    stash on CPU "3.69" at 24, 96 and 384 layers (CMP, ubatch 64, batch 64). The paper contradicts itself at
+    24 layers: its Table 2 prints 4.96 GB and its Table 3 3.69 GB for the same L2L CMP run (ubatch 64, one
+    micro-batch, stash unstated) that Table 4 prints at 5.22 (stash on GPU); we follow Table 4, the only one
+    that says where the stash is. Its 3.69 GB for 64 samples is below what HF's math attention's fp16 scores
+    alone would take (~4 GB), so the v100 preset's half-precision attention keeps 2 bytes per score."""
+    gpu = _l2l_device_gib(
+        ["precision=cmp", "batch.size=64", "batch.ubatch_size=64", "mode.stash=device"], (24, 48, 96)
+    )
+    for got, paper in zip(gpu, (5.22, 6.76, 9.83)):
+        assert got == pytest.approx(paper, rel=0.10), (gpu, paper)
+    cpu = _l2l_device_gib(
+        ["precision=cmp", "batch.size=64", "batch.ubatch_size=64", "mode.stash=cpu"], (24, 96, 384)
+    )
+    assert cpu[0] == cpu[1] == cpu[2] == pytest.approx(3.69, rel=0.10)
+    # the contradiction: the same run at 24 layers, three values 41% apart
+    assert 5.22 / 3.69 > 1.4 and abs(4.96 - 5.22) / 5.22 < 0.06

@@ -222,6 +222,8 @@ class HardwareConfig:
     mfu: float = 0.24
     backward_factor: float = 2.0  # backward time / forward time of a layer (the papers: 2)
     device_memory_gb: float = 16.0  # device memory, GiB
+    device_reserved_gb: float = 0.0  # device memory beyond the tensors: CUDA context, workspaces, allocator
+    attention_bytes_half: float | None = None  # amp/cmp: bytes kept per attention score; unset: HF math (15)
     device_optim_gflops: float = 480.0  # the baselines' on-device update: its arithmetic rate, GFLOP/s
     device_memory_gbps: float = 900.0  # device memory bandwidth, GB/s (the on-device update is bound by it)
     host_gflops: float = 300.0  # EPS (host optimizer) throughput

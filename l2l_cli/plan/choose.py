@@ -157,7 +157,7 @@ def l2l_fits(f: Found, shape: Any, seq: int, hw: Any) -> str:
     from l2l_cli.plan import estimate as est
     from l2l_cli.plan.hardware import gpus_per_node
 
-    s = setup_of(f, seq)
+    s = setup_of(f, seq).but(reserved=hw.device_reserved_gb * ga.GiB, att_half=hw.attention_bytes_half)
     mem = est.memory(shape, s)
     dev, host = sum(mem["device"].values()), sum(mem["host"].values())
     on_node = max(1, min(s.nproc, gpus_per_node(hw)))

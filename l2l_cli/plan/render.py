@@ -23,6 +23,7 @@ PART_NAMES = {
     "eps_cache": "EPS cache (eps.host_cache_layers)",
     "eps_grad_pool": "EPS gradients in RAM (eps.grad_ram_gb)",
     "eps_files": "EPS layer files (two versions)",
+    "runtime_reserved": "CUDA context, workspaces, allocator (hardware.device_reserved_gb)",
 }
 
 

@@ -128,14 +128,17 @@ class ModelShape:
 
     # ---- activations (per sample) ----------------------------------------------------------------
 
-    def block_saved_bytes(self, seq: int, precision: str) -> float:
-        """Activations one block's forward keeps for its backward, per sample (the papers' X)."""
+    def block_saved_bytes(self, seq: int, precision: str, att_half: float | None = None) -> float:
+        """Activations one block's forward keeps for its backward, per sample (the papers' X). ``att_half``:
+        bytes kept per attention score under amp/cmp by the device's attention kernel (``hardware.
+        attention_bytes_half``; unset: HF's math attention, measured)."""
         e = act_bytes(precision)
-        return seq * (e * (10 * self.hidden + 2 * self.intermediate) + _ATT_BYTES[e] * self.heads * seq)
+        att = _ATT_BYTES[e] if att_half is None or precision == "fp32" else att_half
+        return seq * (e * (10 * self.hidden + 2 * self.intermediate) + att * self.heads * seq)
 
-    def block_working_bytes(self, seq: int, precision: str) -> float:
+    def block_working_bytes(self, seq: int, precision: str, att_half: float | None = None) -> float:
         """Peak working set of one block's recompute + backward, per sample."""
-        return (1 + BACKWARD_TRANSIENT) * self.block_saved_bytes(seq, precision)
+        return (1 + BACKWARD_TRANSIENT) * self.block_saved_bytes(seq, precision, att_half)
 
     def pre_saved_bytes(self, seq: int, precision: str) -> float:
         """Embeddings: the sum of three lookups, its LayerNorm and dropout (~3 activations per token)."""
