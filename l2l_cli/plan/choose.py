@@ -47,6 +47,7 @@ def links_for(cfg: Any) -> ga.Links:
         node_size=node,
         node_host_memory_gib=hw.host_memory_gb,
         gpus_per_node=gpus_per_node(hw),
+        pipe_in_node=True,
     )
 
 

@@ -43,6 +43,11 @@ examples:
 """
 
 
+def hardware_overrides(overrides: list[str]) -> list[str]:
+    """The ``hardware.*`` keys the command line sets over its preset (the header names them beside it)."""
+    return [o.lstrip("+~") for o in overrides if o.lstrip("+~").startswith("hardware.")]
+
+
 def _console() -> Any:
     """The terminal's width; piped to a file, wide enough that no table cell wraps or is cut."""
     from rich.console import Console
@@ -146,6 +151,7 @@ def main(argv: list[str]) -> int:
         plan = make_plan(cfg)
     except PlanError as e:
         return _fail([f"plan error: {e}"])
+    plan["hardware"]["overrides"] = hardware_overrides(overrides)
     out: dict[str, Any] = plan
     if run_dir is not None:
         from l2l_cli.plan.compare import predicted_vs_measured
@@ -182,6 +188,7 @@ def _search_or_scaling(cfg: Any, overrides: list[str], flags: dict[str, Any]) ->
             out = scaling_plan(cfg, Path(flags["out"] or DEFAULT_OUT).expanduser())
     except (PlanError, OSError) as e:
         return _fail([f"plan error: {e}"])
+    out["hardware"]["overrides"] = hardware_overrides(overrides)
     if flags["json"]:
         print(json.dumps(_jsonable(out)))
         return 0

@@ -27,6 +27,12 @@ PART_NAMES = {
 }
 
 
+def _with(hw: dict[str, Any]) -> str:
+    """The preset's name is not the whole machine when hardware.* keys override it: say which."""
+    keys = hw.get("overrides") or []
+    return f" (with {', '.join(keys)})" if keys else ""
+
+
 def fmt_s(t: float | None) -> str:
     if t is None:
         return "-"
@@ -64,7 +70,7 @@ def render(plan: dict[str, Any], console: Console) -> None:
             if c.get("pipeline", 1) > 1
             else ""
         )
-        + f"\nhardware [bold]{hw['name']}[/]: {hw['rate']}, "
+        + f"\nhardware [bold]{hw['name']}[/]{_with(hw)}: {hw['rate']}, "
         f"{hw['device_memory_gib']:.3g} GiB device, link {hw['h2d_gbps']:.3g} GB/s, "
         f"host update {hw['host_gflops']:.3g} GFLOP/s"
     )
@@ -278,7 +284,7 @@ def render_search(out: dict[str, Any], console: Console) -> None:
         f"[bold]{out['model']}[/] ({fmt_n(out['params'])} parameters in the layers; d_l {out['shape']['d_l']}, "
         f"d_m {out['shape']['d_m']}, heads {out['shape']['d_a']}, d_s {out['shape']['d_s']}) · critical batch "
         f"{out['critical_batch_size']:.4g} · budget {out['budget']}\n"
-        f"[bold]{hw['name']}[/]: {out['rate']}, {hw['memory_gb']:g} GB, {hw['network']} "
+        f"[bold]{hw['name']}[/]{_with(hw)}: {out['rate']}, {hw['memory_gb']:g} GB, {hw['network']} "
         f"{hw['network_gbps']:g} GB/s, tensor link {hw['tensor_link_gbps']:g} GB/s × {hw['node_size'] or 'any'} GPUs, "
         f"CPU-GPU {hw['offload_gbps']:g} GB/s · objective: {out['objective']}"
         + (f" · max {bd['max_gpus']} GPUs" if bd["max_gpus"] else "")

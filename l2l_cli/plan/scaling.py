@@ -168,6 +168,10 @@ class Links:
     # the GPUs of a job on it (0: no such bound)
     node_host_memory_gib: float = 0.0
     gpus_per_node: int = 1
+    # The pipeline's messages between stages that share a node (n_l·n_a <= node_size) take its tensor link
+    # (NVLink), as a placement that keeps a pipeline's stages inside one node does; False: the network, as
+    # the paper's Tables take every pipeline transfer.
+    pipe_in_node: bool = False
 
     def host_per_gpu(self, n_gpu: Any) -> Any:
         """Offload bytes one GPU may use: ``host_memory_gib``, and its share of a node's host memory among
@@ -252,9 +256,13 @@ def transfers(
         nu_d, eq_d, ov_d = 0.5 * b_mu * d_s, 7, np.True_
     else:
         nu_d, eq_d, ov_d = 0.5 * b_mu * n_mu * d_s, 9, np.True_
-    # pipeline
+    # pipeline: over the network, or inside a node over its tensor link (``Links.pipe_in_node``)
     nu_p = (2 + m.n_I) * m.d_m * (1.0 if method == GA_IMPROVED else m.d_l / n_l)
-    ov_p = n_mu >= n_l * (1.0 + net / nu_p)
+    thr_p = net
+    if links.pipe_in_node and links.tensor_gbps > 0:
+        inside = (n_l * n_a <= links.node_size) | (links.node_size <= 0)
+        thr_p = np.where(inside, links.threshold(links.tensor_gbps), net)
+    ov_p = n_mu >= n_l * (1.0 + thr_p / nu_p)
     # tensor: the tensor link within a node, the network beyond it
     in_node = (n_a <= links.node_size) | (links.node_size <= 0)
     thr_a = np.where(in_node & (links.tensor_gbps > 0), links.threshold(links.tensor_gbps or 1.0), net)
@@ -271,11 +279,13 @@ def transfers(
     offload = np.asarray(offload, dtype=bool)
     data_on, pipe_on = n_b > 1, n_l > 1
     # PCIe: offload plus the network transfers that overlap it
-    inv = 1.0 / nu_o + np.where(data_on & ov_d, 1.0 / nu_d, 0.0) + np.where(pipe_on & ov_p, 1.0 / nu_p, 0.0)
+    over_net = np.asarray(thr_p) == net  # a pipeline inside a node does not cross the GPU's PCIe link
+    inv = (1.0 / nu_o + np.where(data_on & ov_d, 1.0 / nu_d, 0.0)
+           + np.where(pipe_on & ov_p & over_net, 1.0 / nu_p, 0.0))  # fmt: skip
     pcie_thr = links.threshold(links.pcie_gbps)
     return {
         "data": {"eq": eq_d, "value": nu_d, "threshold": net, "overlapped": ov_d, "active": data_on},
-        "pipeline": {"eq": 11 if method == GA_IMPROVED else 10, "value": nu_p, "threshold": net,
+        "pipeline": {"eq": 11 if method == GA_IMPROVED else 10, "value": nu_p, "threshold": thr_p,
                      "overlapped": ov_p, "active": pipe_on},
         "tensor": {"eq": 12, "value": nu_a, "threshold": thr_a, "overlapped": np.False_, "active": n_a > 1},
         "offload": {"eq": 13, "value": nu_o, "threshold": links.threshold(links.offload_gbps),
