@@ -354,3 +354,13 @@ def test_the_figures_draw_no_point_above_the_papers_axes() -> None:
                 pts = F.curve(rows, method, value, F.AXIS_MAX[label])
                 assert all(v <= F.AXIS_MAX[label] * (1 + 1e-9) for _, v, _ in pts)
                 assert pts, (net, label, method)
+
+
+def test_report_puts_the_papers_limits_beside_the_tools(tmp_path) -> None:
+    from l2l_cli.report.scaling import Scaling, limit_rows
+
+    s = Scaling(tmp_path, "x", {"memory_gb": 80, "limits": {"one_month_params": 4.6e12}})
+    header, body = limit_rows(s)
+    assert header[-1] == "paper (Figure 4 / Figure 5)"
+    month = next(r for r in body if r[0] == "largest trained in one month")
+    assert month[1] == "4.6 T" and month[-1] == "4.5 T / 40 T"

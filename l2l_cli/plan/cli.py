@@ -23,6 +23,9 @@ usage: l2l plan [group=option] [key=value ...] [--json] [--compare RUN_DIR | --s
   #ubatches and ubatch size, every mode side by side, and the layered-GA 3d-parallel view, for the
   config `l2l train` would compose from the same overrides.
 
+  Budget: plan.tokens=100e6 (a fine-tune) or plan.steps=N (steps of the configured batch); neither:
+  plan.train_steps steps of it. Efficiency: hardware.mfu (the preset's published figure). docs/plan-budget.md
+
   --json              print the plan as one JSON object on stdout
   --compare RUN_DIR   predicted vs measured per phase for a finished run (its overrides, then these)
   --search            layered-GA §5: the fastest configuration per method and parallelism mix that fits
@@ -38,6 +41,7 @@ examples:
   l2l plan mode=l2l hardware=measure --json
   l2l plan --compare outputs/2026-01-01/12-00-00-l2l-synthetic hardware=measure
   l2l plan --search model=bert-large hardware=a100-80g plan.max_gpus=8
+  l2l plan --search model=llama-7b task=lm hardware=a100-80g plan.max_gpus=8 plan.tokens=100e6
   l2l plan --search model=x model.x=160 hardware=a100-80g plan.max_days=30 plan.parallelism=3d
   l2l plan --scaling recipe=layered_ga_scaling            # then: l2l report outputs/layered_ga_scaling
 """
