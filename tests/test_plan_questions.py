@@ -93,20 +93,20 @@ def test_every_view_uses_the_presets_published_efficiency() -> None:
 
 
 def test_per_config_and_search_agree_on_a_configuration_both_express() -> None:
-    """Acceptance 2: --search's best row for a 100M-token fine-tune, typed as a per-config plan (its b, b_mu,
-    n_b), takes the same time in the per-config layered-GA view (within 5%; the same formulas, budget and
-    rate make it exact)."""
+    """Acceptance 2: --search's best row for a 100M-token fine-tune, planned per configuration from its own
+    command line (its dist.nproc, batch, ubatch, mode), takes the same time in the per-config layered-GA view
+    (within 5%: the same formulas, budget and rate). The L2L step view of that command is slower (1.54 h
+    against 1.15 h here): it counts attention's FLOPs (~17% at 4096 tokens), which the layered-GA count
+    8·p per token leaves out, and plain L2L's host update, which does not overlap."""
     s = search([*LLAMA_8, "plan.tokens=100e6"])
-    row = next(
-        r
-        for r in s["search"]
-        if (r["parallelism"], r["method"]) == (s["best"]["parallelism"], s["best"]["method"])
-    )
-    per = row["b_mu"] * row["n_mu"]
-    cfg = compose(["model=llama-7b", "task=lm", "hardware=a100-80g", "precision=cmp", f"batch.size={per}",
-                   f"batch.ubatch_size={row['b_mu']}", f"plan.data_parallel={row['n_b']}", "plan.tokens=100e6"])  # fmt: skip
-    view = next(r for r in make_plan(cfg)["layered_ga"]["methods"] if r["method"] == row["method"])
-    assert view["train_time_s"] == pytest.approx(row["days"] * 86400, rel=0.05)
+    best = s["best"]
+    argv = shlex.split(best["command"])[2:]
+    p = make_plan(compose([*argv, "hardware=a100-80g", "plan.tokens=100e6"]))
+    view = next(r for r in p["layered_ga"]["methods"] if r["method"] == best["method"])
+    assert view["config"]["n_gpu"] == best["n_gpu"]
+    assert view["train_time_s"] == pytest.approx(best["days"] * 86400, rel=0.05)
+    assert p["hardware"]["mfu"] == s["hardware"]["mfu"] == p["layered_ga"]["mfu"]
+    assert best["days"] * 86400 < p["budget"]["time_s"] < 1.5 * best["days"] * 86400
 
 
 # --------------------------------------------------------------------------------------------------
@@ -364,3 +364,21 @@ def test_report_puts_the_papers_limits_beside_the_tools(tmp_path) -> None:
     assert header[-1] == "paper (Figure 4 / Figure 5)"
     month = next(r for r in body if r[0] == "largest trained in one month")
     assert month[1] == "4.6 T" and month[-1] == "4.5 T / 40 T"
+
+
+def test_figure_8_draws_the_papers_no_partition_curve(tmp_path) -> None:
+    """§8.3: "For the smallest models, the partition can be avoided to further reduce the training time at a
+    minimal memory cost (dotted line)": the improved method without the state partition (eq. 8 for its
+    reduction) is faster than the partitioned one at X38 over Ethernet, and Figure 8 draws it."""
+    from l2l_cli.plan import figures as F
+
+    eth = ga.Links(network_gbps=6.25, node_size=16, pipe_in_node=True)
+    xs = [20, 38, 60]
+    rows = F.sweep(eth, xs)
+    unpart = F.no_partition(eth, xs)
+    improved = {x: f for x, m, f in rows if m == "improved"}
+    (x38,) = [f for x, _, f in unpart if x == 38]
+    assert x38.time_s < 0.6 * improved[38].time_s
+    assert x38.memory_bytes["state"] > improved[38].memory_bytes["state"]  # the memory it costs
+    F.draw(tmp_path / "figure8", rows, 80.0, "Figure 8", None, "", unpart)
+    assert "No partition" in (tmp_path / "figure8.svg").read_text()

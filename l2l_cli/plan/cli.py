@@ -192,7 +192,8 @@ def _search_or_scaling(cfg: Any, overrides: list[str], flags: dict[str, Any]) ->
             out = scaling_plan(cfg, Path(flags["out"] or DEFAULT_OUT).expanduser())
     except (PlanError, OSError) as e:
         return _fail([f"plan error: {e}"])
-    out["hardware"]["overrides"] = hardware_overrides(overrides)
+    if flags["search"]:
+        out["hardware"]["overrides"] = hardware_overrides(overrides)
     if flags["json"]:
         print(json.dumps(_jsonable(out)))
         return 0

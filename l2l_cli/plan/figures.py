@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from l2l_cli.plan import scaling as ga
-from l2l_cli.plan.scaling import METHODS, GiB
+from l2l_cli.plan.scaling import GA_IMPROVED, GA_NO_PARTITION, METHODS, GiB
 from l2l_cli.plan.search import DAY, MEMORY_KEYS, PAIRS, Bounds, Found, Target, fastest
 
 MONTH_DAYS, YEAR_DAYS = 365.25 / 12, 365.25
@@ -197,8 +197,21 @@ PANELS = (
 )
 
 
+def no_partition(
+    links: ga.Links, xs: list[int], bounds: Bounds | None = None
+) -> list[tuple[int, str, Found | None]]:
+    """§8.3's "No partition" curve (Figure 8, dotted): the improved method's fastest configuration without the
+    state partition, at each size ("for the smallest models, the partition can be avoided to further reduce
+    the training time at a minimal memory cost")."""
+    b = bounds or PAPER
+    mixes = tuple(mix for mix, m in PAIRS if m == GA_IMPROVED)
+    return [(x, GA_NO_PARTITION, fastest(Target(ga.x_family(x), ga.x_critical_batch_size(x), links), b,
+                                         GA_NO_PARTITION, mixes)) for x in xs]  # fmt: skip
+
+
 def draw(path: Path, rows: list[tuple[int, str, Found | None]], memory_gib: float, title: str,
-         compare: list[tuple[int, str, Found | None]] | None = None, compare_label: str = "") -> list[str]:  # fmt: skip
+         compare: list[tuple[int, str, Found | None]] | None = None, compare_label: str = "",
+         extra: list[tuple[int, str, Found | None]] | None = None) -> list[str]:  # fmt: skip
     """The paper's three panels: non-offloadable and offloadable memory per GPU, training time; log axes, one
     line per method, the device memory, 1 TB offload, one-month and one-year lines."""
     import matplotlib
@@ -225,6 +238,11 @@ def draw(path: Path, rows: list[tuple[int, str, Found | None]], memory_gib: floa
                 if cp:
                     ax.plot(*zip(*cp), color=colors[method], ls=":", lw=1,
                             label=compare_label if method == "improved" else None)  # fmt: skip
+        if extra:
+            pts = curve(extra, GA_NO_PARTITION, value, top)
+            if pts:
+                ax.plot([p for p, _, _ in pts], [v for _, v, _ in pts], color="black", ls=":", lw=1.2,
+                        label="No partition")  # fmt: skip
         if "time" in ylabel:
             ax.axhline(MONTH_DAYS, color="gray", ls="-.", lw=1, label="One month")
             ax.axhline(YEAR_DAYS, color="black", ls="-.", lw=1, label="One year")
@@ -272,11 +290,15 @@ def scaling_plan(cfg: Any, out: Path) -> dict[str, Any]:
     titles = {
         "figure4": f"Figure 4: fastest configuration per method, {hw.name}, InfiniBand, 16 GPUs per node",
         "figure5": f"Figure 5: the same without the node-size limit on tensor parallelism ({hw.name})",
-        "figure8": f"Figure 8: over Ethernet ({hw.ethernet_gbps:g} GB/s per GPU); dotted: InfiniBand ({hw.name})",
+        "figure8": f"Figure 8: over Ethernet ({hw.ethernet_gbps:g} GB/s per GPU); dotted: InfiniBand, black: No "
+        f"partition ({hw.name})",
     }
+    eth = replace(base, node_size=FIGURES["figure8"]["node_size"], network_gbps=hw.ethernet_gbps)
+    unpartitioned = no_partition(eth, xs, bounds)
     for name in FIGURES:
         cmp_rows = results["figure4"] if name == "figure8" else None
-        files += draw(out / name, results[name], base.device_memory_gib, titles[name], cmp_rows, "InfiniBand")
+        files += draw(out / name, results[name], base.device_memory_gib, titles[name], cmp_rows, "InfiniBand",
+                      unpartitioned if name == "figure8" else None)  # fmt: skip
     with (out / "scaling.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         w.writeheader()

@@ -107,7 +107,9 @@ def render(plan: dict[str, Any], console: Console) -> None:
         n = m["host"]["ranks_on_node"]
         t.add_row(f"host per node: {n} ranks share it", "", fmt_bytes(m["host"]["node_total"]),
                   *([""] if "disk" in tiers else []))  # fmt: skip
-    t.add_row("budget", *(fmt_bytes(m[x]["budget"]) + (" per node" if x == "host" else "") for x in tiers))
+    budgets = [fmt_bytes(m[x]["budget"]) for x in tiers]
+    budgets[1] += " per node"  # the second column, host memory: its ranks share a node's
+    t.add_row("budget", *budgets)
     console.print(t)
 
     st, hid = plan["step_time_s"], plan["hidden_s"]

@@ -28,6 +28,11 @@ import numpy as np
 GiB = 2**30
 # The layered-GA paper's §5 methods (how a 3d configuration places the training state), not l2l modes.
 GA_BASELINE, GA_PARTITIONED, GA_IMPROVED = METHODS = ("baseline", "partitioned", "improved")
+# §8.3's "No partition" (Figure 8's dotted line): the improved method (layered GA, modular pipeline) with the
+# state not partitioned, eq. 8 for its reduction. Not one of §5's methods: the figures draw it beside them.
+GA_NO_PARTITION = "no_partition"
+MODULAR = (GA_IMPROVED, GA_NO_PARTITION)  # layered GA and the modular pipeline
+PARTITIONED = (GA_PARTITIONED, GA_IMPROVED)  # the state partitioned over the data-parallel devices
 
 # The layer-activation memory per token, m0 (C.3). The extracted paper text lost its formula; Table 6.2
 # fixes it for X160 at 102·d_m bytes (all five activation entries agree to 3 digits). We keep Megatron-LM's
@@ -254,10 +259,12 @@ def transfers(
         eq_d, ov_d = np.where(piped, 6, 5), ~piped
     elif method == GA_PARTITIONED:
         nu_d, eq_d, ov_d = 0.5 * b_mu * d_s, 7, np.True_
+    elif method == GA_NO_PARTITION:
+        nu_d, eq_d, ov_d = 0.75 * b_mu * n_mu * d_s, 8, np.True_
     else:
         nu_d, eq_d, ov_d = 0.5 * b_mu * n_mu * d_s, 9, np.True_
     # pipeline: over the network, or inside a node over its tensor link (``Links.pipe_in_node``)
-    nu_p = (2 + m.n_I) * m.d_m * (1.0 if method == GA_IMPROVED else m.d_l / n_l)
+    nu_p = (2 + m.n_I) * m.d_m * (1.0 if method in MODULAR else m.d_l / n_l)
     thr_p = net
     if links.pipe_in_node and links.tensor_gbps > 0:
         inside = (n_l * n_a <= links.node_size) | (links.node_size <= 0)
@@ -273,6 +280,7 @@ def transfers(
         GA_BASELINE: b_mu * d_s,  # b·d_s / (n_mu·n_b): every micro-batch, the instance's replica
         GA_PARTITIONED: b_mu * n_b * d_s,  # b·d_s / n_mu
         GA_IMPROVED: bds_per_instance * n_b,  # b·d_s: once per batch, the device's partition
+        GA_NO_PARTITION: bds_per_instance,  # b·d_s / n_b: once per batch, the instance's replica
     }[method]
     nu_c = (4 + 2 * m.n_I) * m.d_m
     nu_o = 1.0 / (1.0 / nu_s + 1.0 / nu_c)
@@ -285,7 +293,7 @@ def transfers(
     pcie_thr = links.threshold(links.pcie_gbps)
     return {
         "data": {"eq": eq_d, "value": nu_d, "threshold": net, "overlapped": ov_d, "active": data_on},
-        "pipeline": {"eq": 11 if method == GA_IMPROVED else 10, "value": nu_p, "threshold": thr_p,
+        "pipeline": {"eq": 11 if method in MODULAR else 10, "value": nu_p, "threshold": thr_p,
                      "overlapped": ov_p, "active": pipe_on},
         "tensor": {"eq": 12, "value": nu_a, "threshold": thr_a, "overlapped": np.False_, "active": n_a > 1},
         "offload": {"eq": 13, "value": nu_o, "threshold": links.threshold(links.offload_gbps),
@@ -303,7 +311,7 @@ def ratios(t: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def bubble_of(m: Transformer, method: str, n_mu: Any, n_l: Any) -> Any:
     """Pipeline bubble, relative: (n_l − 1)/n_mu (§2.4); the modular pipeline divides it by d_l/n_l (§4)."""
     f = (np.asarray(n_l) - 1.0) / n_mu
-    return f * n_l / m.d_l if method == GA_IMPROVED else f
+    return f * n_l / m.d_l if method in MODULAR else f
 
 
 def overheads_of(m: Transformer, method: str, n_mu: Any, n_l: Any, t: dict[str, dict[str, Any]]) -> dict:
@@ -397,12 +405,16 @@ def transformer_of(shape: Any, d_s: int) -> Transformer:
 
 def for_config(cfg: Any, shape: Any, links: Links) -> dict[str, Any]:
     """The layered-GA analysis of the config: d_s = model.seq_len (the model's context, as the paper's
-    X[x] and BERT rows use), b = batch.size × plan.data_parallel, b_mu = batch.ubatch_size, trained on the
+    X[x] and BERT rows use), b = batch.size × n_b (plan.data_parallel, or the config's data-parallel ranks),
+    n_l = plan.pipeline_parallel or dist.pipeline, b_mu = batch.ubatch_size, trained on the
     config's budget (``plan/budget.py``) in samples of d_s, as ``--search`` trains it."""
     from l2l_cli.plan.budget import budget_of
 
     m = transformer_of(shape, int(cfg.model.seq_len))
-    nb, nl, na = cfg.plan.data_parallel, cfg.plan.pipeline_parallel, cfg.plan.tensor_parallel
+    # the config's own ranks (dist.nproc over dist.pipeline) where plan.* does not say more
+    pipe = max(1, int(cfg.dist.pipeline))
+    nb = max(cfg.plan.data_parallel, int(cfg.dist.nproc) // pipe)
+    nl, na = max(cfg.plan.pipeline_parallel, pipe), cfg.plan.tensor_parallel
     b, bmu = cfg.batch.size * nb, cfg.batch.ubatch_size
     budget = budget_of(cfg)
     samples = budget.tokens / m.d_s if budget.tokens else float(budget.steps * b)
