@@ -29,7 +29,7 @@ MAX_SWEEP_JOBS = 512
 
 def preflight(
     overrides: list[str], multirun: bool, warn: list[str] | None = None, *, resume: Path | None = None,
-    info: dict[str, Any] | None = None,
+    info: dict[str, Any] | None = None, check_space: bool = True,
 ) -> list[Problem]:  # fmt: skip
     """All problems with an ``l2l train`` command line (empty: safe to start).
 
@@ -39,7 +39,8 @@ def preflight(
     resumed; the config checked is its own with these overrides on top (l2l_cli/inherit.py). ``info``
     receives ``multirun``, ``jobs``, the sweep's ``dir``, the jobs' ``pretrained`` references and, for one
     valid job, its composed ``cfg`` (without the ``hydra`` node: what ``compose`` returns, so a caller such
-    as ``l2l plan`` need not compose it again).
+    as ``l2l plan`` need not compose it again). ``check_space``: whether the disk EPS's directory here can hold
+    the state (``l2l plan`` asks about the machine its ``hardware.*`` keys describe, not this one).
     """
     problems, parsed = check_overrides(overrides)
     if problems:
@@ -80,7 +81,7 @@ def preflight(
             found = [Problem("config", f"{str(e).splitlines()[0]}")]
         else:
             try:
-                found = extra_keys(cfg) + validate(cfg)
+                found = extra_keys(cfg) + validate(cfg, check_space=check_space)
             except OmegaConfBaseException as e:  # an interpolation that cannot resolve for this job
                 found = [resolution_problem(e)]
         if found:

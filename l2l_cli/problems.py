@@ -54,11 +54,13 @@ def divisors(n: int) -> str:
 
 
 def fmt_bytes(n: float) -> str:
-    """Binary units, 3 significant digits."""
-    for unit, k in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= k:
+    """Binary units, 3 significant digits, never 4 digits before the point (1000 MiB is 0.977 GiB, not
+    "1e+03 MiB")."""
+    units = (("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+    for i, (unit, k) in enumerate(units):
+        if abs(n) >= k or (abs(n) >= 999.5 * k / 1024 and i + 1 < len(units)):
             return f"{n / k:.3g} {unit}"
-    return f"{int(n)} B"
+    return f"{int(n)} B" if abs(n) < 999.5 else f"{n / 1024:.3g} KiB"
 
 
 # ---- a full disk: one line naming the path and the free space ----------------------------------------

@@ -281,7 +281,9 @@ def test_the_recommended_ubatches_meet_the_target_and_the_largest_ubatch_fits() 
     assert u == 1 or cm.transfer_overhead(u - 1, rec["layer_forward_s"], rec["layer_transfer_s"]) > 0.05
     from dataclasses import replace
 
-    small = replace(rates, device_memory=1.5 * GiB)
+    small = replace(
+        rates, device_memory=2.5 * GiB
+    )  # 1.5 GiB for the tensors beside the preset's 1 GiB reserved
     ub = est.largest_ubatch(shape, s, small)
     assert ub is not None and 64 % ub == 0 and est.fits(shape, s.but(ubatch=ub), small)
     assert ub == 64 or not est.fits(

@@ -177,16 +177,18 @@ def test_pruning_is_exact_without_a_gpu_cap() -> None:
 
 
 def test_the_config_view_uses_the_same_formulas() -> None:
-    """``l2l plan``'s per-config layered-GA view (``for_config``) is ``analyze`` of the same numbers."""
+    """``l2l plan``'s per-config layered-GA view (``for_config``) is ``analyze`` of the same numbers, at the
+    rate of the config's precision (fp32 here: the preset's TF32 78 TFLOP/s, 25% of the 312 peak)."""
     from l2l_cli.plan.planner import make_plan
 
     cfg = compose(["model=x", "model.x=16", "hardware=a100-80g", "batch.size=8", "batch.ubatch_size=2",
                    "plan.data_parallel=4", "plan.pipeline_parallel=2", "plan.tensor_parallel=2"])  # fmt: skip
     ga_view = make_plan(cfg)["layered_ga"]
+    assert ga_view["mfu"] == pytest.approx(78 / 312)
     m = ga.x_family(16)
     for row in ga_view["methods"]:
         c = ga.Parallel(row["method"], 32, 2, 4, 4, 2, 2)
-        a = ga.analyze(m, c, ga.Links(), 100_000)
+        a = ga.analyze(m, c, ga.Links(mfu=78 / 312), 100_000)
         assert row["efficiency"] == pytest.approx(a["efficiency"], rel=1e-12)
         assert row["train_time_s"] == pytest.approx(a["train_time_s"], rel=1e-12)
 
@@ -515,7 +517,7 @@ def test_scaling_writes_the_figures_csv_and_limits(capsys, tmp_path) -> None:
 
 
 ROW_FIELDS = {"parallelism", "method", "offload", "b", "b_mu", "n_mu", "n_gpu", "n_b", "n_l", "n_a", "efficiency",
-              "days", "memory", "binding", "command"}  # fmt: skip
+              "days", "memory", "binding", "command", "l2l_runs", "steps"}  # fmt: skip
 MEM_FIELDS = {"state", "checkpoint", "buffers", "activations", "offloadable", "non_offloadable"}
 
 

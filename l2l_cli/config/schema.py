@@ -217,13 +217,20 @@ class HardwareConfig:
 
     name: str = "v100-16g"  # the hardware model (set by the hardware group)
     device_tflops: float = 30.0  # effective device throughput for layer matmuls, fp32
-    device_tflops_half: float = 30.0  # the same under precision=amp|cmp
+    device_tflops_half: float | None = None  # the same under precision=amp|cmp; unset: peak × mfu
     device_peak_tflops: float = 125.0  # half-precision peak (layered-GA: compute time, intensity thresholds)
+    # share of device_peak_tflops a training step's counted FLOPs achieve (8 per token and layer parameter,
+    # recompute included): the one efficiency every l2l plan view uses (presets cite their source)
+    mfu: float = 0.24
     backward_factor: float = 2.0  # backward time / forward time of a layer (the papers: 2)
     device_memory_gb: float = 16.0  # device memory, GiB
-    device_optim_gflops: float = 480.0  # the baselines' on-device update (elementwise, memory-bound)
+    device_reserved_gb: float = 0.0  # device memory beyond the tensors: CUDA context, workspaces, allocator
+    attention_bytes_half: float | None = None  # amp/cmp: bytes kept per attention score; unset: HF math (15)
+    device_optim_gflops: float = 480.0  # the baselines' on-device update: its arithmetic rate, GFLOP/s
+    device_memory_gbps: float = 900.0  # device memory bandwidth, GB/s (the on-device update is bound by it)
     host_gflops: float = 300.0  # EPS (host optimizer) throughput
-    host_memory_gb: float = 512.0  # host memory, GiB
+    host_memory_gb: float = 512.0  # host memory per node, GiB (the ranks on a node share it)
+    gpus_per_node: int | None = None  # ranks (GPUs) sharing one node's host memory; unset: node_size
     h2d_gbps: float = 16.0  # host<->device link, GB/s per direction
     network_gbps: float = 12.5  # data-parallel / pipeline network per device, GB/s (input + output)
     p2p_latency_us: float = 10.0  # a message between pipeline ranks: its latency, µs (bytes at network_gbps)
@@ -251,6 +258,8 @@ class PlanConfig:
     pipeline_parallel: int = 1  # pipeline stages
     data_parallel: int = 1  # data-parallel replicas
     train_steps: int = 100_000  # steps for the layered-GA training-time estimate (the paper's 100k)
+    tokens: float = 0.0  # the training budget in tokens (a fine-tune: 100e6); 0: plan.steps or train_steps
+    steps: int = 0  # the training budget in optimizer steps of the configured batch; 0: unset
     measure_repeats: int = 5  # hardware=measure: timed repetitions per primitive (the median is used)
     network: str = "infiniband"  # --search/--scaling: infiniband (hardware.network_gbps) | ethernet (hardware.ethernet_gbps)
     parallelism: str = "all"  # --search: all | none | data | data+pipe | data+tensor | 3d

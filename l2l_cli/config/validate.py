@@ -417,8 +417,6 @@ def _eps(cfg: Any, check_files: bool) -> list[Problem]:
             )
         )
     p.extend(tier.validate(cfg, check_files))
-    if check_files and not p:
-        p.extend(_eps_space(cfg, tier))
     return p
 
 
@@ -427,11 +425,19 @@ def _plan(cfg: Any, check_files: bool) -> list[Problem]:
     return plan_problems(cfg)
 
 
-def validate(cfg: Any, *, check_files: bool = True) -> list[Problem]:
-    """Cross-field rules of the composed config. Returns every problem found (empty when valid)."""
+def validate(cfg: Any, *, check_files: bool = True, check_space: bool = True) -> list[Problem]:
+    """Cross-field rules of the composed config. Returns every problem found (empty when valid).
+    ``check_space``: with ``check_files``, whether the EPS tier's directory on this machine can hold the
+    model's state (``l2l plan`` asks about another machine: its ``hardware.disk_free_gb`` answers that)."""
     problems = _finite(cfg) + _limits(cfg)
-    for _, fn in CHECKS:
-        problems.extend(fn(cfg, check_files))
+    eps_ok = True
+    for group, fn in CHECKS:
+        found = fn(cfg, check_files)
+        eps_ok = eps_ok and not (group == "eps" and found)
+        problems.extend(found)
+    tier = TIERS.get(cfg.eps.tier)
+    if check_files and check_space and eps_ok and tier is not None:
+        problems.extend(_eps_space(cfg, tier))
     # a checkpoint that cannot be had is one fact, though the model, the tokenizer and the data all read it
     first = next((p for p in problems if p.key == "model.pretrained"), None)
     return [p for p in problems if p.key != "model.pretrained" or p is first]

@@ -7,6 +7,8 @@ import shlex
 from typing import Any
 
 from l2l_cli.plan import scaling as ga
+from l2l_cli.plan.budget import budget_of
+from l2l_cli.plan.hardware import gpus_per_node, half_tflops
 from l2l_cli.plan.scaling import GA_BASELINE, GA_IMPROVED, GA_PARTITIONED, METHODS
 from l2l_cli.plan.search import DAY, MIXES, Bounds, Found, Target, search
 
@@ -24,6 +26,11 @@ _OWN = (
 )
 
 
+def fmt_time(seconds: float) -> str:
+    """Days, or hours below a day."""
+    return f"{seconds / DAY:.3g} d" if seconds >= DAY else f"{seconds / 3600:.3g} h"
+
+
 def links_for(cfg: Any) -> ga.Links:
     """The machine of the search: the hardware preset, the chosen network, the node size."""
     hw, plan = cfg.hardware, cfg.plan
@@ -31,12 +38,16 @@ def links_for(cfg: Any) -> ga.Links:
     node = hw.node_size if plan.node_size is None else plan.node_size
     return ga.Links(
         peak_flops=hw.device_peak_tflops * 1e12,
+        mfu=half_tflops(hw) / hw.device_peak_tflops,
         network_gbps=network,
         tensor_gbps=hw.tensor_link_gbps,
         offload_gbps=hw.offload_gbps,
         device_memory_gib=hw.device_memory_gb,
         pcie_gbps=hw.pcie_gbps,
         node_size=node,
+        node_host_memory_gib=hw.host_memory_gb,
+        gpus_per_node=gpus_per_node(hw),
+        pipe_in_node=True,
     )
 
 
@@ -51,9 +62,11 @@ def target_for(cfg: Any) -> tuple[Target, Any]:
     return Target(m, b_c, links_for(cfg)), shape
 
 
-def bounds_for(cfg: Any, whole: bool = True) -> Bounds:
+def bounds_for(cfg: Any, whole: bool = True, d_s: int | None = None) -> Bounds:
+    """The search's bounds; with ``d_s``, the config's budget (``plan/budget.py``) as samples of d_s."""
     plan = cfg.plan
     return Bounds(
+        samples=budget_of(cfg).samples(d_s) if d_s else 0.0,
         max_gpus=int(plan.max_gpus),
         max_days=float(plan.max_days),
         max_overhead=float(plan.max_overhead),
@@ -64,8 +77,11 @@ def bounds_for(cfg: Any, whole: bool = True) -> Bounds:
     )
 
 
-def command(f: Found, user: list[str], node_size: int, seq: int) -> tuple[str | None, str]:
-    """The command line that runs a row here, or None and why not. l2l runs data parallelism
+def command(
+    f: Found, user: list[str], node_size: int, seq: int, max_steps: int | None = None
+) -> tuple[str | None, str]:
+    """The command line that runs a row here (``trainer.max_steps`` the budget's steps, when given), or None
+    and why not. l2l runs data parallelism
     (``dist.nproc``), the modular or contiguous pipeline (``dist.pipeline``) with a partitioned state across
     pipelines (``dist.partition_state``), and layered GA with the state offloaded to its EPS (``mode=l2l``);
     it has no tensor parallelism."""
@@ -102,6 +118,8 @@ def command(f: Found, user: list[str], node_size: int, seq: int) -> tuple[str | 
                 if c.n_b > 1:
                     keys += ["dist.partition_state=true"]
     keys += [f"batch.size={c.b_mu * c.n_mu}", f"batch.ubatch_size={c.b_mu}", f"task.max_seq_len={seq}"]
+    if max_steps:
+        keys += [f"trainer.max_steps={max_steps}"]
     if c.n_gpu > 1:
         keys.insert(0, f"dist.nproc={c.n_gpu}")
     args = " ".join(shlex.quote(a) for a in [*user, *keys])
@@ -117,27 +135,91 @@ def command(f: Found, user: list[str], node_size: int, seq: int) -> tuple[str | 
     return f"l2l train {args}", note
 
 
+def setup_of(f: Found, seq: int) -> Any:
+    """The ``est.Setup`` the row's command runs (its mode, precision, batch per rank and ranks), for l2l's own
+    memory model; None where no command runs it."""
+    from l2l_cli.plan import estimate as est
+
+    c = f.config
+    batch = c.b_mu * c.n_mu
+    if f.method == GA_IMPROVED and c.n_l == 1:
+        return est.Setup("l2l", "device", True, "cmp", seq, batch, c.b_mu, c.n_gpu)
+    modular = f.method != GA_BASELINE
+    return est.Setup("baseline_ag", None, True, "amp", seq, batch, c.b_mu, c.n_gpu, pipeline=c.n_l,
+                     placement="modular" if modular else "contiguous",
+                     schedule="breadth_first" if modular else "1f1b",
+                     partition_state=modular and c.n_l > 1 and c.n_b > 1)  # fmt: skip
+
+
+def l2l_fits(f: Found, shape: Any, seq: int, hw: Any) -> str:
+    """Why l2l's own memory model (``plan/estimate.py``) says the row's command does not fit the machine
+    asked about ('' when it fits): a rank's device memory, and a node's host memory, which its ranks share
+    (each l2l rank's EPS holds the whole state: l2l does not partition it across data-parallel ranks)."""
+    from l2l_cli.plan import estimate as est
+    from l2l_cli.plan.hardware import gpus_per_node
+
+    s = setup_of(f, seq).but(reserved=hw.device_reserved_gb * ga.GiB, att_half=hw.attention_bytes_half)
+    mem = est.memory(shape, s)
+    dev, host = sum(mem["device"].values()), sum(mem["host"].values())
+    on_node = max(1, min(s.nproc, gpus_per_node(hw)))
+    if dev > hw.device_memory_gb * ga.GiB:
+        return f"l2l's {s.mode} needs {dev / ga.GiB:,.1f} GiB per GPU > hardware.device_memory_gb={hw.device_memory_gb:g}"
+    if on_node * host > hw.host_memory_gb * ga.GiB:
+        return (f"{on_node} ranks on a node, each EPS holding the whole state: {on_node * host / ga.GiB:,.0f} GiB "
+                f"host memory > hardware.host_memory_gb={hw.host_memory_gb:g} (per node)")  # fmt: skip
+    return ""
+
+
 def search_plan(cfg: Any, overrides: list[str]) -> dict[str, Any]:
-    """Everything ``l2l plan --search`` prints, as one JSON-ready dict."""
+    """Everything ``l2l plan --search`` prints, as one JSON-ready dict. The rows are the paper's selection;
+    a row l2l cannot run (tensor parallelism, offload without its EPS, a state partitioned without a
+    pipeline, an EPS per rank that the node's host memory cannot hold) is marked and never the best: the
+    best is the fastest row l2l runs, ties to fewer GPUs, then less offload."""
+    import math
+
+    from l2l_cli.plan.hardware import gpus_per_node
+
     t, shape = target_for(cfg)
-    b = bounds_for(cfg)
-    plan = cfg.plan
+    b = bounds_for(cfg, d_s=t.model.d_s)
+    budget = budget_of(cfg)
+    plan, hw = cfg.plan, cfg.hardware
     mixes = tuple(MIXES) if plan.parallelism == "all" else (plan.parallelism,)
     methods = METHODS if plan.method == "all" else (plan.method,)
     rows, missing = search(t, b, methods, mixes)
     user = [o for o in overrides if not o.startswith(_OWN)]
-    out_rows, notes = [], []
+    out_rows, notes, runs = [], [], []
+    per_node = gpus_per_node(hw)
     for f in rows:
         row = f.row()
-        cmd, why = command(f, user, t.links.node_size, t.model.d_s)
+        steps = math.ceil(b.samples / f.config.b - 1e-9) if b.samples else None
+        cmd, why = command(f, user, t.links.node_size, t.model.d_s, steps)
+        if cmd and (short := l2l_fits(f, shape, t.model.d_s, hw)):
+            cmd, why = None, short
         row["command"] = cmd
+        row["l2l_runs"] = cmd is not None
+        row["steps"] = b.samples / f.config.b if b.samples else None
         if why:
             notes.append(f"{f.mix} / {f.method}: {why}")
         out_rows.append(row)
-    best = min(rows, key=lambda f: (f.time_s, f.config.n_gpu), default=None)
+        runs.append(cmd is not None)
+
+    def key(f: Found, ok: bool) -> tuple:
+        return (round(f.time_s / fastest_s, 6), f.config.n_gpu, f.config.offload, not ok)
+
+    fastest_s = min((f.time_s for f in rows), default=1.0) or 1.0
+    order = sorted(zip(rows, runs), key=lambda fr: key(*fr))
     if b.max_days > 0:
-        meeting = [f for f in rows if f.meets_days]
-        best = min(meeting, key=lambda f: (f.config.n_gpu, f.time_s), default=best)
+        meeting = [fr for fr in order if fr[0].meets_days]
+        order = sorted(meeting, key=lambda fr: (fr[0].config.n_gpu, *key(*fr))) + [
+            fr for fr in order if not fr[0].meets_days
+        ]
+    best = next((f for f, ok in order if ok), None)
+    paper_best = order[0][0] if order else None
+    if paper_best is not None and paper_best is not best:
+        notes.append(
+            f"the paper's choice, {paper_best.mix} / {paper_best.method} ({fmt_time(paper_best.time_s)}, "
+            f"{paper_best.config.n_gpu} GPUs), is not one l2l runs"
+        )
     m = t.model
     return {
         "model": cfg.model.name,
@@ -146,8 +228,11 @@ def search_plan(cfg: Any, overrides: list[str]) -> dict[str, Any]:
         "shape": {"d_l": m.d_l, "d_m": m.d_m, "d_a": m.d_a, "d_s": m.d_s, "n_I": m.n_I},
         "critical_batch_size": t.b_c,
         "hardware": {
-            "name": cfg.hardware.name,
+            "name": hw.name,
             "peak_tflops": t.links.peak_flops / 1e12,
+            "mfu": t.links.mfu,
+            "host_memory_gb": hw.host_memory_gb,
+            "gpus_per_node": per_node,
             "memory_gb": t.links.device_memory_gib,
             "network": plan.network,
             "network_gbps": t.links.network_gbps,
@@ -156,6 +241,10 @@ def search_plan(cfg: Any, overrides: list[str]) -> dict[str, Any]:
             "pcie_gbps": t.links.pcie_gbps,
             "node_size": t.links.node_size,
         },
+        "budget": budget.label,
+        "budget_samples": b.samples,
+        "rate": f"{t.links.rate / 1e12:.4g} TFLOP/s = {t.links.mfu:.0%} of {t.links.peak_flops / 1e12:.4g} peak "
+        f"(hardware.mfu)",
         "bounds": {
             "max_gpus": b.max_gpus,
             "max_days": b.max_days,
@@ -173,6 +262,7 @@ def search_plan(cfg: Any, overrides: list[str]) -> dict[str, Any]:
             "method": best.method,
             "days": best.time_s / DAY,
             "n_gpu": best.config.n_gpu,
+            "command": out_rows[rows.index(best)]["command"],
         },
         "not_found": missing,
         "notes": notes,

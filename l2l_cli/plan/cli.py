@@ -23,6 +23,9 @@ usage: l2l plan [group=option] [key=value ...] [--json] [--compare RUN_DIR | --s
   #ubatches and ubatch size, every mode side by side, and the layered-GA 3d-parallel view, for the
   config `l2l train` would compose from the same overrides.
 
+  Budget: plan.tokens=100e6 (a fine-tune) or plan.steps=N (steps of the configured batch); neither:
+  plan.train_steps steps of it. Efficiency: hardware.mfu (the preset's published figure). docs/plan-budget.md
+
   --json              print the plan as one JSON object on stdout
   --compare RUN_DIR   predicted vs measured per phase for a finished run (its overrides, then these)
   --search            layered-GA §5: the fastest configuration per method and parallelism mix that fits
@@ -38,9 +41,22 @@ examples:
   l2l plan mode=l2l hardware=measure --json
   l2l plan --compare outputs/2026-01-01/12-00-00-l2l-synthetic hardware=measure
   l2l plan --search model=bert-large hardware=a100-80g plan.max_gpus=8
+  l2l plan --search model=llama-7b task=lm hardware=a100-80g plan.max_gpus=8 plan.tokens=100e6
   l2l plan --search model=x model.x=160 hardware=a100-80g plan.max_days=30 plan.parallelism=3d
   l2l plan --scaling recipe=layered_ga_scaling            # then: l2l report outputs/layered_ga_scaling
 """
+
+
+def hardware_overrides(overrides: list[str]) -> list[str]:
+    """The ``hardware.*`` keys the command line sets over its preset (the header names them beside it)."""
+    return [o.lstrip("+~") for o in overrides if o.lstrip("+~").startswith("hardware.")]
+
+
+def _console() -> Any:
+    """The terminal's width; piped to a file, wide enough that no table cell wraps or is cut."""
+    from rich.console import Console
+
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 240)
 
 
 def _fail(lines: list[str]) -> int:
@@ -115,7 +131,8 @@ def main(argv: list[str]) -> int:
             return _fail([f"config error: {p}" for p in problems])
         overrides = base + overrides
     info: dict[str, Any] = {}
-    problems = preflight(overrides, multirun=False, info=info)
+    # this machine's disk is not the question (hardware.disk_free_gb, or hardware=measure's reading, is)
+    problems = preflight(overrides, multirun=False, info=info, check_space=False)
     if problems:  # a sweep is one of them (checked here, not before: a valid command line parses once)
         _, parsed = check_overrides(overrides)
         sweeps = [ov.key_or_group for ov in parsed if ov.is_sweep_override()]
@@ -138,6 +155,7 @@ def main(argv: list[str]) -> int:
         plan = make_plan(cfg)
     except PlanError as e:
         return _fail([f"plan error: {e}"])
+    plan["hardware"]["overrides"] = hardware_overrides(overrides)
     out: dict[str, Any] = plan
     if run_dir is not None:
         from l2l_cli.plan.compare import predicted_vs_measured
@@ -146,11 +164,9 @@ def main(argv: list[str]) -> int:
     if flags["json"]:
         print(json.dumps(_jsonable(out)))
         return 0
-    from rich.console import Console
-
     from l2l_cli.plan.render import render, render_compare
 
-    console = Console(highlight=False)
+    console = _console()
     render(plan, console)
     if run_dir is not None:
         render_compare(out["compare"], console)
@@ -176,12 +192,12 @@ def _search_or_scaling(cfg: Any, overrides: list[str], flags: dict[str, Any]) ->
             out = scaling_plan(cfg, Path(flags["out"] or DEFAULT_OUT).expanduser())
     except (PlanError, OSError) as e:
         return _fail([f"plan error: {e}"])
+    if flags["search"]:
+        out["hardware"]["overrides"] = hardware_overrides(overrides)
     if flags["json"]:
         print(json.dumps(_jsonable(out)))
         return 0
-    from rich.console import Console
-
     from l2l_cli.plan.render import render_scaling, render_search
 
-    (render_search if flags["search"] else render_scaling)(out, Console(highlight=False))
+    (render_search if flags["search"] else render_scaling)(out, _console())
     return 0

@@ -47,6 +47,10 @@ class Setup:
     partition_state: bool = False
     grad_ram_gb: float = 8.0  # eps.grad_ram_gb (tier=disk): gradients waiting in RAM
     bf16_master_planes: bool = False  # CMP in bf16 on the disk tier: the forward reads a 2-byte hi plane
+    reserved: float = 0.0  # device bytes beyond the tensors: CUDA context, workspaces, allocator reserve
+    att_half: float | None = (
+        None  # bytes per attention score the device's kernel keeps (amp/cmp); None: HF math
+    )
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> Setup:
@@ -60,6 +64,7 @@ class Setup:
             pipe.layers_per_stage if pipe.placement == "modular" else 1, pipe.partition_state,
             grad_ram_gb=cfg.eps.grad_ram_gb,
             bf16_master_planes=run_precision(cfg) == "cmp" and cfg.precision.dtype == "bf16",
+            **device_terms(cfg),
         )  # fmt: skip
 
     @property
@@ -94,6 +99,16 @@ class Setup:
         return replace(self, **kw)
 
 
+def device_terms(cfg: Any) -> dict[str, Any]:
+    """The hardware preset's fixed device terms (``hardware.device_reserved_gb``, ``hardware.
+    attention_bytes_half``) where the plan is for that GPU; none for a CPU or simulated device tier (what
+    the run's own meter counts is its tensors, on a CPU's math attention) or a measured machine."""
+    hw = cfg.hardware
+    if cfg.device in ("cpu", "sim") or hw.measured:
+        return {}
+    return {"reserved": hw.device_reserved_gb * 2**30, "att_half": hw.attention_bytes_half}
+
+
 # --------------------------------------------------------------------------------------------------
 # Memory
 
@@ -104,13 +119,13 @@ def memory(shape: ModelShape, s: Setup) -> dict[str, dict[str, float]]:
     P, N = shape.total_params, shape.num_layers
     ub, mb = s.ubatch, s.batch
     A = shape.output_bytes(s.seq, s.precision)
-    working = shape.block_working_bytes(s.seq, s.precision)
-    saved = shape.block_saved_bytes(s.seq, s.precision)
+    working = shape.block_working_bytes(s.seq, s.precision, s.att_half)
+    saved = shape.block_saved_bytes(s.seq, s.precision, s.att_half)
     pre = shape.pre_saved_bytes(s.seq, s.precision)
     dev: dict[str, float] = {}
     host: dict[str, float] = {}
     if s.pipeline > 1:
-        return pipeline_memory(shape, s)
+        return _reserve(pipeline_memory(shape, s), s)
     disk: dict[str, float] = {}
     if not s.l2l:
         # l2l-v1 eq. 1: the whole training state on the device, every layer's activations for one ubatch
@@ -146,7 +161,14 @@ def memory(shape: ModelShape, s: Setup) -> dict[str, dict[str, float]]:
                 )  # weights and moments before the early update (skip on overflow)
             if s.precision == "cmp":
                 host["send_copy"] = 2.0 * P  # the half copy the relay sends
-    return {"device": dev, "host": host, "disk": disk}
+    return _reserve({"device": dev, "host": host, "disk": disk}, s)
+
+
+def _reserve(mem: dict[str, dict[str, float]], s: Setup) -> dict[str, dict[str, float]]:
+    """The device's fixed part beyond the tensors (``Setup.reserved``), as its own line."""
+    if s.reserved > 0:
+        mem["device"]["runtime_reserved"] = s.reserved
+    return mem
 
 
 # --------------------------------------------------------------------------------------------------
@@ -327,13 +349,15 @@ def evaluate(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Any]:
     dev, host, disk = sum(mem["device"].values()), sum(mem["host"].values()), sum(mem["disk"].values())
     phases = step_time(shape, s, rates)
     total = sum(p.exposed for p in phases.values())
-    fits = dev <= rates.device_memory and host <= rates.host_memory and disk <= rates.disk_free
+    node = host * rates.ranks_on_node(s.nproc)  # the ranks on a node share its host memory
+    fits = dev <= rates.device_memory and node <= rates.host_memory and disk <= rates.disk_free
     return {
         "label": s.label,
         "setup": s,
         "memory": mem,
         "device_bytes": dev,
         "host_bytes": host,
+        "host_node_bytes": node,
         "disk_bytes": disk,
         "fits": fits,
         "phases": phases,
@@ -346,7 +370,7 @@ def fits(shape: ModelShape, s: Setup, rates: Rates) -> bool:
     mem = memory(shape, s)
     return (
         sum(mem["device"].values()) <= rates.device_memory
-        and sum(mem["host"].values()) <= rates.host_memory
+        and sum(mem["host"].values()) * rates.ranks_on_node(s.nproc) <= rates.host_memory
         and sum(mem["disk"].values()) <= rates.disk_free
     )
 
@@ -362,7 +386,7 @@ def eps_tier(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Any] | None
         r = evaluate(shape, s.but(tier=tier), rates)
         tiers[tier] = {
             "host_bytes": r["host_bytes"], "disk_bytes": r["disk_bytes"], "fits": r["fits"],
-            "host_fits": r["host_bytes"] <= rates.host_memory, "disk_fits": r["disk_bytes"] <= rates.disk_free,
+            "host_fits": r["host_node_bytes"] <= rates.host_memory, "disk_fits": r["disk_bytes"] <= rates.disk_free,
             "step_time_s": r["step_time_s"], "disk_wait_s": r["phases"]["disk_wait"].exposed,
             "disk_hidden_s": r["phases"]["disk_wait"].hidden,
         }  # fmt: skip
@@ -436,7 +460,7 @@ def equations(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, float]:
     lt = rates.layer_times(shape, s.seq, ub)
     L = shape.block_params * device_weight_bytes(s.precision)
     Hb = L / rates.copy_time(L) if L else rates.h2d
-    X, A = shape.block_saved_bytes(s.seq, s.precision), shape.output_bytes(s.seq, s.precision)
+    X, A = shape.block_saved_bytes(s.seq, s.precision, s.att_half), shape.output_bytes(s.seq, s.precision)
     L_state = shape.block_params * 4.0
     P = shape.total_params
     Ft, Bt = lt.block_fwd, lt.block_bwd
@@ -500,8 +524,13 @@ def verdict(shape: ModelShape, s: Setup, rates: Rates, result: dict[str, Any]) -
             f"does not fit: the disk EPS needs {fmt_bytes(result['disk_bytes'])} on disk > "
             f"{fmt_bytes(rates.disk_free)} free (24 bytes per parameter: two versions of weights and moments)"
         )
-    if result["host_bytes"] > host_budget:
-        why = f"host memory needs {fmt_bytes(result['host_bytes'])} > {fmt_bytes(host_budget)}"
+    if result["host_node_bytes"] > host_budget:
+        ranks = rates.ranks_on_node(s.nproc)
+        why = (
+            f"host memory needs {fmt_bytes(result['host_node_bytes'])}"
+            + (f" ({ranks} ranks on a node × {fmt_bytes(result['host_bytes'])})" if ranks > 1 else "")
+            + f" > {fmt_bytes(host_budget)} per node"
+        )
         if s.disk:
             return f"does not fit: {why} (eps.host_cache_layers={s.cache_layers} layers cached); lower it"
         on_disk = next(t for t, kind in TIERS.items() if kind.on_disk)
@@ -661,7 +690,7 @@ def pipeline_memory(shape: ModelShape, s: Setup) -> dict[str, dict[str, float]]:
         slots = 2 if s.prefetch else 1
         dev = {"param_grad_buffers": 2.0 * slots * shape.max_layer_params * device_weight_bytes(s.precision),
                "stash": 2.0 * s.ubatch * A if s.stash == "cpu" else layers * s.batch * A,
-               "working_activations": s.ubatch * shape.block_working_bytes(s.seq, s.precision) + 2 * s.batch * A}  # fmt: skip
+               "working_activations": s.ubatch * shape.block_working_bytes(s.seq, s.precision, s.att_half) + 2 * s.batch * A}  # fmt: skip
         host = {"training_state": FP32_STATE * params}
         if s.stash == "cpu":
             host["stash"] = layers * s.batch * A
@@ -670,8 +699,8 @@ def pipeline_memory(shape: ModelShape, s: Setup) -> dict[str, dict[str, float]]:
     in_flight = (
         s.num_ubatches if s.schedule in ("breadth_first", "gpipe") else min(s.num_ubatches, s.pipeline)
     )
-    saved = shape.block_saved_bytes(s.seq, s.precision)
-    working = shape.block_working_bytes(s.seq, s.precision)
+    saved = shape.block_saved_bytes(s.seq, s.precision, s.att_half)
+    working = shape.block_working_bytes(s.seq, s.precision, s.att_half)
     dev = {
         "training_state": 8.0 * params + moments,
         "working_activations": s.ubatch * (in_flight * layers * saved + (working - saved)),
@@ -736,7 +765,9 @@ def block_bytes(shape: ModelShape, s: Setup) -> LayerBytes:
     a = ub * shape.output_bytes(s.seq, s.precision)
     mm = ub * s.seq * e * (6 * h + shape.intermediate + shape.heads * s.seq)
     return LayerBytes(
-        full=int(a), selective=int(a + mm), none=int(ub * shape.block_saved_bytes(s.seq, s.precision))
+        full=int(a),
+        selective=int(a + mm),
+        none=int(ub * shape.block_saved_bytes(s.seq, s.precision, s.att_half)),
     )
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from l2l_cli.plan import scaling as ga
-from l2l_cli.plan.scaling import METHODS, GiB
+from l2l_cli.plan.scaling import GA_IMPROVED, GA_NO_PARTITION, METHODS, GiB
 from l2l_cli.plan.search import DAY, MEMORY_KEYS, PAIRS, Bounds, Found, Target, fastest
 
 MONTH_DAYS, YEAR_DAYS = 365.25 / 12, 365.25
@@ -46,6 +46,12 @@ CSV_FIELDS = ("figure", "network", "node_size", "method", "parallelism", "x", "p
 PAPER = Bounds(whole=False, heads=False)
 X_MAX = 4096  # the largest X[x] a limit is looked for at (1.4e19 parameters)
 UNBOUNDED_GIB = 1e12  # device memory for the part of a curve past the device's (no configuration fits)
+# The paper's "1 TB (offload)" line (Figure 4): what one GPU may offload to its host in the figures; a
+# configuration that needs more is not drawn
+OFFLOAD_CAP_GIB = 1024.0
+# The paper's axes (Figures 4, 5, 8): non-offloadable to 1e2 GB, offloadable to 1e3 GB (its 1 TB line
+# just above), time to 1e5 days. A curve ends where it would leave them (scaling.csv keeps every value).
+AXIS_MAX = {"Non-offloadable (GB)": 1e2, "Offloadable (GB)": OFFLOAD_CAP_GIB, "Training time (days)": 1e5}
 
 
 def sizes(points: int, lo: float = 1e9, hi: float = 1e16) -> list[int]:
@@ -62,7 +68,7 @@ def sweep(
     the 80 GB line (§7 reads "80 GB is enough ... up to 280 trillion" off them; Figure 4's time axis
     reaches 10^5 days), and the figures draw that part dashed."""
     b = bounds or PAPER
-    unbounded = replace(links, device_memory_gib=UNBOUNDED_GIB, host_memory_gib=0.0)
+    unbounded = replace(links, device_memory_gib=UNBOUNDED_GIB)  # the offload cap stays (OFFLOAD_CAP_GIB)
     out = []
     for x in xs:
         t = Target(ga.x_family(x), ga.x_critical_batch_size(x), links)
@@ -170,8 +176,42 @@ def csv_rows(
     return out
 
 
+def curve(rows: list[tuple[int, str, Found | None]], method: str, value: Any, top: float) -> list[tuple]:
+    """One method's drawn points (parameters, value, past the device's memory), in size order: the curve
+    starts where it enters the paper's axis (``value <= top``) and ends where it leaves it, so that no point
+    is drawn above the axis (an infeasible size is not a spike)."""
+    pts: list[tuple] = []
+    for x, _m, f in sorted((r for r in rows if r[1] == method and r[2] is not None), key=lambda r: r[0]):
+        if value(f) > top * (1 + 1e-9):
+            if pts:
+                break
+            continue
+        pts.append((ga.x_family(x).p, value(f), f.over_memory))
+    return pts
+
+
+PANELS = (
+    ("Non-offloadable (GB)", lambda f: f.memory_bytes["non_offloadable"] / GiB),
+    ("Offloadable (GB)", lambda f: f.memory_bytes["offloadable"] / GiB),
+    ("Training time (days)", lambda f: f.time_s / DAY),
+)
+
+
+def no_partition(
+    links: ga.Links, xs: list[int], bounds: Bounds | None = None
+) -> list[tuple[int, str, Found | None]]:
+    """§8.3's "No partition" curve (Figure 8, dotted): the improved method's fastest configuration without the
+    state partition, at each size ("for the smallest models, the partition can be avoided to further reduce
+    the training time at a minimal memory cost")."""
+    b = bounds or PAPER
+    mixes = tuple(mix for mix, m in PAIRS if m == GA_IMPROVED)
+    return [(x, GA_NO_PARTITION, fastest(Target(ga.x_family(x), ga.x_critical_batch_size(x), links), b,
+                                         GA_NO_PARTITION, mixes)) for x in xs]  # fmt: skip
+
+
 def draw(path: Path, rows: list[tuple[int, str, Found | None]], memory_gib: float, title: str,
-         compare: list[tuple[int, str, Found | None]] | None = None, compare_label: str = "") -> list[str]:  # fmt: skip
+         compare: list[tuple[int, str, Found | None]] | None = None, compare_label: str = "",
+         extra: list[tuple[int, str, Found | None]] | None = None) -> list[str]:  # fmt: skip
     """The paper's three panels: non-offloadable and offloadable memory per GPU, training time; log axes, one
     line per method, the device memory, 1 TB offload, one-month and one-year lines."""
     import matplotlib
@@ -180,20 +220,13 @@ def draw(path: Path, rows: list[tuple[int, str, Found | None]], memory_gib: floa
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
-    panels = (
-        ("Non-offloadable (GB)", lambda f: f.memory_bytes["non_offloadable"] / GiB),
-        ("Offloadable (GB)", lambda f: f.memory_bytes["offloadable"] / GiB),
-        ("Training time (days)", lambda f: f.time_s / DAY),
-    )
+    panels = PANELS
     colors = {"baseline": "tab:blue", "partitioned": "tab:orange", "improved": "tab:green"}
     beyond = any(f is not None and f.over_memory for _, _, f in rows)
     for ax, (ylabel, value) in zip(axes, panels):
+        top = AXIS_MAX[ylabel]
         for method in METHODS:
-            pts = [
-                (ga.x_family(x).p, value(f), f.over_memory)
-                for x, m, f in rows
-                if m == method and f is not None
-            ]
+            pts = curve(rows, method, value, top)
             fit = [(p, v) for p, v, over in pts if not over]
             if fit:
                 ax.plot(*zip(*fit), color=colors[method], label=LABELS[method])
@@ -201,10 +234,15 @@ def draw(path: Path, rows: list[tuple[int, str, Found | None]], memory_gib: floa
             if over:  # past the device's memory: from the last point that fits, dashed
                 ax.plot(*zip(*(fit[-1:] + over)), color=colors[method], ls="--", lw=1)
             if compare:
-                cp = [(ga.x_family(x).p, value(f)) for x, m, f in compare if m == method and f is not None]
+                cp = [(p, v) for p, v, _ in curve(compare, method, value, top)]
                 if cp:
                     ax.plot(*zip(*cp), color=colors[method], ls=":", lw=1,
                             label=compare_label if method == "improved" else None)  # fmt: skip
+        if extra:
+            pts = curve(extra, GA_NO_PARTITION, value, top)
+            if pts:
+                ax.plot([p for p, _, _ in pts], [v for _, v, _ in pts], color="black", ls=":", lw=1.2,
+                        label="No partition")  # fmt: skip
         if "time" in ylabel:
             ax.axhline(MONTH_DAYS, color="gray", ls="-.", lw=1, label="One month")
             ax.axhline(YEAR_DAYS, color="black", ls="-.", lw=1, label="One year")
@@ -214,6 +252,8 @@ def draw(path: Path, rows: list[tuple[int, str, Found | None]], memory_gib: floa
                 ax.axhline(1024, color="purple", ls="-.", lw=1, label="1 TB (offload)")
         if beyond:
             ax.plot([], [], color="gray", ls="--", lw=1, label=f"dashed: nothing fits {memory_gib:g} GB")
+        ax.plot([], [], ls="none", label=f"curves end above {top:g}" + (" GB" if "GB" in ylabel else " days")
+                + (" (offload capped at 1 TB)" if "Offloadable" in ylabel else ""))  # fmt: skip
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("Parameters")
@@ -234,7 +274,9 @@ def scaling_plan(cfg: Any, out: Path) -> dict[str, Any]:
     """Sweep, write the figures, scaling.csv and scaling.json into ``out``, and return the limits (``--scaling``)."""
     from l2l_cli.plan.choose import links_for
 
-    base = links_for(cfg)
+    # the paper's machine for its figures: each GPU may offload up to the 1 TB line (not the tool's
+    # per-node host memory)
+    base = replace(links_for(cfg), host_memory_gib=OFFLOAD_CAP_GIB, node_host_memory_gib=0.0)
     hw = cfg.hardware
     xs = sizes(int(cfg.plan.scaling_points))
     bounds = replace(PAPER, max_overhead=float(cfg.plan.max_overhead), steps=int(cfg.plan.train_steps))
@@ -248,11 +290,15 @@ def scaling_plan(cfg: Any, out: Path) -> dict[str, Any]:
     titles = {
         "figure4": f"Figure 4: fastest configuration per method, {hw.name}, InfiniBand, 16 GPUs per node",
         "figure5": f"Figure 5: the same without the node-size limit on tensor parallelism ({hw.name})",
-        "figure8": f"Figure 8: over Ethernet ({hw.ethernet_gbps:g} GB/s per GPU); dotted: InfiniBand ({hw.name})",
+        "figure8": f"Figure 8: over Ethernet ({hw.ethernet_gbps:g} GB/s per GPU); dotted: InfiniBand, black: No "
+        f"partition ({hw.name})",
     }
+    eth = replace(base, node_size=FIGURES["figure8"]["node_size"], network_gbps=hw.ethernet_gbps)
+    unpartitioned = no_partition(eth, xs, bounds)
     for name in FIGURES:
         cmp_rows = results["figure4"] if name == "figure8" else None
-        files += draw(out / name, results[name], base.device_memory_gib, titles[name], cmp_rows, "InfiniBand")
+        files += draw(out / name, results[name], base.device_memory_gib, titles[name], cmp_rows, "InfiniBand",
+                      unpartitioned if name == "figure8" else None)  # fmt: skip
     with (out / "scaling.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         w.writeheader()

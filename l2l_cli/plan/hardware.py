@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from l2l_cli.modes import run_precision
-from l2l_cli.plan.shapes import OPT_FLOP_PER_PARAM, ModelShape
+from l2l_cli.plan.shapes import ADAMW_BYTES_PER_PARAM, ADAMW_FLOP_PER_PARAM, OPT_FLOP_PER_PARAM, ModelShape
 from l2l_cli.plan.times import GB, GiB, LayerTimes, MeasuredTimes, physical_memory
 from l2l_cli.problems import fmt_bytes
 
@@ -24,6 +24,7 @@ class Rates:
     device_flops: float  # effective, for the config's precision
     backward_factor: float
     peak_flops: float
+    mfu: float  # the share of peak_flops a training step achieves: the one efficiency of every view
     device_memory: float  # bytes (the budget the plan checks against)
     device_optim_flops: float
     host_flops: float
@@ -41,6 +42,8 @@ class Rates:
     disk_write: float = 2e9
     disk_mixed: float = 0.0  # bytes/s read + written while both run (0: unknown, the times add up)
     disk_free: float = float("inf")  # bytes the disk EPS may take
+    device_bandwidth: float = 900e9  # device memory, bytes/s (the on-device update reads and writes it)
+    gpus_per_node: int = 1  # ranks sharing one node's host memory (host_memory is per node)
     host_shares_device: bool = False  # the EPS update competes with device compute (a CPU device tier)
     measured: MeasuredTimes | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -70,7 +73,19 @@ class Rates:
         """The baselines' optimizer over ``params`` parameters, on the device."""
         if self.measured is not None:
             return self.measured.device_fixed_s + params * self.measured.device_s_per_param
-        return params * OPT_FLOP_PER_PARAM / self.device_optim_flops
+        return params * max(
+            ADAMW_FLOP_PER_PARAM / self.device_optim_flops, ADAMW_BYTES_PER_PARAM / self.device_bandwidth
+        )
+
+    def ranks_on_node(self, nproc: int) -> int:
+        """How many of a job's ``nproc`` ranks share one node's host memory."""
+        return max(1, min(nproc, self.gpus_per_node))
+
+    @property
+    def rate_label(self) -> str:
+        """The compute rate every view uses, and where it comes from."""
+        src = "measured" if self.measured is not None else "hardware.mfu"
+        return f"{self.device_flops / 1e12:.3g} TFLOP/s = {self.mfu:.0%} of {self.peak_flops / 1e12:.4g} peak ({src})"
 
     def disk_time(self, read_bytes: float, write_bytes: float) -> float:
         """The disk EPS tier's I/O: reads and writes share one disk. They run on their own queues (read-ahead,
@@ -93,10 +108,14 @@ class Rates:
         out = {
             "name": self.name,
             "device_tflops": self.device_flops / 1e12,
+            "peak_tflops": self.peak_flops / 1e12,
+            "mfu": self.mfu,
+            "rate": self.rate_label,
             "device_memory_gib": self.device_memory / GiB,
             "device_optim_gflops": self.device_optim_flops / 1e9,
             "host_gflops": self.host_flops / 1e9,
             "host_memory_gib": self.host_memory / GiB,
+            "gpus_per_node": self.gpus_per_node,
             "h2d_gbps": self.h2d / GB,
             "async_copy": self.async_copy,
             "host_shares_device": self.host_shares_device,
@@ -118,11 +137,15 @@ def resolve(cfg: Any, shape: ModelShape) -> Rates:
     hw = cfg.hardware
     half = run_precision(cfg) in ("amp", "cmp")
     notes: list[str] = []
+    flops = (half_tflops(hw) if half else hw.device_tflops) * 1e12
     rates = Rates(
         name=hw.name,
-        device_flops=(hw.device_tflops_half if half else hw.device_tflops) * 1e12,
+        device_flops=flops,
         backward_factor=hw.backward_factor,
         peak_flops=hw.device_peak_tflops * 1e12,
+        mfu=flops / (hw.device_peak_tflops * 1e12),
+        device_bandwidth=hw.device_memory_gbps * GB,
+        gpus_per_node=gpus_per_node(hw),
         device_memory=hw.device_memory_gb * GiB,
         device_optim_flops=hw.device_optim_gflops * 1e9,
         host_flops=hw.host_gflops * 1e9,
@@ -147,11 +170,14 @@ def resolve(cfg: Any, shape: ModelShape) -> Rates:
         measured = measure(cfg, shape)
         on_cpu = cfg.device in ("cpu", "sim") or (cfg.device == "auto" and not _cuda())
         ram = physical_memory()
+        measured_flops = ubatch_flops(shape, cfg, measured.layers)
         rates = replace(
             rates,
             name="measure",
             measured=measured,
-            device_flops=ubatch_flops(shape, cfg, measured.layers),
+            device_flops=measured_flops,
+            mfu=measured_flops / rates.peak_flops,
+            gpus_per_node=max(1, cfg.dist.nproc),  # every rank here, on this machine
             device_memory=ram if on_cpu else _cuda_memory(),
             host_memory=ram,
             h2d=measured.memcpy_bytes_per_s,
@@ -200,6 +226,16 @@ def resolve(cfg: Any, shape: ModelShape) -> Rates:
             f"device=sim: budget {cfg.sim.memory_gb:g} GiB and link {cfg.sim.link_gbps:g} GB/s from sim.*"
         )
     return replace(rates, notes=tuple(notes))
+
+
+def half_tflops(hw: Any) -> float:
+    """The half-precision rate every view uses: ``device_tflops_half`` when set, else peak × ``mfu``."""
+    return hw.device_tflops_half if hw.device_tflops_half is not None else hw.device_peak_tflops * hw.mfu
+
+
+def gpus_per_node(hw: Any) -> int:
+    """Ranks that share one node's host memory: ``hardware.gpus_per_node``, else ``hardware.node_size``."""
+    return int(hw.gpus_per_node if hw.gpus_per_node is not None else hw.node_size)
 
 
 def block_update_flops(shape: ModelShape) -> float:

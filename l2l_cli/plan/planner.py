@@ -7,6 +7,7 @@ from typing import Any
 
 from l2l_cli.plan import PlanError, scaling
 from l2l_cli.plan import estimate as est
+from l2l_cli.plan.budget import budget_of
 from l2l_cli.plan.hardware import Rates, resolve
 from l2l_cli.plan.shapes import ModelShape
 
@@ -37,7 +38,8 @@ def model_shape(cfg: Any) -> tuple[ModelShape, list[str]]:
 def links_of(rates: Rates, cfg: Any) -> scaling.Links:
     hw = cfg.hardware
     return scaling.Links(
-        peak_flops=rates.peak_flops if not hw.measured else rates.device_flops,
+        peak_flops=rates.peak_flops,
+        mfu=rates.mfu,
         network_gbps=hw.network_gbps,
         tensor_gbps=hw.tensor_link_gbps,
         offload_gbps=hw.offload_gbps,
@@ -63,6 +65,8 @@ def make_plan(cfg: Any, rates: Rates | None = None) -> dict[str, Any]:
         ga["critical_batch_size"] = scaling.x_critical_batch_size(int(cfg.model.x))  # Table B.1's form
         ga["batch_vs_critical"] = ga["batch"] / ga["critical_batch_size"]
     mem = r["memory"]
+    budget = budget_of(cfg)
+    steps = budget.steps_of(s.batch * s.data_parallel, s.seq)
     return {
         "config": {
             "model": cfg.model.name,
@@ -94,7 +98,13 @@ def make_plan(cfg: Any, rates: Rates | None = None) -> dict[str, Any]:
         },
         "memory_bytes": {
             "device": {"total": r["device_bytes"], "parts": mem["device"], "budget": rates.device_memory},
-            "host": {"total": r["host_bytes"], "parts": mem["host"], "budget": rates.host_memory},
+            "host": {
+                "total": r["host_bytes"],
+                "parts": mem["host"],
+                "budget": rates.host_memory,
+                "node_total": r["host_node_bytes"],
+                "ranks_on_node": rates.ranks_on_node(s.nproc),
+            },
             "disk": {"total": r["disk_bytes"], "parts": mem["disk"], "budget": rates.disk_free},
         },
         "eps_tier": est.eps_tier(shape, s, rates),
@@ -103,6 +113,7 @@ def make_plan(cfg: Any, rates: Rates | None = None) -> dict[str, Any]:
         "step_time_s": {"total": r["step_time_s"], **exposed},
         "hidden_s": hidden,
         "samples_per_s": r["samples_per_s"],
+        "budget": {**budget.summary(s.seq), "steps": steps, "time_s": steps * r["step_time_s"]},
         "recommendation": est.recommend(shape, s, rates, cfg.plan.max_transfer_overhead),
         "modes": est.compare_modes(shape, s, rates),
         "equations": est.equations(shape, s, rates),

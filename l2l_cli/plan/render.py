@@ -23,7 +23,14 @@ PART_NAMES = {
     "eps_cache": "EPS cache (eps.host_cache_layers)",
     "eps_grad_pool": "EPS gradients in RAM (eps.grad_ram_gb)",
     "eps_files": "EPS layer files (two versions)",
+    "runtime_reserved": "CUDA context, workspaces, allocator (hardware.device_reserved_gb)",
 }
+
+
+def _with(hw: dict[str, Any]) -> str:
+    """The preset's name is not the whole machine when hardware.* keys override it: say which."""
+    keys = hw.get("overrides") or []
+    return f" (with {', '.join(keys)})" if keys else ""
 
 
 def fmt_s(t: float | None) -> str:
@@ -45,9 +52,10 @@ def fmt_n(n: float) -> str:
 
 
 def _table(title: str, *cols: str, **kw: Any) -> Table:
+    """A table whose cells wrap (fold) rather than end in "…": a number is never cut short."""
     t = Table(title=title, title_justify="left", title_style="bold", **kw)
     for i, c in enumerate(cols):
-        t.add_column(c, justify="left" if i == 0 else "right")
+        t.add_column(c, justify="left" if i == 0 else "right", overflow="fold")
     return t
 
 
@@ -62,13 +70,15 @@ def render(plan: dict[str, Any], console: Console) -> None:
             if c.get("pipeline", 1) > 1
             else ""
         )
-        + f"\nhardware [bold]{hw['name']}[/]: {hw['device_tflops']:.3g} TFLOP/s, "
+        + f"\nhardware [bold]{hw['name']}[/]{_with(hw)}: {hw['rate']}, "
         f"{hw['device_memory_gib']:.3g} GiB device, link {hw['h2d_gbps']:.3g} GB/s, "
         f"host update {hw['host_gflops']:.3g} GFLOP/s"
     )
     ok = plan["fits"]
     verdict = Text(("✓ " if ok else "✗ ") + plan["verdict"], style="bold green" if ok else "bold red")
-    console.print(Panel(Group(Text.from_markup(head), verdict), title="l2l plan", title_align="left"))
+    console.print(
+        Panel(Group(Text.from_markup(head), verdict), title="l2l plan", title_align="left", expand=False)
+    )
 
     p = plan["params"]
     t = _table("Parameters", "layer", "parameters")
@@ -93,7 +103,13 @@ def render(plan: dict[str, Any], console: Console) -> None:
             *(fmt_bytes(m[x]["parts"][k]) if m[x]["parts"].get(k) else "-" for x in tiers),
         )
     t.add_row("[bold]total", *(f"[bold]{fmt_bytes(m[x]['total'])}" for x in tiers))
-    t.add_row("budget", *(fmt_bytes(m[x]["budget"]) for x in tiers))
+    if m["host"].get("ranks_on_node", 1) > 1:
+        n = m["host"]["ranks_on_node"]
+        t.add_row(f"host per node: {n} ranks share it", "", fmt_bytes(m["host"]["node_total"]),
+                  *([""] if "disk" in tiers else []))  # fmt: skip
+    budgets = [fmt_bytes(m[x]["budget"]) for x in tiers]
+    budgets[1] += " per node"  # the second column, host memory: its ranks share a node's
+    t.add_row("budget", *budgets)
     console.print(t)
 
     st, hid = plan["step_time_s"], plan["hidden_s"]
@@ -256,30 +272,45 @@ def fmt_days(d: float | None) -> str:
     return f"{d:.3g} d" if d < 365 else f"{d / 365:.3g} y"
 
 
+def fmt_time(days: float | None) -> str:
+    """A training time: hours below a day, days below a year, years above."""
+    if days is None:
+        return "-"
+    return f"{days * 24:.3g} h" if days < 1 else fmt_days(days)
+
+
 def render_search(out: dict[str, Any], console: Console) -> None:
     """``l2l plan --search``: Table 6.1's columns, Table 6.2's memory, what binds each row, the commands."""
     hw, bd = out["hardware"], out["bounds"]
     head = (
         f"[bold]{out['model']}[/] ({fmt_n(out['params'])} parameters in the layers; d_l {out['shape']['d_l']}, "
         f"d_m {out['shape']['d_m']}, heads {out['shape']['d_a']}, d_s {out['shape']['d_s']}) · critical batch "
-        f"{out['critical_batch_size']:.4g} · {bd['train_steps']:,} steps of it\n"
-        f"[bold]{hw['name']}[/]: {hw['peak_tflops']:.4g} TFLOP/s peak, {hw['memory_gb']:g} GB, {hw['network']} "
+        f"{out['critical_batch_size']:.4g} · budget {out['budget']}\n"
+        f"[bold]{hw['name']}[/]{_with(hw)}: {out['rate']}, {hw['memory_gb']:g} GB, {hw['network']} "
         f"{hw['network_gbps']:g} GB/s, tensor link {hw['tensor_link_gbps']:g} GB/s × {hw['node_size'] or 'any'} GPUs, "
         f"CPU-GPU {hw['offload_gbps']:g} GB/s · objective: {out['objective']}"
         + (f" · max {bd['max_gpus']} GPUs" if bd["max_gpus"] else "")
         + (f" · max {bd['max_days']:g} days" if bd["max_days"] else "")
     )
     console.print(
-        Panel(Text.from_markup(head), title="l2l plan --search (layered-GA §5)", title_align="left")
+        Panel(
+            Text.from_markup(head),
+            title="l2l plan --search (layered-GA §5)",
+            title_align="left",
+            expand=False,
+        )
     )
-    t = _table("Fastest configuration per method (Table 6.1)", "parallelism", "method", "offload", "b", "b_mu",
-               "n_mu", "n_gpu", "n_b", "n_l", "n_a", "efficiency", "time")  # fmt: skip
+    t = _table(f"Fastest configuration per method for {out['model']}, {out['budget']} (Table 6.1's columns; "
+               "l2l ✗: the paper's, l2l cannot run it)", "parallelism", "method", "offload", "b", "b_mu",
+               "n_mu", "n_gpu", "n_b", "n_l", "n_a", "efficiency", "time", "l2l")  # fmt: skip
     for r in out["search"]:
         t.add_row(r["parallelism"], r["method"], "✓" if r["offload"] else "✗", str(r["b"]), str(r["b_mu"]),
                   str(r["n_mu"]), str(r["n_gpu"]), str(r["n_b"]), str(r["n_l"]), str(r["n_a"]),
-                  f"{r['efficiency']:.2f}", fmt_days(r["days"]))  # fmt: skip
+                  f"{r['efficiency']:.2f}", fmt_time(r["days"]), "✓" if r["l2l_runs"] else "✗",
+                  style="" if r["l2l_runs"] else "dim")  # fmt: skip
     console.print(t)
-    t = _table("Memory per GPU, GB (Table 6.2)", "parallelism", "method", "state", "checkpoint", "buffers",
+    t = _table(f"Memory per GPU, GB (Table 6.2's columns), {out['model']}", "parallelism", "method", "state",
+               "checkpoint", "buffers",
                "activations", "offloadable", "non-offloadable")  # fmt: skip
     for r in out["search"]:
         mem = r["memory"]
@@ -295,8 +326,12 @@ def render_search(out: dict[str, Any], console: Console) -> None:
     if out["best"]:
         b = out["best"]
         console.print(
-            f"[bold]best: {b['parallelism']} / {b['method']}, {b['n_gpu']} GPUs, {fmt_days(b['days'])}"
+            f"[bold]best (l2l runs it): {b['parallelism']} / {b['method']}, {b['n_gpu']} GPUs, "
+            f"{fmt_time(b['days'])} for {out['budget']}"
         )
+        console.print(f"  [green]{b['command']}", soft_wrap=True)
+    else:
+        console.print("[bold]best: none of these rows is one l2l runs (see the notes)")
 
 
 def render_scaling(out: dict[str, Any], console: Console) -> None:

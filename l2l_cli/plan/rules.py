@@ -33,8 +33,20 @@ def plan_problems(cfg: Any) -> list[Problem]:
                 f"got {nl}; a pipeline stage needs at least one layer: must be <= model.num_layers={m.num_layers}",
             )
         )
+    budget = [k for k in ("tokens", "steps") if getattr(plan, k)]
+    for k in budget:
+        if getattr(plan, k) < 0:
+            p.append(Problem(f"plan.{k}", f"got {getattr(plan, k)}; must be > 0 (0: unset)"))
+    if len(budget) > 1:
+        p.append(Problem("plan.tokens", "and plan.steps: one training budget at a time; give one of them"))
     hw = cfg.hardware
-    for k in ("device_tflops", "device_tflops_half", "device_peak_tflops", "backward_factor",
+    if not (0.0 < hw.mfu <= 1.0):
+        p.append(Problem("hardware.mfu", f"got {hw.mfu}; must be in (0, 1] (a share of device_peak_tflops)"))
+    if hw.device_tflops_half is not None:
+        positive(p, "hardware.device_tflops_half", hw.device_tflops_half)
+    if hw.gpus_per_node is not None:
+        at_least(p, "hardware.gpus_per_node", hw.gpus_per_node, 1)
+    for k in ("device_tflops", "device_peak_tflops", "backward_factor", "device_memory_gbps",
               "device_memory_gb", "device_optim_gflops", "host_gflops", "host_memory_gb", "h2d_gbps",
               "network_gbps", "offload_gbps", "disk_read_gbps", "disk_write_gbps", "disk_free_gb"):  # fmt: skip
         positive(p, f"hardware.{k}", getattr(hw, k))

@@ -28,6 +28,11 @@ import numpy as np
 GiB = 2**30
 # The layered-GA paper's §5 methods (how a 3d configuration places the training state), not l2l modes.
 GA_BASELINE, GA_PARTITIONED, GA_IMPROVED = METHODS = ("baseline", "partitioned", "improved")
+# §8.3's "No partition" (Figure 8's dotted line): the improved method (layered GA, modular pipeline) with the
+# state not partitioned, eq. 8 for its reduction. Not one of §5's methods: the figures draw it beside them.
+GA_NO_PARTITION = "no_partition"
+MODULAR = (GA_IMPROVED, GA_NO_PARTITION)  # layered GA and the modular pipeline
+PARTITIONED = (GA_PARTITIONED, GA_IMPROVED)  # the state partitioned over the data-parallel devices
 
 # The layer-activation memory per token, m0 (C.3). The extracted paper text lost its formula; Table 6.2
 # fixes it for X160 at 102·d_m bytes (all five activation entries agree to 3 digits). We keep Megatron-LM's
@@ -158,12 +163,39 @@ class Links:
     node_size: int = (
         16  # GPUs one tensor link joins; tensor parallelism beyond it uses the network (0: no limit)
     )
+    # The share of peak_flops a training step achieves (hardware.mfu): the paper computes at peak × each
+    # configuration's efficiency, i.e. 1.0; l2l plan's own questions use the hardware's published figure.
+    mfu: float = 1.0
     # Offload budget per GPU (0: no limit). The paper sets none: Table 6.2 offloads 61.2K GB from one GPU;
     # Figure 4 only draws a "1 TB (offload)" line for reference.
     host_memory_gib: float = 0.0
+    # The tool's machine (hardware.host_memory_gb, hardware.gpus_per_node): a node's host memory, shared by
+    # the GPUs of a job on it (0: no such bound)
+    node_host_memory_gib: float = 0.0
+    gpus_per_node: int = 1
+    # The pipeline's messages between stages that share a node (n_l·n_a <= node_size) take its tensor link
+    # (NVLink), as a placement that keeps a pipeline's stages inside one node does; False: the network, as
+    # the paper's Tables take every pipeline transfer.
+    pipe_in_node: bool = False
+
+    def host_per_gpu(self, n_gpu: Any) -> Any:
+        """Offload bytes one GPU may use: ``host_memory_gib``, and its share of a node's host memory among
+        the job's GPUs on that node (inf where neither bounds it)."""
+        per = self.host_memory_gib * GiB if self.host_memory_gib > 0 else math.inf
+        if self.node_host_memory_gib > 0:
+            on_node = np.clip(n_gpu, 1, max(1, self.gpus_per_node))
+            per = np.minimum(per, self.node_host_memory_gib * GiB / on_node)
+        return per
+
+    @property
+    def rate(self) -> float:
+        """FLOP/s one device achieves on the counted work: peak × mfu."""
+        return self.peak_flops * self.mfu
 
     def threshold(self, gbps: Any) -> Any:
-        """The arithmetic intensity (flop/B) above which a transfer hides behind compute (eq. 3)."""
+        """The arithmetic intensity (flop/B) above which a transfer hides behind compute (eq. 3). At peak, not
+        peak × mfu: the matmuls a transfer overlaps run near peak (the mfu's loss is elsewhere: kernels
+        between them, launches, the step's edges), so the search's choices do not depend on the mfu."""
         if np.ndim(gbps) == 0:
             return self.peak_flops / (gbps * GiB) if gbps > 0 else math.inf
         return self.peak_flops / (np.asarray(gbps, dtype=float) * GiB)
@@ -227,11 +259,17 @@ def transfers(
         eq_d, ov_d = np.where(piped, 6, 5), ~piped
     elif method == GA_PARTITIONED:
         nu_d, eq_d, ov_d = 0.5 * b_mu * d_s, 7, np.True_
+    elif method == GA_NO_PARTITION:
+        nu_d, eq_d, ov_d = 0.75 * b_mu * n_mu * d_s, 8, np.True_
     else:
         nu_d, eq_d, ov_d = 0.5 * b_mu * n_mu * d_s, 9, np.True_
-    # pipeline
-    nu_p = (2 + m.n_I) * m.d_m * (1.0 if method == GA_IMPROVED else m.d_l / n_l)
-    ov_p = n_mu >= n_l * (1.0 + net / nu_p)
+    # pipeline: over the network, or inside a node over its tensor link (``Links.pipe_in_node``)
+    nu_p = (2 + m.n_I) * m.d_m * (1.0 if method in MODULAR else m.d_l / n_l)
+    thr_p = net
+    if links.pipe_in_node and links.tensor_gbps > 0:
+        inside = (n_l * n_a <= links.node_size) | (links.node_size <= 0)
+        thr_p = np.where(inside, links.threshold(links.tensor_gbps), net)
+    ov_p = n_mu >= n_l * (1.0 + thr_p / nu_p)
     # tensor: the tensor link within a node, the network beyond it
     in_node = (n_a <= links.node_size) | (links.node_size <= 0)
     thr_a = np.where(in_node & (links.tensor_gbps > 0), links.threshold(links.tensor_gbps or 1.0), net)
@@ -242,17 +280,20 @@ def transfers(
         GA_BASELINE: b_mu * d_s,  # b·d_s / (n_mu·n_b): every micro-batch, the instance's replica
         GA_PARTITIONED: b_mu * n_b * d_s,  # b·d_s / n_mu
         GA_IMPROVED: bds_per_instance * n_b,  # b·d_s: once per batch, the device's partition
+        GA_NO_PARTITION: bds_per_instance,  # b·d_s / n_b: once per batch, the instance's replica
     }[method]
     nu_c = (4 + 2 * m.n_I) * m.d_m
     nu_o = 1.0 / (1.0 / nu_s + 1.0 / nu_c)
     offload = np.asarray(offload, dtype=bool)
     data_on, pipe_on = n_b > 1, n_l > 1
     # PCIe: offload plus the network transfers that overlap it
-    inv = 1.0 / nu_o + np.where(data_on & ov_d, 1.0 / nu_d, 0.0) + np.where(pipe_on & ov_p, 1.0 / nu_p, 0.0)
+    over_net = np.asarray(thr_p) == net  # a pipeline inside a node does not cross the GPU's PCIe link
+    inv = (1.0 / nu_o + np.where(data_on & ov_d, 1.0 / nu_d, 0.0)
+           + np.where(pipe_on & ov_p & over_net, 1.0 / nu_p, 0.0))  # fmt: skip
     pcie_thr = links.threshold(links.pcie_gbps)
     return {
         "data": {"eq": eq_d, "value": nu_d, "threshold": net, "overlapped": ov_d, "active": data_on},
-        "pipeline": {"eq": 11 if method == GA_IMPROVED else 10, "value": nu_p, "threshold": net,
+        "pipeline": {"eq": 11 if method in MODULAR else 10, "value": nu_p, "threshold": thr_p,
                      "overlapped": ov_p, "active": pipe_on},
         "tensor": {"eq": 12, "value": nu_a, "threshold": thr_a, "overlapped": np.False_, "active": n_a > 1},
         "offload": {"eq": 13, "value": nu_o, "threshold": links.threshold(links.offload_gbps),
@@ -270,7 +311,7 @@ def ratios(t: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def bubble_of(m: Transformer, method: str, n_mu: Any, n_l: Any) -> Any:
     """Pipeline bubble, relative: (n_l − 1)/n_mu (§2.4); the modular pipeline divides it by d_l/n_l (§4)."""
     f = (np.asarray(n_l) - 1.0) / n_mu
-    return f * n_l / m.d_l if method == GA_IMPROVED else f
+    return f * n_l / m.d_l if method in MODULAR else f
 
 
 def overheads_of(m: Transformer, method: str, n_mu: Any, n_l: Any, t: dict[str, dict[str, Any]]) -> dict:
@@ -319,9 +360,10 @@ def efficiency(m: Transformer, c: Parallel, links: Links) -> dict[str, Any]:
     return {"efficiency": float(efficiency_of(ov)), "overheads": ov, "intensities": intensities(m, c, links)}
 
 
-def train_seconds(total_flops: Any, n_gpu: Any, peak_flops: float, efficiency: Any) -> Any:
-    """Training time: the work over the cluster's peak times the efficiency (§5 "Resource usage")."""
-    return total_flops / (np.multiply(n_gpu, peak_flops) * efficiency)
+def train_seconds(total_flops: Any, n_gpu: Any, rate: float, efficiency: Any) -> Any:
+    """Training time: the work over the cluster's rate (peak × mfu) times the efficiency (§5 "Resource
+    usage")."""
+    return total_flops / (np.multiply(n_gpu, rate) * efficiency)
 
 
 def analyze(
@@ -334,7 +376,7 @@ def analyze(
     eff = efficiency(m, c, links)
     flops = batch_flops(c.b, m.d_s, m.p)
     total = flops * (steps if samples is None else samples / c.b)
-    time_s = float(train_seconds(total, c.n_gpu, links.peak_flops, eff["efficiency"]))
+    time_s = float(train_seconds(total, c.n_gpu, links.rate, eff["efficiency"]))
     budget = links.device_memory_gib * GiB
     return {
         "method": c.method,
@@ -363,15 +405,27 @@ def transformer_of(shape: Any, d_s: int) -> Transformer:
 
 def for_config(cfg: Any, shape: Any, links: Links) -> dict[str, Any]:
     """The layered-GA analysis of the config: d_s = model.seq_len (the model's context, as the paper's
-    X[x] and BERT rows use), b = batch.size × plan.data_parallel, b_mu = batch.ubatch_size."""
+    X[x] and BERT rows use), b = batch.size × n_b (plan.data_parallel, or the config's data-parallel ranks),
+    n_l = plan.pipeline_parallel or dist.pipeline, b_mu = batch.ubatch_size, trained on the
+    config's budget (``plan/budget.py``) in samples of d_s, as ``--search`` trains it."""
+    from l2l_cli.plan.budget import budget_of
+
     m = transformer_of(shape, int(cfg.model.seq_len))
-    nb, nl, na = cfg.plan.data_parallel, cfg.plan.pipeline_parallel, cfg.plan.tensor_parallel
+    # the config's own ranks (dist.nproc over dist.pipeline) where plan.* does not say more
+    pipe = max(1, int(cfg.dist.pipeline))
+    nb = max(cfg.plan.data_parallel, int(cfg.dist.nproc) // pipe)
+    nl, na = max(cfg.plan.pipeline_parallel, pipe), cfg.plan.tensor_parallel
     b, bmu = cfg.batch.size * nb, cfg.batch.ubatch_size
+    budget = budget_of(cfg)
+    samples = budget.tokens / m.d_s if budget.tokens else float(budget.steps * b)
     rows = []
     for method in METHODS:
         c = Parallel(method, b, bmu, cfg.batch.size // bmu, nb, nl, na)
-        rows.append(analyze(m, c, links, cfg.plan.train_steps))
+        rows.append(analyze(m, c, links, samples=samples))
     return {
+        "budget": budget.label,
+        "rate_tflops": links.rate / 1e12,
+        "mfu": links.mfu,
         "d_s": m.d_s,
         "params": m.p,
         "params_per_layer": m.p_l,

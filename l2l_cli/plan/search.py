@@ -34,7 +34,18 @@ from typing import Any
 import numpy as np
 
 from l2l_cli.plan import scaling as ga
-from l2l_cli.plan.scaling import GA_BASELINE, GA_IMPROVED, GA_PARTITIONED, METHODS, GiB, Links, Transformer
+from l2l_cli.plan.scaling import (
+    GA_BASELINE,
+    GA_IMPROVED,
+    GA_NO_PARTITION,
+    GA_PARTITIONED,
+    METHODS,
+    MODULAR,
+    PARTITIONED,
+    GiB,
+    Links,
+    Transformer,
+)
 
 DAY = 86400.0
 # (data, pipeline, tensor) each mix may use
@@ -73,6 +84,7 @@ class Bounds:
     n_a: int = 0  # > 0: pin the tensor degree
     offload: bool = True  # may offload the state and checkpoints to CPU memory
     steps: int = 100_000  # training = steps × b_c samples (the paper's 100k steps at the critical batch)
+    samples: float = 0.0  # > 0: training = this many samples (a budget in tokens / d_s), instead
 
 
 @dataclass(frozen=True)
@@ -164,14 +176,14 @@ def _candidates(t: Target, b: Bounds, method: str, mix: str, prune: bool) -> dic
         n_a_c = np.unique([n_a_set[in_node].max(initial=1), n_a_set.max()])
         if pipe:
             net = links.threshold(links.network_gbps)
-            c = (2 + m.n_I) * m.d_m * (1.0 if method == GA_IMPROVED else m.d_l)
+            c = (2 + m.n_I) * m.d_m * (1.0 if method in MODULAR else m.d_l)
             # overlapped: n_mu >= n_l·(1 + net·n_l^k / c), k = 0 (eq. 11) or 1 (eq. 10)
-            if method == GA_IMPROVED:
+            if method in MODULAR:
                 lim_ov = nmu / (1.0 + net / c)
             else:
                 lim_ov = (np.sqrt(1.0 + 4.0 * net / c * nmu) - 1.0) / (2.0 * net / c)
             l1 = _largest_leq(n_l_set, lim_ov)
-            l2 = _largest_leq(n_l_set, nmu.astype(float)) if method == GA_IMPROVED else l1
+            l2 = _largest_leq(n_l_set, nmu.astype(float)) if method in MODULAR else l1
             n_l_pair = np.stack([np.maximum(l1, 1), np.maximum(l2, 1), np.ones_like(l1)], axis=1)
             k = n_l_pair.shape[1]
             bmu, nmu, n_l = np.repeat(bmu, k), np.repeat(nmu, k), n_l_pair.reshape(-1)
@@ -204,22 +216,22 @@ def _evaluate(t: Target, b: Bounds, method: str, mix: str, c: dict[str, np.ndarr
     n_b_max = B // (bmu * nmu) if data else np.ones_like(bmu)
     if b.max_gpus:
         n_b_max = np.minimum(n_b_max, b.max_gpus // la)
-    total = ga.batch_flops(t.b_c, m.d_s, m.p) * b.steps
+    total = ga.batch_flops(b.samples or t.b_c * b.steps, m.d_s, m.p)
     n_b = n_b_max
     if b.max_days > 0 and data:
         # the fewest data-parallel instances that train within max_days (and whose state fits)
         eff0 = _costs(t, method, bmu, nmu, np.maximum(n_b_max, 1), n_l, n_a, off)["efficiency"]
-        need = np.ceil(total / (b.max_days * DAY * links.peak_flops * eff0 * la) - 1e-9)
-        if method != GA_BASELINE:  # the partitioned state shrinks with n_b
+        need = np.ceil(total / (b.max_days * DAY * links.rate * eff0 * la) - 1e-9)
+        if method in PARTITIONED:  # the partitioned state shrinks with n_b
             ck = 2.0 * bmu * nmu * m.d_s * m.d_m * m.d_l / la
-            rest = np.where(off, (links.host_memory_gib * GiB or math.inf) - ck,
+            rest = np.where(off, links.host_per_gpu(n_b_max * la) - ck,
                             links.device_memory_gib * GiB - ck - 6.0 * m.p_l / n_a - bmu * m.d_s * m.m0 / n_a)  # fmt: skip
             need = np.maximum(need, np.ceil(12.0 * m.p / (la * np.maximum(rest, 1.0)) - 1e-9))
         n_b = np.minimum(np.maximum(need, 1), n_b_max).astype(np.int64)
     n_b = np.maximum(n_b, 0)
     r = _costs(t, method, bmu, nmu, np.maximum(n_b, 1), n_l, n_a, off)
     r["n_b"] = n_b
-    r["time_s"] = ga.train_seconds(total, np.maximum(n_b, 1) * la, links.peak_flops, r["efficiency"])
+    r["time_s"] = ga.train_seconds(total, np.maximum(n_b, 1) * la, links.rate, r["efficiency"])
     r["violations"] = _violations(t, b, method, c, r)
     r["feasible"] = (n_b >= 1) & ~np.any(np.stack(list(r["violations"].values())), axis=0)
     if b.max_days > 0:
@@ -231,7 +243,7 @@ def _costs(t: Target, method: str, bmu: Any, nmu: Any, n_b: Any, n_l: Any, n_a: 
     m = t.model
     tr = ga.transfers(m, method, bmu, nmu, n_b, n_l, n_a, off, t.links)
     ov = ga.overheads_of(m, method, nmu, n_l, tr)
-    mem = ga.memory_parts(m, method != GA_BASELINE, bmu * nmu * n_b, bmu, n_b * n_l * n_a, n_l, n_a)
+    mem = ga.memory_parts(m, method in PARTITIONED, bmu * nmu * n_b, bmu, n_b * n_l * n_a, n_l, n_a)
     return {"transfers": tr, "ratios": ga.ratios(tr), "overheads": ov, "efficiency": ga.efficiency_of(ov),
             "memory": mem}  # fmt: skip
 
@@ -248,7 +260,7 @@ def _violations(t: Target, b: Bounds, method: str, c: dict[str, Any], r: dict[st
     def over(k: str) -> Any:  # an overlapped transfer that is data-bound, or an exposed one above the cap
         return tr[k]["active"] & np.where(tr[k]["overlapped"], rat[k] > 1 + eps, rat[k] > cap + eps)
 
-    budget, host = links.device_memory_gib * GiB, links.host_memory_gib * GiB or math.inf
+    budget, host = links.device_memory_gib * GiB, links.host_per_gpu(n_b * c["n_l"] * c["n_a"])
     fits = np.where(off, (mem["non_offloadable"] <= budget) & (mem["offloadable"] <= host),
                     mem["offloadable"] + mem["non_offloadable"] <= budget)  # fmt: skip
     B = math.floor(t.b_c + 1e-9)
@@ -324,7 +336,7 @@ class Found:
 
 def search_one(t: Target, b: Bounds, method: str, mix: str, prune: bool | None = None) -> Found | str:
     """The best configuration of one method and mix, or why there is none."""
-    if (mix, method) not in PAIRS:
+    if (mix, method) not in PAIRS and (mix, GA_IMPROVED if method == GA_NO_PARTITION else "") not in PAIRS:
         return f"{method} with {mix}: not considered (§5: the partitioned method runs without a pipeline)"
     if prune is None:  # exact without a GPU cap or time target (module doc)
         prune = not b.max_gpus and not b.max_days
@@ -423,7 +435,7 @@ def binding(t: Target, b: Bounds, f: Found) -> list[str]:
                   "offload link": f"eqs. 13-14 at {t.links.offload_gbps:g} GB/s",
                   "pcie": f"network + offload on PCIe {t.links.pcie_gbps:g} GB/s"}  # fmt: skip
             out.append(f"{names[0]}: b_mu >= {c.b_mu} ({eq.get(names[0], '')})")
-    elif f.method == GA_IMPROVED and data and c.n_mu > 1:
+    elif f.method in MODULAR and data and c.n_mu > 1:
         w = why(replace(c, n_mu=c.n_mu - 1, b=c.b_mu * (c.n_mu - 1) * c.n_b))
         if "reduction" in w:
             out.append(f"reduction: b_mu·n_mu >= {c.b_mu * c.n_mu} (eq. 9 at {net})")
@@ -437,7 +449,7 @@ def binding(t: Target, b: Bounds, f: Found) -> list[str]:
                 out.append(f"bubble: n_l <= n_mu = {c.n_mu}")
             elif "pipeline link" in w:
                 out.append(
-                    f"pipeline link: n_mu = {c.n_mu} overlaps n_l <= {c.n_l} (eq. {11 if f.method == GA_IMPROVED else 10})"
+                    f"pipeline link: n_mu = {c.n_mu} overlaps n_l <= {c.n_l} (eq. {11 if f.method in MODULAR else 10})"
                 )
             elif f.overheads.get("bubble", 0) > 0 and not [x for x in w if x not in ("max_gpus", "memory")]:
                 out.append(f"bubble: n_l = {c.n_l} balances the bubble against the pipeline's transfers")

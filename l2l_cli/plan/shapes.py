@@ -13,9 +13,15 @@ from typing import Any
 
 from l2l_cli.models.base import ModelSpec
 
-# Optimizer work in the L2L v1 paper's units (§3.1.2: "Optimization requires 100 GFLOP" for BERT-Large's
-# ~335M parameters, i.e. ~300 FLOP-equivalents per parameter for an Adam-family update and its clipping).
+# The EPS (host) update in the L2L v1 paper's units (§3.1.2: "Optimization requires 100 GFLOP" for
+# BERT-Large's ~335M parameters, i.e. ~300 FLOP-equivalents per parameter at its 300 GFLOP/s EPS: 1 ns per
+# parameter, what a CPU streaming AdamW's 28 bytes per parameter at ~28 GB/s takes).
 OPT_FLOP_PER_PARAM = 300.0
+# The on-device update, from what a fused AdamW kernel does per FP32 parameter: ~12 FLOPs (two moment
+# updates, a square root, a division, the decoupled decay) while it reads the weight, the gradient and both
+# moments (16 bytes) and writes the weight and the moments (12): bound by the device memory's bandwidth.
+ADAMW_FLOP_PER_PARAM = 12.0
+ADAMW_BYTES_PER_PARAM = 28.0
 
 # Saved activations of one BertLayer forward, bytes per token (StorageMeter, see module doc):
 #   e·(10·h + 2·I) + c·heads·seq  (e = activation bytes; c = 12 in fp32, 15 in half: the softmax stays
@@ -122,14 +128,17 @@ class ModelShape:
 
     # ---- activations (per sample) ----------------------------------------------------------------
 
-    def block_saved_bytes(self, seq: int, precision: str) -> float:
-        """Activations one block's forward keeps for its backward, per sample (the papers' X)."""
+    def block_saved_bytes(self, seq: int, precision: str, att_half: float | None = None) -> float:
+        """Activations one block's forward keeps for its backward, per sample (the papers' X). ``att_half``:
+        bytes kept per attention score under amp/cmp by the device's attention kernel (``hardware.
+        attention_bytes_half``; unset: HF's math attention, measured)."""
         e = act_bytes(precision)
-        return seq * (e * (10 * self.hidden + 2 * self.intermediate) + _ATT_BYTES[e] * self.heads * seq)
+        att = _ATT_BYTES[e] if att_half is None or precision == "fp32" else att_half
+        return seq * (e * (10 * self.hidden + 2 * self.intermediate) + att * self.heads * seq)
 
-    def block_working_bytes(self, seq: int, precision: str) -> float:
+    def block_working_bytes(self, seq: int, precision: str, att_half: float | None = None) -> float:
         """Peak working set of one block's recompute + backward, per sample."""
-        return (1 + BACKWARD_TRANSIENT) * self.block_saved_bytes(seq, precision)
+        return (1 + BACKWARD_TRANSIENT) * self.block_saved_bytes(seq, precision, att_half)
 
     def pre_saved_bytes(self, seq: int, precision: str) -> float:
         """Embeddings: the sum of three lookups, its LayerNorm and dropout (~3 activations per token)."""

@@ -29,6 +29,15 @@ CAPTIONS = {
     "figure5": "Figure 5: no node-size limit on tensor parallelism",
     "figure8": "Figure 8: over Ethernet (dotted: InfiniBand)",
 }
+# The paper's values beside the tool's (§7: Figure 4, "80 GB is enough to train models up to 280 trillion
+# parameters, with offloading being required above 90 trillion", "about 4.5 and 50 trillion" in a month and a
+# year; Figure 5: "100 quadrillion", "40 trillion (one month) or 900 trillion parameters (one year)")
+PAPER = {
+    "fits_80gb_params": "280 T / 100 P",
+    "offload_above_params": "90 T / -",
+    "one_month_params": "4.5 T / 40 T",
+    "one_year_params": "50 T / 900 T",
+}
 LIMITS_FIELDS = ("scaling_dir", "figure", "hardware", "memory_gb", "sizes", *LIMITS, "ethernet_slowdown_x160")
 
 
@@ -93,12 +102,13 @@ def fmt_params(v: float | None) -> str:
 def limit_rows(s: Scaling) -> tuple[list[str], list[list[str]]]:
     """The limits as a table: one row per limit, one column per figure."""
     memory = s.summary.get("memory_gb")
-    header = ["limit (improved method)", *(CAPTIONS[f].split(":")[0] for f in FIGURES)]
+    header = ["limit (improved method)", *(CAPTIONS[f].split(":")[0] for f in FIGURES),
+              "paper (Figure 4 / Figure 5)"]  # fmt: skip
     body = []
     for key, label in LIMITS.items():
         if key == "fits_80gb_params" and isinstance(memory, int | float):
             label = f"largest model whose non-offloadable memory fits {memory:g} GB"
-        body.append([label, *(fmt_params(s.limits(f).get(key)) for f in FIGURES)])
+        body.append([label, *(fmt_params(s.limits(f).get(key)) for f in FIGURES), PAPER[key]])
     return header, body
 
 
@@ -118,7 +128,8 @@ def markdown(scalings: list[Scaling], out: Path, md_table: Any) -> list[str]:
         ]
         slow = sm.get("ethernet_slowdown_x160")
         if isinstance(slow, int | float):
-            parts += [f"X160 over Ethernet (§8.3): {slow:+.0%} training time against InfiniBand.", ""]
+            parts += [f"X160 over Ethernet (§8.3): {slow:+.0%} training time against InfiniBand (paper: \"about "
+                      f"4%\").", ""]  # fmt: skip
         files = s.files()
         for fig in FIGURES:
             if f"{fig}.png" in files:
