@@ -18,6 +18,8 @@ from l2l_cli.engine import adamw8bit as a8
 from l2l_cli.engine.optim import OPTIMIZERS
 from l2l_cli.plan import estimate as est
 from l2l_cli.plan.shapes import ModelShape
+from l2l_cli.progress import summary_text
+from l2l_cli.runfiles import Summary
 from l2l_cli.train import run_job
 from tests.test_l2l_p import assert_bitwise
 from tests.test_l2l_p import run as run_l2l_p
@@ -103,7 +105,7 @@ def test_chunked_update_equals_one_chunk(monkeypatch: pytest.MonkeyPatch) -> Non
 
 # ---- in the modes (acceptance: 3 steps within 1e-2 of AdamW) ----------------------------------------
 
-LR = "optim.lr=1e-3"  # three steps move the tiny model's weights ~10%, well beyond the 1e-2 tolerance
+LR = "optim.lr=5e-3"  # AdamW's three steps move the tiny model's weights ~8%, well beyond the 1e-2 tolerance
 
 
 def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -179,8 +181,10 @@ def test_host_bytes_per_param_is_16_with_adamw(tmp_path: Path) -> None:
         run_job(tiny_cfg("mode=l2l", "trainer.max_steps=1", "task.num_train=16", "task.num_eval=8"), tmp_path)
         == "ok"
     )
-    assert _summary(tmp_path)["host_bytes_per_param"] == pytest.approx(16.0, abs=1e-9)
-    assert "host state" in (tmp_path / "train.log").read_text()
+    summary = _summary(tmp_path)
+    assert summary["host_bytes_per_param"] == pytest.approx(16.0, abs=1e-9)  # 4 + 4 + 4 + 4, measured
+    table = summary_text(Summary.from_json(summary))
+    assert "host state" in table and "16.00 B/param (master, gradient, optimizer, adamw)" in table
 
 
 # ---- bad input and the planner ---------------------------------------------------------------------
