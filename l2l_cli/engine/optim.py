@@ -1,4 +1,4 @@
-"""Optimizers (AdamW, LAMB, 8-bit AdamW), the learning-rate schedule, and gradient clipping / non-finite checks.
+"""Optimizers (AdamW, LAMB, 8-bit AdamW), the learning-rate schedule, gradient clipping, non-finite checks.
 
 The baselines and the eager param-server use the same optimizer classes over the same parameter tensors
 (the EPS passes views into its flat per-layer buffers), so every mode computes the same update.
@@ -174,8 +174,9 @@ class RunLayout(Protocol):
 def optimizer_runs(layout: RunLayout, flat_runs: bool) -> list[tuple[str, int, int]]:
     """Where a layer's flat buffer splits into the optimizer's parameters, (name, start, end): AdamW
     (``OptimizerKind.flat_runs``, FP32 or 8-bit) takes two long runs, the weight-decayed prefix
-    (``decay``) and the rest (``bias``), for the fused kernel; LAMB's trust ratio is a norm per parameter tensor, so one run per
-    tensor, by its own name. A run may be empty; ``param_groups`` sorts runs into decay groups by name."""
+    (``decay``) and the rest (``bias``), for the fused kernel; LAMB's trust ratio is a norm per parameter
+    tensor, so one run per tensor, by its own name. A run may be empty; ``param_groups`` sorts runs into
+    decay groups by name."""
     if flat_runs:
         return [("decay", 0, layout.n_decay), ("bias", layout.n_decay, layout.numel)]
     return [(e.name, e.offset, e.offset + e.numel) for e in layout.entries]

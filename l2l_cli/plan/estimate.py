@@ -528,7 +528,8 @@ def verdict(shape: ModelShape, s: Setup, rates: Rates, result: dict[str, Any]) -
         alt = evaluate(shape, s.but(tier=on_disk), rates) if s.l2l and s.disk_layout_ok else None
         if alt is not None and alt["fits"]:
             return (
-                f"does not fit: {why} (the EPS keeps {s.state_bytes:.3g} bytes per parameter in RAM); eps.tier={on_disk} fits: "
+                f"does not fit: {why} (the EPS keeps {s.state_bytes:.3g} bytes per parameter in RAM); "
+                f"eps.tier={on_disk} fits: "
                 f"{fmt_bytes(alt['disk_bytes'])} on disk, {fmt_bytes(alt['host_bytes'])} in RAM with "
                 f"eps.host_cache_layers={s.cache_layers}, ~{alt['step_time_s']:.3g} s per step"
             )
