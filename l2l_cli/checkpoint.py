@@ -211,13 +211,15 @@ def module_state_files(
 ) -> Iterator[tuple[str, bytes]]:
     """The module layout (``ModeSpec.state_layout`` ``module-v1``), every runner's that is not the EPS's:
     ``model.safetensors`` holds the weights by Hugging Face name; ``optimizer.safetensors``, for each
-    parameter the optimizer has stepped, ``<name>.exp_avg``, ``<name>.exp_avg_sq`` and ``<name>.step``.
-    ``moments``: {name: its optimizer state (``exp_avg``, ``exp_avg_sq``, ``step``: a tensor or a number)}.
-    Written by name, not by rank or stage, so any runner resumes from any other's (a pipeline resharded)."""
+    parameter the optimizer has stepped, ``<name>.exp_avg``, ``<name>.exp_avg_sq`` and ``<name>.step``,
+    and any other tensor of its state as ``<name>.<key>`` (8-bit AdamW: uint8 codes in the moments and
+    ``exp_avg_absmax``, ``exp_avg_sq_absmax``). ``moments``: {name: its optimizer state (``step``: a
+    tensor or a number)}. Written by name, not by rank or stage, so any runner resumes from any other's (a
+    pipeline resharded)."""
     yield WEIGHTS_FILE, tensors_bytes(dict(weights))
     flat: dict[str, torch.Tensor] = {}
     for name, st in moments.items():
-        flat |= {f"{name}.exp_avg": st["exp_avg"], f"{name}.exp_avg_sq": st["exp_avg_sq"]}
+        flat |= {f"{name}.{k}": t for k, t in st.items() if k != "step"}
         flat[f"{name}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(())
     yield MOMENTS_FILE, tensors_bytes(flat)
 
@@ -235,13 +237,18 @@ class ModuleState:
         self, params: Iterable[tuple[str, torch.Tensor]], *, whole: bool = False
     ) -> dict[str, dict[str, torch.Tensor]]:
         """Copy each (HF name, tensor)'s weights in place; returns the optimizer state of those the
-        checkpoint has moments for, {name: {exp_avg, exp_avg_sq, step}} (on the CPU, not copied).
+        checkpoint has moments for, {name: {exp_avg, exp_avg_sq, step, and any other key}} (on the CPU,
+        not copied).
         ``whole``: the checkpoint must hold exactly these names (a runner with the whole model); otherwise
         any superset (a pipeline rank's layers)."""
         params = list(params)
         if whole and set(self.weights) != {name for name, _ in params}:
             raise CheckpointError(f"{self.ckpt}: {WEIGHTS_FILE} does not hold this model's parameters")
         out = {}
+        keys: dict[str, list[str]] = {}  # parameter name -> its state's keys
+        for full in self.moments:
+            name, _, key = full.rpartition(".")
+            keys.setdefault(name, []).append(key)
         for name, t in params:
             if name not in self.weights:
                 raise CheckpointError(f"{self.ckpt}: {WEIGHTS_FILE} has no {name}")
@@ -252,7 +259,7 @@ class ModuleState:
                 )
             t.copy_(w)
             if f"{name}.exp_avg" in self.moments:
-                out[name] = {k: self.moments[f"{name}.{k}"] for k in ("exp_avg", "exp_avg_sq", "step")}
+                out[name] = {k: self.moments[f"{name}.{k}"] for k in keys[name]}
         return out
 
 

@@ -127,6 +127,11 @@ def summary_table(summary: Summary) -> Table:
         ),
         ("device peak", fmt_bytes(summary.device_peak_bytes)),
     ]
+    if summary.host_bytes_per_param is not None:
+        opt = f", {cfg.optimizer}" if cfg.optimizer else ""
+        rows.append(
+            ("host state", f"{summary.host_bytes_per_param:.2f} B/param (master, gradient, optimizer{opt})")
+        )
     if summary.time_breakdown_s:
         on_path = {k: v for k, v in summary.time_breakdown_s.items() if k not in BACKGROUND_PHASES}
         rows.append(("time per step", "  ".join(f"{k} {v * 1e3:.1f}ms" for k, v in on_path.items())))

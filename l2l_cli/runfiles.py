@@ -96,6 +96,9 @@ class Summary:
     time_breakdown_s: dict[str, float] = field(default_factory=dict)  # mean seconds per step and phase
     eval: dict[str, float] = field(default_factory=dict)
     device_peak_bytes: int = 0
+    # the EPS's host bytes of training state (master, gradient, optimizer state; its RAM cache on the disk
+    # tier), measured from its tensors, per parameter of the model; None: no EPS (state on the device)
+    host_bytes_per_param: float | None = None
     wall_time_s: float | None = None
     error: str | None = None
     exit_code: int | None = None
@@ -157,6 +160,18 @@ class HostMemory:
     bytes: int = 0  # host-tier state (EPS buffers, CPU stash)
     parts: dict[str, int] = field(default_factory=dict)
     peak_rss_bytes: int | None = None
+
+
+# memory.json's host parts that are training state (what ``host_bytes_per_param`` counts): the EPS's
+# master, gradient and optimizer state, a frozen base it keeps, and the disk tier's RAM cache of them
+HOST_STATE_PARTS = ("master", "grads", "optimizer_state", "frozen_base", "eps_cache", "eps_grad_pool")
+
+
+def host_bytes_per_param(parts: dict[str, int], params: int | None) -> float | None:
+    """Host bytes of training state (:data:`HOST_STATE_PARTS` of memory.json's host parts) per parameter;
+    None where the runner keeps none on the host or the parameter count is unknown."""
+    held = sum(parts.get(k, 0) for k in HOST_STATE_PARTS)
+    return held / params if held and params else None
 
 
 @dataclass

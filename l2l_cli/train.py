@@ -27,7 +27,7 @@ from l2l_cli.loop import Interrupted, TrainingError
 from l2l_cli.problems import ConfigError, DiskFull
 from l2l_cli.progress import console, summary_table, summary_text
 from l2l_cli.rundir import RunFiles
-from l2l_cli.runfiles import Summary
+from l2l_cli.runfiles import Summary, host_bytes_per_param
 from l2l_cli.session import Session
 
 log = logging.getLogger("l2l")
@@ -107,6 +107,7 @@ def write_outcome(session: Session, wall_s: float) -> None:
                 {"rank": ctx.rank, **memory.to_json(), "time_breakdown_s": summary.time_breakdown_s}
             )
         _write_file(files, "memory.json", memory.to_json())
+        summary.host_bytes_per_param = host_bytes_per_param(memory.host.parts, summary.params)
         summary.device_peak_bytes = max(summary.device_peak_bytes, session.acc.meter.peak_bytes)
     dist_shutdown(ctx)
     _write_file(files, "summary.json", summary.to_json())

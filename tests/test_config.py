@@ -36,7 +36,7 @@ REQUIRED = {
     "mode": {"baseline", "baseline_ag", "l2l", "l2l_stash_cpu", "l2l_p"},
     "precision": {"fp32", "amp", "cmp"},
     "task": {"cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "qnli", "rte", "wnli", "synthetic", "lm"},
-    "optim": {"adamw", "lamb"},
+    "optim": {"adamw", "lamb", "adamw8bit"},
 }
 
 

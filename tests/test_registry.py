@@ -243,4 +243,4 @@ def test_the_registries_are_read_without_torch() -> None:
         "print('torch' in sys.modules, len(MODES), len(TIERS), len(OPTIMIZERS), len(KINDS), len(FAMILIES))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["False", "4", "2", "2", "5", "3"]
+    assert out.split() == ["False", "4", "2", "3", "5", "3"]

@@ -123,7 +123,7 @@ class TaskConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"  # adamw | lamb (set by the optim group)
+    name: str = "adamw"  # adamw | lamb | adamw8bit (set by the optim group)
     lr: float = "${model.lr}"  # peak learning rate; default: model.lr (GLUE, csv, json tasks: 5e-5)
     weight_decay: float = 0.01  # decoupled weight decay (not on biases and LayerNorms)
     beta1: float = 0.9  # Adam beta1

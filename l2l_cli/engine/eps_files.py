@@ -1,5 +1,5 @@
-"""The EPS's state as files: its own checkpoint (one file per layer: w, m, v, step; the same for full and
-real-time checkpoints) and the model's weights in Hugging Face names, in and out.
+"""The EPS's state as files: its own checkpoint (one file per layer: w, m, v, step, and the optimizer's other
+state, 8-bit AdamW's m_absmax and v_absmax; the same for full and real-time checkpoints) and the model's weights in Hugging Face names, in and out.
 
 Apart from the EPS because it is I/O, not training: it reads the layers through their tier (a disk tier
 pins each layer while it is read or written) and never touches the EPS's thread or its updates.
@@ -39,7 +39,7 @@ class EpsFiles:
 
         def payload() -> dict[str, torch.Tensor]:
             step = next(iter(st.optimizer.state.values()))["step"]
-            return {"w": st.w, "m": st.m, "v": st.v, "step": step.reshape(())}
+            return {"w": st.w, **st.moments, "step": step.reshape(())}
 
         return self.file_name(i), payload
 
@@ -55,8 +55,8 @@ class EpsFiles:
         for st in self.layers:
             t = read_tensors(ckpt, self.file_name(st.index), manifest)
             with self.tier.holding(st.index, "wmv", fresh=True, dirty=True):
-                for key, buf in (("w", st.w), ("m", st.m), ("v", st.v)):
-                    if key not in t or t[key].shape != buf.shape:
+                for key, buf in (("w", st.w), *st.moments.items()):
+                    if key not in t or t[key].shape != buf.shape or t[key].dtype != buf.dtype:
                         raise CheckpointError(f"{ckpt}: layer {st.index} {key} does not match this model")
                     buf.copy_(t[key])
                 st.set_step(float(t["step"]))

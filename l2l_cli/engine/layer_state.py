@@ -10,11 +10,27 @@ nor a tier: they import it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
 import torch
 
 from l2l_cli.engine.device import DONE, Accelerator, CopyHandle
 from l2l_cli.engine.flat import FlatLayout
-from l2l_cli.engine.optim import OptimSettings, bind_flat, set_lr
+from l2l_cli.engine.optim import OptimSettings, bind_flat, optimizer_runs, set_lr
+
+
+def state_numel(layout: FlatLayout, optim: OptimSettings) -> dict[str, int]:
+    """Entries of each state buffer (by short name) for a layer: the sum over its optimizer runs."""
+    runs = [hi - lo for _, lo, hi in optimizer_runs(layout, optim.flat_runs)]
+    return {b.short: sum(b.numel(n) for n in runs) for b in optim.kind.state}
+
+
+def _split(layout: FlatLayout, optim: OptimSettings) -> Any:
+    # AdamW (FP32 or 8-bit) takes two flat runs per layer (decayed, not): the fused kernel's long runs, the
+    # 8-bit one's blocks. LAMB's trust ratio is per parameter tensor, so it gets a view per tensor.
+    return layout.segments if optim.flat_runs else layout.views
 
 
 def bind_optimizer(
@@ -24,18 +40,33 @@ def bind_optimizer(
     m: torch.Tensor,
     v: torch.Tensor,
     optim: OptimSettings,
+    extra: Mapping[str, torch.Tensor] | None = None,
 ) -> torch.optim.Optimizer:
     """The host optimizer of one layer, working in place on flat buffers: parameters are views of ``w``
-    with ``.grad`` views of ``g``, and the moments are views of ``m`` and ``v``."""
-    # AdamW is elementwise: two flat tensors per layer (decayed, not) give the fused kernel long runs.
-    # LAMB's trust ratio is per parameter tensor, so it gets a view per tensor.
-    split = layout.segments if optim.elementwise else layout.views
-    grads, ms, vs = dict(split(g)), dict(split(m)), dict(split(v))
-    return bind_flat(((name, view, grads[name], ms[name], vs[name]) for name, view in split(w)), optim)
+    with ``.grad`` views of ``g``, and their state views of the flat state buffers, by the kind's
+    :class:`~l2l_cli.engine.optim.StateBuffer` short names: the two moments ``m`` and ``v`` (FP32, or 8-bit
+    codes: an entry per element) and ``extra`` (8-bit AdamW's absmaxes: one per block of each run). Each
+    run takes the next slice of each buffer, its elements' (or its blocks')."""
+    split = _split(layout, optim)
+    flat = {"m": m, "v": v, **(extra or {})}
+    grads = dict(split(g))
+    runs, at = [], dict.fromkeys(flat, 0)
+    for name, view in split(w):
+        state = {}
+        for b in optim.kind.state:
+            k = b.numel(view.numel())
+            part = flat[b.short][at[b.short] : at[b.short] + k]
+            state[b.key] = part.view(view.shape) if b.per == 1 else part  # moments shaped as the parameter
+            at[b.short] += k
+        runs.append((name, view, grads[name], state))
+    return bind_flat(runs, optim)
 
 
 class LayerState:
-    """One layer's training state in host memory, and the optimizer that updates it."""
+    """One layer's training state in host memory, and the optimizer that updates it. ``m``/``v``: the two
+    moments (FP32, or 8-bit codes); ``extra``: any other state by short name (8-bit AdamW's absmaxes)."""
+
+    extra: Mapping[str, torch.Tensor] = MappingProxyType({})
 
     def __init__(
         self, index: int, kind: str, layout: FlatLayout, acc: Accelerator, send_dtype: torch.dtype,
@@ -45,8 +76,12 @@ class LayerState:
         self.index, self.kind, self.layout = index, kind, layout
         self.w = acc.host_empty(n)  # FP32 master
         self.g = acc.host_empty(n).zero_()  # this step's gradient (copied from the device, reduced)
-        self.m = acc.host_empty(n).zero_()  # optimizer moments (AdamW / LAMB)
-        self.v = acc.host_empty(n).zero_()
+        sizes = state_numel(layout, optim)
+        dtypes = {b.short: getattr(torch, b.dtype) for b in optim.kind.state}
+        state = {k: acc.host_empty(sizes[k], dtypes[k]).zero_() for k in sizes}
+        self.m, self.v = state.pop("m"), state.pop("v")  # optimizer moments (AdamW / LAMB; 8-bit codes)
+        if state:
+            self.extra = state  # 8-bit AdamW: each block's absmax
         self.w_send = acc.host_empty(n, send_dtype) if send_dtype != torch.float32 else None
         # CMP: the gradient crosses the link in the device's half type and becomes FP32 here, on the host
         # (a conversion on the device would need an FP32 temporary there and twice the link's bytes)
@@ -55,7 +90,12 @@ class LayerState:
         self.grad_in: CopyHandle = DONE  # the device->host copy of this step's gradient
         self.undo: list[torch.Tensor] | None = None
         self.undo_step = 0.0
-        self.optimizer = bind_optimizer(layout, self.w, self.g, self.m, self.v, optim)
+        self.optimizer = bind_optimizer(layout, self.w, self.g, self.m, self.v, optim, self.extra)
+
+    @property
+    def moments(self) -> dict[str, torch.Tensor]:
+        """The optimizer's flat state by short name (the layer file's keys): m, v and any extra."""
+        return {"m": self.m, "v": self.v, **self.extra}
 
     @property
     def send(self) -> torch.Tensor:
@@ -132,9 +172,10 @@ class LayerState:
 
     def save_undo(self, acc: Accelerator) -> None:
         """Keep this layer's pre-update state (L2L-p updates before the step is known to be finite)."""
+        kept = (self.w, *self.moments.values())
         if self.undo is None:
-            self.undo = [acc.host_empty(self.w.numel()) for _ in range(3)]
-        for dst, src in zip(self.undo, (self.w, self.m, self.v)):
+            self.undo = [acc.host_empty(t.numel(), t.dtype) for t in kept]
+        for dst, src in zip(self.undo, kept):
             dst.copy_(src)
         self.undo_step = float(next(iter(self.optimizer.state.values()))["step"])
 
@@ -145,7 +186,7 @@ class LayerState:
 
     def restore_undo(self) -> None:
         assert self.undo is not None
-        for dst, src in zip((self.w, self.m, self.v), self.undo):
+        for dst, src in zip((self.w, *self.moments.values()), self.undo):
             dst.copy_(src)
         for state in self.optimizer.state.values():
             state["step"].fill_(self.undo_step)
@@ -156,7 +197,7 @@ class LayerState:
         return {
             "master": self.w.nbytes,
             "grads": self.g.nbytes,
-            "optimizer_state": self.m.nbytes + self.v.nbytes,
+            "optimizer_state": sum(t.nbytes for t in self.moments.values()),
             "send_copy": self.w_send.nbytes if self.w_send is not None else 0,
             "recv_copy": self.g_recv.nbytes if self.g_recv is not None else 0,
             "undo_log": sum(t.nbytes for t in self.undo) if self.undo is not None else 0,

@@ -1,4 +1,4 @@
-"""Optimizers (AdamW, LAMB), the learning-rate schedule, and gradient clipping / non-finite checks.
+"""Optimizers (AdamW, LAMB, 8-bit AdamW), the learning-rate schedule, gradient clipping, non-finite checks.
 
 The baselines and the eager param-server use the same optimizer classes over the same parameter tensors
 (the EPS passes views into its flat per-layer buffers), so every mode computes the same update.
@@ -35,15 +35,60 @@ def param_groups(named: Iterable[tuple[str, torch.Tensor]], weight_decay: float)
 
 
 @dataclass(frozen=True)
+class StateBuffer:
+    """One buffer of an optimizer's state per parameter: ``key`` in the optimizer's state (and the
+    checkpoint's module layout, ``<name>.<key>``), ``short`` its name in the EPS's layer files, its dtype
+    (a torch dtype's name: the registry is read without torch) and ``per``: parameter elements per entry
+    (1: one per element; 256: one per block)."""
+
+    key: str
+    short: str
+    dtype: str
+    per: int = 1
+
+    def numel(self, n: int) -> int:
+        """Entries for a run of ``n`` parameter elements."""
+        return -(-n // self.per)
+
+    @property
+    def bytes_per_param(self) -> float:
+        return _ITEMSIZE[self.dtype] / self.per
+
+
+_ITEMSIZE = {"float32": 4, "uint8": 1}
+ADAM_FP32 = (StateBuffer("exp_avg", "m", "float32"), StateBuffer("exp_avg_sq", "v", "float32"))
+ADAM_8BIT = (
+    StateBuffer("exp_avg", "m", "uint8"),
+    StateBuffer("exp_avg_sq", "v", "uint8"),
+    StateBuffer("exp_avg_absmax", "m_absmax", "float32", 256),
+    StateBuffer("exp_avg_sq_absmax", "v_absmax", "float32", 256),
+)
+
+
+@dataclass(frozen=True)
 class OptimizerKind:
     """An optimizer ``optim.name`` selects: how to build it over parameter groups, and whether its update
-    is elementwise, which the EPS and the pipeline rely on (one flat run per decay group for the fused
-    kernel, the trailing update's early rows, a shard of a layer updated alone). LAMB's trust ratio is
-    a norm over each whole parameter tensor, so it is not."""
+    is elementwise, which the EPS and the pipeline rely on (the trailing update's early rows, a shard of
+    a layer updated alone). LAMB's trust ratio is a norm over each whole parameter tensor, so it is not;
+    nor is 8-bit AdamW's (its moments are quantized per block). ``flat_runs``: the EPS binds it to two long
+    runs per layer (decayed, not) rather than one parameter per tensor. ``state``: the buffers it keeps per
+    parameter, which the EPS allocates flat (and the planner counts, :attr:`state_bytes_per_param`)."""
 
     name: str
     build: Callable[[list[dict[str, Any]], OptimSettings], torch.optim.Optimizer]
     elementwise: bool
+    flat_runs: bool
+    state: tuple[StateBuffer, ...] = ADAM_FP32
+
+    @property
+    def state_bytes_per_param(self) -> float:
+        """Host (or device) bytes of optimizer state per parameter: 8 for FP32 moments, ~2.03 for 8-bit."""
+        return sum(b.bytes_per_param for b in self.state)
+
+    @property
+    def fp32_moments(self) -> bool:
+        """Two FP32 moments per element, the layout the disk tier's files and the pipeline's stages hold."""
+        return self.state == ADAM_FP32
 
 
 def _adamw(groups: list[dict[str, Any]], o: OptimSettings) -> torch.optim.Optimizer:
@@ -61,8 +106,19 @@ def _lamb(groups: list[dict[str, Any]], o: OptimSettings) -> torch.optim.Optimiz
     return Lamb(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
 
 
+def _adamw8bit(groups: list[dict[str, Any]], o: OptimSettings) -> torch.optim.Optimizer:
+    from l2l_cli.engine.adamw8bit import AdamW8bit
+
+    return AdamW8bit(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+
+
 OPTIMIZERS: dict[str, OptimizerKind] = {
-    k.name: k for k in (OptimizerKind("adamw", _adamw, elementwise=True), OptimizerKind("lamb", _lamb, False))
+    k.name: k
+    for k in (
+        OptimizerKind("adamw", _adamw, elementwise=True, flat_runs=True),
+        OptimizerKind("lamb", _lamb, elementwise=False, flat_runs=False),
+        OptimizerKind("adamw8bit", _adamw8bit, elementwise=False, flat_runs=True, state=ADAM_8BIT),
+    )
 }
 
 
@@ -88,6 +144,10 @@ class OptimSettings:
     def elementwise(self) -> bool:
         return self.kind.elementwise
 
+    @property
+    def flat_runs(self) -> bool:
+        return self.kind.flat_runs
+
     @classmethod
     def from_cfg(cls, o: Any) -> OptimSettings:
         return cls(o.name, o.lr, o.weight_decay, o.beta1, o.beta2, o.eps, o.warmup_ratio, o.warmup_steps,
@@ -112,34 +172,36 @@ class RunLayout(Protocol):
     def entries(self) -> Sequence[Any]: ...  # .name, .offset, .numel of each parameter tensor
 
 
-def optimizer_runs(layout: RunLayout, elementwise: bool) -> list[tuple[str, int, int]]:
-    """Where a layer's flat buffer splits into the optimizer's parameters, (name, start, end): an
-    elementwise update (AdamW) takes two long runs, the weight-decayed prefix (``decay``) and the rest
-    (``bias``), for the fused kernel; LAMB's trust ratio is a norm per parameter tensor, so one run per
-    tensor, by its own name. A run may be empty; ``param_groups`` sorts runs into decay groups by name."""
-    if elementwise:
+def optimizer_runs(layout: RunLayout, flat_runs: bool) -> list[tuple[str, int, int]]:
+    """Where a layer's flat buffer splits into the optimizer's parameters, (name, start, end): AdamW
+    (``OptimizerKind.flat_runs``, FP32 or 8-bit) takes two long runs, the weight-decayed prefix
+    (``decay``) and the rest (``bias``), for the fused kernel; LAMB's trust ratio is a norm per parameter
+    tensor, so one run per tensor, by its own name. A run may be empty; ``param_groups`` sorts runs into
+    decay groups by name."""
+    if flat_runs:
         return [("decay", 0, layout.n_decay), ("bias", layout.n_decay, layout.numel)]
     return [(e.name, e.offset, e.offset + e.numel) for e in layout.entries]
 
 
 def bind_flat(
-    runs: Iterable[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]], o: OptimSettings
+    runs: Iterable[tuple[str, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]], o: OptimSettings
 ) -> torch.optim.Optimizer:
-    """An optimizer working in place on flat buffers: each run (name, w, g, exp_avg, exp_avg_sq) is one
-    parameter, a view of the weights whose ``.grad`` is a view of the gradient, and its moments are views
-    too (they shard, gather and checkpoint as flat buffers). Weight decay by ``param_groups`` on the names."""
+    """An optimizer working in place on flat buffers: each run (name, w, g, state) is one parameter, a
+    view of the weights whose ``.grad`` is a view of the gradient, and its state ({key: tensor} of the
+    kind's :class:`StateBuffer` keys: AdamW's ``exp_avg``, ``exp_avg_sq``) is views too (they shard,
+    gather and checkpoint as flat buffers). Weight decay by ``param_groups`` on the names."""
     import torch
     from torch import nn
 
-    named, moments = [], []
-    for name, w, g, m, v in runs:
+    named, states = [], []
+    for name, w, g, state in runs:
         p = nn.Parameter(w)
         p.grad = g
         named.append((name, p))
-        moments.append((p, m, v))
+        states.append((p, state))
     optimizer = make_optimizer(param_groups(named, o.weight_decay), o)
-    for p, m, v in moments:
-        optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32), "exp_avg": m, "exp_avg_sq": v}
+    for p, state in states:
+        optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32), **state}
     return optimizer
 
 

@@ -348,9 +348,7 @@ class DeviceResident(RunnerBase):
         for name, st in ModuleState(ckpt, manifest).load(named.items(), whole=True).items():
             p = named[name]
             self.optimizer.state[p] = {
-                "step": st["step"].clone(),
-                "exp_avg": st["exp_avg"].to(p.device).clone(),
-                "exp_avg_sq": st["exp_avg_sq"].to(p.device).clone(),
+                k: t.clone() if k == "step" else t.to(p.device).clone() for k, t in st.items()
             }
 
     def close(self) -> None:

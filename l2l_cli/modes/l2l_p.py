@@ -17,7 +17,8 @@ The trailing update (layer 0, the embeddings: nothing is left to overlap it with
 the rows of the embedding tables that the next batch reads (and the small tensors) are updated before its
 forward starts, the rest on the EPS thread behind that forward; nothing reads them before they are in
 (the next update of the layer, evaluation and checkpoints wait for them). AdamW only: LAMB's trust ratio
-needs the whole tensor, so with LAMB the trailing update stays at the end of the step.
+needs the whole tensor and 8-bit AdamW quantizes whole blocks, so with them the trailing update stays at the
+end of the step.
 """
 
 from __future__ import annotations

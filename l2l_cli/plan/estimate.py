@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from l2l_cli.engine.optim import OPTIMIZERS
 from l2l_cli.engine.recompute_plan import MARGIN, SELECTIVE_SHARE, LayerBytes, RecomputeSettings, choose
 from l2l_cli.engine.tiers import TIERS
 from l2l_cli.modes import MODES, ModeSpec, find_mode, run_precision, run_stash
@@ -51,6 +52,7 @@ class Setup:
     att_half: float | None = (
         None  # bytes per attention score the device's kernel keeps (amp/cmp); None: HF math
     )
+    optim: str = "adamw"  # optim.name: its state's bytes per parameter (8-bit moments: ~2 instead of 8)
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> Setup:
@@ -65,6 +67,7 @@ class Setup:
             grad_ram_gb=cfg.eps.grad_ram_gb,
             bf16_master_planes=run_precision(cfg) == "cmp" and cfg.precision.dtype == "bf16",
             **device_terms(cfg),
+            optim=cfg.optim.name,
         )  # fmt: skip
 
     @property
@@ -72,6 +75,19 @@ class Setup:
         """The EPS keeps its state on disk, a few layers cached in RAM (eps.tier=disk)."""
         kind = TIERS.get(self.tier)
         return self.l2l and kind is not None and kind.on_disk
+
+    @property
+    def state_bytes(self) -> float:
+        """Training state per parameter: FP32 weights and gradient, and the optimizer's state (16 with
+        AdamW or LAMB; ~10 with adamw8bit's 8-bit moments and their per-block absmax)."""
+        kind = OPTIMIZERS.get(self.optim)
+        return FP32_STATE if kind is None else 8.0 + kind.state_bytes_per_param
+
+    @property
+    def disk_layout_ok(self) -> bool:
+        """The disk tier's layer files hold this optimizer's state (FP32 moments; not adamw8bit's yet)."""
+        kind = OPTIMIZERS.get(self.optim)
+        return kind is None or kind.fp32_moments
 
     @property
     def data_parallel(self) -> int:
@@ -129,7 +145,7 @@ def memory(shape: ModelShape, s: Setup) -> dict[str, dict[str, float]]:
     disk: dict[str, float] = {}
     if not s.l2l:
         # l2l-v1 eq. 1: the whole training state on the device, every layer's activations for one ubatch
-        dev["training_state"] = FP32_STATE * P
+        dev["training_state"] = s.state_bytes * P
         if s.precision == "amp":  # autocast's half copies of the weights, cached through the step
             dev["param_grad_buffers"] = 2.0 * (shape.blocks_params + shape.post_params)
         dev["working_activations"] = ub * (N * saved + pre + (working - saved))
@@ -154,11 +170,9 @@ def memory(shape: ModelShape, s: Setup) -> dict[str, dict[str, float]]:
             host["eps_grad_pool"] = min(s.grad_ram_gb * 1e9, 4.0 * P)
             disk["eps_files"] = DISK_STATE * P
         else:
-            host["training_state"] = FP32_STATE * P
-            if s.spec.undo_log:
-                host["undo_copies"] = (
-                    12.0 * P
-                )  # weights and moments before the early update (skip on overflow)
+            host["training_state"] = s.state_bytes * P
+            if s.spec.undo_log:  # weights and moments before the early update (skip on overflow)
+                host["undo_copies"] = (s.state_bytes - 4.0) * P
             if s.precision == "cmp":
                 host["send_copy"] = 2.0 * P  # the half copy the relay sends
     return _reserve({"device": dev, "host": host, "disk": disk}, s)
@@ -391,8 +405,14 @@ def eps_tier(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Any] | None
             "disk_hidden_s": r["phases"]["disk_wait"].hidden,
         }  # fmt: skip
     # a tier in RAM needs its state to fit there; one on disk needs the whole run (disk, RAM, device) to fit
+    # (a tier on disk holds FP32 moments only: not a choice for adamw8bit yet)
     needed = next(
-        (t for t, r in tiers.items() if (r["fits"] if TIERS[t].on_disk else r["host_fits"])), "none"
+        (
+            t
+            for t, r in tiers.items()
+            if (r["fits"] and s.disk_layout_ok if TIERS[t].on_disk else r["host_fits"])
+        ),
+        "none",
     )
     return {"configured": s.tier, "needed": needed, "cache_layers": s.cache_layers, **tiers}
 
@@ -534,14 +554,15 @@ def verdict(shape: ModelShape, s: Setup, rates: Rates, result: dict[str, Any]) -
         if s.disk:
             return f"does not fit: {why} (eps.host_cache_layers={s.cache_layers} layers cached); lower it"
         on_disk = next(t for t, kind in TIERS.items() if kind.on_disk)
-        alt = evaluate(shape, s.but(tier=on_disk), rates) if s.l2l else None
+        alt = evaluate(shape, s.but(tier=on_disk), rates) if s.l2l and s.disk_layout_ok else None
         if alt is not None and alt["fits"]:
             return (
-                f"does not fit: {why} (the EPS keeps 16 bytes per parameter in RAM); eps.tier={on_disk} fits: "
+                f"does not fit: {why} (the EPS keeps {s.state_bytes:.3g} bytes per parameter in RAM); "
+                f"eps.tier={on_disk} fits: "
                 f"{fmt_bytes(alt['disk_bytes'])} on disk, {fmt_bytes(alt['host_bytes'])} in RAM with "
                 f"eps.host_cache_layers={s.cache_layers}, ~{alt['step_time_s']:.3g} s per step"
             )
-        return f"does not fit: {why} (the EPS keeps 16 bytes per parameter)"
+        return f"does not fit: {why} (the EPS keeps {s.state_bytes:.3g} bytes per parameter)"
     parts = result["memory"]["device"]
     worst = max(parts, key=parts.get)
     hints = {

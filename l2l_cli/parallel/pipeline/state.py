@@ -79,12 +79,12 @@ class StageState:
         runs = []
         lo = self.lo
         for sl in self.slices:
-            for name, a, b in optimizer_runs(sl.layout, optim.elementwise):
+            for name, a, b in optimizer_runs(sl.layout, optim.flat_runs):
                 a, b = max(sl.offset + a, lo), min(sl.offset + b, self.hi)
                 if b <= a:
                     continue
-                runs.append((name, self.w[a:b], self.g_opt[a - lo : b - lo], self.m[a - lo : b - lo],
-                             self.v[a - lo : b - lo]))  # fmt: skip
+                moments = {"exp_avg": self.m[a - lo : b - lo], "exp_avg_sq": self.v[a - lo : b - lo]}
+                runs.append((name, self.w[a:b], self.g_opt[a - lo : b - lo], moments))
                 self.groups.setdefault(sl.index, []).append((a - lo, b - lo))
         self.optimizer = bind_flat(runs, optim) if runs else None
         self.reduce: Any = None  # the data-parallel reduction in flight
