@@ -6,6 +6,7 @@ uninterrupted one, with no checkpoint of its own (``trainer.save_every=0``, the 
 from __future__ import annotations
 
 import functools
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,11 @@ from safetensors.torch import load_file
 from l2l_cli import problems
 from l2l_cli.compose import compose
 from l2l_cli.engine.tiers.disk import writeback
+from l2l_cli.engine.tiers.disk.format import DiskIo
+from l2l_cli.engine.tiers.disk.store import LayerStore
+from l2l_cli.engine.tiers.disk.tier import DiskTier
 from l2l_cli.train import run_job
-from tests.util import TINY
+from tests.util import TINY, tiny_cfg, train
 
 STEPS = 4
 # 5 layers, 3 of them in RAM, no RAM for gradients and clipping certain: every step writes layer files
@@ -90,3 +94,76 @@ def test_a_failed_commit_record_is_never_adopted_as_if_it_had_succeeded(
     ), lines
     assert "commit.json" in lines[0]
     _resumed_equals_the_reference(run, ref, capsys)
+
+
+def _steps(seq: tuple[str, ...]) -> list[list[int]]:
+    """The 1-based positions in ``seq`` of each step's writes (step 0: building the state), each ending
+    with its commit record."""
+    out: list[list[int]] = [[]]
+    for n, path in enumerate(seq, 1):
+        out[-1].append(n)
+        if path.endswith("commit.json"):
+            out.append([])
+    return out[:-1]
+
+
+def _nth_write_of(seq: tuple[str, ...], step: int, name: str, last: bool = True) -> int:
+    """Which write of file ``name`` (1-based, among that file's) is its last (else first) one in ``step``."""
+    positions = _steps(seq)[step]
+    mine = [n for n in range(1, len(seq) + 1) if seq[n - 1].endswith(name)]
+    hits = [k for k, n in enumerate(mine, 1) if n in positions]
+    return hits[-1] if last else hits[0]
+
+
+@pytest.mark.parametrize("layer", ["layer_00000.eps", "layer_00003.eps"])
+def test_a_failed_layer_write_is_raised_and_never_named_by_a_commit_record(
+    tmp_path: Path, ref_root: Path, monkeypatch: Any, capsys: Any, layer: str
+) -> None:
+    """Items 2 and 3: a layer's update in step 2 finds the disk full. The record of step 2 must not name the
+    slot that was never written (the record job checks the writes queued before it), and the error reaches
+    the training step even where it is met by a read-ahead evicting the slot (the embeddings, layer 0: in
+    RAM at the next forward, evicted by the read-ahead behind it): the run stops naming the file, and
+    resumes bit-identical."""
+    ref, seq = _reference(str(ref_root))
+    run = tmp_path / "run"
+    nth = _nth_write_of(seq, 2, layer)
+    lines = _faulted(monkeypatch, capsys, run, "ENOSPC", f"{run}/eps/{layer}@{nth}")
+    assert len(lines) == 1 and lines[0].startswith(
+        f"l2l: error: disk full: no space left writing {run}/eps/"
+    ), lines
+    _resumed_equals_the_reference(run, ref, capsys)
+
+
+def test_a_read_into_a_slot_waits_for_its_write_back(monkeypatch: Any) -> None:
+    """Item 4: an L2L-p rollback under bf16 CMP (global clipping crosses its limit at the last layers, after
+    speculative updates): the layer's current version becomes the pre-update slot again while the update's
+    write-back may still read the cache slot's buffers (the lo plane, v's tie marks), and the redo reads the
+    pre-update state into them. With the writes slowed down, no read into a slot starts before that slot's
+    write-back is done, and the weights equal the host tier's."""
+    over = ("mode=l2l_p", "optim.max_grad_norm=0.24", "precision=cmp", "precision.dtype=bf16")
+    ref = train(tiny_cfg(*over))
+    real_write, real_read, real_restore = DiskIo.write, LayerStore.read_state, DiskTier.restore
+    early: list[int] = []
+    restored: list[int] = []
+
+    def slow_write(self: DiskIo, fd: int, mv: memoryview, offset: int) -> None:
+        time.sleep(0.02)
+        real_write(self, fd, mv, offset)
+
+    def checked_read(self: LayerStore, fd: int, s: Any, i: int, *args: Any) -> None:
+        if s.writing is not None and not s.writing.done():
+            early.append(i)
+        real_read(self, fd, s, i, *args)
+
+    def counted_restore(self: DiskTier, st: Any) -> None:
+        restored.append(st.index)
+        real_restore(self, st)
+
+    monkeypatch.setattr(DiskIo, "write", slow_write)
+    monkeypatch.setattr(LayerStore, "read_state", checked_read)
+    monkeypatch.setattr(DiskTier, "restore", counted_restore)
+    got = train(tiny_cfg(*over, "eps.tier=disk"))
+    assert restored  # the scenario: a rollback to the disk slot
+    assert early == []
+    assert got["losses"] == ref["losses"]
+    assert [k for k in ref["weights"] if not torch.equal(got["weights"][k], ref["weights"][k])] == []
