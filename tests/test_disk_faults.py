@@ -6,6 +6,7 @@ uninterrupted one, with no checkpoint of its own (``trainer.save_every=0``, the 
 from __future__ import annotations
 
 import functools
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from safetensors.torch import load_file
 from l2l_cli import problems
 from l2l_cli.compose import compose
 from l2l_cli.engine.tiers.disk import writeback
-from l2l_cli.engine.tiers.disk.format import DiskIo
+from l2l_cli.engine.tiers.disk.format import ALIGN, MAGIC, DiskIo, LayerFile, record_digest
 from l2l_cli.engine.tiers.disk.store import LayerStore
 from l2l_cli.engine.tiers.disk.tier import DiskTier
 from l2l_cli.train import run_job
@@ -147,7 +148,7 @@ def test_a_read_into_a_slot_waits_for_its_write_back(monkeypatch: Any) -> None:
     restored: list[int] = []
 
     def slow_write(self: DiskIo, fd: int, mv: memoryview, offset: int) -> None:
-        time.sleep(0.02)
+        time.sleep(0.1)
         real_write(self, fd, mv, offset)
 
     def checked_read(self: LayerStore, fd: int, s: Any, i: int, *args: Any) -> None:
@@ -167,3 +168,58 @@ def test_a_read_into_a_slot_waits_for_its_write_back(monkeypatch: Any) -> None:
     assert early == []
     assert got["losses"] == ref["losses"]
     assert [k for k in ref["weights"] if not torch.equal(got["weights"][k], ref["weights"][k])] == []
+
+
+# ---- issue 37 item 3: checksums on the layer files' slots and the commit record -----------------------
+
+SHORT = [*TINY, "mode=l2l", "eps.tier=disk", "task.num_train=256", "task.num_eval=16"]
+
+
+def _refused_resume(run: Path, capsys: Any) -> str:
+    """Resume ``run`` one step further; it must be refused: the one line it printed."""
+    capsys.readouterr()
+    status = run_job(compose([*SHORT, "trainer.max_steps=3", f"trainer.resume={run}"]), run)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert status != "ok" and len(lines) == 1, (status, lines)
+    return lines[0]
+
+
+@pytest.fixture
+def short_run(tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    assert run_job(compose([*SHORT, "trainer.max_steps=2"]), run) == "ok"
+    return run
+
+
+@pytest.mark.parametrize("part", ["weights", "moments"])
+def test_a_flipped_bit_in_a_layer_file_is_refused_naming_the_file(
+    short_run: Path, capsys: Any, part: str
+) -> None:
+    """One flipped exponent bit in the committed slot of layer 2's file (its weights, read by the forward, or
+    its second moment, read by the backward's update): the resume stops in one line naming the file."""
+    record = json.loads((short_run / "eps" / "commit.json").read_text())
+    path = short_run / "eps" / "layer_00002.eps"
+    head = json.loads(path.read_bytes()[len(MAGIC) : ALIGN].split(b"\n")[0])
+    f = LayerFile(path.parent, 2, head["kind"], head["numel"], head["format"] == 2)
+    at = f.offset(record["layers"][2]["slot"], f.parts[0] if part == "weights" else "v") + 3
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x40
+    path.write_bytes(bytes(data))
+    line = _refused_resume(short_run, capsys)
+    assert str(path) in line and "checksum" in line, line
+
+
+@pytest.mark.parametrize("fix_checksum", [False, True])
+def test_a_slot_changed_in_the_commit_record_is_refused(
+    short_run: Path, capsys: Any, fix_checksum: bool
+) -> None:
+    """Layer 1's slot changed in commit.json (0 <-> 1): refused naming commit.json (its own checksum); with
+    that checksum recomputed too, the slot's data does not match the checksums the record names for it."""
+    path = short_run / "eps" / "commit.json"
+    record = json.loads(path.read_text())
+    record["layers"][1]["slot"] = 1 - record["layers"][1]["slot"]
+    if fix_checksum:
+        record["checksum"] = record_digest(record)
+    path.write_text(json.dumps(record))
+    line = _refused_resume(short_run, capsys)
+    assert ("layer_00001.eps" if fix_checksum else "commit.json") in line and "checksum" in line, line

@@ -202,6 +202,6 @@ class Reader:
                 if in_ram:
                     st.pool.get(i, s.f32["g"][: f.numel])
                 else:
-                    st.read(fd, s.mv("g", f.part_bytes), f.park_offset(1 - st.newest(i)), "grad")
+                    st.read_part(fd, s.mv("g", f.part_bytes), i, 1 - st.newest(i), "g", "grad")
         finally:
             os.close(fd)

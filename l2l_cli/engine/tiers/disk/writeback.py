@@ -24,7 +24,10 @@ from l2l_cli.engine.tiers.disk.format import (
     FORMAT_SPLIT,
     clear_marks,
     crash_point,
+    digest,
+    record_digest,
     split_master,
+    zeros_digest,
 )
 from l2l_cli.engine.tiers.disk.stats import IoCounts
 from l2l_cli.engine.tiers.disk.store import LayerStore
@@ -109,6 +112,7 @@ class WriteBehind:
         if prev is None and not f.split:
             parts = "w"
         st.latest[i], st.parked[i], st.grad_live[i], s.g_dirty = target, False, False, False
+        st.sums[i][target].clear()  # (known again once the write is done)
         st.pool.live.discard(i)
         s.valid.discard("g")  # applied: what is left in g is no gradient to keep
         c = self.counts.setup if setup else self.counts.step  # bytes when queued: the step that wrote them
@@ -136,11 +140,14 @@ class WriteBehind:
             assert s.w_send is not None and s.lo is not None
             n = f.numel
             marks = split_master(s.f32["w"][:n], s.w_send[:n], s.lo[:n], s.f32["v"][:n])
+        sums = {p: zeros_digest(f.nbytes(p)) for p in f.parts if p not in parts}  # (a new file's zeros)
         with writing(f.path):  # a full disk: named; the committed slot stays as it was
             fd = io.open(f.path)
             try:
                 for k, p in enumerate(parts):
-                    io.write(fd, s.mv(p, f.nbytes(p)), f.offset(target, p))
+                    mv = s.mv(p, f.nbytes(p))
+                    sums[p] = digest(mv)
+                    io.write(fd, mv, f.offset(target, p))
                     if k == 0:
                         crash_point("write")  # a torn slot: w written, the moments not yet
                 io.sync(fd, f.offset(target, parts[0]), sum(f.nbytes(p) for p in parts))
@@ -150,6 +157,7 @@ class WriteBehind:
                     clear_marks(s.f32["v"][: f.numel], marks)
         with self.cv:
             (self.counts.setup if setup else self.counts.step).write_s += time.perf_counter() - t0
+            self.store.sums[i][target].update(sums)
 
     def park(self, s: CacheSlot, i: int) -> Future:
         """(Holding the lock.) Queue layer i's gradient for the disk (after any earlier write of the slot)."""
@@ -168,12 +176,17 @@ class WriteBehind:
             try:
                 target = 1 - self.store.newest(i)
                 self._writable(i, target)
-                io.write(fd, s.mv("g", f.part_bytes), f.park_offset(target))
+                with self.cv:
+                    self.store.sums[i][target].clear()
+                mv = s.mv("g", f.part_bytes)
+                sum_g = digest(mv)
+                io.write(fd, mv, f.park_offset(target))
                 crash_point("park")
                 io.sync(fd, f.park_offset(target), f.part_bytes)
             finally:
                 os.close(fd)
         with self.cv:
+            self.store.sums[i][target]["g"] = sum_g
             self.counts.step.parks += 1
             self.counts.step.write_s += time.perf_counter() - t0
 
@@ -204,7 +217,11 @@ class WriteBehind:
                 raise RuntimeError(f"a write before the commit record of step {record['step']} failed") from (
                     w.exception()
                 )
-        root = self.store.root
+        root, st = self.store.root, self.store
+        with self.cv:  # each named slot's checksums, known now that the writes before are done
+            for i, e in enumerate(record["layers"]):
+                e["sums"] = {p: f"{h:016x}" for p, h in st.sums[i][slots[i]].items() if p != "g"}
+        record["checksum"] = record_digest(record)
         t0 = time.perf_counter()
         tmp = root / f".{COMMIT}.tmp"
         with writing(root / COMMIT), open(tmp, "w") as f:
