@@ -223,3 +223,39 @@ def test_a_slot_changed_in_the_commit_record_is_refused(
     path.write_text(json.dumps(record))
     line = _refused_resume(short_run, capsys)
     assert ("layer_00001.eps" if fix_checksum else "commit.json") in line and "checksum" in line, line
+
+
+# ---- acceptance 3: a fault at every write point of a step in turn ------------------------------------
+
+SWEEP_STEP = 3
+
+
+def _sweep_cases() -> list[Any]:
+    """(kind, k): the k-th write of step SWEEP_STEP (layer files, parks, the record; counted from 0), with
+    ENOSPC and EIO; the default suite runs one (an I/O error at the step's first write), -m slow the rest."""
+    cases = []
+    for kind in ("EIO", "ENOSPC"):
+        for k in range(12):
+            sample = kind == "EIO" and k == 0
+            cases.append(pytest.param(kind, k, marks=() if sample else pytest.mark.slow, id=f"{kind}-{k}"))
+    return cases
+
+
+@pytest.mark.parametrize(("kind", "k"), _sweep_cases())
+def test_a_fault_at_any_write_of_a_step_resumes_bit_identical(
+    tmp_path: Path, ref_root: Path, monkeypatch: Any, capsys: Any, kind: str, k: int
+) -> None:
+    """A write of step 3 refused (the k-th in the writer's order): the run stops in one line naming the
+    file; resumed, it ends bit-identical to the uninterrupted run (never a silent difference)."""
+    ref, seq = _reference(str(ref_root))
+    step = _steps(seq)[SWEEP_STEP]
+    if k >= len(step):
+        pytest.skip(f"step {SWEEP_STEP} makes {len(step)} writes")
+    run = tmp_path / "run"
+    n = step[k]
+    lines = _faulted(monkeypatch, capsys, run, kind, f"{run}/eps/@{n}")
+    name = Path(seq[n - 1]).name
+    assert len(lines) == 1 and f"{run}/eps/" in lines[0] and "Traceback" not in lines[0], lines
+    assert lines[0].startswith("l2l: error: " + ("disk full" if kind == "ENOSPC" else "write failed")), lines
+    assert name in lines[0] or "layer_" in lines[0], (name, lines)
+    _resumed_equals_the_reference(run, ref, capsys)
