@@ -148,7 +148,7 @@ def test_a_read_into_a_slot_waits_for_its_write_back(monkeypatch: Any) -> None:
     restored: list[int] = []
 
     def slow_write(self: DiskIo, fd: int, mv: memoryview, offset: int) -> None:
-        time.sleep(0.1)
+        time.sleep(0.3)
         real_write(self, fd, mv, offset)
 
     def checked_read(self: LayerStore, fd: int, s: Any, i: int, *args: Any) -> None:

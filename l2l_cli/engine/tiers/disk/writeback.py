@@ -157,7 +157,9 @@ class WriteBehind:
                     clear_marks(s.f32["v"][: f.numel], marks)
         with self.cv:
             (self.counts.setup if setup else self.counts.step).write_s += time.perf_counter() - t0
-            self.store.sums[i][target].update(sums)
+            known = self.store.sums[i][target]  # (a gradient parked there before is overwritten now)
+            known.clear()
+            known.update(sums)
 
     def park(self, s: CacheSlot, i: int) -> Future:
         """(Holding the lock.) Queue layer i's gradient for the disk (after any earlier write of the slot)."""
