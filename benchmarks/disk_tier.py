@@ -38,6 +38,8 @@ from l2l_cli.data.batches import TrainStream
 from l2l_cli.data.synthetic import synthetic
 from l2l_cli.data.tasks import TASKS, TaskData
 from l2l_cli.engine.tiers.disk import disk_bytes, measure_disk
+from l2l_cli.engine.tiers.disk import store as disk_store
+from l2l_cli.engine.tiers.disk import writeback as disk_writeback
 from l2l_cli.engine.tiers.disk.stats import READS, WRITES
 from l2l_cli.models import make_spec
 from l2l_cli.session import build
@@ -181,6 +183,9 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="keep the layer files afterwards")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--tiny", action="store_true", help="a tiny model: checks that the benchmark runs")
+    ap.add_argument(
+        "--no-checksums", action="store_true", help="skip the slots' checksums (to measure what they cost)"
+    )
     ap.add_argument("--host-only", help=argparse.SUPPRESS)  # (the host tier's child process: results here)
     a = ap.parse_args()
     if a.tiny:
@@ -238,6 +243,18 @@ def main() -> int:
         """Global clipping applied (every update of the step waited for the norm: not the 28 B scheme)."""
         return norm is not None and norm > cfg.optim.max_grad_norm
 
+    checksum_s = [0.0]  # seconds spent checksumming (on the reader and writer threads, behind the compute)
+    real_digest = disk_store.digest
+
+    def timed_digest(mv: memoryview) -> int:
+        t = time.perf_counter()
+        try:
+            return 0 if a.no_checksums else real_digest(mv)
+        finally:
+            checksum_s[0] += time.perf_counter() - t
+
+    disk_store.digest = disk_writeback.digest = timed_digest  # type: ignore[assignment]
+
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
     with build(cfg, data=task) as session:
@@ -250,6 +267,7 @@ def main() -> int:
         )
         batches = TrainStream(data, a.batch, seed=0, pad_to_max=a.seq).batches()
         for step in range(1, a.steps + 1):
+            checksum_s[0] = 0.0
             r = runner.step(next(batches))
             tier.commit(step, {"benchmark": True})
             ph, ex = r.phases, r.extra
@@ -261,6 +279,7 @@ def main() -> int:
                 "disk_wait_s": ph.get("disk_wait", 0.0),
                 "hidden_share": max(0.0, 1 - ph.get("disk_wait", 0.0) / io_s) if io_s else None,
                 "grad_norm": r.grad_norm, "clipped": clipped(r.grad_norm), "phases": ph,
+                "checksum_s": checksum_s[0],
             }  # fmt: skip
             rows.append(row)
             print(f"step {step}: {r.step_time_s:.3g} s, read {row['read_gb']:.3g} GB in {row['disk_read_s']:.3g} s, "
@@ -276,6 +295,7 @@ def main() -> int:
     write_s = sum(r["disk_write_s"] for r in steady)
     wait_s = sum(r["disk_wait_s"] for r in steady)
     step_s = statistics.mean(r["step_time_s"] for r in steady)
+    sum_s = statistics.mean(r["checksum_s"] for r in steady)
     result = {
         "params": params, "state_bytes": state, "ram_bytes": ram, "state_over_ram": state / ram,
         "peak_rss_bytes": peak, "disk_bytes": need, "sequential": ref, "steps": rows, "tier": total,
@@ -285,6 +305,8 @@ def main() -> int:
             "write_gbps": write_b / write_s / GB if write_s else None,
             "io_gbps_over_step": (read_b + write_b) / (step_s * len(steady)) / GB,
             "hidden_share": max(0.0, 1 - wait_s / (read_s + write_s)) if read_s + write_s else None,
+            "checksum_s": sum_s,
+            "checksums": not a.no_checksums,
         },
     }  # fmt: skip
     st = result["steady"]
@@ -296,6 +318,8 @@ def main() -> int:
     print(
         f"I/O hidden behind compute: {100 * (st['hidden_share'] or 0):.0f}% (1 - disk_wait / (disk_read + disk_write))"
     )
+    print(f"checksums {'off' if a.no_checksums else 'on'}: {sum_s:.3g} s of checksumming per step "
+          f"(background threads) = {100 * sum_s / step_s:.2f}% of the {step_s:.3g} s step")  # fmt: skip
     per = total["bytes_per_param_step"]
     print(f"disk I/O per parameter and step: {total['read_bytes_per_param_step']:.2f} B read + "
           f"{total['write_bytes_per_param_step']:.2f} B written = "

@@ -63,13 +63,27 @@ def fmt_bytes(n: float) -> str:
     return f"{int(n)} B" if abs(n) < 999.5 else f"{n / 1024:.3g} KiB"
 
 
-# ---- a full disk: one line naming the path and the free space ----------------------------------------
+# ---- a failed write: one line naming the path (and, for a full disk, the free space) --------------------
 
-_FAULT = os.environ.get("L2L_FAULT_ENOSPC", "")  # "<path part>[@n]": the n-th write there is refused (tests)
+# "<path part>[@n]": the n-th write there, and every one after it, is refused (the tests' faults)
+_FAULT = os.environ.get("L2L_FAULT_ENOSPC", "")  # with ENOSPC (a full disk)
+_FAULT_EIO = os.environ.get("L2L_FAULT_EIO", "")  # with EIO (a failing disk, a lost network mount)
 _fault_seen = [0]
 
 
-class DiskFull(OSError):
+class WriteFailed(OSError):
+    """A write the OS refused (an I/O error): the run stops (exit 1) naming the path; what was committed
+    before (checkpoints, the disk EPS's commit record) stays usable."""
+
+    def __init__(self, path: Path | str, err: int = errno.EIO, why: str = ""):
+        self.path = Path(path)
+        super().__init__(err, f"write failed: {why or os.strerror(err)} writing {self.path}")
+
+    def __str__(self) -> str:
+        return self.strerror or "write failed"
+
+
+class DiskFull(WriteFailed):
     """A write refused for lack of space (ENOSPC): the run stops (exit 1) naming where, and how much is
     free there; what was committed before (checkpoints, the disk EPS's commit record) stays usable."""
 
@@ -77,7 +91,7 @@ class DiskFull(OSError):
         self.path = Path(path)
         free = free_bytes(self.path)
         where = f"{fmt_bytes(free)} free there" if free is not None else "free space unknown"
-        super().__init__(errno.ENOSPC, f"disk full: no space left writing {self.path} ({where})")
+        OSError.__init__(self, errno.ENOSPC, f"disk full: no space left writing {self.path} ({where})")
 
     def __str__(self) -> str:
         return self.strerror or "disk full"
@@ -98,17 +112,22 @@ def free_bytes(path: Path) -> int | None:
 @contextmanager
 def writing(path: Path | str) -> Iterator[None]:
     """Around a write to ``path``: ENOSPC becomes :class:`DiskFull` naming the path (the OS's error names
-    no file for a write() on an open descriptor). ``L2L_FAULT_ENOSPC=<part>[@n]`` injects it on the n-th
-    write whose path contains <part> (default the first), for the disk-full tests."""
-    if _FAULT:
-        part, _, nth = _FAULT.partition("@")
-        if part in str(path):
-            _fault_seen[0] += 1
-            if _fault_seen[0] >= int(nth or 1):
-                raise DiskFull(path) from OSError(errno.ENOSPC, "injected by L2L_FAULT_ENOSPC")
+    no file for a write() on an open descriptor), EIO :class:`WriteFailed`. ``L2L_FAULT_ENOSPC`` and
+    ``L2L_FAULT_EIO`` (``<part>[@n]``) inject them on the n-th write whose path contains <part> (default
+    the first) and every later one, for the fault tests."""
+    for fault, err in ((_FAULT, errno.ENOSPC), (_FAULT_EIO, errno.EIO)):
+        if fault:
+            part, _, nth = fault.partition("@")
+            if part in str(path):
+                _fault_seen[0] += 1
+                if _fault_seen[0] >= int(nth or 1):
+                    cause = OSError(err, f"injected by L2L_FAULT_{errno.errorcode[err]}")
+                    raise (DiskFull(path) if err == errno.ENOSPC else WriteFailed(path, err)) from cause
     try:
         yield
     except OSError as e:
         if e.errno == errno.ENOSPC and not isinstance(e, DiskFull):
             raise DiskFull(path) from e
+        if e.errno == errno.EIO and not isinstance(e, WriteFailed):
+            raise WriteFailed(path, e.errno) from e
         raise

@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from l2l_cli.checkpoint import CheckpointError
 from l2l_cli.engine.dist import shutdown as dist_shutdown
 from l2l_cli.loop import Interrupted, TrainingError
-from l2l_cli.problems import ConfigError, DiskFull
+from l2l_cli.problems import ConfigError, WriteFailed
 from l2l_cli.progress import console, summary_table, summary_text
 from l2l_cli.rundir import RunFiles
 from l2l_cli.runfiles import Summary, host_bytes_per_param
@@ -59,7 +59,9 @@ def run_job(cfg: DictConfig, run_dir: Path, handle_sigint: bool = True) -> str:
         session.problems = [str(e)]
     except TrainingError as e:
         summary.status, summary.error = "error", str(e)
-    except DiskFull as e:  # one line naming the path and the free space; the last checkpoint stands
+    except (
+        WriteFailed
+    ) as e:  # one line naming the path (a full disk: the free space); the last checkpoint stands
         summary.status, summary.error = "error", str(e)
     except Interrupted as e:
         summary.status, summary.error = "interrupted", str(e)
@@ -75,7 +77,7 @@ def run_job(cfg: DictConfig, run_dir: Path, handle_sigint: bool = True) -> str:
         stop.restore()
         try:
             session.close()
-        except DiskFull as e:  # the last background write (a disk EPS's commit) found the disk full
+        except WriteFailed as e:  # the last background write (a disk EPS's commit) failed
             if summary.status == "ok":
                 summary.status, summary.error = "error", str(e)
     write_outcome(session, time.perf_counter() - t_start)
@@ -135,7 +137,7 @@ def _write_file(files: RunFiles, name: str, obj: dict) -> None:
     """A run file; on a full disk the run's one line still says why it stopped (the file is logged lost)."""
     try:
         files.write(name, obj)
-    except DiskFull as e:
+    except WriteFailed as e:
         log.error("%s not written: %s", name, e)
 
 

@@ -40,6 +40,7 @@ class _Job:
     evict: tuple[int | None, list[CopyHandle], Future | None, bool] | None = (
         None  # (layer, copies, write, park)
     )
+    writing: Future | None = None  # the slot's write still in flight (the same layer's): read after it
 
 
 class Reader:
@@ -52,7 +53,9 @@ class Reader:
         self.cache, self.plan, self.store, self.writer = cache, plan, store, writer
         self.cv, self.counts = cv, counts
         self.demands: list[Demand] = []
-        self.failed: BaseException | None = None  # a read-ahead failed: read-ahead stops
+        self.failed: BaseException | None = (
+            None  # a read-ahead failed: read-ahead stops, the next pin raises it
+        )
         self.closed = False
         self._thread = threading.Thread(target=self._loop, name="l2l-disk-read", daemon=True)
 
@@ -97,7 +100,7 @@ class Reader:
                     self._grant(d, s)
                     continue
                 s.busy = True
-                return _Job(s, d.layer, missing, d)
+                return _Job(s, d.layer, missing, d, writing=s.writing)
             v = self.cache.victim(set(), later)
             if v is None:
                 continue  # every slot pinned: wait for an unpin
@@ -109,7 +112,7 @@ class Reader:
                 missing = s.missing(parts)
                 if missing and not s.busy:
                     s.busy = True
-                    return _Job(s, j, missing)
+                    return _Job(s, j, missing, writing=s.writing)
                 continue
             v = self.cache.victim({x for x, _ in want[: k + 1]}, {x: p for x, p in later.items() if p > k})
             if v is None:
@@ -148,7 +151,7 @@ class Reader:
                         job.demand.error, job.demand.done = err, True
                         self.demands.remove(job.demand)
                     else:
-                        self.failed = err  # read-ahead stops; the next demand reports the error
+                        self.failed = err  # read-ahead stops; the next pin raises the error
                 else:
                     s.valid |= set(job.parts)
                     if job.demand is not None:
@@ -165,13 +168,15 @@ class Reader:
                 while not h.done():
                     time.sleep(5e-5)
             if writing is not None:
-                writing.result()
+                self.writer.result(writing)
             if park and old is not None:
                 with self.cv:
                     parking = self.writer.park(s, old)
-                parking.result()
+                self.writer.result(parking)
                 with self.cv:
                     self.store.parked[old] = True
+        if job.writing is not None:  # a read into buffers a write-back still reads would tear both
+            self.writer.result(job.writing)
         if not job.parts:
             return
         with self.cv:
@@ -197,6 +202,6 @@ class Reader:
                 if in_ram:
                     st.pool.get(i, s.f32["g"][: f.numel])
                 else:
-                    st.read(fd, s.mv("g", f.part_bytes), f.park_offset(1 - st.newest(i)), "grad")
+                    st.read_part(fd, s.mv("g", f.part_bytes), i, 1 - st.newest(i), "g", "grad")
         finally:
             os.close(fd)

@@ -29,8 +29,10 @@ from l2l_cli.engine.tiers.disk.format import (
     STATE,
     DiskIo,
     LayerFile,
+    digest,
     join_master,
     probe_direct,
+    record_digest,
 )
 from l2l_cli.engine.tiers.disk.pool import GradPool
 from l2l_cli.engine.tiers.disk.stats import IoCounts
@@ -60,6 +62,9 @@ class LayerStore:
         self.committed: list[int | None] | None = None  # what commit.json names (None: no commit yet)
         self.parked = [False] * n  # the layer's gradient waits on disk (the slot the update will write)
         self.grad_live = [False] * n  # the cache's g holds this step's gradient, not yet applied
+        # per layer and file slot, the checksum of each part as last written (``g``: a parked gradient);
+        # every read of a part whose checksum is known is checked against it (empty: not known)
+        self.sums: list[tuple[dict[str, int], dict[str, int]]] = [({}, {}) for _ in range(n)]
         self.w_seen: set[int] = set()  # layers whose weights were read this step (for the byte breakdown)
         self.pool = GradPool(settings.grad_ram_bytes)  # gradients waiting in RAM instead of on disk
         self.adopted = False
@@ -89,6 +94,11 @@ class LayerStore:
             layers = rec["layers"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{path}: unreadable commit record ({e})") from e
+        if "checksum" in rec and rec["checksum"] != record_digest(rec):  # (records before checksums: none)
+            raise CheckpointError(
+                f"{path}: the commit record does not match its checksum (edited or corrupted); nothing was "
+                f"trained on it"
+            )
         fmt = rec.get("format")
         if fmt not in FORMATS or len(layers) != len(self.files):
             raise CheckpointError(
@@ -110,6 +120,9 @@ class LayerStore:
             if problem:
                 raise CheckpointError(f"{self.root}: {problem}")
         self.latest = [int(e["slot"]) for e in layers]
+        for i, e in enumerate(layers):
+            sums = e.get("sums") if isinstance(e.get("sums"), dict) else {}
+            self.sums[i][self.latest[i]].update({p: int(str(h), 16) for p, h in sums.items()})
         self.committed = list(self.latest)
         self.record, self.adopted = rec, True
 
@@ -159,7 +172,7 @@ class LayerStore:
         if not self.split:
             for p in STATE:
                 if p in parts:
-                    self.read(fd, s.mv(p, f.part_bytes), f.offset(slot, p), what)
+                    self.read_part(fd, s.mv(p, f.part_bytes), i, slot, p, what)
             if "w" in parts and s.w_send is not None:
                 s.w_send[: f.numel].copy_(s.f32["w"][: f.numel])
             return
@@ -168,11 +181,25 @@ class LayerStore:
             p for p in f.parts if p in parts or (w and p == "l") or (w and p == "h" and "h" not in s.valid)
         ]
         for p in need:
-            self.read(fd, s.mv(p, f.nbytes(p)), f.offset(slot, p), what)
+            self.read_part(fd, s.mv(p, f.nbytes(p)), i, slot, p, what)
         if "w" in parts:
             assert s.w_send is not None and s.lo is not None and "v" in parts
             n = f.numel
             join_master(s.w_send[:n], s.lo[:n], s.f32["v"][:n], s.f32["w"][:n])
+
+    def read_part(self, fd: int, mv: memoryview, i: int, slot: int, part: str, what: str) -> None:
+        """Part ``part`` of layer i's file slot ``slot`` (``g``: the gradient parked there), checked against
+        the checksum it was written with: a part that does not match is refused naming the file, before
+        anything computes with it."""
+        f = self.files[i]
+        self.read(fd, mv, f.park_offset(slot) if part == "g" else f.offset(slot, part), what)
+        with self.cv:
+            want = self.sums[i][slot].get(part)
+        if want is not None and digest(mv) != want:
+            raise CheckpointError(
+                f"{f.path}: checksum mismatch in slot {slot} ({part}) of layer {i}: the file was changed or "
+                f"the disk corrupted it; it was not trained on (resume from a checkpoint, or start afresh)"
+            )
 
     def read(self, fd: int, mv: memoryview, offset: int, what: str) -> None:
         """One read, counted in the step's I/O (``what``: what it is for, a key of ``stats.READS``)."""

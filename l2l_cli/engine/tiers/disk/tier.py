@@ -14,6 +14,7 @@ cached copy. After each step the trainer commits: ``commit.json`` names each lay
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -129,7 +130,7 @@ class DiskTier:
         written back (behind the compute) to the slot that does not hold the current version."""
         s = self._pin(i, frozenset(parts), fresh, "update" if dirty else None)
         if dirty and s.writing is not None:  # the last write-back still reads these buffers
-            self._wait(s.writing.result)
+            self._wait(functools.partial(self.writer.result, s.writing))
         ok = False
         try:
             yield
@@ -193,6 +194,9 @@ class DiskTier:
         with self.cv:
             if self.reader.closed:
                 raise RuntimeError("the disk EPS is closed")
+            self.writer.check()  # a failed write stops the step that follows it
+            if self.reader.failed is not None:  # a read-ahead's eviction or read failed: raised here
+                raise self.reader.failed
             self.plan.follow(i, need, fresh)
             if stream is not None:
                 self.plan.note(stream, i, need)
@@ -210,7 +214,7 @@ class DiskTier:
         """A slot about to be overwritten (a new gradient) once its last write (a parked gradient) is out."""
         writing = s.writing
         if fresh and writing is not None:
-            self._wait(writing.result)
+            self._wait(functools.partial(self.writer.result, writing))
         return s
 
     def _wait(self, fn: Any) -> None:
@@ -246,6 +250,11 @@ class DiskTier:
             raise RuntimeError(f"layer {i} has no pre-update state to restore")
         with self.cv:
             s = self.cache.slot_of(i)
+            writing = s.writing if s is not None else None
+        if writing is not None:  # the speculative update's write-back still reads the slot's buffers
+            self._wait(functools.partial(self.writer.result, writing))
+        with self.cv:
+            s = self.cache.slot_of(i)
             if s is None or (s.pins == 0 and not s.busy):
                 self.store.latest[i] = undo
                 if s is not None:
@@ -256,7 +265,7 @@ class DiskTier:
         with self.holding(i, STATE):
             s = self.cache.must(i)
             if s.writing is not None:
-                self._wait(s.writing.result)
+                self._wait(functools.partial(self.writer.result, s.writing))
             f = self.store.files[i]
             undo = st.undo_slot
             if undo is None:
@@ -318,7 +327,9 @@ class DiskTier:
         }  # fmt: skip
 
     def summary(self) -> dict[str, Any]:
-        """summary.json's ``eps_disk``: where, how much, how fast, and how much of it compute hid."""
+        """summary.json's ``eps_disk``: where, how much, how fast, and how much of it compute hid (once
+        every queued write and commit record is on disk: a failure raises here)."""
+        self.writer.flush()
         with self.cv:
             t = self.counts.run()
             per, steps = self.counts.per_step()

@@ -1,6 +1,12 @@
 """The disk tier's writes, behind the compute on one writer thread, in submission order: an updated
 layer's state to the file slot the last commit does not name, a gradient parked until its update, and the
-commit record (``commit.json``, replaced atomically once the step's writes are on disk)."""
+commit record (``commit.json``, replaced atomically once the step's writes are on disk).
+
+Failure rule: the first write that fails (a full disk, an I/O error) stops the writer: every job queued
+after it refuses to run with that error, so no commit record is written after a failed write and no slot
+that the last durable record names is ever overwritten. ``store.committed`` is what the record *on disk*
+names: it advances when the record's write has succeeded, not when it is queued. The error reaches the
+training step at the first pin, update or commit after it (and :meth:`WriteBehind.close` at the latest)."""
 
 from __future__ import annotations
 
@@ -18,7 +24,10 @@ from l2l_cli.engine.tiers.disk.format import (
     FORMAT_SPLIT,
     clear_marks,
     crash_point,
+    digest,
+    record_digest,
     split_master,
+    zeros_digest,
 )
 from l2l_cli.engine.tiers.disk.stats import IoCounts
 from l2l_cli.engine.tiers.disk.store import LayerStore
@@ -36,9 +45,56 @@ class WriteBehind:
         self.store, self.cv, self.counts = store, cv, counts
         self.commits = 0
         rec = store.record
-        self.last_commit_step: int | None = rec.get("step") if rec is not None else None
-        self._commit_job: Future | None = None
+        self.last_commit_step: int | None = rec.get("step") if rec is not None else None  # durable
+        # the slots the newest *queued* record names (``store.committed``: the newest durable one)
+        self.recorded: list[int | None] | None = (
+            list(store.committed) if store.committed is not None else None
+        )
+        self.error: BaseException | None = None  # the first failed write: nothing is written after it
+        self._reported = False  # the error was raised to a caller (close() does not raise it again)
+        self._jobs: list[Future] = []  # every job not yet known to have succeeded, in submission order
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l2l-disk-write")
+
+    # ---- the writer's failure: sticky, raised to the training step --------------------------------------
+
+    def _submit(self, fn: Any, *args: Any) -> Future:
+        """(Holding the lock.) Queue ``fn`` on the writer thread; it refuses to run after a failed job."""
+        self.check()
+        fut = self._pool.submit(self._guarded, fn, *args)
+        self._jobs = [j for j in self._jobs if not (j.done() and j.exception() is None)]
+        self._jobs.append(fut)
+        return fut
+
+    def _guarded(self, fn: Any, *args: Any) -> None:
+        with self.cv:
+            err = self.error
+        if err is not None:
+            raise err
+        try:
+            fn(*args)
+        except BaseException as e:
+            with self.cv:
+                if self.error is None:
+                    self.error = e
+                self.cv.notify_all()
+            raise
+
+    def check(self) -> None:
+        """Raise the writer's failure, if a write has failed."""
+        if self.error is not None:
+            self._reported = True
+            raise self.error
+
+    def result(self, fut: Future) -> None:
+        """Wait for a queued write; its failure (or the one that stopped the writer first) raises here."""
+        try:
+            fut.result()
+        except BaseException:
+            with self.cv:
+                self._reported = True
+                if self.error is not None:
+                    raise self.error from None
+            raise
 
     def write_back(self, s: CacheSlot, i: int, setup: bool = False) -> None:
         """(Holding the lock.) Queue layer i's new state for the slot of its file that the last commit
@@ -46,7 +102,7 @@ class WriteBehind:
         building the state, counted apart from the steps')."""
         st = self.store
         prev = st.latest[i]
-        if st.committed is not None and prev != st.committed[i]:
+        if self.recorded is not None and prev != self.recorded[i]:
             raise RuntimeError(
                 f"layer {i} was updated twice between commits; the committed copy would be lost"
             )
@@ -56,28 +112,42 @@ class WriteBehind:
         if prev is None and not f.split:
             parts = "w"
         st.latest[i], st.parked[i], st.grad_live[i], s.g_dirty = target, False, False, False
+        st.sums[i][target].clear()  # (known again once the write is done)
         st.pool.live.discard(i)
         s.valid.discard("g")  # applied: what is left in g is no gradient to keep
         c = self.counts.setup if setup else self.counts.step  # bytes when queued: the step that wrote them
         nbytes = sum(f.nbytes(p) for p in parts)
         c.write_bytes += nbytes
         c.write_state += nbytes
-        s.writing = self._pool.submit(self._write, s, i, target, parts, setup)
+        s.writing = self._submit(self._write, s, i, target, parts, setup)
+
+    def _writable(self, i: int, target: int) -> None:
+        """The one rule a write keeps: never into the slot the durable commit record names for layer i."""
+        with self.cv:
+            durable = self.store.committed
+        if durable is not None and durable[i] == target:
+            raise RuntimeError(
+                f"layer {i}: a write into slot {target}, which the last durable commit record names"
+            )
 
     def _write(self, s: CacheSlot, i: int, target: int, parts: str, setup: bool) -> None:
         f = self.store.files[i]
         io = self.store.io
+        self._writable(i, target)
         t0 = time.perf_counter()
         marks = None
         if f.split:  # the master's lo plane from the cached FP32 master (hi: the send copy already)
             assert s.w_send is not None and s.lo is not None
             n = f.numel
             marks = split_master(s.f32["w"][:n], s.w_send[:n], s.lo[:n], s.f32["v"][:n])
+        sums = {p: zeros_digest(f.nbytes(p)) for p in f.parts if p not in parts}  # (a new file's zeros)
         with writing(f.path):  # a full disk: named; the committed slot stays as it was
             fd = io.open(f.path)
             try:
                 for k, p in enumerate(parts):
-                    io.write(fd, s.mv(p, f.nbytes(p)), f.offset(target, p))
+                    mv = s.mv(p, f.nbytes(p))
+                    sums[p] = digest(mv)
+                    io.write(fd, mv, f.offset(target, p))
                     if k == 0:
                         crash_point("write")  # a torn slot: w written, the moments not yet
                 io.sync(fd, f.offset(target, parts[0]), sum(f.nbytes(p) for p in parts))
@@ -87,13 +157,16 @@ class WriteBehind:
                     clear_marks(s.f32["v"][: f.numel], marks)
         with self.cv:
             (self.counts.setup if setup else self.counts.step).write_s += time.perf_counter() - t0
+            known = self.store.sums[i][target]  # (a gradient parked there before is overwritten now)
+            known.clear()
+            known.update(sums)
 
     def park(self, s: CacheSlot, i: int) -> Future:
         """(Holding the lock.) Queue layer i's gradient for the disk (after any earlier write of the slot)."""
         nbytes = self.store.files[i].part_bytes
         self.counts.step.write_bytes += nbytes
         self.counts.step.write_park += nbytes
-        return self._pool.submit(self._park, s, i)
+        return self._submit(self._park, s, i)
 
     def _park(self, s: CacheSlot, i: int) -> None:
         """Layer i's gradient to disk until its update: into the slot of its file the update will write."""
@@ -104,12 +177,18 @@ class WriteBehind:
             fd = io.open(f.path)
             try:
                 target = 1 - self.store.newest(i)
-                io.write(fd, s.mv("g", f.part_bytes), f.park_offset(target))
+                self._writable(i, target)
+                with self.cv:
+                    self.store.sums[i][target].clear()
+                mv = s.mv("g", f.part_bytes)
+                sum_g = digest(mv)
+                io.write(fd, mv, f.park_offset(target))
                 crash_point("park")
                 io.sync(fd, f.park_offset(target), f.part_bytes)
             finally:
                 os.close(fd)
         with self.cv:
+            self.store.sums[i][target]["g"] = sum_g
             self.counts.step.parks += 1
             self.counts.step.write_s += time.perf_counter() - t0
 
@@ -118,24 +197,33 @@ class WriteBehind:
         layers: dict[int, _Stepped],
     ) -> None:  # fmt: skip
         """Make the state after ``step`` the one a restart finds: once the writes queued so far are on
-        disk, ``commit.json`` is replaced atomically (write, fsync, rename, fsync the directory)."""
-        if self._commit_job is not None and self._commit_job.done():
-            job, self._commit_job = self._commit_job, None
-            job.result()  # a failed commit surfaces here (once)
+        disk, ``commit.json`` is replaced atomically (write, fsync, rename, fsync the directory). A write
+        that has failed since the last commit raises here, before anything names its slot."""
         st = self.store
         with self.cv:
+            self.check()
             if any(x is None for x in st.latest):
                 raise RuntimeError("commit before every layer was written")
-            st.committed = list(st.latest)
-            entries = [{"slot": st.latest[i], "step": layers[i].opt_step} for i in range(len(st.files))]
-        record = {"format": FORMAT_SPLIT if st.split else FORMAT, "step": step, "created": time.time(), **(ident or {}), "layers": entries,
-                  "trainer": trainer_state}  # fmt: skip
-        self._commit_job = self._pool.submit(self._write_record, record)
-        self.commits += 1
-        self.last_commit_step = step
+            slots = list(st.latest)
+            entries = [{"slot": slots[i], "step": layers[i].opt_step} for i in range(len(st.files))]
+            writes = list(self._jobs)  # every write queued before this record (not yet known to succeed)
+            record = {"format": FORMAT_SPLIT if st.split else FORMAT, "step": step, "created": time.time(),
+                      **(ident or {}), "layers": entries, "trainer": trainer_state}  # fmt: skip
+            self._submit(self._write_record, record, slots, writes)
+            self.recorded = slots
+            self.commits += 1
 
-    def _write_record(self, record: dict[str, Any]) -> None:
-        root = self.store.root
+    def _write_record(self, record: dict[str, Any], slots: list[int | None], writes: list[Future]) -> None:
+        for w in writes:  # (done: queued before this job on the one writer thread)
+            if w.exception() is not None:
+                raise RuntimeError(f"a write before the commit record of step {record['step']} failed") from (
+                    w.exception()
+                )
+        root, st = self.store.root, self.store
+        with self.cv:  # each named slot's checksums, known now that the writes before are done
+            for i, e in enumerate(record["layers"]):
+                e["sums"] = {p: f"{h:016x}" for p, h in st.sums[i][slots[i]].items() if p != "g"}
+        record["checksum"] = record_digest(record)
         t0 = time.perf_counter()
         tmp = root / f".{COMMIT}.tmp"
         with writing(root / COMMIT), open(tmp, "w") as f:
@@ -151,10 +239,27 @@ class WriteBehind:
             os.close(fd)
         with self.cv:
             self.counts.step.write_s += time.perf_counter() - t0
+            self.store.committed = slots  # durable now: the next step may overwrite the other slots
+            self.last_commit_step = record["step"]
+
+    def flush(self) -> None:
+        """Wait for every queued write and record; the first failure raises here."""
+        with self.cv:
+            jobs = list(self._jobs)
+        for j in jobs:
+            self.result(j)
+        with self.cv:
+            self.check()
 
     def close(self) -> None:
-        """Finish every queued write; a failed last commit raises here."""
+        """Finish every queued write; a failure not yet raised to the training step raises here (every
+        outstanding commit is checked, not only the last)."""
         self._pool.shutdown(wait=True)
-        if self._commit_job is not None:
-            job, self._commit_job = self._commit_job, None
-            job.result()
+        with self.cv:
+            if self.error is not None and not self._reported:
+                self.check()
+            failed = [j.exception() for j in self._jobs if j.exception() is not None]
+            self._jobs = []
+        if failed and not self._reported:
+            self._reported = True
+            raise failed[0]

@@ -1,0 +1,261 @@
+"""The disk tier under failed writes (issue 36): a write, park or commit record refused (ENOSPC or EIO,
+injected with ``L2L_FAULT_ENOSPC`` / ``L2L_FAULT_EIO=<path part>[@n]``) stops the run with one line, and the
+state a resume finds is the last one whose every write succeeded: resumed, the run ends bit-identical to an
+uninterrupted one, with no checkpoint of its own (``trainer.save_every=0``, the default)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from l2l_cli import problems
+from l2l_cli.compose import compose
+from l2l_cli.engine.tiers.disk import writeback
+from l2l_cli.engine.tiers.disk.format import ALIGN, MAGIC, DiskIo, LayerFile, record_digest
+from l2l_cli.engine.tiers.disk.store import LayerStore
+from l2l_cli.engine.tiers.disk.tier import DiskTier
+from l2l_cli.train import run_job
+from tests.util import TINY, tiny_cfg, train
+
+STEPS = 4
+# 5 layers, 3 of them in RAM, no RAM for gradients and clipping certain: every step writes layer files
+# (updates), parks gradients on disk and writes the commit record
+COMMON = [*TINY, "mode=l2l", "eps.tier=disk", f"trainer.max_steps={STEPS}", "trainer.save_final=true",
+          "task.num_train=256", "task.num_eval=16", "eps.host_cache_layers=3", "eps.grad_ram_gb=0",
+          "optim.max_grad_norm=1e-9"]  # fmt: skip
+
+
+def _run(run: Path, *extra: str) -> str:
+    return run_job(compose([*COMMON, *extra]), run)
+
+
+@functools.cache
+def _reference(root: str) -> tuple[dict[str, torch.Tensor], tuple[str, ...]]:
+    """The uninterrupted run's final weights, and the path of every write the tier made, in order."""
+    run = Path(root) / "ref"
+    seen: list[str] = []
+    real = writeback.writing
+
+    def counted(path: Any) -> Any:
+        seen.append(str(path))
+        return real(path)
+
+    writeback.writing = counted  # type: ignore[assignment]
+    try:
+        assert _run(run) == "ok"
+    finally:
+        writeback.writing = real  # type: ignore[assignment]
+    return load_file(run / "final" / "model.safetensors"), tuple(seen)
+
+
+@pytest.fixture(scope="module")
+def ref_root(tmp_path_factory: Any) -> Path:
+    return tmp_path_factory.mktemp("disk-faults-ref")
+
+
+def _faulted(monkeypatch: Any, capsys: Any, run: Path, kind: str, fault: str, *extra: str) -> list[str]:
+    """A run with the ``kind`` fault (ENOSPC | EIO) at ``fault``; its stderr lines."""
+    monkeypatch.setattr(problems, "_FAULT" if kind == "ENOSPC" else "_FAULT_EIO", fault)
+    monkeypatch.setattr(problems, "_fault_seen", [0])
+    capsys.readouterr()
+    status = _run(run, *extra)
+    monkeypatch.undo()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert status == "error", (status, lines)
+    return lines
+
+
+def _resumed_equals_the_reference(run: Path, ref: dict[str, torch.Tensor], capsys: Any) -> None:
+    status = _run(run, f"trainer.resume={run}")
+    err = capsys.readouterr().err
+    assert status == "ok", err[-2000:]
+    got = load_file(run / "final" / "model.safetensors")
+    assert got.keys() == ref.keys()
+    assert [k for k in ref if not torch.equal(got[k], ref[k])] == []
+
+
+def test_a_failed_commit_record_is_never_adopted_as_if_it_had_succeeded(
+    tmp_path: Path, ref_root: Path, monkeypatch: Any, capsys: Any
+) -> None:
+    """Item 1: the 4th commit record (step 3) finds the disk full; with no checkpoint to fall back on
+    (save_every=0), step 4 must not overwrite the slots the record of step 2 names, and the run stops naming
+    commit.json. Resumed from the record of step 2, it ends bit-identical to the uninterrupted run."""
+    ref, _ = _reference(str(ref_root))
+    run = tmp_path / "run"
+    lines = _faulted(monkeypatch, capsys, run, "ENOSPC", f"{run}/eps/commit.json@4")
+    assert len(lines) == 1 and lines[0].startswith(
+        f"l2l: error: disk full: no space left writing {run}/eps/"
+    ), lines
+    assert "commit.json" in lines[0]
+    _resumed_equals_the_reference(run, ref, capsys)
+
+
+def _steps(seq: tuple[str, ...]) -> list[list[int]]:
+    """The 1-based positions in ``seq`` of each step's writes (step 0: building the state), each ending
+    with its commit record."""
+    out: list[list[int]] = [[]]
+    for n, path in enumerate(seq, 1):
+        out[-1].append(n)
+        if path.endswith("commit.json"):
+            out.append([])
+    return out[:-1]
+
+
+def _nth_write_of(seq: tuple[str, ...], step: int, name: str, last: bool = True) -> int:
+    """Which write of file ``name`` (1-based, among that file's) is its last (else first) one in ``step``."""
+    positions = _steps(seq)[step]
+    mine = [n for n in range(1, len(seq) + 1) if seq[n - 1].endswith(name)]
+    hits = [k for k, n in enumerate(mine, 1) if n in positions]
+    return hits[-1] if last else hits[0]
+
+
+@pytest.mark.parametrize("layer", ["layer_00000.eps", "layer_00003.eps"])
+def test_a_failed_layer_write_is_raised_and_never_named_by_a_commit_record(
+    tmp_path: Path, ref_root: Path, monkeypatch: Any, capsys: Any, layer: str
+) -> None:
+    """Items 2 and 3: a layer's update in step 2 finds the disk full. The record of step 2 must not name the
+    slot that was never written (the record job checks the writes queued before it), and the error reaches
+    the training step even where it is met by a read-ahead evicting the slot (the embeddings, layer 0: in
+    RAM at the next forward, evicted by the read-ahead behind it): the run stops naming the file, and
+    resumes bit-identical."""
+    ref, seq = _reference(str(ref_root))
+    run = tmp_path / "run"
+    nth = _nth_write_of(seq, 2, layer)
+    lines = _faulted(monkeypatch, capsys, run, "ENOSPC", f"{run}/eps/{layer}@{nth}")
+    assert len(lines) == 1 and lines[0].startswith(
+        f"l2l: error: disk full: no space left writing {run}/eps/"
+    ), lines
+    _resumed_equals_the_reference(run, ref, capsys)
+
+
+def test_a_read_into_a_slot_waits_for_its_write_back(monkeypatch: Any) -> None:
+    """Item 4: an L2L-p rollback under bf16 CMP (global clipping crosses its limit at the last layers, after
+    speculative updates): the layer's current version becomes the pre-update slot again while the update's
+    write-back may still read the cache slot's buffers (the lo plane, v's tie marks), and the redo reads the
+    pre-update state into them. With the writes slowed down, no read into a slot starts before that slot's
+    write-back is done, and the weights equal the host tier's."""
+    over = ("mode=l2l_p", "optim.max_grad_norm=0.24", "precision=cmp", "precision.dtype=bf16")
+    ref = train(tiny_cfg(*over))
+    real_write, real_read, real_restore = DiskIo.write, LayerStore.read_state, DiskTier.restore
+    early: list[int] = []
+    restored: list[int] = []
+
+    def slow_write(self: DiskIo, fd: int, mv: memoryview, offset: int) -> None:
+        time.sleep(0.3)
+        real_write(self, fd, mv, offset)
+
+    def checked_read(self: LayerStore, fd: int, s: Any, i: int, *args: Any) -> None:
+        if s.writing is not None and not s.writing.done():
+            early.append(i)
+        real_read(self, fd, s, i, *args)
+
+    def counted_restore(self: DiskTier, st: Any) -> None:
+        restored.append(st.index)
+        real_restore(self, st)
+
+    monkeypatch.setattr(DiskIo, "write", slow_write)
+    monkeypatch.setattr(LayerStore, "read_state", checked_read)
+    monkeypatch.setattr(DiskTier, "restore", counted_restore)
+    got = train(tiny_cfg(*over, "eps.tier=disk"))
+    assert restored  # the scenario: a rollback to the disk slot
+    assert early == []
+    assert got["losses"] == ref["losses"]
+    assert [k for k in ref["weights"] if not torch.equal(got["weights"][k], ref["weights"][k])] == []
+
+
+# ---- issue 37 item 3: checksums on the layer files' slots and the commit record -----------------------
+
+SHORT = [*TINY, "mode=l2l", "eps.tier=disk", "task.num_train=256", "task.num_eval=16"]
+
+
+def _refused_resume(run: Path, capsys: Any) -> str:
+    """Resume ``run`` one step further; it must be refused: the one line it printed."""
+    capsys.readouterr()
+    status = run_job(compose([*SHORT, "trainer.max_steps=3", f"trainer.resume={run}"]), run)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert status != "ok" and len(lines) == 1, (status, lines)
+    return lines[0]
+
+
+@pytest.fixture
+def short_run(tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    assert run_job(compose([*SHORT, "trainer.max_steps=2"]), run) == "ok"
+    return run
+
+
+@pytest.mark.parametrize("part", ["weights", "moments"])
+def test_a_flipped_bit_in_a_layer_file_is_refused_naming_the_file(
+    short_run: Path, capsys: Any, part: str
+) -> None:
+    """One flipped exponent bit in the committed slot of layer 2's file (its weights, read by the forward, or
+    its second moment, read by the backward's update): the resume stops in one line naming the file."""
+    record = json.loads((short_run / "eps" / "commit.json").read_text())
+    path = short_run / "eps" / "layer_00002.eps"
+    head = json.loads(path.read_bytes()[len(MAGIC) : ALIGN].split(b"\n")[0])
+    f = LayerFile(path.parent, 2, head["kind"], head["numel"], head["format"] == 2)
+    at = f.offset(record["layers"][2]["slot"], f.parts[0] if part == "weights" else "v") + 3
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x40
+    path.write_bytes(bytes(data))
+    line = _refused_resume(short_run, capsys)
+    assert str(path) in line and "checksum" in line, line
+
+
+@pytest.mark.parametrize("fix_checksum", [False, True])
+def test_a_slot_changed_in_the_commit_record_is_refused(
+    short_run: Path, capsys: Any, fix_checksum: bool
+) -> None:
+    """Layer 1's slot changed in commit.json (0 <-> 1): refused naming commit.json (its own checksum); with
+    that checksum recomputed too, the slot's data does not match the checksums the record names for it."""
+    path = short_run / "eps" / "commit.json"
+    record = json.loads(path.read_text())
+    record["layers"][1]["slot"] = 1 - record["layers"][1]["slot"]
+    if fix_checksum:
+        record["checksum"] = record_digest(record)
+    path.write_text(json.dumps(record))
+    line = _refused_resume(short_run, capsys)
+    assert ("layer_00001.eps" if fix_checksum else "commit.json") in line and "checksum" in line, line
+
+
+# ---- acceptance 3: a fault at every write point of a step in turn ------------------------------------
+
+SWEEP_STEP = 3
+
+
+def _sweep_cases() -> list[Any]:
+    """(kind, k): the k-th write of step SWEEP_STEP (layer files, parks, the record; counted from 0), with
+    ENOSPC and EIO; the default suite runs one (an I/O error at the step's first write), -m slow the rest."""
+    cases = []
+    for kind in ("EIO", "ENOSPC"):
+        for k in range(12):
+            sample = kind == "EIO" and k == 0
+            cases.append(pytest.param(kind, k, marks=() if sample else pytest.mark.slow, id=f"{kind}-{k}"))
+    return cases
+
+
+@pytest.mark.parametrize(("kind", "k"), _sweep_cases())
+def test_a_fault_at_any_write_of_a_step_resumes_bit_identical(
+    tmp_path: Path, ref_root: Path, monkeypatch: Any, capsys: Any, kind: str, k: int
+) -> None:
+    """A write of step 3 refused (the k-th in the writer's order): the run stops in one line naming the
+    file; resumed, it ends bit-identical to the uninterrupted run (never a silent difference)."""
+    ref, seq = _reference(str(ref_root))
+    step = _steps(seq)[SWEEP_STEP]
+    if k >= len(step):
+        pytest.skip(f"step {SWEEP_STEP} makes {len(step)} writes")
+    run = tmp_path / "run"
+    n = step[k]
+    lines = _faulted(monkeypatch, capsys, run, kind, f"{run}/eps/@{n}")
+    name = Path(seq[n - 1]).name
+    assert len(lines) == 1 and f"{run}/eps/" in lines[0] and "Traceback" not in lines[0], lines
+    assert lines[0].startswith("l2l: error: " + ("disk full" if kind == "ENOSPC" else "write failed")), lines
+    assert name in lines[0] or "layer_" in lines[0], (name, lines)
+    _resumed_equals_the_reference(run, ref, capsys)
