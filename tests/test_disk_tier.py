@@ -65,28 +65,39 @@ def test_l2l_p_rollback_restores_from_the_disk_slot_the_update_did_not_overwrite
     _assert_identical(got, ref)
 
 
-@pytest.mark.parametrize("mode", ["l2l", pytest.param("l2l_p", marks=pytest.mark.slow)])
-def test_a_clipped_step_rolls_back_to_the_disk_slot_and_redoes_from_the_ram_gradients(mode: str) -> None:
+@pytest.mark.parametrize(
+    "mode,ram", [("l2l", 8), ("l2l", 0), pytest.param("l2l_p", 8, marks=pytest.mark.slow),
+                 pytest.param("l2l_p", 0, marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_a_clipped_step_rolls_back_to_the_disk_slot_and_redoes_from_the_kept_gradients(
+    mode: str, ram: int
+) -> None:
     """Under global clipping the disk tier updates each layer as its gradient lands (while the backward's
-    read of it is in RAM), keeping the gradient in its RAM pool; at max_grad_norm 0.24 the first step's norm
-    (0.247) crosses the limit only at the last layers: the speculative updates are rolled back (the layer's
-    current slot becomes the pre-update one again) and redone with the factor. Equal to the host's."""
+    read of it is in RAM), keeping the gradient for a redo: in its RAM pool (``eps.grad_ram_layers`` layers
+    at a time), beyond it on disk (``kept_grads.eps``). At max_grad_norm 0.24 the first step's norm (0.247)
+    crosses the limit only at the last layers: the speculative updates are rolled back (the layer's current
+    slot becomes the pre-update one again) and redone with the factor, from RAM or from disk. Equal to the
+    host's."""
     over = (f"mode={mode}", "optim.max_grad_norm=0.24")
     ref = _host(*over)
-    cfg = tiny_cfg(*over, "eps.tier=disk")
+    cfg = tiny_cfg(*over, "eps.tier=disk", f"eps.grad_ram_layers={ram}")
     with built(cfg, 10) as runner:
         it = batches(cfg)
         reports = [runner.step(next(it)) for _ in range(3)]
         got = {"losses": [r.loss for r in reports], "weights": weights(runner)}
         assert runner.eps.rollbacks >= 1 and runner.eps.rollback_layers >= 2
-        assert runner.eps.tier.summary()["gradients_parked"] == 0  # every waiting gradient in RAM
+        s = runner.eps.tier.summary()
+        if ram:
+            assert s["gradients_parked"] == 0  # every waiting gradient in RAM
+        else:  # every kept gradient written to disk, and the redos read them back
+            assert s["gradients_parked"] > 0 and s["grad_pool_bytes"] == 0, s
     _assert_identical(got, ref)
 
 
 def test_bytes_per_parameter_and_step_are_counted_by_use_and_stay_within_28() -> None:
     """With 3 of 7 layers in RAM and no clipping that step: the forward reads the weights (4 B/param), the
     backward the weights and moments (12, serving the update), the update writes them (12): <= 28, plus
-    the padding of each part to 4 KiB. With no RAM for gradients and clipping certain, every update waits
+    the padding of each part to 4 KiB; a gradient kept for a redo beyond the RAM pool adds a 4-byte write. With no RAM for gradients and clipping certain, every update waits
     for the norm: its gradient is parked on disk and the layer is read again (more than 28)."""
 
     def per_param(*over: str) -> dict[str, Any]:
@@ -107,9 +118,15 @@ def test_bytes_per_parameter_and_step_are_counted_by_use_and_stay_within_28() ->
         )
         return {"total": s["read_bytes_per_param_step"] + s["write_bytes_per_param_step"], "pad": pad, **b}
 
-    got = per_param("mode=l2l", "optim.max_grad_norm=1e9")  # (L2L-p's updates take the same path)
+    # (L2L-p's updates take the same path)
+    got = per_param("mode=l2l", "optim.max_grad_norm=1e9", "eps.grad_ram_layers=8")
     assert got["total"] <= 28 * got["pad"], got
     assert got["write_state"] == pytest.approx(12 * got["pad"]) and got["write_park"] == 0, got
+    # no RAM for the gradients kept for a redo: each is written to disk once (4 B; the embeddings' update
+    # comes after the verdict and keeps none), never read (no redo)
+    kept = per_param("mode=l2l", "optim.max_grad_norm=1e9", "eps.grad_ram_layers=0")
+    assert 0 < kept["write_park"] <= 4 * kept["pad"] and kept["read_grad"] == 0, kept
+    assert kept["total"] <= 32 * kept["pad"], kept
     parked = per_param("mode=l2l", "optim.max_grad_norm=1e-9", "eps.grad_ram_gb=0")
     assert parked["write_park"] > 1 and parked["read_grad"] > 1 and parked["total"] > 28 * parked["pad"], (
         parked
@@ -128,7 +145,7 @@ def test_reads_are_issued_ahead_from_the_last_steps_trace_and_ram_holds_k_layers
     under global clipping park theirs on disk (a speculative update could not be redone); with per-layer
     clipping, or the RAM pool, none is parked on disk."""
     cases = (("l2l eps.grad_ram_gb=0", True), ("l2l_p optim.clip=global eps.grad_ram_gb=0", True),
-             ("l2l_p optim.clip=layer eps.grad_ram_gb=0", False), ("l2l", False))  # fmt: skip
+             ("l2l_p optim.clip=layer eps.grad_ram_gb=0", False), ("l2l eps.grad_ram_layers=8", False))  # fmt: skip
     for mode, parks in cases:
         cfg = tiny_cfg(*f"mode={mode}".split(), "eps.tier=disk", "eps.host_cache_layers=2")
         with built(cfg) as runner:

@@ -196,6 +196,12 @@ class Reader:
             if "g" in job.parts:
                 if in_ram:
                     st.pool.get(i, s.f32["g"][: f.numel])
+                elif st.kept_on_disk[i]:  # a kept gradient, back for a redo (its own file: see .spill)
+                    kfd = st.io.open(st.kept.path)
+                    try:
+                        st.read(kfd, s.mv("g", f.part_bytes), st.kept.offset(i), "grad")
+                    finally:
+                        os.close(kfd)
                 else:
                     st.read(fd, s.mv("g", f.part_bytes), f.park_offset(1 - st.newest(i)), "grad")
         finally:
