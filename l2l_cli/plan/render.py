@@ -21,8 +21,9 @@ PART_NAMES = {
     "send_copy": "half send copy (cmp)",
     "undo_copies": "L2L-p undo copies",
     "eps_cache": "EPS cache (eps.host_cache_layers)",
-    "eps_grad_pool": "EPS gradients in RAM (eps.grad_ram_gb)",
+    "eps_grad_pool": "EPS gradients in RAM (eps.grad_ram_layers)",
     "eps_files": "EPS layer files (two versions)",
+    "eps_kept_grads": "EPS gradients kept for a redo (at most)",
 }
 
 
