@@ -11,6 +11,7 @@ area per layer, written behind the compute and read back only by a redo. Nothing
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future
 from pathlib import Path
 
 from l2l_cli.engine.tiers.disk.layout import aligned
@@ -28,6 +29,7 @@ class KeptGrads:
             self._at.append(self._at[-1] + aligned(nbytes))
         self.size = self._at[-1]
         self._made = False
+        self.writes: dict[int, Future] = {}  # layer -> its gradient's write (a read of it waits for it)
 
     def offset(self, i: int) -> int:
         return self._at[i]

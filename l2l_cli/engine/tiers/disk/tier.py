@@ -310,7 +310,7 @@ class DiskTier:
                 self.counts.step.parks_ram += 1
             else:
                 s = self.cache.must(i)
-                s.writing = self.writer.keep(s, i)
+                s.writing = self.store.kept.writes[i] = self.writer.keep(s, i)
                 self.store.kept_on_disk[i] = True
         self._note_resident()
 
@@ -347,6 +347,7 @@ class DiskTier:
                 layer.kept_grad = False
             st_ = self.store  # (one rolled back by a skipped step stays parked where it is until replaced)
             st_.kept_on_disk = [k and p for k, p in zip(st_.kept_on_disk, st_.parked)]
+            st_.kept.writes = {i: w for i, w in st_.kept.writes.items() if st_.kept_on_disk[i]}
         timer.add("disk_read", st.read_s)
         timer.add("disk_write", st.write_s)
         return {
