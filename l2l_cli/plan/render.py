@@ -23,7 +23,7 @@ PART_NAMES = {
     "eps_cache": "EPS cache (eps.host_cache_layers)",
     "eps_grad_pool": "EPS gradients in RAM (eps.grad_ram_layers)",
     "eps_files": "EPS layer files (two versions)",
-    "eps_kept_grads": "EPS gradients kept for a redo (at most)",
+    "eps_kept_grads": "EPS kept gradients (at most)",
 }
 
 
