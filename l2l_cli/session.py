@@ -101,7 +101,10 @@ def eps_tier(cfg: Any, run_dir: Path | None) -> TierSettings:
         elif run_dir is not None:
             path = str(run_dir / folder)
     grad_ram = int(e.grad_ram_gb * 1e9)
-    return TierSettings(e.tier, path, e.host_cache_layers, resume=bool(resume), grad_ram_bytes=grad_ram)
+    return TierSettings(
+        e.tier, path, e.host_cache_layers, resume=bool(resume), grad_ram_bytes=grad_ram,
+        grad_ram_layers=e.grad_ram_layers,
+    )  # fmt: skip
 
 
 def check_vocab(data: TaskData, spec: ModelSpec, cfg: Any) -> None:

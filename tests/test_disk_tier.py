@@ -65,28 +65,39 @@ def test_l2l_p_rollback_restores_from_the_disk_slot_the_update_did_not_overwrite
     _assert_identical(got, ref)
 
 
-@pytest.mark.parametrize("mode", ["l2l", pytest.param("l2l_p", marks=pytest.mark.slow)])
-def test_a_clipped_step_rolls_back_to_the_disk_slot_and_redoes_from_the_ram_gradients(mode: str) -> None:
+@pytest.mark.parametrize(
+    "mode,ram", [("l2l", 8), ("l2l", 0), pytest.param("l2l_p", 8, marks=pytest.mark.slow),
+                 pytest.param("l2l_p", 0, marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_a_clipped_step_rolls_back_to_the_disk_slot_and_redoes_from_the_kept_gradients(
+    mode: str, ram: int
+) -> None:
     """Under global clipping the disk tier updates each layer as its gradient lands (while the backward's
-    read of it is in RAM), keeping the gradient in its RAM pool; at max_grad_norm 0.24 the first step's norm
-    (0.247) crosses the limit only at the last layers: the speculative updates are rolled back (the layer's
-    current slot becomes the pre-update one again) and redone with the factor. Equal to the host's."""
+    read of it is in RAM), keeping the gradient for a redo: in its RAM pool (``eps.grad_ram_layers`` layers
+    at a time), beyond it on disk (``kept_grads.eps``). At max_grad_norm 0.24 the first step's norm (0.247)
+    crosses the limit only at the last layers: the speculative updates are rolled back (the layer's current
+    slot becomes the pre-update one again) and redone with the factor, from RAM or from disk. Equal to the
+    host's."""
     over = (f"mode={mode}", "optim.max_grad_norm=0.24")
     ref = _host(*over)
-    cfg = tiny_cfg(*over, "eps.tier=disk")
+    cfg = tiny_cfg(*over, "eps.tier=disk", f"eps.grad_ram_layers={ram}")
     with built(cfg, 10) as runner:
         it = batches(cfg)
         reports = [runner.step(next(it)) for _ in range(3)]
         got = {"losses": [r.loss for r in reports], "weights": weights(runner)}
         assert runner.eps.rollbacks >= 1 and runner.eps.rollback_layers >= 2
-        assert runner.eps.tier.summary()["gradients_parked"] == 0  # every waiting gradient in RAM
+        s = runner.eps.tier.summary()
+        if ram:
+            assert s["gradients_parked"] == 0  # every waiting gradient in RAM
+        else:  # every kept gradient written to disk, and the redos read them back
+            assert s["gradients_parked"] > 0 and s["grad_pool_bytes"] == 0, s
     _assert_identical(got, ref)
 
 
 def test_bytes_per_parameter_and_step_are_counted_by_use_and_stay_within_28() -> None:
     """With 3 of 7 layers in RAM and no clipping that step: the forward reads the weights (4 B/param), the
     backward the weights and moments (12, serving the update), the update writes them (12): <= 28, plus
-    the padding of each part to 4 KiB. With no RAM for gradients and clipping certain, every update waits
+    the padding of each part to 4 KiB; a gradient kept for a redo beyond the RAM pool adds a 4-byte write. With no RAM for gradients and clipping certain, every update waits
     for the norm: its gradient is parked on disk and the layer is read again (more than 28)."""
 
     def per_param(*over: str) -> dict[str, Any]:
@@ -107,9 +118,15 @@ def test_bytes_per_parameter_and_step_are_counted_by_use_and_stay_within_28() ->
         )
         return {"total": s["read_bytes_per_param_step"] + s["write_bytes_per_param_step"], "pad": pad, **b}
 
-    got = per_param("mode=l2l", "optim.max_grad_norm=1e9")  # (L2L-p's updates take the same path)
+    # (L2L-p's updates take the same path)
+    got = per_param("mode=l2l", "optim.max_grad_norm=1e9", "eps.grad_ram_layers=8")
     assert got["total"] <= 28 * got["pad"], got
     assert got["write_state"] == pytest.approx(12 * got["pad"]) and got["write_park"] == 0, got
+    # no RAM for the gradients kept for a redo: each is written to disk once (4 B; the embeddings' update
+    # comes after the verdict and keeps none), never read (no redo)
+    kept = per_param("mode=l2l", "optim.max_grad_norm=1e9", "eps.grad_ram_layers=0")
+    assert 0 < kept["write_park"] <= 4 * kept["pad"] and kept["read_grad"] == 0, kept
+    assert kept["total"] <= 32 * kept["pad"], kept
     parked = per_param("mode=l2l", "optim.max_grad_norm=1e-9", "eps.grad_ram_gb=0")
     assert parked["write_park"] > 1 and parked["read_grad"] > 1 and parked["total"] > 28 * parked["pad"], (
         parked
@@ -128,7 +145,7 @@ def test_reads_are_issued_ahead_from_the_last_steps_trace_and_ram_holds_k_layers
     under global clipping park theirs on disk (a speculative update could not be redone); with per-layer
     clipping, or the RAM pool, none is parked on disk."""
     cases = (("l2l eps.grad_ram_gb=0", True), ("l2l_p optim.clip=global eps.grad_ram_gb=0", True),
-             ("l2l_p optim.clip=layer eps.grad_ram_gb=0", False), ("l2l", False))  # fmt: skip
+             ("l2l_p optim.clip=layer eps.grad_ram_gb=0", False), ("l2l eps.grad_ram_layers=8", False))  # fmt: skip
     for mode, parks in cases:
         cfg = tiny_cfg(*f"mode={mode}".split(), "eps.tier=disk", "eps.host_cache_layers=2")
         with built(cfg) as runner:
@@ -314,6 +331,61 @@ def test_host_rss_of_the_disk_tier_stays_flat_as_depth_doubles(tmp_path: Path) -
     assert rss["disk", 16] < rss["host", 16] - 0.5 * extra_state * 2, rss
 
 
+def test_the_disk_tiers_resident_bytes_do_not_grow_with_depth() -> None:
+    """The disk tier's RAM (cache slots and the pool of waiting gradients) is bounded by a number of layers
+    (eps.host_cache_layers, eps.grad_ram_layers), not by the depth: at 4 and 8 layers, with speculative
+    updates whose gradients wait for the verdict (max_grad_norm 1e9) or updates held for a clipping that is
+    certain (1e-9), ``resident_bytes_peak`` is the same, within the bound it reports; the gradients beyond
+    the pool wait on disk. The host tier's EPS grows by the 4 more layers' state."""
+    peaks: dict[tuple[str, int], int] = {}
+    for norm in ("1e9", "1e-9"):
+        for depth in (4, 8):
+            cfg = tiny_cfg("mode=l2l", f"model.num_layers={depth}", f"optim.max_grad_norm={norm}", "eps.tier=disk",
+                           "eps.host_cache_layers=2", "eps.grad_ram_layers=2")  # fmt: skip
+            with built(cfg) as runner:
+                runner.step(next(batches(cfg)))  # (the first step reaches the peak: buffers are reused after)
+                s = runner.eps.tier.summary()
+            assert s["grad_ram_layers"] == 2 and s["gradients_parked"] > 0, s
+            assert s["gradients_parked_in_ram"] > 0, s
+            assert s["grad_pool_bytes"] <= s["resident_bytes_bound"] - sum(
+                sl.nbytes for sl in runner.eps.tier.slots
+            )
+            assert s["resident_bytes_peak"] <= s["resident_bytes_bound"], s
+            peaks[norm, depth] = s["resident_bytes_peak"]
+    assert peaks["1e9", 4] == peaks["1e9", 8] and peaks["1e-9", 4] == peaks["1e-9", 8], peaks
+    host = {}
+    for depth in (4, 8):
+        with built(tiny_cfg("mode=l2l", f"model.num_layers={depth}")) as runner:
+            host[depth] = sum(runner.eps.host_parts().values())
+    block = bert_spec(4, 32, 2, 64, vocab_size=512).param_counts()[1]
+    assert host[8] - host[4] >= 4 * 16 * block, host
+
+
+BERT_BASE_RSS = ["model=bert-base", "task=synthetic", "batch.size=4", "batch.ubatch_size=2", "trainer.max_steps=1",
+                 "mode=l2l", "eps.host_cache_layers=2", "task.max_eval_samples=4", "trainer.progress=none"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_bert_base_disk_tier_rss_at_32_layers_is_within_10_percent_of_16(tmp_path: Path) -> None:
+    """Issue 42's acceptance: BERT-Base width, global clipping (the mode's default), 2 layers cached: the disk
+    tier's peak RSS at 32 layers is at most 1.10x its peak at 16, its ``resident_bytes_peak`` the same,
+    while the host tier's RSS grows by the 16 more layers' state (about 16 bytes per parameter)."""
+    runs = [(tier, depth) for tier in ("disk", "host") for depth in (16, 32)]
+    jobs = [{"overrides": [*BERT_BASE_RSS, f"model.num_layers={d}", f"eps.tier={t}"], "run_dir": str(tmp_path / f"{t}{d}")}
+            for t, d in runs]  # fmt: skip
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    subprocess.run([sys.executable, "-m", "tests.forkrun", str(tmp_path / "jobs.json"), str(tmp_path / "res.json")],
+                   cwd=REPO, check=True, timeout=1800)  # fmt: skip
+    res = dict(zip(runs, json.loads((tmp_path / "res.json").read_text())))
+    assert all(r["exit"] == 0 for r in res.values()), res
+    rss = {k: r["maxrss_bytes"] for k, r in res.items()}
+    disk = {d: json.loads((tmp_path / f"disk{d}" / "summary.json").read_text())["eps_disk"] for d in (16, 32)}
+    block = bert_spec(16, 768, 12, 3072).param_counts()[1]
+    assert rss["disk", 32] <= 1.10 * rss["disk", 16], rss
+    assert disk[32]["resident_bytes_peak"] == disk[16]["resident_bytes_peak"], disk
+    assert rss["host", 32] - rss["host", 16] > 16 * 12 * block, rss
+
+
 # ---- the disk tier's full checkpoints move between tiers --------------------------------------------
 
 
@@ -356,17 +428,22 @@ def _plan(*over: str) -> dict[str, Any]:
 
 def test_plan_says_which_tier_a_model_needs_and_predicts_the_disk_tier() -> None:
     """BERT-Base's EPS needs ~2.9 GiB of RAM (16 bytes per parameter, 12 more for L2L-p's undo): with 2 GiB of
-    host memory only the disk tier fits (4 layers cached, 4 bytes per parameter of waiting gradients), and
-    the plan says so; on disk it takes 24 bytes per parameter."""
+    host memory only the disk tier fits (4 layers cached, 2 layers' waiting gradients: the same RAM at any
+    depth), and the plan says so; on disk it takes 24 bytes per parameter (and up to 4 of kept gradients)."""
     small = _plan("hardware.host_memory_gb=2")
     assert not small["fits"] and "eps.tier=disk fits" in small["verdict"]
     assert small["eps_tier"]["needed"] == "disk" and small["eps_tier"]["configured"] == "host"
     on_disk = _plan("hardware.host_memory_gb=2", "eps.tier=disk")
     assert on_disk["fits"] and on_disk["verdict"] == "fits"
     params = on_disk["params"]["total"]
-    assert on_disk["memory_bytes"]["disk"]["total"] == 24 * params
-    assert on_disk["memory_bytes"]["host"]["parts"]["eps_cache"] == 4 * 16 * on_disk["params"]["embeddings"]
-    assert on_disk["memory_bytes"]["host"]["parts"]["eps_grad_pool"] == 4 * params
+    disk = on_disk["memory_bytes"]["disk"]["parts"]
+    assert disk["eps_files"] == 24 * params and disk["eps_kept_grads"] == 4 * params
+    emb = on_disk["params"]["embeddings"]  # the largest layer
+    assert on_disk["memory_bytes"]["host"]["parts"]["eps_cache"] == 4 * 16 * emb
+    # eps.grad_ram_layers (2) buffers of the largest layer, whatever the depth
+    assert on_disk["memory_bytes"]["host"]["parts"]["eps_grad_pool"] == 2 * 4 * emb
+    deep = _plan("hardware.host_memory_gb=2", "eps.tier=disk", "model.num_layers=48")
+    assert deep["memory_bytes"]["host"]["parts"] == on_disk["memory_bytes"]["host"]["parts"]
     assert _plan()["eps_tier"]["needed"] == "host"
     # a slow disk is exposed, a fast one hides behind compute
     slow = _plan("eps.tier=disk", "hardware.disk_read_gbps=0.05", "hardware.disk_write_gbps=0.05")

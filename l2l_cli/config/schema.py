@@ -195,6 +195,7 @@ class EpsConfig:
     path: str | None = None  # disk: the directory of the layer files (unset: <run dir>/eps; a fast local SSD)
     host_cache_layers: int = 4  # disk: layers in RAM at once (>= 2; 4: the backward's read serves the update)
     grad_ram_gb: float = 8.0  # disk: gradients kept in RAM (parked, or for a rollback) instead of on disk, GB
+    grad_ram_layers: int = 2  # disk: at most this many layers' waiting gradients in RAM (beyond: on disk)
 
 
 @dataclass

@@ -66,9 +66,9 @@ class Speculation:
             norms = torch.stack(list(self._norms.values()))
             if float(clip_coefficients(norms, clip, max_norm)[0]) < 1.0 or not st.reserve_redo():
                 # the norm so far already exceeds max_grad_norm: clipping is certain, and any update
-                # made now would be undone; wait for the factor instead. So does a disk tier's layer
-                # whose gradient its RAM pool cannot keep: a redo needs the gradient the update consumes
-                # (the undo itself is the file's other slot, the state before the update)
+                # made now would be undone; wait for the factor instead. So does a layer whose tier
+                # cannot keep the gradient the update consumes (a redo needs it; the disk tier keeps it
+                # in RAM or on disk, its undo is the file's other slot, the state before the update)
                 self._held.append(i)
                 return
             mult = None if inv == 1.0 else inv  # as if the factor were 1; checked in finish

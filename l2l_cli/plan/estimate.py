@@ -15,7 +15,7 @@ from typing import Any
 from l2l_cli.engine.optim import OPTIMIZERS
 from l2l_cli.engine.recompute_plan import MARGIN, SELECTIVE_SHARE, LayerBytes, RecomputeSettings, choose
 from l2l_cli.engine.tiers import TIERS
-from l2l_cli.modes import MODES, ModeSpec, find_mode, run_precision, run_stash
+from l2l_cli.modes import MODES, ModeSpec, find_mode, run_clip, run_precision, run_stash
 from l2l_cli.plan import costmodel as cm
 from l2l_cli.plan.diskqueue import Disk, Use, exposed_wait
 from l2l_cli.plan.hardware import Rates
@@ -47,6 +47,8 @@ class Setup:
     layers_per_stage: int = 1
     partition_state: bool = False
     grad_ram_gb: float = 8.0  # eps.grad_ram_gb (tier=disk): gradients waiting in RAM
+    grad_ram_layers: int = 2  # eps.grad_ram_layers (tier=disk): ... for at most this many layers at a time
+    clip_global: bool = True  # global-norm clipping: the disk tier keeps each applied gradient until the verdict
     bf16_master_planes: bool = False  # CMP in bf16 on the disk tier: the forward reads a 2-byte hi plane
     reserved: float = 0.0  # device bytes beyond the tensors: CUDA context, workspaces, allocator reserve
     att_half: float | None = (
@@ -64,7 +66,8 @@ class Setup:
             cfg.batch.size, cfg.batch.ubatch_size, cfg.dist.nproc, cfg.eps.tier, cfg.eps.host_cache_layers,
             pipe.pipeline, pipe.placement, pipe.schedule,
             pipe.layers_per_stage if pipe.placement == "modular" else 1, pipe.partition_state,
-            grad_ram_gb=cfg.eps.grad_ram_gb,
+            grad_ram_gb=cfg.eps.grad_ram_gb, grad_ram_layers=cfg.eps.grad_ram_layers,
+            clip_global=run_clip(cfg) == "global",
             bf16_master_planes=run_precision(cfg) == "cmp" and cfg.precision.dtype == "bf16",
             **device_terms(cfg),
             optim=cfg.optim.name,
@@ -113,6 +116,13 @@ class Setup:
 
     def but(self, **kw: Any) -> Setup:
         return replace(self, **kw)
+
+    def pool_layers(self, max_layer_params: int, layers: int) -> int:
+        """How many layers' waiting gradients the disk tier keeps in RAM at once: ``eps.grad_ram_layers``,
+        within ``eps.grad_ram_gb`` (buffers of the largest layer) and the model's layers (the tier's rule,
+        :class:`~l2l_cli.engine.tiers.disk.pool.GradPool`)."""
+        buf = 4.0 * max_layer_params
+        return max(0, min(self.grad_ram_layers, layers, int(self.grad_ram_gb * 1e9 // buf) if buf else 0))
 
 
 def device_terms(cfg: Any) -> dict[str, Any]:
@@ -166,9 +176,14 @@ def memory(shape: ModelShape, s: Setup) -> dict[str, dict[str, float]]:
             k = min(s.cache_layers, N + 2)
             per_param = FP32_STATE + (2.0 if s.precision == "cmp" else 0.0)
             host["eps_cache"] = k * per_param * shape.max_layer_params
-            # the gradients waiting for the clipping verdict (or their update), as far as the pool holds them
-            host["eps_grad_pool"] = min(s.grad_ram_gb * 1e9, 4.0 * P)
+            # the gradients waiting for the clipping verdict (or their update): eps.grad_ram_layers buffers
+            # of the largest layer, whatever the depth; the others wait on disk (an applied one kept for a
+            # redo in kept_grads.eps, sparse: at most 4 bytes per parameter)
+            pool = s.pool_layers(shape.max_layer_params, N + 2)
+            host["eps_grad_pool"] = pool * 4.0 * shape.max_layer_params
             disk["eps_files"] = DISK_STATE * P
+            if s.clip_global and pool < N + 2:
+                disk["eps_kept_grads"] = 4.0 * P
         else:
             host["training_state"] = s.state_bytes * P
             if s.spec.undo_log:  # weights and moments before the early update (skip on overflow)
@@ -280,8 +295,10 @@ def _disk(
     Per parameter: the forward reads the weights (4 bytes; 2 under bf16 CMP, the master's bf16 hi plane);
     the backward reads the weights, then the moments for the update, and writes the new state (12 + 12): L2L
     and L2L-p alike update each layer right after its backward on this tier (the gradient waits in RAM for
-    the clipping verdict), so 28 bytes in all (26 under bf16 CMP). With every layer in the cache only the
-    writes remain (the state is committed every step)."""
+    the clipping verdict), so 28 bytes in all (26 under bf16 CMP). Under global clipping an applied gradient
+    waits for the verdict in RAM for the first ``eps.grad_ram_layers`` layers of the backward, on disk for
+    the others (4 more bytes written; the embeddings' update comes after the verdict). With every layer in
+    the cache only the writes remain (the state is committed every step)."""
     n = len(params)
     cached = s.cache_layers >= n  # nothing is ever evicted: no reads after the first step
     r = 0.0 if cached else 1.0
@@ -290,8 +307,10 @@ def _disk(
     # the backward, from the head down: each layer's weights, its moments, its update, its write. The last
     # update (the embeddings') is waited for at the step's end (the commit needs it): it is on the step's
     # clock already (``win_b[0]``), not beside it
+    pool = s.pool_layers(max(params), n)
+    kept = [s.clip_global and j > 0 and n - 1 - j >= pool for j in range(n)]  # the backward's order: head first
     uses += [
-        Use(win_b[j], r * 4 * params[j], r * 8 * params[j], upd[j] if j else 0.0, 12 * params[j])
+        Use(win_b[j], r * 4 * params[j], r * 8 * params[j], upd[j] if j else 0.0, (12 + 4 * kept[j]) * params[j])
         for j in reversed(range(n))
     ]
     io = sum(rates.disk_time(u.read + u.late_read, u.write) for u in uses)

@@ -21,9 +21,10 @@ PART_NAMES = {
     "send_copy": "half send copy (cmp)",
     "undo_copies": "L2L-p undo copies",
     "eps_cache": "EPS cache (eps.host_cache_layers)",
-    "eps_grad_pool": "EPS gradients in RAM (eps.grad_ram_gb)",
+    "eps_grad_pool": "EPS gradients in RAM (eps.grad_ram_layers)",
     "eps_files": "EPS layer files (two versions)",
     "runtime_reserved": "CUDA context, workspaces, allocator (hardware.device_reserved_gb)",
+    "eps_kept_grads": "EPS kept gradients (at most)",
 }
 
 

@@ -49,6 +49,7 @@ class TierSettings:
     cache_layers: int = 4  # disk: layers whose state is in RAM at once
     resume: bool = False  # disk: continue from the state committed at ``path`` (trainer.resume)
     grad_ram_bytes: int = 0  # disk: gradients kept in RAM instead of on disk, bytes (eps.grad_ram_gb)
+    grad_ram_layers: int = 2  # disk: ... and at most this many layers' of them (eps.grad_ram_layers)
 
 
 class Tier(Protocol):

@@ -85,8 +85,9 @@ class DiskLayer(LayerState):
             self._keep, self.kept_grad = False, True
 
     def reserve_redo(self) -> bool:
-        """Whether a speculative update of this layer could be redone: the gradient it consumes is kept in
-        the tier's RAM pool, if the pool (``eps.grad_ram_gb``) has room for it."""
+        """Whether a speculative update of this layer could be redone: always, the gradient it consumes is
+        kept until the verdict, in the tier's RAM pool if a buffer is free (``eps.grad_ram_layers``), else
+        on disk (``kept_grads.eps``)."""
         self._keep = self.tier.reserve_grad(self.index)
         self.kept_grad = False
         return self._keep

@@ -201,6 +201,16 @@ class Reader:
             if "g" in job.parts:
                 if in_ram:
                     st.pool.get(i, s.f32["g"][: f.numel])
+                elif st.kept_on_disk[i]:  # a kept gradient, back for a redo (its own file: see .spill)
+                    with self.cv:
+                        written = st.kept.writes.get(i)
+                    if written is not None:  # (the slot may still hold the layer: no eviction waited for it)
+                        written.result()
+                    kfd = st.io.open(st.kept.path)
+                    try:
+                        st.read(kfd, s.mv("g", f.part_bytes), st.kept.offset(i), "grad")
+                    finally:
+                        os.close(kfd)
                 else:
                     st.read_part(fd, s.mv("g", f.part_bytes), i, 1 - st.newest(i), "g", "grad")
         finally:

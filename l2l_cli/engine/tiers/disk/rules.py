@@ -24,11 +24,13 @@ EPS_MODES_ONLY = "disk moves the eager param-server's state to disk"
 
 
 def check_keys(cfg: Any) -> list[Problem]:
-    """``eps.host_cache_layers``, ``eps.grad_ram_gb`` and ``eps.path``, whichever tier is selected."""
+    """``eps.host_cache_layers``, ``eps.grad_ram_gb``, ``eps.grad_ram_layers`` and ``eps.path``, whichever tier
+    is selected."""
     p: list[Problem] = []
     e = cfg.eps
     at_least(p, "eps.host_cache_layers", e.host_cache_layers, 2, " (the layer in use and the one read ahead)")
     at_least(p, "eps.grad_ram_gb", e.grad_ram_gb, 0, " (0: every waiting gradient on disk)")
+    at_least(p, "eps.grad_ram_layers", e.grad_ram_layers, 0, " (0: every waiting gradient on disk)")
     if e.path is not None and not str(e.path).strip():
         p.append(Problem("eps.path", "got an empty path; allowed: a directory, or unset for <run dir>/eps"))
     return p

@@ -35,6 +35,7 @@ from l2l_cli.engine.tiers.disk.format import (
     record_digest,
 )
 from l2l_cli.engine.tiers.disk.pool import GradPool
+from l2l_cli.engine.tiers.disk.spill import KeptGrads
 from l2l_cli.engine.tiers.disk.stats import IoCounts
 from l2l_cli.models.base import ModelSpec
 
@@ -66,7 +67,12 @@ class LayerStore:
         # every read of a part whose checksum is known is checked against it (empty: not known)
         self.sums: list[tuple[dict[str, int], dict[str, int]]] = [({}, {}) for _ in range(n)]
         self.w_seen: set[int] = set()  # layers whose weights were read this step (for the byte breakdown)
-        self.pool = GradPool(settings.grad_ram_bytes)  # gradients waiting in RAM instead of on disk
+        n_max = max(f.numel for f in self.files)
+        # gradients waiting in RAM instead of on disk, for at most eps.grad_ram_layers layers at a time
+        self.pool = GradPool(settings.grad_ram_bytes, min(settings.grad_ram_layers, n), n_max)
+        # speculatively applied gradients kept for a redo that the pool has no room for (``kept_on_disk``)
+        self.kept = KeptGrads(self.root, [f.part_bytes for f in self.files])
+        self.kept_on_disk = [False] * n
         self.adopted = False
         self.record: dict[str, Any] | None = None
 
@@ -160,7 +166,8 @@ class LayerStore:
                 s.f32[p].zero_()
             if p == "g":
                 self.grad_live[i], self.parked[i], s.g_dirty = True, False, False
-                self.pool.live.discard(i)
+                self.kept_on_disk[i] = False
+                self.pool.drop(i)
         s.valid |= set(parts)
 
     def read_state(self, fd: int, s: CacheSlot, i: int, slot: int, parts: list[str], what: str) -> None:

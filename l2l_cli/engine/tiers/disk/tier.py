@@ -69,6 +69,7 @@ class DiskTier:
             k = min(settings.cache_layers, n)  # more slots than layers would never be used
             self.cache = SlotCache(k, n_max, layouts, acc, send_dtype, optim, self.store.split)
         self.plan = ReadAhead(n, k, threading.get_ident())
+        self.resident_peak = self.cache.nbytes
         self.layers: dict[int, DiskLayer] = {}
         self._main = threading.get_ident()
         if not self.store.adopted:
@@ -155,6 +156,7 @@ class DiskTier:
             numel = st.files[i].numel
             waits = st.grad_live[i] and not st.parked[i] and len(self.cache) < len(st)
             to_ram = waits and self.pool.reserve(i, numel)
+        self._note_resident()
         if to_ram:  # (still pinned: nobody reuses the slot while the gradient is copied out)
             self.pool.put(i, s.f32["g"][:numel])
         with self.cv:
@@ -286,20 +288,40 @@ class DiskTier:
             st.refresh_send()
 
     def _regrad(self, st: DiskLayer) -> None:
-        """(Holding the lock.) A gradient kept in the pool for a redo is layer i's parked gradient again."""
+        """(Holding the lock.) A gradient kept for a redo (in the pool, or in ``kept_grads.eps``) is layer i's
+        parked gradient again."""
+        i = st.index
         if st.kept_grad:
-            self.pool.live.add(st.index)
-            self.store.parked[st.index], self.store.grad_live[st.index] = True, True
+            if i in self.pool.kept:
+                self.pool.kept.discard(i)
+                self.pool.live.add(i)
+            self.store.parked[i], self.store.grad_live[i] = True, True
             st.kept_grad = False
 
     def reserve_grad(self, i: int) -> bool:
-        """Room in the pool for layer i's gradient (kept for a redo of a speculative update)."""
+        """Where layer i's gradient will be kept for a redo of a speculative update: a buffer of the pool if
+        one is free, else ``kept_grads.eps`` on disk (:mod:`.spill`). Always possible: True."""
         with self.cv:
-            return self.pool.reserve(i, self.store.files[i].numel)
+            self.pool.reserve(i, self.store.files[i].numel)
+        return True
 
     def keep_grad(self, i: int, g: torch.Tensor) -> None:
-        """(Layer i pinned.) Keep its gradient, as the update left it, in the pool until the verdict."""
-        self.pool.put(i, g)
+        """(Layer i pinned, its update done, its write-back not yet queued.) Keep its gradient, as the update
+        left it, until the verdict: in the pool if it reserved a buffer, else written to ``kept_grads.eps``
+        behind the compute (queued before the slot's write-back, which the slot's next use waits for)."""
+        with self.cv:
+            in_ram = self.pool.holds(i)
+        if in_ram:
+            self.pool.put(i, g)
+        with self.cv:
+            if in_ram:
+                self.pool.kept.add(i)
+                self.counts.step.parks_ram += 1
+            else:
+                s = self.cache.must(i)
+                s.writing = self.store.kept.writes[i] = self.writer.keep(s, i)
+                self.store.kept_on_disk[i] = True
+        self._note_resident()
 
     def commit(self, step: int, trainer_state: dict[str, Any], ident: dict[str, Any] | None = None) -> None:
         """Make the state after ``step`` the one a restart finds (see :meth:`WriteBehind.commit`)."""
@@ -310,6 +332,16 @@ class DiskTier:
     def host_parts(self) -> dict[str, int]:
         return {"eps_cache": self.cache.nbytes, "eps_grad_pool": self.pool.nbytes}
 
+    def _note_resident(self) -> None:
+        """The tier's RAM now (cache slots and the pool's buffers), for ``resident_bytes_peak``."""
+        with self.cv:
+            self.resident_peak = max(self.resident_peak, self.cache.nbytes + self.pool.nbytes)
+
+    @property
+    def resident_bound(self) -> int:
+        """The most RAM the tier takes, whatever the depth: its cache slots and the pool's bound."""
+        return self.cache.nbytes + self.pool.bound
+
     def pop_step(self, timer: PhaseTimer, training: bool = True) -> dict[str, float]:
         """This step's disk I/O: background read/write seconds join the phases (``disk_wait``, the exposed
         part, is timed where it happens); bytes go to the step's metrics. A training step's trace of pins
@@ -318,6 +350,13 @@ class DiskTier:
             st = self.counts.pop(training)
             self.store.w_seen.clear()
             self.plan.end_step(training)
+            # the step's verdict is in (its redos done): no gradient is kept for one any more
+            self.pool.end_step()
+            for layer in self.layers.values():
+                layer.kept_grad = False
+            st_ = self.store  # (one rolled back by a skipped step stays parked where it is until replaced)
+            st_.kept_on_disk = [k and p for k, p in zip(st_.kept_on_disk, st_.parked)]
+            st_.kept.writes = {i: w for i, w in st_.kept.writes.items() if st_.kept_on_disk[i]}
         timer.add("disk_read", st.read_s)
         timer.add("disk_write", st.write_s)
         return {
@@ -356,6 +395,10 @@ class DiskTier:
             "gradients_parked": t.parks,
             "gradients_parked_in_ram": t.parks_ram,
             "grad_pool_bytes": self.pool.nbytes,
+            "grad_ram_layers": self.pool.capacity,
+            # the tier's RAM (cache slots and pool buffers): its peak, and the bound it keeps whatever the depth
+            "resident_bytes_peak": max(self.resident_peak, self.cache.nbytes + self.pool.nbytes),
+            "resident_bytes_bound": self.resident_bound,
             "hidden_share": max(0.0, min(1.0, 1.0 - t.wait_s / io_s)) if io_s else None,
             # bytes per parameter per training step (after the first, when there are several), and by use
             "read_bytes_per_param_step": per.read_bytes / per_param if per_param else None,

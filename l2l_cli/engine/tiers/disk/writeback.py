@@ -114,6 +114,7 @@ class WriteBehind:
         st.latest[i], st.parked[i], st.grad_live[i], s.g_dirty = target, False, False, False
         st.sums[i][target].clear()  # (known again once the write is done)
         st.pool.live.discard(i)
+        st.pool.release(i)  # (a gradient kept for a redo stays until the verdict)
         s.valid.discard("g")  # applied: what is left in g is no gradient to keep
         c = self.counts.setup if setup else self.counts.step  # bytes when queued: the step that wrote them
         nbytes = sum(f.nbytes(p) for p in parts)
@@ -189,6 +190,29 @@ class WriteBehind:
                 os.close(fd)
         with self.cv:
             self.store.sums[i][target]["g"] = sum_g
+            self.counts.step.parks += 1
+            self.counts.step.write_s += time.perf_counter() - t0
+
+    def keep(self, s: CacheSlot, i: int) -> Future:
+        """(Holding the lock.) Queue layer i's applied gradient for ``kept_grads.eps``, where a redo of its
+        speculative update finds it (:mod:`.spill`); the slot's next write-back queues after it."""
+        nbytes = self.store.files[i].part_bytes
+        self.counts.step.write_bytes += nbytes
+        self.counts.step.write_park += nbytes
+        return self._pool.submit(self._keep, s, i)
+
+    def _keep(self, s: CacheSlot, i: int) -> None:
+        kept, io = self.store.kept, self.store.io
+        nbytes = self.store.files[i].part_bytes
+        t0 = time.perf_counter()
+        with writing(kept.path):
+            kept.ensure()
+            fd = io.open(kept.path)
+            try:
+                io.write(fd, s.mv("g", nbytes), kept.offset(i))
+            finally:
+                os.close(fd)
+        with self.cv:
             self.counts.step.parks += 1
             self.counts.step.write_s += time.perf_counter() - t0
 
