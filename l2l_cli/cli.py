@@ -99,6 +99,10 @@ def train(argv: list[str]) -> int:
         except ValueError as e:
             return _fail(f"config error: {e}")
         overrides = [a for a in argv if not a.startswith("-")]
+        try:  # a live run's disk EPS: named by its holder first, whatever else its folder would say
+            _check_eps_free(argv)
+        except LockError as e:
+            return _fail(f"config error: {e}")
         warnings: list[str] = []
         problems = preflight(overrides, multirun, warnings, resume=resume, info=sweep)
         if not problems:  # a hub checkpoint that cannot be fetched: refused before any run dir exists
@@ -163,6 +167,19 @@ def _given(argv: list[str], key: str) -> str | None:
 
     given = [a for a in argv if a.startswith(f"{key}=")]
     return str(OverridesParser.create().parse_override(given[-1]).value()) if given else None
+
+
+def _check_eps_free(argv: list[str]) -> None:
+    """Raise :class:`~l2l_cli.locks.DirectoryInUse` when the command line's ``eps.path`` is held by a
+    live run (its own checks would otherwise advise a resume of a folder another run is writing)."""
+    from l2l_cli.locks import check_free
+
+    try:
+        eps = _given(argv, "eps.path")
+    except Exception:  # an override that does not parse: preflight says so
+        return
+    if eps and eps not in ("null", "None"):
+        check_free(Path(eps).expanduser(), "eps.path")
 
 
 def _claim_run_dir(

@@ -127,3 +127,26 @@ def test_the_process_that_took_a_directory_finds_it_held(tmp_path) -> None:
     finally:
         lock.release()
     assert held(tmp_path) is None
+
+
+def test_a_live_runs_eps_path_is_named_by_its_holder(tmp_path, capsys) -> None:
+    """A disk EPS folder another live run holds: one line naming that run's pid, not advice to resume it."""
+    from l2l_cli.cli import train
+    from tests.util import TINY
+
+    eps = tmp_path / "eps"
+    proc = _holder(eps)
+    try:
+        (eps / "commit.json").write_text("{}")
+        code = train(
+            [*TINY, "mode=l2l", "eps.tier=disk", f"eps.path={eps}", f"hydra.run.dir={tmp_path / 'run'}"]
+        )
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(lines) == 1, lines
+        assert lines[0].startswith(
+            f"l2l: config error: eps.path: {eps} is in use by another l2l run (pid {proc.pid}"
+        )
+        assert not (tmp_path / "run").exists()
+    finally:
+        proc.kill()
+        proc.wait()
