@@ -174,3 +174,15 @@ def test_texts_cut_at_max_seq_len_are_counted(tmp_path: Path) -> None:
     cfg = tiny_cfg("task=json", f"task.files=[{tmp_path / 't.jsonl'}]")
     data = load_task(cfg.task, cfg.model)
     assert data.stats == {"examples": 30, "truncated": 10}
+
+
+def test_a_saved_config_that_is_not_yaml_is_one_line(tmp_path: Path, capsys) -> None:
+    from l2l_cli.cli import train
+
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "config.yaml").write_text("model: {num_layers: [2\n")  # an edit gone wrong
+    assert train([f"trainer.resume={tmp_path}"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"l2l: config error: trainer.resume: {tmp_path}/.hydra/config.yaml: unreadable"
+    ), lines
