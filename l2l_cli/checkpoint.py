@@ -23,6 +23,7 @@ import ctypes
 import errno
 import hashlib
 import json
+import logging
 import mmap
 import os
 import random
@@ -44,6 +45,8 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from l2l_cli.problems import writing
+
+log = logging.getLogger("l2l")
 
 FORMAT = 1
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -201,6 +204,77 @@ def read_checked(ckpt: Path, name: str, manifest: dict[str, Any]) -> bytes:
     return data
 
 
+# ---- an exported model directory (a run's final/) ----------------------------------------------------
+
+DIR_CHECKSUMS = "checksums.json"
+
+
+def _file_entry(path: Path) -> dict[str, Any]:
+    h, n = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            n += len(chunk)
+    return {"bytes": n, "sha256": h.hexdigest()}
+
+
+def save_dir(final: Path, write: Callable[[Path], None]) -> Path:
+    """Write a directory of files (a run's ``final/``) as a checkpoint is written: ``write(tmp)`` fills a
+    temporary directory beside it, every file is fsynced and listed with its size and sha256 in
+    ``checksums.json``, then the directory is renamed into place; a failure (a full disk: DiskFull naming
+    the file) leaves the old ``final`` or none, never half of one. Files get the umask's mode (0644
+    under the usual umask), as any file the user writes."""
+    tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    mask = os.umask(0)
+    os.umask(mask)
+    try:
+        with writing(tmp):
+            tmp.mkdir(parents=True)
+            write(tmp)
+        files = {}
+        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            os.chmod(path, 0o666 & ~mask)
+            with writing(path), open(path, "rb+") as f:
+                os.fsync(f.fileno())
+            files[path.relative_to(tmp).as_posix()] = _file_entry(path)
+        write_bytes(tmp / DIR_CHECKSUMS, json.dumps({"format": FORMAT, "files": files}, indent=1).encode())
+        os.chmod(tmp / DIR_CHECKSUMS, 0o666 & ~mask)
+        _fsync_dir(tmp)
+        with writing(final):
+            replace_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def verify_dir(root: Path) -> None:
+    """Every file ``root/checksums.json`` lists (:func:`save_dir`) is there, whole and unchanged; else a
+    CheckpointError naming the file. A directory without the list (exported before it existed, or not by
+    l2l) is not checked here; its safetensors are still read only through their own header checks."""
+    path = root / DIR_CHECKSUMS
+    if not path.is_file():
+        return
+    try:
+        listed = json.loads(path.read_text())["files"]
+        assert isinstance(listed, dict)
+    except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e})") from e
+    for name, entry in listed.items():
+        target = root / name
+        if not isinstance(name, str) or name.startswith("/") or ".." in Path(name).parts:
+            raise CheckpointError(f"{path}: refuses file name {name!r} (files must stay inside {root})")
+        if not target.is_file():
+            raise CheckpointError(f"{target}: missing (listed in {DIR_CHECKSUMS})")
+        if not isinstance(entry, dict) or _file_entry(target) != {
+            k: entry.get(k) for k in ("bytes", "sha256")
+        }:
+            raise CheckpointError(
+                f"{target}: size or checksum differs from {DIR_CHECKSUMS} (corrupt or truncated)"
+            )
+
+
 # ---- the module layout: weights and optimizer moments by Hugging Face name ----------------------------
 
 WEIGHTS_FILE, MOMENTS_FILE = "model.safetensors", "optimizer.safetensors"
@@ -332,6 +406,14 @@ def check_identity(ckpt: Path, manifest: dict[str, Any], want: dict[str, Any]) -
 
 def verify(ckpt: Path) -> dict[str, Any]:
     """The manifest of a complete, intact checkpoint (sizes and checksums of every file), or an error."""
+    manifest = verify_manifest(ckpt)
+    for name in manifest["files"]:
+        read_checked(ckpt, name, manifest)
+    return manifest
+
+
+def verify_manifest(ckpt: Path) -> dict[str, Any]:
+    """A checkpoint's manifest, well formed (its files are checked as they are read: :func:`read_checked`)."""
     path = ckpt / "manifest.json"
     try:
         manifest = json.loads(path.read_text())
@@ -350,7 +432,6 @@ def verify(ckpt: Path) -> dict[str, Any]:
             raise CheckpointError(
                 f"{path}: refuses file name {name!r} (files must stay inside the checkpoint)"
             )
-        read_checked(ckpt, name, manifest)
     return manifest
 
 
@@ -462,6 +543,21 @@ def save(
     return final
 
 
+def remove_stale(run_dir: Path) -> list[Path]:
+    """Remove what saves cut short left behind (``checkpoints/.tmp-step_*``, ``checkpoints/realtime/
+    .tmp-step_*``, ``.tmp-final-*``): called by the run that holds ``run_dir``'s lock, so no live writer
+    owns them. Returns what was removed."""
+    root = run_dir / "checkpoints"
+    found = [
+        *root.glob(".tmp-step_*"),
+        *(root / "realtime").glob(".tmp-step_*"),
+        *run_dir.glob(".tmp-final-*"),
+    ]
+    for path in found:
+        shutil.rmtree(path, ignore_errors=True)
+    return found
+
+
 def prune(root: Path, keep: int) -> None:
     steps = sorted(_steps(root))
     for _, path in steps[:-keep] if keep > 0 else []:
@@ -489,14 +585,21 @@ def candidates(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted((x for x in found if (x[1] / "manifest.json").exists()), key=lambda x: -x[0])
 
 
-def latest_valid(run_dir: Path) -> tuple[Path, dict[str, Any]]:
-    """The newest checkpoint of ``run_dir`` that verifies; corrupt ones are skipped with a warning."""
+def latest_valid(run_dir: Path, skipped: list[str] | None = None) -> tuple[Path, dict[str, Any]]:
+    """The newest checkpoint of ``run_dir`` that verifies. Newer ones that do not are skipped: each is
+    logged as a warning and, with ``skipped``, appended to it (``"<path>: why"``) for the caller to show."""
     errors = []
     for _, path in candidates(run_dir):
         try:
-            return path, verify(path)
+            found = path, verify(path)
         except CheckpointError as e:
             errors.append(str(e))
+            continue
+        for error in errors:
+            log.warning("skipped a corrupt checkpoint: %s", error)
+        if skipped is not None:
+            skipped.extend(errors)
+        return found
     detail = f" ({'; '.join(errors)})" if errors else ""
     raise CheckpointError(f"{run_dir} has no usable checkpoint{detail}")
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from l2l_cli.locks import DirLock
 
 USAGE = """\
 usage: l2l <command> [args]
@@ -71,6 +74,7 @@ def train_help() -> str:
 
 def train(argv: list[str]) -> int:
     from l2l_cli.compose import setup
+    from l2l_cli.locks import LockError
     from l2l_cli.preflight import preflight
 
     setup()
@@ -81,6 +85,7 @@ def train(argv: list[str]) -> int:
         print(version())
         return 0
     sweep: dict[str, Any] = {}
+    claim: DirLock | None = None
     if not any(a in _HYDRA_INFO or a.startswith("--cfg") for a in argv):
         multirun = "-m" in argv or "--multirun" in argv
         unknown_flags = [a for a in argv if a.startswith("-") and a not in ("-m", "--multirun")]
@@ -94,6 +99,10 @@ def train(argv: list[str]) -> int:
         except ValueError as e:
             return _fail(f"config error: {e}")
         overrides = [a for a in argv if not a.startswith("-")]
+        try:  # a live run's disk EPS: named by its holder first, whatever else its folder would say
+            _check_eps_free(argv)
+        except LockError as e:
+            return _fail(f"config error: {e}")
         warnings: list[str] = []
         problems = preflight(overrides, multirun, warnings, resume=resume, info=sweep)
         if not problems:  # a hub checkpoint that cannot be fetched: refused before any run dir exists
@@ -105,9 +114,14 @@ def train(argv: list[str]) -> int:
             return _fail([f"config error: {p}" for p in problems])
         for w in warnings:
             print(f"l2l: warning: {w}", file=sys.stderr)
+        pin = sweep.get("multirun") and sweep.get("dir")
+        if pin and not any(a.startswith("hydra.sweep.dir=") for a in argv):  # pin it: ${now:} resolved once
+            argv = [*argv, f"hydra.sweep.dir={_quote(str(sweep['dir']))}"]
+        try:
+            argv, claim = _claim_run_dir(argv, resume, sweep)
+        except LockError as e:
+            return _fail(f"config error: {e}")
         if sweep.get("multirun") and sweep.get("dir"):
-            if not any(a.startswith("hydra.sweep.dir=") for a in argv):  # pin it: ${now:} resolved once
-                argv = [*argv, f"hydra.sweep.dir={_quote(str(sweep['dir']))}"]
             print(f"l2l: sweep of {sweep['jobs']} jobs into {sweep['dir']}/", flush=True)
     rank = int(os.environ.get("RANK", "0"))
     if rank > 0 and "WORLD_SIZE" in os.environ:  # under torchrun: rank 0 owns the run dir
@@ -128,7 +142,11 @@ def train(argv: list[str]) -> int:
                 f"hydra.run.dir={tempfile.gettempdir()}/l2l-rank{rank}-{os.getpid()}",
             ]
     _STATUSES.clear()
-    _run_hydra(["l2l-train", *argv])
+    try:
+        _run_hydra(["l2l-train", *argv])
+    finally:
+        if claim is not None:
+            claim.release()
     if not _STATUSES:
         return 0  # --cfg and friends
     if len(_STATUSES) == 1 and not sweep.get("multirun"):
@@ -141,6 +159,69 @@ def train(argv: list[str]) -> int:
     print(f"l2l: sweep done ({done}) in {sweep.get('dir', 'the sweep dir')}/; tables and plots: "
           f"l2l report {sweep.get('dir', '<sweep dir>')}", flush=True)  # fmt: skip
     return 0 if all(s in ("ok", "oom") for s in _STATUSES) else 1
+
+
+def _given(argv: list[str], key: str) -> str | None:
+    """The value the command line gives ``key`` (the last one, unquoted as Hydra reads it), or None."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    given = [a for a in argv if a.startswith(f"{key}=")]
+    return str(OverridesParser.create().parse_override(given[-1]).value()) if given else None
+
+
+def _check_eps_free(argv: list[str]) -> None:
+    """Raise :class:`~l2l_cli.locks.DirectoryInUse` when the command line's ``eps.path`` is held by a
+    live run (its own checks would otherwise advise a resume of a folder another run is writing)."""
+    from l2l_cli.locks import check_free
+
+    try:
+        eps = _given(argv, "eps.path")
+    except Exception:  # an override that does not parse: preflight says so
+        return
+    if eps and eps not in ("null", "None"):
+        check_free(Path(eps).expanduser(), "eps.path")
+
+
+def _claim_run_dir(
+    argv: list[str], resume: Path | None, info: dict[str, Any]
+) -> tuple[list[str], DirLock | None]:
+    """A start owns the directory it writes before Hydra writes anything there (``.hydra/``, train.log):
+    its run dir (a sweep: the sweep dir) is locked here and held until the run ends, so a second start
+    into a live run is refused with the holder's pid, and a fresh start into a directory that already
+    holds a run (finished or killed) is refused, pointing to ``trainer.resume``; either way the other
+    run's files stay byte-identical. The default run dir's ``${now:}`` is resolved once and pinned.
+    Ranks other than 0 under torchrun write only their own logs: they claim nothing."""
+    from l2l_cli.locks import DirLock, LockError, check_free
+    from l2l_cli.rundir import run_markers
+
+    if int(os.environ.get("RANK", "0")) > 0 and "WORLD_SIZE" in os.environ:
+        return argv, None
+    if info.get("multirun"):
+        given = _given(argv, "hydra.sweep.dir") or info.get("dir")
+        if not given:
+            return argv, None
+        path, key = Path(given), "hydra.sweep.dir"
+        info["dir"] = given
+        taken = []
+        if path.is_dir():
+            taken = ["multirun.yaml"] if (path / "multirun.yaml").exists() else []
+            taken += [f"{c.name}/" for c in sorted(path.iterdir()) if c.is_dir() and run_markers(c)]
+    else:
+        given = _given(argv, "hydra.run.dir")
+        if given is None:
+            if not info.get("run_dir"):
+                return argv, None
+            given = str(info["run_dir"])
+            argv = [*argv, f"hydra.run.dir={_quote(given)}"]  # pin it: ${now:} resolved once
+        path = Path(given)
+        own = resume is not None and path.resolve() == resume.resolve()
+        key = "trainer.resume" if own else "hydra.run.dir"
+        taken = [] if own or not path.is_dir() else run_markers(path)
+    check_free(path, key)
+    if taken:
+        raise LockError(key, path, f"{path} holds a run already ({', '.join(taken[:3])}); continue it with "
+                        f"trainer.resume={path}, or choose a new directory")  # fmt: skip
+    return argv, DirLock(path, key).acquire()
 
 
 def _torchrun_world(argv: list[str]) -> list[str]:

@@ -144,7 +144,8 @@ def main(cmd: str, argv: list[str]) -> int:
         for p in e.problems:
             print(f"l2l: config error: {p}", file=sys.stderr)
     except CheckpointError as e:
-        print(f"l2l: --checkpoint: {e}", file=sys.stderr)
+        what = "--checkpoint" if "--checkpoint" in " ".join(argv) else "weights"
+        print(f"l2l: {what}: {e}", file=sys.stderr)
     except KeyboardInterrupt:
         print(f"\nl2l: {cmd} interrupted", file=sys.stderr)
         return 130

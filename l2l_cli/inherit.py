@@ -12,9 +12,11 @@ written.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -38,9 +40,26 @@ class NoSavedConfig(Exception):
     """A directory that holds no run config (not a run dir)."""
 
 
+CONFIG_SUM = "config.sha256"  # beside .hydra/config.yaml: its sha256 when l2l last wrote or adopted it
+
+
+def record_config_sum(run_dir: Path) -> None:
+    """Note the sha256 of ``run_dir/.hydra/config.yaml`` as the run holds it now (a fresh run: as Hydra
+    wrote it; a resume: as the session rewrote it), so a later edit by hand is seen (:func:`saved_config`)."""
+    path = run_dir / ".hydra" / "config.yaml"
+    if path.is_file():
+        from l2l_cli.checkpoint import write_bytes
+
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        write_bytes(path.with_name(CONFIG_SUM), f"{digest}\n".encode())
+
+
 def saved_config(run_dir: Path) -> DictConfig:
     """The config a run trained with: ``.hydra/config.yaml`` (rewritten when a resume succeeds), else its
-    newest checkpoint's ``config.yaml``."""
+    newest checkpoint's ``config.yaml``. The first is checked before it is trusted: against the checksum
+    the run noted (:func:`record_config_sum`), and the keys a checkpoint depends on (``FIXED``) against
+    the newest checkpoint's own checksummed config; an edit by hand is refused in one line naming the
+    file (keys change on the command line, where a resume checks them)."""
     from l2l_cli.checkpoint import candidates
 
     paths = [run_dir / ".hydra" / "config.yaml"] + [p / "config.yaml" for _, p in candidates(run_dir)]
@@ -48,11 +67,50 @@ def saved_config(run_dir: Path) -> DictConfig:
         if path.is_file():
             try:
                 cfg = OmegaConf.load(path)
-            except (OSError, OmegaConfBaseException) as e:
+            except (OSError, OmegaConfBaseException, yaml.YAMLError) as e:  # a file edited into bad YAML
                 raise NoSavedConfig(f"{path}: unreadable ({str(e).splitlines()[0]})") from e
             if isinstance(cfg, DictConfig):
+                if path == paths[0]:
+                    _check_saved(path, cfg, run_dir)
                 return cfg
+            raise NoSavedConfig(f"{path}: not a config (a mapping of keys)")
     raise NoSavedConfig(f"{run_dir} holds no run config (.hydra/config.yaml or a checkpoint's config.yaml)")
+
+
+def _check_saved(path: Path, cfg: DictConfig, run_dir: Path) -> None:
+    """:func:`saved_config`'s check of ``.hydra/config.yaml``."""
+    from l2l_cli.checkpoint import CheckpointError, candidates, read_checked, verify_manifest
+
+    ckpt_cfg, where = None, None
+    for _, ckpt in candidates(run_dir)[:1]:
+        try:
+            loaded = OmegaConf.create(read_checked(ckpt, "config.yaml", verify_manifest(ckpt)).decode())
+        except (CheckpointError, OSError, ValueError, OmegaConfBaseException):
+            break  # a checkpoint that cannot be used is the resume's to report
+        if isinstance(loaded, DictConfig):
+            ckpt_cfg, where = loaded, ckpt / "config.yaml"
+    keys: list[str] = []
+    if ckpt_cfg is not None:
+        mine, theirs = _resolved(cfg), _resolved(ckpt_cfg)
+        keys = [k for k in FIXED if k in mine and k in theirs and mine[k] != theirs[k]
+                and not any(isinstance(v, str) and "${" in v for v in (mine[k], theirs[k]))]  # fmt: skip
+    sum_path = path.with_name(CONFIG_SUM)
+    edited = (
+        sum_path.is_file() and sum_path.read_text().strip() != hashlib.sha256(path.read_bytes()).hexdigest()
+    )
+    if not (edited or keys):
+        return
+    if ckpt_cfg is not None and not keys:
+        mine, theirs = _resolved(cfg), _resolved(ckpt_cfg)
+        keys = [k for k in mine if k in theirs and mine[k] != theirs[k] and k != "trainer.resume"]
+    detail = "; ".join(
+        f"{k}: {_resolved(cfg)[k]} here, {_resolved(ckpt_cfg)[k]} in {where}" for k in keys[:3]
+    )
+    raise NoSavedConfig(
+        f"{path} was changed by hand after the run wrote it"
+        + (f" ({detail})" if detail else "")
+        + "; restore it, and set keys on the command line (l2l train trainer.resume=<run> key=value)"
+    )
 
 
 def leaves(cfg: Any, prefix: str = "") -> dict[str, Any]:

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from l2l_cli.engine.stops import write_generation_config
 from l2l_cli.modes.base import Runner, StepReport
 from l2l_cli.progress import RunProgress
 from l2l_cli.rundir import Logger, RunFiles
-from l2l_cli.runfiles import BACKGROUND_PHASES, OTHER, MetricsRow, Summary
+from l2l_cli.runfiles import BACKGROUND_PHASES, OTHER, MetricsRow, Summary, read_jsonl
 
 log = logging.getLogger("l2l")
 LOWER_IS_BETTER = frozenset(
@@ -97,10 +98,15 @@ class Trainer:
         self.ctx = ctx
         self.stop = stop or NoStop()
         self.ckpt_root = files.dir / "checkpoints"
+        if files.enabled:  # this run holds the run dir: what a save cut short (a kill) left is stale
+            for path in ckpt.remove_stale(files.dir):
+                log.info("removed %s (a save cut short)", path)
         self.skipped = self.bad_in_row = 0
         self.steady = {"time": 0.0, "samples": 0, "tokens": 0, "n": 0}
         self.phase_sum: dict[str, float] = {}
         self.loss = float("nan")
+        self.final_eval: dict[str, Any] | None = None  # the final evaluation a resumed run logged already
+        self.resumed_step: int | None = None
         self.realtime: RealtimeWriter | None = None
         # a disk EPS (eps.tier=disk): committed after every step, it is the run's checkpoint by itself
         self.store = runner.durable_state()
@@ -129,14 +135,20 @@ class Trainer:
             "global_batch_size": self.stream.global_batch,
             "best": self.best,
             "evals_since_best": self.evals_since_best,
+            "loss": self.loss if math.isfinite(self.loss) else None,  # a resume with no step left reports it
         }
 
     def resume(self, run_dir: Path) -> None:
         """Continue from the newest checkpoint of ``run_dir``; a disk EPS's last commit counts as one, and
         one the EPS adopted in place needs nothing loaded."""
         point = self.store.resume_point() if self.store is not None else None
+        skipped: list[str] = []
         try:
-            path, manifest = ckpt.latest_valid(run_dir)
+            path, manifest = ckpt.latest_valid(run_dir, skipped)
+            for why in skipped:  # a corrupt newer checkpoint: the user must know the run goes back
+                self.note(f"skipped a corrupt checkpoint: {why}", logging.WARNING)
+                if self.ctx.rank == 0:
+                    print(f"l2l: warning: skipped a corrupt checkpoint: {why}", file=sys.stderr, flush=True)
         except CheckpointError:
             if point is None:
                 raise
@@ -164,8 +176,16 @@ class Trainer:
         self.skipped, self.bad_in_row = state["skipped"], state["bad_in_row"]
         self.steady, self.phase_sum = state["steady"], state["phase_sum"]
         self.best, self.evals_since_best = state.get("best"), state.get("evals_since_best", 0)
+        self.loss = state["loss"] if isinstance(state.get("loss"), float | int) else float("nan")
         for logger in self.loggers:  # the logs continue from the checkpoint's step
             logger.resume_at(state["step"])
+        # a run resumed at its end (its final evaluation was stopped, or it had finished): the final
+        # evaluation already logged at this step is not run and logged twice (every rank agrees)
+        logged = [r for r in read_jsonl(self.files.dir / "eval.jsonl") if r.get("step") == state["step"]]
+        _, done = self.ctx.mean_and_any(0.0, int(bool(logged) and self.files.enabled))
+        if done:
+            self.final_eval = {k: v for k, v in logged[-1].items() if k != "step"} if logged else {}
+        self.resumed_step = state["step"]
         log.info("resumed from %s at step %d", path, state["step"])
         self.summary.resumed_from = {"checkpoint": str(path), "step": state["step"]}
 
@@ -327,6 +347,14 @@ class Trainer:
             self.save()  # the final state is resumable too (e.g. to train further with more steps)
         if self.settings.save_final:
             self.export("final")
+        if self.final_eval is not None and runner.step_count == self.resumed_step:
+            self.summary.eval = self.final_eval  # evaluated and logged before this resume
+            if self.settings.save_best:
+                self.summary.sections["best"] = {
+                    **(self.best or {}),
+                    "early_stopped_at": self.early_stopped_at,
+                }
+            return
         metrics = self.evaluate(runner.step_count, final=True)
         self._log_eval(runner.step_count, metrics)
         self.track_best(runner.step_count, metrics)
@@ -337,17 +365,22 @@ class Trainer:
     def export(self, name: str) -> None:
         """``<run dir>/<name>/``: a Hugging Face model directory of the current weights (every rank calls it:
         a pipeline first brings its stages' layers to rank 0)."""
-        runner = self.runner
+        runner, data = self.runner, self.data
         runner.collect()
-        if self.files.enabled:
-            runner.spec.save_hf(self.files.dir / name, runner.hf_tensors(), self.data.spec)
-            if self.data.tokenizer is not None:  # the export loads with AutoTokenizer from one directory
+        if not self.files.enabled:
+            return
+
+        def write(out: Path) -> None:
+            runner.spec.save_hf(out, runner.hf_tensors(), data.spec)
+            if data.tokenizer is not None:  # the export loads with AutoTokenizer from the one directory
                 from l2l_cli.data.lm import save_tokenizer
 
-                save_tokenizer(self.data.tokenizer, self.files.dir / name)
-                if self.data.spec.objective == LM:  # where generation stops: the base's list, end of turn
-                    write_generation_config(self.files.dir / name, self.data.tokenizer, base_dir(self.data))
-            log.info("saved %s/ (a Hugging Face model directory) to %s", name, self.files.dir / name)
+                save_tokenizer(data.tokenizer, out)
+                if data.spec.objective == LM:  # where generation stops: the base's list, end of turn
+                    write_generation_config(out, data.tokenizer, base_dir(data))
+
+        ckpt.save_dir(self.files.dir / name, write)  # atomic, checksummed
+        log.info("saved %s/ (a Hugging Face model directory) to %s", name, self.files.dir / name)
 
     def track_best(self, step: int, metrics: dict[str, float]) -> bool:
         """``trainer.save_best``: export best/ when the watched metric improves (as transformers'

@@ -37,7 +37,7 @@ def preflight(
     stop the others: it is listed in ``warn`` and will end as a failed job. Problems every job shares
     (unknown keys, options, types), or a sweep with no valid job, are errors. ``resume``: the run being
     resumed; the config checked is its own with these overrides on top (l2l_cli/inherit.py). ``info``
-    receives ``multirun``, ``jobs``, the sweep's ``dir``, the jobs' ``pretrained`` references and, for one
+    receives ``multirun``, ``jobs``, the sweep's ``dir`` (one run: its ``run_dir``), the jobs' ``pretrained`` references and, for one
     valid job, its composed ``cfg`` (without the ``hydra`` node: what ``compose`` returns, so a caller such
     as ``l2l plan`` need not compose it again). ``check_space``: whether the disk EPS's directory here can hold
     the state (``l2l plan`` asks about the machine its ``hardware.*`` keys describe, not this one).
@@ -70,9 +70,11 @@ def preflight(
         return [Problem("sweep", f"more than {MAX_SWEEP_JOBS} jobs; split the sweep")]
     if info is not None:
         info.update(multirun=multirun, jobs=len(jobs))
-        if multirun:
-            with suppress(OmegaConfBaseException):
+        with suppress(OmegaConfBaseException):
+            if multirun:
                 info["dir"] = str(OmegaConf.select(base, "hydra.sweep.dir"))
+            else:
+                info["run_dir"] = str(OmegaConf.select(base, "hydra.run.dir"))
     failing: list[tuple[list[str], list[Problem]]] = []
     for job in jobs:
         try:

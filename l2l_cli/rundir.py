@@ -4,13 +4,26 @@ loggers the trainer reports each step and evaluation to (``metrics.jsonl`` and `
 from __future__ import annotations
 
 import json
+import logging
 import math
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 from l2l_cli.problems import writing
 from l2l_cli.runfiles import MetricsRow, write_json
+
+log = logging.getLogger("l2l")
+
+# what a run leaves in its directory: a directory holding any of them belongs to that run
+RUN_MARKERS = (".hydra", "metrics.jsonl", "eval.jsonl", "summary.json", "memory.json", "checkpoints", "final",
+               "train.log")  # fmt: skip
+
+
+def run_markers(path: Path) -> list[str]:
+    """The run files ``path`` already holds (empty: a new or empty directory a run may take)."""
+    return [name for name in RUN_MARKERS if (path / name).exists()]
 
 
 class RunFiles:
@@ -41,13 +54,29 @@ class RunFiles:
                 tmp.replace(path)
 
     def truncate(self, name: str, step: int) -> None:
-        """Drop the records after ``step`` (a resumed run's logs continue from its checkpoint)."""
+        """Drop the records after ``step`` (a resumed run's logs continue from its checkpoint). A line that
+        is not a whole record (an append the disk filled, a kill cut short) is dropped with a warning
+        naming the file and line: it never blocks the resume."""
         path = self.dir / name
-        if self.enabled and path.exists():
-            keep = [
-                ln for ln in path.read_text().splitlines() if ln and json.loads(ln).get("step", 0) <= step
-            ]
-            path.write_text("".join(f"{ln}\n" for ln in keep))
+        if not (self.enabled and path.exists()):
+            return
+        keep, torn = [], []
+        for n, ln in enumerate(path.read_bytes().decode("utf-8", "replace").splitlines(), 1):
+            try:
+                record = json.loads(ln) if ln.strip() else None
+            except ValueError:
+                record = None
+            if not isinstance(record, dict):
+                if ln.strip():
+                    torn.append(n)
+                continue
+            if record.get("step", 0) <= step:
+                keep.append(ln)
+        if torn:
+            msg = f"{path}: dropped {len(torn)} line(s) that are not whole records (line {', '.join(map(str, torn))})"
+            log.warning("%s", msg)
+            print(f"l2l: warning: {msg}", file=sys.stderr, flush=True)
+        self.write_text(name, "".join(f"{ln}\n" for ln in keep))
 
 
 class Logger(Protocol):

@@ -29,7 +29,8 @@ from l2l_cli.engine.optim import OptimSettings
 from l2l_cli.engine.precision import Precision, make_precision
 from l2l_cli.engine.recompute import RecomputeSettings
 from l2l_cli.engine.tiers import TIERS, TierSettings
-from l2l_cli.locks import DirectoryInUse, DirLock
+from l2l_cli.inherit import record_config_sum
+from l2l_cli.locks import DirLock, LockError, held
 from l2l_cli.loop import EvalStopped, StopFlag, Trainer, TrainerSettings
 from l2l_cli.models import ModelSpec, PretrainedUnavailable, UnsupportedModel, make_spec
 from l2l_cli.models.hf import load_exported, load_pretrained
@@ -183,7 +184,6 @@ class Session:
             self._lay_out_ranks()
             self._load_data_and_model()
             self._place_eps()
-            self._lock_dirs()
             check_vocab(self.data, self.model, self.cfg)
             self._make_stream()
             self._make_accelerator()
@@ -192,6 +192,8 @@ class Session:
             if not self.train:
                 self._load_eval_weights()
                 return self
+            if not self.resuming and self.files.enabled:  # the config as Hydra wrote it: edits are seen
+                record_config_sum(self.files.dir)
             self._make_loggers()
             self._make_trainer()
             self._load_start_state()
@@ -230,10 +232,12 @@ class Session:
             raise ConfigError([Problem("model.pretrained", str(e))]) from e
 
     def _place_eps(self) -> None:
-        """Where an EPS keeps the state (``eps.*``); a disk EPS must fit its folder and run in one process,
-        which only the model's size and the ranks tell, so it is checked here rather than with the config."""
+        """Where an EPS keeps the state (``eps.*``), its folder and the run dir locked (:meth:`_lock_dirs`);
+        a disk EPS must fit its folder and run in one process, which only the model's size and the ranks
+        tell, so it is checked here rather than with the config."""
         assert self.model is not None
         tier = self.tier = eps_tier(self.cfg, self.run_dir)
+        self._lock_dirs()  # first: a live run's folder is named by its holder, not by what it holds
         problems = TIERS[tier.tier].check_start(tier, self.model, self.dist.world)
         if problems:
             raise ConfigError(problems)
@@ -246,11 +250,18 @@ class Session:
         if self.train and self.run_dir is not None and self.dist.rank == 0:
             wanted.append(("trainer.resume" if self.resuming else "hydra.run.dir", Path(self.run_dir)))
         if TIERS[self.tier.tier].on_disk and self.tier.path:
-            wanted.append(("eps.path", Path(self.tier.path)))
+            eps = Path(self.tier.path)
+            if self.run_dir is not None and eps.resolve() == Path(self.run_dir).resolve():
+                self.locked_out = True
+                raise ConfigError([Problem("eps.path", f"{eps} is this run's own directory; leave eps.path "
+                                           "unset (the run's eps/ folder) or name a folder of its own")])  # fmt: skip
+            wanted.append(("eps.path", eps))
         for key, path in wanted:
+            if held(path) is not None:  # l2l train took it before Hydra wrote there: this run's already
+                continue
             try:
                 lock = DirLock(path, key).acquire()
-            except DirectoryInUse as e:
+            except LockError as e:
                 self.locked_out = True
                 raise ConfigError([Problem(e.key, e.detail)]) from None
             self._stack.callback(lock.release)
@@ -328,6 +339,7 @@ class Session:
             ckpt.check_identity(path, manifest, identity(self.model, self.mode, self.cfg.optim.name))
             self.runner.load_state(path, manifest)
         else:
+            ckpt.verify_dir(path)  # a run's final/: every file against its checksums.json
             load_exported(self.runner, path)
 
     def _make_loggers(self) -> None:
@@ -367,8 +379,9 @@ class Session:
         """A resumed run's config (its own, with this command's overrides) becomes the run's config, so a
         later resume or ``l2l eval`` inherits it (Hydra does not write .hydra/ for a resume)."""
         hydra_dir = self.files.dir / ".hydra"
-        if hydra_dir.is_dir():
+        if hydra_dir.is_dir() and self.files.enabled:
             self.files.write_text(".hydra/config.yaml", OmegaConf.to_yaml(self.cfg))
+            record_config_sum(self.files.dir)
 
     # ---- what a run does with it ------------------------------------------------------------------------
 

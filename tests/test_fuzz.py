@@ -224,3 +224,98 @@ def test_fuzz_random_command_lines_start_or_are_refused_in_one_line_each(tmp_pat
 @pytest.mark.slow
 def test_fuzz_random_command_lines_500(tmp_path_factory) -> None:
     fuzz_command_lines(tmp_path_factory, 500)
+
+
+# ---- data files: broken lines, wrong encodings, empty files, wrong types, for every task kind -------------
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "the", "dog", "ran", "to", "it"]
+
+
+def _valid_rows(kind: str) -> list[bytes]:
+    """A small valid file of each task kind, one line per row (a header first for csv)."""
+    import json
+
+    out = []
+    for i in range(24):
+        text = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(5))
+        if kind == "csv":
+            out.append(f"{text},{'pos' if i % 2 else 'neg'}".encode())
+        elif kind == "json":
+            out.append(json.dumps({"text": text, "label": i % 2}).encode())
+        elif kind == "lm":
+            out.append(json.dumps({"text": text}).encode())
+        else:
+            turns = [
+                {"role": "user", "content": text},
+                {"role": "assistant", "content": WORDS[i % len(WORDS)]},
+            ]
+            out.append(json.dumps({"messages": turns}).encode())
+    return [b"text,label", *out] if kind == "csv" else out
+
+
+WRONG_TYPE = {  # one row whose value has a type the kind does not read
+    "csv": b'"a, b",[1,2]',  # a label that looks like a list: a string, so a third class (valid)
+    "json": b'{"text": ["a", "b"], "label": 1}',
+    "lm": b'{"text": {"nested": "doc"}}',
+    "chat": b'{"messages": "hi there"}',
+}
+MUTATIONS = {
+    "valid": lambda rows, kind: rows,
+    "torn_last_line": lambda rows, kind: [*rows[:-1], rows[-1][: len(rows[-1]) // 2]],
+    "broken_middle_line": lambda rows, kind: [*rows[:5], rows[5][:-3] + b",,", *rows[6:]],
+    "latin1": lambda rows, kind: [
+        *rows[:3],
+        rows[3].replace(b"cat", "caf\u00e9".encode("latin-1")),
+        *rows[4:],
+    ],
+    "utf16": lambda rows, kind: [b"\n".join(rows).decode().encode("utf-16")],
+    "empty": lambda rows, kind: [],
+    "blank_lines": lambda rows, kind: [b"", b"   ", b""],
+    "not_an_object": lambda rows, kind: [*rows[:2], b"[1, 2, 3]", *rows[2:]],
+    "wrong_type": lambda rows, kind: [*rows[:4], WRONG_TYPE[kind], *rows[4:]],
+    "binary": lambda rows, kind: [bytes(range(256))],
+}
+KIND_ARGS = {
+    "csv": (".csv", ["task=csv", "model=bert-tiny"]),
+    "json": (".jsonl", ["task=json", "model=bert-tiny"]),
+    "lm": (".jsonl", ["task=lm", "model=gpt2-tiny"]),
+    "chat": (".jsonl", ["task=chat", "model=gpt2-tiny"]),
+}
+DATA_BASE = ["trainer.max_steps=1", "trainer.progress=none", "task.max_seq_len=16", "batch.size=4",
+             "batch.ubatch_size=2", "task.max_eval_samples=4", "logger=none", "trainer.eval_every=0"]  # fmt: skip
+DATA_CASES = [(kind, m) for kind in KIND_ARGS for m in MUTATIONS]
+
+
+def data_case(tmp_path, kind: str, mutation: str) -> list[str]:
+    suffix, args = KIND_ARGS[kind]
+    rows = MUTATIONS[mutation](_valid_rows(kind), kind)
+    path = tmp_path / f"{mutation}{suffix}"
+    path.write_bytes(b"\n".join(rows) + (b"\n" if rows else b""))
+    extra = []
+    if kind == "chat":
+        (tmp_path / "t.jinja").write_text(CHAT_TEMPLATE)
+        extra.append(f"task.chat_template={tmp_path / 't.jinja'}")
+    if kind == "lm":
+        extra.append("task.dev_fraction=0.25")
+    return [*DATA_BASE, *args, *extra, f"task.files=[{path}]"]
+
+
+def check_data_case(tmp_path, kind: str, mutation: str) -> None:
+    overrides = data_case(tmp_path, kind, mutation)
+    problem = check_outcome(overrides, tmp_path / "run")
+    assert problem is None, f"{kind}/{mutation}: {problem}"
+
+
+FAST_DATA = [c for i, c in enumerate(DATA_CASES) if c[1] != "valid" and i % 2 == 0] + [("json", "valid")]
+
+
+@pytest.mark.parametrize(("kind", "mutation"), FAST_DATA)
+def test_fuzz_data_files_start_or_are_refused_in_one_line(tmp_path, kind: str, mutation: str) -> None:
+    check_data_case(tmp_path, kind, mutation)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "mutation"), [c for c in DATA_CASES if c not in FAST_DATA])
+def test_fuzz_data_files_the_other_cases(tmp_path, kind: str, mutation: str) -> None:
+    check_data_case(tmp_path, kind, mutation)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from l2l_cli.locks import LOCK_NAME, DirectoryInUse, DirLock
+from l2l_cli.locks import LOCK_NAME, DirectoryInUse, DirLock, LockError, held
 
 HOLD = """
 import sys, time
@@ -82,12 +82,71 @@ def test_a_second_run_into_a_live_runs_dir_is_refused_and_writes_nothing_there(t
         while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text()):
             assert time.time() < deadline and live.poll() is None, "the live run did not start"
             time.sleep(0.2)
-        r = l2l("train", *TINY, "trainer.max_steps=1", f"hydra.run.dir={run}")
+        hydra = {p.name: p.read_bytes() for p in (run / ".hydra").iterdir()}
+        r = l2l("train", *TINY, "trainer.max_steps=1", "optim.lr=0.5", f"hydra.run.dir={run}")
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1, r.stderr
         assert lines[0].startswith(f"l2l: config error: hydra.run.dir: {run} is in use by another l2l run")
         assert f"pid {live.pid} on host {socket.gethostname()}" in lines[0]
         assert not (run / "summary.json").exists() and live.poll() is None
+        # refused before Hydra wrote anything: the live run's config is its own (a resume trains under it)
+        assert {p.name: p.read_bytes() for p in (run / ".hydra").iterdir()} == hydra
+        assert "optim.lr=0.5" not in (run / "train.log").read_text()
     finally:
         live.kill()
         live.wait()
+
+
+def test_the_lock_file_is_never_followed_through_a_symbolic_link(tmp_path) -> None:
+    """A link planted where the lock file goes (a shared eps.path such as /dev/shm) is refused in one line;
+    its target is not truncated."""
+    target = tmp_path / "precious"
+    target.write_text("keep me")
+    (tmp_path / "eps").mkdir()
+    (tmp_path / "eps" / LOCK_NAME).symlink_to(target)
+    with pytest.raises(LockError) as e:
+        DirLock(tmp_path / "eps", "eps.path").acquire()
+    assert str(e.value).startswith("eps.path: ") and "symbolic link" in str(e.value)
+    assert target.read_text() == "keep me"
+
+
+def test_a_directory_that_cannot_be_written_is_one_line(tmp_path) -> None:
+    """A run dir that cannot be made or written (read-only, or under a file) is refused in one line."""
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(LockError) as e:
+        DirLock(tmp_path / "file" / "run", "hydra.run.dir").acquire()
+    assert str(e.value).startswith("hydra.run.dir: ") and "cannot be written" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_the_process_that_took_a_directory_finds_it_held(tmp_path) -> None:
+    """l2l train takes its run dir before Hydra starts; the session finds it held and keeps it."""
+    lock = DirLock(tmp_path, "hydra.run.dir").acquire()
+    try:
+        assert held(tmp_path) is lock
+    finally:
+        lock.release()
+    assert held(tmp_path) is None
+
+
+def test_a_live_runs_eps_path_is_named_by_its_holder(tmp_path, capsys) -> None:
+    """A disk EPS folder another live run holds: one line naming that run's pid, not advice to resume it."""
+    from l2l_cli.cli import train
+    from tests.util import TINY
+
+    eps = tmp_path / "eps"
+    proc = _holder(eps)
+    try:
+        (eps / "commit.json").write_text("{}")
+        code = train(
+            [*TINY, "mode=l2l", "eps.tier=disk", f"eps.path={eps}", f"hydra.run.dir={tmp_path / 'run'}"]
+        )
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(lines) == 1, lines
+        assert lines[0].startswith(
+            f"l2l: config error: eps.path: {eps} is in use by another l2l run (pid {proc.pid}"
+        )
+        assert not (tmp_path / "run").exists()
+    finally:
+        proc.kill()
+        proc.wait()

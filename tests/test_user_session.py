@@ -205,3 +205,96 @@ def test_own_csv_data_from_a_pretrained_run_then_predict(finished, minilm, tmp_p
         truth = [row["sentiment"] for row in csv.DictReader(f)]
     accuracy = sum(p["prediction"] == t for p, t in zip(preds, truth, strict=True)) / len(truth)
     assert accuracy == pytest.approx(summary["eval"]["accuracy"])
+
+
+def test_a_fresh_start_into_a_finished_run_is_refused_and_writes_nothing(finished, tmp_path) -> None:
+    """A start owns the directory it writes: a fresh run into a finished (or killed) run's dir is refused
+    in one line pointing to trainer.resume, before Hydra writes .hydra/; the first run stays as it was. A
+    sweep into a directory that holds a sweep is refused the same way."""
+    run = _copy(finished[0], tmp_path)
+    before = _files(run)
+    r = l2l("train", *FINISHED, "trainer.seed=7", "optim.lr=0.5", f"hydra.run.dir={run}")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"l2l: config error: hydra.run.dir: {run} holds a run already")
+    assert f"trainer.resume={run}" in lines[0]
+    assert _files(run) == before
+    sweep = tmp_path / "sweep"
+    shutil.copytree(run, sweep / "0")
+    before = _files(sweep)
+    r = l2l("train", "-m", *FINISHED, "trainer.seed=1,2", f"hydra.sweep.dir={sweep}")
+    assert r.returncode == 2 and r.stderr.strip().startswith(
+        f"l2l: config error: hydra.sweep.dir: {sweep} holds a run already (0/)"
+    ), r.stderr
+    assert _files(sweep) == before
+
+
+def test_a_resume_verifies_the_saved_config_against_the_run(finished, tmp_path) -> None:
+    """``.hydra/config.yaml`` edited by hand (task.max_seq_len, trainer.seed) is refused in one line naming
+    the file: against the checksum the run noted, and, without it, the keys the checkpoint depends on
+    against the checkpoint's own config."""
+    from omegaconf import OmegaConf
+
+    run = _copy(finished[0], tmp_path)
+    saved = run / ".hydra" / "config.yaml"
+    for key, value, drop_sum in (("task.max_seq_len", 24, False), ("trainer.seed", 7, True)):
+        original = saved.read_bytes()
+        if drop_sum:
+            (run / ".hydra" / "config.sha256").unlink()
+        cfg = OmegaConf.load(saved)
+        OmegaConf.update(cfg, key, value)
+        OmegaConf.save(cfg, saved)
+        before = _files(run)
+        r = l2l("train", f"trainer.resume={run}", "trainer.max_steps=6")
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1, r.stderr
+        assert lines[0].startswith(f"l2l: config error: trainer.resume: {saved} was changed by hand"), lines
+        assert key in lines[0] and _files(run) == before
+        saved.write_bytes(original)
+
+
+def test_eval_verifies_final_and_names_a_damaged_file(finished, tmp_path, capsys) -> None:
+    """One flipped bit in final/'s weights, or a truncated file: one line naming it, never a metric of
+    damaged weights nor a SafetensorError traceback (also for a final/ without checksums.json)."""
+    from l2l_cli.evaluate import main
+
+    run = _copy(finished[0], tmp_path)
+    weights = run / "final" / "model.safetensors"
+    good = weights.read_bytes()
+    data = bytearray(good)
+    data[-5] ^= 0x40  # an exponent bit of the last weight
+    for damaged, drop_sums in ((bytes(data), False), (good[: len(good) // 2], False), (good[:100], True)):
+        weights.write_bytes(damaged)
+        if drop_sums:
+            (run / "final" / "checksums.json").unlink()
+        capsys.readouterr()
+        assert main("eval", [str(run)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and str(run / "final") in err and "Traceback" not in err, err
+        assert ("size or checksum differs" in err) != drop_sums
+
+
+def test_resuming_a_finished_or_damaged_run(finished, tmp_path) -> None:
+    """A finished run resumed as it is keeps its final loss and logs no evaluation twice; with its newest
+    checkpoint corrupt and a torn last metrics line it resumes from the older one, warning of both."""
+    run = _copy(finished[0], tmp_path)
+    summary, evals = json.loads((run / "summary.json").read_text()), (run / "eval.jsonl").read_text()
+    r = l2l("train", f"trainer.resume={run}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    again = json.loads((run / "summary.json").read_text())
+    assert again["final_loss"] == summary["final_loss"] is not None and again["eval"] == summary["eval"]
+    assert (run / "eval.jsonl").read_text() == evals
+    state = sorted((run / "checkpoints" / "step_4").glob("*.safetensors"))[0]
+    data = bytearray(state.read_bytes())
+    data[-3] ^= 0x01
+    state.write_bytes(bytes(data))
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 5, "loss": 0.')  # a disk that filled during the append
+    r = l2l("train", f"trainer.resume={run}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    warnings = [ln for ln in r.stderr.splitlines() if ln.startswith("l2l: warning: ")]
+    assert any(
+        "skipped a corrupt checkpoint" in w and str(run / "checkpoints" / "step_4") in w for w in warnings
+    )
+    assert any("metrics.jsonl" in w and "not whole records" in w for w in warnings), r.stderr
+    assert _steps(run) == [1, 2, 3, 4]

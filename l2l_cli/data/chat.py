@@ -194,10 +194,32 @@ class Encoder:
         return list(enc["input_ids"]), mask
 
 
+TEMPLATE_SUFFIXES = (".jinja", ".jinja2", ".j2", ".txt")
+
+
+def template_problem(value: Any) -> Problem | None:
+    """``task.chat_template`` that names a file (a template suffix or a path separator, and no Jinja
+    ``{``) which is not there: a misspelled path, never to be trained on as the template's text."""
+    text = str(value or "")
+    if not text or "{" in text or "\n" in text or len(text) >= 4096:
+        return None
+    looks_like_path = (
+        text.lower().endswith(TEMPLATE_SUFFIXES) or "/" in text or os.sep in text or text[0] == "~"
+    )
+    path = Path(text).expanduser()
+    if looks_like_path and not path.is_file():
+        return Problem("task.chat_template", f"{text}: no such file (a template file ending in "
+                       f"{', '.join(TEMPLATE_SUFFIXES)}, or the Jinja template itself)")  # fmt: skip
+    return None
+
+
 def chat_template(task: Any, tok: Any, ref: str) -> str:
     """``task.chat_template`` (the template, or a file holding it), else the tokenizer's."""
     value = task.chat_template
     if value:
+        problem = template_problem(value)
+        if problem is not None:
+            raise ConfigError([problem])
         path = Path(str(value)).expanduser()
         return path.read_text() if len(str(value)) < 4096 and path.is_file() else str(value)
     template = getattr(tok, "chat_template", None)
@@ -245,7 +267,7 @@ def read_split(task: Any, enc: Encoder, key: str, split: str | None, cache: Path
         return None
     out: list[Encoded] = []
     for p in paths:  # one file at a time: the example index is the file's
-        out += encode_rows(sources.open_files([p], cache), enc, task.format, p.name)
+        out += encode_rows(sources.open_files([p], cache, key=f"task.{key}"), enc, task.format, p.name)
     return out
 
 
@@ -332,9 +354,9 @@ def open_stream(task: Any, key: str, split: str) -> tuple[RowStream, str]:
             f"{task.dataset}:{split}"
         )
     paths = [Path(f).expanduser() for f in as_list(getattr(task, key))]
-    return RowStream(lambda: sources.open_files(paths, cache_root() / "datasets", True)), ",".join(
-        p.name for p in paths
-    )
+    return RowStream(
+        lambda: sources.open_files(paths, cache_root() / "datasets", True, f"task.{key}")
+    ), ",".join(p.name for p in paths)
 
 
 def streamed(task: Any, model: Any, limit: int | None = None) -> tuple[Any, Rows, Encoder, str]:
@@ -390,6 +412,9 @@ def validate(cfg: Any, check_files: bool) -> list[Problem]:
         p.append(
             Problem("task.data_dir", "task=chat reads task.files or task.dataset; leave task.data_dir unset")
         )
+    template = template_problem(task.chat_template)
+    if template is not None:
+        p.append(template)
     p += source_problems(cfg, FILE_SUFFIXES, check_files)
     if p or not check_files:
         return p

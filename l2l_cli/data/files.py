@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from l2l_cli.data.sources import as_list, listed_files
+from l2l_cli.data.sources import as_list, data_error, json_records, kind_of, listed_files, text_lines
 from l2l_cli.data.tasks import Example, TaskData, TaskKind, TaskSpec
 from l2l_cli.data.tokenize import encode_splits
 from l2l_cli.problems import ConfigError, Problem
@@ -30,37 +30,35 @@ SPLITS = {"train": "task.files", "dev": "task.dev_files"}  # each split's key
 log = logging.getLogger("l2l")
 
 
-def read_records(path: Path, fmt: str) -> Iterator[dict[str, Any]]:
-    """Rows of a CSV/TSV file (``fmt`` csv) or objects of a JSON lines / JSON array file (``fmt`` json)."""
+def read_records(path: Path, fmt: str, key: str = "task.files") -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, row) of a CSV/TSV file (``fmt`` csv: the line a row starts on) or of a JSON lines /
+    JSON array file (``fmt`` json: the line, or the item's index in an array). Bad data is one line naming
+    ``key``, the file and the line (:func:`l2l_cli.data.sources.check_file`'s errors)."""
     if fmt == "json":
-        text = path.read_text(encoding="utf-8-sig")
-        if text.lstrip().startswith("["):
-            data = json.loads(text)
-            if not isinstance(data, list):
-                raise ValueError("a JSON file must hold an array of objects, or one object per line")
-            for i, obj in enumerate(data):
-                if not isinstance(obj, dict):
-                    raise ValueError(f"item {i} is not an object")
-                yield obj
-            return
-        for n, line in enumerate(text.splitlines(), start=1):
-            if line.strip():
-                obj = json.loads(line)
-                if not isinstance(obj, dict):
-                    raise ValueError(f"line {n} is not a JSON object")
-                yield obj
+        for n, obj in json_records(path, key):
+            if not isinstance(obj, dict):
+                raise data_error(key, path, n, f"{kind_of(obj)}, not a JSON object")
+            yield n, obj
         return
+    for _ in text_lines(path, key):  # UTF-8 throughout, or the line that is not
+        pass
     tsv = path.suffix.lower() == ".tsv"
     with path.open(encoding="utf-8-sig", newline="") as f:
         reader = csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE) if tsv else csv.DictReader(f)
-        yield from reader
+        try:
+            for row in reader:
+                yield reader.line_num, row
+        except csv.Error as e:
+            raise data_error(key, path, reader.line_num, f"not valid CSV ({e})") from None
 
 
-def columns(path: Path, fmt: str) -> list[str]:
+def columns(path: Path, fmt: str, key: str = "task.files") -> list[str]:
     """The column names of a file: a CSV/TSV header, or the keys of a JSON file's first object."""
     if fmt == "json":
-        first = next(read_records(path, fmt), None)
-        return list(first) if first else []
+        first = next(read_records(path, fmt, key), None)
+        return list(first[1]) if first else []
+    for _ in text_lines(path, key):  # UTF-8 throughout, or the line that is not
+        pass
     tsv = path.suffix.lower() == ".tsv"
     with path.open(encoding="utf-8-sig", newline="") as f:
         return next(
@@ -95,7 +93,10 @@ def check_columns(task: Any) -> list[Problem]:
                 p.append(Problem(key, f"{name} is not a file"))
                 continue
             try:
-                have = columns(path, fmt)
+                have = columns(path, fmt, key)
+            except ConfigError as e:
+                p += e.problems
+                continue
             except (OSError, UnicodeDecodeError, ValueError) as e:
                 p.append(Problem(key, f"{name}: unreadable as {fmt} ({str(e).splitlines()[0]})"))
                 continue
@@ -149,15 +150,23 @@ def _examples(paths: list[Path], task: Any, split: str) -> tuple[list[tuple[str,
 def _file_examples(path: Path, task: Any, split: str) -> tuple[list[tuple[str, str | None]], list[Any]]:
     fields, label = list(task.text_fields), task.label_field
     texts, labels = [], []
+    key = SPLITS[split]
     try:
-        for n, rec in enumerate(read_records(path, task.name), start=1):
+        for n, rec in read_records(path, task.name, key):
             raw = [rec.get(f) for f in fields]
             if any(t is None for t in raw) or rec.get(label) in (None, ""):
-                raise ConfigError(
-                    [Problem(SPLITS[split], f"{path}: record {n} lacks {', '.join(fields)} or {label}")]
-                )
+                raise data_error(key, path, n, f"lacks {', '.join(fields)} or {label}")
+            for f, t in zip(fields, raw, strict=True):
+                if not isinstance(t, str | int | float) or isinstance(t, bool):
+                    raise data_error(key, path, n, f"{f} is {kind_of(t)}, not text")
+            value = rec[label]
+            if isinstance(value, bool) or not isinstance(
+                value, str | int | float
+            ):  # JSON true/false, a list, an object: no class name
+                raise data_error(key, path, n, f"{label} is {json.dumps(value)[:40]} ({kind_of(value)}); "
+                                 "a label is a string or a number")  # fmt: skip
             texts.append((str(raw[0]), str(raw[1]) if len(raw) > 1 else None))
-            labels.append(rec[label])
+            labels.append(value)
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise ConfigError([Problem(SPLITS[split], f"{path}: unreadable ({str(e).splitlines()[0]})")]) from e
     if not texts:
@@ -294,6 +303,11 @@ def validate(cfg: Any, check_files: bool) -> list[Problem]:
     p.extend(shapes)
     if check_files and not shapes:
         p.extend(check_columns(task))
+        if not p:  # every record, read as the run will (bad data refused before a run dir exists)
+            try:
+                load(task)
+            except ConfigError as e:
+                p += e.problems
     return p
 
 

@@ -31,6 +31,7 @@ from l2l_cli.data.rows import RowMaker, Rows, StreamedTrain
 from l2l_cli.data.sources import (
     RowStream,
     as_list,
+    check_file,
     dataset_problems,
     describe,
     listed_files,
@@ -150,15 +151,11 @@ def tokenizer_fingerprint(tok: Any) -> str:
 # ---- reading, tokenizing, packing --------------------------------------------------------------------
 
 
-def documents(path: Path, text_field: str, cache_dir: Path) -> Iterator[list[str]]:
-    """The documents of one file, in chunks, through ``datasets``' local loader for its format."""
-    import datasets
-
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+def documents(path: Path, text_field: str, cache_dir: Path, key: str = "task.files") -> Iterator[list[str]]:
+    """The documents of one file, in chunks, through ``datasets``' local loader for its format (the file
+    checked first: bad data is one line naming ``key``, the file and its line)."""
     fmt = FORMATS[path.suffix.lower()]
-    extra = {"sample_by": "paragraph"} if fmt == "text" else {}
-    ds = datasets.load_dataset(fmt, data_files=[str(path)], split="train", cache_dir=str(cache_dir), **extra)
+    ds = open_files([path], cache_dir, key=key, text_field=text_field)
     column = "text" if fmt == "text" else text_field
     if column not in ds.column_names:
         raise ConfigError([Problem(
@@ -168,12 +165,14 @@ def documents(path: Path, text_field: str, cache_dir: Path) -> Iterator[list[str
         yield [t for t in rows[column] if isinstance(t, str) and t.strip()]
 
 
-def token_stream(files: list[Path], tok: Any, text_field: str, cache_dir: Path) -> np.ndarray:
+def token_stream(
+    files: list[Path], tok: Any, text_field: str, cache_dir: Path, key: str = "task.files"
+) -> np.ndarray:
     """Every document's tokens followed by EOS, all files in order, as one int32 array."""
     eos = tok.eos_token_id
     parts: list[np.ndarray] = []
     for path in files:
-        for docs in documents(path, text_field, cache_dir):
+        for docs in documents(path, text_field, cache_dir, key):
             if not docs:
                 continue
             for ids in tok(docs, add_special_tokens=False)["input_ids"]:
@@ -242,7 +241,10 @@ def load_lm(task_cfg: Any, model_cfg: Any) -> tuple[Packed, Packed, str, Any]:
         if hub and task_cfg.dev_split:
             train, dev = blocks, pack(dataset_stream(task_cfg, task_cfg.dev_split, tok, hf_cache), seq)
         elif dev_files:
-            train, dev = blocks, pack(token_stream(dev_files, tok, task_cfg.text_field, hf_cache), seq)
+            train, dev = (
+                blocks,
+                pack(token_stream(dev_files, tok, task_cfg.text_field, hf_cache, "task.dev_files"), seq),
+            )
         else:
             n_dev = max(1, round(task_cfg.dev_fraction * len(blocks))) if len(blocks) > 1 else 0
             train, dev = blocks[: len(blocks) - n_dev], blocks[len(blocks) - n_dev :]
@@ -303,7 +305,7 @@ def streamed(task_cfg: Any, model_cfg: Any, dev_rows: int | None = None) -> tupl
             src = RowStream(lambda: open_dataset(task_cfg, split, cache, True))
         else:
             paths = [Path(f).expanduser() for f in as_list(getattr(task_cfg, key))] or list(BUNDLED_FILES)
-            src = RowStream(lambda: open_files(paths, cache, True))
+            src = RowStream(lambda: open_files(paths, cache, True, f"task.{key}", task_cfg.text_field))
         return RowMaker(src, encode, seq, "blocks")
 
     train = maker("files", task_cfg.split)
@@ -348,6 +350,12 @@ def validate(cfg: Any, check_files: bool) -> list[Problem]:
                 )
             elif check_files and not Path(f).expanduser().is_file():
                 p.append(Problem(f"task.{key}", f"{f} is not a file"))
+            elif check_files:  # bad data is refused before a run dir exists
+                try:
+                    path = Path(f).expanduser()
+                    check_file(path, f"task.{key}", task.text_field if FORMATS[suffix] == "json" else None)
+                except ConfigError as e:
+                    p += e.problems
     if not (0.0 <= task.dev_fraction < 1.0):
         p.append(Problem("task.dev_fraction", f"got {task.dev_fraction}; must be in [0, 1)"))
     elif task.dev_fraction == 0.0 and task.dev_files is None:

@@ -6,6 +6,7 @@ resume."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,104 @@ def listed_files(task: Any, key: str) -> tuple[list[str], Problem | None]:
     return as_list(value), None
 
 
+# ---- one data-error path for every task kind: a file's first problem, with its line -----------------
+
+TEXT_SUFFIXES = (".txt", ".text", ".md", ".csv", ".tsv")
+
+
+def text_lines(path: Path, key: str) -> Iterator[tuple[int, str]]:
+    """(line number, text) of a UTF-8 file (a BOM dropped), one line at a time; bytes that are not UTF-8
+    are a :class:`ConfigError` naming ``key``, the file and the line."""
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, start=1):
+            if n == 1:
+                raw = raw.removeprefix(b"\xef\xbb\xbf")
+            try:
+                yield n, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise data_error(key, path, n, f"not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
+                                 f"{e.start + 1}); save the file as UTF-8") from None  # fmt: skip
+
+
+def kind_of(value: Any) -> str:
+    """A JSON value's kind, for a message: ``a number``, ``a boolean``, ``a list``, ``an object``, ..."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    return {str: "a string", list: "a list", dict: "an object", type(None): "null"}.get(
+        type(value), f"a {type(value).__name__}"
+    )
+
+
+def data_error(key: str, path: Path, line: int | None, msg: str) -> ConfigError:
+    """Bad data, one line: ``<key>: <file> line <n>: <what>`` (exit 2, like every config error)."""
+    return ConfigError([Problem(key, f"{path}{f' line {line}' if line else ''}: {msg}")])
+
+
+def json_records(path: Path, key: str) -> Iterator[tuple[int, Any]]:
+    """(line number, value) of a JSON-lines file, or of a JSON array (the line each item starts on is not
+    known: its index + 1); a line that is not JSON is named by its line in the file."""
+    first = ""
+    for _, text in text_lines(path, key):
+        if text.strip():
+            first = text.lstrip()
+            break
+    if first.startswith("["):
+        text = "".join(t for _, t in text_lines(path, key))
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise data_error(key, path, e.lineno, f"not valid JSON ({e.msg}, column {e.colno})") from None
+        if not isinstance(data, list):
+            raise data_error(key, path, None, "a JSON file holds an array of objects, or one object per line")
+        yield from enumerate(data, start=1)
+        return
+    for n, text in text_lines(path, key):
+        if not text.strip():
+            continue
+        try:
+            yield n, json.loads(text)
+        except json.JSONDecodeError as e:
+            raise data_error(key, path, n, f"not valid JSON ({e.msg}, column {e.colno})") from None
+
+
+def check_file(path: Path, key: str, text_field: str | None = None) -> None:
+    """Raise the first problem of a data file (any task kind's): unreadable, not UTF-8, empty, a JSON line
+    that does not parse or is not an object, a ``text_field`` that is not text, a broken parquet file;
+    each named by ``key``, the file and its line. What passes reads through ``datasets`` or ``csv``."""
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            try:
+                rows = pq.read_metadata(str(path)).num_rows
+            except Exception as e:
+                raise data_error(
+                    key, path, None, f"not a parquet file ({str(e).splitlines()[0][:200]})"
+                ) from None
+            if rows == 0:
+                raise data_error(key, path, None, "empty (no rows)")
+            return
+        if suffix in (".jsonl", ".json"):
+            seen = False
+            for n, obj in json_records(path, key):
+                seen = True
+                if not isinstance(obj, dict):
+                    raise data_error(key, path, n, f"{kind_of(obj)}, not a JSON object")
+                value = obj.get(text_field) if text_field else None
+                if value is not None and not isinstance(value, str):
+                    raise data_error(key, path, n, f"{text_field} is {kind_of(value)}, not text")
+            if not seen:
+                raise data_error(key, path, None, "empty (no records)")
+            return
+        if not sum(bool(t.strip()) for _, t in text_lines(path, key)):  # every line read: all UTF-8
+            raise data_error(key, path, None, "empty (no text)")
+    except OSError as e:
+        raise data_error(key, path, None, f"cannot be read ({e.strerror})") from None
+
+
 def dataset_problems(cfg: Any) -> list[Problem]:
     """The dataset keys (task=lm and chat): task.dataset or task.files, the keys that only a dataset
     reads, and a stream's fixed length."""
@@ -66,15 +165,35 @@ def quiet_datasets() -> Any:
     return datasets
 
 
-def open_files(paths: list[Path], cache_dir: Path, streaming: bool = False) -> Any:
-    """The rows of local files (one format, in order) through ``datasets``' loader for it."""
+def open_files(
+    paths: list[Path], cache_dir: Path, streaming: bool = False, key: str = "task.files",
+    text_field: str | None = None,
+) -> Any:  # fmt: skip
+    """The rows of local files (one format, in order) through ``datasets``' loader for it; each file is
+    checked first (:func:`check_file`), and what ``datasets`` still refuses (columns whose type changes
+    between rows, say) is one line naming ``key`` and the files."""
     datasets = quiet_datasets()
     fmt = FILE_FORMATS[paths[0].suffix.lower()]
+    for path in paths:
+        check_file(path, key, text_field if fmt == "json" else None)
     extra = {"sample_by": "paragraph"} if fmt == "text" else {}
     files = [str(p) for p in paths]
-    if streaming:
-        return datasets.load_dataset(fmt, data_files=files, split="train", streaming=True, **extra)
-    return datasets.load_dataset(fmt, data_files=files, split="train", cache_dir=str(cache_dir), **extra)
+    try:
+        if streaming:
+            return datasets.load_dataset(fmt, data_files=files, split="train", streaming=True, **extra)
+        return datasets.load_dataset(fmt, data_files=files, split="train", cache_dir=str(cache_dir), **extra)
+    except Exception as e:
+        raise data_error(
+            key, Path(",".join(files)), None, f"cannot be read as {fmt} ({root_cause(e)})"
+        ) from e
+
+
+def root_cause(e: BaseException) -> str:
+    """The first line of the innermost cause of ``e`` (``datasets`` wraps pyarrow's message in its own)."""
+    while e.__cause__ is not None or e.__context__ is not None:
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return text[:200]
 
 
 def open_dataset(task: Any, split: str, cache_dir: Path, streaming: bool) -> Any:

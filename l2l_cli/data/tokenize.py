@@ -43,12 +43,21 @@ def load_tokenizer(name: str | None, pretrained: str | None) -> Any:
 
 
 def tokenize(tok: Any, examples: list[Example], max_len: int, regression: bool) -> Encoded:
+    return tokenize_counted(tok, examples, max_len, regression)[0]
+
+
+def tokenize_counted(
+    tok: Any, examples: list[Example], max_len: int, regression: bool
+) -> tuple[Encoded, int]:
+    """The examples encoded, cut at ``max_len`` tokens, and how many were cut."""
     if not examples:
-        return Encoded([], [], [], regression)
+        return Encoded([], [], [], regression), 0
     a = [e.text_a for e in examples]
     b = [e.text_b for e in examples] if examples and examples[0].text_b is not None else None
     enc = tok(a, b, truncation=True, max_length=max_len, return_token_type_ids=True)
-    return Encoded(enc["input_ids"], enc["token_type_ids"], [e.label for e in examples], regression)
+    full = tok(a, b, truncation=False, add_special_tokens=True, verbose=False)["input_ids"]
+    cut = sum(len(ids) > max_len for ids in full)
+    return Encoded(enc["input_ids"], enc["token_type_ids"], [e.label for e in examples], regression), cut
 
 
 def encode_splits(
@@ -60,6 +69,10 @@ def encode_splits(
     raw_train = raw_train[: task_cfg.max_train_samples] if train_split else []
     raw_dev = raw_dev[: task_cfg.max_eval_samples]
     tok = load_tokenizer(task_cfg.tokenizer, model_cfg.pretrained)
-    train = tokenize(tok, raw_train, task_cfg.max_seq_len, spec.is_regression)
-    dev = tokenize(tok, raw_dev, task_cfg.max_seq_len, spec.is_regression)
-    return TaskData(spec, train, dev, source, tokenizer=tok)  # saved beside final/ (a self-contained export)
+    train, cut_train = tokenize_counted(tok, raw_train, task_cfg.max_seq_len, spec.is_regression)
+    dev, cut_dev = tokenize_counted(tok, raw_dev, task_cfg.max_seq_len, spec.is_regression)
+    stats = {"examples": len(raw_train) + len(raw_dev), "truncated": cut_train + cut_dev}
+    if stats["truncated"]:  # reported in train.log and the summary's data section, as task=chat's
+        log.warning("task %s: %d of %d examples were longer than task.max_seq_len=%d tokens and were cut",
+                    spec.name, stats["truncated"], stats["examples"], task_cfg.max_seq_len)  # fmt: skip
+    return TaskData(spec, train, dev, source, tokenizer=tok, stats=stats)  # the tokenizer goes with final/

@@ -37,16 +37,21 @@ def load_pretrained(runner: HFLoader, ref: str) -> list[str]:
     ``model.safetensors.index.json``), or a legacy ``pytorch_model.bin`` read with
     ``torch.load(weights_only=True)``, which refuses anything but tensors (no code runs from a file).
     Returns the names it left at their initialization."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     root = resolve_pretrained(ref)
-    if (root / "model.safetensors").is_file():
-        with safe_open(str(root / "model.safetensors"), framework="pt") as f:
-            missing = runner.load_hf(SafeTensors(f))
-    elif (root / SHARD_INDEX).is_file():
-        with ExitStack() as stack:
-            handles = [stack.enter_context(safe_open(str(p), framework="pt")) for p in shard_files(root)]
-            missing = runner.load_hf(SafeTensors(*handles))
+    if (root / "model.safetensors").is_file() or (root / SHARD_INDEX).is_file():
+        try:
+            with ExitStack() as stack:
+                files = (
+                    [root / "model.safetensors"]
+                    if (root / "model.safetensors").is_file()
+                    else shard_files(root)
+                )
+                handles = [stack.enter_context(safe_open(str(p), framework="pt")) for p in files]
+                missing = runner.load_hf(SafeTensors(*handles))
+        except SafetensorError as e:  # a truncated or damaged file: one line naming it
+            raise CheckpointError(f"{root}: unreadable safetensors ({str(e).splitlines()[0]})") from e
     else:
         try:
             tensors = torch.load(root / "pytorch_model.bin", map_location="cpu", weights_only=True)
