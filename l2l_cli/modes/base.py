@@ -26,6 +26,7 @@ from l2l_cli.engine.optim import (
     make_optimizer,
     param_groups,
     set_lr,
+    state_step,
 )
 from l2l_cli.engine.precision import Precision
 from l2l_cli.engine.recompute import RecomputeSettings
@@ -348,7 +349,7 @@ class DeviceResident(RunnerBase):
         for name, st in ModuleState(ckpt, manifest).load(named.items(), whole=True).items():
             p = named[name]
             self.optimizer.state[p] = {
-                "step": st["step"].clone(),
+                "step": state_step(self.optimizer, p, st["step"]),  # on p's device for the fused kernel
                 "exp_avg": st["exp_avg"].to(p.device).clone(),
                 "exp_avg_sq": st["exp_avg_sq"].to(p.device).clone(),
             }

@@ -251,7 +251,7 @@ class PipelineRunner(RunnerBase):
             elif train:
                 out = self._meta((), torch.float32, True)
             else:
-                out = self._meta((rows, self.spec.num_labels), torch.float32, False)
+                out = self._meta(self.spec.logits_shape(rows, seq), torch.float32, False)
             stages.append(
                 TimedStage(
                     module,
