@@ -27,6 +27,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import sys
 import threading
 import weakref
 from collections import Counter
@@ -162,6 +163,25 @@ _COLLECTIVES = (
 _OBJECTS = ("all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list")
 
 
+def _called_from(prefix: str) -> bool:
+    """Whether the first caller outside this shim and torch.distributed's own module is in ``prefix``."""
+    f = sys._getframe(1)
+    while f is not None and f.f_globals.get("__name__") in (__name__, "torch.distributed.distributed_c10d"):
+        f = f.f_back  # type: ignore[assignment]
+    return f is not None and str(f.f_globals.get("__name__", "")).startswith(prefix)
+
+
+def _peer(args: dict[str, Any], group: Any) -> int | None:
+    """A p2p op's peer as a global rank (given as ``dst``/``src``, or relative to the group)."""
+    for key in ("dst", "src"):
+        if args.get(key) is not None:
+            return int(args[key])
+    for key in ("group_dst", "group_src"):
+        if args.get(key) is not None:
+            return int(c10d.get_global_rank(group, args[key])) if group is not None else int(args[key])
+    return None
+
+
 class _Tracked:
     """A p2p request whose ``wait`` the shim sees (pending until waited)."""
 
@@ -213,7 +233,8 @@ class StrictDist:
             orig[name] = getattr(c10d, name)
 
         def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> None:
-            self.default_backend = self._declare(backend)
+            # the run picks gloo on this CPU; on CUDA ``dist.backend=auto`` picks NCCL: pretend it did
+            self.default_backend = "nccl" if self.pretend_nccl else self._declare(backend)
             return orig["init_process_group"]("gloo", *args, **kwargs)
 
         def new_group(ranks: Any = None, timeout: Any = None, backend: Any = None, *args: Any, **kwargs: Any):
@@ -286,8 +307,9 @@ class StrictDist:
                             f"{backend} ({'NCCL moves device tensors only' if backend == 'nccl' else 'gloo moves host tensors'})"
                         )
                     self.counts[f"{backend} {name} {kind}"] += 1
-            batched = getattr(self._batched, "on", False)
-            peer = bound.arguments.get("dst", bound.arguments.get("src"))
+            # torch's schedules order their own unbatched sends and recvs for NCCL: the product's are checked
+            batched = getattr(self._batched, "on", False) or _called_from("torch.distributed.pipelining")
+            peer = _peer(bound.arguments, group)
             if (
                 backend == "nccl"
                 and name == "irecv"
@@ -332,6 +354,28 @@ def strict(pretend_nccl: bool) -> Iterator[StrictDist]:
         shim.uninstall()
 
 
+def strict_stage_outputs() -> None:
+    """Every pipeline stage's forward outputs checked against the metadata it declared, the last stage's
+    included: torch up to 2.12 checks them all (``_validate_fwd_outputs``), 2.13 skips the last stage's."""
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    run = _PipelineStageBase.forward_one_chunk
+
+    def forward_one_chunk(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = run(self, *args, **kwargs)
+        meta = getattr(getattr(self, "_user_meta", None), "outputs", None)
+        if self.is_last and meta:
+            got = [tuple(t.shape) for t in _tensors(out)]
+            want = [tuple(m.shape) for m in meta if m is not None]
+            if got != want:
+                raise StrictDistError(
+                    f"stage {self.stage_index} (the last) declared outputs of shape {want} and returned {got}"
+                )
+        return out
+
+    _PipelineStageBase.forward_one_chunk = forward_one_chunk  # type: ignore[method-assign]
+
+
 # ---- a rank under the strict shim --------------------------------------------------------------------
 
 _STATE: dict[str, Any] = {}
@@ -339,10 +383,10 @@ _STATE: dict[str, Any] = {}
 
 def install_in_rank(pretend_nccl: bool) -> StrictDist:
     """Strict groups, device tags on the main thread, the accelerator on ``DEVICE``, and, with
-    ``pretend_nccl``, ``dist.backend=auto`` resolved as on CUDA (NCCL)."""
+    ``pretend_nccl``, the default group declared NCCL as ``dist.backend=auto`` makes it on CUDA (the
+    product reads its backend from ``dist.get_backend()``, so its groups follow)."""
     from l2l_cli import session
     from l2l_cli.engine import device as device_mod
-    from l2l_cli.engine import dist as dist_mod
 
     tags = DeviceTags()
     modes = [_Propagate(tags), _Moves(tags)]
@@ -350,9 +394,7 @@ def install_in_rank(pretend_nccl: bool) -> StrictDist:
         m.__enter__()
     shim = StrictDist(tags, pretend_nccl)
     shim.install()
-    if pretend_nccl:
-        real = dist_mod.resolve_backend
-        dist_mod.resolve_backend = lambda backend, device, cuda=None: real(backend, "cuda", cuda=True)  # type: ignore[assignment]
+    strict_stage_outputs()
     make = device_mod.make_accelerator
 
     def make_accelerator(kind: str, **kwargs: Any) -> Any:
@@ -375,3 +417,5 @@ def strict_rank_main(cfg_yaml: str, run_dir: str, pretend_nccl: bool, counts_dir
         return _rank_main(cfg_yaml, run_dir)
     finally:
         shim.dump(Path(counts_dir) / f"rank{os.environ.get('RANK', '0')}.json")
+        for m in reversed(_STATE.pop("modes", [])):
+            m.__exit__(None, None, None)

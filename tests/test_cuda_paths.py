@@ -8,6 +8,7 @@ one, to check where optimizer state lands.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -122,3 +123,59 @@ def test_selective_bytes_count_every_matmul_output_even_where_an_address_is_reus
     out = 16 * 64 * 4
     assert b.full == out and b.selective == out + n * out
     assert b.none >= b.selective  # autograd keeps every matmul output and more
+
+
+# ---- the product on two ranks under the strict shim: every group as on two GPUs -------------------------
+
+STRICT = ["trainer.max_steps=2", "trainer.save_every=2", "task.num_train=64", "task.num_eval=8",
+          "trainer.progress=none", "dist.nproc=2"]  # fmt: skip
+LLAMA = ["model=llama-tiny", "task=lm", "model.num_layers=2", "model.hidden_size=32", "model.num_heads=4",
+         "model.num_kv_heads=2", "model.intermediate_size=64", "model.dropout=0.0", "task.max_seq_len=16",
+         "task.max_eval_samples=8", "batch.size=4", "batch.ubatch_size=2", "model.vocab_size=2048"]  # fmt: skip
+PIPE2 = ["dist.pipeline=2", "model.num_layers=4"]
+
+
+def strict_train(run: Path, *overrides: str, pretend_nccl: bool = True) -> dict[int, dict[str, int]]:
+    """``l2l train`` on two ranks, each the product's own rank entry point under the strict shim (the
+    default group and the pipeline's declared NCCL, as ``dist.backend=auto`` picks on CUDA); fails with
+    the rank's log where a collective was refused. Returns each rank's counts of checked tensors."""
+    from omegaconf import OmegaConf
+
+    from l2l_cli.compose import compose
+    from l2l_cli.engine.dist import launch
+    from tests.strict_dist import strict_rank_main
+    from tests.util import TINY
+
+    run.mkdir(parents=True)
+    counts = run.parent / f"{run.name}-counts"
+    counts.mkdir()
+    cfg = compose([*TINY, *STRICT, *overrides])
+    try:
+        launch(
+            2, strict_rank_main, (OmegaConf.to_yaml(cfg, resolve=True), str(run), pretend_nccl, str(counts))
+        )
+    except Exception as e:
+        logs = "\n".join(f.read_text()[-2500:] for f in sorted(run.glob("train*.log")))
+        pytest.fail(f"{run.name}: {e}\n{logs}")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "ok", summary.get("error")
+    return {r: json.loads((counts / f"rank{r}.json").read_text()) for r in (0, 1)}
+
+
+def _checked(counts: dict[int, dict[str, int]], backend: str, kind: str) -> int:
+    return sum(n for c in counts.values() for k, n in c.items() if k.startswith(backend) and k.endswith(kind))
+
+
+def test_a_decoder_on_two_pipeline_stages_trains_evaluates_and_resumes_as_on_two_gpus(tmp_path: Path) -> None:
+    """baseline_ag stages of a Llama decoder, ``hardware=measure`` (the exchange and action probes on the
+    pipeline's NCCL group), an evaluation (the LM's rows x sequence x vocabulary logits from the last
+    stage), a checkpoint, and a resume: no host tensor on an NCCL group, no device tensor on gloo, the
+    probe's send and recv posted together, the last stage's output as declared."""
+    first = strict_train(tmp_path / "pipe", *LLAMA, *PIPE2, "mode=baseline_ag", "hardware=measure")
+    assert _checked(first, "nccl", "device") > 0 and _checked(first, "gloo", "host") > 0
+    assert json.loads((tmp_path / "pipe" / "summary.json").read_text())["eval"]["loss"] > 0
+    resumed = strict_train(tmp_path / "resumed", *LLAMA, *PIPE2, "mode=baseline_ag", "trainer.max_steps=3",
+                           f"trainer.resume={tmp_path / 'pipe'}")  # fmt: skip
+    assert _checked(resumed, "nccl", "device") > 0
+    summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
+    assert summary["resumed_from"]["step"] == 2
