@@ -7,9 +7,8 @@ CUDA: ``pretend_nccl``), creates every group on gloo underneath, and checks each
 against the declared backend:
 
 - NCCL: every tensor must be a device tensor; gloo: every tensor a host tensor;
-- NCCL: an unbatched ``irecv`` from a peer while an unbatched ``isend`` to that peer is still pending (not
-  waited): two ranks doing it to each other deadlock once a message outgrows NCCL's buffer (the sends and
-  receives of one peer pair run in order on one stream); ``batch_isend_irecv`` posts them together.
+- an op that mixes device and host tensors, as CUDA refuses them (a host scalar aside), and an in-place op
+  on a host tensor with a device operand (``copy_`` excepted: copies cross devices).
 
 Which tensors are *device* tensors: the run's accelerator is given the device ``cpu:0`` (``DEVICE``): the
 same CPU, but factories asked for it show the index to a dispatch mode (``DeviceTags``) while host
@@ -27,7 +26,6 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import sys
 import threading
 import weakref
 from collections import Counter
@@ -89,6 +87,9 @@ def _is_device_arg(device: Any) -> bool:
     return device is not None and torch.device(device) == DEVICE
 
 
+_CROSSING = ("copy_", "_to_copy", "_copy_from", "_copy_from_and_resize", "set_")  # ops that cross devices
+
+
 class _Propagate(TorchDispatchMode):
     """Tags the outputs of factories asked for ``DEVICE`` and of ops with a device input."""
 
@@ -98,11 +99,19 @@ class _Propagate(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        kinds = [(self.tags.kind(t), t.dim()) for t in _tensors((args, kwargs))]
+        dev = any(k == DEV for k, _ in kinds)
+        if dev and name not in _CROSSING and "device" not in kwargs:
+            first = kinds[0][0] if args and isinstance(args[0], torch.Tensor) else None
+            if (name.endswith("_") and first == HOST) or any(k == HOST and d > 0 for k, d in kinds):
+                raise StrictDistError(
+                    f"{func}: device and host tensors in one op ({[k for k, _ in kinds]}), as CUDA refuses"
+                )
         out = func(*args, **kwargs)
-        if "device" in kwargs:
-            device = _is_device_arg(kwargs["device"])
-        else:
-            device = any(self.tags.kind(t) == DEV for t in _tensors((args, kwargs)))
+        if name.endswith("_") or "out" in kwargs:
+            return out  # in place: the destination keeps its device
+        device = _is_device_arg(kwargs["device"]) if "device" in kwargs else dev
         if device:
             for t in _tensors(out):
                 self.tags.tag(t)
@@ -163,39 +172,6 @@ _COLLECTIVES = (
 _OBJECTS = ("all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list")
 
 
-def _called_from(prefix: str) -> bool:
-    """Whether the first caller outside this shim and torch.distributed's own module is in ``prefix``."""
-    f = sys._getframe(1)
-    while f is not None and f.f_globals.get("__name__") in (__name__, "torch.distributed.distributed_c10d"):
-        f = f.f_back  # type: ignore[assignment]
-    return f is not None and str(f.f_globals.get("__name__", "")).startswith(prefix)
-
-
-def _peer(args: dict[str, Any], group: Any) -> int | None:
-    """A p2p op's peer as a global rank (given as ``dst``/``src``, or relative to the group)."""
-    for key in ("dst", "src"):
-        if args.get(key) is not None:
-            return int(args[key])
-    for key in ("group_dst", "group_src"):
-        if args.get(key) is not None:
-            return int(c10d.get_global_rank(group, args[key])) if group is not None else int(args[key])
-    return None
-
-
-class _Tracked:
-    """A p2p request whose ``wait`` the shim sees (pending until waited)."""
-
-    def __init__(self, work: Any, shim: StrictDist, key: tuple):
-        self._work, self._shim, self._key = work, shim, key
-
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
-        self._shim.pending_sends.pop(self._key, None)
-        return self._work.wait(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._work, name)
-
-
 class StrictDist:
     """Patches ``torch.distributed`` in this process (see the module's docstring)."""
 
@@ -204,7 +180,6 @@ class StrictDist:
         self.declared: dict[int, tuple[Any, str]] = {}  # id(group) -> (group, declared backend)
         self.default_backend = "gloo"
         self.counts: Counter[str] = Counter()  # "<backend> <collective> <tensor kind>"
-        self.pending_sends: dict[tuple, int] = {}  # (id(group), peer, id(request)) of unbatched isends
         self._batched = threading.local()
         self._objects_on = threading.local()
         self._inside = threading.local()
@@ -307,26 +282,7 @@ class StrictDist:
                             f"{backend} ({'NCCL moves device tensors only' if backend == 'nccl' else 'gloo moves host tensors'})"
                         )
                     self.counts[f"{backend} {name} {kind}"] += 1
-            # torch's schedules order their own unbatched sends and recvs for NCCL: the product's are checked
-            batched = getattr(self._batched, "on", False) or _called_from("torch.distributed.pipelining")
-            peer = _peer(bound.arguments, group)
-            if (
-                backend == "nccl"
-                and name == "irecv"
-                and not batched
-                and any(k[0] == id(group) and k[1] == peer for k in self.pending_sends)
-            ):
-                raise StrictDistError(
-                    f"irecv from rank {peer} while an unbatched isend to it is pending, on a group "
-                    "declared nccl: two ranks doing this to each other deadlock above NCCL's buffer "
-                    "(post them together: batch_isend_irecv)"
-                )
-            work = fn(*args, **kwargs)
-            if name == "isend" and not batched and backend == "nccl" and work is not None:
-                key = (id(group), peer, id(work))
-                self.pending_sends[key] = 1
-                return _Tracked(work, self, key)
-            return work
+            return fn(*args, **kwargs)
 
         checked.__name__ = name
         checked.__signature__ = sig  # type: ignore[attr-defined]

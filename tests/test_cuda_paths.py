@@ -102,6 +102,50 @@ def test_resumed_adamw_state_lives_on_the_parameters_device(tmp_path: Path) -> N
     assert where == {("step", "meta"), ("exp_avg", "meta"), ("exp_avg_sq", "meta")}
 
 
+# ---- 5: the exchange probe of hardware=measure -------------------------------------------------------
+
+
+def test_the_exchange_probe_posts_its_send_and_recv_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With two ranks each rank sends to and receives from the same peer: posted one after the other on
+    NCCL (one stream per peer pair, in order), both ranks' sends wait for recvs queued behind them once a
+    message outgrows NCCL's buffer. The probe posts each exchange as one ``batch_isend_irecv``."""
+    from l2l_cli.parallel.pipeline import calibrate
+
+    posted: list[tuple[str, ...]] = []
+
+    class Work:
+        def wait(self) -> None:
+            return None
+
+    class FakeDist:
+        @staticmethod
+        def P2POp(op: object, tensor: object, peer: int, group: object = None) -> SimpleNamespace:  # noqa: N802
+            return SimpleNamespace(op=op)
+
+        @staticmethod
+        def barrier(group: object = None) -> None:
+            return None
+
+        @staticmethod
+        def isend(*a: object, **k: object) -> Work:
+            posted.append(("isend",))
+            return Work()
+
+        @staticmethod
+        def irecv(*a: object, **k: object) -> Work:
+            posted.append(("irecv",))
+            return Work()
+
+        @staticmethod
+        def batch_isend_irecv(ops: list) -> list[Work]:
+            posted.append(tuple(op.op.__name__ for op in ops))
+            return [Work() for _ in ops]
+
+    monkeypatch.setattr(calibrate, "dist", FakeDist)
+    calibrate.time_exchange(None, None, torch.device("cpu"), (1, 1), nbytes=1 << 20, repeats=3)
+    assert posted == [("isend", "irecv")] * 4  # one warm-up and three timed, each exchange one batch
+
+
 # ---- 6: selective recompute's saved bytes ------------------------------------------------------------
 
 
@@ -166,6 +210,7 @@ def _checked(counts: dict[int, dict[str, int]], backend: str, kind: str) -> int:
     return sum(n for c in counts.values() for k, n in c.items() if k.startswith(backend) and k.endswith(kind))
 
 
+@pytest.mark.slow
 def test_a_decoder_on_two_pipeline_stages_trains_evaluates_and_resumes_as_on_two_gpus(tmp_path: Path) -> None:
     """baseline_ag stages of a Llama decoder, ``hardware=measure`` (the exchange and action probes on the
     pipeline's NCCL group), an evaluation (the LM's rows x sequence x vocabulary logits from the last
@@ -179,3 +224,92 @@ def test_a_decoder_on_two_pipeline_stages_trains_evaluates_and_resumes_as_on_two
     assert _checked(resumed, "nccl", "device") > 0
     summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
     assert summary["resumed_from"]["step"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case",
+    [
+        ["mode=baseline_ag"],  # data parallel: DDP on the NCCL default group, the trainer's host collectives
+        ["mode=l2l"],  # data parallel: the EPS reduces host buffers on its gloo group
+        ["mode=l2l", *PIPE2],  # L2L stages: hidden states on NCCL, the loss and norms on gloo
+    ],
+    ids=["dp-baseline_ag", "dp-l2l", "pipeline-l2l"],
+)
+def test_two_ranks_train_and_resume_as_on_two_gpus(tmp_path: Path, case: list[str]) -> None:
+    """Acceptance 2: 2-rank data parallel and the 2-rank pipeline with L2L stages (baseline_ag stages: the
+    decoder test above), each trained to a checkpoint and resumed, every collective on a group whose
+    declared backend takes its tensors."""
+    first = strict_train(tmp_path / "first", *case)
+    resumed = strict_train(
+        tmp_path / "resumed", *case, "trainer.max_steps=3", f"trainer.resume={tmp_path / 'first'}"
+    )
+    for counts in (first, resumed):
+        assert _checked(counts, "gloo", "host") > 0  # the trainer's loss and stop flag, at least
+    if "dist.pipeline=2" in case:
+        assert _checked(first, "nccl", "device") > 0
+    assert json.loads((tmp_path / "resumed" / "summary.json").read_text())["resumed_from"]["step"] == 2
+
+
+# ---- the GPU lane: scripts/gpu_check.sh -------------------------------------------------------------------
+
+
+def test_gpu_check_without_a_gpu_exits_0_saying_so(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from tests.util import REPO
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: gpu_check.sh would run every case")
+    out = tmp_path / "gpu_check.json"
+    r = subprocess.run(["bash", "scripts/gpu_check.sh", str(out)], cwd=REPO, capture_output=True, text=True,
+                       env={**os.environ, "PYTHON": sys.executable}, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines() == [
+        f"gpu_check: no CUDA device (torch {torch.__version__}): nothing to check"
+    ]
+    assert json.loads(out.read_text())["cuda"] is False
+
+
+def test_every_gpu_check_case_is_a_valid_l2l_train_command_line() -> None:
+    """The dry run's command lines (what the GPU machine will run) each pass ``l2l train``'s preflight, and
+    together cover the issue's list: every mode, fp32/amp/cmp, the disk tier, data parallel, the 2-rank
+    pipeline with baseline_ag and L2L stages and hardware=measure, a kill and resume of each kind, generate."""
+    import shlex
+    import subprocess
+    import sys
+
+    from l2l_cli.preflight import preflight
+    from tests.util import REPO
+
+    r = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run"], cwd=REPO, capture_output=True, text=True,
+                       env={**__import__("os").environ, "PYTHON": sys.executable}, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    cases = gpu_check.cases()
+    assert len(lines) == len(cases) == len({c.name for c in cases})
+    for case, ln in zip(cases, lines, strict=True):
+        name, cmd = ln.split(": l2l train ", 1)
+        assert name.startswith(case.name)
+        argv = case.train_argv(Path("/tmp/run"), steps=20)
+        assert argv[4 : 4 + len(case.overrides)] == shlex.split(cmd)  # the printed line is what runs
+        assert preflight(argv[4:-1], False) == [], case.name
+    covered = {(o.split("=")[0], o.split("=")[1]) for c in cases for o in c.overrides if "=" in o}
+    assert {("mode", m) for m in ("baseline", "baseline_ag", "l2l", "l2l_p")} <= covered
+    assert {("precision", p) for p in ("fp32", "amp", "cmp")} <= covered and ("eps.tier", "disk") in covered
+    two = [c for c in cases if c.gpus == 2]
+    assert {tuple(o for o in c.overrides if o.startswith(("mode=", "dist.pipeline"))) for c in two} >= {
+        ("mode=baseline_ag",),
+        ("mode=baseline_ag", "dist.pipeline=2"),
+        ("mode=l2l", "dist.pipeline=2"),
+    }
+    assert all("hardware=measure" in c.overrides for c in two if "dist.pipeline=2" in c.overrides)
+    kills = {(c.gpus, "dist.pipeline=2" in c.overrides) for c in cases if c.kill}
+    assert kills == {(1, False), (2, False), (2, True)} and any(c.generate for c in cases)
