@@ -119,7 +119,7 @@ def test_the_exchange_probe_posts_its_send_and_recv_together(monkeypatch: pytest
 
     class FakeDist:
         @staticmethod
-        def P2POp(op: object, tensor: object, peer: int, group: object = None) -> SimpleNamespace:  # noqa: N802
+        def P2POp(op: object, tensor: object, peer: int, group: object = None) -> SimpleNamespace:
             return SimpleNamespace(op=op)
 
         @staticmethod
