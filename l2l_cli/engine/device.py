@@ -373,7 +373,10 @@ class CudaAccelerator(Accelerator):
         device = torch.device("cuda", index)
         torch.cuda.set_device(device)
         super().__init__(
-            device, CudaMeter(device), CudaCopyEngine(device, False), CudaCopyEngine(device, True)
+            device,
+            CudaMeter(device, CudaAllocator(device)),
+            CudaCopyEngine(device, False),
+            CudaCopyEngine(device, True),
         )
 
     @property

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from l2l_cli.engine.device import cuda_available
+
 
 @dataclass
 class DistContext:
@@ -65,7 +67,7 @@ def resolve_backend(backend: str, device: str, cuda: bool | None = None) -> str:
     """``dist.backend`` for ``device``: auto is NCCL where the ranks run on CUDA devices, gloo otherwise."""
     if backend != "auto":
         return backend
-    cuda = torch.cuda.is_available() if cuda is None else cuda
+    cuda = cuda_available() if cuda is None else cuda
     return "nccl" if device in ("auto", "cuda") and cuda else "gloo"
 
 
