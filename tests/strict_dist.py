@@ -7,8 +7,8 @@ CUDA: ``pretend_nccl``), creates every group on gloo underneath, and checks each
 against the declared backend:
 
 - NCCL: every tensor must be a device tensor; gloo: every tensor a host tensor;
-- an op that mixes device and host tensors, as CUDA refuses them (a host scalar aside), and an in-place op
-  on a host tensor with a device operand (``copy_`` excepted: copies cross devices).
+- an in-place op on a host tensor with a device operand, as CUDA refuses it (``copy_`` excepted: copies
+  cross devices).
 
 Which tensors are *device* tensors: the run's accelerator is given the device ``cpu:0`` (``DEVICE``): the
 same CPU, but factories asked for it show the index to a dispatch mode (``DeviceTags``) while host
@@ -102,12 +102,10 @@ class _Propagate(TorchDispatchMode):
         name = func.overloadpacket.__name__
         kinds = [(self.tags.kind(t), t.dim()) for t in _tensors((args, kwargs))]
         dev = any(k == DEV for k, _ in kinds)
-        if dev and name not in _CROSSING and "device" not in kwargs:
-            first = kinds[0][0] if args and isinstance(args[0], torch.Tensor) else None
-            if (name.endswith("_") and first == HOST) or any(k == HOST and d > 0 for k, d in kinds):
-                raise StrictDistError(
-                    f"{func}: device and host tensors in one op ({[k for k, _ in kinds]}), as CUDA refuses"
-                )
+        if dev and name.endswith("_") and name not in _CROSSING and kinds[0][0] == HOST:
+            raise StrictDistError(
+                f"{func}: a host tensor updated in place from a device one, as CUDA refuses"
+            )
         out = func(*args, **kwargs)
         if name.endswith("_") or "out" in kwargs:
             return out  # in place: the destination keeps its device
