@@ -102,6 +102,36 @@ def test_resumed_adamw_state_lives_on_the_parameters_device(tmp_path: Path) -> N
     assert where == {("step", "meta"), ("exp_avg", "meta"), ("exp_avg_sq", "meta")}
 
 
+# ---- 4: the last pipeline stage's evaluation output ---------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_the_last_stage_declares_the_shape_its_evaluation_returns(
+    monkeypatch: pytest.MonkeyPatch, family: str
+) -> None:
+    """The evaluation schedule's last stage declares its output before running (torch up to 2.12 checks
+    it): a decoder's head returns rows x sequence x vocabulary, a classifier's rows x labels."""
+    from l2l_cli.models import make_spec
+    from l2l_cli.parallel.pipeline import runner as pipeline_runner
+    from l2l_cli.parallel.pipeline.stage import Timeline
+
+    spec = make_spec(tiny_cfg(*(LLAMA if family == "llama" else [])).model, 2)
+    declared: list[tuple[int, ...]] = []
+    monkeypatch.setattr(
+        pipeline_runner, "TimedStage", lambda *a, **k: declared.append(tuple(k["output_args"].shape))
+    )
+    monkeypatch.setattr(pipeline_runner, "ScheduleLoopedBFS", lambda *a, **k: None)
+    fake = SimpleNamespace(spec=spec, plan=SimpleNamespace(num_stages=2), acc=SimpleNamespace(device=torch.device("cpu")),
+                           pp_group=None, dist=SimpleNamespace(backend="gloo"), _grads_ready=None, _loss=None)  # fmt: skip
+    fake._meta = lambda shape, dtype, grad: pipeline_runner.PipelineRunner._meta(fake, shape, dtype, grad)
+    rows, seq = 3, 5
+    pipeline_runner.PipelineRunner._build(fake, {1: nn.Identity()}, rows, seq, False, Timeline(), None)  # type: ignore[arg-type]
+    head = spec.build_layer(spec.num_layers + 1, seed=0).eval()
+    with torch.no_grad():
+        logits = spec.head_logits(head, torch.randn(rows, seq, spec.hidden_size))
+    assert declared == [tuple(logits.shape)]
+
+
 # ---- 5: the exchange probe of hardware=measure -------------------------------------------------------
 
 
