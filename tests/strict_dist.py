@@ -8,17 +8,23 @@ against the declared backend:
 
 - NCCL: every tensor must be a device tensor; gloo: every tensor a host tensor;
 - an in-place op on a host tensor with a device operand, as CUDA refuses it (``copy_`` excepted: copies
-  cross devices).
+  cross devices);
+- a pipeline's last stage returning another shape than it declared (``strict_stage_outputs``: torch up to
+  2.12 checks it, 2.13 no longer does).
 
 Which tensors are *device* tensors: the run's accelerator is given the device ``cpu:0`` (``DEVICE``): the
-same CPU, but factories asked for it show the index to a dispatch mode (``DeviceTags``) while host
-factories (no device, or ``cpu``) do not. Every op's outputs are device tensors when an input is; ``.cpu()``
-and ``.to("cpu")`` of a device tensor give a host copy (as on CUDA); ``.to(DEVICE)`` of a host one a device
-copy. Tensors are told apart by their storages (shared by views, ``.data`` and parameters).
+same CPU, but factories asked for it show the index to a dispatch mode while host factories (no device, or
+``cpu``) do not. An op's outputs are device tensors when an input is (an in-place op's destination keeps its
+own); ``.cpu()`` and ``.to("cpu")`` of a device tensor give a host copy (as on CUDA); ``.to(DEVICE)`` of a
+host one a device copy. Tensors are told apart by their storages (shared by views, ``.data``, parameters).
 
-``install_in_rank(pretend_nccl)`` is what a rank spawned by the elastic launcher calls first
-(``strict_rank_main`` wraps the product's own rank entry point, ``launch._rank_main``); tests read the counts
-it leaves in ``STRICT_COUNTS_DIR`` to see that the checks ran.
+What it cannot tell: a factory given a device tensor's ``.device`` (``cpu``, without the index) makes a host
+tensor here, and C++ code (DDP's buckets) allocates outside the tags; the ordering rules of NCCL's streams
+(deadlocks) are not modelled. ``docs/gpu.md`` says what the CPU suite can and cannot see.
+
+``strict_rank_main`` is the product's own rank entry point (``launch._rank_main``: one rank of ``l2l
+train``) under the shim, for the elastic launcher to spawn; each rank writes how many tensors each
+(backend, collective, kind) checked, so a test sees that the checks ran. ``strict`` is the in-process form.
 """
 
 from __future__ import annotations
