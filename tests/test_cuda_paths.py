@@ -301,36 +301,40 @@ def test_gpu_check_without_a_gpu_exits_0_saying_so(tmp_path: Path) -> None:
         f"gpu_check: no CUDA device (torch {torch.__version__}): nothing to check"
     ]
     assert json.loads(out.read_text())["cuda"] is False
+    r = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run"], cwd=REPO, capture_output=True, text=True,
+                       env={**os.environ, "PYTHON": sys.executable}, timeout=120)  # fmt: skip
+    assert r.returncode == 0 and all(": l2l train " in ln for ln in r.stdout.strip().splitlines()), r.stderr
 
 
-def test_every_gpu_check_case_is_a_valid_l2l_train_command_line() -> None:
-    """The dry run's command lines (what the GPU machine will run) each pass ``l2l train``'s preflight, and
-    together cover the issue's list: every mode, fp32/amp/cmp, the disk tier, data parallel, the 2-rank
-    pipeline with baseline_ag and L2L stages and hardware=measure, a kill and resume of each kind, generate."""
-    import shlex
-    import subprocess
+def _gpu_check() -> object:
     import sys
 
-    from l2l_cli.preflight import preflight
     from tests.util import REPO
 
-    r = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run"], cwd=REPO, capture_output=True, text=True,
-                       env={**__import__("os").environ, "PYTHON": sys.executable}, timeout=120)  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    lines = r.stdout.strip().splitlines()
     sys.path.insert(0, str(REPO / "scripts"))
     try:
         import gpu_check
     finally:
         sys.path.pop(0)
-    cases = gpu_check.cases()
+    return gpu_check
+
+
+def test_gpu_check_dry_run_lists_the_issues_cases(capsys: pytest.CaptureFixture[str]) -> None:
+    """The dry run prints each case's ``l2l train`` command line (what the GPU machine runs), and the cases
+    cover the issue's list: every mode, fp32/amp/cmp, the disk tier, data parallel, the 2-rank pipeline with
+    baseline_ag and L2L stages under hardware=measure, a kill and resume of each kind, generate."""
+    import shlex
+
+    gpu_check = _gpu_check()
+    assert gpu_check.main(["--dry-run"]) == 0  # type: ignore[attr-defined]
+    lines = capsys.readouterr().out.strip().splitlines()
+    cases = gpu_check.cases()  # type: ignore[attr-defined]
     assert len(lines) == len(cases) == len({c.name for c in cases})
     for case, ln in zip(cases, lines, strict=True):
         name, cmd = ln.split(": l2l train ", 1)
         assert name.startswith(case.name)
         argv = case.train_argv(Path("/tmp/run"), steps=20)
         assert argv[4 : 4 + len(case.overrides)] == shlex.split(cmd)  # the printed line is what runs
-        assert preflight(argv[4:-1], False) == [], case.name
     covered = {(o.split("=")[0], o.split("=")[1]) for c in cases for o in c.overrides if "=" in o}
     assert {("mode", m) for m in ("baseline", "baseline_ag", "l2l", "l2l_p")} <= covered
     assert {("precision", p) for p in ("fp32", "amp", "cmp")} <= covered and ("eps.tier", "disk") in covered
@@ -343,3 +347,14 @@ def test_every_gpu_check_case_is_a_valid_l2l_train_command_line() -> None:
     assert all("hardware=measure" in c.overrides for c in two if "dist.pipeline=2" in c.overrides)
     kills = {(c.gpus, "dist.pipeline=2" in c.overrides) for c in cases if c.kill}
     assert kills == {(1, False), (2, False), (2, True)} and any(c.generate for c in cases)
+
+
+@pytest.mark.slow
+def test_every_gpu_check_case_is_a_valid_l2l_train_command_line() -> None:
+    """Each case's command line, as it runs (steps and checkpoints included), passes ``l2l train``'s
+    preflight: the GPU machine will not meet a config error."""
+    from l2l_cli.preflight import preflight
+
+    for case in _gpu_check().cases():  # type: ignore[attr-defined]
+        argv = case.train_argv(Path("/tmp/run"), steps=20)
+        assert preflight(argv[4:-1], False) == [], case.name
