@@ -44,6 +44,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from l2l_cli.engine.device import cuda_rng_states, set_cuda_rng_states
 from l2l_cli.problems import writing
 
 log = logging.getLogger("l2l")
@@ -347,8 +348,8 @@ def rng_state() -> dict[str, Any]:
         "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
         "numpy": _numpy_state(),
     }
-    if torch.cuda.is_available():
-        state["torch_cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    if (cuda := cuda_rng_states()) is not None:
+        state["torch_cuda"] = [s.tolist() for s in cuda]
     return state
 
 
@@ -363,8 +364,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((v, tuple(internal), gauss))
     kind, keys, pos, has_gauss, g = state["numpy"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, g))
-    if "torch_cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["torch_cuda"]])
+    if "torch_cuda" in state:
+        set_cuda_rng_states([torch.tensor(s, dtype=torch.uint8) for s in state["torch_cuda"]])
 
 
 # ---- what identifies a checkpoint's kind --------------------------------------------------------

@@ -26,6 +26,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from l2l_cli.engine.decode import DiskKV, Generated, HostKV, Sampling
+from l2l_cli.engine.device import cuda_available
 from l2l_cli.engine.stops import cut_at_strings, stop_ids
 from l2l_cli.evaluate import UsageError, run_config, weights_of
 from l2l_cli.problems import ConfigError, Problem
@@ -287,7 +288,7 @@ def generate_hf(cfg: DictConfig, weights: Path, tok: Any, ids: list[list[int]], 
     hf_logging.disable_progress_bar()  # (stderr is for l2l's own lines)
     with tempfile.TemporaryDirectory(prefix="l2l-generate-") as tmp:
         model_dir = weights if (weights / "config.json").is_file() else export(cfg, weights, tok, Path(tmp))
-        device = "cuda" if str(cfg.device).startswith("cuda") and torch.cuda.is_available() else "cpu"
+        device = "cuda" if str(cfg.device).startswith("cuda") and cuda_available() else "cpu"
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
     pad = pad_id(tok)
     out = []

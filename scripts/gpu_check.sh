@@ -1,14 +1,24 @@
 #!/usr/bin/env bash
-# Does the CUDA path hold? One command on a machine with a GPU: the `gpu` tests (equivalence on the device,
-# copies overlapped on streams without host waits, half-precision gradients over the link, allocator-measured
-# memory; with two GPUs, a 2-rank pipeline on NCCL), then the BERT-Large benchmark, summarised in one JSON file (default outputs/gpu_check.json).
+# Does the CUDA path hold? One command on a machine with a GPU:
+#  1. the product itself (scripts/gpu_check.py): `l2l train` end to end in every mode and precision, the disk
+#     tier, data parallel and the 2-rank pipeline (baseline_ag and L2L stages, hardware=measure), a kill and
+#     resume of each kind, `l2l generate`; one line per case with samples/s and the device peak (2-GPU cases
+#     say they were skipped, and why, on a machine with one GPU);
+#  2. the `gpu` tests (pytest -m gpu: equivalence on the device, copies overlapped on streams without host
+#     waits, half-precision gradients over the link, allocator-measured memory; with two GPUs, a 2-rank
+#     pipeline on NCCL);
+#  3. the BERT-Large benchmark; all summarised in one JSON file (default outputs/gpu_check.json).
 #   bash scripts/gpu_check.sh [out.json]
-# Without a CUDA device it says so in one line and exits 0 (nothing to check). Exit 1: a test or the
+#   bash scripts/gpu_check.sh --dry-run      # the product cases' command lines; runs nothing, needs no GPU
+# Without a CUDA device it says so in one line and exits 0 (nothing to check). Exit 1: a case, a test or the
 # benchmark failed (the JSON says which).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
+if [ "${1:-}" = "--dry-run" ]; then
+  exec "$PY" scripts/gpu_check.py --dry-run
+fi
 OUT=${1:-outputs/gpu_check.json}
 mkdir -p "$(dirname "$OUT")"
 TMP=$(mktemp -d)
@@ -27,6 +37,10 @@ if [ "$gpus" -ge 2 ]; then
 else
   echo "gpu_check: $gpus CUDA device: the 2-rank NCCL pipeline test needs two and is skipped"
 fi
+echo "gpu_check: the product, case by case (scripts/gpu_check.py)"
+"$PY" scripts/gpu_check.py --out "$(dirname "$OUT")/gpu_check_runs" 2>&1 | tee "$TMP/cases.log"
+cases_rc=${PIPESTATUS[0]}
+
 echo "gpu_check: pytest -m gpu"
 "$PY" -m pytest -m gpu -q -rs --junitxml="$TMP/gpu.xml" tests 2>&1 | tee "$TMP/pytest.log"
 tests_rc=${PIPESTATUS[0]}
@@ -35,11 +49,13 @@ echo "gpu_check: benchmarks/l2l_bert_large.py"
 (cd benchmarks && "$PY" l2l_bert_large.py --json "$TMP/bench.json") 2>&1 | tee "$TMP/bench.log"
 bench_rc=${PIPESTATUS[0]}
 
-"$PY" - "$TMP" "$OUT" "$tests_rc" "$bench_rc" <<'PYEOF'
+"$PY" - "$TMP" "$OUT" "$tests_rc" "$bench_rc" "$cases_rc" <<'PYEOF'
 import json, sys, xml.etree.ElementTree as ET
 from pathlib import Path
 import torch
 tmp, out, tests_rc, bench_rc = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+cases_rc = int(sys.argv[5])
+case_lines = [ln for ln in (tmp / "cases.log").read_text().splitlines() if ln.startswith("gpu_check: ")]
 tests = {"returncode": tests_rc}
 if (tmp / "gpu.xml").is_file():
     suite = ET.parse(tmp / "gpu.xml").getroot()
@@ -52,10 +68,11 @@ if (tmp / "gpu.xml").is_file():
 bench = json.loads((tmp / "bench.json").read_text()) if (tmp / "bench.json").is_file() else None
 summary = {
     "cuda": True, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-    "ok": tests_rc == 0 and bench_rc == 0, "tests": tests,
+    "ok": tests_rc == 0 and bench_rc == 0 and cases_rc == 0, "tests": tests,
+    "cases": {"returncode": cases_rc, "lines": case_lines},
     "benchmark": {"returncode": bench_rc, **(bench or {})},
 }
 out.write_text(json.dumps(summary, indent=2) + "\n")
-print(f"gpu_check: {'OK' if summary['ok'] else 'FAILED'}: tests {tests}, benchmark exit {bench_rc}; wrote {out}")
+print(f"gpu_check: {'OK' if summary['ok'] else 'FAILED'}: cases exit {cases_rc}, tests {tests}, benchmark exit {bench_rc}; wrote {out}")
 PYEOF
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+[ "$cases_rc" -eq 0 ] && [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

@@ -133,3 +133,20 @@ def test_floors_point_down() -> None:
         for mod, deps in _imports(graph, floor).items():
             bad = sorted(d for d in deps if d.startswith(upstairs))
             assert bad == [], f"{mod} imports {bad}"
+
+
+def test_torch_cuda_is_used_only_in_the_device_module() -> None:
+    """The CPU, sim and CUDA paths differ in one place: ``torch.cuda`` (memory stats, streams, events, RNG,
+    synchronize) is called from ``engine/device.py`` only, which tests can replace or fake."""
+    import re
+
+    root = PACKAGE
+    uses = []
+    for path in sorted(root.rglob("*.py")):
+        if path == root / "engine" / "device.py":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if re.search(r"\btorch\.cuda\b|from torch import cuda\b|import torch\.cuda\b", code):
+                uses.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
+    assert not uses, "torch.cuda outside engine/device.py:\n" + "\n".join(uses)

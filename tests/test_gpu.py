@@ -133,3 +133,24 @@ def test_baseline_memory_parts_name_weights_grads_and_optimizer_state() -> None:
         parts["weights"] > 0 and parts["grads"] > 0 and parts["optimizer_state"] >= 2 * parts["grads"] * 0.99
     )
     assert sum(parts.values()) == r["peak"]
+
+
+@pytest.mark.parametrize("name", ["1gpu l2l cmp", "1gpu baseline_ag kill+resume", "2gpu pipeline l2l stages"])
+def test_the_product_runs_on_the_gpu(tmp_path, name: str) -> None:
+    """A sample of ``scripts/gpu_check.py``'s cases (the script runs them all): ``l2l train`` as a user runs
+    it, on the GPU(s), to a summary that says ok (a kill and resume goes on from its checkpoint)."""
+    import sys
+
+    from tests.util import REPO
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    case = next(c for c in gpu_check.cases() if c.name == name)
+    if case.gpus > torch.cuda.device_count():
+        pytest.skip(f"needs {case.gpus} GPUs, this machine has {torch.cuda.device_count()}")
+    result = gpu_check.run_case(case, tmp_path, steps=6)
+    assert result["ok"], result
+    assert str(result["device"]).startswith("cuda"), result  # summary.json: the accelerator it ran on

@@ -158,12 +158,18 @@ def test_cuda_meter_parts_are_the_owned_tensors_at_the_peak(monkeypatch) -> None
     """CudaMeter's logic with the allocator's counters faked: the parts at the peak are the tensors the
     runner counted as they stood when the peak was marked, the rest of the peak is workspace."""
     alloc = {"now": 1000, "peak": 1000}
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: alloc["now"])
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: alloc["peak"])
-    monkeypatch.setattr(
-        torch.cuda, "reset_peak_memory_stats", lambda device=None: alloc.update(peak=alloc["now"])
-    )
-    m = CudaMeter(torch.device("cuda", 0))
+
+    class Allocator:  # engine/device.py's CudaAllocator, its counters faked
+        def allocated(self) -> int:
+            return alloc["now"]
+
+        def max_allocated(self) -> int:
+            return alloc["peak"]
+
+        def reset_peak(self) -> None:
+            alloc.update(peak=alloc["now"])
+
+    m = CudaMeter(torch.device("cuda", 0), Allocator())
     slots = torch.empty(250)  # stands for a device tensor: the meter only reads its storage's size
     m.count(slots, "layer_slots")
     stash = torch.empty(100)

@@ -357,9 +357,9 @@ def _device(cfg: Any, check_files: bool) -> list[Problem]:
     one_of(p, "device", cfg.device, DEVICES)
     one_of(p, "scale", cfg.scale, SCALES)
     if cfg.device == "cuda":
-        import torch
+        from l2l_cli.engine.device import cuda_available
 
-        if not torch.cuda.is_available():
+        if not cuda_available():
             p.append(
                 Problem("device", "cuda requested but no CUDA device is available; allowed: auto, cpu, sim")
             )

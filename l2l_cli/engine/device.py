@@ -23,6 +23,60 @@ import torch
 
 from l2l_cli.profiling.memory import CudaMeter, DeviceOutOfMemory, MemoryMeter, StorageMeter
 
+# ---- torch.cuda, in one place: the CPU, sim and CUDA paths differ here (tests/test_architecture.py) ------
+
+
+def cuda_available() -> bool:
+    return bool(torch.cuda.is_available())
+
+
+def cuda_device_count() -> int:
+    return int(torch.cuda.device_count()) if cuda_available() else 0
+
+
+def cuda_total_memory(index: int = 0) -> float:
+    """Bytes of CUDA device ``index``'s memory."""
+    return float(torch.cuda.get_device_properties(index).total_memory)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until ``device`` has run the work queued on it (nothing to wait for off CUDA): a host clock
+    read after it times that work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timing_event() -> Any:
+    """A CUDA event that can time the stream work between two of them (``elapsed_time``)."""
+    return torch.cuda.Event(enable_timing=True)
+
+
+def cuda_rng_states() -> list[torch.Tensor] | None:
+    """Every CUDA device's RNG state (None without CUDA)."""
+    return torch.cuda.get_rng_state_all() if cuda_available() else None
+
+
+def set_cuda_rng_states(states: list[torch.Tensor]) -> None:
+    if cuda_available():
+        torch.cuda.set_rng_state_all(states)
+
+
+class CudaAllocator:
+    """The caching allocator's counters of one CUDA device, as ``profiling.memory.CudaMeter`` reads them
+    (tests hand the meter a fake with the same three methods)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def allocated(self) -> int:
+        return int(torch.cuda.memory_allocated(self.device))
+
+    def max_allocated(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
 
 class CopyHandle:
     """A copy in flight; ``wait()`` blocks until its destination may be used by the caller;
@@ -319,7 +373,10 @@ class CudaAccelerator(Accelerator):
         device = torch.device("cuda", index)
         torch.cuda.set_device(device)
         super().__init__(
-            device, CudaMeter(device), CudaCopyEngine(device, False), CudaCopyEngine(device, True)
+            device,
+            CudaMeter(device, CudaAllocator(device)),
+            CudaCopyEngine(device, False),
+            CudaCopyEngine(device, True),
         )
 
     @property

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from l2l_cli.engine.device import cuda_available
+
 
 @dataclass
 class DistContext:
@@ -34,6 +36,7 @@ class DistContext:
     backend: str = (
         "gloo"  # the default group's backend (dist.backend, ``auto`` resolved): device tensors' groups
     )
+    host_group: Any = None  # gloo group for the main thread's host collectives (None: the default group)
 
     @property
     def enabled(self) -> bool:
@@ -44,15 +47,15 @@ class DistContext:
         every rank learns of a stop request at the same step boundary)."""
         if not self.enabled:
             return value, bool(flag)
-        t = torch.tensor([value, float(bool(flag))], dtype=torch.float64)
-        dist.all_reduce(t)
+        t = torch.tensor([value, float(bool(flag))], dtype=torch.float64)  # a host tensor: gloo's
+        dist.all_reduce(t, group=self.host_group)
         return float(t[0]) / self.world, bool(t[1] > 0)
 
     def gather(self, obj: Any) -> list[Any]:
         if not self.enabled:
             return [obj]
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=self.host_group)
         return out
 
     def barrier(self) -> None:
@@ -64,7 +67,7 @@ def resolve_backend(backend: str, device: str, cuda: bool | None = None) -> str:
     """``dist.backend`` for ``device``: auto is NCCL where the ranks run on CUDA devices, gloo otherwise."""
     if backend != "auto":
         return backend
-    cuda = torch.cuda.is_available() if cuda is None else cuda
+    cuda = cuda_available() if cuda is None else cuda
     return "nccl" if device in ("auto", "cuda") and cuda else "gloo"
 
 
@@ -80,7 +83,12 @@ def from_env(cfg: Any) -> DistContext:
         dist.init_process_group(backend, timeout=timeout)
     eps_group = dist.new_group(backend="gloo", timeout=timeout)
     backend = str(dist.get_backend())  # a group someone else initialised (torchrun's caller) may differ
-    return DistContext(rank, world, local_rank, eps_group, data_rank=rank, data_world=world, backend=backend)
+    # the main thread's host collectives (the loss and stop flag each step, the memory report) need gloo:
+    # NCCL refuses host tensors; the EPS thread's group is not shared (collectives on one group from two
+    # threads would interleave differently on each rank)
+    host = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+    return DistContext(rank, world, local_rank, eps_group, data_rank=rank, data_world=world, backend=backend,
+                       host_group=host)  # fmt: skip
 
 
 def shutdown(ctx: DistContext) -> None:

@@ -190,7 +190,6 @@ def bind_flat(
     view of the weights whose ``.grad`` is a view of the gradient, and its state ({key: tensor} of the
     kind's :class:`StateBuffer` keys: AdamW's ``exp_avg``, ``exp_avg_sq``) is views too (they shard,
     gather and checkpoint as flat buffers). Weight decay by ``param_groups`` on the names."""
-    import torch
     from torch import nn
 
     named, states = [], []
@@ -201,8 +200,21 @@ def bind_flat(
         states.append((p, state))
     optimizer = make_optimizer(param_groups(named, o.weight_decay), o)
     for p, state in states:
-        optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32), **state}
+        optimizer.state[p] = {"step": state_step(optimizer, p), **state}
     return optimizer
+
+
+def state_step(optimizer: torch.optim.Optimizer, p: torch.Tensor, value: Any = 0.0) -> torch.Tensor:
+    """A parameter's optimizer ``step`` (float32 scalar, ``value``: a number or a checkpoint's tensor) where
+    torch keeps it: on the parameter's device for the fused and capturable kernels, which refuse a step on
+    another device (torch's own ``load_state_dict`` moves it there); on the host otherwise (a host step
+    is read without a device sync)."""
+    import torch
+
+    group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
+    on_device = bool(group.get("fused") or group.get("capturable"))
+    device = p.device if on_device else "cpu"
+    return torch.full((), float(value), dtype=torch.float32, device=device)  # a float32 is exact in a float
 
 
 def lr_at(step: int, total_steps: int, o: OptimSettings) -> float:

@@ -16,6 +16,7 @@ numbers: a kept graph and a checkpoint's replay run the forward's own ops on the
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -65,20 +66,37 @@ def run_selective(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -
     return checkpoint(fn, x, use_reentrant=False, context_fn=selective_contexts, preserve_rng_state=True)
 
 
+class _Storages:
+    """Bytes of distinct storages, each counted once when first seen, whether or not it is still alive.
+    Storages are told apart by their (preserved) Python objects, held weakly: an address is no identity,
+    the caching allocator hands a freed block's address to the next tensor."""
+
+    def __init__(self, skip: Collection[torch.Tensor] = ()) -> None:
+        self.live: weakref.WeakKeyDictionary[Any, None] = weakref.WeakKeyDictionary()
+        self.bytes = 0
+        for t in skip:
+            self.live[t.untyped_storage()] = None  # seen: never counted
+
+    def add(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        if st not in self.live:
+            self.live[st] = None
+            self.bytes += st.nbytes()
+
+
 class _OpOutputs(TorchDispatchMode):
     """Sums the bytes of the distinct storages that the policy's ops output."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.storages: dict[int, int] = {}
+        self.storages = _Storages()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         if _saved_by_policy(func):
             for t in out if isinstance(out, tuple | list) else (out,):
                 if isinstance(t, torch.Tensor):
-                    st = t.untyped_storage()
-                    self.storages[st.data_ptr()] = st.nbytes()
+                    self.storages.add(t)
         return out
 
 
@@ -88,22 +106,19 @@ def measure_block(
     """One block's bytes per micro-batch for each policy, from one forward on ``x``: what autograd saves
     (``none``; the weights, storages of ``params``, excluded), what the policy's ops output plus the input
     (``selective``), the input alone (``full``)."""
-    skip = {p.untyped_storage().data_ptr() for p in params}
     inp = x.untyped_storage().nbytes()
-    saved: dict[int, int] = {}
+    saved = _Storages(skip=params)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        if st.data_ptr() not in skip:
-            saved[st.data_ptr()] = st.nbytes()
+        saved.add(t)
         return t
 
     x_in = x.detach().requires_grad_()
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = run(x_in)
-    saved[x.untyped_storage().data_ptr()] = inp
+    saved.add(x)
     del y
     outputs = _OpOutputs()
     with torch.no_grad(), outputs:
         run(x)
-    return LayerBytes(full=inp, selective=inp + sum(outputs.storages.values()), none=sum(saved.values()))
+    return LayerBytes(full=inp, selective=inp + outputs.storages.bytes, none=saved.bytes)

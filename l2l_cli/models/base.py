@@ -102,6 +102,11 @@ class ModelSpec(ABC):
     def head_logits(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """The post layer's outputs without a loss (evaluation, prediction)."""
 
+    def logits_shape(self, rows: int, seq: int) -> tuple[int, ...]:
+        """The shape of ``head_logits`` for ``rows`` sequences of ``seq`` tokens (a pipeline's last stage
+        declares it before running): one row of labels per sequence here."""
+        return (rows, self.num_labels)
+
     def rows_read(self, index: int, batch: Any) -> dict[str, torch.Tensor] | None:
         """The rows of layer ``index``'s parameters that a forward and backward on ``batch`` read, for the
         parameters read only in part (embedding tables: ``{name: row indices}``; the others are read whole);

@@ -105,6 +105,9 @@ class DecoderSpec(ModelSpec):
     def num_labels(self) -> int:  # type: ignore[override]  (the head classifies over the vocabulary)
         return self.vocab_size
 
+    def logits_shape(self, rows: int, seq: int) -> tuple[int, ...]:
+        return (rows, seq, self.vocab_size)  # a prediction at every position
+
     def tied_params(self) -> dict[str, str]:
         return {"lm_head.weight": f"{self.embed_name}.weight"} if self.tie_word_embeddings else {}
 

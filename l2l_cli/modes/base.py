@@ -26,6 +26,7 @@ from l2l_cli.engine.optim import (
     make_optimizer,
     param_groups,
     set_lr,
+    state_step,
 )
 from l2l_cli.engine.precision import Precision
 from l2l_cli.engine.recompute import RecomputeSettings
@@ -348,7 +349,8 @@ class DeviceResident(RunnerBase):
         for name, st in ModuleState(ckpt, manifest).load(named.items(), whole=True).items():
             p = named[name]
             self.optimizer.state[p] = {
-                k: t.clone() if k == "step" else t.to(p.device).clone() for k, t in st.items()
+                k: state_step(self.optimizer, p, t) if k == "step" else t.to(p.device).clone()
+                for k, t in st.items()
             }
 
     def close(self) -> None:

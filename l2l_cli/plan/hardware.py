@@ -255,15 +255,15 @@ def ubatch_flops(shape: ModelShape, cfg: Any, lt: LayerTimes) -> float:
 
 
 def _cuda_memory() -> float:
-    import torch
+    from l2l_cli.engine.device import cuda_total_memory
 
-    return float(torch.cuda.get_device_properties(0).total_memory)
+    return cuda_total_memory(0)
 
 
 def _cuda() -> bool:
     try:
-        import torch
+        from l2l_cli.engine.device import cuda_available
 
-        return bool(torch.cuda.is_available())
+        return cuda_available()
     except Exception:
         return False

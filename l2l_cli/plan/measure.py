@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from l2l_cli.engine.device import cuda_available, synchronize
 from l2l_cli.modes import run_precision
 from l2l_cli.plan import PlanError
 from l2l_cli.plan.shapes import ModelShape, act_bytes
@@ -32,13 +33,13 @@ from l2l_cli.plan.times import LayerTimes, MeasuredTimes, physical_memory
 
 
 def _device(cfg: Any) -> torch.device:
-    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+    if cfg.device == "cuda" or (cfg.device == "auto" and cuda_available()):
         return torch.device("cuda", 0)
     return torch.device("cpu")
 
 
 def _sync(device: torch.device) -> Callable[[], None]:
-    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    return lambda: synchronize(device)
 
 
 def _median_s(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> float:

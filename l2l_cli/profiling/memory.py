@@ -299,15 +299,16 @@ class CudaMeter(MemoryMeter):
 
     method = "cuda_allocator_max_memory_allocated"
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, allocator: Any):
         super().__init__()
         self.device = device
+        self.allocator = allocator  # the caching allocator's counters (engine/device.py's CudaAllocator)
         self._lock = threading.Lock()
         self._live: dict[int, tuple[Any, int, str]] = {}  # storage key -> (weakref, nbytes, part)
         self._by_part: dict[str, int] = defaultdict(int)
         self._peak_parts: dict[str, int] = {}
         self._marked_peak = -1
-        self._base = torch.cuda.memory_allocated(device)
+        self._base = allocator.allocated()
 
     def count(self, t: torch.Tensor, part: str | None = None) -> None:
         st = t.untyped_storage()
@@ -353,11 +354,11 @@ class CudaMeter(MemoryMeter):
 
     @property
     def current_bytes(self) -> int:
-        return torch.cuda.memory_allocated(self.device) - self._base
+        return self.allocator.allocated() - self._base
 
     @property
     def peak_bytes(self) -> int:
-        return torch.cuda.max_memory_allocated(self.device) - self._base
+        return self.allocator.max_allocated() - self._base
 
     @property
     def peak_parts(self) -> dict[str, int]:
@@ -365,7 +366,7 @@ class CudaMeter(MemoryMeter):
         return dict(self._peak_parts)
 
     def reset_peak(self) -> None:
-        torch.cuda.reset_peak_memory_stats(self.device)
+        self.allocator.reset_peak()
         self._marked_peak = -1
 
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import ScheduleLoopedBFS
 
+from l2l_cli.engine.device import synchronize
 from l2l_cli.parallel.pipeline.plan import StagePlan, fit_action, table_cost
 from l2l_cli.parallel.pipeline.stage import TimedStage, Timeline
 
@@ -67,10 +68,12 @@ def time_exchange(
     for _ in range(repeats + 1):
         dist.barrier(group=host)
         t0 = time.perf_counter()
-        for r in (dist.isend(out, dst=peers[1], group=group), dist.irecv(into, src=peers[0], group=group)):
+        # posted together: two unbatched p2p ops to one peer run in order on NCCL's stream, and a send
+        # above NCCL's buffer waits for the peer's recv, queued behind that peer's own send: a deadlock
+        ops = [dist.P2POp(dist.isend, out, peers[1], group), dist.P2POp(dist.irecv, into, peers[0], group)]
+        for r in dist.batch_isend_irecv(ops):
             r.wait()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
 

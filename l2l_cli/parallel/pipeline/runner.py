@@ -251,7 +251,7 @@ class PipelineRunner(RunnerBase):
             elif train:
                 out = self._meta((), torch.float32, True)
             else:
-                out = self._meta((rows, self.spec.num_labels), torch.float32, False)
+                out = self._meta(self.spec.logits_shape(rows, seq), torch.float32, False)
             stages.append(
                 TimedStage(
                     module,
@@ -335,9 +335,10 @@ class PipelineRunner(RunnerBase):
         """Alg. 2's update of this rank's layers: one verdict for the whole model (every rank takes the
         same norms), then clip, unscale and average over the data-parallel ranks, and step."""
         scaler, D = self.precision.scaler, self.dp_world
-        sq = torch.zeros(self.spec.num_all_layers, dtype=torch.float64)
+        sq = torch.zeros(self.spec.num_all_layers, dtype=torch.float64, device=self.acc.device)
         for st in self.stages.values():
-            st.add_sq_norms(sq)
+            st.add_sq_norms(sq)  # on the stages' device: a host tensor cannot take a device norm in place
+        sq = sq.cpu()  # the host group's (gloo)
         partitioned = any(st.partitioned for st in self.stages.values())
         # shards: over every rank (on the EPS's gloo group over all of them where the default is NCCL)
         every = None if self.dist.backend == "gloo" else self.dist.eps_group

@@ -181,12 +181,12 @@ def validate(cfg: Any) -> list[Problem]:
 
 def _device_rules(cfg: Any) -> list[Problem]:
     """The backend must move the stages' hidden states: NCCL between GPUs, gloo between CPU processes."""
-    import torch  # a pipeline's rules only (dist.pipeline > 1): plan and plain runs do not import torch here
-
+    # a pipeline's rules only (dist.pipeline > 1): plan and plain runs do not import torch here
+    from l2l_cli.engine.device import cuda_available
     from l2l_cli.engine.dist import resolve_backend
 
     d, dev = cfg.dist, cfg.device
-    cuda = dev == "cuda" or (dev == "auto" and torch.cuda.is_available())
+    cuda = dev == "cuda" or (dev == "auto" and cuda_available())
     backend = resolve_backend(d.backend, dev)
     if backend == "nccl" and not cuda:
         return [Problem("dist.backend", f"nccl moves CUDA tensors, and device={dev} runs the stages on the CPU "

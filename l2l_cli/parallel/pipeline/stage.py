@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from l2l_cli.data.batches import Batch
+from l2l_cli.engine.device import timing_event
 from l2l_cli.models.base import POST, ModelSpec
 from l2l_cli.modes.base import RunnerBase
 
@@ -85,8 +86,8 @@ class Timeline:
     def start(self) -> tuple[float, Any]:
         ev = None
         if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
+            ev = timing_event()
+            ev.record()  # on the current stream: the one the chunk's kernels are queued on
         return time.perf_counter(), ev
 
     def add(self, kind: str, t0: float, ev: Any = None, stage: int = -1) -> None:
@@ -95,7 +96,7 @@ class Timeline:
         acc = self.by_stage.setdefault((stage, kind), [0.0, 0.0])
         acc[0], acc[1] = acc[0] + t1 - t0, acc[1] + 1
         if ev is not None:
-            end = torch.cuda.Event(enable_timing=True)
+            end = timing_event()
             end.record()
             self.events.append((ev, end))
 

@@ -1,0 +1,360 @@
+"""What CUDA and NCCL would refuse, caught on the CPU (issue 35).
+
+On a CPU every tensor is on one device and gloo takes anything: these tests make the difference visible.
+``tests/strict_dist.py`` declares each process group's backend and refuses a host tensor on an NCCL group (and
+a device tensor on gloo); ``FakeTensorMode`` makes tensors that say ``device="cuda"`` on a machine without
+one, to check where optimizer state lands.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from tests.strict_dist import DEVICE, StrictDistError, strict
+from tests.util import tiny_cfg
+
+# ---- 1: the trainer's per-step collective ------------------------------------------------------------
+
+
+def test_the_step_collective_and_the_memory_gather_run_on_gloo_beside_an_nccl_default_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``dist.backend=auto`` on CUDA makes the default group NCCL; the loss and stop flag each step are a
+    host tensor, which NCCL refuses: they go over a gloo group of their own."""
+    from l2l_cli.engine.dist import from_env
+
+    with strict(pretend_nccl=True) as shim:
+        dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", world_size=1, rank=0)
+        try:
+            monkeypatch.setenv("WORLD_SIZE", "2")  # a rank of two, alone in its group: the calls are real
+            monkeypatch.setenv("RANK", "0")
+            ctx = from_env(tiny_cfg())
+            assert ctx.backend == "nccl"
+            _, stop = ctx.mean_and_any(3.0, 0)
+            assert stop is False
+            assert ctx.gather({"rank": 0})[0] == {"rank": 0}
+            # the shim refuses what NCCL would: a host tensor on the default group
+            with pytest.raises(StrictDistError, match=r"host tensor .* declared nccl"):
+                dist.all_reduce(torch.zeros(2))
+            dist.all_reduce(torch.zeros(2, device=DEVICE))  # a device tensor is fine there
+        finally:
+            dist.destroy_process_group()
+    assert shim.counts["gloo all_reduce host"] == 1 and shim.counts["nccl all_reduce device"] == 1
+
+
+# ---- 2, 3: AdamW's step on the parameters' device ----------------------------------------------------
+
+
+def test_flat_adamw_state_lives_on_the_parameters_device() -> None:
+    """Fused AdamW refuses a step on another device than its parameter: a pipeline stage's optimizer
+    (``bind_flat``) keeps every state tensor on the stage's device."""
+    from l2l_cli.engine.optim import OptimSettings, bind_flat
+
+    o = OptimSettings.from_cfg(tiny_cfg().optim)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        w, g, m, v = (torch.zeros(8, device="cuda") for _ in range(4))
+        runs = [
+            (name, *(t.narrow(0, a, b - a) for t in (w, g, m, v)))
+            for name, a, b in (("decay", 0, 6), ("bias", 6, 8))
+        ]
+        opt = bind_flat(runs, o)
+        devices = {(k, t.device.type) for st in opt.state.values() for k, t in st.items()}
+    assert devices == {("step", "cuda"), ("exp_avg", "cuda"), ("exp_avg_sq", "cuda")}
+    # on the CPU nothing changes: a float32 zero on the CPU, as before
+    opt = bind_flat([("decay", torch.zeros(4), torch.zeros(4), torch.zeros(4), torch.zeros(4))], o)
+    step = next(iter(opt.state.values()))["step"]
+    assert step.device.type == "cpu" and step.dtype == torch.float32 and float(step) == 0.0
+
+
+def test_resumed_adamw_state_lives_on_the_parameters_device(tmp_path: Path) -> None:
+    """A baseline checkpoint's ``step`` is a host tensor; resumed into fused AdamW on CUDA parameters it
+    moves to their device (as torch's own ``load_state_dict`` does)."""
+    from l2l_cli.checkpoint import verify
+    from l2l_cli.modes.base import DeviceResident
+    from l2l_cli.session import build
+    from tests.util import tiny_data
+
+    cfg = tiny_cfg("mode=baseline_ag")
+    with build(cfg, tmp_path, data=tiny_data(cfg)) as s:
+        assert s.runner is not None and s.stream is not None and s.trainer is not None
+        s.runner.step(next(s.stream.batches()))
+        s.trainer.save()
+        shapes = {name: tuple(p.shape) for name, p in s.runner.model.hf_state_dict().items()}  # type: ignore[attr-defined]
+    ckpt = tmp_path / "checkpoints" / "step_1"
+    manifest = verify(ckpt)
+    # parameters on a device other than the host: ``meta`` (a fake CUDA tensor cannot take a copy from the
+    # host on a build without CUDA); fused, as AdamW is on CUDA (its constructor refuses meta)
+    named = {name: nn.Parameter(torch.zeros(shape, device="meta")) for name, shape in shapes.items()}
+    opt = torch.optim.AdamW(list(named.values()))
+    opt.param_groups[0]["fused"] = True
+    runner = SimpleNamespace(model=SimpleNamespace(hf_state_dict=lambda: named), optimizer=opt)
+    DeviceResident.load_state(runner, ckpt, manifest)  # type: ignore[arg-type]
+    assert len(opt.state) == len(named)
+    where = {(k, t.device.type) for st in opt.state.values() for k, t in st.items()}
+    assert where == {("step", "meta"), ("exp_avg", "meta"), ("exp_avg_sq", "meta")}
+
+
+# ---- 4: the last pipeline stage's evaluation output ---------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_the_last_stage_declares_the_shape_its_evaluation_returns(
+    monkeypatch: pytest.MonkeyPatch, family: str
+) -> None:
+    """The evaluation schedule's last stage declares its output before running (torch up to 2.12 checks
+    it): a decoder's head returns rows x sequence x vocabulary, a classifier's rows x labels."""
+    from l2l_cli.models import make_spec
+    from l2l_cli.parallel.pipeline import runner as pipeline_runner
+    from l2l_cli.parallel.pipeline.stage import Timeline
+
+    spec = make_spec(tiny_cfg(*(LLAMA if family == "llama" else [])).model, 2)
+    declared: list[tuple[int, ...]] = []
+    monkeypatch.setattr(
+        pipeline_runner, "TimedStage", lambda *a, **k: declared.append(tuple(k["output_args"].shape))
+    )
+    monkeypatch.setattr(pipeline_runner, "ScheduleLoopedBFS", lambda *a, **k: None)
+    fake = SimpleNamespace(spec=spec, plan=SimpleNamespace(num_stages=2), acc=SimpleNamespace(device=torch.device("cpu")),
+                           pp_group=None, dist=SimpleNamespace(backend="gloo"), _grads_ready=None, _loss=None)  # fmt: skip
+    fake._meta = lambda shape, dtype, grad: pipeline_runner.PipelineRunner._meta(fake, shape, dtype, grad)
+    rows, seq = 3, 5
+    pipeline_runner.PipelineRunner._build(fake, {1: nn.Identity()}, rows, seq, False, Timeline(), None)  # type: ignore[arg-type]
+    head = spec.build_layer(spec.num_layers + 1, seed=0).eval()
+    with torch.no_grad():
+        logits = spec.head_logits(head, torch.randn(rows, seq, spec.hidden_size))
+    assert declared == [tuple(logits.shape)]
+
+
+# ---- 5: the exchange probe of hardware=measure -------------------------------------------------------
+
+
+def test_the_exchange_probe_posts_its_send_and_recv_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With two ranks each rank sends to and receives from the same peer: posted one after the other on
+    NCCL (one stream per peer pair, in order), both ranks' sends wait for recvs queued behind them once a
+    message outgrows NCCL's buffer. The probe posts each exchange as one ``batch_isend_irecv``."""
+    from l2l_cli.parallel.pipeline import calibrate
+
+    posted: list[tuple[str, ...]] = []
+
+    class Work:
+        def wait(self) -> None:
+            return None
+
+    class FakeDist:
+        @staticmethod
+        def P2POp(op: object, tensor: object, peer: int, group: object = None) -> SimpleNamespace:
+            return SimpleNamespace(op=op)
+
+        @staticmethod
+        def barrier(group: object = None) -> None:
+            return None
+
+        @staticmethod
+        def isend(*a: object, **k: object) -> Work:
+            posted.append(("isend",))
+            return Work()
+
+        @staticmethod
+        def irecv(*a: object, **k: object) -> Work:
+            posted.append(("irecv",))
+            return Work()
+
+        @staticmethod
+        def batch_isend_irecv(ops: list) -> list[Work]:
+            posted.append(tuple(op.op.__name__ for op in ops))
+            return [Work() for _ in ops]
+
+    monkeypatch.setattr(calibrate, "dist", FakeDist)
+    calibrate.time_exchange(None, None, torch.device("cpu"), (1, 1), nbytes=1 << 20, repeats=3)
+    assert posted == [("isend", "irecv")] * 4  # one warm-up and three timed, each exchange one batch
+
+
+# ---- 6: selective recompute's saved bytes ------------------------------------------------------------
+
+
+def test_selective_bytes_count_every_matmul_output_even_where_an_address_is_reused() -> None:
+    """The outputs a selective checkpoint keeps are counted once each, not by address: an allocator hands
+    a freed output's block to the next one (the caching allocator on CUDA does so on purpose)."""
+    from l2l_cli.engine.recompute import measure_block
+
+    w = torch.randn(64, 64) / 8
+    n = 6
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(n):
+            x = torch.relu(x @ w)  # the matmul's output freed once relu has read it (no graph)
+        return x
+
+    x = torch.randn(16, 64)
+    b = measure_block(run, x, [w])
+    out = 16 * 64 * 4
+    assert b.full == out and b.selective == out + n * out
+    assert b.none >= b.selective  # autograd keeps every matmul output and more
+
+
+# ---- the product on two ranks under the strict shim: every group as on two GPUs -------------------------
+
+STRICT = ["trainer.max_steps=2", "trainer.save_every=2", "task.num_train=64", "task.num_eval=8",
+          "trainer.progress=none", "dist.nproc=2"]  # fmt: skip
+LLAMA = ["model=llama-tiny", "task=lm", "model.num_layers=2", "model.hidden_size=32", "model.num_heads=4",
+         "model.num_kv_heads=2", "model.intermediate_size=64", "model.dropout=0.0", "task.max_seq_len=16",
+         "task.max_eval_samples=8", "batch.size=4", "batch.ubatch_size=2", "model.vocab_size=2048"]  # fmt: skip
+PIPE2 = ["dist.pipeline=2", "model.num_layers=4"]
+
+
+def strict_train(run: Path, *overrides: str, pretend_nccl: bool = True) -> dict[int, dict[str, int]]:
+    """``l2l train`` on two ranks, each the product's own rank entry point under the strict shim (the
+    default group and the pipeline's declared NCCL, as ``dist.backend=auto`` picks on CUDA); fails with
+    the rank's log where a collective was refused. Returns each rank's counts of checked tensors."""
+    from omegaconf import OmegaConf
+
+    from l2l_cli.compose import compose
+    from l2l_cli.engine.dist import launch
+    from tests.strict_dist import strict_rank_main
+    from tests.util import TINY
+
+    run.mkdir(parents=True)
+    counts = run.parent / f"{run.name}-counts"
+    counts.mkdir()
+    cfg = compose([*TINY, *STRICT, *overrides])
+    try:
+        launch(
+            2, strict_rank_main, (OmegaConf.to_yaml(cfg, resolve=True), str(run), pretend_nccl, str(counts))
+        )
+    except Exception as e:
+        logs = "\n".join(f.read_text()[-2500:] for f in sorted(run.glob("train*.log")))
+        pytest.fail(f"{run.name}: {e}\n{logs}")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "ok", summary.get("error")
+    return {r: json.loads((counts / f"rank{r}.json").read_text()) for r in (0, 1)}
+
+
+def _checked(counts: dict[int, dict[str, int]], backend: str, kind: str) -> int:
+    return sum(n for c in counts.values() for k, n in c.items() if k.startswith(backend) and k.endswith(kind))
+
+
+@pytest.mark.slow
+def test_a_decoder_on_two_pipeline_stages_trains_evaluates_and_resumes_as_on_two_gpus(tmp_path: Path) -> None:
+    """baseline_ag stages of a Llama decoder, ``hardware=measure`` (the exchange and action probes on the
+    pipeline's NCCL group), an evaluation (the LM's rows x sequence x vocabulary logits from the last
+    stage), a checkpoint, and a resume: no host tensor on an NCCL group, no device tensor on gloo, the
+    probe's send and recv posted together, the last stage's output as declared."""
+    first = strict_train(tmp_path / "pipe", *LLAMA, *PIPE2, "mode=baseline_ag", "hardware=measure")
+    assert _checked(first, "nccl", "device") > 0 and _checked(first, "gloo", "host") > 0
+    assert json.loads((tmp_path / "pipe" / "summary.json").read_text())["eval"]["loss"] > 0
+    resumed = strict_train(tmp_path / "resumed", *LLAMA, *PIPE2, "mode=baseline_ag", "trainer.max_steps=3",
+                           f"trainer.resume={tmp_path / 'pipe'}")  # fmt: skip
+    assert _checked(resumed, "nccl", "device") > 0
+    summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
+    assert summary["resumed_from"]["step"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case",
+    [
+        ["mode=baseline_ag"],  # data parallel: DDP on the NCCL default group, the trainer's host collectives
+        ["mode=l2l"],  # data parallel: the EPS reduces host buffers on its gloo group
+        ["mode=l2l", *PIPE2],  # L2L stages: hidden states on NCCL, the loss and norms on gloo
+    ],
+    ids=["dp-baseline_ag", "dp-l2l", "pipeline-l2l"],
+)
+def test_two_ranks_train_and_resume_as_on_two_gpus(tmp_path: Path, case: list[str]) -> None:
+    """Acceptance 2: 2-rank data parallel and the 2-rank pipeline with L2L stages (baseline_ag stages: the
+    decoder test above), each trained to a checkpoint and resumed, every collective on a group whose
+    declared backend takes its tensors."""
+    first = strict_train(tmp_path / "first", *case)
+    resumed = strict_train(
+        tmp_path / "resumed", *case, "trainer.max_steps=3", f"trainer.resume={tmp_path / 'first'}"
+    )
+    for counts in (first, resumed):
+        assert _checked(counts, "gloo", "host") > 0  # the trainer's loss and stop flag, at least
+    if "dist.pipeline=2" in case:
+        assert _checked(first, "nccl", "device") > 0
+    assert json.loads((tmp_path / "resumed" / "summary.json").read_text())["resumed_from"]["step"] == 2
+
+
+# ---- the GPU lane: scripts/gpu_check.sh -------------------------------------------------------------------
+
+
+def test_gpu_check_without_a_gpu_exits_0_saying_so(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from tests.util import REPO
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: gpu_check.sh would run every case")
+    out = tmp_path / "gpu_check.json"
+    r = subprocess.run(["bash", "scripts/gpu_check.sh", str(out)], cwd=REPO, capture_output=True, text=True,
+                       env={**os.environ, "PYTHON": sys.executable}, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines() == [
+        f"gpu_check: no CUDA device (torch {torch.__version__}): nothing to check"
+    ]
+    assert json.loads(out.read_text())["cuda"] is False
+    r = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run"], cwd=REPO, capture_output=True, text=True,
+                       env={**os.environ, "PYTHON": sys.executable}, timeout=120)  # fmt: skip
+    assert r.returncode == 0 and all(": l2l train " in ln for ln in r.stdout.strip().splitlines()), r.stderr
+
+
+def _gpu_check() -> object:
+    import sys
+
+    from tests.util import REPO
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    return gpu_check
+
+
+def test_gpu_check_dry_run_lists_the_issues_cases(capsys: pytest.CaptureFixture[str]) -> None:
+    """The dry run prints each case's ``l2l train`` command line (what the GPU machine runs), and the cases
+    cover the issue's list: every mode, fp32/amp/cmp, the disk tier, data parallel, the 2-rank pipeline with
+    baseline_ag and L2L stages under hardware=measure, a kill and resume of each kind, generate."""
+    import shlex
+
+    gpu_check = _gpu_check()
+    assert gpu_check.main(["--dry-run"]) == 0  # type: ignore[attr-defined]
+    lines = capsys.readouterr().out.strip().splitlines()
+    cases = gpu_check.cases()  # type: ignore[attr-defined]
+    assert len(lines) == len(cases) == len({c.name for c in cases})
+    for case, ln in zip(cases, lines, strict=True):
+        name, cmd = ln.split(": l2l train ", 1)
+        assert name.startswith(case.name)
+        argv = case.train_argv(Path("/tmp/run"), steps=20)
+        assert argv[4 : 4 + len(case.overrides)] == shlex.split(cmd)  # the printed line is what runs
+    covered = {(o.split("=")[0], o.split("=")[1]) for c in cases for o in c.overrides if "=" in o}
+    assert {("mode", m) for m in ("baseline", "baseline_ag", "l2l", "l2l_p")} <= covered
+    assert {("precision", p) for p in ("fp32", "amp", "cmp")} <= covered and ("eps.tier", "disk") in covered
+    two = [c for c in cases if c.gpus == 2]
+    assert {tuple(o for o in c.overrides if o.startswith(("mode=", "dist.pipeline"))) for c in two} >= {
+        ("mode=baseline_ag",),
+        ("mode=baseline_ag", "dist.pipeline=2"),
+        ("mode=l2l", "dist.pipeline=2"),
+    }
+    assert all("hardware=measure" in c.overrides for c in two if "dist.pipeline=2" in c.overrides)
+    kills = {(c.gpus, "dist.pipeline=2" in c.overrides) for c in cases if c.kill}
+    assert kills == {(1, False), (2, False), (2, True)} and any(c.generate for c in cases)
+
+
+@pytest.mark.slow
+def test_every_gpu_check_case_is_a_valid_l2l_train_command_line() -> None:
+    """Each case's command line, as it runs (steps and checkpoints included), passes ``l2l train``'s
+    preflight: the GPU machine will not meet a config error."""
+    from l2l_cli.preflight import preflight
+
+    for case in _gpu_check().cases():  # type: ignore[attr-defined]
+        argv = case.train_argv(Path("/tmp/run"), steps=20)
+        assert preflight(argv[4:-1], False) == [], case.name
