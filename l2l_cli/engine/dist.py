@@ -34,6 +34,7 @@ class DistContext:
     backend: str = (
         "gloo"  # the default group's backend (dist.backend, ``auto`` resolved): device tensors' groups
     )
+    host_group: Any = None  # gloo group over every rank for the main thread's host scalars (None: default)
 
     @property
     def enabled(self) -> bool:
@@ -45,8 +46,25 @@ class DistContext:
         if not self.enabled:
             return value, bool(flag)
         t = torch.tensor([value, float(bool(flag))], dtype=torch.float64)
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.host_group)
         return float(t[0]) / self.world, bool(t[1] > 0)
+
+    def any(self, flag: bool) -> bool:
+        """Whether any rank raised ``flag`` (every rank must call it at the same point)."""
+        if not self.enabled:
+            return bool(flag)
+        t = torch.tensor([int(bool(flag))], dtype=torch.int64)
+        dist.all_reduce(t, group=self.host_group)
+        return bool(t[0] > 0)
+
+    def data_sum(self, count: int) -> int:
+        """The sum of ``count`` over the data shards of a global minibatch: each rank gives its shard's
+        count; a shard several ranks read (a pipeline's ranks) is counted once. A host collective."""
+        if not self.enabled:
+            return count
+        t = torch.tensor([count], dtype=torch.int64)
+        dist.all_reduce(t, group=self.host_group)
+        return int(t[0]) // (self.world // self.data_world)
 
     def gather(self, obj: Any) -> list[Any]:
         if not self.enabled:
@@ -80,7 +98,12 @@ def from_env(cfg: Any) -> DistContext:
         dist.init_process_group(backend, timeout=timeout)
     eps_group = dist.new_group(backend="gloo", timeout=timeout)
     backend = str(dist.get_backend())  # a group someone else initialised (torchrun's caller) may differ
-    return DistContext(rank, world, local_rank, eps_group, data_rank=rank, data_world=world, backend=backend)
+    # the main thread's host scalars (the loss tokens, the stop flags): the default group where it is gloo,
+    # else a gloo group of their own (not the EPS's, whose thread runs its collectives meanwhile)
+    host = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+    return DistContext(
+        rank, world, local_rank, eps_group, data_rank=rank, data_world=world, backend=backend, host_group=host
+    )
 
 
 def shutdown(ctx: DistContext) -> None:
