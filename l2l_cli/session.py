@@ -416,19 +416,23 @@ class Session:
         """The task's metrics on the dev split: rank 0 evaluates (the weights are identical on every
         rank), the others wait for it; ranks that each hold part of the model (a pipeline's) predict
         together, and rank 0 keeps the metrics. ``on_batch(done, total)`` follows it; a stop requested
-        meanwhile (``stop``) ends it at the next batch with :class:`EvalStopped`."""
+        meanwhile (``stop``) ends it at the next batch with :class:`EvalStopped` (a rank that evaluates
+        alone; ranks that predict together finish the evaluation). The ranks then agree (a host
+        all-reduce): if any was asked to stop, every rank raises :class:`EvalStopped`, so none goes on into
+        the next step's collectives alone."""
         assert self.runner is not None and self.data is not None and self.model is not None
         cfg, runner = self.cfg, self.runner
         metrics: dict[str, float] = {}
         stopped: EvalStopped | None = None
+        size = cfg.batch.eval_size or cfg.batch.size
+        total, done = -(-len(self.data.dev) // size), 0
+        alone = len(self.dist.eval_ranks) == 1  # several ranks predicting together stop together, after
         if self.dist.rank in self.dist.eval_ranks:
             pad = cfg.task.max_seq_len if cfg.task.pad_to_max else None
-            size = cfg.batch.eval_size or cfg.batch.size
-            total, done = -(-len(self.data.dev) // size), 0
 
             def predict(batch: Any) -> torch.Tensor:
                 nonlocal done
-                if self.stop is not None and self.stop.signum:
+                if alone and self.stop is not None and self.stop.signum:
                     raise EvalStopped(done, total)
                 out = runner.predict(batch)
                 done += 1
@@ -440,9 +444,9 @@ class Session:
                 metrics = self.model.evaluate(predict, self.data.dev, self.data.spec, size, pad)
             except EvalStopped as e:
                 stopped = e
-        self.dist.barrier()
-        if stopped is not None:
-            raise stopped
+        asked = stopped is not None or bool(self.stop is not None and self.stop.signum)
+        if self.dist.any(asked):  # one verdict for every rank (this is also the ranks' barrier)
+            raise stopped or EvalStopped(done if self.dist.rank in self.dist.eval_ranks else 0, total)
         return metrics
 
     def memory_report(self) -> MemoryReport:

@@ -279,6 +279,40 @@ def test_a_dataset_folder_reads_as_its_files(models: dict[str, Path], root: Path
     assert len(da.train) > 4 and np.array_equal(da.train.blocks, db.train.blocks)
 
 
+def test_an_edited_local_dataset_is_rendered_again(
+    models: dict[str, Path], root: Path, tmp_path: Path
+) -> None:
+    """task.dataset=<a local folder>: the rendered rows are cached by the folder's files (size, mtime), so
+    an edited file is read again rather than its stale rendering reused (task=chat and task=lm)."""
+    import os
+
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    data = folder / "train.jsonl"
+    write_jsonl(data, [{"messages": conversation(i)} for i in range(24)])
+    cfg = tiny_cfg(*CHAT, f"model.pretrained={models['llama']}", f"task.dataset={folder}")
+    first = load_task(cfg.task, cfg.model)
+    write_jsonl(data, [{"messages": conversation(i)} for i in range(100, 124)])
+    os.utime(data, ns=(data.stat().st_atime_ns, data.stat().st_mtime_ns + 10**9))  # (a coarse clock)
+    second = load_task(cfg.task, cfg.model)
+    files = tmp_path / "edited.jsonl"
+    files.write_text(data.read_text())
+    want = load_task(*(lambda c: (c.task, c.model))(chat_cfg(models["llama"], files)))
+    rows = lambda d: [tuple(map(tuple, r)) for r in d.train.rows]  # noqa: E731
+    assert rows(second) == rows(want) and rows(second) != rows(first)
+    text = tmp_path / "text"
+    text.mkdir()
+    docs = text / "docs.jsonl"
+    write_jsonl(docs, [{"text": " ".join(m["content"] for m in conversation(i))} for i in range(64)])
+    lm = tiny_cfg(
+        "task=lm", "model=gpt2-tiny", "model.vocab_size=2048", "task.max_seq_len=16", f"task.dataset={text}"
+    )
+    before = load_task(lm.task, lm.model).train.blocks
+    write_jsonl(docs, [{"text": " ".join(m["content"] for m in conversation(i))} for i in range(200, 264)])
+    os.utime(docs, ns=(docs.stat().st_atime_ns, docs.stat().st_mtime_ns + 10**9))
+    assert not np.array_equal(load_task(lm.task, lm.model).train.blocks, before)
+
+
 # ---- training: L2L equals the baseline, masked tokens carry nothing ---------------------------------
 
 

@@ -237,3 +237,27 @@ def test_the_engine_follows_the_host_budget_and_the_runs_tier(monkeypatch: pytes
     assert generate.choose_engine("host", spec, False) == generate.Engine(
         True, "disk", True, "the model does not fit in host RAM"
     )
+
+
+def test_a_finished_long_prompt_stops_advancing_its_positions(
+    runs: dict[str, Path], capsys, tmp_path: Path
+) -> None:
+    """GPT-2 learns 512 positions: a prompt of 510 tokens may take 2 new ones, a short prompt beside it 6.
+    Once the long row is done its positions stay put (it would index ``wpe`` at 512), and the layered
+    engine gives transformers' tokens for both."""
+    from transformers import AutoTokenizer
+
+    run = runs["gpt2"]
+    tok = AutoTokenizer.from_pretrained(run / "final")
+    n = 510
+    words = 1
+    while len(tok(" ".join(["cat"] * words))["input_ids"]) < n:
+        words += 1
+    long = " ".join(["cat"] * words)
+    assert len(tok(long)["input_ids"]) == n
+    (tmp_path / "p.txt").write_text(f"{long}\nHello\n")
+    args = [str(run), "--input", str(tmp_path / "p.txt"), "--max-new-tokens", "6"]
+    layered = gen(capsys, *args, "--layered")
+    hf = gen(capsys, *args)
+    assert [r["new_tokens"] for r in layered] == [2, 6] or any(r["stop"] == "eos" for r in layered)
+    assert tokens(layered) == tokens(hf)

@@ -692,3 +692,36 @@ def test_figure_5_without_the_node_limit() -> None:
     for x in (160, 300, 442):
         t = S.Target(ga.x_family(x), ga.x_critical_batch_size(x))
         assert S.fastest(t, F.PAPER, "improved").config == S.fastest(t, capped, "improved").config
+
+
+@pytest.mark.parametrize(
+    ("x", "b_c", "pins"),
+    [(160, 64.0, {"n_l": 16}), (64, 16.0, {"n_l": 32}), (32, 8.0, {"n_l": 8}), (160, 2416.0, {"n_a": 20})],
+)
+def test_the_pruned_search_keeps_the_pinned_degrees(x: int, b_c: float, pins: dict[str, int]) -> None:
+    """``plan.pipeline_parallel`` / ``plan.tensor_parallel`` pin n_l / n_a: the pruned search gives the
+    full search's answer, a row at the pinned degree or why there is none (it used to fall back to 1)."""
+    t = S.Target(ga.x_family(x), b_c)
+    b = S.Bounds(whole=False, **pins)
+    for method in ("baseline", "improved"):
+        for mix in ("data+pipe", "3d") if "n_l" in pins else ("data+tensor", "3d"):
+            pruned = S.search_one(t, b, method, mix, prune=True)
+            full = S.search_one(t, b, method, mix, prune=False)
+            if isinstance(full, str):
+                assert pruned == full
+                continue
+            assert isinstance(pruned, S.Found), pruned
+            assert pruned.config == full.config
+            for k, v in pins.items():
+                assert getattr(pruned.config, k) == v
+
+
+def test_a_critical_batch_below_one_sample_says_so(capsys) -> None:
+    """A small model at a long sequence has b_c < 1: each mix says so in one line (not a numpy error)."""
+    t = S.Target(ga.x_family(4), 0.5)
+    for mix, method in S.PAIRS:
+        got = S.search_one(t, S.Bounds(), method, mix)
+        assert got == f"{method} with {mix}: no candidate (the critical batch 0.5 is below one sample)"
+    assert main(["--search", "--json", "model=bert-tiny", "model.seq_len=65536", "hardware=a100-80g"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert not out["search"] and any("is below one sample" in m for m in out["not_found"]), out

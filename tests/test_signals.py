@@ -145,3 +145,36 @@ def test_sigterm_during_the_final_evaluation_stops_it_at_the_next_batch(tmp_path
     assert not (tmp_path / "eval.jsonl").exists() and summary["eval"] == {}
     _, manifest = ckpt.latest_valid(tmp_path)  # the training is saved: a resume only evaluates
     assert manifest["step"] == 2 and f"trainer.resume={tmp_path}" in out and "Traceback" not in out + err
+
+
+def test_a_stop_during_evaluation_on_one_rank_stops_every_rank_together(tmp_path) -> None:
+    """2 ranks: rank 0 evaluates (long) while rank 1 waits; a SIGTERM to rank 0 alone ends its evaluation,
+    and the ranks agree on the stop (a host all-reduce), so rank 1 does not go on into the next step's
+    collectives alone: the job stops cleanly with a checkpoint, well inside ``dist.timeout_s``."""
+    import re
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "l2l_cli", "train", *TINY, "dist.nproc=2", "batch.size=4", "trainer.max_steps=6",
+         "trainer.eval_every=2", "task.num_train=64", "task.num_eval=20000", "batch.eval_size=4", "mode=l2l",
+         "dist.timeout_s=90", f"hydra.run.dir={tmp_path}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    try:
+        log = tmp_path / "train.log"
+        deadline = time.time() + 240
+        while not (log.exists() and "evaluating at step 2" in log.read_text()):
+            assert time.time() < deadline and proc.poll() is None, "the evaluation did not start"
+            time.sleep(0.1)
+        rank0 = int(re.search(r"rank 0 of 2, pid (\d+)", log.read_text()).group(1))  # type: ignore[union-attr]
+        os.kill(rank0, signal.SIGTERM)
+        signalled = time.time()
+        _, err = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    assert time.time() - signalled < 60, "a rank waited for the other until dist.timeout_s"
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "interrupted", summary.get("error")
+    assert "stopped by SIGTERM after step 2 during the evaluation" in summary["error"]
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    _, manifest = ckpt.latest_valid(tmp_path)
+    assert manifest["step"] == 2

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from l2l_cli.data import sources
-from l2l_cli.data.lm import cache_root, file_key, load_tokenizer, tokenizer_fingerprint
+from l2l_cli.data.lm import cache_root, dataset_key, file_key, load_tokenizer, tokenizer_fingerprint
 from l2l_cli.data.lm import tokenizer_ref as lm_tokenizer_ref
 from l2l_cli.data.rows import IGNORE, Encoded, RowMaker, Rows, StreamedTrain, pack_examples
 from l2l_cli.data.sources import RowStream, as_list, listed_files
@@ -273,7 +273,7 @@ def read_split(task: Any, enc: Encoder, key: str, split: str | None, cache: Path
 
 def cache_key(task: Any, enc: Encoder) -> str:
     if task.dataset:
-        data: Any = [task.dataset, task.dataset_config, task.split, task.dev_split]
+        data: Any = dataset_key(task)
     else:
         data = [file_key([Path(f).expanduser() for f in as_list(task.files)]),
                 file_key([Path(f).expanduser() for f in as_list(task.dev_files)])]  # fmt: skip

@@ -194,6 +194,19 @@ def file_key(paths: list[Path]) -> list[Any]:
     return out
 
 
+def dataset_key(task_cfg: Any) -> list[Any]:
+    """``task.dataset``'s part of a rendered-data cache key: its id, config and splits and, for a local
+    folder (or file), every file's size and mtime, so that an edited local dataset is read again rather
+    than its stale rendering reused."""
+    key: list[Any] = [task_cfg.dataset, task_cfg.dataset_config, task_cfg.split, task_cfg.dev_split]
+    local = Path(str(task_cfg.dataset)).expanduser()
+    if local.exists():
+        key.append(
+            file_key(sorted(p for p in local.rglob("*") if p.is_file()) if local.is_dir() else [local])
+        )
+    return key
+
+
 def dataset_stream(task_cfg: Any, split: str, tok: Any, cache_dir: Path) -> np.ndarray:
     """The tokens of a dataset split (``task.dataset``) read whole, documents followed by EOS."""
     ds = open_dataset(task_cfg, split, cache_dir, False)
@@ -218,7 +231,7 @@ def load_lm(task_cfg: Any, model_cfg: Any) -> tuple[Packed, Packed, str, Any]:
     files = [] if hub else [Path(f).expanduser() for f in as_list(task_cfg.files)] or list(BUNDLED_FILES)
     dev_files = [Path(f).expanduser() for f in as_list(task_cfg.dev_files)]
     seq = int(task_cfg.max_seq_len)
-    data = [task_cfg.dataset, task_cfg.dataset_config, task_cfg.split, task_cfg.dev_split] if hub else []
+    data = dataset_key(task_cfg) if hub else []
     key = hashlib.sha256(json.dumps({
         "v": CACHE_VERSION, "files": file_key(files), "dev_files": file_key(dev_files),
         "text_field": task_cfg.text_field, "tokenizer": tokenizer_fingerprint(tok), "seq": seq,

@@ -201,7 +201,10 @@ class LayeredDecoder:
                     out[r].append(int(nxt[r]))
                     done[r] = int(nxt[r]) in eos or len(out[r]) >= limits[r]
                 seq = torch.cat([seq, nxt[:, None]], dim=1)
-                new_ids, new_pos = nxt[:, None], new_pos[:, -1:] + 1
+                # a finished row stops advancing (its padding stays at its last position): a long prompt
+                # that finished early never reaches past the model's positions (GPT-2's learned ``wpe``)
+                going = torch.tensor([not d for d in done], dtype=torch.long)[:, None]
+                new_ids, new_pos = nxt[:, None], new_pos[:, -1:] + going
                 valid = torch.cat([valid, torch.ones(b, 1, dtype=torch.bool)], dim=1)
         finally:
             self.relay.train(True)

@@ -51,6 +51,23 @@ class DistContext:
         dist.all_reduce(t, group=self.host_group)
         return float(t[0]) / self.world, bool(t[1] > 0)
 
+    def any(self, flag: bool) -> bool:
+        """Whether any rank raised ``flag`` (every rank must call it at the same point)."""
+        if not self.enabled:
+            return bool(flag)
+        t = torch.tensor([int(bool(flag))], dtype=torch.int64)
+        dist.all_reduce(t, group=self.host_group)
+        return bool(t[0] > 0)
+
+    def data_sum(self, count: int) -> int:
+        """The sum of ``count`` over the data shards of a global minibatch: each rank gives its shard's
+        count; a shard several ranks read (a pipeline's ranks) is counted once. A host collective."""
+        if not self.enabled:
+            return count
+        t = torch.tensor([count], dtype=torch.int64)
+        dist.all_reduce(t, group=self.host_group)
+        return int(t[0]) // (self.world // self.data_world)
+
     def gather(self, obj: Any) -> list[Any]:
         if not self.enabled:
             return [obj]

@@ -107,6 +107,12 @@ class ModelSpec(ABC):
         declares it before running): one row of labels per sequence here."""
         return (rows, self.num_labels)
 
+    def loss_count(self, ub: Any) -> int:
+        """How many terms ``run_head``'s loss is the mean of on micro-batch ``ub`` (here: one per example;
+        a language model: its tokens with a target). The runners weight each micro-batch's mean loss by
+        its count over the global minibatch's, so the loss is one mean however the batch is cut."""
+        return len(ub.labels)
+
     def rows_read(self, index: int, batch: Any) -> dict[str, torch.Tensor] | None:
         """The rows of layer ``index``'s parameters that a forward and backward on ``batch`` read, for the
         parameters read only in part (embedding tables: ``{name: row indices}``; the others are read whole);

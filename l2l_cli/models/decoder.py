@@ -185,6 +185,12 @@ class DecoderSpec(ModelSpec):
     def head_logits(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return layer.logits(x)
 
+    def loss_count(self, ub: Any) -> int:
+        """The micro-batch's predicted tokens: positions whose next token has a label (``lm_loss``'s)."""
+        from l2l_cli.models.decoder_modules import IGNORE
+
+        return int((ub.labels[:, 1:] != IGNORE).sum())
+
     # ---- checkpoints -------------------------------------------------------------------------------
 
     def hf_name(self, index: int, name: str) -> str:

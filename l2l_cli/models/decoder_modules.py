@@ -66,11 +66,13 @@ class LMHead(nn.Module):
 
 
 def lm_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of predicting token t+1 from positions <= t (labels are the inputs, unshifted)."""
+    """Mean cross-entropy of predicting token t+1 from positions <= t (labels are the inputs, unshifted);
+    0 (not NaN) for rows without a target (a micro-batch of prompts whose answers were cut away), so that
+    such a micro-batch adds nothing to a minibatch's loss and gradient."""
     v = logits_BSV.shape[-1]
-    return nn.functional.cross_entropy(
-        logits_BSV[:, :-1].float().reshape(-1, v), labels_BS[:, 1:].reshape(-1), ignore_index=IGNORE
-    )
+    target = labels_BS[:, 1:].reshape(-1)
+    mean = nn.functional.cross_entropy(logits_BSV[:, :-1].float().reshape(-1, v), target, ignore_index=IGNORE)
+    return torch.where((target != IGNORE).any(), mean, torch.zeros_like(mean))
 
 
 def token_nll(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> tuple[float, int]:

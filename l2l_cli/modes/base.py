@@ -5,6 +5,7 @@ update, evaluation, checkpoints). The schedules themselves live in the mode file
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import nullcontext
@@ -214,6 +215,18 @@ class RunnerBase:
 
     def lr(self) -> float:
         return lr_at(self.step_count, self.total_steps, self.optim)
+
+    def loss_divisors(self, minibatch: Batch, parts: int | None = None) -> list[float]:
+        """Per micro-batch of ``minibatch`` (on the host, before the step), what its mean loss is divided
+        by so that the minibatch's loss is the sum of every loss term over its micro-batches and the
+        data-parallel ranks, divided by their global count (torchtitan's ``global_valid_tokens``): the
+        global count over (its own count x the data-parallel ranks, whose gradients are averaged). One
+        mean whatever ``batch.ubatch_size``, the mode or the ranks; with equal counts (one label per
+        example) the divisor is exactly the number of micro-batches. inf for a micro-batch with no term.
+        ``parts``: the micro-batches the mode cuts (default ``batch.size / batch.ubatch_size``)."""
+        counts = [self.spec.loss_count(ub) for ub in minibatch.split(parts or self.num_ubatches)]
+        total, world = self.dist.data_sum(sum(counts)), self.dist.data_world
+        return [total / (c * world) if c else math.inf for c in counts]
 
     def finish(self, loss: torch.Tensor, samples: int, t0: float, lr: float, **kw: Any) -> StepReport:
         self.step_count += 1

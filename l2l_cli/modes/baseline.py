@@ -12,10 +12,11 @@ from l2l_cli.modes.base import DeviceResident, StepReport
 class BaselineRunner(DeviceResident):
     def step(self, minibatch: Batch) -> StepReport:
         t0 = time.perf_counter()
+        (div,) = self.loss_divisors(minibatch, parts=1)
         mb = self.to_device(minibatch)
         lr = self.lr()
         # Alg. 1: for l in layers: forward(mb); for l in reversed(layers): backward(mb)
-        loss = self.forward_backward(mb, u=0, scale=1.0)
+        loss = self.forward_backward(mb, u=0, scale=1.0 / div) / div
         # Alg. 1: for l in layers: w_l = optimizer(w_l, g_l)
         with self.timer("optimizer"):
             applied, norm = self.update()

@@ -77,9 +77,10 @@ class L2LRunner(RunnerBase):
 
     def step(self, minibatch: Batch) -> StepReport:
         t0, lr = time.perf_counter(), self.lr()
+        div = self.loss_divisors(minibatch)  # the loss: one mean over the global minibatch's terms
         ubatches, masks = self.split(minibatch)
         x = self.forward_pass(ubatches, masks)  # Alg. 3: for l in layers: for u in ubatches: forward
-        g, loss = self.turn(x, ubatches)  # the head: forward and backward per micro-batch
+        g, loss = self.turn(x, ubatches, div)  # the head: forward and backward per micro-batch
         if self.eps.updates_in_backward:  # the disk tier: each update while its layer is still in RAM
             return self._step_updating_in_backward(minibatch, t0, lr, g, loss, ubatches, masks)
         self.eps.reduce_async(self.head)  # the EPS reduces each gradient as soon as it lands
@@ -159,12 +160,15 @@ class L2LRunner(RunnerBase):
         self.graphs[i, u] = (x_in, y)
         return y.detach()
 
-    def turn(self, x: list[torch.Tensor], ubatches: list[Batch]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def turn(
+        self, x: list[torch.Tensor], ubatches: list[Batch], div: list[float]
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The head runs forward and backward per micro-batch right away (nothing to recompute): gives
-        dLoss/d(last block output) per micro-batch, and sends the head's gradient to the EPS."""
+        dLoss/d(last block output) per micro-batch, and sends the head's gradient to the EPS. ``div``: each
+        micro-batch's loss divisor (``loss_divisors``)."""
         head = self.head
         layer = self.relay.acquire(head, prefetch=head - 1, grads=True)
-        g, loss = head_turn(self, layer, head, x, ubatches)
+        g, loss = head_turn(self, layer, head, x, ubatches, div)
         self.relay.send_grads(head)
         return g, loss
 
@@ -333,11 +337,12 @@ class L2LRunner(RunnerBase):
 
 
 def head_turn(
-    r: RunnerBase, layer: nn.Module, head: int, x: list[Any], ubatches: list[Batch]
+    r: RunnerBase, layer: nn.Module, head: int, x: list[Any], ubatches: list[Batch], div: list[float]
 ) -> tuple[list[Any], torch.Tensor]:
     """The head's forward and backward per micro-batch (``head``: its index in the model, for the dropout
-    seed): dLoss/d(last block output) per micro-batch and the mean loss, summed on the device (no host sync
-    per micro-batch). Shared by L2L and the pipeline's L2L stages."""
+    seed): dLoss/d(last block output) per micro-batch and the minibatch's loss (each micro-batch's mean
+    divided by its ``div``, see ``RunnerBase.loss_divisors``), summed on the device (no host sync per
+    micro-batch). Shared by L2L and the pipeline's L2L stages."""
     n = len(ubatches)
     g: list[Any] = [None] * n
     loss = torch.zeros((), device=r.acc.device)
@@ -347,7 +352,7 @@ def head_turn(
         with r.timer("forward"), r.acc.meter.part("activations"), r.precision.autocast():
             loss_u, _ = r.spec.run_head(layer, x_in, ub)
         with r.timer("backward"), r.acc.meter.part("workspace"):
-            r.precision.scaler.scale_loss(loss_u / n).backward()
+            r.precision.scaler.scale_loss(loss_u / div[u]).backward()
         g[u], x[u] = x_in.grad, None
-        loss += loss_u.detach().float() / n
+        loss += loss_u.detach().float() / div[u]
     return g, loss

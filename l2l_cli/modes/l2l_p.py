@@ -38,11 +38,12 @@ class L2LPRunner(L2LRunner):
     def step(self, minibatch: Batch) -> StepReport:
         t0, lr = time.perf_counter(), self.lr()
         scaler, clip, max_norm = self.precision.scaler, self.clip, self.settings.max_grad_norm
+        div = self.loss_divisors(minibatch)  # the loss: one mean over the global minibatch's terms
         with self.timer("optimizer"):  # the last step's trailing update: the rows this batch reads
             self.eps.start_step(minibatch)
         ubatches, masks = self.split(minibatch)
         x = self.forward_pass(ubatches, masks)  # Alg. 4: for l in layers: for u in ubatches: forward
-        g, loss = self.turn(x, ubatches)
+        g, loss = self.turn(x, ubatches, div)
         for i in reversed(range(self.head)):  # Alg. 4: for l in reversed(layers):
             # Process 2 (the EPS thread): w_{l+1} = optimizer(w_{l+1}, g_{l+1}) ...
             self.eps.update_async(i + 1, lr, scaler, clip, max_norm)

@@ -159,7 +159,7 @@ def _candidates(t: Target, b: Bounds, method: str, mix: str, prune: bool) -> dic
         n_l_set = n_l_set[n_l_set == b.n_l]
     if b.max_gpus:
         n_a_set, n_l_set = n_a_set[n_a_set <= b.max_gpus], n_l_set[n_l_set <= b.max_gpus]
-    if not n_a_set.size or not n_l_set.size:
+    if B < 1 or not n_a_set.size or not n_l_set.size:
         return {k: np.zeros(0, dtype=np.int64) for k in ("b_mu", "n_mu", "n_l", "n_a", "offload")}
     # micro-batches: at most what the activations and buffers leave room for at the widest tensor split,
     # and no larger than the transfers could need (4x the largest threshold / d_s: the reduction's eq. 7
@@ -171,9 +171,11 @@ def _candidates(t: Target, b: Bounds, method: str, mix: str, prune: bool) -> dic
     bmu, nmu = _pairs(B, bmu_max, full=False)
     if prune:
         # the largest n_a on the tensor link and the largest over the network; the largest n_l with the
-        # pipeline overlapped and the largest without (see the module doc)
+        # pipeline overlapped and the largest without (see the module doc); where none is, the smallest
+        # allowed (1, or the pinned degree: ``plan.pipeline_parallel`` / ``plan.tensor_parallel``)
         in_node = (n_a_set <= links.node_size) | (links.node_size <= 0)
-        n_a_c = np.unique([n_a_set[in_node].max(initial=1), n_a_set.max()])
+        n_a_c = np.unique([n_a_set[in_node].max(initial=n_a_set.min()), n_a_set.max()])
+        lo = n_l_set.min()
         if pipe:
             net = links.threshold(links.network_gbps)
             c = (2 + m.n_I) * m.d_m * (1.0 if method in MODULAR else m.d_l)
@@ -184,7 +186,7 @@ def _candidates(t: Target, b: Bounds, method: str, mix: str, prune: bool) -> dic
                 lim_ov = (np.sqrt(1.0 + 4.0 * net / c * nmu) - 1.0) / (2.0 * net / c)
             l1 = _largest_leq(n_l_set, lim_ov)
             l2 = _largest_leq(n_l_set, nmu.astype(float)) if method in MODULAR else l1
-            n_l_pair = np.stack([np.maximum(l1, 1), np.maximum(l2, 1), np.ones_like(l1)], axis=1)
+            n_l_pair = np.stack([np.maximum(l1, lo), np.maximum(l2, lo), np.full_like(l1, lo)], axis=1)
             k = n_l_pair.shape[1]
             bmu, nmu, n_l = np.repeat(bmu, k), np.repeat(nmu, k), n_l_pair.reshape(-1)
         else:
@@ -341,8 +343,14 @@ def search_one(t: Target, b: Bounds, method: str, mix: str, prune: bool | None =
     if prune is None:  # exact without a GPU cap or time target (module doc)
         prune = not b.max_gpus and not b.max_days
     c = _candidates(t, b, method, mix, prune)
-    if c["b_mu"].size == 0:
+    if math.floor(t.b_c + 1e-9) < 1:
         return f"{method} with {mix}: no candidate (the critical batch {t.b_c:.4g} is below one sample)"
+    if c["b_mu"].size == 0:
+        pins = ", ".join(
+            f"{k} = {v}" for k, v in (("n_l", b.n_l), ("n_a", b.n_a), ("max_gpus", b.max_gpus)) if v
+        )
+        why = f"the bounds ({pins}) leave" if pins else "the critical batch and the links leave"
+        return f"{method} with {mix}: no candidate ({why} none)"
     r = _evaluate(t, b, method, mix, c)
     i = _pick(r, c, b, method, mix)
     if i is None:

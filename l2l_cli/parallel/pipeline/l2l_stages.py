@@ -187,6 +187,7 @@ class L2LStagesRunner(RunnerBase):
     def step(self, minibatch: Batch) -> StepReport:
         t_start, lr = time.perf_counter(), self.lr()
         self._lr = lr
+        div = self.loss_divisors(minibatch)  # the loss: one mean over the global minibatch's terms
         if self.overlapped:
             with self.timer("optimizer"):  # L2L-p: the last step's trailing update, the rows read first
                 self.eps.start_step(minibatch)
@@ -202,7 +203,7 @@ class L2LStagesRunner(RunnerBase):
         g: list[Any] = [None] * len(ubatches)
         loss = torch.zeros((), device=self.acc.device)
         if self.head in self.local:
-            g, loss = self.turn(x, ubatches)
+            g, loss = self.turn(x, ubatches, div)
         self.backward_pass(g, ubatches, masks, shape)
         self._wait_sends()
         dist.barrier(group=self.pp_host)
@@ -255,11 +256,11 @@ class L2LStagesRunner(RunnerBase):
                         x[u] = None
         return x
 
-    def turn(self, x: list[Any], ubatches: list[Batch]) -> tuple[list[Any], torch.Tensor]:
+    def turn(self, x: list[Any], ubatches: list[Batch], div: list[float]) -> tuple[list[Any], torch.Tensor]:
         """The head: forward and backward per micro-batch (nothing to recompute), as L2L's turn."""
         j = self.local[self.head]
         layer = self.relay.acquire(j, prefetch=j - 1, grads=True)
-        g, loss = head_turn(self, layer, self.head, x, ubatches)
+        g, loss = head_turn(self, layer, self.head, x, ubatches, div)
         self.relay.send_grads(j)
         self.landed(j)
         return g, loss

@@ -274,9 +274,10 @@ class PipelineRunner(RunnerBase):
         return cls(stages if many else stages[0], n, loss_fn=loss, scale_grads=False)
 
     def _loss(self, loss: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """What the last stage's backward starts from: the micro-batch's share of the minibatch's mean
-        loss, scaled (Alg. 2's loss / #ubatches)."""
-        return self.precision.scaler.scale_loss(loss * (1.0 / self.num_ubatches))
+        """What the last stage's backward starts from: the micro-batch's share of the minibatch's loss,
+        scaled. ``target``: the micro-batch's rows of the step's multipliers (on the host, each row its
+        micro-batch's 1 / ``loss_divisors``: Alg. 2's 1 / #ubatches when every micro-batch counts alike)."""
+        return self.precision.scaler.scale_loss(loss * float(target[0]))
 
     def _grads_ready(self, stage: int) -> None:
         if self.dp_world > 1:
@@ -287,9 +288,12 @@ class PipelineRunner(RunnerBase):
     def step(self, minibatch: Batch) -> StepReport:
         t_start, lr = time.perf_counter(), self.lr()
         self._full, self._collected_at = None, -1
+        div = self.loss_divisors(minibatch)  # the loss: one mean over the global minibatch's terms
         mb = self.to_device(minibatch)
         n = self.num_ubatches
         rows = len(mb) // n
+        # per row, its micro-batch's loss multiplier: torch cuts the target as it cuts the labels
+        mult = torch.tensor([1.0 / d for d in div for _ in range(rows)], dtype=torch.float64)
         sched = self.schedule(rows, mb.seq_len, train=True)
         self.message_bytes = hidden_bytes(rows, mb.seq_len, self.spec.hidden_size)
         # side inputs by keyword: torch cuts them into the same micro-batches for every stage
@@ -301,7 +305,7 @@ class PipelineRunner(RunnerBase):
         dist.barrier(group=self.pp_host)
         t0 = time.perf_counter()
         with self.acc.meter.part("activations"):
-            sched.step(*args, target=mb.labels, losses=losses, return_outputs=False, **kwargs)
+            sched.step(*args, target=mult, losses=losses, return_outputs=False, **kwargs)
         dist.barrier(group=self.pp_host)
         t1 = time.perf_counter()
         times = self.timeline.pop(t0, t1)
