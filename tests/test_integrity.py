@@ -75,7 +75,8 @@ def test_a_full_disk_while_writing_final_is_one_line_and_leaves_no_half_final(tm
     run = tmp_path / "run"
     r = l2l("train", *TINY, "trainer.max_steps=2", "trainer.save_every=0", "trainer.save_final=true",
             "task.num_train=64", "task.num_eval=8", f"hydra.run.dir={run}", env={"L2L_FAULT_ENOSPC": "tmp-final"})  # fmt: skip
-    lines = r.stderr.strip().splitlines()
+    # (torch 2.13 with torchao prints two deprecation warnings of its own on a failed run's exit path)
+    lines = [ln for ln in r.stderr.strip().splitlines() if "torch/utils/_pytree.py" not in ln]
     assert r.returncode == 1 and len(lines) == 1, r.stderr[-2000:]
     assert lines[0].startswith(f"l2l: error: disk full: no space left writing {run}/.tmp-final-")
     assert not (run / "final").exists() and not list(run.glob(".tmp-*"))
