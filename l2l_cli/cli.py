@@ -3,6 +3,7 @@ configs. Bad input ends with one line per problem and exit code 2, never a trace
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -301,9 +302,16 @@ def _run_hydra(argv: list[str]) -> None:
         sys.argv = saved
 
 
+# libraries that speak on stderr at import: torchao (its optional CUDA kernels that a CPU build cannot load)
+# and torch's pytree (deprecation notes torchao's enums trigger); stderr is for l2l's own one-line messages
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE, end="")
         sys.exit(0 if argv else 2)
