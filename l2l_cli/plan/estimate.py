@@ -48,9 +48,7 @@ class Setup:
     partition_state: bool = False
     grad_ram_gb: float = 8.0  # eps.grad_ram_gb (tier=disk): gradients waiting in RAM
     grad_ram_layers: int = 2  # eps.grad_ram_layers (tier=disk): ... for at most this many layers at a time
-    clip_global: bool = (
-        True  # global-norm clipping: the disk tier keeps each applied gradient until the verdict
-    )
+    clip_global: bool = True  # global clipping: the disk tier keeps each applied gradient until the verdict
     bf16_master_planes: bool = False  # CMP in bf16 on the disk tier: the forward reads a 2-byte hi plane
     reserved: float = 0.0  # device bytes beyond the tensors: CUDA context, workspaces, allocator reserve
     att_half: float | None = (
@@ -310,9 +308,8 @@ def _disk(
     # update (the embeddings') is waited for at the step's end (the commit needs it): it is on the step's
     # clock already (``win_b[0]``), not beside it
     pool = s.pool_layers(max(params), n)
-    kept = [
-        s.clip_global and j > 0 and n - 1 - j >= pool for j in range(n)
-    ]  # the backward's order: head first
+    # the backward's order is the head first: the pool takes its first layers' gradients
+    kept = [s.clip_global and j > 0 and n - 1 - j >= pool for j in range(n)]
     uses += [
         Use(
             win_b[j],

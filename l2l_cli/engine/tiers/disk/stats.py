@@ -11,12 +11,12 @@ READS = {
     "bwd": "weights read again (the backward)",
     "state": "weights and moments (an update's read of a layer not in RAM)",
     "moments": "moments alone (an update served by the backward's read of the weights)",
-    "grad": "parked gradients read back",
+    "grad": "parked or kept gradients read back",
     "undo": "a rolled-back layer's pre-update state",
 }
 WRITES = {
     "state": "an update's new weights and moments",
-    "park": "gradients parked on disk until their update",
+    "park": "gradients on disk until their update (parked) or the verdict (kept for a redo)",
 }
 
 

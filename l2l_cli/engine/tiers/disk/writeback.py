@@ -210,6 +210,7 @@ class WriteBehind:
             fd = io.open(kept.path)
             try:
                 io.write(fd, s.mv("g", nbytes), kept.offset(i))
+                crash_point("park")  # (nothing a restart reads: the kill trials' park point covers it too)
             finally:
                 os.close(fd)
         with self.cv:
