@@ -254,7 +254,8 @@ def _resolve_resume(argv: list[str], multirun: bool) -> tuple[list[str], Path | 
     (l2l_cli/inherit.py): the run dir is resolved once here (``latest``: the run under outputs/ with the
     newest checkpoint) and becomes Hydra's run dir; Hydra writes no .hydra/ into it (the session records
     the config once the checkpoint has loaded), so a refused resume leaves the run as it was."""
-    from l2l_cli.checkpoint import CheckpointError, find_latest_run
+    from l2l_cli.checkpoint import CheckpointError
+    from l2l_cli.inherit import find_latest_run
 
     out = list(argv)
     for k, arg in enumerate(argv):

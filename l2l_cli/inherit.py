@@ -254,3 +254,41 @@ def changed(saved: DictConfig, cfg: DictConfig) -> dict[str, tuple[Any, Any]]:
     """key -> (the run's value, this command's) for every key that differs (for the log)."""
     old, new = _resolved(saved), _resolved(cfg)
     return {k: (old.get(k), v) for k, v in new.items() if k in old and old[k] != v and k != "trainer.resume"}
+
+
+def find_latest_run(outputs: Path) -> Path:
+    """``trainer.resume=latest``: the run under ``outputs`` written to most recently, by its newest
+    checkpoint manifest or, for a tier that commits every step (the disk EPS: its commit record is the
+    run's checkpoint), by the newest file of its state folder (``eps.path``, else the run dir's folder)."""
+    from l2l_cli.checkpoint import CheckpointError, run_dir_of_checkpoint
+
+    found: list[tuple[float, Path]] = []
+    for pattern in ("**/checkpoints/step_*/manifest.json", "**/checkpoints/realtime/step_*/manifest.json"):
+        found += [(m.stat().st_mtime, run_dir_of_checkpoint(m.parent)) for m in outputs.glob(pattern)]
+    for kind in TIERS.values():  # a state folder in its run dir (the default place), config or not
+        if kind.dir_name is None:
+            continue
+        for folder in outputs.glob(f"**/{kind.dir_name}"):
+            probe = OmegaConf.create(
+                {"eps": {"path": str(folder)}, "trainer": {"resume": str(folder.parent)}}
+            )
+            if folder.is_dir() and kind.committed(probe):
+                found.append((max(f.stat().st_mtime for f in folder.iterdir()), folder.parent))
+    for hydra in outputs.glob("**/.hydra/config.yaml"):  # an eps.path outside the run dir
+        run = hydra.parent.parent
+        try:
+            cfg = saved_config(run)
+            kind = TIERS.get(str(OmegaConf.select(cfg, "eps.tier")))
+            if kind is None or kind.dir_name is None:
+                continue
+            cfg.trainer.resume = str(run)  # where the tier looks for the state a resume continues
+            if not kind.committed(cfg):
+                continue
+            path = OmegaConf.select(cfg, "eps.path")
+            folder = Path(str(path)).expanduser() if path else run / kind.dir_name
+            found.append((max(f.stat().st_mtime for f in folder.iterdir()), run))
+        except (NoSavedConfig, OmegaConfBaseException, OSError, ValueError):
+            continue  # not a run of such a tier, or one being written: the manifests decide
+    if not found:
+        raise CheckpointError(f"trainer.resume=latest: no checkpoint under {outputs}/")
+    return max(found, key=lambda x: x[0])[1]

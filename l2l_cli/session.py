@@ -477,9 +477,11 @@ class Session:
             except Exception as e:  # a logger that cannot flush must not hide how the run ended
                 log.warning("closing logger %s: %s", type(logger).__name__, e)
         self.loggers = []
-        if self.runner is not None:
-            self.runner.close()
-        self._stack.close()
+        try:
+            if self.runner is not None:
+                self.runner.close()  # (may raise: a disk EPS's last write can find the disk full)
+        finally:  # the locks and the accelerator's copy threads are released however the runner closed
+            self._stack.close()
 
     def __enter__(self) -> Session:
         return self

@@ -159,6 +159,26 @@ def test_resume_latest_finds_the_newest_run(tmp_path) -> None:
     assert json.loads((outputs / "b" / "summary.json").read_text())["resumed_from"]["step"] == 3
 
 
+def test_resume_latest_finds_a_disk_tier_run_by_its_commit_record(tmp_path) -> None:
+    """A disk-tier run writes no checkpoints/: its commit record (eps/commit.json, replaced after every
+    step) is its checkpoint, so ``trainer.resume=latest`` finds it when it is the newest run."""
+    import time
+
+    outputs = tmp_path / "outputs" / "2026-01-01"
+    assert run_job(tiny_cfg("mode=l2l", *RUN, "trainer.max_steps=2"), outputs / "a") == "ok"
+    time.sleep(0.05)  # (a newer mtime)
+    disk = ["mode=l2l", "eps.tier=disk", "task.num_train=256"]
+    assert run_job(tiny_cfg(*disk, "trainer.max_steps=2"), outputs / "b") == "ok"
+    assert not (outputs / "b" / "checkpoints").exists() and (outputs / "b" / "eps" / "commit.json").is_file()
+    r = l2l("train", *TINY, *disk, "trainer.max_steps=3", "trainer.resume=latest", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    steps = [json.loads(x)["step"] for x in (outputs / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+    from l2l_cli.inherit import find_latest_run
+
+    assert find_latest_run(tmp_path / "outputs") == outputs / "b"
+
+
 @pytest.mark.parametrize("where", ["disk", "shm"])
 def test_streamed_layer_files_are_safetensors_and_checked_by_crc(tmp_path, where: str) -> None:
     """write_tensors (the real-time writer's path: O_DIRECT where the filesystem allows, plain writes on

@@ -219,3 +219,34 @@ def test_a_skipped_step_never_leaves_a_stale_device_copy_of_the_trailing_layer()
     got = run("l2l_p", poison_step=2, steps=3, hook=hold_update_behind)
     assert gate.is_set() and [r.skipped for r in got["reports"]] == [False, True, False]
     assert_bitwise(got, ref)
+
+
+@pytest.mark.parametrize("case", ["rollback", "clip-every-step"])
+def test_a_rollback_redoes_alg_3s_update_when_the_unscaling_is_not_a_power_of_two(case: str) -> None:
+    """A loss scale of 3 (as 3 data-parallel ranks: the EPS divides by scale x ranks): the speculative
+    update unscales the gradient in place by 1/3, which is not exact; the redo applies g·(coef·1/3) to the
+    gradient as it landed, as Alg. 3 does, so the weights stay bit-identical."""
+
+    def three(runner: Any) -> None:
+        runner.precision.scaler.scale = 3.0
+
+    ref = run("l2l", *CASES[case], hook=three)
+    got = run("l2l_p", *CASES[case], hook=three)
+    assert_bitwise(got, ref)
+    if case == "rollback":
+        assert got["sections"]["l2l_p"]["rollbacks"] >= 1
+
+
+@pytest.mark.slow
+def test_three_ranks_roll_back_to_l2ls_weights_bit_for_bit() -> None:
+    """3 data-parallel ranks (the EPS unscales by 1/3) with steps that clip: l2l_p's weights are l2l's."""
+    from l2l_cli.launch import run_jobs
+    from tests.util import TINY
+
+    common = [*TINY, "dist.nproc=3", "batch.size=2", "task.num_train=256", "optim.max_grad_norm=0.24"]
+    results = run_jobs(3, [[*common, "mode=l2l"], [*common, "mode=l2l_p"]], steps=3)
+    ref, got = results[0]
+    assert ref["losses"] == got["losses"]
+    differ = [k for k in ref["weights"] if not torch.equal(got["weights"][k], ref["weights"][k])]
+    assert differ == []
+    assert got["sections"]["l2l_p"]["rollbacks"] >= 1

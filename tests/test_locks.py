@@ -150,3 +150,28 @@ def test_a_live_runs_eps_path_is_named_by_its_holder(tmp_path, capsys) -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_runner_that_fails_to_close_still_releases_the_runs_locks(tmp_path, monkeypatch) -> None:
+    """A disk EPS whose last write finds the disk full raises from ``runner.close()``: the session still
+    releases its locks (run dir, eps.path) and the accelerator's threads, so the next job of a ``-m``
+    sweep in this process may take the same eps.path."""
+    from l2l_cli.session import build
+    from tests.util import tiny_cfg, tiny_data
+
+    eps = tmp_path / "eps"
+    cfg = tiny_cfg("mode=l2l", "eps.tier=disk", f"eps.path={eps}", "trainer.max_steps=1")
+    session = build(cfg, tmp_path / "run", data=tiny_data(cfg))
+    assert session.runner is not None
+
+    real = session.runner.close
+
+    def full() -> None:
+        real()
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(session.runner, "close", full)
+    with pytest.raises(OSError, match="No space left"):
+        session.close()
+    DirLock(eps, "eps.path").acquire().release()  # free again
+    DirLock(tmp_path / "run", "hydra.run.dir").acquire().release()

@@ -11,6 +11,7 @@ keeps that bookkeeping (the step's norms, the layers updated and held, the rollb
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -32,6 +33,9 @@ class Speculation:
         self._updated: list[int] = []
         self._held: list[int] = []
         self._norms: dict[int, torch.Tensor] = {}
+        # the gradients as they landed, of the layers updated speculatively while the unscaling is not a
+        # power of two (the update scales the gradient in place, inexactly: a redo starts from these)
+        self._landed: dict[int, torch.Tensor] = {}
         self.rollbacks = 0  # steps whose speculative updates were undone (clipping, or a non-finite gradient)
         self.rollback_layers = 0
         self.last_rollback: str | None = None  # why the last step rolled back (None: it did not)
@@ -77,6 +81,8 @@ class Speculation:
             mult = (coef[0] * inv) if coef is not None else (None if inv == 1.0 else inv)
         with eps.worker.work():
             st.save_undo(eps.acc)
+            if clip == "global" and not _power_of_two(inv):
+                self._landed[i] = st.g.clone()
             eps.update_layer(i, lr, mult)
         self._updated.append(i)
 
@@ -111,7 +117,8 @@ class Speculation:
         if self.combine is not None:  # (a pipeline rank: every rank's norms, one verdict for all)
             norms, where = self.combine(norms)
         bad, updated, held = self._bad or not bool(torch.isfinite(norms).all()), self._updated, self._held
-        self._bad, self._updated, self._held, self._norms = False, [], [], {}
+        landed = self._landed
+        self._bad, self._updated, self._held, self._norms, self._landed = False, [], [], {}, {}
         self.last_rollback = None
         scaler.update(bad)
         if bad:
@@ -126,8 +133,9 @@ class Speculation:
             redo = updated if float(factor) < 1.0 else []
             for i in sorted(held + redo):  # forward order: the next forward needs layer 1 first
                 eps.worker.submit(
-                    eps.worker.timed, self._redo, i, lr, factor, i in redo, 1.0 / scale, layer=i
-                )
+                    eps.worker.timed, self._redo, i, lr, factor, i in redo, 1.0 / scale, landed.get(i),
+                    layer=i,
+                )  # fmt: skip
             if redo:
                 total = float(torch.linalg.vector_norm(norms))
                 self._count_rollback(
@@ -151,14 +159,23 @@ class Speculation:
         if eps.realtime is not None and announce:  # (a redo that follows writes the layer's file itself)
             eps.realtime.layer_updated(i, *eps.layer_file(i))
 
-    def _redo(self, i: int, lr: float, factor: torch.Tensor, rollback: bool, inv: float) -> None:
-        """Layer i with the step's clipping factor: undo its speculative update first (its gradient
-        already carries the unscaling then), or update it for the first time (it was held back)."""
+    def _redo(
+        self, i: int, lr: float, factor: torch.Tensor, rollback: bool, inv: float,
+        landed: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
+        """Layer i with the step's clipping factor, as Alg. 3 applies it (g·(coef·inv)): undo its
+        speculative update first (its gradient then already carries the unscaling, exactly when ``inv`` is
+        a power of two; else ``landed``, the gradient as it landed, is put back and unscaled with the
+        factor), or update it for the first time (it was held back)."""
         eps = self.eps
         with eps.worker.work():
             if rollback:
                 self._restore(i, announce=False)
-                eps.update_layer(i, lr, factor)
+                if landed is not None:
+                    eps.layers[i].g.copy_(landed)
+                    eps.update_layer(i, lr, factor * inv)
+                else:
+                    eps.update_layer(i, lr, factor)
             else:
                 eps.update_layer(i, lr, factor * inv if inv != 1.0 else factor)
 
@@ -167,3 +184,9 @@ class Speculation:
             self.rollbacks += 1
             self.rollback_layers += len(layers)
             self.last_rollback = f"{why}: {len(layers)} speculative layer updates undone"
+
+
+def _power_of_two(x: float) -> bool:
+    """Whether multiplying by ``x`` is exact (barring underflow), so that it commutes with the clipping
+    factor bit for bit: g·x·coef == g·(coef·x)."""
+    return x > 0 and math.frexp(x)[0] == 0.5
