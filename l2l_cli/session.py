@@ -32,7 +32,7 @@ from l2l_cli.engine.tiers import TIERS, TierSettings
 from l2l_cli.locks import DirectoryInUse, DirLock
 from l2l_cli.loop import EvalStopped, StopFlag, Trainer, TrainerSettings
 from l2l_cli.models import ModelSpec, PretrainedUnavailable, UnsupportedModel, make_spec
-from l2l_cli.models.hf import load_exported, load_pretrained
+from l2l_cli.models.hf import load_adapter, load_exported, load_pretrained
 from l2l_cli.modes import (
     MODES,
     ModeSpec,
@@ -223,6 +223,10 @@ class Session:
         try:
             data = self.data = self.data or load_task(cfg.task, cfg.model, train_split=self.train)
             self.model = make_spec(cfg.model, data.spec.num_labels)
+            if cfg.peft.name != "none":  # LoRA adapters on a frozen base (models/lora.py)
+                from l2l_cli.models.lora import LoraSettings, with_lora
+
+                self.model = with_lora(self.model, LoraSettings.from_cfg(cfg.peft))
         except (UnsupportedModel, PretrainedUnavailable) as e:
             raise ConfigError([Problem("model.pretrained", str(e))]) from e
 
@@ -320,10 +324,19 @@ class Session:
         from l2l_cli import checkpoint as ckpt
 
         assert self.runner is not None and self.model is not None and self.mode is not None
+        from l2l_cli.models import lora
+
+        adapted = lora.lora_of(self.model) is not None
+        if (
+            adapted and self.cfg.model.pretrained
+        ):  # the frozen base first: a run's files hold the adapter only
+            load_pretrained(self.runner, self.cfg.model.pretrained)
         if (path / "manifest.json").is_file():
             manifest = ckpt.verify(path)
             ckpt.check_identity(path, manifest, identity(self.model, self.mode, self.cfg.optim.name))
             self.runner.load_state(path, manifest)
+        elif adapted:
+            load_adapter(self.runner, self.model, path)
         else:
             load_exported(self.runner, path)
 
@@ -348,6 +361,10 @@ class Session:
         assert self.acc is not None and self.trainer is not None and self.runner is not None
         with self.acc.meter.window():
             if cfg.trainer.resume:
+                if (
+                    cfg.model.pretrained and cfg.peft.name != "none"
+                ):  # the frozen base is not in the checkpoint
+                    load_pretrained(self.runner, cfg.model.pretrained)
                 try:
                     self.trainer.resume(Path(cfg.trainer.resume))
                 except CheckpointError as e:

@@ -30,6 +30,8 @@ def bind_optimizer(
     # AdamW is elementwise: two flat tensors per layer (decayed, not) give the fused kernel long runs.
     # LAMB's trust ratio is per parameter tensor, so it gets a view per tensor.
     split = layout.segments if optim.elementwise else layout.views
+    if layout.numel == 0:  # a layer with nothing to train (a frozen base's embeddings): one empty run
+        return bind_flat([("decay", w, g, m, v)], optim)
     grads, ms, vs = dict(split(g)), dict(split(m)), dict(split(v))
     return bind_flat(((name, view, grads[name], ms[name], vs[name]) for name, view in split(w)), optim)
 

@@ -176,6 +176,9 @@ class L2LRunner(RunnerBase):
         if self.recompute.graph(i) is not None:
             self.backward_graph(i, g, n)
             return
+        if i == 0 and self.eps.layouts[self.spec.kind(0)].numel == 0:  # a frozen embedding: nothing to
+            self.relay.send_grads(i)  # compute (no gradient of its own, none to pass further down)
+            return
         if i > 0:
             self.stash.prefetch(i, 0)
         for u, ub in enumerate(ubatches):
@@ -301,6 +304,11 @@ class L2LRunner(RunnerBase):
     def hf_tensors(self) -> Any:
         self.eps.settle()
         return self.eps.hf_tensors()
+
+    def full_layers(self) -> Any:
+        """(index, a CPU module of the layer: frozen base and trained tensors) per layer (``l2l export``)."""
+        self.eps.settle()
+        return self.eps.full_layers()
 
     def host_parts(self) -> dict[str, int]:
         return self.eps.host_parts()
