@@ -100,6 +100,11 @@ def eps_tier(cfg: Any, run_dir: Path | None) -> TierSettings:
             path = str(Path(resume).expanduser() / folder)
         elif run_dir is not None:
             path = str(run_dir / folder)
+    if path is None and run_dir is not None and cfg.peft.name != "none":
+        from l2l_cli.models.lora import on_disk
+
+        if on_disk(cfg.peft.base_source):  # a frozen base on disk keeps its layer files in the run's eps/
+            path = str(run_dir / "eps")
     grad_ram = int(e.grad_ram_gb * 1e9)
     return TierSettings(e.tier, path, e.host_cache_layers, resume=bool(resume), grad_ram_bytes=grad_ram)
 

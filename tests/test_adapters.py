@@ -15,7 +15,14 @@ import torch
 from l2l_cli.data.batches import Batch
 from l2l_cli.models import LayeredModel
 from l2l_cli.models.lora import adapter_config, base_spec, lora_of, peft_key
-from tests.util import TINY, built, l2l, tiny_cfg
+from tests.util import TINY, built, tiny_cfg
+from tests.util import l2l as _l2l
+
+
+def l2l(*args: str, **kw: Any) -> Any:
+    """The CLI, with room for a loaded machine."""
+    return _l2l(*args, **{"timeout": 900, **kw})
+
 
 R8 = ["peft=lora", "peft.r=8", "peft.dropout=0.0", "optim.schedule=constant", "optim.warmup_steps=0"]
 FAMILY = {
@@ -177,7 +184,7 @@ def test_bad_peft_input_is_one_config_error(args: list[str], key: str, tmp_path:
 
         env = {"PYTHONPATH": f"{tmp_path / 'fake'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     run = tmp_path / "run"
-    r = l2l("train", *args, f"hydra.run.dir={run}", "trainer.progress=none", env=env, timeout=120)
+    r = l2l("train", *args, f"hydra.run.dir={run}", "trainer.progress=none", env=env)
     assert r.returncode == 2, r.stderr[-2000:]
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("l2l:")]
     assert len(lines) == 1 and lines[0].startswith(f"l2l: config error: {key}:"), r.stderr[-2000:]
@@ -232,6 +239,7 @@ CLI = ["model=llama-tiny", "task=lm", "peft=lora", "batch.size=4", "batch.ubatch
        "task.num_eval=16", "trainer.progress=none", "optim.schedule=constant", "logger=none"]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_cli_lora_run_exports_evaluates_generates_and_resumes_exactly(tmp_path: Path) -> None:
     """A LoRA run's final/ is the adapter; ``l2l export --merge`` writes a model (+ tokenizer) that gives
     the run's eval loss; ``l2l eval`` and ``l2l generate`` take the run; a run stopped at step 2 and
@@ -242,7 +250,10 @@ def test_cli_lora_run_exports_evaluates_generates_and_resumes_exactly(tmp_path: 
     common = [*CLI, "mode=l2l", "trainer.save_every=2", "trainer.save_final=true"]
     r = l2l("train", *common, "trainer.max_steps=4", f"hydra.run.dir={full}")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert {p.name for p in (full / "final").iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+    assert {p.name for p in (full / "final").iterdir()} >= {
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    }
     r = l2l("train", *common, "trainer.max_steps=2", f"hydra.run.dir={half}")
     assert r.returncode == 0, r.stderr[-2000:]
     r = l2l("train", f"trainer.resume={half}", "trainer.max_steps=4")
@@ -253,7 +264,9 @@ def test_cli_lora_run_exports_evaluates_generates_and_resumes_exactly(tmp_path: 
 
     r = l2l("export", str(full), "--merge")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (full / "merged").iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {
+        p.name for p in (full / "merged").iterdir()
+    }
     r = l2l("eval", str(full), "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])["metrics"]["loss"]
@@ -267,3 +280,30 @@ def test_cli_lora_run_exports_evaluates_generates_and_resumes_exactly(tmp_path: 
         assert r.returncode == 0, r.stderr[-2000:]
         outs.append(json.loads(r.stdout.strip().splitlines()[-1])["tokens"])
     assert outs[0] == outs[1] and len(outs[0]) >= 1
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8", "nf4"])
+def test_low_bit_base_trains_close_to_fp32_and_is_stored_small(dtype: str) -> None:
+    """A bf16 / int8 / NF4 base: the relay dequantizes it on the device; its host bytes are those of the
+    low-bit copy (NF4 about 4.1 bits per linear weight), and 3 steps stay close to the fp32 base's."""
+    ref = run_lora("llama", "mode=l2l", "model.hidden_size=64", "model.intermediate_size=128")
+    got = run_lora(
+        "llama", "mode=l2l", "model.hidden_size=64", "model.intermediate_size=128", f"peft.base_dtype={dtype}"
+    )
+    fp32 = ref["host"]["frozen_base"]
+    ratio = got["host"]["frozen_base"] / fp32
+    assert ratio < {"bf16": 0.51, "int8": 0.5, "nf4": 0.5}[dtype], ratio
+    tol = {"bf16": 1e-3, "int8": 1e-2, "nf4": 5e-2}[dtype]
+    assert got["losses"] == pytest.approx(ref["losses"], rel=tol)
+    for k, v in got["before"].items():  # the dequantized base stays what it was
+        assert torch.equal(v, got["after"][k]), k
+
+
+def test_base_on_disk_equals_base_in_ram_and_holds_none_of_it(tmp_path: Path) -> None:
+    """``peft.base_source=disk``: each frozen layer read from its file as the relay needs it (read ahead);
+    the run's numbers are the host base's, bit for bit, and the base takes no host RAM between reads."""
+    host = run_lora("llama", "mode=l2l", "peft.base_dtype=nf4")
+    disk = run_lora("llama", "mode=l2l", "peft.base_dtype=nf4", "peft.base_source=disk")
+    assert disk["losses"] == host["losses"]
+    assert all(torch.equal(disk["adapter"][k], v) for k, v in host["adapter"].items())
+    assert disk["host"].get("frozen_base", 0) == 0 < host["host"]["frozen_base"]

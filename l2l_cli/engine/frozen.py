@@ -121,12 +121,18 @@ class FrozenBase:
     def __init__(
         self, spec: ModelSpec, layouts: dict[str, FlatLayout], lora: LoraSettings, root: Path | None = None
     ):
+        """``root``: where a base on disk (``lora.base_on_disk``) keeps its layer files (None: a temporary
+        folder)."""
         self.spec, self.layouts, self.lora = spec, layouts, lora
         self.tied = spec.tied_params()
-        self.layers: list[dict[str, Frozen]] = []
+        self.layers: list[dict[str, Frozen]] = []  # in RAM (a base on disk: empty dicts)
         self._quantized = {k: quantized_names(spec, k, spec.new_layer(k, "meta")) for k in layouts}
         self.bytes_loaded = 0  # bytes of frozen layers copied toward the device (all time)
-        self.source: Any = None  # a disk source (engine/frozen_disk.py) once the base is on disk
+        self.source: Any = None  # the layer files of a base on disk (engine/frozen_disk.py)
+        if lora.base_on_disk:
+            from l2l_cli.engine.frozen_disk import DiskSource
+
+            self.source = DiskSource(root)
         self._lock = threading.Lock()
 
     # ---- building ------------------------------------------------------------------------------------
@@ -143,6 +149,9 @@ class FrozenBase:
         q = self._quantized[kind]
         entry = {n: encode(params[n], self.lora.base_dtype, n in q) for n in self._own(i)}
         assert len(self.layers) == i
+        if self.source is not None:  # straight to its file: the base is never whole in RAM
+            self.source.write(i, entry)
+            entry = {}
         self.layers.append(entry)
 
     @torch.no_grad()
@@ -151,21 +160,21 @@ class FrozenBase:
         missing = []
         for i in range(len(self.layers)):
             kind = self.spec.kind(i)
+            found = {}
             for name in self._own(i):
                 full = self.spec.hf_name(i, name)
                 t = self.spec.lookup_hf(tensors, full)
                 if t is None:
                     missing.append(full)
                 else:
-                    self.layers[i][name] = encode(t, self.lora.base_dtype, name in self._quantized[kind])
+                    found[name] = encode(t, self.lora.base_dtype, name in self._quantized[kind])
+            if self.source is None:
+                self.layers[i].update(found)
+            elif found:  # one layer at a time: its file rewritten with the checkpoint's tensors
+                self.source.write(i, {**self.source.read(i), **found})
         return missing
 
     # ---- reading -------------------------------------------------------------------------------------
-
-    def entry(self, i: int, name: str) -> Frozen:
-        if self.spec.kind(i) == POST and name in self.tied:
-            return self.layer(0)[self.tied[name]]
-        return self.layer(i)[name]
 
     def layer(self, i: int) -> dict[str, Frozen]:
         """Layer i's stored tensors (a disk source reads them, ahead of use)."""
@@ -181,10 +190,17 @@ class FrozenBase:
     @torch.no_grad()
     def load(self, i: int, out: torch.Tensor) -> None:
         """Dequantize layer i's frozen tensors into ``out`` (a device slot's flat buffer, its layout)."""
-        layout = self.layouts[self.spec.kind(i)]
-        n = 0
+        kind = self.spec.kind(i)
+        layout = self.layouts[kind]
+        own = self.layer(i)
+        n, tied = 0, None
         for name, view in layout.views(out):
-            f = self.entry(i, name)
+            if kind == POST and name in self.tied:  # a tied LM head: the pre layer's tensor
+                if tied is None:
+                    tied = self.layers[0] if self.source is None else self.source.read(0)
+                f = tied[self.tied[name]]
+            else:
+                f = own[name]
             n += f.nbytes
             view.copy_(f.decode(view.device, view.dtype))
         with self._lock:
@@ -192,8 +208,10 @@ class FrozenBase:
 
     def tensors(self, i: int) -> Iterator[tuple[str, torch.Tensor]]:
         """Layer i's frozen tensors dequantized to fp32 on the CPU, by layer name."""
-        for e in self.layouts[self.spec.kind(i)].entries:
-            yield e.name, self.entry(i, e.name).decode(torch.device("cpu"), torch.float32)
+        layout = self.layouts[self.spec.kind(i)]
+        flat = torch.empty(layout.numel)
+        self.load(i, flat)
+        yield from ((n, v.clone()) for n, v in layout.views(flat))
 
     def host_bytes(self) -> int:
         """Bytes of the base held in RAM (a disk source: only the layers it has read ahead)."""

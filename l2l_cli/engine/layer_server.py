@@ -8,6 +8,7 @@ backward, L2L-p's speculative update and trailing update) and its files; those p
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -76,7 +77,10 @@ class LayerServer:
         self.frozen_layouts: dict[str, FlatLayout] = {}
         if lora and trainable is not None:
             self.frozen_layouts = {k: FlatLayout(spec.new_layer(k, "meta"), skip=trainable[k]) for k in KINDS}
-            self.base = FrozenBase(spec, self.frozen_layouts, lora)
+            where = tier.path if tier is not None and tier.path else None  # a base on disk: under eps.path
+            self.base = FrozenBase(
+                spec, self.frozen_layouts, lora, Path(where) / "frozen_base" if where else None
+            )
         self.layers: list[LayerState] = []
         self.files = EpsFiles(spec, self.layers, self.tier)
         with acc.meter.paused():  # host tier

@@ -345,6 +345,44 @@ def trainable_hf_names(spec: ModelSpec) -> Iterator[str]:
                 yield spec.hf_name(i, n)
 
 
+def param_split(spec: ModelSpec) -> tuple[int, int]:
+    """(trainable, frozen) parameters of the whole model (a tied head's tensor counted once)."""
+    tied = spec.tied_params()
+    counts = {}
+    for kind in (PRE, BLOCK, POST):
+        t = f = 0
+        for n, p in spec.new_layer(kind, "meta").named_parameters():
+            if kind == POST and n in tied:
+                continue
+            if spec.trainable(n):  # type: ignore[attr-defined]
+                t += p.numel()
+            else:
+                f += p.numel()
+        counts[kind] = (t, f)
+    blocks = spec.num_layers
+    return (
+        counts[PRE][0] + blocks * counts[BLOCK][0] + counts[POST][0],
+        counts[PRE][1] + blocks * counts[BLOCK][1] + counts[POST][1],
+    )
+
+
+def summary_section(spec: ModelSpec, host_parts: dict[str, int] | None) -> dict[str, Any]:
+    """summary.json's ``peft`` section: the settings, the parameters trained and frozen, and (where an EPS
+    holds them) the host bytes of the adapters' state and of the frozen base, per parameter of the model."""
+    lora = lora_of(spec)
+    assert lora is not None
+    trainable, frozen = param_split(spec)
+    out: dict[str, Any] = {**settings_dict(lora), "trainable_params": trainable, "frozen_params": frozen}
+    if host_parts:
+        base = host_parts.get("frozen_base", 0)
+        state = sum(v for k, v in host_parts.items() if k not in ("frozen_base", "cpu_stash"))
+        out.update(
+            adapter_host_bytes=state, base_host_bytes=base,
+            host_bytes_per_param=(state + base) / max(1, trainable + frozen),
+        )  # fmt: skip
+    return out
+
+
 def settings_dict(lora: LoraSettings) -> dict[str, Any]:
     d = asdict(lora)
     d["target_modules"] = list(_listed(lora.target_modules))

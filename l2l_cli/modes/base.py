@@ -231,7 +231,10 @@ class RunnerBase:
         return None
 
     def sections(self) -> dict[str, dict[str, Any]]:
-        return {}
+        """``peft``: a LoRA run's settings and parameter counts (the whole model lives on the device)."""
+        from l2l_cli.models.lora import lora_of, summary_section
+
+        return {"peft": summary_section(self.spec, None)} if lora_of(self.spec) is not None else {}
 
     def attach_realtime(self, writer: RealtimeWriter) -> None:
         raise NotImplementedError(f"{type(self).__name__}: real-time checkpoints need the state on an EPS")

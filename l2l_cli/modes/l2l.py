@@ -34,6 +34,7 @@ from l2l_cli.engine.recompute import (
 from l2l_cli.engine.relay import Relay
 from l2l_cli.engine.stash import CpuStash, DeviceStash
 from l2l_cli.models.decoder import DecoderSpec
+from l2l_cli.models.lora import lora_of, summary_section
 from l2l_cli.modes.base import DurableState, LayerFiles, RunnerArgs, RunnerBase, StepReport
 
 if TYPE_CHECKING:
@@ -245,7 +246,10 @@ class L2LRunner(RunnerBase):
     def sections(self) -> dict[str, dict[str, Any]]:
         """summary.json's ``optimizer`` section (below) and ``recompute``: the policy, kept layers, the
         bytes they hold for backward."""
-        return {**self.optimizer_section(), "recompute": self.recompute.section()}
+        out = {**self.optimizer_section(), "recompute": self.recompute.section()}
+        if lora_of(self.spec) is not None:
+            out["peft"] = summary_section(self.spec, self.eps.host_parts())
+        return out
 
     def background(self) -> dict[str, float]:
         """Seconds the EPS thread worked this step (reduction, and L2L-p's hidden updates), the host
