@@ -307,3 +307,23 @@ def test_base_on_disk_equals_base_in_ram_and_holds_none_of_it(tmp_path: Path) ->
     assert disk["losses"] == host["losses"]
     assert all(torch.equal(disk["adapter"][k], v) for k, v in host["adapter"].items())
     assert disk["host"].get("frozen_base", 0) == 0 < host["host"]["frozen_base"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["l2l", "baseline_ag"])
+def test_two_ranks_train_the_adapter_of_one_process_with_the_global_batch(mode: str, tmp_path: Path) -> None:
+    """2-rank data parallel: the per-layer reduction covers the adapters only, and the adapter equals one
+    process's with the global batch (whose equality with PEFT's reference is tested above)."""
+    from safetensors.torch import load_file
+
+    common = [*CLI, f"mode={mode}", "trainer.max_steps=3", "trainer.save_final=true", "peft.r=8"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    r = l2l("train", *common, "batch.size=8", f"hydra.run.dir={one}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = l2l("train", *common, "batch.size=4", "dist.nproc=2", f"hydra.run.dir={two}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    a = load_file(one / "final" / "adapter_model.safetensors")
+    b = load_file(two / "final" / "adapter_model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)

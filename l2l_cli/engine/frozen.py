@@ -132,7 +132,7 @@ class FrozenBase:
         if lora.base_on_disk:
             from l2l_cli.engine.frozen_disk import DiskSource
 
-            self.source = DiskSource(root)
+            self.source = DiskSource(root, Frozen)
         self._lock = threading.Lock()
 
     # ---- building ------------------------------------------------------------------------------------

@@ -12,16 +12,18 @@ import tempfile
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from safetensors.torch import load_file, save_file
-
-from l2l_cli.engine.frozen import Frozen
 
 
 class DiskSource:
     """Layer files under ``root`` (a temporary folder when None, removed at ``close``)."""
 
-    def __init__(self, root: Path | None, ahead: int = 2):
+    def __init__(self, root: Path | None, make: Any, ahead: int = 2):
+        """``make(how, shape)``: an empty stored tensor (engine/frozen.py's ``Frozen``, passed in so the two
+        modules do not import each other)."""
+        self.make = make
         self.own = root is None
         self.root = Path(tempfile.mkdtemp(prefix="l2l-base-")) if root is None else root
         self.root.mkdir(parents=True, exist_ok=True)
@@ -37,7 +39,7 @@ class DiskSource:
     def path(self, i: int) -> Path:
         return self.root / f"base_{i}.safetensors"
 
-    def write(self, i: int, layer: dict[str, Frozen]) -> None:
+    def write(self, i: int, layer: dict[str, Any]) -> None:
         """Layer i's stored tensors to its file (the build, or a checkpoint's tensors re-encoded)."""
         with self._lock:
             self.pending.pop(i, None)
@@ -47,13 +49,13 @@ class DiskSource:
         tmp.replace(self.path(i))
         self.meta[i] = {name: (f.how, f.shape) for name, f in layer.items()}
 
-    def read(self, i: int) -> dict[str, Frozen]:
+    def read(self, i: int) -> dict[str, Any]:
         """Layer i's stored tensors, read now (outside the read-ahead's order)."""
         return self._read(i)
 
-    def _read(self, i: int) -> dict[str, Frozen]:
+    def _read(self, i: int) -> dict[str, Any]:
         raw = load_file(str(self.path(i)))
-        out = {name: Frozen(how, shape) for name, (how, shape) in self.meta[i].items()}
+        out = {name: self.make(how, shape) for name, (how, shape) in self.meta[i].items()}
         n = 0
         for key, t in raw.items():
             name, _, part = key.rpartition("::")
@@ -70,7 +72,7 @@ class DiskSource:
                 return
             self.pending[i] = self.pool.submit(self._read, i)
 
-    def layer(self, i: int) -> dict[str, Frozen]:
+    def layer(self, i: int) -> dict[str, Any]:
         """Layer i's stored tensors: read ahead already, or read now; the next layers in the direction the
         passes are going are read ahead."""
         with self._lock:

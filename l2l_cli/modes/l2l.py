@@ -249,6 +249,11 @@ class L2LRunner(RunnerBase):
         out = {**self.optimizer_section(), "recompute": self.recompute.section()}
         if lora_of(self.spec) is not None:
             out["peft"] = summary_section(self.spec, self.eps.host_parts())
+            base, steps = self.eps.base, max(1, self.step_count)
+            if base is not None:  # what the relay took of the frozen base, and (on disk) read from its files
+                out["peft"]["base_bytes_loaded_per_step"] = base.bytes_loaded / steps
+                if base.source is not None:
+                    out["peft"]["base_bytes_read_per_step"] = base.source.bytes_read / steps
         return out
 
     def background(self) -> dict[str, float]:
