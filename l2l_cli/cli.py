@@ -21,6 +21,8 @@ commands:
   predict  predictions of a trained run as JSON lines (l2l predict <run dir> --input FILE [--output FILE])
   generate sample from a trained decoder (l2l generate <run dir> --prompt TEXT | --input FILE [--max-new-tokens N]
            [--temperature T --top-p P --seed S] [--chat] [--layered] [--checkpoint PATH|latest] [--json])
+  export   a run's weights as a Hugging Face model (l2l export <run dir> [--merge] [--out DIR] [--checkpoint DIR]);
+           --merge: a LoRA run's base with its adapter merged in
   report   tables and plots from run directories (l2l report outputs/...)
   plan     analytic memory and time estimates for a config (l2l plan [overrides] [--json])
 
@@ -330,6 +332,10 @@ def main(argv: list[str] | None = None) -> None:
         from l2l_cli import generate
 
         code = generate.main(rest)
+    elif cmd == "export":
+        from l2l_cli import export
+
+        code = export.main(rest)
     elif cmd == "report":
         from l2l_cli.report import main as report_main
 
@@ -340,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
         code = plan_main(rest)
     else:
         code = _fail(
-            f"unknown command {cmd!r}; allowed: train, eval, predict, generate, report, plan (l2l --help)"
+            f"unknown command {cmd!r}; allowed: train, eval, predict, generate, export, report, plan (l2l --help)"
         )
     sys.exit(code)
 

@@ -67,16 +67,19 @@ def weights_of(run_dir: Path, choice: str | None) -> Path:
     """The weights to load: ``--checkpoint`` (a path, or a name under checkpoints/), else final/, else the
     newest valid checkpoint."""
     from l2l_cli.checkpoint import CheckpointError, latest_valid
+    from l2l_cli.models.lora import ADAPTER_CONFIG, is_adapter_dir
 
     if choice:
         for cand in (Path(choice).expanduser(), run_dir / "checkpoints" / choice, run_dir / choice):
-            if cand.is_dir() and ((cand / "manifest.json").is_file() or (cand / "config.json").is_file()):
+            if cand.is_dir() and any(
+                (cand / f).is_file() for f in ("manifest.json", "config.json", ADAPTER_CONFIG)
+            ):
                 return cand
         raise UsageError(
             f"--checkpoint {choice}: no checkpoint (checkpoints/step_<k>) or Hugging Face dir by that name in {run_dir}"
         )
-    if (run_dir / "final" / "model.safetensors").is_file():
-        return run_dir / "final"
+    if (run_dir / "final" / "model.safetensors").is_file() or is_adapter_dir(run_dir / "final"):
+        return run_dir / "final"  # a model, or a LoRA run's adapter (peft=lora)
     try:
         path, _ = latest_valid(run_dir)
     except CheckpointError as e:

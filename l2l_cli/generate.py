@@ -307,9 +307,10 @@ def generate_hf(cfg: DictConfig, weights: Path, tok: Any, ids: list[list[int]], 
 def export(cfg: DictConfig, weights: Path, tok: Any, out: Path) -> Path:
     """A checkpoint's weights as a Hugging Face directory (through a session of the run's own mode)."""
     from l2l_cli.data.lm import save_tokenizer
+    from l2l_cli.export import write_model
 
     with _session(cfg, weights, tok) as session:
-        session.model.save_hf(out / "hf", session.runner.hf_tensors())
+        write_model(session, out / "hf")  # a LoRA run's: the base with its adapter merged in
     save_tokenizer(tok, out / "hf")
     return out / "hf"
 

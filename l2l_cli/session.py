@@ -33,7 +33,7 @@ from l2l_cli.inherit import record_config_sum
 from l2l_cli.locks import DirLock, LockError, held
 from l2l_cli.loop import EvalStopped, StopFlag, Trainer, TrainerSettings
 from l2l_cli.models import ModelSpec, PretrainedUnavailable, UnsupportedModel, make_spec
-from l2l_cli.models.hf import load_exported, load_pretrained
+from l2l_cli.models.hf import load_adapter, load_exported, load_pretrained
 from l2l_cli.modes import (
     MODES,
     ModeSpec,
@@ -101,6 +101,11 @@ def eps_tier(cfg: Any, run_dir: Path | None) -> TierSettings:
             path = str(Path(resume).expanduser() / folder)
         elif run_dir is not None:
             path = str(run_dir / folder)
+    if path is None and run_dir is not None and cfg.peft.name != "none":
+        from l2l_cli.models.lora import on_disk
+
+        if on_disk(cfg.peft.base_source):  # a frozen base on disk keeps its layer files in the run's eps/
+            path = str(run_dir / "eps")
     grad_ram = int(e.grad_ram_gb * 1e9)
     return TierSettings(
         e.tier, path, e.host_cache_layers, resume=bool(resume), grad_ram_bytes=grad_ram,
@@ -228,6 +233,10 @@ class Session:
         try:
             data = self.data = self.data or load_task(cfg.task, cfg.model, train_split=self.train)
             self.model = make_spec(cfg.model, data.spec.num_labels)
+            if cfg.peft.name != "none":  # LoRA adapters on a frozen base (models/lora.py)
+                from l2l_cli.models.lora import LoraSettings, with_lora
+
+                self.model = with_lora(self.model, LoraSettings.from_cfg(cfg.peft))
         except (UnsupportedModel, PretrainedUnavailable) as e:
             raise ConfigError([Problem("model.pretrained", str(e))]) from e
 
@@ -334,10 +343,19 @@ class Session:
         from l2l_cli import checkpoint as ckpt
 
         assert self.runner is not None and self.model is not None and self.mode is not None
+        from l2l_cli.models import lora
+
+        adapted = lora.lora_of(self.model) is not None
+        if (
+            adapted and self.cfg.model.pretrained
+        ):  # the frozen base first: a run's files hold the adapter only
+            load_pretrained(self.runner, self.cfg.model.pretrained)
         if (path / "manifest.json").is_file():
             manifest = ckpt.verify(path)
             ckpt.check_identity(path, manifest, identity(self.model, self.mode, self.cfg.optim.name))
             self.runner.load_state(path, manifest)
+        elif adapted:
+            load_adapter(self.runner, self.model, path)
         else:
             ckpt.verify_dir(path)  # a run's final/: every file against its checksums.json
             load_exported(self.runner, path)
@@ -363,6 +381,10 @@ class Session:
         assert self.acc is not None and self.trainer is not None and self.runner is not None
         with self.acc.meter.window():
             if cfg.trainer.resume:
+                if (
+                    cfg.model.pretrained and cfg.peft.name != "none"
+                ):  # the frozen base is not in the checkpoint
+                    load_pretrained(self.runner, cfg.model.pretrained)
                 try:
                     self.trainer.resume(Path(cfg.trainer.resume))
                 except CheckpointError as e:

@@ -24,6 +24,9 @@ PLACEMENTS = ("modular", "contiguous")  # pipeline stages: layer i on rank i mod
 PIPE_SCHEDULES = ("auto", "breadth_first", "interleaved_1f1b", "gpipe", "1f1b")
 SCALES = ("cpu", "paper")
 PLAN_NETWORKS = ("infiniband", "ethernet")
+PEFT_METHODS = ("none", "lora")
+BASE_DTYPES = ("fp32", "bf16", "fp16", "int8", "nf4")
+BASE_SOURCES = ("host", "disk")
 
 
 @dataclass
@@ -199,6 +202,30 @@ class EpsConfig:
 
 
 @dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning (``peft=lora``): LoRA adapters on a frozen base. Only the adapters
+    (and ``modules_to_save``) are trained; the base crosses the relay without gradient or update, and may
+    be held in low precision (``base_dtype``) and read from disk layer by layer (``base_source``)."""
+
+    name: str = "none"  # none | lora (set by the peft group)
+    r: int = 8  # LoRA rank
+    alpha: float = 16.0  # LoRA alpha (the update is scaled by alpha / r)
+    dropout: float = 0.0  # dropout on the adapters' input
+    target_modules: Any = (
+        "all-linear"  # the checkpoint's module names (q_proj,v_proj | c_attn | query,...) or all-linear
+    )
+    modules_to_save: Any = (
+        None  # modules trained whole besides the adapters (a BERT classifier: [classifier])
+    )
+    base_dtype: str = (
+        "fp32"  # the frozen base on host/disk: fp32 | bf16 | fp16 | int8 | nf4 (dequantized on the device)
+    )
+    base_source: str = (
+        "host"  # host (RAM) | disk (L2L modes: each frozen layer read from files as it is needed)
+    )
+
+
+@dataclass
 class ProfileConfig:
     memory: bool = True  # device-tier memory meter (always on for device=sim: it enforces the budget)
     # device=cpu: count op by op only in the steps that can set a new peak (the first two, and each batch
@@ -286,6 +313,7 @@ class L2LConfig:
     sim: SimConfig = field(default_factory=SimConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     eps: EpsConfig = field(default_factory=EpsConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)

@@ -41,7 +41,7 @@ from l2l_cli.models import (
     make_spec,
 )
 from l2l_cli.modes import MODES, run_clip
-from l2l_cli.parallel import PARALLEL
+from l2l_cli.parallel import PARALLEL, parallel_for
 from l2l_cli.plan.rules import plan_problems
 from l2l_cli.problems import ConfigError, Problem, at_least, divisors, fmt_bytes, one_of, positive  # noqa: F401
 from l2l_cli.rundir import logger_problems
@@ -425,6 +425,37 @@ def _eps(cfg: Any, check_files: bool) -> list[Problem]:
             )
         )
     p.extend(tier.validate(cfg, check_files))
+    return p
+
+
+@check("peft")
+def _peft(cfg: Any, check_files: bool) -> list[Problem]:
+    """``peft.*``: its values (models/lora.py), then what they need of the rest: a pipeline refuses
+    adapters for now; a low-bit or disk base lives beside an EPS (the relay dequantizes it); the target
+    modules must be the model's."""
+    from l2l_cli.models import lora
+
+    p = lora.key_problems(cfg.peft)
+    if cfg.peft.name == "none" or p:
+        return p
+    if parallel_for(cfg) is not None:
+        p.append(Problem("peft.name", "adapters do not run in the pipeline yet (dist.pipeline > 1); use "
+                                      "data parallel (dist.nproc) with dist.pipeline=1"))  # fmt: skip
+    spec = _mode(cfg)
+    if spec is not None and spec.host_state != "eps":
+        with_eps = ", ".join(m.name for m in MODES.values() if m.host_state == "eps")
+        if cfg.peft.base_dtype != "fp32":
+            p.append(Problem("peft.base_dtype", f"a low-precision base is streamed by the relay of the modes with "
+                                                f"an EPS ({with_eps}); mode={spec.name} keeps the base on the device in fp32"))  # fmt: skip
+        if lora.on_disk(cfg.peft.base_source):
+            p.append(Problem("peft.base_source", f"disk streams the base layer by layer in the modes with an EPS "
+                                                 f"({with_eps}), not mode={spec.name}"))  # fmt: skip
+    if cfg.task.name in TASKS and not (cfg.model.pretrained and not check_files):
+        try:
+            model = make_spec(cfg.model, TASKS[cfg.task.name].num_labels)
+        except (UnsupportedModel, OSError, ValueError, KeyError):
+            return p  # the model's own check says why
+        p.extend(lora.problems(model, lora.LoraSettings.from_cfg(cfg.peft)))
     return p
 
 

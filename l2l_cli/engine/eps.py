@@ -201,8 +201,26 @@ class EagerParamServer(LayerServer):
         return self.files.hf_tensors()
 
     def load_hf(self, tensors: Any) -> list[str]:
-        """Stream matching tensors into the masters (one tensor at a time); returns names left at init."""
-        return self.files.load_hf(tensors)
+        """Stream matching tensors into the masters (one tensor at a time), and a frozen base's into it;
+        returns names left at init."""
+        missing = self.files.load_hf(tensors)
+        if self.base is not None:
+            missing += self.base.load_hf(tensors)
+        return missing
+
+    def full_layers(self) -> Iterator[tuple[int, torch.nn.Module]]:
+        """(index, a CPU fp32 module of layer i: frozen base and trained tensors) per layer."""
+        for st in self.layers:
+            layer = self.spec.new_layer(st.kind, "cpu")
+            params = dict(layer.named_parameters())
+            with torch.no_grad(), self.tier.holding(st.index, "w"):
+                for name, view in st.layout.views(st.w):
+                    params[name].copy_(view)
+            if self.base is not None:
+                with torch.no_grad():
+                    for name, t in self.base.tensors(st.index):
+                        params[name].copy_(t)
+            yield st.index, layer
 
     # ---- host memory ---------------------------------------------------------------------------------
 
@@ -217,6 +235,8 @@ class EagerParamServer(LayerServer):
             if self.ties.g_recv is not None:
                 parts["recv_copy"] = parts.get("recv_copy", 0) + self.ties.g_recv.nbytes
         parts["cpu_stash"] = self.stash_bytes
+        if self.base is not None:
+            parts["frozen_base"] = self.base.host_bytes()
         return {k: v for k, v in parts.items() if v}
 
     def host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -8,6 +8,7 @@ backward, L2L-p's speculative update and trailing update) and its files; those p
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,12 +19,16 @@ from l2l_cli.engine.dist import DistContext
 from l2l_cli.engine.eps_files import EpsFiles
 from l2l_cli.engine.eps_worker import EpsWorker
 from l2l_cli.engine.flat import FlatLayout
+from l2l_cli.engine.frozen import FrozenBase
 from l2l_cli.engine.layer_state import LayerState
 from l2l_cli.engine.optim import OptimSettings
 from l2l_cli.engine.tied import TiedWeights
 from l2l_cli.engine.tiers import TierSettings, make_tier
 from l2l_cli.models.base import BLOCK, POST, PRE, ModelSpec
+from l2l_cli.models.lora import lora_of
 from l2l_cli.profiling.timers import PhaseTimer
+
+KINDS = (PRE, BLOCK, POST)
 
 
 def grad_mult(scale: float, coef: torch.Tensor | None) -> torch.Tensor | float | None:
@@ -51,25 +56,44 @@ class LayerServer:
         self.elementwise = optim.elementwise  # an update can be split by element (LAMB's can't)
         self.realtime: Any = None  # checkpoint.RealtimeWriter: saves each layer right after its update
         self.eager_reduce = eager_reduce
-        self.layouts = {k: FlatLayout(spec.new_layer(k, "meta")) for k in (PRE, BLOCK, POST)}
+        lora = lora_of(spec)
+        # adapters on a frozen base (peft=lora): the EPS's state is the trainable tensors only; the base
+        # is held apart, once, in its own precision (engine/frozen.py), and never updated
+        trainable = {k: spec.trainable_names(k) for k in KINDS} if lora else None  # type: ignore[attr-defined]
+        self.layouts = {
+            k: FlatLayout(spec.new_layer(k, "meta"), only=trainable[k] if trainable else None) for k in KINDS
+        }  # fmt: skip
         # where the layers' buffers live: host RAM, or files with a few layers cached (eps.tier)
         self.tier = make_tier(tier or TierSettings(), spec, self.layouts, acc, device_dtype, optim, timer)
-        # a tied LM head: its tensor lives once, in the pre layer's master (see engine/tied.py)
-        tied = spec.tied_params()
-        self.layouts = {
-            k: FlatLayout(spec.new_layer(k, "meta"), skip=tied if k == POST else ())
-            for k in (PRE, BLOCK, POST)
-        }  # fmt: skip
+        # a tied LM head: its tensor lives once, in the pre layer's master (see engine/tied.py); with
+        # adapters it is a frozen base tensor, kept once by the frozen base
+        tied = spec.tied_params() if not lora else {}
+        if not lora:
+            self.layouts = {
+                k: FlatLayout(spec.new_layer(k, "meta"), skip=tied if k == POST else ()) for k in KINDS
+            }  # fmt: skip
         self.ties = TiedWeights(spec, self.layouts[PRE], acc, device_dtype) if tied else None
+        self.base: FrozenBase | None = None
+        self.frozen_layouts: dict[str, FlatLayout] = {}
+        if lora and trainable is not None:
+            self.frozen_layouts = {k: FlatLayout(spec.new_layer(k, "meta"), skip=trainable[k]) for k in KINDS}
+            where = tier.path if tier is not None and tier.path else None  # a base on disk: under eps.path
+            self.base = FrozenBase(
+                spec, self.frozen_layouts, lora, Path(where) / "frozen_base" if where else None
+            )
         self.layers: list[LayerState] = []
         self.files = EpsFiles(spec, self.layers, self.tier)
         with acc.meter.paused():  # host tier
             for i in range(spec.num_all_layers):
                 kind = spec.kind(i)
                 st = self.tier.new_layer(i, kind, self.layouts[kind], acc, device_dtype, optim)
-                if not self.tier.adopted:  # (a disk tier continuing a run has its state already)
+                if not self.tier.adopted or self.base is not None:  # (a disk tier continuing a run has its
+                    layer = spec.build_layer(i, seed)  # state already) one layer's module at a time
+                    if self.base is not None:
+                        self.base.put(i, layer)
+                if not self.tier.adopted:
                     with self.tier.holding(i, "wmv", fresh=True, dirty=True):
-                        st.layout.pack(spec.build_layer(i, seed), st.w)  # one layer's module at a time
+                        st.layout.pack(layer, st.w)
                         st.refresh_send()
                 self.layers.append(st)
 
@@ -87,6 +111,11 @@ class LayerServer:
     @property
     def max_layer_numel(self) -> int:
         return max(self.device_numel(k) for k in self.layouts)
+
+    @property
+    def max_frozen_numel(self) -> int:
+        """Elements of the largest layer's frozen base (0: no frozen base)."""
+        return max((lay.numel for lay in self.frozen_layouts.values()), default=0)
 
     def layer_job(self, fn: Any, i: int, *args: Any) -> None:
         """A background job on layer i's gradient; once it is done the tier may move the gradient out."""
@@ -120,3 +149,5 @@ class LayerServer:
     def close(self) -> None:
         self.worker.shutdown()
         self.tier.close()
+        if self.base is not None:
+            self.base.close()

@@ -49,6 +49,8 @@ def bind_optimizer(
     run takes the next slice of each buffer, its elements' (or its blocks')."""
     split = _split(layout, optim)
     flat = {"m": m, "v": v, **(extra or {})}
+    if layout.numel == 0:  # a layer with nothing to train (a frozen base's embeddings): one empty run
+        return bind_flat([("decay", w, g, {b.key: flat[b.short][:0] for b in optim.kind.state})], optim)
     grads = dict(split(g))
     runs, at = [], dict.fromkeys(flat, 0)
     for name, view in split(w):

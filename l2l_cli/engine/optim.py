@@ -242,8 +242,11 @@ def layer_norms(layers: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
     import torch
 
     out = []
+    device = next((gs[0].device for gs in layers if len(gs)), None)
     for grads in layers:
-        if len(grads) == 1:
+        if not grads:  # a layer with nothing to train (a frozen base's embeddings, peft=lora)
+            out.append(torch.zeros((), dtype=torch.float32, device=device))
+        elif len(grads) == 1:
             out.append(torch.linalg.vector_norm(grads[0], dtype=torch.float32))
         else:
             out.append(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float()))

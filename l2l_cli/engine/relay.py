@@ -32,12 +32,20 @@ class Slot:
         # that graph's backward: ``Relay.hold``)
         self.w_in = self.w.data
         self.g = acc.empty(n, dtype, part="layer_slots")
+        # a frozen base (peft=lora): its weights, dequantized from the EPS's low-bit copy, without gradient
+        nf = eps.max_frozen_numel
+        self.fw = acc.empty(nf, dtype, part="layer_slots") if nf else None
+        self.fw_in = self.fw.data if self.fw is not None else None
+        self.base_layer: int | None = None  # whose frozen base the slot holds (it never changes)
         self.shells: dict[str, nn.Module] = {}
         with acc.meter.part("layer_slots"):
             for kind in (PRE, BLOCK, POST):
                 layout = eps.layouts[kind]
                 shell = spec.new_layer(kind, device="meta")
                 layout.bind(shell, self.w[: layout.numel], self.g[: layout.numel])
+                if self.fw is not None:
+                    frozen = eps.frozen_layouts[kind]
+                    frozen.bind(shell, self.fw[: frozen.numel])
                 if kind == POST and eps.ties is not None:  # the tied tensors, after the post layer's own
                     tied = slice(layout.numel, eps.device_numel(POST))
                     eps.ties.layout.bind(shell, self.w[tied], self.g[tied])
@@ -115,6 +123,12 @@ class Relay:
             self.eps.tier.unpin(0, after=AllOf(*ties))
             slot.loaded = AllOf(slot.loaded, *ties)
         self.eps.tier.unpin(i, after=slot.loaded)
+        if self.eps.base is not None and slot.base_layer != i:
+            assert slot.fw_in is not None
+            slot.base_layer = None
+            n_frozen = self.eps.frozen_layouts[st.kind].numel
+            self.eps.base.load(i, slot.fw_in[:n_frozen])  # copied low-bit, dequantized on the device
+            slot.base_layer = i
         slot.layer, slot.version = i, self._version(i)
         self.loads += 1
         return slot

@@ -71,6 +71,24 @@ def load_exported(runner: HFLoader, path: Path) -> None:
         raise CheckpointError(f"{path} lacks {', '.join(missing[:3])}{more}: not the weights of this model")
 
 
+def load_adapter(runner: HFLoader, spec: Any, path: Path) -> None:
+    """A LoRA run's adapter directory (PEFT's layout: its ``final/``) into a runner whose base is already
+    in place: every trainable tensor must be there."""
+    from l2l_cli.models import lora
+
+    if not lora.is_adapter_dir(path):
+        raise CheckpointError(
+            f"{path} has no {lora.ADAPTER_CONFIG} and {lora.ADAPTER_WEIGHTS}: not an adapter"
+        )
+    tensors = lora.read_adapter(path)
+    lacking = [n for n in lora.trainable_hf_names(spec) if n not in tensors]
+    if lacking:
+        more = f" and {len(lacking) - 3} more" if len(lacking) > 3 else ""
+        raise CheckpointError(f"{path} lacks {', '.join(lacking[:3])}{more}: not the adapter of this model")
+    runner.load_hf(tensors)
+    log.info("loaded the adapter in %s", path)
+
+
 def shard_files(root: Path) -> list[Path]:
     """The shard files an index names: plain file names inside ``root`` (no path may lead out of it)."""
     try:

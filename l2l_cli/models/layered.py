@@ -57,9 +57,14 @@ class LayeredModel(nn.Module):
         skip = self.tied if index == self.spec.num_layers + 1 else {}
         return [(n, p) for n, p in layer.named_parameters() if n not in skip]
 
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+    def hf_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+        """Every parameter by Hugging Face name (``trainable_only``: those that train, where a frozen base
+        carries adapters; all of them otherwise)."""
         return {
-            self.spec.hf_name(i, n): p for i, layer in self.layers() for n, p in self.own_parameters(i, layer)
+            self.spec.hf_name(i, n): p
+            for i, layer in self.layers()
+            for n, p in self.own_parameters(i, layer)
+            if p.requires_grad or not trainable_only
         }
 
     @torch.no_grad()

@@ -245,7 +245,10 @@ class RunnerBase:
         return None
 
     def sections(self) -> dict[str, dict[str, Any]]:
-        return {}
+        """``peft``: a LoRA run's settings and parameter counts (the whole model lives on the device)."""
+        from l2l_cli.models.lora import lora_of, summary_section
+
+        return {"peft": summary_section(self.spec, None)} if lora_of(self.spec) is not None else {}
 
     def attach_realtime(self, writer: RealtimeWriter) -> None:
         raise NotImplementedError(f"{type(self).__name__}: real-time checkpoints need the state on an EPS")
@@ -269,14 +272,17 @@ class DeviceResident(RunnerBase):
         with acc.meter.part("weights"):
             self.model = LayeredModel(self.spec, seed=self.seed, device=acc.device)
         self.model.train()
+        # a frozen base (peft=lora) has no gradient and no optimizer state: only what trains gets them
         with acc.meter.part("grads"):  # resident gradient buffers, zeroed (not freed) after each update
             for p in self.model.parameters():
-                p.grad = torch.zeros_like(p)
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
         for p in self.model.parameters():  # allocation points this runner owns (CUDA's meter parts)
             acc.meter.count(p, "weights")
-            acc.meter.count(p.grad, "grads")
+            if p.grad is not None:
+                acc.meter.count(p.grad, "grads")
         self._state_counted = False
-        named = [(n, p) for n, p in self.model.named_parameters()]
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         with acc.meter.part("optimizer_state"):
             self.optimizer = make_optimizer(param_groups(named, self.optim.weight_decay), self.optim)
         self.net: torch.nn.Module = self.model
@@ -292,7 +298,16 @@ class DeviceResident(RunnerBase):
         return self.model.load_hf_state_dict(tensors)
 
     def hf_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
-        return self.model.hf_state_dict().items()
+        """The trained tensors by Hugging Face name (with adapters: the adapters only; the base is
+        ``model.pretrained``'s or the seed's, unchanged)."""
+        return self.model.hf_state_dict(trainable_only=True).items()
+
+    def full_layers(self) -> Iterator[tuple[int, torch.nn.Module]]:
+        """(index, a CPU copy of the layer: base and adapters) per layer (``l2l export --merge``)."""
+        import copy
+
+        for i, layer in self.model.layers():
+            yield i, copy.deepcopy(layer).to("cpu", torch.float32)
 
     def forward_backward(self, ub: Batch, u: int, scale: float, sync: bool = True) -> torch.Tensor:
         """One (micro-)batch through the whole model and back; returns its loss (detached). ``sync``:
@@ -326,7 +341,8 @@ class DeviceResident(RunnerBase):
             coefs = clip_coefficients(norms, self.clip, self.settings.max_grad_norm)
             if coefs is not None:
                 for grads, c in zip(layers, coefs):
-                    torch._foreach_mul_(grads, c)
+                    if grads:  # (a frozen layer has none)
+                        torch._foreach_mul_(grads, c)
             set_lr(self.optimizer, self.lr())
             with self.acc.meter.part("optimizer_state"):
                 self.optimizer.step()
@@ -352,13 +368,13 @@ class DeviceResident(RunnerBase):
     # ---- checkpoints: the model and optimizer state by Hugging Face parameter name -----------------
 
     def state_files(self) -> Iterator[tuple[str, bytes]]:
-        named = self.model.hf_state_dict()
+        named = self.model.hf_state_dict(trainable_only=True)
         moments = {name: st for name, p in named.items() if (st := self.optimizer.state.get(p))}
         return module_state_files(named, moments)
 
     @torch.no_grad()
     def load_state(self, ckpt: Path, manifest: dict[str, Any]) -> None:
-        named = self.model.hf_state_dict()
+        named = self.model.hf_state_dict(trainable_only=True)
         for name, st in ModuleState(ckpt, manifest).load(named.items(), whole=True).items():
             p = named[name]
             self.optimizer.state[p] = {

@@ -34,6 +34,7 @@ from l2l_cli.engine.recompute import (
 from l2l_cli.engine.relay import Relay
 from l2l_cli.engine.stash import CpuStash, DeviceStash
 from l2l_cli.models.decoder import DecoderSpec
+from l2l_cli.models.lora import lora_of, summary_section
 from l2l_cli.modes.base import DurableState, LayerFiles, RunnerArgs, RunnerBase, StepReport
 
 if TYPE_CHECKING:
@@ -180,6 +181,9 @@ class L2LRunner(RunnerBase):
         if self.recompute.graph(i) is not None:
             self.backward_graph(i, g, n)
             return
+        if i == 0 and self.eps.layouts[self.spec.kind(0)].numel == 0:  # a frozen embedding: nothing to
+            self.relay.send_grads(i)  # compute (no gradient of its own, none to pass further down)
+            return
         if i > 0:
             self.stash.prefetch(i, 0)
         for u, ub in enumerate(ubatches):
@@ -246,7 +250,15 @@ class L2LRunner(RunnerBase):
     def sections(self) -> dict[str, dict[str, Any]]:
         """summary.json's ``optimizer`` section (below) and ``recompute``: the policy, kept layers, the
         bytes they hold for backward."""
-        return {**self.optimizer_section(), "recompute": self.recompute.section()}
+        out = {**self.optimizer_section(), "recompute": self.recompute.section()}
+        if lora_of(self.spec) is not None:
+            out["peft"] = summary_section(self.spec, self.eps.host_parts())
+            base, steps = self.eps.base, max(1, self.step_count)
+            if base is not None:  # what the relay took of the frozen base, and (on disk) read from its files
+                out["peft"]["base_bytes_loaded_per_step"] = base.bytes_loaded / steps
+                if base.source is not None:
+                    out["peft"]["base_bytes_read_per_step"] = base.source.bytes_read / steps
+        return out
 
     def background(self) -> dict[str, float]:
         """Seconds the EPS thread worked this step (reduction, and L2L-p's hidden updates), the host
@@ -305,6 +317,11 @@ class L2LRunner(RunnerBase):
     def hf_tensors(self) -> Any:
         self.eps.settle()
         return self.eps.hf_tensors()
+
+    def full_layers(self) -> Any:
+        """(index, a CPU module of the layer: frozen base and trained tensors) per layer (``l2l export``)."""
+        self.eps.settle()
+        return self.eps.full_layers()
 
     def host_parts(self) -> dict[str, int]:
         return self.eps.host_parts()

@@ -1,0 +1,98 @@
+"""The frozen base on disk (``peft.base_source=disk``): each layer's base, in its stored precision, is one
+safetensors file written once as the layer is built (or loaded from a checkpoint), then read back whenever
+the relay needs the layer, a couple of layers ahead on a thread of its own. Nothing of the base is ever
+written back, and at most ``ahead + 1`` layers of it are in RAM at once, so resident memory stays flat in
+the model's depth.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import load_file, save_file
+
+
+class DiskSource:
+    """Layer files under ``root`` (a temporary folder when None, removed at ``close``)."""
+
+    def __init__(self, root: Path | None, make: Any, ahead: int = 2):
+        """``make(how, shape)``: an empty stored tensor (engine/frozen.py's ``Frozen``, passed in so the two
+        modules do not import each other)."""
+        self.make = make
+        self.own = root is None
+        self.root = Path(tempfile.mkdtemp(prefix="l2l-base-")) if root is None else root
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.ahead = ahead
+        self.meta: dict[int, dict[str, tuple[str, tuple[int, ...]]]] = {}  # layer -> name -> (how, shape)
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l2l-base-read")
+        self.pending: dict[int, Future] = {}
+        self._lock = threading.Lock()
+        self._last = -1
+        self.bytes_read = 0
+        self.reads = 0
+
+    def path(self, i: int) -> Path:
+        return self.root / f"base_{i}.safetensors"
+
+    def write(self, i: int, layer: dict[str, Any]) -> None:
+        """Layer i's stored tensors to its file (the build, or a checkpoint's tensors re-encoded)."""
+        with self._lock:
+            self.pending.pop(i, None)
+        tensors = {f"{name}::{k}": t.contiguous() for name, f in layer.items() for k, t in f.parts.items()}
+        tmp = self.path(i).with_suffix(".tmp")
+        save_file(tensors, str(tmp))
+        tmp.replace(self.path(i))
+        self.meta[i] = {name: (f.how, f.shape) for name, f in layer.items()}
+
+    def read(self, i: int) -> dict[str, Any]:
+        """Layer i's stored tensors, read now (outside the read-ahead's order)."""
+        return self._read(i)
+
+    def _read(self, i: int) -> dict[str, Any]:
+        raw = load_file(str(self.path(i)))
+        out = {name: self.make(how, shape) for name, (how, shape) in self.meta[i].items()}
+        n = 0
+        for key, t in raw.items():
+            name, _, part = key.rpartition("::")
+            out[name].parts[part] = t
+            n += t.nbytes
+        with self._lock:
+            self.bytes_read += n
+            self.reads += 1
+        return out
+
+    def prefetch(self, i: int) -> None:
+        with self._lock:
+            if i in self.pending or i not in self.meta:
+                return
+            self.pending[i] = self.pool.submit(self._read, i)
+
+    def layer(self, i: int) -> dict[str, Any]:
+        """Layer i's stored tensors: read ahead already, or read now; the next layers in the direction the
+        passes are going are read ahead."""
+        with self._lock:
+            job = self.pending.pop(i, None)
+            step = 1 if i >= self._last else -1
+            self._last = i
+            for j in list(self.pending):  # read-ahead the other way is of no use now
+                if (j - i) * step < 0:
+                    self.pending.pop(j)
+        got = job.result() if job is not None else self._read(i)
+        for k in range(1, self.ahead + 1):
+            self.prefetch(i + k * step)
+        return got
+
+    def host_bytes(self) -> int:
+        """Bytes of the base in RAM: none kept, beyond the layers in flight (not counted)."""
+        return 0
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        self.pending.clear()
+        if self.own:
+            shutil.rmtree(self.root, ignore_errors=True)

@@ -1,0 +1,451 @@
+"""LoRA adapters on a frozen base (``peft=lora``), for every family: a model's spec seen with PEFT's LoRA
+layers injected into each layer it builds.
+
+:func:`with_lora` returns the family's spec as a subclass of its own class (so every ``isinstance`` check
+and every family method still holds) whose layers carry ``peft``'s ``lora.Linear`` wrappers around the
+targeted ``nn.Linear`` / ``Conv1D`` modules. The base weights are built exactly as without adapters (the
+family's own seeded init, or a checkpoint), the adapters from a seed of their own with PEFT's default init
+(``lora_A`` Kaiming-uniform, ``lora_B`` zero). Parameter names inside a layer are PEFT's
+(``q_proj.base_layer.weight``, ``q_proj.lora_A.default.weight``); :meth:`LoraSpecMixin.hf_name` gives a base
+tensor its checkpoint name, and :func:`peft_key` an adapter tensor its name in ``adapter_model.safetensors``.
+
+Why ``peft``: its modules are what a PEFT user trains and loads (``PeftModel.from_pretrained``), so the
+forward, the scaling and the saved layout are the ecosystem's own, not a re-implementation. This file
+imports no torch at module level (the config's checks read :class:`LoraSettings`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from l2l_cli.models.base import BLOCK, POST, PRE, ModelSpec
+from l2l_cli.problems import Problem
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+ADAPTER = "default"  # PEFT's adapter name inside the modules (dropped in the saved file's keys)
+ALL_LINEAR = "all-linear"
+LOW_BIT = ("int8", "nf4")
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """``peft.*`` as the model and the EPS take them."""
+
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] | str = ALL_LINEAR  # module names, or "all-linear"
+    modules_to_save: tuple[str, ...] = ()
+    base_dtype: str = "fp32"
+    base_source: str = "host"
+
+    @classmethod
+    def from_cfg(cls, p: Any) -> LoraSettings:
+        return cls(
+            int(p.r), float(p.alpha), float(p.dropout), names_of(p.target_modules),
+            names_of(p.modules_to_save) or (), str(p.base_dtype), str(p.base_source),
+        )  # fmt: skip
+
+    @property
+    def low_bit(self) -> bool:
+        return self.base_dtype in LOW_BIT
+
+    @property
+    def base_on_disk(self) -> bool:
+        return on_disk(self.base_source)
+
+
+def on_disk(source: str) -> bool:
+    """``peft.base_source`` reads the frozen base from files (its second value, ``disk``)."""
+    from l2l_cli.config.schema import BASE_SOURCES
+
+    return source == BASE_SOURCES[1]
+
+
+def names_of(value: Any) -> tuple[str, ...] | str:
+    """``peft.target_modules`` / ``modules_to_save`` as given: a list, a comma-separated string, or
+    ``all-linear``; empty / unset -> ()."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        if value.strip() == ALL_LINEAR:
+            return ALL_LINEAR
+        return tuple(s.strip() for s in value.split(",") if s.strip())
+    return tuple(str(v).strip() for v in value)
+
+
+def lora_of(spec: ModelSpec) -> LoraSettings | None:
+    """The spec's LoRA settings (None: a plain model, every parameter trained)."""
+    return getattr(spec, "lora", None)
+
+
+# ---- which modules get adapters ---------------------------------------------------------------------
+
+
+def _is_linear(m: Any) -> bool:
+    from torch import nn
+
+    return isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"
+
+
+def _excluded(kind: str, name: str, spec: ModelSpec) -> bool:
+    """``all-linear`` leaves out the output layer, as PEFT does: a decoder's LM head, a classifier."""
+    leaf = name.rpartition(".")[2]
+    return kind == POST and leaf in ("lm_head", "classifier")
+
+
+def _matches(name: str, target: str) -> bool:
+    """PEFT's rule for a list of names: the module's name is the target or ends with ``.target``."""
+    return name == target or name.endswith("." + target)
+
+
+def linear_names(spec: ModelSpec, kind: str) -> list[str]:
+    """Names of the linear modules of a layer of ``kind`` (the family's own module, no adapters)."""
+    return [n for n, m in _plain_layer(spec, kind).named_modules() if n and _is_linear(m)]
+
+
+def targets(spec: ModelSpec, kind: str, lora: LoraSettings) -> list[str]:
+    """The modules of a layer of ``kind`` that get an adapter."""
+    names = linear_names(spec, kind)
+    if lora.target_modules == ALL_LINEAR:
+        return [n for n in names if not _excluded(kind, n, spec)]
+    return [n for n in names if any(_matches(n, t) for t in lora.target_modules)]
+
+
+def problems(spec: ModelSpec, lora: LoraSettings) -> list[Problem]:
+    """A target or a module to save that the model does not have (checked on meta-device layers)."""
+    p: list[Problem] = []
+    kinds = (PRE, BLOCK, POST)
+    linear = {k: linear_names(spec, k) for k in kinds}
+    if lora.target_modules != ALL_LINEAR:
+        have = sorted({n.rpartition(".")[2] for k in kinds for n in linear[k]})
+        for t in lora.target_modules:
+            if not any(_matches(n, t) for k in kinds for n in linear[k]):
+                p.append(
+                    Problem(
+                        "peft.target_modules",
+                        f"{t!r} is no linear module of this {spec.family} model; its linear modules: "
+                        f"{', '.join(have)} (or all-linear)",
+                    )
+                )
+        if not lora.target_modules:
+            p.append(Problem("peft.target_modules", "is empty; name modules to adapt, or all-linear"))
+    modules = {k: [n for n, _ in _plain_layer(spec, k).named_modules() if n] for k in kinds}
+    for t in lora.modules_to_save:
+        if not any(_matches(n, t) for k in kinds for n in modules[k]):
+            p.append(Problem("peft.modules_to_save", f"{t!r} is no module of this {spec.family} model"))
+    return p
+
+
+def _plain_layer(spec: ModelSpec, kind: str) -> nn.Module:
+    base = getattr(type(spec), "_base", type(spec))
+    return base.new_layer(spec, kind, "meta")
+
+
+# ---- the spec with adapters ---------------------------------------------------------------------------
+
+
+class LoraSpecMixin:
+    """What changes in a family's spec when its layers carry adapters (mixed in before the family's class:
+    ``with_lora``)."""
+
+    lora: LoraSettings
+    _base: type
+
+    def adapt(self, layer: nn.Module, kind: str) -> nn.Module:
+        """Inject PEFT's LoRA layers into ``layer`` (a layer of ``kind``, the family's module) in place;
+        mark the adapters and ``modules_to_save`` trainable, the base frozen."""
+        import warnings
+
+        from peft import LoraConfig, inject_adapter_in_model
+
+        lora = self.lora
+        names = targets(self, kind, lora)  # type: ignore[arg-type]
+        if names:
+            conf = LoraConfig(
+                r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=names,
+                fan_in_fan_out=self.family == "gpt2", bias="none",
+            )  # fmt: skip
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                layer = inject_adapter_in_model(conf, layer, adapter_name=ADAPTER)
+        for n, p in layer.named_parameters():
+            p.requires_grad_(self.trainable(n))
+        return layer
+
+    def trainable(self, name: str) -> bool:
+        """Whether a layer's parameter ``name`` trains: an adapter, or a module of ``modules_to_save``."""
+        if ".lora_A." in name or ".lora_B." in name:
+            return True
+        owner = name.rpartition(".")[0]
+        return any(_matches(owner, t) or f".{t}." in f".{owner}." for t in self.lora.modules_to_save)
+
+    def trainable_names(self, kind: str) -> list[str]:
+        return [n for n, _ in self.new_layer(kind, "meta").named_parameters() if self.trainable(n)]
+
+    def new_layer(self, kind: str, device: torch.device | str | None = None) -> nn.Module:
+        return self.adapt(self._base.new_layer(self, kind, device), kind)
+
+    def build_layer(self, index: int, seed: int, device: torch.device | str | None = None) -> nn.Module:
+        """The family's layer ``index`` exactly as without adapters (its own seeded init), then the
+        adapters, seeded per layer from a seed of their own."""
+        import math
+
+        import torch
+
+        from l2l_cli.models.bert import layer_seed
+
+        base = self._base
+        kind = self.kind(index)  # type: ignore[attr-defined]
+        layer = self.adapt(base.init_layer(self, base.new_layer(self, kind, device), index, seed), kind)
+        g = torch.Generator().manual_seed(layer_seed(seed + 7_777_777, index))
+        with torch.no_grad():
+            for n, p in layer.named_parameters():
+                if ".lora_A." in n:  # PEFT's default: kaiming_uniform_(a=sqrt(5)), as nn.Linear's
+                    bound = 1.0 / math.sqrt(p.shape[1])
+                    p.copy_(torch.empty(p.shape).uniform_(-bound, bound, generator=g))
+                elif ".lora_B." in n:
+                    p.zero_()
+        return layer
+
+    def hf_name(self, index: int, name: str) -> str:
+        """A base tensor's checkpoint name (PEFT's ``base_layer`` dropped); an adapter's keeps its path."""
+        return self._base.hf_name(self, index, name.replace(".base_layer.", "."))
+
+    def identity(self) -> dict[str, Any]:
+        ident = dict(self._base.identity(self))
+        lo = self.lora
+        ident["peft"] = {"r": lo.r, "alpha": lo.alpha, "target_modules": list(_listed(lo.target_modules)),
+                         "modules_to_save": list(lo.modules_to_save)}  # fmt: skip
+        return ident
+
+    def save_hf(
+        self, out_dir: Path, named_tensors: Iterable[tuple[str, torch.Tensor]], task: Any = None
+    ) -> None:
+        """final/ of a LoRA run: the adapter in PEFT's layout (``adapter_config.json``,
+        ``adapter_model.safetensors``), which ``PeftModel.from_pretrained(base, dir)`` loads."""
+        save_adapter(self, out_dir, named_tensors)  # type: ignore[arg-type]
+
+
+def _listed(v: tuple[str, ...] | str) -> tuple[str, ...]:
+    return (v,) if isinstance(v, str) else v
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def with_lora(spec: ModelSpec, lora: LoraSettings) -> ModelSpec:
+    """``spec`` whose layers carry LoRA adapters (the family's class, with :class:`LoraSpecMixin` first)."""
+    base = type(spec)
+    cls = _CLASSES.get(base)
+    if cls is None:
+        cls = _CLASSES[base] = type(f"Lora{base.__name__}", (LoraSpecMixin, base), {"_base": base})
+    new = object.__new__(cls)
+    new.__dict__.update(spec.__dict__)
+    object.__setattr__(new, "lora", lora)
+    return new
+
+
+def base_spec(spec: ModelSpec) -> ModelSpec:
+    """The family's own spec under a LoRA one (the same sizes, no adapters)."""
+    base = getattr(type(spec), "_base", None)
+    if base is None:
+        return spec
+    new = object.__new__(base)
+    new.__dict__.update({k: v for k, v in spec.__dict__.items() if k != "lora"})
+    return new
+
+
+# ---- PEFT's saved layout ------------------------------------------------------------------------------
+
+
+def peft_key(hf_name: str) -> str:
+    """The key of a trainable tensor (by its ``hf_name``) in PEFT's ``adapter_model.safetensors``."""
+    name = hf_name.replace(f".lora_A.{ADAPTER}.", ".lora_A.").replace(f".lora_B.{ADAPTER}.", ".lora_B.")
+    return PEFT_PREFIX + name
+
+
+def from_peft_key(key: str) -> str:
+    """The inverse of :func:`peft_key`: a saved adapter tensor's ``hf_name``."""
+    name = key.removeprefix(PEFT_PREFIX)
+    return name.replace(".lora_A.", f".lora_A.{ADAPTER}.").replace(".lora_B.", f".lora_B.{ADAPTER}.")
+
+
+def adapter_config(spec: ModelSpec, lora: LoraSettings) -> dict[str, Any]:
+    """adapter_config.json as PEFT writes it (``LoraConfig.to_dict``)."""
+    from peft import LoraConfig
+
+    kinds = (PRE, BLOCK, POST)
+    if lora.target_modules == ALL_LINEAR:  # resolved: the leaf names of the modules adapted
+        names = sorted({n.rpartition(".")[2] for k in kinds for n in targets(spec, k, lora)})
+    else:
+        names = list(lora.target_modules)
+    conf = LoraConfig(
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=names,
+        modules_to_save=list(lora.modules_to_save) or None, fan_in_fan_out=spec.family == "gpt2",
+        bias="none", task_type="CAUSAL_LM" if spec.family != "bert" else None,
+    )  # fmt: skip
+    d = conf.to_dict()
+    for k, v in list(d.items()):
+        if isinstance(v, set):
+            d[k] = sorted(v)
+    return d
+
+
+def save_adapter(spec: ModelSpec, out_dir: Path, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Write ``adapter_config.json`` and ``adapter_model.safetensors`` (the trainable tensors only; base
+    tensors in ``named_tensors`` are skipped)."""
+    import torch
+    from safetensors.torch import save_file
+
+    lora = lora_of(spec)
+    assert lora is not None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        peft_key(n): t.detach().to("cpu", torch.float32).contiguous().clone()
+        for n, t in named_tensors
+        if _trainable_hf(spec, n)
+    }
+    (out_dir / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(spec, lora), indent=2, sort_keys=True))
+    save_file(tensors, str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+
+
+def _trainable_hf(spec: ModelSpec, hf_name: str) -> bool:
+    return spec.trainable(hf_name)  # type: ignore[attr-defined]  (the same suffix rules hold on full names)
+
+
+def is_adapter_dir(path: Path) -> bool:
+    return (path / ADAPTER_CONFIG).is_file() and (path / ADAPTER_WEIGHTS).is_file()
+
+
+def read_adapter(path: Path) -> dict[str, torch.Tensor]:
+    """An adapter directory's tensors by ``hf_name``."""
+    from safetensors.torch import load_file
+
+    return {from_peft_key(k): v for k, v in load_file(str(path / ADAPTER_WEIGHTS)).items()}
+
+
+def trainable_hf_names(spec: ModelSpec) -> Iterator[str]:
+    """Every trainable tensor's ``hf_name`` (what an adapter directory must hold)."""
+    tied = spec.tied_params()
+    for i in range(spec.num_all_layers):
+        kind = spec.kind(i)
+        for n in spec.trainable_names(kind):  # type: ignore[attr-defined]
+            if not (kind == POST and n in tied):
+                yield spec.hf_name(i, n)
+
+
+def param_split(spec: ModelSpec) -> tuple[int, int]:
+    """(trainable, frozen) parameters of the whole model (a tied head's tensor counted once)."""
+    tied = spec.tied_params()
+    counts = {}
+    for kind in (PRE, BLOCK, POST):
+        t = f = 0
+        for n, p in spec.new_layer(kind, "meta").named_parameters():
+            if kind == POST and n in tied:
+                continue
+            if spec.trainable(n):  # type: ignore[attr-defined]
+                t += p.numel()
+            else:
+                f += p.numel()
+        counts[kind] = (t, f)
+    blocks = spec.num_layers
+    return (
+        counts[PRE][0] + blocks * counts[BLOCK][0] + counts[POST][0],
+        counts[PRE][1] + blocks * counts[BLOCK][1] + counts[POST][1],
+    )
+
+
+def summary_section(spec: ModelSpec, host_parts: dict[str, int] | None) -> dict[str, Any]:
+    """summary.json's ``peft`` section: the settings, the parameters trained and frozen, and (where an EPS
+    holds them) the host bytes of the adapters' state and of the frozen base, per parameter of the model."""
+    lora = lora_of(spec)
+    assert lora is not None
+    trainable, frozen = param_split(spec)
+    out: dict[str, Any] = {**settings_dict(lora), "trainable_params": trainable, "frozen_params": frozen}
+    if host_parts:
+        base = host_parts.get("frozen_base", 0)
+        state = sum(v for k, v in host_parts.items() if k not in ("frozen_base", "cpu_stash"))
+        out.update(
+            adapter_host_bytes=state, base_host_bytes=base,
+            host_bytes_per_param=(state + base) / max(1, trainable + frozen),
+        )  # fmt: skip
+    return out
+
+
+def settings_dict(lora: LoraSettings) -> dict[str, Any]:
+    d = asdict(lora)
+    d["target_modules"] = list(_listed(lora.target_modules))
+    d["modules_to_save"] = list(lora.modules_to_save)
+    return d
+
+
+# ---- merging ----------------------------------------------------------------------------------------
+
+
+def merged_tensors(
+    spec: ModelSpec, layers: Iterable[tuple[int, nn.Module]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The base weights with each adapter merged in (PEFT's own ``merge``), by their checkpoint names:
+    a plain model's tensors. ``layers``: (index, a CPU layer module holding base and adapters)."""
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    tied = spec.tied_params()
+    for i, layer in layers:
+        with torch.no_grad():
+            for m in layer.modules():
+                if isinstance(m, LoraLayer):
+                    m.merge(adapter_names=[ADAPTER])
+        for n, p in layer.named_parameters():
+            if ".lora_A." in n or ".lora_B." in n or (spec.kind(i) == POST and n in tied):
+                continue
+            yield spec.hf_name(i, n), p.detach().to(torch.float32)
+
+
+# ---- the peft.* keys' own rules -------------------------------------------------------------------------
+
+
+def key_problems(p: Any) -> list[Problem]:
+    """``peft.*`` values (the config's checker adds the rules that involve the mode and the model)."""
+    from l2l_cli.config.schema import BASE_DTYPES, BASE_SOURCES, PEFT_METHODS
+    from l2l_cli.problems import one_of
+
+    out: list[Problem] = []
+    one_of(out, "peft.name", p.name, PEFT_METHODS)
+    one_of(out, "peft.base_dtype", p.base_dtype, BASE_DTYPES)
+    one_of(out, "peft.base_source", p.base_source, BASE_SOURCES)
+    if p.name == "none":
+        return out
+    if not isinstance(p.r, int) or p.r < 1:
+        out.append(Problem("peft.r", f"got {p.r}; must be an integer >= 1"))
+    if not p.alpha > 0:
+        out.append(Problem("peft.alpha", f"got {p.alpha}; must be > 0"))
+    if not (0.0 <= p.dropout < 1.0):
+        out.append(Problem("peft.dropout", f"got {p.dropout}; must be in [0, 1)"))
+    if p.base_dtype == "nf4":
+        why = nf4_unavailable()
+        if why:
+            out.append(
+                Problem("peft.base_dtype", f"nf4 needs torchao's NF4 tensor (pip install torchao): {why}")
+            )
+    return out
+
+
+def nf4_unavailable() -> str | None:
+    """Why torchao's NF4 cannot be used here (None: it can)."""
+    try:
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4  # noqa: F401
+    except Exception as e:  # an absent or broken install: the run cannot quantize
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+    return None
