@@ -206,7 +206,7 @@ def predict(cfg: DictConfig, weights: Path, input_path: Path, output: str | None
         raise UsageError(f"--input {input_path}: not a file")
     fmt = "json" if input_path.suffix.lower() in (".json", ".jsonl") else "csv"
     try:
-        records = list(read_records(input_path, fmt))
+        records = [row for _, row in read_records(input_path, fmt, "--input")]
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise UsageError(f"--input {input_path}: unreadable ({str(e).splitlines()[0]})") from e
     if not records:

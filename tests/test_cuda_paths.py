@@ -62,14 +62,16 @@ def test_flat_adamw_state_lives_on_the_parameters_device() -> None:
     with FakeTensorMode(allow_non_fake_inputs=True):
         w, g, m, v = (torch.zeros(8, device="cuda") for _ in range(4))
         runs = [
-            (name, *(t.narrow(0, a, b - a) for t in (w, g, m, v)))
+            (name, w.narrow(0, a, b - a), g.narrow(0, a, b - a),
+             {"exp_avg": m.narrow(0, a, b - a), "exp_avg_sq": v.narrow(0, a, b - a)})
             for name, a, b in (("decay", 0, 6), ("bias", 6, 8))
-        ]
+        ]  # fmt: skip
         opt = bind_flat(runs, o)
         devices = {(k, t.device.type) for st in opt.state.values() for k, t in st.items()}
     assert devices == {("step", "cuda"), ("exp_avg", "cuda"), ("exp_avg_sq", "cuda")}
     # on the CPU nothing changes: a float32 zero on the CPU, as before
-    opt = bind_flat([("decay", torch.zeros(4), torch.zeros(4), torch.zeros(4), torch.zeros(4))], o)
+    state = {"exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4)}
+    opt = bind_flat([("decay", torch.zeros(4), torch.zeros(4), state)], o)
     step = next(iter(opt.state.values()))["step"]
     assert step.device.type == "cpu" and step.dtype == torch.float32 and float(step) == 0.0
 
@@ -95,7 +97,7 @@ def test_resumed_adamw_state_lives_on_the_parameters_device(tmp_path: Path) -> N
     named = {name: nn.Parameter(torch.zeros(shape, device="meta")) for name, shape in shapes.items()}
     opt = torch.optim.AdamW(list(named.values()))
     opt.param_groups[0]["fused"] = True
-    runner = SimpleNamespace(model=SimpleNamespace(hf_state_dict=lambda: named), optimizer=opt)
+    runner = SimpleNamespace(model=SimpleNamespace(hf_state_dict=lambda **_: named), optimizer=opt)
     DeviceResident.load_state(runner, ckpt, manifest)  # type: ignore[arg-type]
     assert len(opt.state) == len(named)
     where = {(k, t.device.type) for st in opt.state.values() for k, t in st.items()}

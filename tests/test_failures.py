@@ -26,7 +26,7 @@ def test_an_unreachable_hub_model_is_one_line_naming_the_key_and_no_run_dir(tmp_
 
 def test_a_dataset_the_hub_cannot_give_marks_the_run_failed_with_the_reason(tmp_path) -> None:
     run = tmp_path / "run"
-    r = l2l("train", *TINY, "task=rte", f"hydra.run.dir={run}", env=OFFLINE)
+    r = l2l("train", *TINY, "task=rte", "optim.lr=1e-3", f"hydra.run.dir={run}", env=OFFLINE)
     assert r.returncode == 2
     (line,) = r.stderr.strip().splitlines()
     assert line.startswith(
