@@ -168,7 +168,10 @@ def test_resume_latest_finds_a_disk_tier_run_by_its_commit_record(tmp_path) -> N
     assert run_job(tiny_cfg("mode=l2l", *RUN, "trainer.max_steps=2"), outputs / "a") == "ok"
     time.sleep(0.05)  # (a newer mtime)
     disk = ["mode=l2l", "eps.tier=disk", "task.num_train=256"]
-    assert run_job(tiny_cfg(*disk, "trainer.max_steps=2"), outputs / "b") == "ok"
+    r = l2l(
+        "train", *TINY, *disk, "trainer.max_steps=2", f"hydra.run.dir={outputs / 'b'}"
+    )  # (its config saved)
+    assert r.returncode == 0, r.stderr[-2000:]
     assert not (outputs / "b" / "checkpoints").exists() and (outputs / "b" / "eps" / "commit.json").is_file()
     r = l2l("train", *TINY, *disk, "trainer.max_steps=3", "trainer.resume=latest", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]

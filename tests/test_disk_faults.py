@@ -135,6 +135,7 @@ def test_a_failed_layer_write_is_raised_and_never_named_by_a_commit_record(
     _resumed_equals_the_reference(run, ref, capsys)
 
 
+@pytest.mark.slow  # (writes slowed to 0.3 s each, so the race is met: ~30 s)
 def test_a_read_into_a_slot_waits_for_its_write_back(monkeypatch: Any) -> None:
     """Item 4: an L2L-p rollback under bf16 CMP (global clipping crosses its limit at the last layers, after
     speculative updates): the layer's current version becomes the pre-update slot again while the update's
