@@ -19,10 +19,13 @@ from l2l_cli.modes import MODES, ModeSpec, find_mode, run_clip, run_precision, r
 from l2l_cli.plan import costmodel as cm
 from l2l_cli.plan.diskqueue import Disk, Use, exposed_wait
 from l2l_cli.plan.hardware import Rates
+from l2l_cli.plan.peft import LORA_BACKWARD_SHARE, READ_AHEAD
 from l2l_cli.plan.shapes import ModelShape, act_bytes, device_weight_bytes
+from l2l_cli.plan.times import LayerTimes
 from l2l_cli.problems import fmt_bytes
 from l2l_cli.runfiles import PHASES
 
+LOW_BIT = ("int8", "nf4")
 FP32_STATE = 16  # bytes per parameter: FP32 weights, gradients, and the two Adam/LAMB moments
 DISK_STATE = 24  # the disk EPS tier: two versions (slots) of the weights and both moments per layer file
 
@@ -141,8 +144,13 @@ def device_terms(cfg: Any) -> dict[str, Any]:
 
 def memory(shape: ModelShape, s: Setup) -> dict[str, dict[str, float]]:
     """Device, host and disk bytes by part, at the step's peak. The parts follow the layered-GA breakdown:
-    training state, activation stash (checkpoints), parameter + gradient buffers, working activations."""
+    training state, activation stash (checkpoints), parameter + gradient buffers, working activations.
+    With LoRA (``shape.peft``) the training state is the adapters' alone; the frozen base is a part of its
+    own, where ``peft.base_source`` keeps it, at ``peft.base_dtype``'s bytes (plan/peft.py)."""
     P, N = shape.total_params, shape.num_layers
+    pe = shape.peft
+    P_state = pe.trainable if pe else P  # parameters with a master, a gradient and moments
+    L_state = pe.max_trainable if pe else shape.max_layer_params
     ub, mb = s.ubatch, s.batch
     A = shape.output_bytes(s.seq, s.precision)
     working = shape.block_working_bytes(s.seq, s.precision, s.att_half)
@@ -155,14 +163,23 @@ def memory(shape: ModelShape, s: Setup) -> dict[str, dict[str, float]]:
     disk: dict[str, float] = {}
     if not s.l2l:
         # l2l-v1 eq. 1: the whole training state on the device, every layer's activations for one ubatch
-        dev["training_state"] = s.state_bytes * P
+        dev["training_state"] = s.state_bytes * P_state
+        if pe:  # the baselines keep the frozen base on the device in fp32
+            dev["frozen_base"] = 4.0 * pe.frozen
         if s.precision == "amp":  # autocast's half copies of the weights, cached through the step
             dev["param_grad_buffers"] = 2.0 * (shape.blocks_params + shape.post_params)
         dev["working_activations"] = ub * (N * saved + pre + (working - saved))
     else:
         # l2l-v1 eqs. 2-4: relay slots (weights + gradient of the largest layer; a second slot to prefetch)
         slots = 2 if s.prefetch else 1
-        dev["param_grad_buffers"] = 2.0 * slots * shape.max_layer_params * device_weight_bytes(s.precision)
+        e = device_weight_bytes(s.precision)
+        dev["param_grad_buffers"] = 2.0 * slots * L_state * e
+        if pe:
+            # each slot's frozen base, dequantized in the compute type (no gradient); a low-bit tensor's
+            # stored parts and its fp32 decode while it is dequantized
+            dev["frozen_base_slots"] = slots * pe.max_slot * e
+            if pe.base_dtype in LOW_BIT:
+                dev["dequantize_scratch"] = 4.6 * max(x.largest for x in pe.layers())
         if s.stash == "cpu":
             dev["stash"] = 2.0 * ub * A  # the micro-batch being recomputed and the next one, prefetched
             host["stash"] = N * mb * A
@@ -175,21 +192,26 @@ def memory(shape: ModelShape, s: Setup) -> dict[str, dict[str, float]]:
             # undo (the slot an update does not overwrite) are in the layer files
             k = min(s.cache_layers, N + 2)
             per_param = FP32_STATE + (2.0 if s.precision == "cmp" else 0.0)
-            host["eps_cache"] = k * per_param * shape.max_layer_params
+            host["eps_cache"] = k * per_param * L_state
             # the gradients waiting for the clipping verdict (or their update): eps.grad_ram_layers buffers
             # of the largest layer, whatever the depth; the others wait on disk (an applied one kept for a
             # redo in kept_grads.eps, sparse: at most 4 bytes per parameter)
-            pool = s.pool_layers(shape.max_layer_params, N + 2)
-            host["eps_grad_pool"] = pool * 4.0 * shape.max_layer_params
-            disk["eps_files"] = DISK_STATE * P
+            pool = s.pool_layers(L_state, N + 2)
+            host["eps_grad_pool"] = pool * 4.0 * L_state
+            disk["eps_files"] = DISK_STATE * P_state
             if s.clip_global and pool < N + 2:
-                disk["eps_kept_grads"] = 4.0 * P
+                disk["eps_kept_grads"] = 4.0 * P_state
         else:
-            host["training_state"] = s.state_bytes * P
+            host["training_state"] = s.state_bytes * P_state
             if s.spec.undo_log:  # weights and moments before the early update (skip on overflow)
-                host["undo_copies"] = (s.state_bytes - 4.0) * P
+                host["undo_copies"] = (s.state_bytes - 4.0) * P_state
             if s.precision == "cmp":
-                host["send_copy"] = 2.0 * P  # the half copy the relay sends
+                host["send_copy"] = 2.0 * P_state  # the half copy the relay sends
+        if pe and pe.on_disk:  # its layer files; in RAM only the layer loading and those read ahead
+            disk["frozen_base_files"] = pe.stored
+            host["frozen_base_readahead"] = pe.readahead_bytes()
+        elif pe:
+            host["frozen_base"] = pe.stored
     return _reserve({"device": dev, "host": host, "disk": disk}, s)
 
 
@@ -224,9 +246,12 @@ def step_time(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Phase]:
     ph = {p: Phase() for p in PHASES}
     N, u = shape.num_layers, s.num_ubatches
     lt = rates.layer_times(shape, s.seq, s.ubatch)
-    P = shape.total_params
+    pe = shape.peft
+    P = pe.trainable if pe else shape.total_params  # the parameters updated (and reduced)
     # forward: pre, blocks, post (the head's forward runs with autograd, at the turn in L2L)
     if not s.l2l:
+        if pe:
+            lt = lora_times(lt)
         # l2l-v1 eq. 5: N·u·(Ft + Bt) + Ot
         fwd = u * (lt.pre_fwd_grad + N * lt.block_fwd_grad + lt.post_fwd_grad)
         bwd = u * (lt.pre_bwd + N * lt.block_bwd + lt.post_bwd)
@@ -238,6 +263,8 @@ def step_time(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Phase]:
         return ph
 
     # l2l-v1 eqs. 6 / 7, per layer: forward, then recompute + backward, relayed from the EPS
+    if pe:
+        lt = lora_times(lt)
     fwd_c = [u * lt.pre_fwd] + [u * lt.block_fwd] * N + [u * lt.post_fwd_grad]
     rec_c = [u * lt.pre_fwd_grad] + [u * lt.block_fwd_grad] * N + [0.0]
     bwd_c = [u * lt.pre_bwd] + [u * lt.block_bwd] * N + [u * lt.post_bwd]
@@ -246,11 +273,20 @@ def step_time(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Phase]:
     win_b = [r + b for r, b in zip(rec_c, bwd_c)]
     e = device_weight_bytes(s.precision)
     params = [shape.pre_params] + [shape.block_params] * N + [shape.post_params]
-    load = [rates.copy_time(p * e) for p in params]
+    if pe:  # the EPS's state is the adapters'; the base goes as stored (low-bit), no gradient comes back
+        params = [x.trainable for x in pe.layers()]
+        load = [rates.copy_time(x.trainable * e + x.stored + x.tied_stored) for x in pe.layers()]
+        grads = [rates.copy_time(x.trainable * e) for x in pe.layers()]
+    else:
+        load = [rates.copy_time(p * e) for p in params]
+        grads = load
     stash = [0.0] + [rates.copy_time(s.batch * shape.output_bytes(s.seq, s.precision))] * N + [0.0]
     if s.stash != "cpu":
         stash = [0.0] * len(params)
-    _transfer(ph["transfer"], s, rates, fwd_c, win_b, load, stash)
+    _transfer(ph["transfer"], s, rates, fwd_c, win_b, load, stash, grads)
+    if pe:  # dequantized on the device, on the compute's stream: on the step's path
+        t = dequantize_time(shape, s, rates)
+        ph["transfer"].add(t, t)
 
     t_upd = [rates.host_update_time(p) for p in params]
     upd_on = [0.0] * len(params)  # the updates' exposed seconds, by the backward window they land in
@@ -269,15 +305,57 @@ def step_time(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Phase]:
         upd_on[0] += t_upd[0]
     else:
         ph["optimizer"].add(sum(t_upd), sum(t_upd))
-    _reduce(ph, s, rates, P, hide=0.0 if rates.host_shares_device else sum(win_b))
+    _reduce(ph, s, rates, sum(params), hide=0.0 if rates.host_shares_device else sum(win_b))
+    # the disk's clock is the step's: each layer's turn lasts its compute, the exposed updates that land
+    # in it and its share of the exposed copies (half in each pass, by its bytes)
+    copies = [ph["transfer"].exposed * p / (2 * max(1, sum(params))) for p in params]
+    fwd_t = [c + x for c, x in zip(fwd_c, copies)]
+    bwd_t = [c + u + x for c, u, x in zip(win_b, upd_on, copies)]
     if s.disk:
-        # the disk's clock is the step's: each layer's turn lasts its compute, the exposed updates that land
-        # in it and its share of the exposed copies (half in each pass, by its bytes)
-        copies = [ph["transfer"].exposed * p / (2 * sum(params)) for p in params]
-        fwd_t = [c + x for c, x in zip(fwd_c, copies)]
-        bwd_t = [c + u + x for c, u, x in zip(win_b, upd_on, copies)]
         _disk(ph["disk_wait"], s, rates, params, fwd_t, bwd_t, t_upd)
+    if pe and pe.on_disk:
+        _base_reads(ph["disk_wait"], s, rates, pe, fwd_t, bwd_t)
     return ph
+
+
+def lora_times(lt: LayerTimes) -> LayerTimes:
+    """Layer times with a frozen base: a frozen matmul's backward computes its input's gradient only, not
+    its weight's (``LORA_BACKWARD_SHARE`` of a full backward); the adapters' own matmuls are rank r."""
+    k = LORA_BACKWARD_SHARE
+    return replace(lt, pre_bwd=k * lt.pre_bwd, block_bwd=k * lt.block_bwd, post_bwd=k * lt.post_bwd)
+
+
+def dequantize_time(shape: ModelShape, s: Setup, rates: Rates) -> float:
+    """Seconds per step the device spends decoding the stored base into its slots (every load), at the
+    device memory's bandwidth (``hardware.device_memory_gbps``): bound by the bytes it reads and writes."""
+    pe = shape.peft
+    if pe is None:
+        return 0.0
+    return pe.dequant_bytes(device_weight_bytes(s.precision)) / rates.device_bandwidth
+
+
+def _base_reads(
+    out: Phase, s: Setup, rates: Rates, pe: Any, fwd: list[float], win_b: list[float]
+) -> None:  # fmt: skip
+    """A frozen base on disk (``peft.base_source=disk``): the relay reads each layer's file at every load
+    (:meth:`PeftShape.loads`: the forward, then the backward's recompute + backward from one load), with
+    ``READ_AHEAD`` layers read ahead on a thread of its own in the direction the pass goes
+    (engine/frozen_disk.py). A load is made while the layer before computes (the relay's prefetch), so
+    its file must be in by then; the read of layer m starts when layer m-2 is loaded. Simulated as the
+    disk tier's queues (:func:`exposed_wait`): what the compute waits for is exposed."""
+    n = len(fwd)
+    loads = pe.loads(s.prefetch)
+    layers = pe.layers()
+    tied = pe.pre.stored if pe.post.tied_stored else 0
+    size = [x.stored + (tied if j == n - 1 else 0) for j, x in enumerate(layers)]
+    order = [(fwd[j], size[j]) for j in range(n)]
+    order += [(win_b[j], size[j] if loads[j] > 1 else 0.0) for j in reversed(range(n))]
+    if s.prefetch:  # use m's compute waits for the read of use m+1 (loaded while m computes)
+        order = [(c, order[(m + 1) % len(order)][1]) for m, (c, _) in enumerate(order)]
+    uses = [Use(c, r) for c, r in order]
+    io = sum(r for _, r in order) / rates.disk_read
+    disk = Disk(rates.disk_read, rates.disk_write, rates.disk_share())
+    out.add(io, exposed_wait(uses, READ_AHEAD + 1, disk))
 
 
 def _disk(
@@ -327,20 +405,22 @@ def _disk(
 
 def _transfer(
     out: Phase, s: Setup, rates: Rates, fwd: list[float], win_b: list[float], load: list[float],
-    stash: list[float],
+    stash: list[float], grads: list[float] | None = None,
 ) -> None:  # fmt: skip
     """Layer loads (h2d), gradients (d2h) and the CPU stash (d2h in forward, h2d in backward).
 
     Inline copies (a CPU device tier) are all exposed. With copy engines, a copy hides behind the compute
     it overlaps: with prefetch, layer l+1 loads while layer l computes (eq. 7's max(0, L/Hb − u·Ft));
-    without, each load is waited for (eq. 6). Gradients and the stash use the other direction.
+    without, each load is waited for (eq. 6). Gradients (``grads``; default: a layer's load) and the stash
+    use the other direction.
     """
     n = len(load)
+    grads = load if grads is None else grads
     if not rates.async_copy:
         # forward loads every layer; backward all but the head (and the last block, still in the other
         # slot with prefetch); every gradient goes back; the stash goes out and comes back
         loads = sum(load) + sum(load[:-1]) - (load[-2] if s.prefetch else 0.0)
-        total = loads + sum(load) + 2 * sum(stash)
+        total = loads + sum(grads) + 2 * sum(stash)
         out.add(total, total)
         return
     # forward: layer 0 is waited for; then layer i computes while layer i+1 loads (prefetch) and layer
@@ -355,7 +435,7 @@ def _transfer(
             out.add(stash[i], stash[i] - fwd[i])
     # backward, from the head down (the head is still on the device after the turn)
     for i in range(n - 1, -1, -1):
-        grad_above = load[i + 1] if i + 1 < n else 0.0  # the layer above's gradient leaving for the EPS
+        grad_above = grads[i + 1] if i + 1 < n else 0.0  # the layer above's gradient leaving for the EPS
         if s.prefetch:
             # layer i's recompute + backward hides the load of layer i-1 (the last block is still in the
             # other slot after the turn), its own stash coming back, and the gradient above going out
@@ -366,7 +446,7 @@ def _transfer(
             if i < n - 1:
                 out.add(load[i] + grad_above, load[i] + max(grad_above - load[i], 0.0))
             out.add(stash[i], stash[i] - win_b[i])
-    out.add(load[0], load[0])  # the embeddings' gradient: the update waits for it
+    out.add(grads[0], grads[0])  # the embeddings' gradient: the update waits for it
 
 
 def _reduce(ph: dict[str, Phase], s: Setup, rates: Rates, params: int, hide: float) -> None:
@@ -484,7 +564,11 @@ def recommend(shape: ModelShape, s: Setup, rates: Rates, max_overhead: float) ->
     basis = ub or s.ubatch
     lt = rates.layer_times(shape, s.seq, basis)
     C = lt.block_fwd
-    X = rates.copy_time(shape.block_params * device_weight_bytes(s.precision))
+    pe = shape.peft
+    if pe:  # a block's adapters in the compute type and its base as stored
+        X = rates.copy_time(pe.block.trainable * device_weight_bytes(s.precision) + pe.block.stored)
+    else:
+        X = rates.copy_time(shape.block_params * device_weight_bytes(s.precision))
     u_min = cm.min_ubatches(C, X, max_overhead) if C > 0 else None
     return {
         "max_transfer_overhead": max_overhead,
@@ -552,6 +636,58 @@ def compare_modes(shape: ModelShape, s: Setup, rates: Rates) -> list[dict[str, A
     return rows
 
 
+def peft_view(shape: ModelShape, s: Setup, rates: Rates, result: dict[str, Any]) -> dict[str, Any] | None:
+    """``l2l plan``'s LoRA section (``peft=lora``): bytes per parameter where each part lives (the frozen
+    base at ``peft.base_dtype`` in RAM or on disk, one dequantized layer per device slot, the adapters'
+    training state), the host bytes per parameter a run reports (``summary.json``'s
+    ``host_bytes_per_param`` over the model's parameters, ``peft.host_bytes_per_param`` over trainable +
+    frozen), and the step's terms: which one bounds it."""
+    pe = shape.peft
+    if pe is None:
+        return None
+    P = shape.total_params
+    mem = result["memory"]
+    e = device_weight_bytes(s.precision)
+    host_state = sum(v for k, v in mem["host"].items() if k in ("training_state", "frozen_base", "eps_cache",
+                                                                "eps_grad_pool"))  # fmt: skip
+    phases = result["phases"]
+    compute = sum(phases[k].exposed + phases[k].hidden for k in ("forward", "recompute", "backward"))
+    dequant = dequantize_time(shape, s, rates) if s.l2l else 0.0
+    read = pe.bytes_read(s.prefetch) if s.l2l else 0.0
+    terms = {
+        "compute": compute,
+        "dequantize": dequant,
+        "disk_read": read / rates.disk_read,
+        "link": phases["transfer"].exposed + phases["transfer"].hidden - dequant,
+        "optimizer": phases["optimizer"].exposed + phases["optimizer"].hidden,
+    }
+    # the relay's reads, copies and the host's updates run beside the compute; the dequantize runs on
+    # the compute's stream, in line with it
+    lanes = {"compute + dequantize": compute + dequant, "disk read": terms["disk_read"],
+             "link": terms["link"], "host optimizer": terms["optimizer"]}  # fmt: skip
+    bound = max(lanes, key=lanes.get)
+    return {
+        **pe.summary(P),
+        "optimizer": s.optim,
+        "state_bytes_per_trainable_param": s.state_bytes,
+        "adapter_state_bytes": s.state_bytes * pe.trainable,
+        "base_ram_bytes": mem["host"].get("frozen_base", 0.0),
+        "base_readahead_bytes": mem["host"].get("frozen_base_readahead", 0.0),
+        "base_disk_bytes": mem["disk"].get("frozen_base_files", 0.0),
+        "device_layer_bytes_per_param": float(e) if s.l2l else 4.0,
+        "device_slot_bytes": mem["device"].get("frozen_base_slots", mem["device"].get("frozen_base", 0.0)),
+        "host_bytes_per_param": host_state / P,
+        "peft_host_bytes_per_param": host_state / max(1, pe.trainable + pe.frozen),
+        "host_bytes_per_param_all": result["host_bytes"] / P,
+        "base_loads_per_step": sum(pe.loads(s.prefetch)) if s.l2l else 0,
+        "base_bytes_loaded_per_step": pe.bytes_loaded(s.prefetch) if s.l2l else 0.0,
+        "base_bytes_read_per_step": read,
+        "step_terms_s": terms,
+        "bound": bound,
+        "bound_s": lanes[bound],
+    }
+
+
 def verdict(shape: ModelShape, s: Setup, rates: Rates, result: dict[str, Any]) -> str:
     """One line: fits, or why not and what to change."""
     if result["fits"]:
@@ -565,11 +701,36 @@ def verdict(shape: ModelShape, s: Setup, rates: Rates, result: dict[str, Any]) -
             f"{shape.max_layer_params / 1e6:.1f}M parameters, and its gradient, with one sample) > budget "
             f"{fmt_bytes(dev_budget)}, so no mode or micro-batch fits; try {fix}a device with more memory"
         )
+    pe = shape.peft
+    if pe is not None and result["disk_bytes"] > rates.disk_free:
+        return (
+            f"does not fit: the frozen base's files and the EPS need {fmt_bytes(result['disk_bytes'])} on disk > "
+            f"{fmt_bytes(rates.disk_free)} free; try a lower peft.base_dtype (nf4)"
+        )
     if result["disk_bytes"] > rates.disk_free:
         return (
             f"does not fit: the disk EPS needs {fmt_bytes(result['disk_bytes'])} on disk > "
             f"{fmt_bytes(rates.disk_free)} free (24 bytes per parameter: two versions of weights and moments)"
         )
+    if pe is not None and s.l2l and result["host_node_bytes"] > host_budget and not pe.on_disk:
+        from dataclasses import replace as _replace
+
+        from l2l_cli.config.schema import BASE_SOURCES
+
+        on_disk = _replace(shape, peft=_replace(pe, base_source=BASE_SOURCES[1]))
+        alt = evaluate(on_disk, s, rates)
+        why = (
+            f"host memory needs {fmt_bytes(result['host_node_bytes'])} > {fmt_bytes(host_budget)} per node "
+            f"(the frozen base in {pe.base_dtype}: {fmt_bytes(pe.stored)}, "
+            f"{pe.base_bytes_per_param:.3g} B/param)"
+        )
+        if alt["fits"]:
+            return (
+                f"does not fit: {why}; peft.base_source={BASE_SOURCES[1]} fits: the base on disk "
+                f"({fmt_bytes(alt['disk_bytes'])}), {fmt_bytes(alt['host_bytes'])} in RAM, "
+                f"~{alt['step_time_s']:.3g} s per step"
+            )
+        return f"does not fit: {why}; try peft.base_source={BASE_SOURCES[1]} or a lower peft.base_dtype (nf4)"
     if result["host_node_bytes"] > host_budget:
         ranks = rates.ranks_on_node(s.nproc)
         why = (

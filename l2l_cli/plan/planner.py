@@ -14,7 +14,19 @@ from l2l_cli.plan.shapes import ModelShape
 
 def model_shape(cfg: Any) -> tuple[ModelShape, list[str]]:
     """The model's shape as ``l2l train`` would build it (its family's spec: a local pretrained dir's
-    config.json wins). Nothing is downloaded: a hub id plans with the ``model.*`` sizes."""
+    config.json wins), with its LoRA numbers under ``peft=lora``. Nothing is downloaded: a hub id plans
+    with the ``model.*`` sizes."""
+    shape, notes = _plain_shape(cfg)
+    if cfg.peft.name == "none":
+        return shape, notes
+    from dataclasses import replace
+
+    from l2l_cli.plan.peft import peft_shape
+
+    return replace(shape, peft=peft_shape(shape.spec, cfg.peft)), notes
+
+
+def _plain_shape(cfg: Any) -> tuple[ModelShape, list[str]]:
     from l2l_cli.data.tasks import TASKS
     from l2l_cli.models import FAMILIES, UnsupportedModel, family_for_dir
 
@@ -76,6 +88,7 @@ def make_plan(cfg: Any, rates: Rates | None = None) -> dict[str, Any]:
             "prefetch": s.prefetch,
             "precision": s.precision,
             "optimizer": cfg.optim.name,
+            "peft": cfg.peft.name,
             "num_layers": shape.num_layers,
             "hidden_size": shape.hidden,
             "seq_len": s.seq,
@@ -120,6 +133,7 @@ def make_plan(cfg: Any, rates: Rates | None = None) -> dict[str, Any]:
         "critical_batch_size": ga["critical_batch_size"],
         "layered_ga": ga,
         "pipeline": est.pipeline_view(shape, s, rates),
+        "peft": est.peft_view(shape, s, rates, r),
         "recompute": est.recompute_choices(shape, s, rates, cfg.mode.recompute, cfg.mode.keep_layers),
         "notes": notes + list(rates.notes),
     }

@@ -25,6 +25,11 @@ PART_NAMES = {
     "eps_files": "EPS layer files (two versions)",
     "runtime_reserved": "CUDA context, workspaces, allocator (hardware.device_reserved_gb)",
     "eps_kept_grads": "EPS kept gradients (at most)",
+    "frozen_base": "frozen base (peft.base_dtype)",
+    "frozen_base_slots": "frozen base, dequantized in the relay slots",
+    "dequantize_scratch": "dequantize scratch (one tensor's fp32 decode)",
+    "frozen_base_readahead": "frozen base read ahead (3 layers)",
+    "frozen_base_files": "frozen base layer files",
 }
 
 
@@ -113,6 +118,9 @@ def render(plan: dict[str, Any], console: Console) -> None:
     t.add_row("budget", *budgets)
     console.print(t)
 
+    if plan.get("peft"):
+        render_peft(plan["peft"], console)
+
     st, hid = plan["step_time_s"], plan["hidden_s"]
     t = _table("Step time by phase", "phase", "exposed", "hidden (overlapped)")
     for k in ("forward", "recompute", "backward", "transfer", "optimizer", "reduce", "disk_wait", "bubble"):
@@ -193,6 +201,69 @@ def render(plan: dict[str, Any], console: Console) -> None:
     )
     for note in plan["notes"]:
         console.print(f"[dim]note: {note}")
+
+
+def render_peft(pe: dict[str, Any], console: Console) -> None:
+    """peft=lora: bytes per parameter where each part lives, and which term bounds the step."""
+    targets = ",".join(pe["target_modules"])
+    where = "on disk" if pe["base_source"] == "disk" else "in RAM"
+    t = _table(
+        f"LoRA (peft=lora, r={pe['r']} on {targets}): bytes per parameter",
+        "part",
+        "parameters",
+        "bytes",
+        "where",
+    )
+    base_bpp = pe["base_bytes_per_param"]
+    if pe["base_source"] == "disk":
+        place = (f"{base_bpp:.3g} B/param on disk ({fmt_bytes(pe['base_disk_bytes'])}), 0 in RAM "
+                 f"(+ {fmt_bytes(pe['base_readahead_bytes'])} read ahead)")  # fmt: skip
+    else:
+        place = f"{base_bpp:.3g} B/param in RAM ({fmt_bytes(pe['base_ram_bytes'])})"
+    t.add_row(
+        f"frozen base, {pe['base_dtype']} {where}",
+        fmt_n(pe["frozen_params"]),
+        place,
+        "peft.base_dtype, peft.base_source",
+    )
+    t.add_row(
+        "  on the device: one layer per slot, dequantized",
+        "",
+        f"{pe['device_layer_bytes_per_param']:.3g} B/param ({fmt_bytes(pe['device_slot_bytes'])})",
+        "precision",
+    )
+    t.add_row(
+        f"adapters ({pe['optimizer']})",
+        fmt_n(pe["trainable_params"]),
+        f"{pe['state_bytes_per_trainable_param']:.3g} B/param in RAM ({fmt_bytes(pe['adapter_state_bytes'])})",
+        "optim, peft.r",
+    )
+    t.add_row(
+        "[bold]host state per model parameter",
+        "",
+        f"[bold]{pe['host_bytes_per_param']:.3g} B/param",
+        "summary.json host_bytes_per_param",
+    )
+    console.print(t)
+    terms = pe["step_terms_s"]
+    read = pe["base_bytes_read_per_step"]
+    t = _table(
+        "LoRA step terms (each layer's base is loaded twice a step: for the forward, and for the backward's "
+        "recompute + backward)",
+        "term",
+        "per step",
+    )
+    t.add_row("compute (forward, recompute, backward without weight gradients)", fmt_s(terms["compute"]))
+    t.add_row("dequantize on the device", fmt_s(terms["dequantize"]))
+    if read:
+        t.add_row(f"disk read of the base ({fmt_bytes(read)})", fmt_s(terms["disk_read"]))
+    t.add_row(
+        f"link: base as stored + adapters ({fmt_bytes(pe['base_bytes_loaded_per_step'])} of base)",
+        fmt_s(terms["link"]),
+    )
+    t.add_row("host optimizer (adapters only)", fmt_s(terms["optimizer"]))
+    t.add_row(f"[bold]bound by: {pe['bound']}", f"[bold]{fmt_s(pe['bound_s'])}")
+    console.print(t)
 
 
 def render_recompute(rc: dict[str, Any], console: Console) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from l2l_cli.models.base import ModelSpec
+from l2l_cli.plan.peft import PeftShape
 
 # The EPS (host) update in the L2L v1 paper's units (§3.1.2: "Optimization requires 100 GFLOP" for
 # BERT-Large's ~335M parameters, i.e. ~300 FLOP-equivalents per parameter at its 300 GFLOP/s EPS: 1 ns per
@@ -55,6 +56,8 @@ class ModelShape:
     spec: ModelSpec = field(
         compare=False, repr=False
     )  # the family's spec (builds layers for hardware=measure)
+    # peft=lora: the adapters' and the frozen base's numbers (plan/peft.py); None: every parameter trains
+    peft: PeftShape | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_spec(cls, spec: ModelSpec) -> ModelShape:
