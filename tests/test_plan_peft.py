@@ -212,6 +212,7 @@ def test_host_bytes_per_param_match_a_tiny_run(tmp_path: Path) -> None:
         ),
         (["peft=lora", "mode=baseline", "peft.base_source=disk"], "peft.base_source"),
         (["model=llama-tiny", "task=lm", "peft=lora", "peft.target_modules=[qkv]"], "peft.target_modules"),
+        (["--search", "model=llama-7b", "task=lm", "peft=lora"], "peft.name"),
     ],
 )
 def test_a_bad_peft_combination_is_one_config_error(args: list[str], key: str, capsys) -> None:

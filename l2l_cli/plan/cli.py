@@ -181,6 +181,13 @@ def _search_or_scaling(cfg: Any, overrides: list[str], flags: dict[str, Any]) ->
                 "config error: hardware=measure: --search and --scaling need a GPU preset (hardware=a100-80g, ...)"
             ]
         )
+    if cfg.peft.name != "none":
+        return _fail(
+            [
+                f"config error: peft.name: --search and --scaling plan full training (the layered-GA paper's "
+                f"methods), not peft={cfg.peft.name}; ask l2l plan without them for the LoRA plan"
+            ]
+        )
     try:
         if flags["search"]:
             from l2l_cli.plan.choose import search_plan

@@ -675,6 +675,7 @@ def peft_view(shape: ModelShape, s: Setup, rates: Rates, result: dict[str, Any])
         "base_readahead_bytes": mem["host"].get("frozen_base_readahead", 0.0),
         "base_disk_bytes": mem["disk"].get("frozen_base_files", 0.0),
         "device_layer_bytes_per_param": float(e) if s.l2l else 4.0,
+        "slot_params": pe.max_slot if s.l2l else pe.frozen,
         "device_slot_bytes": mem["device"].get("frozen_base_slots", mem["device"].get("frozen_base", 0.0)),
         "host_bytes_per_param": host_state / P,
         "peft_host_bytes_per_param": host_state / max(1, pe.trainable + pe.frozen),

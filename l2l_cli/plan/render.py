@@ -76,6 +76,12 @@ def render(plan: dict[str, Any], console: Console) -> None:
             if c.get("pipeline", 1) > 1
             else ""
         )
+        + (
+            f" · LoRA r={plan['peft']['r']}, base {plan['peft']['base_dtype']} on {plan['peft']['base_source']}, "
+            f"{plan['config']['optimizer']}"
+            if plan.get("peft")
+            else ""
+        )
         + f"\nhardware [bold]{hw['name']}[/]{_with(hw)}: {hw['rate']}, "
         f"{hw['device_memory_gib']:.3g} GiB device, link {hw['h2d_gbps']:.3g} GB/s, "
         f"host update {hw['host_gflops']:.3g} GFLOP/s"
@@ -206,44 +212,22 @@ def render(plan: dict[str, Any], console: Console) -> None:
 def render_peft(pe: dict[str, Any], console: Console) -> None:
     """peft=lora: bytes per parameter where each part lives, and which term bounds the step."""
     targets = ",".join(pe["target_modules"])
-    where = "on disk" if pe["base_source"] == "disk" else "in RAM"
     t = _table(
         f"LoRA (peft=lora, r={pe['r']} on {targets}): bytes per parameter",
-        "part",
-        "parameters",
-        "bytes",
-        "where",
-    )
-    base_bpp = pe["base_bytes_per_param"]
-    if pe["base_source"] == "disk":
-        place = (f"{base_bpp:.3g} B/param on disk ({fmt_bytes(pe['base_disk_bytes'])}), 0 in RAM "
-                 f"(+ {fmt_bytes(pe['base_readahead_bytes'])} read ahead)")  # fmt: skip
-    else:
-        place = f"{base_bpp:.3g} B/param in RAM ({fmt_bytes(pe['base_ram_bytes'])})"
-    t.add_row(
-        f"frozen base, {pe['base_dtype']} {where}",
-        fmt_n(pe["frozen_params"]),
-        place,
-        "peft.base_dtype, peft.base_source",
-    )
-    t.add_row(
-        "  on the device: one layer per slot, dequantized",
-        "",
-        f"{pe['device_layer_bytes_per_param']:.3g} B/param ({fmt_bytes(pe['device_slot_bytes'])})",
-        "precision",
-    )
-    t.add_row(
-        f"adapters ({pe['optimizer']})",
-        fmt_n(pe["trainable_params"]),
-        f"{pe['state_bytes_per_trainable_param']:.3g} B/param in RAM ({fmt_bytes(pe['adapter_state_bytes'])})",
-        "optim, peft.r",
-    )
-    t.add_row(
-        "[bold]host state per model parameter",
-        "",
-        f"[bold]{pe['host_bytes_per_param']:.3g} B/param",
-        "summary.json host_bytes_per_param",
-    )
+        "part", "parameters", "B/param", "in", "bytes", "set by",
+    )  # fmt: skip
+    disk = pe["base_source"] == "disk"
+    t.add_row(f"frozen base, {pe['base_dtype']}", fmt_n(pe["frozen_params"]), f"{pe['base_bytes_per_param']:.3g}",
+              "disk" if disk else "RAM", fmt_bytes(pe["base_bytes"]), "peft.base_dtype")  # fmt: skip
+    if disk:
+        t.add_row("  read ahead (3 layers at most)", "", "0", "RAM", fmt_bytes(pe["base_readahead_bytes"]),
+                  "peft.base_source")  # fmt: skip
+    t.add_row("  a relay slot: one layer, dequantized", fmt_n(pe["slot_params"]),
+              f"{pe['device_layer_bytes_per_param']:.3g}", "device", fmt_bytes(pe["device_slot_bytes"]), "precision")  # fmt: skip
+    t.add_row(f"adapters' state ({pe['optimizer']})", fmt_n(pe["trainable_params"]),
+              f"{pe['state_bytes_per_trainable_param']:.3g}", "RAM", fmt_bytes(pe["adapter_state_bytes"]), "optim, peft.r")  # fmt: skip
+    t.add_row("[bold]host state per model parameter", fmt_n(pe["total_params"]),
+              f"[bold]{pe['host_bytes_per_param']:.3g}", "RAM", "", "summary.json")  # fmt: skip
     console.print(t)
     terms = pe["step_terms_s"]
     read = pe["base_bytes_read_per_step"]
