@@ -61,8 +61,12 @@ def test_70b_nf4_from_disk_fits_a_24gb_gpu_and_64gb_of_ram(capsys) -> None:
     assert pe["bound"] in ("compute + dequantize", "disk read", "link", "host optimizer")
     assert main(ACCEPT) == 0
     out = capsys.readouterr().out
-    assert "✓ fits" in out and "B/param on disk" in out and "0 in RAM" in out and "bound by:" in out
-    assert "adapters (adamw)" in out and "16 B/param in RAM" in out
+    assert "✓ fits" in out and "LoRA r=8, base nf4 on disk, adamw" in out and "bound by:" in out
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]] for line in out.splitlines()
+            if line.startswith("│") and line.count("│") == 7}  # fmt: skip
+    assert rows["frozen base, nf4"][1:3] == [f"{pe['base_bytes_per_param']:.3g}", "disk"]
+    assert rows["read ahead (3 layers at most)"][1:3] == ["0", "RAM"]
+    assert rows["adapters' state (adamw)"][1:3] == ["16", "RAM"]
 
 
 def test_7b_full_fine_tune_needs_100_gib_of_host_and_lora_nf4_on_disk_a_few() -> None:
