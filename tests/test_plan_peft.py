@@ -20,6 +20,7 @@ from l2l_cli.plan.peft import (
     stored_bytes,
 )
 from l2l_cli.plan.planner import make_plan, model_shape
+from l2l_cli.plan.render import fmt_s
 
 GiB = 2**30
 ACCEPT = ["model=llama-70b", "task=lm", "peft=lora", "peft.base_dtype=nf4", "peft.base_source=disk",
@@ -62,6 +63,7 @@ def test_70b_nf4_from_disk_fits_a_24gb_gpu_and_64gb_of_ram(capsys) -> None:
     assert main(ACCEPT) == 0
     out = capsys.readouterr().out
     assert "✓ fits" in out and "LoRA r=8, base nf4 on disk, adamw" in out and "bound by:" in out
+    assert f"step {fmt_s(p['step_time_s']['total'])}, bound by {pe['bound']}" in out
     rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]] for line in out.splitlines()
             if line.startswith("│") and line.count("│") == 7}  # fmt: skip
     assert rows["frozen base, nf4"][1:3] == [f"{pe['base_bytes_per_param']:.3g}", "disk"]

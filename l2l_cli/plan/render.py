@@ -88,9 +88,11 @@ def render(plan: dict[str, Any], console: Console) -> None:
     )
     ok = plan["fits"]
     verdict = Text(("✓ " if ok else "✗ ") + plan["verdict"], style="bold green" if ok else "bold red")
-    console.print(
-        Panel(Group(Text.from_markup(head), verdict), title="l2l plan", title_align="left", expand=False)
-    )
+    lines = [Text.from_markup(head), verdict]
+    if plan.get("peft"):  # a LoRA plan: the step and the term that bounds it, beside the verdict
+        pe = plan["peft"]
+        lines.append(Text(f"step {fmt_s(plan['step_time_s']['total'])}, bound by {pe['bound']}"))
+    console.print(Panel(Group(*lines), title="l2l plan", title_align="left", expand=False))
 
     p = plan["params"]
     t = _table("Parameters", "layer", "parameters")
