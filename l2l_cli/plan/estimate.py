@@ -327,11 +327,14 @@ def lora_times(lt: LayerTimes) -> LayerTimes:
 
 def dequantize_time(shape: ModelShape, s: Setup, rates: Rates) -> float:
     """Seconds per step the device spends decoding the stored base into its slots (every load), at the
-    device memory's bandwidth (``hardware.device_memory_gbps``): bound by the bytes it reads and writes."""
+    device memory's bandwidth (``hardware.device_memory_gbps``; measured: the copy rate timed here): bound by
+    the bytes it reads and writes."""
     pe = shape.peft
     if pe is None:
         return 0.0
-    return pe.dequant_bytes(device_weight_bytes(s.precision)) / rates.device_bandwidth
+    # a measured machine: the copy rate it measured (a CPU device tier dequantizes in its RAM)
+    bw = rates.measured.memcpy_bytes_per_s if rates.measured is not None else rates.device_bandwidth
+    return pe.dequant_bytes(device_weight_bytes(s.precision)) / bw
 
 
 def _base_reads(
