@@ -390,6 +390,18 @@ def test_hardware_measure_times_this_machine(capsys) -> None:
     assert sim["hardware"]["async_copy"] is True
 
 
+def test_hardware_measure_times_a_language_model(capsys) -> None:
+    """A decoder's labels are its tokens: the measured head takes (rows, seq) labels, not one per row."""
+    import torch
+
+    torch.set_num_threads(1)
+    plan = run_json(
+        capsys, "hardware=measure", "plan.measure_repeats=1", "model=llama-tiny", "task=lm",
+        "batch.size=2", "batch.ubatch_size=1", "task.max_seq_len=16", "mode=l2l",
+    )  # fmt: skip
+    assert plan["hardware"]["measured"]["block_forward_s"] > 0
+
+
 def test_compare_reads_a_run_dir(capsys, tmp_path) -> None:
     (tmp_path / ".hydra").mkdir()
     (tmp_path / ".hydra" / "overrides.yaml").write_text(

@@ -164,8 +164,11 @@ def measure(cfg: Any, shape: ModelShape) -> MeasuredTimes:
     ub, seq = cfg.batch.ubatch_size, cfg.task.max_seq_len
     spec = shape.spec
     optim = OptimSettings.from_cfg(cfg.optim)
-    labels = torch.zeros(ub, dtype=torch.float32 if shape.num_labels == 1 else torch.long, device=device)
     ids = torch.randint(0, spec.vocab_size, (ub, seq), device=device)
+    if len(spec.logits_shape(ub, seq)) == 3:  # a language model's labels are its tokens
+        labels = ids.clone()
+    else:
+        labels = torch.zeros(ub, dtype=torch.float32 if shape.num_labels == 1 else torch.long, device=device)
     batch = Batch(ids, torch.zeros_like(ids), torch.ones_like(ids), labels)
     torch.manual_seed(0)
     # a CPU device tier runs under the storage meter (profile.memory; always for device=sim): time with it
