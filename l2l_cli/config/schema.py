@@ -81,6 +81,20 @@ class PrecisionConfig:
     growth_interval: int = 2000  # dynamic loss scaling: steps without overflow before the scale doubles
 
 
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user",
+                  "assistant": "assistant", "tool": "tool"}  # fmt: skip
+
+
+@dataclass
+class ChatFieldsConfig:
+    messages: str | None = None  # task=chat: the field holding the turns; unset: messages, else conversations
+    role: str | None = None  # task=chat: a turn's speaker key; unset: role, else from (ShareGPT)
+    content: str | None = None  # task=chat: a turn's text key; unset: content, else value (ShareGPT)
+    roles: dict[str, str] = field(
+        default_factory=lambda: dict(SHAREGPT_ROLES)  # task=chat: speaker names -> system|user|assistant|tool
+    )
+
+
 @dataclass
 class TaskConfig:
     name: str = "synthetic"  # the task (set by the task group)
@@ -109,8 +123,9 @@ class TaskConfig:
         "auto"  # task=chat: auto | messages | instruction (instruction/input/output) | prompt_completion
     )
     chat_template: str | None = (
-        None  # task=chat: a Jinja chat template (text or a file); unset: the tokenizer's
+        None  # task=chat: chatml | llama3 | a Jinja chat template (text or a file); unset: the tokenizer's
     )
+    fields: ChatFieldsConfig = field(default_factory=ChatFieldsConfig)  # task=chat: the rows' keys (ShareGPT)
     train_on: str = "assistant"  # task=chat: assistant (loss on the answers only) | all (every token)
     packing: bool = False  # task=chat: several examples per row, attention kept inside each (else padding)
     dataset: str | None = (
