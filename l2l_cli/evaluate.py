@@ -248,7 +248,9 @@ def text_fields(cfg: DictConfig, spec: Any, first: dict[str, Any]) -> list[str]:
     """The input's text columns: task.text_fields for csv/json tasks; for GLUE, the hub's column names,
     or the GLUE TSV header's when the file has those (a GLUE dev.tsv works as input as it is)."""
     if spec.file_format is not None:
-        return list(cfg.task.text_fields)
+        from l2l_cli.data.sources import as_list
+
+        return as_list(cfg.task.text_fields)
     hub, tsv = list(spec.hub[:-1]), [c for c in spec.tsv[:-1] if isinstance(c, str)]
     if tsv and all(c in first for c in tsv) and not all(c in first for c in hub):
         return tsv

@@ -116,7 +116,9 @@ class TaskConfig:
     dev_fraction: float = (
         0.05  # task=lm|chat: the last share of the packed blocks (chat: examples) kept as dev
     )
-    text_fields: list[str] = field(default_factory=lambda: ["text"])  # task=csv|json: 1 or 2 text columns
+    text_fields: Any = field(
+        default_factory=lambda: ["text"]
+    )  # task=csv|json: 1 or 2 text columns (or one name)
     label_field: str = "label"  # task=csv|json: the label column
     regression: bool | None = None  # task=csv|json: numeric target; unset = numbers that are not all integers
     format: str = (
