@@ -322,6 +322,16 @@ def main(argv: list[str] | None = None) -> None:
         print(version())
         sys.exit(0)
     cmd, rest = argv[0], argv[1:]
+    try:
+        code = _dispatch(cmd, rest)
+    except KeyboardInterrupt:  # Ctrl-C before a command's own handling (importing torch, composing): one line
+        print(f"\nl2l: {cmd} interrupted before it started (nothing written)", file=sys.stderr, flush=True)
+        code = 130
+    sys.exit(code)
+
+
+def _dispatch(cmd: str, rest: list[str]) -> int:
+    """Run one subcommand; its exit code."""
     if cmd == "train":
         code = train(rest)
     elif cmd in ("eval", "predict"):
@@ -348,7 +358,7 @@ def main(argv: list[str] | None = None) -> None:
         code = _fail(
             f"unknown command {cmd!r}; allowed: train, eval, predict, generate, export, report, plan (l2l --help)"
         )
-    sys.exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -178,3 +178,21 @@ def test_a_stop_during_evaluation_on_one_rank_stops_every_rank_together(tmp_path
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     _, manifest = ckpt.latest_valid(tmp_path)
     assert manifest["step"] == 2
+
+
+def test_ctrl_c_in_the_first_second_is_one_line(tmp_path) -> None:
+    """Issue 40 item 9c: Ctrl-C while ``l2l train`` still imports and composes printed a 63-line
+    KeyboardInterrupt traceback; it is one line and exit code 130, with no run dir."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "l2l_cli", "train", f"hydra.run.dir={run}"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    time.sleep(0.6)  # the interpreter is up, torch is still importing
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    ours = [ln for ln in (out + err).splitlines() if ln.startswith("l2l:")]
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in out + err and ours == [
+        "l2l: train interrupted before it started (nothing written)"
+    ]
+    assert not run.exists()
