@@ -54,6 +54,9 @@ def test_sigterm_stops_at_a_step_boundary_saves_and_says_how_to_resume(tmp_path)
     )
     assert summary["status"] == "interrupted" and "stopped by SIGTERM after step" in summary["error"]
     assert f"trainer.resume={tmp_path}" in out and "Traceback" not in out + err
+    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])  # issue 40 item 9d:
+    assert summary["steps"] == stopped and summary["final_loss"] == last["loss"]  # not `final loss -`
+    assert summary["samples_per_s"] > 0 and "0.0 samples/s" not in out  # nor 0.0 samples/s
     _, manifest = ckpt.latest_valid(tmp_path)
     assert manifest["step"] == stopped == _logged_steps(tmp_path)[-1]
     r = l2l("train", *TINY, "mode=l2l", f"trainer.max_steps={stopped + 2}", "task.num_train=256", "task.num_eval=16",
