@@ -68,7 +68,11 @@ def test_mrpc_with_l2l_from_pretrained_minilm(glue, minilm, tmp_path) -> None:
     _, _, summary = read(tmp_path)
     assert set(summary["eval"]) == {"accuracy", "f1"}
     assert summary["config"]["num_layers"] == 6 and summary["params"] > 22_000_000
-    assert "newly initialized: classifier" in (tmp_path / "train.log").read_text()
+    log = (tmp_path / "train.log").read_text()
+    assert "newly initialized: classifier" in log
+    # issue 40 item 9e: the checkpoint by its own name, not the model group's default (bert-tiny)
+    assert "model     nreimers/MiniLM-L6-H384-uncased (bert, pretrained): 6 layers" in log
+    assert "bert-tiny" not in log
 
 
 def test_sweep_runs_every_job_and_a_failed_job_does_not_stop_the_others(tmp_path) -> None:
