@@ -275,7 +275,7 @@ def test_long_names_keep_headers_whole_and_the_legend_off_the_curves(
         (run / "summary.json").write_text(json.dumps(s))
     seen: dict[str, tuple] = {}
 
-    def save(fig, path: Path, tight: bool = True) -> None:  # noqa: ANN001
+    def save(fig, path: Path, tight: bool = True) -> None:
         fig.canvas.draw()
         ax = fig.axes[0]
         legend = ax.get_legend()
