@@ -132,3 +132,17 @@ def test_a_mapping_that_misses_names_the_key_the_file_and_its_line(box: Path, tm
     assert [str(p) for p in validate(bad_role, check_files=False)] == [
         "task.fields.roles.bot: got 'robot'; allowed: system, user, assistant, tool"
     ]
+
+
+def test_generate_from_a_step_checkpoint_uses_the_named_template(box: Path, tmp_path: Path) -> None:
+    """Without final/ (a step checkpoint has no tokenizer beside it), ``l2l generate --chat`` renders with
+    the run's task.chat_template and its added tokens, so it stops at the template's end of turn."""
+    from l2l_cli.data.templates import LLAMA3
+    from l2l_cli.engine.stops import end_of_turn
+    from l2l_cli.generate import tokenizer_for
+
+    cfg = tiny_cfg(*CHAT, f"model.pretrained={box / 'roomy'}", f"task.files=[{box / 'chat.jsonl'}]",
+                   "task.chat_template=llama3")  # fmt: skip
+    tok, _ = tokenizer_for(cfg, tmp_path)
+    assert tok.chat_template == LLAMA3.template
+    assert end_of_turn(tok) == {tok.convert_tokens_to_ids("<|eot_id|>")} != {tok.unk_token_id}
