@@ -81,8 +81,10 @@ class PrecisionConfig:
     growth_interval: int = 2000  # dynamic loss scaling: steps without overflow before the scale doubles
 
 
-SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user",
-                  "assistant": "assistant", "tool": "tool"}  # fmt: skip
+SHAREGPT_ROLES = {
+    "human": "user",
+    "gpt": "assistant",
+}  # ShareGPT's speakers; system, user... map to themselves
 
 
 @dataclass
@@ -91,7 +93,9 @@ class ChatFieldsConfig:
     role: str | None = None  # task=chat: a turn's speaker key; unset: role, else from (ShareGPT)
     content: str | None = None  # task=chat: a turn's text key; unset: content, else value (ShareGPT)
     roles: dict[str, str] = field(
-        default_factory=lambda: dict(SHAREGPT_ROLES)  # task=chat: speaker names -> system|user|assistant|tool
+        default_factory=lambda: dict(
+            SHAREGPT_ROLES
+        )  # task=chat: other speaker names -> system|user|assistant|tool
     )
 
 
