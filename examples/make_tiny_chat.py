@@ -1,5 +1,6 @@
 """Write what the README's decoder fine-tuning walk-through needs, offline: a tiny chat dataset
-(``chat.jsonl``: rows of ``messages``) and a tiny random Llama with a word-level tokenizer that carries a
+(``chat.jsonl``: rows of ``messages``; ``sharegpt.jsonl``: the same conversations as ShareGPT rows of
+``conversations`` with ``from``/``value``) and a tiny random Llama with a word-level tokenizer that carries a
 ChatML chat template (``model/``). A real run names a real checkpoint instead (``model.pretrained=...``).
 
     python examples/make_tiny_chat.py /tmp/chat-demo
@@ -53,6 +54,10 @@ def main(out: Path, hidden: int = 64, layers: int = 4, n: int = 256) -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows = conversations(n)
     (out / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    speaker = {"system": "system", "user": "human", "assistant": "gpt"}
+    share = [{"conversations": [{"from": speaker[m["role"]], "value": m["content"]} for m in r["messages"]]}
+             for r in rows]  # fmt: skip
+    (out / "sharegpt.jsonl").write_text("".join(json.dumps(r) + "\n" for r in share))
     text = [m["content"] for r in rows for m in r["messages"]] + ["system user assistant"]
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -66,7 +71,9 @@ def main(out: Path, hidden: int = 64, layers: int = 4, n: int = 256) -> None:
                       bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id)  # fmt: skip
     LlamaForCausalLM(cfg).save_pretrained(out / "model")
     fast.save_pretrained(out / "model")
-    print(f"wrote {out / 'chat.jsonl'} ({len(rows)} conversations) and {out / 'model'} (a tiny Llama)")
+    print(
+        f"wrote {out / 'chat.jsonl'}, {out / 'sharegpt.jsonl'} ({len(rows)} conversations) and {out / 'model'} (a tiny Llama)"
+    )
 
 
 if __name__ == "__main__":

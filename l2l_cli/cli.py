@@ -251,11 +251,23 @@ def _quote(value: str) -> str:
     return "'" + value.replace("'", "\\'") + "'"
 
 
+def latest_root(value: str, argv: list[str]) -> Path:
+    """Where ``trainer.resume=latest`` looks for runs (every folder below, at any depth): the folder after
+    ``latest:`` (``trainer.resume=latest:/scratch/runs``); else, with ``hydra.run.dir=<dir>`` on the command
+    line, the folder holding ``<dir>`` (runs kept beside each other outside outputs/); else ``outputs/``."""
+    if value.startswith("latest:") and value[len("latest:") :]:
+        return Path(value[len("latest:") :]).expanduser()
+    given = [a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")]
+    if given and "${" not in given[-1]:
+        return Path(given[-1].strip("'\"")).expanduser().parent
+    return Path("outputs")
+
+
 def _resolve_resume(argv: list[str], multirun: bool) -> tuple[list[str], Path | None]:
     """``trainer.resume=<run dir>|latest`` continues that run in its own directory, with its own config
-    (l2l_cli/inherit.py): the run dir is resolved once here (``latest``: the run under outputs/ with the
-    newest checkpoint) and becomes Hydra's run dir; Hydra writes no .hydra/ into it (the session records
-    the config once the checkpoint has loaded), so a refused resume leaves the run as it was."""
+    (l2l_cli/inherit.py): the run dir is resolved once here (``latest``: the run with the newest
+    checkpoint under :func:`latest_root`) and becomes Hydra's run dir; Hydra writes no .hydra/ into it (the
+    session records the config once the checkpoint has loaded), so a refused resume leaves the run as it was."""
     from l2l_cli.checkpoint import CheckpointError
     from l2l_cli.inherit import find_latest_run
 
@@ -269,16 +281,19 @@ def _resolve_resume(argv: list[str], multirun: bool) -> tuple[list[str], Path | 
         if multirun:
             raise ValueError("resumes one run; it cannot be combined with -m (a sweep)")
         try:
-            run_dir = find_latest_run(Path("outputs")) if value == "latest" else Path(value)
+            latest = value == "latest" or value.startswith("latest:")
+            run_dir = find_latest_run(latest_root(value, argv)) if latest else Path(value)
         except CheckpointError as e:
             raise ValueError("trainer.resume: " + str(e).removeprefix("trainer.resume=latest: ")) from e
         if not run_dir.is_dir():
             raise ValueError(
-                f"trainer.resume: {value} is not a run directory; allowed: a run dir or 'latest'"
+                f"trainer.resume: {value} is not a run directory; allowed: a run dir, 'latest' or 'latest:<folder>'"
             )
         run_dir = run_dir.resolve()
         out[k] = f"trainer.resume={_quote(str(run_dir))}"
-        if not any(a.startswith("hydra.run.dir=") for a in argv):
+        if latest:  # the run found continues in its own directory, whatever hydra.run.dir pointed at
+            out = [a for a in out if not a.startswith("hydra.run.dir=")]
+        if not any(a.startswith("hydra.run.dir=") for a in out):
             out.append(f"hydra.run.dir={_quote(str(run_dir))}")
         out.append("hydra.output_subdir=null")
         return out, run_dir
@@ -322,6 +337,16 @@ def main(argv: list[str] | None = None) -> None:
         print(version())
         sys.exit(0)
     cmd, rest = argv[0], argv[1:]
+    try:
+        code = _dispatch(cmd, rest)
+    except KeyboardInterrupt:  # Ctrl-C before a command's own handling (importing torch, composing): one line
+        print(f"\nl2l: {cmd} interrupted before it started (nothing written)", file=sys.stderr, flush=True)
+        code = 130
+    sys.exit(code)
+
+
+def _dispatch(cmd: str, rest: list[str]) -> int:
+    """Run one subcommand; its exit code."""
     if cmd == "train":
         code = train(rest)
     elif cmd in ("eval", "predict"):
@@ -348,7 +373,7 @@ def main(argv: list[str] | None = None) -> None:
         code = _fail(
             f"unknown command {cmd!r}; allowed: train, eval, predict, generate, export, report, plan (l2l --help)"
         )
-    sys.exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -201,17 +201,29 @@ def resolution_problem(e: OmegaConfBaseException) -> Problem:
 
 
 def group_description(group: str, option: str) -> str:
-    """The first comment line of a group option's file (what ``l2l train --help`` shows beside it)."""
+    """The first sentence of a group option's file's opening comment (what ``l2l train --help`` shows
+    beside it, wrapped there): whole, never cut inside a word."""
+    import re
+
     root = recipes_dir() if group == "recipe" else conf_dir() / group
     try:
         lines = (root / f"{option}.yaml").read_text().splitlines()
     except OSError:
         return ""
+    words: list[str] = []
     for line in lines:
         text = line.strip()
         if not text.startswith("#"):
             break
-        text = text.lstrip("#").strip()
-        if text and not text.startswith("@package"):
-            return text if len(text) <= 100 else text[:97].rstrip() + "..."
-    return ""
+        body = text.lstrip("#")
+        text = body.strip()
+        if text.startswith("@package"):
+            continue
+        if not text or body.startswith("  "):  # a blank comment line or an indented example ends it
+            if words:
+                break
+            continue
+        words.append(re.split(r"\s{3,}", text)[0])  # (an example set apart on the line is not prose)
+    paragraph = " ".join(words)
+    end = re.search(r"[.;]\s+(?=[A-Z(`])", paragraph)  # a sentence's end (not "et al. 2019")
+    return paragraph[: end.start() + 1] if end else paragraph

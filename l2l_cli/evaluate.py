@@ -57,7 +57,7 @@ def parser(cmd: str) -> argparse.ArgumentParser:
             "--input",
             required=True,
             metavar="FILE",
-            help="examples: CSV/TSV with a header, JSON lines or a JSON array",
+            help="examples: CSV/TSV with a header, JSON lines or a JSON array, or plain text (an input per line)",
         )
         p.add_argument("--output", metavar="FILE", help="where the JSON lines go (default: stdout)")
     return p
@@ -190,9 +190,10 @@ def evaluate(cfg: DictConfig, run_dir: Path, weights: Path, as_json: bool) -> in
 
 
 def predict(cfg: DictConfig, weights: Path, input_path: Path, output: str | None) -> int:
-    """Predictions of the run's head for every example of ``input_path``, in input order, as JSON lines:
-    ``{"index", "prediction", "label_id", "probabilities"}`` (classification) or ``{"index", "prediction"}``
-    (regression)."""
+    """Predictions of the run's head for every example of ``input_path`` (CSV/TSV, JSON lines or array, or
+    plain text: an input per line), in input order, as JSON lines: ``{"index", "prediction", "label_id",
+    "probabilities", "input"}`` (classification) or ``{"index", "prediction", "input"}`` (regression);
+    ``input`` echoes the text (a pair task's two) so each answer reads beside its question."""
     from l2l_cli.data.batches import eval_batches
     from l2l_cli.data.files import read_records
     from l2l_cli.data.tasks import TASKS, Example
@@ -204,9 +205,14 @@ def predict(cfg: DictConfig, weights: Path, input_path: Path, output: str | None
         )
     if not input_path.is_file():
         raise UsageError(f"--input {input_path}: not a file")
-    fmt = "json" if input_path.suffix.lower() in (".json", ".jsonl") else "csv"
+    suffix = input_path.suffix.lower()
+    fmt = "json" if suffix in (".json", ".jsonl") else "csv" if suffix in (".csv", ".tsv") else "text"
     try:
-        records = [row for _, row in read_records(input_path, fmt, "--input")]
+        if fmt == "text":  # plain text: an input per line (a pair's two texts split by a tab)
+            lines = [ln for ln in input_path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+            records: list[dict[str, Any]] = [{} for _ in lines]
+        else:
+            records = [row for _, row in read_records(input_path, fmt, "--input")]
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise UsageError(f"--input {input_path}: unreadable ({str(e).splitlines()[0]})") from e
     if not records:
@@ -214,6 +220,8 @@ def predict(cfg: DictConfig, weights: Path, input_path: Path, output: str | None
     with _session(cfg, weights) as session:
         spec = session.data.spec
         fields = text_fields(cfg, spec, records[0])
+        if fmt == "text":
+            records = [text_record(ln, n, fields, input_path) for n, ln in enumerate(lines, start=1)]
         missing = [f for f in fields if any(f not in r for r in records[:1])]
         if missing:
             raise UsageError(
@@ -235,7 +243,10 @@ def predict(cfg: DictConfig, weights: Path, input_path: Path, output: str | None
     try:
         for i, logits in enumerate(outputs):
             assert logits is not None
-            out.write(json.dumps(prediction(i, logits, spec.label_names)) + "\n")
+            shown = (
+                examples[i].text_a if examples[i].text_b is None else [examples[i].text_a, examples[i].text_b]
+            )
+            out.write(json.dumps({**prediction(i, logits, spec.label_names), "input": shown}) + "\n")
     finally:
         if output:
             out.close()
@@ -248,11 +259,22 @@ def text_fields(cfg: DictConfig, spec: Any, first: dict[str, Any]) -> list[str]:
     """The input's text columns: task.text_fields for csv/json tasks; for GLUE, the hub's column names,
     or the GLUE TSV header's when the file has those (a GLUE dev.tsv works as input as it is)."""
     if spec.file_format is not None:
-        return list(cfg.task.text_fields)
+        from l2l_cli.data.sources import as_list
+
+        return as_list(cfg.task.text_fields)
     hub, tsv = list(spec.hub[:-1]), [c for c in spec.tsv[:-1] if isinstance(c, str)]
     if tsv and all(c in first for c in tsv) and not all(c in first for c in hub):
         return tsv
     return hub
+
+
+def text_record(line: str, number: int, fields: list[str], path: Path) -> dict[str, str]:
+    """One line of a plain-text ``--input`` as the task's text fields (a pair task: two texts, tab-split)."""
+    parts = line.split("\t") if len(fields) > 1 else [line]
+    if len(parts) != len(fields):
+        raise UsageError(f"--input {path} line {number}: {len(parts)} tab-separated text(s); the task reads "
+                         f"{len(fields)} ({', '.join(fields)})")  # fmt: skip
+    return dict(zip(fields, parts, strict=True))
 
 
 def prediction(index: int, logits: torch.Tensor, label_names: tuple[str, ...] | None) -> dict[str, Any]:

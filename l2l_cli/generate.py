@@ -225,11 +225,16 @@ def decoder_spec(cfg: DictConfig, run_dir: Path) -> Any:
 
 def tokenizer_for(cfg: DictConfig, weights: Path) -> tuple[Any, str]:
     """The tokenizer saved beside the weights (final/), else the run's (task.tokenizer, the pretrained
-    checkpoint's, or the bundled one)."""
+    checkpoint's, or the bundled one; with the run's task.chat_template and the tokens it added)."""
     from l2l_cli.data.lm import has_tokenizer, load_tokenizer, tokenizer_ref
 
     if has_tokenizer(weights):
         return load_tokenizer(str(weights), "--checkpoint"), str(weights)
+    if cfg.task.get("chat_template"):  # a step checkpoint: the template the run trained with
+        from l2l_cli.data.chat import template_tokenizer
+
+        tok, ref, _ = template_tokenizer(cfg.task, cfg.model)
+        return tok, ref
     ref, key = tokenizer_ref(cfg.task, cfg.model)
     return load_tokenizer(ref, key), ref
 

@@ -324,6 +324,7 @@ class Trainer:
             )
 
     def interrupt(self, step: int, during: str = "") -> NoReturn:
+        self.summarize()  # the summary of a stopped run: its steps, last loss and throughput so far
         if self.store is not None:  # a disk EPS is committed already: it is the checkpoint
             path: Path | None = self.store.root
         else:

@@ -113,8 +113,8 @@ class JsonlLogger:
 
 # ---- experiment loggers (``logger=csv|tensorboard|wandb|none``, several as a list) ---------------------
 
-METRIC_COLUMNS = ("step", "loss", "lr", "samples_per_s", "step_time_s", "device_peak_bytes", "device_bytes",
-                  "skipped", "grad_norm", "loss_scale")  # fmt: skip
+METRIC_COLUMNS = ("step", "loss", "lr", "samples_per_s", "tokens_per_s", "step_time_s", "device_peak_bytes",
+                  "device_bytes", "skipped", "grad_norm", "loss_scale")  # fmt: skip
 
 
 def installed(module: str) -> bool:
@@ -254,7 +254,8 @@ class CsvLogger:
 
 class TensorBoardLogger:
     """TensorBoard event files in ``<run dir>/tensorboard/``: ``train/*`` per logged step (loss, lr,
-    samples_per_s, step_time_s, grad_norm, loss_scale, device_peak_bytes), ``time/<phase>_s`` and
+    samples_per_s, tokens_per_s, step_time_s, grad_norm, loss_scale, device_peak_bytes; a language model's
+    perplexity), ``time/<phase>_s`` and
     ``eval/<metric>``. A resumed run purges the events after its checkpoint's step (TensorBoard's
     ``purge_step``), so the curves continue without a fold."""
 
@@ -281,6 +282,7 @@ class TensorBoardLogger:
             "loss",
             "lr",
             "samples_per_s",
+            "tokens_per_s",
             "step_time_s",
             "grad_norm",
             "loss_scale",
@@ -289,6 +291,9 @@ class TensorBoardLogger:
             value = getattr(row, key)
             if isinstance(value, int | float) and math.isfinite(value):
                 w.add_scalar(f"train/{key}", value, row.step)
+        perplexity = row.extra.get("perplexity")  # task=lm|chat: the step's loss as perplexity
+        if isinstance(perplexity, int | float) and math.isfinite(perplexity):
+            w.add_scalar("train/perplexity", perplexity, row.step)
         for phase, seconds in row.phases.items():
             w.add_scalar(f"time/{phase}_s", seconds, row.step)
 

@@ -7,6 +7,7 @@ while the runner allocates, say) still reports the run's header and memory; ``cl
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Callable
@@ -122,6 +123,21 @@ def check_vocab(data: TaskData, spec: ModelSpec, cfg: Any) -> None:
         [Problem(key, f"the model has {spec.vocab_size} token ids, the tokenizer ({data.source}) "
                       f"{len(data.tokenizer)}; use a model.vocab_size >= {len(data.tokenizer)} or set task.tokenizer")]
     )  # fmt: skip
+
+
+def model_name(model: Any, family: str) -> str:
+    """What train.log calls the model: a named size (``bert-tiny``), or a checkpoint by its own name (its
+    config.json's ``_name_or_path`` when that is a hub id, else the folder's or hub id's), never the group
+    default a pretrained run does not use."""
+    if not model.pretrained:
+        return str(model.name)
+    ref = str(model.pretrained)
+    try:
+        own = json.loads((Path(ref).expanduser() / "config.json").read_text()).get("_name_or_path") or ""
+    except (OSError, ValueError, AttributeError):
+        own = ""
+    hub_id = own and not own.startswith((".", "/", "~")) and own.count("/") <= 1
+    return f"{own if hub_id else Path(ref).name or ref} ({family}, pretrained)"
 
 
 def run_config(cfg: Any, mode: ModeSpec, spec: ModelSpec, data: TaskData, world: int) -> RunConfig:
@@ -413,7 +429,7 @@ class Session:
         lines = [
             f"run {self.run_dir} on {self.summary.device}, {self.dist.world} process(es)",
             f"  mode      {c.method} ({c.precision}, clip {c.clip})",
-            f"  model     {cfg.model.name}: {c.num_layers} layers, hidden {c.hidden_size}, "
+            f"  model     {model_name(cfg.model, c.family)}: {c.num_layers} layers, hidden {c.hidden_size}, "
             f"{(self.summary.params or 0) / 1e6:.2f}M params",
             f"  task      {c.task} from {c.data_source}: {c.train_samples} training examples, "
             f"{len(self.data.dev) if self.data else 0} dev, max {c.seq_len} tokens",

@@ -261,3 +261,30 @@ def test_a_checkpoint_saved_again_survives_a_crash_while_it_is_replaced(
     data = (path / "weights.bin").read_bytes()
     assert data == (b"new" if exchange else b"old")
     assert not list(root.glob(".old-*"))
+
+
+def test_resume_latest_finds_runs_outside_outputs(tmp_path, monkeypatch) -> None:
+    """Issue 40 item 9g: ``trainer.resume=latest`` looked only under ``outputs/``. It also looks beside the
+    command line's ``hydra.run.dir`` and under ``latest:<folder>``; the run found becomes the run dir."""
+    import os
+
+    from l2l_cli.cli import _resolve_resume
+
+    runs = tmp_path / "scratch" / "runs"
+    for age, name in enumerate(("newer", "older")):
+        manifest = runs / name / "checkpoints" / "step_2" / "manifest.json"
+        manifest.parent.mkdir(parents=True)
+        manifest.write_text("{}")
+        os.utime(manifest, (1e9 - age * 100, 1e9 - age * 100))
+    monkeypatch.chdir(tmp_path)  # no outputs/ here
+    newer = str((runs / "newer").resolve())
+    for argv in (["trainer.resume=latest", f"hydra.run.dir={runs / 'older'}"],
+                 [f"trainer.resume=latest:{runs}"]):  # fmt: skip
+        out, found = _resolve_resume(argv, multirun=False)
+        assert (
+            str(found) == newer
+            and f"hydra.run.dir={newer}" in out
+            and f"hydra.run.dir={runs / 'older'}" not in out
+        )
+    with pytest.raises(ValueError, match="no checkpoint under outputs"):
+        _resolve_resume(["trainer.resume=latest"], multirun=False)

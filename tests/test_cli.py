@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -68,7 +69,11 @@ def test_mrpc_with_l2l_from_pretrained_minilm(glue, minilm, tmp_path) -> None:
     _, _, summary = read(tmp_path)
     assert set(summary["eval"]) == {"accuracy", "f1"}
     assert summary["config"]["num_layers"] == 6 and summary["params"] > 22_000_000
-    assert "newly initialized: classifier" in (tmp_path / "train.log").read_text()
+    log = (tmp_path / "train.log").read_text()
+    assert "newly initialized: classifier" in log
+    # issue 40 item 9e: the checkpoint by its own name, not the model group's default (bert-tiny)
+    assert "model     nreimers/MiniLM-L6-H384-uncased (bert, pretrained): 6 layers" in log
+    assert "bert-tiny" not in log
 
 
 def test_sweep_runs_every_job_and_a_failed_job_does_not_stop_the_others(tmp_path) -> None:
@@ -129,7 +134,8 @@ def test_train_help_describes_every_key_and_option() -> None:
     keys = describe()
     assert len(keys) > 90 and all(text for _, _, text in keys), [k for k, _, t in keys if not t]
     for key, _, text in keys:
-        line = next((ln for ln in r.stdout.splitlines() if ln.strip().startswith(f"{key}=")), "")
+        section = r.stdout.split("Keys (key=value")[1]  # (a wrapped group description may start "task.x=")
+        line = next((ln for ln in section.splitlines() if ln.strip().startswith(f"{key}=")), "")
         assert line.endswith(text), key  # one line each: key=default, then what it does
     assert "bert-large       BERT-Large (Devlin et al. 2019" in r.stdout
     assert "csv              Your own CSV/TSV files" in r.stdout
@@ -171,3 +177,20 @@ def test_installed_wheel_finds_its_config(tmp_path) -> None:
     assert out.stdout.strip() == str(site / "l2l_cli" / "conf")
     r = l2l("train", "--help", cwd=tmp_path, env=env)
     assert r.returncode == 0 and "mode: baseline, baseline_ag, l2l" in r.stdout
+
+
+def test_train_help_wraps_descriptions_at_word_boundaries() -> None:
+    """Issue 40 item 9i: ``l2l train --help`` cut group options' descriptions mid-word ("about a minut...");
+    each is its whole first sentence, wrapped at spaces under its text."""
+    from l2l_cli.cli import train_help
+    from l2l_cli.compose import GROUPS, group_description, group_options
+
+    text = train_help()
+    groups = text.split("Keys (key=value")[0]
+    assert not re.search(r"\w\.\.\.$", groups, re.M)  # no word cut short ("minut...")
+    flat = " ".join(groups.split())
+    for group in GROUPS:
+        for option in group_options(group):
+            description = group_description(group, option)
+            assert description and " ".join(description.split()) in flat, (group, option)  # split at spaces
+    assert "bert-tiny        BERT-Tiny (Turc et al. 2019): 2 layers, hidden 128." in text

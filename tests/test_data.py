@@ -225,3 +225,19 @@ def test_a_held_out_dev_split_is_shuffled_and_stratified(tmp_path, caplog) -> No
     with caplog.at_level(logging.INFO, logger="l2l"):
         files.load(compose(["task=csv", f"task.files={tmp_path / 'rare.csv'}"]).task)
     assert "the dev split holds one label only" in caplog.text
+
+
+def test_one_text_field_may_be_given_as_a_name(tmp_path) -> None:
+    """Issue 40 item 9b: ``task.text_fields=sentence`` (a string, not ``[sentence]``) was an OmegaConf type
+    error; it is the one-element list."""
+    from l2l_cli.compose import compose
+    from l2l_cli.config.validate import validate
+    from l2l_cli.data import files
+
+    rows = ["sentence,label"] + [f"text number {i},{'pos' if i % 2 else 'neg'}" for i in range(20)]
+    (tmp_path / "a.csv").write_text("\n".join(rows) + "\n")
+    one = compose(["task=csv", f"task.files={tmp_path / 'a.csv'}", "task.text_fields=sentence"])
+    listed = compose(["task=csv", f"task.files={tmp_path / 'a.csv'}", "task.text_fields=[sentence]"])
+    assert validate(one) == []
+    got, want = files.load(one.task), files.load(listed.task)
+    assert [e.text_a for e in got[1]] == [e.text_a for e in want[1]] and got[1][0].text_b is None

@@ -94,3 +94,30 @@ def test_wandb_gets_every_logged_step_and_eval(tmp_path, monkeypatch) -> None:
         "metrics.csv",
         "tensorboard",
     }
+
+
+def test_csv_and_tensorboard_carry_tokens_per_s_and_perplexity(tmp_path: Path) -> None:
+    """metrics.csv holds what metrics.jsonl holds (tokens_per_s, a language model's perplexity), and so do
+    TensorBoard's train/* scalars (docs/runs.md)."""
+    import csv
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from l2l_cli.rundir import CsvLogger, TensorBoardLogger
+    from l2l_cli.runfiles import MetricsRow
+
+    files = RunFiles(tmp_path)
+    row = MetricsRow(
+        step=1, loss=2.0, lr=1e-3, samples_per_s=4.0, tokens_per_s=512.0, extra={"perplexity": 7.5}
+    )
+    for logger in (CsvLogger(files), TensorBoardLogger(files)):
+        logger.log_step(row)
+        logger.close()
+    with (tmp_path / "metrics.csv").open(newline="") as f:
+        got = next(csv.DictReader(f))
+    assert float(got["tokens_per_s"]) == 512.0 and float(got["perplexity"]) == 7.5
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert {"train/tokens_per_s", "train/perplexity"} <= set(tags), tags
+    assert events.Scalars("train/tokens_per_s")[0].value == 512.0

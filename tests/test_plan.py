@@ -525,3 +525,12 @@ def test_hardware_measure_puts_the_measured_action_cost_into_the_pipeline_model(
     assert pipe["action_s"] == 2e-3 and preset["action_s"] == 300e-6
     assert pipe["alternatives"][0]["wake_s"] == 1e-3 and preset["alternatives"][0]["wake_s"] == 500e-6
     assert pipe["bubble_predicted"] > preset["bubble_predicted"]
+
+
+def test_a_decoder_plan_lists_its_lm_head_not_a_pooler(capsys) -> None:
+    """Issue 40 item 9f: ``l2l plan model=llama-7b`` listed a "head (pooler, classifier)"."""
+    assert main(["model=llama-7b", "task=lm"]) == 0
+    out = capsys.readouterr().out
+    assert "head (final norm, LM head)" in out and "pooler" not in out
+    assert main(["model=bert-mini", "mode=baseline_ag"]) == 0
+    assert "head (pooler, classifier)" in capsys.readouterr().out

@@ -257,3 +257,40 @@ def test_report_of_runs_and_a_scaling_folder_together(sweep: Path, scaling: Path
     md = (tmp_path / "report.md").read_text()
     assert "4 runs" in md and "## Layered-GA scaling" in md
     assert len(read_csv(tmp_path / "report.csv")) == 4 and len(read_csv(tmp_path / "limits.csv")) == 3
+
+
+def test_long_names_keep_headers_whole_and_the_legend_off_the_curves(
+    sweep: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """Issue 40 item 9h: runs with long names cut the table's headers to ``LO…`` at 240 columns, and the
+    loss plot's legend (each checkpoint's full path) covered the curves."""
+    from l2l_cli.report import columns, plots, print_tables
+
+    runs = tmp_path / "runs"
+    for i in ("0", "1", "3"):  # the runs that trained
+        run = runs / f"run_{i}-with-a-rather-long-descriptive-name-of-the-experiment-and-its-settings-lr-3e-3"
+        shutil.copytree(sweep / i, run)
+        s = json.loads((run / "summary.json").read_text())
+        s["config"]["model"] = f"pretrained:/home/someone/models/checkpoints/deep/folder/minilm-{i}"
+        (run / "summary.json").write_text(json.dumps(s))
+    seen: dict[str, tuple] = {}
+
+    def save(fig, path: Path, tight: bool = True) -> None:
+        fig.canvas.draw()
+        ax = fig.axes[0]
+        legend = ax.get_legend()
+        if legend is not None:
+            texts = [t.get_text() for t in legend.get_texts()]
+            box, area = legend.get_window_extent(), ax.get_window_extent()
+            seen[path.name] = (texts, box.x0 >= area.x1)
+
+    monkeypatch.setattr(plots, "_save", save)
+    report = build([str(runs)], tmp_path / "out")
+    capsys.readouterr()
+    print_tables(report)
+    out = capsys.readouterr().out
+    for c in columns(report.runs):
+        assert c.header in out, c.header
+    texts, outside = seen["loss.png"]
+    assert outside and texts and all("/" not in t for t in texts), texts
+    assert any("minilm-0" in t for t in texts)

@@ -54,6 +54,9 @@ def test_sigterm_stops_at_a_step_boundary_saves_and_says_how_to_resume(tmp_path)
     )
     assert summary["status"] == "interrupted" and "stopped by SIGTERM after step" in summary["error"]
     assert f"trainer.resume={tmp_path}" in out and "Traceback" not in out + err
+    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])  # issue 40 item 9d:
+    assert summary["steps"] == stopped and summary["final_loss"] == last["loss"]  # not `final loss -`
+    assert summary["samples_per_s"] > 0 and "0.0 samples/s" not in out  # nor 0.0 samples/s
     _, manifest = ckpt.latest_valid(tmp_path)
     assert manifest["step"] == stopped == _logged_steps(tmp_path)[-1]
     r = l2l("train", *TINY, "mode=l2l", f"trainer.max_steps={stopped + 2}", "task.num_train=256", "task.num_eval=16",
@@ -178,3 +181,21 @@ def test_a_stop_during_evaluation_on_one_rank_stops_every_rank_together(tmp_path
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     _, manifest = ckpt.latest_valid(tmp_path)
     assert manifest["step"] == 2
+
+
+def test_ctrl_c_in_the_first_second_is_one_line(tmp_path) -> None:
+    """Issue 40 item 9c: Ctrl-C while ``l2l train`` still imports and composes printed a 63-line
+    KeyboardInterrupt traceback; it is one line and exit code 130, with no run dir."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "l2l_cli", "train", f"hydra.run.dir={run}"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    time.sleep(0.6)  # the interpreter is up, torch is still importing
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    ours = [ln for ln in (out + err).splitlines() if ln.startswith("l2l:")]
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in out + err and ours == [
+        "l2l: train interrupted before it started (nothing written)"
+    ]
+    assert not run.exists()

@@ -10,11 +10,14 @@ from __future__ import annotations
 import ast
 import inspect
 import io
+import textwrap
 import tokenize
 from dataclasses import fields, is_dataclass
 from typing import Any
 
 from l2l_cli.config import schema
+
+HELP_WIDTH = 118  # l2l train --help: group descriptions wrap here
 
 
 def field_comments() -> dict[tuple[str, str], str]:
@@ -92,8 +95,11 @@ def render(groups: dict[str, list[str]], descriptions: dict[str, dict[str, str]]
         parts.append(f"  {group}: {', '.join(options)}")
         for opt in options:
             text = descriptions.get(group, {}).get(opt)
-            if text:
-                parts.append(f"      {opt:<16} {text}")
+            if text:  # wrapped at word boundaries, continuation lines under the text
+                lead = f"      {opt:<16} "
+                lines = textwrap.wrap(text, width=HELP_WIDTH - len(lead), break_on_hyphens=False) or [""]
+                parts.append(lead + lines[0])
+                parts += [" " * len(lead) + more for more in lines[1:]]
     parts += ["", "Keys (key=value; default, then what it does):"]
     rows = describe()
     width = min(34, max(len(k) + len(_fmt(v)) + 3 for k, v, _ in rows))

@@ -81,6 +81,24 @@ class PrecisionConfig:
     growth_interval: int = 2000  # dynamic loss scaling: steps without overflow before the scale doubles
 
 
+SHAREGPT_ROLES = {
+    "human": "user",
+    "gpt": "assistant",
+}  # ShareGPT's speakers; system, user... map to themselves
+
+
+@dataclass
+class ChatFieldsConfig:
+    messages: str | None = None  # task=chat: the field holding the turns; unset: messages, else conversations
+    role: str | None = None  # task=chat: a turn's speaker key; unset: role, else from (ShareGPT)
+    content: str | None = None  # task=chat: a turn's text key; unset: content, else value (ShareGPT)
+    roles: dict[str, str] = field(
+        default_factory=lambda: dict(
+            SHAREGPT_ROLES
+        )  # task=chat: other speaker names -> system|user|assistant|tool
+    )
+
+
 @dataclass
 class TaskConfig:
     name: str = "synthetic"  # the task (set by the task group)
@@ -102,15 +120,18 @@ class TaskConfig:
     dev_fraction: float = (
         0.05  # task=lm|chat: the last share of the packed blocks (chat: examples) kept as dev
     )
-    text_fields: list[str] = field(default_factory=lambda: ["text"])  # task=csv|json: 1 or 2 text columns
+    text_fields: Any = field(
+        default_factory=lambda: ["text"]
+    )  # task=csv|json: 1 or 2 text columns (or one name)
     label_field: str = "label"  # task=csv|json: the label column
     regression: bool | None = None  # task=csv|json: numeric target; unset = numbers that are not all integers
     format: str = (
         "auto"  # task=chat: auto | messages | instruction (instruction/input/output) | prompt_completion
     )
     chat_template: str | None = (
-        None  # task=chat: a Jinja chat template (text or a file); unset: the tokenizer's
+        None  # task=chat: chatml | llama3 | a Jinja chat template (text or a file); unset: the tokenizer's
     )
+    fields: ChatFieldsConfig = field(default_factory=ChatFieldsConfig)  # task=chat: the rows' keys (ShareGPT)
     train_on: str = "assistant"  # task=chat: assistant (loss on the answers only) | all (every token)
     packing: bool = False  # task=chat: several examples per row, attention kept inside each (else padding)
     dataset: str | None = (

@@ -36,12 +36,14 @@ from typing import Any
 
 import numpy as np
 
+from l2l_cli.config.schema import SHAREGPT_ROLES
 from l2l_cli.data import sources
 from l2l_cli.data.lm import cache_root, dataset_key, file_key, load_tokenizer, tokenizer_fingerprint
 from l2l_cli.data.lm import tokenizer_ref as lm_tokenizer_ref
 from l2l_cli.data.rows import IGNORE, Encoded, RowMaker, Rows, StreamedTrain, pack_examples
 from l2l_cli.data.sources import RowStream, as_list, listed_files
 from l2l_cli.data.tasks import TaskData, TaskKind, TaskSpec
+from l2l_cli.data.templates import NamedTemplate, end_of_turn_text, named
 from l2l_cli.problems import ConfigError, Problem
 
 log = logging.getLogger(__name__)
@@ -50,7 +52,7 @@ FORMATS = ("auto", "messages", "instruction", "prompt_completion")
 TRAIN_ON = ("assistant", "all")
 ROLES = ("system", "user", "assistant", "tool")
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: an answer's span ends at its end-of-turn token
 STREAM_CHECK_ROWS = 16  # a streamed dataset: rows checked before the run starts
 STREAM_DEV_ROWS = 64  # a streamed dataset without a dev source: its first rows (default) are the dev split
 
@@ -62,16 +64,49 @@ def bad(key: str, where: str, msg: str) -> ConfigError:
 # ---- the three shapes, as messages -------------------------------------------------------------------
 
 
-def detect(fields: list[str], where: str) -> str:
+@dataclass(frozen=True)
+class Fields:
+    """``task.fields``: which keys hold the turns, a turn's speaker and its text, and what each speaker
+    name means (ShareGPT's ``conversations`` of ``{from, value}``, ``human``/``gpt``, by default)."""
+
+    messages: str | None = None
+    role: str | None = None
+    content: str | None = None
+    roles: tuple[tuple[str, str], ...] = tuple(SHAREGPT_ROLES.items())
+
+    @staticmethod
+    def of(task: Any) -> Fields:
+        f = getattr(task, "fields", None)
+        if f is None:
+            return Fields()
+        return Fields(
+            f.messages, f.role, f.content, tuple((str(k), str(v)) for k, v in dict(f.roles).items())
+        )
+
+    def turns_key(self, columns: list[str]) -> str | None:
+        """The field holding the turns: ``task.fields.messages``, else ``messages``, else ``conversations``."""
+        if self.messages:
+            return self.messages
+        return next((k for k in ("messages", "conversations") if k in columns), None)
+
+    def key(self) -> dict[str, Any]:
+        return {"messages": self.messages, "role": self.role, "content": self.content, "roles": self.roles}
+
+
+def detect(fields: list[str], where: str, keys: Fields = Fields()) -> str:
     """The shape of rows with these fields (``task.format=auto``)."""
-    if "messages" in fields:
+    if keys.messages and keys.messages not in fields:
+        raise ConfigError([Problem("task.fields.messages", f"{where} has no '{keys.messages}' field (its "
+                                   f"fields: {', '.join(fields)})")])  # fmt: skip
+    if keys.turns_key(fields):
         return "messages"
     if "instruction" in fields and "output" in fields:
         return "instruction"
     if "prompt" in fields and "completion" in fields:
         return "prompt_completion"
-    raise ConfigError([Problem("task.format", f"{where} has no 'messages' field, nor instruction/output, nor "
-                               f"prompt/completion (its fields: {', '.join(fields)}); set task.format")])  # fmt: skip
+    raise ConfigError([Problem("task.format", f"{where} has no 'messages' field (nor ShareGPT's "
+                               "'conversations'), nor instruction/output, nor prompt/completion (its fields: "
+                               f"{', '.join(fields)}); set task.format or task.fields.messages")])  # fmt: skip
 
 
 def text_of(row: dict[str, Any], field: str, where: str, optional: bool = False) -> str:
@@ -84,33 +119,63 @@ def text_of(row: dict[str, Any], field: str, where: str, optional: bool = False)
     return value
 
 
-def turns(value: Any, field: str, where: str) -> list[dict[str, str]]:
-    """A list of {role, content} messages, checked (roles known, contents text)."""
+def turns(
+    value: Any, field: str, where: str, keys: Fields = Fields(), line: str | None = None
+) -> list[dict[str, str]]:
+    """A list of {role, content} messages, checked (roles known, contents text). A turn may name its
+    speaker and text by other keys (``task.fields.role``/``content``; unset: ``role``/``content``, else
+    ShareGPT's ``from``/``value``), its speaker by another name (``task.fields.roles``: human -> user...);
+    what those mappings miss is refused naming the key, the file and its line (``line``)."""
     if value is None:
         raise bad("task.format", where, f"no '{field}'")
     if not isinstance(value, list) or not value:
         raise bad("task.format", where, f"'{field}' must be a non-empty list of {{role, content}} messages")
+    roles = dict(keys.roles)
     out = []
     for j, m in enumerate(value):
         if not isinstance(m, dict):
             raise bad("task.format", where, f"{field}[{j}] is not a {{role, content}} object")
-        role, content = m.get("role"), m.get("content")
+        m = {k: v for k, v in m.items() if v is not None}  # (a column file's rows share every turn's keys)
+        rk = keys.role or ("role" if "role" in m or "from" not in m else "from")
+        sharegpt = rk == "from" and "content" not in m
+        ck = keys.content or ("value" if sharegpt or ("value" in m and "content" not in m) else "content")
+        mapped = rk != "role" or ck != "content"
+        here = line or where
+        if mapped and rk not in m:
+            raise bad("task.fields.role", here, f"{field}[{j}] has no '{rk}' key (its keys: {', '.join(m)})")
+        if mapped and ck not in m:
+            raise bad(
+                "task.fields.content", here, f"{field}[{j}] has no '{ck}' key (its keys: {', '.join(m)})"
+            )
+        role, content = m.get(rk), m.get(ck)
+        role = roles.get(role, role) if isinstance(role, str) else role
         if role not in ROLES:
+            if mapped:
+                raise bad("task.fields.roles", here, f"{field}[{j}].{rk} {role!r} is not mapped to a role "
+                          f"(mapped: {', '.join(f'{a}->{b}' for a, b in keys.roles)}); set "
+                          f"+task.fields.roles.{role}=<{'|'.join(ROLES)}>")  # fmt: skip
             raise bad(
                 "task.format", where, f"{field}[{j}].role {role!r} is unknown; allowed: {', '.join(ROLES)}"
             )
         if not isinstance(content, str):
-            raise bad(
-                "task.format", where, f"{field}[{j}].content is {type(content).__name__}; expected text"
-            )
+            key, at = ("task.fields.content", here) if mapped else ("task.format", where)
+            raise bad(key, at, f"{field}[{j}].{ck} is {type(content).__name__}; expected text")
         out.append({"role": role, "content": content})
     return out
 
 
-def messages_of(row: dict[str, Any], fmt: str, where: str) -> list[dict[str, str]]:
-    """A row of any shape as the conversation it stands for."""
+def messages_of(
+    row: dict[str, Any], fmt: str, where: str, keys: Fields = Fields(), line: str | None = None
+) -> list[dict[str, str]]:
+    """A row of any shape as the conversation it stands for (``line``: where the row is, for the
+    ``task.fields`` mapping's errors)."""
     if fmt == "messages":
-        return turns(row.get("messages"), "messages", where)
+        field = keys.turns_key(list(row)) or "messages"
+        if keys.messages and row.get(field) is None:
+            raise bad(
+                "task.fields.messages", line or where, f"no '{field}' field (its fields: {', '.join(row)})"
+            )
+        return turns(row.get(field), field, where, keys, line)
     if fmt == "instruction":
         user = text_of(row, "instruction", where)
         extra = text_of(row, "input", where, optional=True)
@@ -141,6 +206,8 @@ class Encoder:
     max_len: int
     truncated: int = 0  # examples cut at max_len
     examples: int = 0
+    end_of_turn: str | None = None  # the text that closes an answer: its span ends there (not after it)
+    fields: Fields = Fields()  # task.fields: the rows' keys
 
     @property
     def tagged(self) -> bool:
@@ -188,7 +255,11 @@ class Encoder:
                 raise bad("task.chat_template", where, f"the template does not render messages[:{i + 1}] as a "
                           "prefix of the conversation, so the answers cannot be located; use a template with "
                           "{% generation %} blocks")  # fmt: skip
-            spans.append((len(before), len(upto)))
+            end = len(upto)
+            if self.end_of_turn:  # the answer is its content and the end-of-turn token, not what follows
+                at = upto.rfind(self.end_of_turn, len(before))
+                end = at + len(self.end_of_turn) if at >= 0 else end
+            spans.append((len(before), end))
         enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
         mask = [any(a <= s < b for a, b in spans) for s, _ in enc["offset_mapping"]]
         return list(enc["input_ids"]), mask
@@ -214,9 +285,12 @@ def template_problem(value: Any) -> Problem | None:
 
 
 def chat_template(task: Any, tok: Any, ref: str) -> str:
-    """``task.chat_template`` (the template, or a file holding it), else the tokenizer's."""
+    """``task.chat_template`` (a name, the template, or a file holding it), else the tokenizer's."""
     value = task.chat_template
     if value:
+        known = named(value)
+        if known is not None:
+            return known.template
         problem = template_problem(value)
         if problem is not None:
             raise ConfigError([problem])
@@ -227,31 +301,114 @@ def chat_template(task: Any, tok: Any, ref: str) -> str:
         template = template.get("default")
     if not template:
         raise ConfigError([Problem("task.chat_template", f"unset, and the tokenizer {ref} has no chat template; "
-                                   "set task.chat_template=<a Jinja template or a file holding one>")])  # fmt: skip
+                                   "set task.chat_template=chatml|llama3|<a Jinja template or a file holding one>")])  # fmt: skip
     return str(template)
 
 
-def make_encoder(task: Any, model: Any) -> tuple[Encoder, str]:
+def model_vocab(model: Any) -> int | None:
+    """How many token ids the model's embedding has (a checkpoint's config.json, else model.vocab_size)."""
+    if not model.pretrained:
+        return int(model.vocab_size)
+    from l2l_cli.models import PretrainedUnavailable, resolve_pretrained
+
+    try:
+        config = json.loads(
+            (resolve_pretrained(model.pretrained, config_only=True) / "config.json").read_text()
+        )
+    except (PretrainedUnavailable, OSError, ValueError):
+        return None  # model.pretrained's own check says why
+    vocab = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
+    return int(vocab) if vocab else None
+
+
+def add_template_tokens(tok: Any, template: NamedTemplate, vocab: int | None, ref: str) -> None:
+    """Make each special token a named template is written in one token of ``tok``: one the tokenizer
+    has as a word is marked special (its id kept); one it lacks is added past its ids, which must still
+    index the model's embedding (a checkpoint's spare rows, or a larger model.vocab_size), else one
+    config error: a token split into pieces would teach the model neither where a turn ends nor when to
+    stop."""
+    have = tok.get_vocab()
+    missing = [t for t in template.specials if t not in have]
+    if missing and vocab is not None and len(tok) + len(missing) > vocab:
+        raise ConfigError([Problem("task.chat_template", f"{template.name} is written in the special tokens "
+                                   f"{', '.join(missing)}, which the tokenizer {ref} lacks, and the model's "
+                                   f"{vocab} token ids leave no room to add them (the tokenizer has {len(tok)}); "
+                                   "use a tokenizer that has them, a larger model.vocab_size, or a Jinja "
+                                   "template in the tokenizer's own tokens")])  # fmt: skip
+    added = set(getattr(tok, "added_tokens_encoder", {}))
+    new = [t for t in template.specials if t not in added]
+    if new:
+        tok.add_tokens(new, special_tokens=True)
+
+
+def template_tokenizer(task: Any, model: Any) -> tuple[Any, str, str]:
+    """(the run's tokenizer with the chat template it trains with, its ref, the template): a named
+    template's special tokens added where the tokenizer lacks them, so the export (final/) and
+    ``l2l generate`` tokenize as training did."""
     ref, chosen_by = lm_tokenizer_ref(task, model)
     tok = load_tokenizer(ref, "task.tokenizer" if chosen_by == "task.tokenizer" else "model.pretrained")
+    template = chat_template(task, tok, ref)
+    known = named(task.chat_template)
+    if known is not None:
+        add_template_tokens(tok, known, model_vocab(model), ref)
+    tok.chat_template = template  # the export (final/) carries the template it was trained with
+    return tok, ref, template
+
+
+def make_encoder(task: Any, model: Any) -> tuple[Encoder, str]:
+    tok, ref, template = template_tokenizer(task, model)
     if not getattr(tok, "is_fast", False):
         raise ConfigError([Problem("task.tokenizer", f"{ref} is not a fast tokenizer (task=chat needs its "
                                    "character offsets to find the answers)")])  # fmt: skip
-    template = chat_template(task, tok, ref)
-    tok.chat_template = template  # the export (final/) carries the template it was trained with
-    return Encoder(tok, template, task.train_on, int(task.max_seq_len)), ref
+    eot = end_of_turn_text(template)
+    if eot is None:  # the tokenizer's own template: the special token it closes a turn with, if any
+        from l2l_cli.engine.stops import end_of_turn
+
+        ids = sorted(end_of_turn(tok))
+        eot = tok.convert_ids_to_tokens(ids[0]) if ids else None
+    enc = Encoder(
+        tok, template, task.train_on, int(task.max_seq_len), end_of_turn=eot, fields=Fields.of(task)
+    )
+    return enc, ref
 
 
 # ---- splits ---------------------------------------------------------------------------------------------
 
 
-def encode_rows(ds: Any, enc: Encoder, fmt: str, name: str, first: int = 0) -> list[Encoded]:
-    """Every row of an in-memory dataset, encoded (``first``: the index of its first row in the data)."""
-    shape = detect(list(ds.column_names), name) if fmt == "auto" else fmt
+def line_of(path: Path | None, index: int) -> int | None:
+    """The line of a .jsonl file that holds its example ``index`` (blank lines skipped), else None."""
+    if path is None or path.suffix.lower() != ".jsonl":
+        return None
+    seen = -1
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for n, text in enumerate(f, start=1):
+            seen += bool(text.strip())
+            if seen == index:
+                return n
+    return None
+
+
+def encode_rows(
+    ds: Any, enc: Encoder, fmt: str, name: str, first: int = 0, path: Path | None = None
+) -> list[Encoded]:
+    """Every row of an in-memory dataset, encoded (``first``: the index of its first row in the data;
+    ``path``: the file the rows come from, so a ``task.fields`` mapping's error names the line)."""
+
+    def line(i: int) -> str | None:
+        n = line_of(path, i)
+        return f"{name} line {n}" if n is not None else None
+
+    shape = detect(list(ds.column_names), line(first) or name, enc.fields) if fmt == "auto" else fmt
     out = []
     for i, row in enumerate(ds, start=first):
         where = f"{name} example {i}"
-        out.append(enc.encode(messages_of(row, shape, where), where))
+        try:
+            messages = messages_of(row, shape, where, enc.fields)
+        except ConfigError as e:  # the mapping's error: again, with the file's line (read only now)
+            if not any(q.key.startswith("task.fields") for q in e.problems) or line(i) is None:
+                raise
+            messages = messages_of(row, shape, where, enc.fields, line(i))
+        out.append(enc.encode(messages, where))
     return out
 
 
@@ -267,7 +424,9 @@ def read_split(task: Any, enc: Encoder, key: str, split: str | None, cache: Path
         return None
     out: list[Encoded] = []
     for p in paths:  # one file at a time: the example index is the file's
-        out += encode_rows(sources.open_files([p], cache, key=f"task.{key}"), enc, task.format, p.name)
+        out += encode_rows(
+            sources.open_files([p], cache, key=f"task.{key}"), enc, task.format, p.name, path=p
+        )
     return out
 
 
@@ -280,7 +439,7 @@ def cache_key(task: Any, enc: Encoder) -> str:
     return hashlib.sha256(json.dumps({
         "v": CACHE_VERSION, "data": data, "tokenizer": tokenizer_fingerprint(enc.tok), "template": enc.template,
         "format": task.format, "train_on": task.train_on, "seq": enc.max_len, "packing": bool(task.packing),
-        "dev_fraction": float(task.dev_fraction),
+        "dev_fraction": float(task.dev_fraction), "fields": enc.fields.key(),
     }, sort_keys=True, default=str).encode()).hexdigest()[:24]  # fmt: skip
 
 
@@ -341,9 +500,9 @@ def stream_encoder(enc: Encoder, fmt: str, name: str) -> Callable[[int, dict[str
 
     def encode(index: int, row: dict[str, Any]) -> Encoded:
         if not shape:
-            shape.append(detect(list(row), name) if fmt == "auto" else fmt)
+            shape.append(detect(list(row), name, enc.fields) if fmt == "auto" else fmt)
         where = f"{name} example {index}"
-        return enc.encode(messages_of(row, shape[0], where), where)
+        return enc.encode(messages_of(row, shape[0], where, enc.fields), where)
 
     return encode
 
@@ -412,9 +571,12 @@ def validate(cfg: Any, check_files: bool) -> list[Problem]:
         p.append(
             Problem("task.data_dir", "task=chat reads task.files or task.dataset; leave task.data_dir unset")
         )
-    template = template_problem(task.chat_template)
+    template = None if named(task.chat_template) else template_problem(task.chat_template)
     if template is not None:
         p.append(template)
+    for speaker, role in Fields.of(task).roles:
+        if role not in ROLES:
+            p.append(Problem(f"task.fields.roles.{speaker}", f"got {role!r}; allowed: {', '.join(ROLES)}"))
     p += source_problems(cfg, FILE_SUFFIXES, check_files)
     if p or not check_files:
         return p
@@ -453,6 +615,6 @@ def source_problems(cfg: Any, suffixes: tuple[str, ...], check_files: bool) -> l
 
 KIND = TaskKind(
     "chat", load, validate,
-    keys=("files", "dev_files", "dev_fraction", "format", "chat_template", "train_on", "packing", "dataset",
+    keys=("files", "dev_files", "dev_fraction", "format", "chat_template", "fields", "train_on", "packing", "dataset",
           "dataset_config", "split", "dev_split", "streaming"),
 )  # fmt: skip

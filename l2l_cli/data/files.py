@@ -73,7 +73,7 @@ def check_columns(task: Any) -> list[Problem]:
     """Problems with ``task.files``, ``task.text_fields`` and ``task.label_field`` (before any work)."""
     fmt = task.name
     p: list[Problem] = []
-    fields = list(task.text_fields)
+    fields = as_list(task.text_fields)
     if not 1 <= len(fields) <= 2 or not all(isinstance(f, str) and f for f in fields):
         p.append(
             Problem(
@@ -148,7 +148,7 @@ def _examples(paths: list[Path], task: Any, split: str) -> tuple[list[tuple[str,
 
 
 def _file_examples(path: Path, task: Any, split: str) -> tuple[list[tuple[str, str | None]], list[Any]]:
-    fields, label = list(task.text_fields), task.label_field
+    fields, label = as_list(task.text_fields), task.label_field
     texts, labels = [], []
     key = SPLITS[split]
     try:

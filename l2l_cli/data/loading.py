@@ -44,8 +44,10 @@ def task_problems(cfg: Any, check_files: bool) -> list[Problem]:
     p = kind.validate(cfg, check_files)
     defaults = TaskConfig()
     for key in sorted({k for other in KINDS.values() for k in other.keys} - set(kind.keys)):
-        value = getattr(cfg.task, key)
-        if (list(value) if OmegaConf.is_list(value) else value) != getattr(defaults, key):
+        value, default = getattr(cfg.task, key), getattr(defaults, key)
+        if OmegaConf.is_config(value):  # a list, or a group of keys (task.fields): compared as plain data
+            value, default = OmegaConf.to_container(value), OmegaConf.to_container(OmegaConf.create(default))
+        if value != default:
             owners = [t.name for t in TASKS.values() if key in KINDS[t.kind].keys]
             where = owners[0] if len(owners) == 1 else f"{', '.join(owners[:-1])} or {owners[-1]}"
             p.append(Problem(f"task.{key}", f"applies to task={where}, not task={spec.name}; leave it unset"))

@@ -47,6 +47,14 @@ def _plain_shape(cfg: Any) -> tuple[ModelShape, list[str]]:
     return ModelShape.from_spec(FAMILIES[m.family].from_config(m, num_labels)), notes
 
 
+def head_parts(shape: ModelShape) -> str:
+    """What the post layer holds: an encoder's pooler and classifier, a decoder's final norm and LM head."""
+    from l2l_cli.data.tasks import LM
+    from l2l_cli.models import FAMILIES
+
+    return "final norm, LM head" if FAMILIES[shape.spec.family].objective == LM else "pooler, classifier"
+
+
 def links_of(rates: Rates, cfg: Any) -> scaling.Links:
     hw = cfg.hardware
     return scaling.Links(
@@ -108,6 +116,7 @@ def make_plan(cfg: Any, rates: Rates | None = None) -> dict[str, Any]:
             "blocks": shape.blocks_params,
             "per_block": shape.block_params,
             "head": shape.post_params,
+            "head_parts": head_parts(shape),
         },
         "memory_bytes": {
             "device": {"total": r["device_bytes"], "parts": mem["device"], "budget": rates.device_memory},

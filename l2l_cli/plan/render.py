@@ -98,7 +98,7 @@ def render(plan: dict[str, Any], console: Console) -> None:
     t = _table("Parameters", "layer", "parameters")
     t.add_row("embeddings", fmt_n(p["embeddings"]))
     t.add_row(f"{c['num_layers']} blocks × {fmt_n(p['per_block'])}", fmt_n(p["blocks"]))
-    t.add_row("head (pooler, classifier)", fmt_n(p["head"]))
+    t.add_row(f"head ({p.get('head_parts', 'pooler, classifier')})", fmt_n(p["head"]))
     t.add_row("[bold]total", f"[bold]{p['total']:,}")
     console.print(t)
 

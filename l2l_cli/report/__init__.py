@@ -119,11 +119,20 @@ def _runs_markdown(runs: list[Run], paths: list[str], plots: list[tuple[str, str
 
 def print_tables(report: Report) -> None:
     from rich.console import Console
+    from rich.measure import Measurement
     from rich.table import Table
 
     console = Console(highlight=False)
-    if not console.is_terminal:  # a pipe or a log file: no terminal width to fold the table into
-        console = Console(highlight=False, width=240)
+    piped = not console.is_terminal  # a pipe or a log file: each table as wide as it needs (at least 240)
+
+    def show(table: Table) -> None:
+        if not piped:
+            console.print(table)
+            return
+        wide = Console(highlight=False, width=100_000)
+        width = Measurement.get(wide, wide.options, table).maximum
+        Console(highlight=False, width=max(240, width)).print(table)
+
     for s in report.scaling:
         header, body = limit_rows(s)
         st = Table(title=f"layered-GA §7 limits: {s.name}", header_style="bold", title_justify="left")
@@ -131,19 +140,19 @@ def print_tables(report: Report) -> None:
             st.add_column(h, justify="left" if i == 0 else "right")
         for row in body:
             st.add_row(*row)
-        console.print(st)
+        show(st)
     if not report.runs:
         console.print(f"wrote {', '.join(report.files())} to {report.out}")
         return
     cols = columns(report.runs)
     t = Table(title=f"l2l report: {len(report.runs)} runs", header_style="bold", title_justify="left")
-    for c in cols:
-        note = c.header == "NOTE"
-        t.add_column(c.header, justify="right" if c.numeric else "left", no_wrap=not note,
-                     overflow="fold" if note else "ellipsis", max_width=70 if note else None)  # fmt: skip
+    for c in cols:  # headers whole (a narrow terminal shortens cells, not names); notes and run names fold
+        fold = c.header in ("NOTE", "RUN")
+        t.add_column(c.header, justify="right" if c.numeric else "left", no_wrap=not fold, min_width=len(c.header),
+                     overflow="fold" if fold else "ellipsis", max_width=70 if fold else None)  # fmt: skip
     for r, cells in zip(report.runs, rows(report.runs, cols), strict=True):
         t.add_row(*cells, style=None if r.ok else "red")
-    console.print(t)
+    show(t)
     header, body = breakdown_rows(report.runs)
     if body:
         b = Table(
@@ -153,7 +162,7 @@ def print_tables(report: Report) -> None:
             b.add_column(h, justify="left" if i < 2 else "right")
         for row in body:
             b.add_row(*row)
-        console.print(b)
+        show(b)
     console.print(f"wrote {', '.join(report.files())} to {report.out}")
 
 

@@ -51,11 +51,24 @@ def varying(runs: list[Run]) -> list[str]:
     return [k for k, _ in LABEL_FIELDS if len({r.get(k) for r in runs}) > 1]
 
 
+def short(key: str, value: Any) -> Any:
+    """A field as a legend or title shows it: a checkpoint (``pretrained:/models/minilm``) by its folder's
+    or hub id's last part, not its whole path."""
+    if key == "model" and isinstance(value, str) and "/" in value:
+        return value.removeprefix("pretrained:").rstrip("/").rsplit("/", 1)[-1]
+    return value
+
+
 def label(run: Run, fields: list[str]) -> str:
     """The run's legend entry: the fields that differ between runs (else its model, task and method)."""
     fmt = dict(LABEL_FIELDS)
-    parts = [fmt[k].format(run.get(k)) for k in fields or CONTEXT_FIELDS if run.get(k) is not None]
+    parts = [fmt[k].format(short(k, run.get(k))) for k in fields or CONTEXT_FIELDS if run.get(k) is not None]
     return " ".join(parts) or run.name
+
+
+def outside_legend(ax: Axes) -> None:
+    """The legend right of the plot, never over the curves."""
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, frameon=False)
 
 
 def context(runs: list[Run]) -> str:
@@ -64,7 +77,7 @@ def context(runs: list[Run]) -> str:
     for k in CONTEXT_FIELDS:
         values = {r.get(k) for r in runs}
         if len(values) == 1 and None not in values:
-            shared.append(str(next(iter(values))))
+            shared.append(str(short(k, next(iter(values)))))
     return " · ".join(shared)
 
 
@@ -103,9 +116,9 @@ def _save(fig: Any, path: Path, tight: bool = True) -> None:
     """PNG at 200 dpi, and the same figure as SVG beside it."""
     if tight:
         fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
+    fig.savefig(path, dpi=DPI, bbox_inches="tight")  # (a legend outside the axes stays in the picture)
     with plt.rc_context({"svg.fonttype": "none"}):  # SVG text stays text (searchable, editable)
-        fig.savefig(path.with_suffix(".svg"))
+        fig.savefig(path.with_suffix(".svg"), bbox_inches="tight")
     plt.close(fig)
 
 
@@ -272,7 +285,7 @@ def loss_plot(runs: list[Run], out: Path) -> tuple[str, str] | None:
     ax.set_title(titled("training loss", runs))
     ax.grid(True, alpha=0.3)
     if len(curves) <= 16:
-        ax.legend(fontsize=7)
+        outside_legend(ax)
     _save(fig, out / "loss.png")
     return "loss.png", "training loss per logged step"
 
@@ -307,7 +320,7 @@ def eval_plot(runs: list[Run], out: Path) -> tuple[str, str] | None:
                 ax.plot([s for s, _ in pts], [v for _, v in pts], label=label(r, keys), **style(i, len(pts)))
             ax.set_xlabel("step")
             if len(with_evals) <= 16:
-                ax.legend(fontsize=7)
+                outside_legend(ax)
         ax.set_ylabel(m)
         ax.set_title(titled(f"eval {m}", runs))
         ax.grid(True, alpha=0.3)
