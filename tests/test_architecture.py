@@ -154,7 +154,7 @@ def test_torch_cuda_is_used_only_in_the_device_module() -> None:
 
 # ---- the step path: a newcomer's walk from Trainer.run to the optimizer (ARCHITECTURE.md, "follow one step")
 
-STEP_PATH = ("engine", "modes")  # the packages the step path runs through
+STEP_PATH = ("engine", "modes", "checkpoint")  # the packages the step path runs through
 MAX_LINES = 450
 
 
