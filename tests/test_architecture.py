@@ -150,3 +150,105 @@ def test_torch_cuda_is_used_only_in_the_device_module() -> None:
             if re.search(r"\btorch\.cuda\b|from torch import cuda\b|import torch\.cuda\b", code):
                 uses.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
     assert not uses, "torch.cuda outside engine/device.py:\n" + "\n".join(uses)
+
+
+# ---- the step path: a newcomer's walk from Trainer.run to the optimizer (ARCHITECTURE.md, "follow one step")
+
+STEP_PATH = ("engine", "modes", "checkpoint")  # the packages the step path runs through
+MAX_LINES = 450
+
+
+def test_no_module_on_the_step_path_is_over_450_lines() -> None:
+    """Each module of the step path's packages reads in one sitting (``engine/`` itself, ``modes/``, the
+    checkpoint package); a bigger one is split by concern."""
+    paths = [p for name in STEP_PATH for p in (PACKAGE / name).glob("*.py")]
+    paths += [PACKAGE / f"{name}.py" for name in STEP_PATH if (PACKAGE / f"{name}.py").exists()]
+    assert len(paths) > 30  # the walk saw the packages
+    big = {
+        str(p.relative_to(PACKAGE)): n for p in paths if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert big == {}, f"modules over {MAX_LINES} lines: {big}"
+
+
+def forwarding_methods(source: str, cls: str) -> list[str]:
+    """Methods (and properties) of class ``cls`` whose body, past a docstring, only hands the call to a
+    part's member of the same name: ``return self.part.name(...)``, ``self.part.name(...)`` or ``return
+    self.part.name``: a shim that hides which part does the work."""
+    tree = ast.parse(source)
+    out = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.ClassDef) and node.name == cls):
+            continue
+        for fn in node.body:
+            if not isinstance(fn, ast.FunctionDef):
+                continue
+            body = fn.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                body = body[1:]  # the docstring
+            if len(body) != 1 or not isinstance(body[0], ast.Return | ast.Expr) or body[0].value is None:
+                continue
+            value = body[0].value
+            target = value.func if isinstance(value, ast.Call) else value
+            if (
+                isinstance(target, ast.Attribute)
+                and target.attr == fn.name
+                and isinstance(target.value, ast.Attribute)
+                and isinstance(target.value.value, ast.Name)
+                and target.value.value.id == "self"
+            ):
+                out.append(fn.name)
+    return out
+
+
+def test_the_forwarding_check_finds_a_shim() -> None:
+    probe = (
+        "class E:\n"
+        "    def step(self, x):\n        return self.update.step(x)\n"
+        "    @property\n    def rollbacks(self):\n        '''doc'''\n        return self.spec.rollbacks\n"
+        "    def settle(self):\n        self.worker.wait_all()\n"
+        "    def own(self, x):\n        return self.part.other(x)\n"
+    )
+    assert forwarding_methods(probe, "E") == ["step", "rollbacks"]
+
+
+def test_the_eps_composes_its_parts_without_forwarding_shims() -> None:
+    """The EPS's parts are its public attributes (``worker``, ``tier``, ``files``), called by whoever needs
+    them; no method of the EPS, the relay or the schedules beside it only forwards to a part's namesake."""
+    engine = PACKAGE / "engine"
+    for module, cls in (("eps", "EagerParamServer"), ("speculative", "Speculation"),
+                        ("trailing", "TrailingUpdate"), ("relay", "Relay")):  # fmt: skip
+        assert forwarding_methods((engine / f"{module}.py").read_text(), cls) == [], f"{module}.{cls}"
+
+
+def test_the_eps_does_not_know_the_schedules_built_beside_it() -> None:
+    """The speculative and the trailing update take the EPS as their layer store at construction; the EPS
+    imports neither (no part reaches back into the object that owns it)."""
+    graph = module_graph(PACKAGE)
+    eps = "l2l_cli.engine.eps"
+    assert not graph[eps] & {"l2l_cli.engine.speculative", "l2l_cli.engine.trailing"}
+    assert eps in graph["l2l_cli.engine.speculative"] and eps in graph["l2l_cli.engine.trailing"]
+    source = (PACKAGE / "engine" / "eps.py").read_text()
+    assert "speculation" not in source and "self.trailing" not in source
+
+
+def test_tests_use_only_public_names_of_the_eps() -> None:
+    """No test reaches into the EPS by an underscore name (its held trailing update, its thread's pool):
+    the tests use the parts' public names, and the product carries no property only a test uses."""
+    import re
+
+    uses = []
+    for path in sorted((REPO / "tests").glob("*.py")):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"\beps\._[a-z]", line):
+                uses.append(f"{path.name}:{n}: {line.strip()}")
+    assert not uses, "private EPS names in tests:\n" + "\n".join(uses)
+    tree = ast.parse((PACKAGE / "engine" / "eps.py").read_text())
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "EagerParamServer")
+    private_props = [
+        fn.name
+        for fn in cls.body
+        if isinstance(fn, ast.FunctionDef)
+        and fn.name.startswith("_")
+        and any(isinstance(d, ast.Name) and d.id == "property" for d in fn.decorator_list)
+    ]
+    assert private_props == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import shutil
 from pathlib import Path
@@ -12,6 +13,7 @@ from safetensors.torch import load_file
 
 from l2l_cli import checkpoint as ckpt
 from l2l_cli.checkpoint import CheckpointError
+from l2l_cli.checkpoint import io as ckpt_io
 from l2l_cli.train import run_job
 from tests.util import TINY, l2l, tiny_cfg
 
@@ -229,14 +231,14 @@ class _Runner:
 
 def _crash_on(monkeypatch, target: str) -> None:
     """Make the os.replace that moves a directory onto ``target`` raise (a crash at that point)."""
-    real = ckpt.os.replace
+    real = os.replace
 
     def replace(src, dst):
         if Path(dst).name == target and Path(src).name.startswith(".tmp-"):
             raise KeyboardInterrupt("crash")
         return real(src, dst)
 
-    monkeypatch.setattr(ckpt.os, "replace", replace)
+    monkeypatch.setattr(os, "replace", replace)
 
 
 @pytest.mark.parametrize("exchange", [True, False])
@@ -249,7 +251,7 @@ def test_a_checkpoint_saved_again_survives_a_crash_while_it_is_replaced(
     root = tmp_path / "run" / "checkpoints"
     ckpt.save(root, 3, _Runner(b"old"), {}, {}, keep=2, config_yaml="")
     if not exchange:
-        monkeypatch.setattr(ckpt, "_exchange", lambda a, b: (_ for _ in ()).throw(OSError(38, "no")))
+        monkeypatch.setattr(ckpt_io, "_exchange", lambda a, b: (_ for _ in ()).throw(OSError(38, "no")))
     _crash_on(monkeypatch, "step_3")
     try:
         ckpt.save(root, 3, _Runner(b"new"), {}, {}, keep=2, config_yaml="")

@@ -85,7 +85,7 @@ def test_a_clipped_step_rolls_back_to_the_disk_slot_and_redoes_from_the_kept_gra
         it = batches(cfg)
         reports = [runner.step(next(it)) for _ in range(3)]
         got = {"losses": [r.loss for r in reports], "weights": weights(runner)}
-        assert runner.eps.rollbacks >= 1 and runner.eps.rollback_layers >= 2
+        assert runner.speculation.rollbacks >= 1 and runner.speculation.rollback_layers >= 2
         s = runner.eps.tier.summary()
         if ram:
             assert s["gradients_parked"] == 0  # every waiting gradient in RAM

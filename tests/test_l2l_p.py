@@ -97,7 +97,7 @@ def test_a_skipped_step_leaves_every_layer_as_it_was() -> None:
 
         runner.relay.send_grads = poisoned
         assert runner.step(next(batches(cfg))).skipped
-        runner.eps.settle()
+        runner.settle()
         for st, (w, m, v) in zip(runner.eps.layers, before):
             assert torch.equal(st.w, w) and torch.equal(st.m, m) and torch.equal(st.v, v)
         assert runner.eps.host_parts()["undo_log"] > 0  # the upper layers were updated, then undone
@@ -113,11 +113,11 @@ def test_trailing_update_reaches_the_rows_the_next_batch_reads_first() -> None:
         runner.step(next(it))
         eps, nxt = runner.eps, next(it)
         st = eps.layers[0]
-        assert eps._trailing is not None  # held, not applied
+        assert runner.trailing.pending is not None  # held, not applied
         w0, send0 = st.w.clone(), st.send.clone()
         gate = threading.Event()
-        eps._worker.submit(gate.wait)  # the EPS thread is busy: the background part cannot start
-        eps.start_step(nxt)
+        eps.worker.submit(gate.wait)  # the EPS thread is busy: the background part cannot start
+        runner.trailing.start_step(nxt)
         vocab = cfg.model.vocab_size
         table = lambda t: t[: vocab * cfg.model.hidden_size].view(vocab, -1)  # noqa: E731
         read = torch.unique(nxt.input_ids)
@@ -127,7 +127,7 @@ def test_trailing_update_reaches_the_rows_the_next_batch_reads_first() -> None:
         assert torch.equal(table(st.send)[unread], table(send0)[unread])  # the others: not yet
         preview = st.send.clone()
         gate.set()
-        eps.settle()
+        runner.settle()
         assert torch.equal(table(st.w)[read], table(preview)[read])  # the early rows were the final ones
         assert torch.equal(st.send, st.w) and not torch.equal(st.w, w0)
         # every parameter the forward reads, not only the word rows: positions 0..S-1, the token types,
@@ -201,11 +201,11 @@ def test_a_skipped_step_never_leaves_a_stale_device_copy_of_the_trailing_layer()
     gate = threading.Event()
 
     def hold_update_behind(runner: Any) -> None:
-        eps, send, start = runner.eps, runner.relay.send_grads, runner.eps.start_step
+        eps, send, start = runner.eps, runner.relay.send_grads, runner.trailing.start_step
 
         def start_step(batch: Any) -> None:
             if runner.step_count + 1 == 2:
-                eps._worker.submit(gate.wait)  # queued first: the update behind waits for the gate
+                eps.worker.submit(gate.wait)  # queued first: the update behind waits for the gate
             start(batch)
 
         def send_grads(i: int) -> None:
@@ -213,7 +213,7 @@ def test_a_skipped_step_never_leaves_a_stale_device_copy_of_the_trailing_layer()
             if i == 0:
                 gate.set()
 
-        eps.start_step, runner.relay.send_grads = start_step, send_grads
+        runner.trailing.start_step, runner.relay.send_grads = start_step, send_grads
 
     ref = run("l2l", poison_step=2, steps=3)
     got = run("l2l_p", poison_step=2, steps=3, hook=hold_update_behind)
@@ -250,3 +250,26 @@ def test_three_ranks_roll_back_to_l2ls_weights_bit_for_bit() -> None:
     differ = [k for k in ref["weights"] if not torch.equal(got["weights"][k], ref["weights"][k])]
     assert differ == []
     assert got["sections"]["l2l_p"]["rollbacks"] >= 1
+
+
+@pytest.mark.parametrize(
+    "mode,tier,schedule",
+    [
+        ("l2l", "host", "after_backward"),
+        ("l2l", "disk", "in_backward"),  # the disk tier reads each layer once: its update in its backward
+        ("l2l_p", "host", "in_backward_trailing"),
+        ("l2l_p", "disk", "in_backward_trailing"),
+    ],
+)
+def test_the_update_schedule_is_chosen_once_when_the_runner_is_built(
+    mode: str, tier: str, schedule: str
+) -> None:
+    """The mode's spec and the tier's capability choose the schedule when the runner is built; the runner
+    holds exactly the parts that schedule needs beside the EPS (no speculation for Alg. 3 on the host, a
+    trailing update only for L2L-p)."""
+    from l2l_cli.modes.registry import UpdateSchedule
+
+    with built(tiny_cfg(f"mode={mode}", f"eps.tier={tier}")) as runner:
+        assert runner.schedule is UpdateSchedule(schedule)
+        assert (runner.speculation is not None) == runner.schedule.in_backward
+        assert (runner.trailing is not None) == runner.schedule.trailing

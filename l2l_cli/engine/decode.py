@@ -184,7 +184,7 @@ class LayeredDecoder:
         done = [limit <= 0 for limit in limits]
         seq = ids.clone()  # what each row holds so far (the warpers may read it)
         new_ids, new_pos = ids, positions
-        self.eps.settle()
+        self.eps.worker.wait_all()  # every background update is in before the weights are read
         self.relay.train(False)
         try:
             while not all(done):

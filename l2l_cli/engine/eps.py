@@ -1,56 +1,194 @@
 """The eager param-server (EPS): the only owner of training state in the L2L modes.
 
-Per layer it holds, in host memory, one contiguous FP32 master buffer (pinned when CUDA is present), the
-gradient that arrives from the device, the optimizer moments, and a half-precision send copy under CMP;
-and the host optimizer that updates that layer. It is built layer by layer straight into these buffers
-(random init or streamed from a checkpoint), so no second full copy of the model ever exists: a model
-whose training state fits in host RAM trains, however deep. It also holds the CPU activation stash.
+Per layer it holds, in its tier (host RAM, or files with a few layers cached: :mod:`~l2l_cli.engine.tiers`),
+one contiguous FP32 master buffer (pinned when CUDA is present), the gradient that arrives from the device,
+the optimizer moments, and a half-precision send copy under CMP; and the host optimizer that updates that
+layer. It is built layer by layer straight into these buffers (random init or streamed from a checkpoint),
+so no second full copy of the model ever exists: a model whose training state fits in host RAM trains,
+however deep. It also holds the CPU activation stash.
 
-The EPS is composed of parts, each in its own module:
-- :mod:`~l2l_cli.engine.layer_server`: the layers in their tier (:mod:`~l2l_cli.engine.tiers`), the EPS
-  thread (:mod:`~l2l_cli.engine.eps_worker`), a layer's reduction and update;
-- here: L2L's update after the backward (Alg. 3), with eager per-layer reduction;
-- :mod:`~l2l_cli.engine.speculative`: L2L-p's speculative update during the backward, its undo and redo;
-- :mod:`~l2l_cli.engine.trailing`: L2L-p's trailing update behind the next forward;
-- :mod:`~l2l_cli.engine.eps_files`: its checkpoint files and the weights in Hugging Face names.
+What it does to a layer: reduce its gradient over the ranks (:meth:`EagerParamServer.reduce`) and update it
+(:meth:`EagerParamServer.update_layer`: ``LayerState.update``, the optimizer's step); and Alg. 3's update of
+every layer after the backward (:meth:`EagerParamServer.step`). Its parts are public attributes, built here
+and called directly by whoever needs them: ``worker`` (:mod:`~l2l_cli.engine.eps_worker`, the EPS thread),
+``tier``, ``files`` (:mod:`~l2l_cli.engine.eps_files`, its checkpoint and HF I/O). The schedules that update
+in the backward are built beside it by the runner and take it as their layer store:
+:mod:`~l2l_cli.engine.speculative` (L2L-p's speculative update, its undo and redo) and
+:mod:`~l2l_cli.engine.trailing` (the trailing update behind the next forward). The EPS imports neither.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as torch_dist
 
 from l2l_cli.engine.device import Accelerator
 from l2l_cli.engine.dist import DistContext
-from l2l_cli.engine.layer_server import LayerServer, grad_mult
+from l2l_cli.engine.eps_files import EpsFiles
+from l2l_cli.engine.eps_worker import EpsWorker
+from l2l_cli.engine.flat import FlatLayout
+from l2l_cli.engine.frozen import FrozenBase
+from l2l_cli.engine.layer_state import LayerState
 from l2l_cli.engine.optim import OptimSettings, clip_coefficients
 from l2l_cli.engine.precision import LossScaler
-from l2l_cli.engine.speculative import Speculation
-from l2l_cli.engine.tiers import TierSettings
-from l2l_cli.engine.trailing import TrailingUpdate
-from l2l_cli.models.base import ModelSpec
+from l2l_cli.engine.tied import TiedWeights
+from l2l_cli.engine.tiers import TierSettings, make_tier
+from l2l_cli.models.base import BLOCK, POST, PRE, ModelSpec
+from l2l_cli.models.lora import lora_of
 from l2l_cli.profiling.timers import PhaseTimer
 
-__all__ = ["EagerParamServer"]
+__all__ = ["EagerParamServer", "grad_mult"]
+
+KINDS = (PRE, BLOCK, POST)
 
 
-class EagerParamServer(LayerServer):
-    """All layers' host state, the host update, and the CPU activation stash."""
+def grad_mult(scale: float, coef: torch.Tensor | None) -> torch.Tensor | float | None:
+    """The one multiplier that unscales (``scale``: the loss scale times the ranks averaged over) and clips
+    (``coef``) a gradient (None: as is)."""
+    inv = 1.0 / scale
+    if coef is None:
+        return None if inv == 1.0 else inv
+    return coef * inv
+
+
+class EagerParamServer:
+    """All layers' host state (built straight into its tier, layer by layer), the EPS thread, a layer's
+    reduction and update, Alg. 3's update after the backward, and the CPU activation stash."""
 
     def __init__(
         self, spec: ModelSpec, optim: OptimSettings, acc: Accelerator, device_dtype: torch.dtype, seed: int,
         dist: DistContext | None = None, eager_reduce: bool = True, tier: TierSettings | None = None,
         timer: PhaseTimer | None = None,
     ):  # fmt: skip
-        super().__init__(spec, optim, acc, device_dtype, seed, dist, eager_reduce, tier, timer)
+        self.spec, self.acc = spec, acc
+        self.dist = dist or DistContext()
+        # the EPS's own thread: reduces (and, for L2L-p, updates) each layer while the device computes
+        self.worker = EpsWorker(acc)
+        self.elementwise = optim.elementwise  # an update can be split by element (LAMB's can't)
+        self.realtime: Any = None  # checkpoint.RealtimeWriter: saves each layer right after its update
+        self.eager_reduce = eager_reduce
+        lora = lora_of(spec)
+        # adapters on a frozen base (peft=lora): the EPS's state is the trainable tensors only; the base
+        # is held apart, once, in its own precision (engine/frozen.py), and never updated
+        trainable = {k: spec.trainable_names(k) for k in KINDS} if lora else None  # type: ignore[attr-defined]
+        self.layouts = {
+            k: FlatLayout(spec.new_layer(k, "meta"), only=trainable[k] if trainable else None) for k in KINDS
+        }  # fmt: skip
+        # where the layers' buffers live: host RAM, or files with a few layers cached (eps.tier)
+        self.tier = make_tier(tier or TierSettings(), spec, self.layouts, acc, device_dtype, optim, timer)
+        # a tied LM head: its tensor lives once, in the pre layer's master (see engine/tied.py); with
+        # adapters it is a frozen base tensor, kept once by the frozen base
+        tied = spec.tied_params() if not lora else {}
+        if not lora:
+            self.layouts = {
+                k: FlatLayout(spec.new_layer(k, "meta"), skip=tied if k == POST else ()) for k in KINDS
+            }  # fmt: skip
+        self.ties = TiedWeights(spec, self.layouts[PRE], acc, device_dtype) if tied else None
+        self.base: FrozenBase | None = None
+        self.frozen_layouts: dict[str, FlatLayout] = {}
+        if lora and trainable is not None:
+            self.frozen_layouts = {k: FlatLayout(spec.new_layer(k, "meta"), skip=trainable[k]) for k in KINDS}
+            where = tier.path if tier is not None and tier.path else None  # a base on disk: under eps.path
+            self.base = FrozenBase(
+                spec, self.frozen_layouts, lora, Path(where) / "frozen_base" if where else None
+            )
+        self.layers: list[LayerState] = []
+        self.files = EpsFiles(spec, self.layers, self.tier)
+        with acc.meter.paused():  # host tier
+            for i in range(spec.num_all_layers):
+                kind = spec.kind(i)
+                st = self.tier.new_layer(i, kind, self.layouts[kind], acc, device_dtype, optim)
+                if not self.tier.adopted or self.base is not None:  # (a disk tier continuing a run has its
+                    layer = spec.build_layer(i, seed)  # state already) one layer's module at a time
+                    if self.base is not None:
+                        self.base.put(i, layer)
+                if not self.tier.adopted:
+                    with self.tier.holding(i, "wmv", fresh=True, dirty=True):
+                        st.layout.pack(layer, st.w)
+                        st.refresh_send()
+                self.layers.append(st)
         self._raw_norms: dict[int, torch.Tensor] = {}  # L2L: per layer, taken as each gradient landed
         self._deferred: list[int] = []  # L2L with dist.eager_reduce=false: reductions after the backward
-        self.trailing = TrailingUpdate(self)
-        self.speculation = Speculation(self, self.trailing)
         self.stash_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, i: int) -> LayerState:
+        return self.layers[i]
+
+    def device_numel(self, kind: str) -> int:
+        """Elements of a layer of ``kind`` in a device slot: its own, and the post layer's tied ones."""
+        extra = self.ties.numel if self.ties is not None and kind == POST else 0
+        return self.layouts[kind].numel + extra
+
+    @property
+    def max_layer_numel(self) -> int:
+        return max(self.device_numel(k) for k in self.layouts)
+
+    @property
+    def max_frozen_numel(self) -> int:
+        """Elements of the largest layer's frozen base (0: no frozen base)."""
+        return max((lay.numel for lay in self.frozen_layouts.values()), default=0)
+
+    def layer_job(self, fn: Any, i: int, *args: Any) -> None:
+        """A background job on layer i's gradient; once it is done the tier may move the gradient out."""
+        try:
+            self.worker.timed(fn, i, *args)
+        finally:
+            self.tier.release_grad(i)
+
+    def reduce(self, i: int) -> None:
+        """Wait for layer i's gradient to land, then sum it over the data-parallel ranks."""
+        st = self.layers[i]
+        st.grad_in.wait()
+        st.land_grad()
+        if i == 0 and self.ties is not None:  # a tied LM head: add the head's use before anything reads g
+            self.ties.add_into(st.g)
+        if self.dist.enabled:
+            torch_dist.all_reduce(st.g, group=self.dist.eps_group)
+
+    def update_layer(self, i: int, lr: float, grad_mult: torch.Tensor | float | None) -> None:
+        if self.realtime is not None:
+            self.realtime.before_update(i)  # last step's file of this layer is complete
+        with self.tier.holding(i, "wmvg", dirty=True):  # the disk tier writes the new state back
+            self.layers[i].update(lr, grad_mult)
+        if self.realtime is not None:
+            self.realtime.layer_updated(i, *self.files.layer_file(i))
+
+    def update_master(self, i: int, lr: float, grad_mult: torch.Tensor | float | None) -> None:
+        """Layer i's update of the master only, behind the forward (the trailing update): the device may
+        be copying the send copy meanwhile; whoever settles the layer refreshes it."""
+        if self.realtime is not None:
+            self.realtime.before_update(i)
+        self.layers[i].update(lr, grad_mult, bump=False, refresh=False)
+        if self.realtime is not None:
+            self.realtime.layer_updated(i, *self.files.layer_file(i))
+
+    def restore_layer(self, i: int, announce: bool = True) -> None:
+        """Layer i back to its state before a speculative update (its undo log); ``announce``: a real-time
+        checkpoint writes the restored layer (False: an update follows that writes it)."""
+        if self.realtime is not None:
+            self.realtime.before_update(i)
+        self.layers[i].restore_undo()
+        if self.realtime is not None and announce:
+            self.realtime.layer_updated(i, *self.files.layer_file(i))
+
+    @property
+    def checkpoints_each_step(self) -> bool:
+        """A checkpoint of the EPS follows each step (a real-time one, or a durable tier's commit): every
+        layer's update must be in by the step's end."""
+        return self.realtime is not None or self.tier.durable
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.tier.close()
+        if self.base is not None:
+            self.base.close()
 
     # ---- the update (Alg. 3: for l in layers: w_l = optimizer(w_l, g_l)) --------------------------
 
@@ -60,14 +198,6 @@ class EagerParamServer(LayerServer):
         self.reduce(i)
         self._raw_norms[i] = torch.linalg.vector_norm(self.layers[i].g)
 
-    @property
-    def updates_in_backward(self) -> bool:
-        """L2L on a tier that would otherwise read each layer twice (the disk tier: once for its backward,
-        once for its update after the whole backward) updates each layer right after its backward instead,
-        speculatively as L2L-p does (:meth:`update_async`, :meth:`finish_async`): the same numbers, fewer
-        bytes moved."""
-        return self.tier.update_in_backward and self.eager_reduce
-
     def reduce_async(self, i: int) -> None:
         """Layer i's gradient is on its way to the host: reduce it in the background (L2L: the update
         waits for the whole step; the reduction overlaps the backward of the layers below). With
@@ -76,12 +206,6 @@ class EagerParamServer(LayerServer):
             self.worker.submit(self.layer_job, self._reduce_and_norm, i)
         else:
             self._deferred.append(i)
-
-    def wait_background(self) -> None:
-        self.worker.wait_background()
-
-    def pop_busy(self) -> float:
-        return self.worker.pop_busy()
 
     def grad_norms(self, scaler: LossScaler) -> torch.Tensor:
         """Unscaled L2 norm of each layer's (rank-averaged) gradient: taken by the EPS thread as each
@@ -112,93 +236,13 @@ class EagerParamServer(LayerServer):
             self.worker.submit(self.layer_job, self._reduce_and_norm, i)
         self._deferred = []
         with timer("reduce" if self.dist.enabled else "transfer"):  # the reductions not hidden by backward
-            self.wait_background()
+            self.worker.wait_background()
 
     def grad_mult(self, scaler: LossScaler, coef: torch.Tensor | None) -> torch.Tensor | float | None:
         """The one multiplier that unscales, averages over ranks and clips a gradient (None: as is)."""
         return grad_mult(scaler.scale * self.dist.world, coef)
 
-    # ---- L2L-p: update layer l+1 while the device runs backward on layer l (engine/speculative.py) ----
-
-    def update_async(self, i: int, lr: float, scaler: LossScaler, clip: str, max_norm: float) -> None:
-        """Reduce and update layer i in the background, speculatively (see :class:`Speculation`)."""
-        self.speculation.update_async(i, lr, scaler, clip, max_norm)
-
-    def finish_async(
-        self, scaler: LossScaler, trailing: tuple[int, float, str, float], defer: bool = False
-    ) -> tuple[bool, float]:
-        """The end of an L2L-p step: judge it, undo or redo the speculative updates (see
-        :meth:`Speculation.finish`). Returns (applied, norm)."""
-        return self.speculation.finish(scaler, trailing, defer)
-
-    @property
-    def rollbacks(self) -> int:
-        return self.speculation.rollbacks
-
-    @property
-    def rollback_layers(self) -> int:
-        return self.speculation.rollback_layers
-
-    @property
-    def last_rollback(self) -> str | None:
-        return self.speculation.last_rollback
-
-    # ---- the trailing update behind the next forward (engine/trailing.py) ---------------------------
-
-    def start_step(self, batch: Any) -> None:
-        """A step begins with ``batch``: the held trailing update goes to the rows it reads first, then
-        whole behind the forward (see :meth:`TrailingUpdate.start_step`)."""
-        self.trailing.start_step(batch)
-
-    def apply_trailing(self) -> None:
-        """A held trailing update no step has started: apply it whole, here."""
-        self.trailing.apply()
-
-    @property
-    def _trailing(self) -> tuple[int, float, torch.Tensor | float | None] | None:
-        """The held trailing update (layer, lr, multiplier), if any."""
-        return self.trailing.pending
-
-    @property
-    def _worker(self) -> ThreadPoolExecutor:
-        """The EPS thread's executor."""
-        return self.worker.pool
-
-    # ---- the EPS's background work -------------------------------------------------------------------
-
-    def settle(self) -> None:
-        """Finish every update in flight (held, partial or in the background) before anything outside
-        the step reads the EPS: evaluation, checkpoints, exported weights."""
-        self.apply_trailing()
-        self.worker.wait_all()
-        self.trailing.settled()
-
-    def wait_device(self, i: int, block: bool = True) -> bool:
-        """Whether layer i may be loaded onto the device now (its update is in); ``block``: wait for it."""
-        return self.worker.wait_device(i, block)
-
-    def host_busy(self, i: int) -> bool:
-        """Whether background work still writes layer i's host buffers."""
-        return self.worker.host_busy(i)
-
-    def wait_host(self, i: int) -> None:
-        """Before layer i's host buffers are overwritten (its next gradient lands): its update is done."""
-        self.worker.wait_host(i)
-
-    def pop_optimizer(self) -> dict[str, float]:
-        """Host update time since the last call (see :meth:`EpsWorker.pop_optimizer`)."""
-        return self.worker.pop_optimizer()
-
     # ---- checkpoints and Hugging Face weights (engine/eps_files.py) ----------------------------------
-
-    def state_files(self) -> Iterator[tuple[str, bytes]]:
-        return self.files.state_files()
-
-    def load_state(self, ckpt: Any, manifest: dict[str, Any]) -> None:
-        self.files.load_state(ckpt, manifest)
-
-    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return self.files.hf_tensors()
 
     def load_hf(self, tensors: Any) -> list[str]:
         """Stream matching tensors into the masters (one tensor at a time), and a frozen base's into it;

@@ -65,6 +65,9 @@ class Relay:
         timer: PhaseTimer,
     ):  # fmt: skip
         self.acc, self.spec, self.eps, self.timer = acc, spec, eps, timer
+        # the EPS's parts the relay works with: the thread that may still be updating a layer, the tier
+        # that holds its buffers
+        self.worker, self.tier = eps.worker, eps.tier
         self.prefetch = prefetch
         self.slots = [Slot(acc, spec, eps, dtype) for _ in range(2 if prefetch else 1)]
         self.current: Slot | None = None
@@ -97,11 +100,11 @@ class Relay:
         """Start copying layer i into a slot other than the one computing now. A layer the EPS is still
         updating (L2L-p: a rolled-back layer redone behind the forward) is waited for, or with ``block``
         False left for later (a prefetch must not stall the compute it should overlap)."""
-        if not self.eps.wait_device(i, block=False):
+        if not self.worker.wait_device(i, block=False):
             if not block:
                 return None
             with self.timer("optimizer"):  # the compute thread waits on the EPS
-                self.eps.wait_device(i)
+                self.worker.wait_device(i)
         slot = self._holding(i)
         if slot is not None:
             return slot
@@ -114,15 +117,15 @@ class Relay:
             slot = next((s for s in self.slots if s is not self.current), self.slots[0])
         st = self.eps[i]
         n = st.layout.numel
-        self.eps.tier.pin(i, "w")  # the disk tier: layer i's weights in RAM (read ahead, usually)
+        self.tier.pin(i, "w")  # the disk tier: layer i's weights in RAM (read ahead, usually)
         slot.loaded = self.acc.h2d.copy(slot.w_in[:n], st.send, after=slot.released)
         if self.eps.ties is not None and st.kind == POST:
             tied = slot.w_in[n : self.eps.device_numel(POST)]
-            self.eps.tier.pin(0, "w")  # the tied tensors are the pre layer's
+            self.tier.pin(0, "w")  # the tied tensors are the pre layer's
             ties = self.eps.ties.load(self.acc, tied, self.eps[0].send, slot.released)
-            self.eps.tier.unpin(0, after=AllOf(*ties))
+            self.tier.unpin(0, after=AllOf(*ties))
             slot.loaded = AllOf(slot.loaded, *ties)
-        self.eps.tier.unpin(i, after=slot.loaded)
+        self.tier.unpin(i, after=slot.loaded)
         if self.eps.base is not None and slot.base_layer != i:
             assert slot.fw_in is not None
             slot.base_layer = None
@@ -160,12 +163,12 @@ class Relay:
         assert slot is not None, f"layer {i} is not on the device"
         st = self.eps[i]
         n = st.layout.numel
-        if self.eps.host_busy(i):
+        if self.worker.host_busy(i):
             with self.timer("optimizer"):  # its host buffers are still being written (L2L-p)
-                self.eps.wait_host(i)
+                self.worker.wait_host(i)
         slot.released = self.acc.record_event()
         with self.timer("transfer"):  # inline on a CPU device; queued on CUDA and the simulator
-            self.eps.tier.pin(i, "g", fresh=True)  # a host buffer for it (released by the EPS's job)
+            self.tier.pin(i, "g", fresh=True)  # a host buffer for it (released by the EPS's job)
             slot.grads_out = st.grad_in = self.acc.d2h.copy(st.recv, slot.g[:n], after=slot.released)
             if self.eps.ties is not None and st.kind == POST:
                 tied = slot.g[n : self.eps.device_numel(POST)]

@@ -7,6 +7,10 @@ pre-update state kept in an undo log, and the step is judged at its end: non-fin
 update is undone; clipping applies -> undone and redone with the right factor. Layers updated after the
 norm so far already exceeds the limit are held back instead (their update would only be undone). This class
 keeps that bookkeeping (the step's norms, the layers updated and held, the rollbacks so far).
+
+Built by a runner whose schedule updates in the backward (L2L-p; L2L on a tier that updates in the
+backward), beside the EPS whose layers it updates, with the trailing update (if the schedule holds one) and
+the verdict's norms beyond this EPS (a pipeline rank's) given at construction.
 """
 
 from __future__ import annotations
@@ -16,17 +20,22 @@ from collections.abc import Callable
 
 import torch
 
-from l2l_cli.engine.layer_server import LayerServer, grad_mult
+from l2l_cli.engine.eps import EagerParamServer, grad_mult
 from l2l_cli.engine.optim import clip_coefficients
 from l2l_cli.engine.precision import LossScaler
-from l2l_cli.engine.trailing import TrailingUpdate
+from l2l_cli.engine.trailing import TrailingUpdate, settle
 
 
 class Speculation:
     """One L2L-p step's speculative updates, judged at its end; and the rollbacks of the run."""
 
-    def __init__(self, eps: LayerServer, trailing: TrailingUpdate):
-        self.eps, self.trailing = eps, trailing
+    def __init__(
+        self,
+        eps: EagerParamServer,
+        trailing: TrailingUpdate | None = None,
+        combine: Callable[[torch.Tensor], tuple[torch.Tensor, list[int]]] | None = None,
+    ):
+        self.eps, self.worker, self.tier, self.trailing = eps, eps.worker, eps.tier, trailing
         # the step's per-layer norms, the layers updated before the verdict (undo log kept), those held
         # back once global clipping was certain
         self._bad = False
@@ -40,10 +49,10 @@ class Speculation:
         self.rollback_layers = 0
         self.last_rollback: str | None = None  # why the last step rolled back (None: it did not)
         # the verdict's norms beyond this EPS: this EPS's per-layer norms -> (the whole model's, in model
-        # order; where each of this EPS's layers is in them). A pipeline's L2L stages set it (each rank's
+        # order; where each of this EPS's layers is in them). A pipeline's L2L stages give it (each rank's
         # EPS holds some layers: the clipping factor and the verdict are the whole model's); None: this
         # EPS holds the model
-        self.combine: Callable[[torch.Tensor], tuple[torch.Tensor, list[int]]] | None = None
+        self.combine = combine
 
     def update_async(self, i: int, lr: float, scaler: LossScaler, clip: str, max_norm: float) -> None:
         """Reduce and update layer i in the background (Alg. 4, Process 2), speculatively: with global
@@ -51,9 +60,8 @@ class Speculation:
         clipping applied, its pre-update state kept in the undo log; ``finish`` rolls it back and redoes it
         with the right factor when the finished norm says clipping applies, and rolls back the whole step
         on a non-finite gradient (SuperOffload's speculation-then-validation)."""
-        eps = self.eps
-        eps.worker.submit(
-            eps.layer_job, self._reduce_and_update, i, lr, scaler.scale, clip, max_norm, layer=i
+        self.worker.submit(
+            self.eps.layer_job, self._reduce_and_update, i, lr, scaler.scale, clip, max_norm, layer=i
         )
 
     def _reduce_and_update(self, i: int, lr: float, scale: float, clip: str, max_norm: float) -> None:
@@ -79,36 +87,30 @@ class Speculation:
         else:
             coef = clip_coefficients(norm[None], clip, max_norm)
             mult = (coef[0] * inv) if coef is not None else (None if inv == 1.0 else inv)
-        with eps.worker.work():
+        with self.worker.work():
             st.save_undo(eps.acc)
             if clip == "global" and not _power_of_two(inv):
                 self._landed[i] = st.g.clone()
             eps.update_layer(i, lr, mult)
         self._updated.append(i)
 
-    def finish(
-        self, scaler: LossScaler, trailing: tuple[int, float, str, float], defer: bool = False
-    ) -> tuple[bool, float]:
-        """The end of an L2L-p step: wait for the background updates, take the trailing layer's gradient
-        (``trailing`` = (layer, lr, clip, max_norm)), and judge the step on every layer's norm:
-        non-finite -> undo every speculative update (the step is skipped); global clipping applies ->
-        undo and redo them with the right factor, in forward order on the EPS thread, each layer ready
-        before the next forward loads it. The trailing layer's own update is applied here, or with
-        ``defer`` held for ``start_step`` (it then runs behind the next forward). Returns (applied, norm)."""
+    def finish(self, scaler: LossScaler, last: tuple[int, float, str, float]) -> tuple[bool, float]:
+        """The end of a step: wait for the background updates, take the last layer's gradient (``last`` =
+        (layer, lr, clip, max_norm)), and judge the step on every layer's norm: non-finite -> undo every
+        speculative update (the step is skipped); global clipping applies -> undo and redo them with the
+        right factor, in forward order on the EPS thread, each layer ready before the next forward loads
+        it. The last layer's own update is applied here, or, with a trailing update, held for its
+        ``start_step`` (it then runs behind the next forward). Returns (applied, norm)."""
         with self.eps.acc.meter.paused():  # host-tier work on the compute thread
             try:
-                return self._judge(scaler, trailing, defer)
+                return self._judge(scaler, last)
             finally:
-                self.eps.tier.release_grad(trailing[0])  # (the disk tier may move its gradient out now)
+                self.tier.release_grad(last[0])  # (the disk tier may move its gradient out now)
 
-    def _judge(
-        self, scaler: LossScaler, trailing: tuple[int, float, str, float], defer: bool
-    ) -> tuple[bool, float]:
+    def _judge(self, scaler: LossScaler, last: tuple[int, float, str, float]) -> tuple[bool, float]:
         eps = self.eps
-        i0, lr, clip, max_norm = trailing
-        self.trailing.apply()  # one no step started after (not in a normal run): apply it first
-        eps.worker.wait_all()
-        self.trailing.settled()  # the update behind this step's forward is in: refresh its send copy
+        i0, lr, clip, max_norm = last
+        settle(eps, self.trailing)  # (the update behind this step's forward is in)
         eps.reduce(i0)
         scale = scaler.scale * eps.dist.world
         self._norms[i0] = torch.linalg.vector_norm(eps.layers[i0].g) / scale
@@ -122,9 +124,9 @@ class Speculation:
         self.last_rollback = None
         scaler.update(bad)
         if bad:
-            with eps.worker.work():
+            with self.worker.work():
                 for i in updated:
-                    self._restore(i)
+                    eps.restore_layer(i)
             self._count_rollback(updated, "a non-finite gradient")
             return False, float(torch.linalg.vector_norm(norms))
         coefs = clip_coefficients(norms, clip, max_norm)
@@ -132,8 +134,8 @@ class Speculation:
             factor = coefs[0]  # type: ignore[index]
             redo = updated if float(factor) < 1.0 else []
             for i in sorted(held + redo):  # forward order: the next forward needs layer 1 first
-                eps.worker.submit(
-                    eps.worker.timed, self._redo, i, lr, factor, i in redo, 1.0 / scale, landed.get(i),
+                self.worker.submit(
+                    self.worker.timed, self._redo, i, lr, factor, i in redo, 1.0 / scale, landed.get(i),
                     layer=i,
                 )  # fmt: skip
             if redo:
@@ -142,22 +144,14 @@ class Speculation:
                     redo, f"global gradient norm {total:.4g} > optim.max_grad_norm {max_norm:g}"
                 )
         mult = grad_mult(scale, None if coefs is None else coefs[where[i0]])
-        if defer and eps.elementwise and eps.realtime is None and not eps.tier.durable:
+        if self.trailing is not None and eps.elementwise and not eps.checkpoints_each_step:
             self.trailing.hold(i0, lr, mult)
         else:
-            with eps.worker.work():
+            with self.worker.work():
                 eps.update_layer(i0, lr, mult)
-        if eps.realtime is not None or eps.tier.durable:  # the step's checkpoint (a real-time one, or the
-            eps.worker.wait_all()  # disk tier's commit) is taken next: every layer must be in
+        if eps.checkpoints_each_step:  # the step's checkpoint (a real-time one, or the disk tier's
+            self.worker.wait_all()  # commit) is taken next: every layer must be in
         return True, float(torch.linalg.vector_norm(norms))
-
-    def _restore(self, i: int, announce: bool = True) -> None:
-        eps = self.eps
-        if eps.realtime is not None:
-            eps.realtime.before_update(i)
-        eps.layers[i].restore_undo()
-        if eps.realtime is not None and announce:  # (a redo that follows writes the layer's file itself)
-            eps.realtime.layer_updated(i, *eps.layer_file(i))
 
     def _redo(
         self, i: int, lr: float, factor: torch.Tensor, rollback: bool, inv: float,
@@ -168,9 +162,9 @@ class Speculation:
         a power of two; else ``landed``, the gradient as it landed, is put back and unscaled with the
         factor), or update it for the first time (it was held back)."""
         eps = self.eps
-        with eps.worker.work():
+        with self.worker.work():
             if rollback:
-                self._restore(i, announce=False)
+                eps.restore_layer(i, announce=False)
                 if landed is not None:
                     eps.layers[i].g.copy_(landed)
                     eps.update_layer(i, lr, factor * inv)

@@ -6,6 +6,9 @@ the one no backward hides. Held until the next step begins, the update goes firs
 batch reads (written to the layer's send copy: the forward needs them now), then, whole, to the layer's
 state on the EPS thread behind the forward. AdamW is elementwise, so the early rows equal the whole update's
 bit for bit (see ``LayerState.preview_rows``).
+
+Built by a runner whose schedule holds the trailing update (L2L-p), beside the EPS it updates; the EPS does
+not know it, so the runner's ``settle`` applies a held update before it waits for the EPS thread.
 """
 
 from __future__ import annotations
@@ -14,14 +17,14 @@ from typing import Any
 
 import torch
 
-from l2l_cli.engine.layer_server import LayerServer
+from l2l_cli.engine.eps import EagerParamServer
 
 
 class TrailingUpdate:
     """A held update of one layer, and the layers whose device copy may be older than their rows."""
 
-    def __init__(self, eps: LayerServer):
-        self.eps = eps
+    def __init__(self, eps: EagerParamServer):
+        self.eps, self.worker = eps, eps.worker
         self.pending: tuple[int, float, torch.Tensor | float | None] | None = None  # decided, not applied
         self._stale: set[int] = set()  # layers whose device copy may hold rows updated after it was loaded
 
@@ -43,33 +46,28 @@ class TrailingUpdate:
         st = eps.layers[i]
         rows = eps.spec.rows_read(i, batch)
         if rows is None:
-            with eps.worker.work():
+            with self.worker.work():
                 eps.update_layer(i, lr, mult)
             return
-        with eps.worker.work():
+        with self.worker.work():
             st.make_send_copy(eps.acc)
             st.preview_rows(lr, mult, rows)
             st.version += 1  # the device reloads it: the rows it reads are current
-        eps.worker.submit(eps.worker.timed, self._update_behind, i, lr, mult, layer=i, host_only=True)
+        self.worker.submit(self.worker.timed, self._update_behind, i, lr, mult, layer=i, host_only=True)
         self._stale.add(i)
 
     def _update_behind(self, i: int, lr: float, mult: torch.Tensor | float | None) -> None:
-        eps = self.eps
-        with eps.worker.work(trailing=True):
-            if eps.realtime is not None:
-                eps.realtime.before_update(i)
+        with self.worker.work(trailing=True):
             # the master only: the device may be copying the send copy (the rows previewed for this
             # step) right now; the send copy is rewritten when the layer is settled (``settled``)
-            eps.layers[i].update(lr, mult, bump=False, refresh=False)
-            if eps.realtime is not None:
-                eps.realtime.layer_updated(i, *eps.layer_file(i))
+            self.eps.update_master(i, lr, mult)
 
     def apply(self) -> None:
         """A held trailing update no step has started: apply it whole, here."""
         if self.pending is not None:
             i, lr, mult = self.pending
             self.pending = None
-            with self.eps.worker.work():
+            with self.worker.work():
                 self.eps.update_layer(i, lr, mult)
 
     def settled(self) -> None:
@@ -83,3 +81,13 @@ class TrailingUpdate:
             st.refresh_send()
             st.version += 1
         self._stale.clear()
+
+
+def settle(eps: EagerParamServer, trailing: TrailingUpdate | None) -> None:
+    """Finish every update of ``eps`` in flight (held by ``trailing``, partial, or on the EPS thread) before
+    anything outside the step reads it: evaluation, checkpoints, exported weights, a step's verdict."""
+    if trailing is not None:
+        trailing.apply()  # a held update no step has started: apply it whole, first
+    eps.worker.wait_all()
+    if trailing is not None:
+        trailing.settled()  # the update behind the forward is in: refresh its send copy

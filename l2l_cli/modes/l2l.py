@@ -6,7 +6,8 @@ layer l before layer l+1 is loaded, so each layer crosses the link once per pass
 micro-batches there are. Only each layer's input is stashed (on the device, or on the host with
 ``mode.stash=cpu``); in backward each layer is recomputed from its stash, its gradient accumulates over
 the micro-batches on the device, then goes to the EPS and the device copy is released before the next
-layer. The host updates every layer at the end of the step. With spare device memory the last
+layer. The host updates every layer at the end of the step (or, as the runner's schedule says, each
+layer as its gradient lands: Alg. 4, ``modes/l2l_p.py``; see ``step``). With spare device memory the last
 ``mode.keep_layers`` blocks keep their graph instead, and ``mode.recompute=selective`` saves each block's
 matmul outputs (engine/recompute.py): less or no recompute, the same numbers.
 """
@@ -32,17 +33,23 @@ from l2l_cli.engine.recompute import (
     run_selective,
 )
 from l2l_cli.engine.relay import Relay
+from l2l_cli.engine.speculative import Speculation
 from l2l_cli.engine.stash import CpuStash, DeviceStash
+from l2l_cli.engine.trailing import TrailingUpdate, settle
 from l2l_cli.models.decoder import DecoderSpec
 from l2l_cli.models.lora import lora_of, summary_section
 from l2l_cli.modes.base import DurableState, LayerFiles, RunnerArgs, RunnerBase, StepReport
+from l2l_cli.modes.registry import ModeSpec, UpdateSchedule, update_schedule
 
 if TYPE_CHECKING:
     from l2l_cli.checkpoint import RealtimeWriter
 
 
 class L2LRunner(RunnerBase):
-    def __init__(self, args: RunnerArgs):
+    """Alg. 3 (and Alg. 4 with ``mode``'s schedule): the EPS, the relay, the stash, and the update schedule
+    chosen once here, from the mode's spec and the EPS tier's capabilities."""
+
+    def __init__(self, args: RunnerArgs, mode: ModeSpec):
         super().__init__(args)
         acc, spec, dtype = self.acc, self.spec, self.precision.device_dtype
         self.eps = EagerParamServer(
@@ -56,6 +63,13 @@ class L2LRunner(RunnerBase):
             tier=args.eps_tier,
             timer=self.timer,
         )
+        # when the host updates each layer (Alg. 3: after the backward; Alg. 4: in it), and the parts that
+        # schedule needs beside the EPS
+        self.schedule: UpdateSchedule = update_schedule(
+            mode, self.eps.tier.update_in_backward, self.settings.eager_reduce
+        )
+        self.trailing = TrailingUpdate(self.eps) if self.schedule.trailing else None
+        self.speculation = Speculation(self.eps, self.trailing) if self.schedule.in_backward else None
         self.relay = Relay(acc, spec, self.eps, dtype, self.settings.prefetch, self.timer)
         self.stash = (
             CpuStash(acc, self.eps, self.timer)
@@ -77,43 +91,38 @@ class L2LRunner(RunnerBase):
             return self.spec.run_layer(layer, i, x, ub, side)
 
     def step(self, minibatch: Batch) -> StepReport:
+        """One step on ``self.schedule``: Alg. 3's forward, turn and backward, and the host update after
+        the backward (``AFTER_BACKWARD``) or each layer's as its gradient lands, speculatively
+        (``IN_BACKWARD``; ``IN_BACKWARD_TRAILING``, Alg. 4: the last one behind the next forward)."""
         t0, lr = time.perf_counter(), self.lr()
+        scaler, clip, max_norm = self.precision.scaler, self.clip, self.settings.max_grad_norm
         div = self.loss_divisors(minibatch)  # the loss: one mean over the global minibatch's terms
+        if self.trailing is not None:  # Alg. 4: the last step's trailing update, the rows this batch reads
+            with self.timer("optimizer"):
+                self.trailing.start_step(minibatch)
         ubatches, masks = self.split(minibatch)
         x = self.forward_pass(ubatches, masks)  # Alg. 3: for l in layers: for u in ubatches: forward
         g, loss = self.turn(x, ubatches, div)  # the head: forward and backward per micro-batch
-        if self.eps.updates_in_backward:  # the disk tier: each update while its layer is still in RAM
-            return self._step_updating_in_backward(minibatch, t0, lr, g, loss, ubatches, masks)
-        self.eps.reduce_async(self.head)  # the EPS reduces each gradient as soon as it lands
         for i in reversed(range(self.head)):  # Alg. 3: for l in reversed(layers): for u in ubatches
+            if self.speculation is not None:  # Alg. 4, Process 2 (the EPS thread): w_{l+1} = optimizer(...)
+                self.speculation.update_async(i + 1, lr, scaler, clip, max_norm)
+            else:  # Alg. 3: the EPS reduces each gradient as soon as it lands; the update waits
+                self.eps.reduce_async(i + 1)
+            # ... while Process 1 (the device): for u in ubatches: g_l = backward(g_{l+1})
             self.backward_layer(i, g, ubatches, masks)
-            self.eps.reduce_async(i)
-        # Alg. 3: for l in layers: w_l = optimizer(w_l, g_l), on the host, once every gradient is in
-        applied, norm = self.eps.step(
-            lr, self.precision.scaler, self.clip, self.settings.max_grad_norm, self.timer
-        )
-        return self.finish(
-            loss, len(minibatch), t0, lr, skipped=not applied, grad_norm=norm, extra=self.background()
-        )
+        if self.speculation is not None:  # the verdict on the speculative updates; layer 0's (trailing)
+            with self.timer("optimizer"):
+                applied, norm = self.speculation.finish(scaler, last=(0, lr, clip, max_norm))
+        else:  # Alg. 3: for l in layers: w_l = optimizer(w_l, g_l), on the host, once every gradient is in
+            self.eps.reduce_async(0)
+            applied, norm = self.eps.step(lr, scaler, clip, max_norm, self.timer)
+        extra = self.background()
+        return self.finish(loss, len(minibatch), t0, lr, skipped=not applied, grad_norm=norm, extra=extra)
 
-    def _step_updating_in_backward(
-        self, minibatch: Batch, t0: float, lr: float, g: list[Any], loss: torch.Tensor,
-        ubatches: list[Batch], masks: list[torch.Tensor],
-    ) -> StepReport:  # fmt: skip
-        """Alg. 3's backward with each layer's update right after its gradient lands (speculatively, judged
-        at the end as in Alg. 4: rolled back and redone with the clipping factor, or undone on a non-finite
-        gradient), so the disk tier reads a layer once for both. The numbers are Alg. 3's, bit for bit."""
-        scaler, clip, max_norm = self.precision.scaler, self.clip, self.settings.max_grad_norm
-        self.eps.update_async(self.head, lr, scaler, clip, max_norm)
-        for i in reversed(range(self.head)):
-            self.backward_layer(i, g, ubatches, masks)
-            if i > 0:
-                self.eps.update_async(i, lr, scaler, clip, max_norm)
-        with self.timer("optimizer"):
-            applied, norm = self.eps.finish_async(scaler, trailing=(0, lr, clip, max_norm))
-        return self.finish(
-            loss, len(minibatch), t0, lr, skipped=not applied, grad_norm=norm, extra=self.background()
-        )
+    def settle(self) -> None:
+        """Finish every update in flight (held, partial or in the background) before anything outside the
+        step reads the EPS: evaluation, checkpoints, exported weights."""
+        settle(self.eps, self.trailing)
 
     # ---- the pieces of Algorithms 3 and 4 -----------------------------------------------------------
 
@@ -263,14 +272,15 @@ class L2LRunner(RunnerBase):
     def background(self) -> dict[str, float]:
         """Seconds the EPS thread worked this step (reduction, and L2L-p's hidden updates), the host
         update's seconds (``optimizer_s``, any thread; ``optimizer_exposed_s``, what the compute thread ran
-        itself or waited for; see ``EagerParamServer.pop_optimizer``) and, with the disk tier, its I/O
+        itself or waited for; see ``EpsWorker.pop_optimizer``) and, with the disk tier, its I/O
         (seconds as phases, bytes here)."""
-        times = self.eps.pop_optimizer()
+        times = self.eps.worker.pop_optimizer()
         if self.step_count > 0:  # steady state, like the summary's throughput (the first step excluded)
             self.steady["steps"] += 1
             self.steady["optimizer_s"] += times["optimizer_s"]
             self.steady["optimizer_exposed_s"] += times["optimizer_exposed_s"]
-        return {"eps_background_s": self.eps.pop_busy(), **times, **self.eps.tier.pop_step(self.timer)}
+        busy = self.eps.worker.pop_busy()
+        return {"eps_background_s": busy, **times, **self.eps.tier.pop_step(self.timer)}
 
     def optimizer_section(self) -> dict[str, dict[str, Any]]:
         """summary.json's ``optimizer`` section: the host update's seconds per steady-state step, the part
@@ -284,7 +294,7 @@ class L2LRunner(RunnerBase):
     @torch.no_grad()
     def predict(self, batch: Batch) -> torch.Tensor:
         """Logits, layer by layer over the micro-batches (no stash, no gradients)."""
-        self.eps.settle()  # every update in flight is in before the weights are read
+        self.settle()  # every update in flight is in before the weights are read
         ub_size = self.settings.ubatch_size
         ubatches = self.to_device(batch).split(max(1, -(-len(batch) // ub_size)))
         masks = [self.spec.side_inputs(ub, self.precision.device_dtype) for ub in ubatches]
@@ -308,31 +318,32 @@ class L2LRunner(RunnerBase):
     def decoder(self) -> LayeredDecoder:
         """Generation layer by layer through this runner's EPS and relay (``l2l generate``)."""
         assert isinstance(self.spec, DecoderSpec), "generation needs a decoder"
+        self.settle()  # (a held update is applied: the decoder reads the EPS's layers as they are)
         return LayeredDecoder(self.spec, self.eps, self.relay, self.acc, self.precision)
 
     def load_hf(self, tensors: Any) -> list[str]:
-        self.eps.settle()
+        self.settle()
         return self.eps.load_hf(tensors)
 
     def hf_tensors(self) -> Any:
-        self.eps.settle()
-        return self.eps.hf_tensors()
+        self.settle()
+        return self.eps.files.hf_tensors()
 
     def full_layers(self) -> Any:
         """(index, a CPU module of the layer: frozen base and trained tensors) per layer (``l2l export``)."""
-        self.eps.settle()
+        self.settle()
         return self.eps.full_layers()
 
     def host_parts(self) -> dict[str, int]:
         return self.eps.host_parts()
 
     def state_files(self) -> Any:
-        self.eps.settle()
-        return self.eps.state_files()
+        self.settle()
+        return self.eps.files.state_files()
 
     def load_state(self, ckpt: Any, manifest: dict[str, Any]) -> None:
-        self.eps.settle()
-        self.eps.load_state(ckpt, manifest)
+        self.settle()
+        self.eps.files.load_state(ckpt, manifest)
 
     # ---- the EPS's checkpoints (real-time files; the disk tier's commits) --------------------------------
 
@@ -340,7 +351,7 @@ class L2LRunner(RunnerBase):
         self.eps.realtime = writer
 
     def layer_files(self) -> LayerFiles:
-        return [self.eps.layer_file(i) for i in range(len(self.eps.layers))]
+        return [self.eps.files.layer_file(i) for i in range(len(self.eps.layers))]
 
     def durable_state(self) -> DurableState | None:
         tier = self.eps.tier
@@ -348,7 +359,7 @@ class L2LRunner(RunnerBase):
 
     def close(self) -> None:
         try:
-            self.eps.settle()
+            self.settle()
         finally:
             self.eps.close()
 

@@ -19,45 +19,39 @@ forward starts, the rest on the EPS thread behind that forward; nothing reads th
 (the next update of the layer, evaluation and checkpoints wait for them). AdamW only: LAMB's trust ratio
 needs the whole tensor and 8-bit AdamW quantizes whole blocks, so with them the trailing update stays at the
 end of the step.
+
+The schedule is chosen once, when the runner is built (``modes/registry.py``'s ``update_schedule``: this
+mode's spec says ``overlapped_update``), and ``L2LRunner.step`` (modes/l2l.py) runs it: the forward, the
+turn and the per-layer backward are Alg. 3's, the update is this file's algorithm. This runner adds what
+L2L-p reports: the steps rolled back and the layer updates undone.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
-from l2l_cli.data.batches import Batch
-from l2l_cli.modes.base import StepReport
+from l2l_cli.engine.speculative import Speculation
 from l2l_cli.modes.l2l import L2LRunner
 
 log = logging.getLogger("l2l")
 
 
 class L2LPRunner(L2LRunner):
-    def step(self, minibatch: Batch) -> StepReport:
-        t0, lr = time.perf_counter(), self.lr()
-        scaler, clip, max_norm = self.precision.scaler, self.clip, self.settings.max_grad_norm
-        div = self.loss_divisors(minibatch)  # the loss: one mean over the global minibatch's terms
-        with self.timer("optimizer"):  # the last step's trailing update: the rows this batch reads
-            self.eps.start_step(minibatch)
-        ubatches, masks = self.split(minibatch)
-        x = self.forward_pass(ubatches, masks)  # Alg. 4: for l in layers: for u in ubatches: forward
-        g, loss = self.turn(x, ubatches, div)
-        for i in reversed(range(self.head)):  # Alg. 4: for l in reversed(layers):
-            # Process 2 (the EPS thread): w_{l+1} = optimizer(w_{l+1}, g_{l+1}) ...
-            self.eps.update_async(i + 1, lr, scaler, clip, max_norm)
-            # ... while Process 1 (the device): for u in ubatches: g_l = backward(g_{l+1})
-            self.backward_layer(i, g, ubatches, masks)
-        with self.timer("optimizer"):  # the verdict on the speculative updates; layer 0's update held
-            applied, norm = self.eps.finish_async(scaler, trailing=(0, lr, clip, max_norm), defer=True)
-        extra = self.background()
-        if self.eps.last_rollback is not None:
-            log.info("l2l_p: step %d rolled back: %s", self.step_count + 1, self.eps.last_rollback)
+    """L2L-p: Alg. 3's runner on the schedule ``IN_BACKWARD_TRAILING``, reporting its rollbacks."""
+
+    speculation: Speculation
+
+    def background(self) -> dict[str, float]:
+        """Alg. 3's background times, and ``rollback`` on a step whose speculative updates were undone."""
+        extra = super().background()
+        if self.speculation.last_rollback is not None:
+            log.info("l2l_p: step %d rolled back: %s", self.step_count + 1, self.speculation.last_rollback)
             extra["rollback"] = 1.0
-        return self.finish(loss, len(minibatch), t0, lr, skipped=not applied, grad_norm=norm, extra=extra)
+        return extra
 
     def sections(self) -> dict[str, dict[str, Any]]:
         """summary.json's ``l2l_p`` section (steps rolled back, layer updates undone) besides L2L's."""
-        rollbacks = {"rollbacks": self.eps.rollbacks, "rolled_back_layer_updates": self.eps.rollback_layers}
+        spec = self.speculation
+        rollbacks = {"rollbacks": spec.rollbacks, "rolled_back_layer_updates": spec.rollback_layers}
         return {**super().sections(), "l2l_p": rollbacks}

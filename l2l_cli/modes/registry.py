@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -51,6 +52,38 @@ class ModeSpec:
 
     def method(self, stash: str | None) -> str:
         return self.label + ("-stash-cpu" if stash == "cpu" else "")
+
+
+class UpdateSchedule(Enum):
+    """When an EPS runner's host update of a layer runs: chosen once, when the runner is built
+    (:func:`update_schedule`), and read by its ``step()``."""
+
+    AFTER_BACKWARD = "after_backward"  # Alg. 3: every layer, once the whole backward is over
+    IN_BACKWARD = "in_backward"  # layer l+1 while the device runs backward on layer l, speculatively
+    IN_BACKWARD_TRAILING = "in_backward_trailing"  # ... and the last one behind the next forward (Alg. 4)
+
+    @property
+    def in_backward(self) -> bool:
+        """Each layer is updated as its gradient lands (speculatively: engine/speculative.py)."""
+        return self is not UpdateSchedule.AFTER_BACKWARD
+
+    @property
+    def trailing(self) -> bool:
+        """The step's last update (the embeddings') is held and runs behind the next forward
+        (engine/trailing.py)."""
+        return self is UpdateSchedule.IN_BACKWARD_TRAILING
+
+
+def update_schedule(mode: ModeSpec, tier_updates_in_backward: bool, eager_reduce: bool) -> UpdateSchedule:
+    """The mode's schedule (``overlapped_update``: L2L-p's, Alg. 4), or Alg. 3's; except that Alg. 3 on a
+    tier that would read each layer twice (the disk tier: once for its backward, once for its update after
+    the whole backward) updates each layer in its backward instead, when the reductions are eager: the
+    speculative update is exact, so the numbers are Alg. 3's, with fewer bytes moved."""
+    if mode.overlapped_update:
+        return UpdateSchedule.IN_BACKWARD_TRAILING
+    if tier_updates_in_backward and eager_reduce:
+        return UpdateSchedule.IN_BACKWARD
+    return UpdateSchedule.AFTER_BACKWARD
 
 
 MODES: dict[str, ModeSpec] = {}

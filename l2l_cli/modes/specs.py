@@ -77,7 +77,7 @@ BASELINE_AG = register_mode(
 def _l2l_runner(args: RunnerArgs) -> Runner:
     from l2l_cli.modes.l2l import L2LRunner
 
-    return L2LRunner(args)
+    return L2LRunner(args, L2L)
 
 
 L2L = register_mode(
@@ -102,7 +102,7 @@ L2L = register_mode(
 def _l2l_p_runner(args: RunnerArgs) -> Runner:
     from l2l_cli.modes.l2l_p import L2LPRunner
 
-    return L2LPRunner(args)
+    return L2LPRunner(args, L2L_P)
 
 
 L2L_P = register_mode(

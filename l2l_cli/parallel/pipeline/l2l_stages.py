@@ -42,11 +42,13 @@ from l2l_cli.engine.dist import DistContext
 from l2l_cli.engine.eps import EagerParamServer
 from l2l_cli.engine.optim import clip_coefficients
 from l2l_cli.engine.relay import Relay
+from l2l_cli.engine.speculative import Speculation
 from l2l_cli.engine.stash import CpuStash, DeviceStash
+from l2l_cli.engine.trailing import TrailingUpdate, settle
 from l2l_cli.models.base import ModelSpec
 from l2l_cli.modes.base import RunnerArgs, RunnerBase, StepReport
 from l2l_cli.modes.l2l import head_turn
-from l2l_cli.modes.registry import ModeSpec
+from l2l_cli.modes.registry import ModeSpec, update_schedule
 from l2l_cli.parallel.pipeline.plan import StagePlan, count, hidden_bytes, layer_weights
 from l2l_cli.parallel.pipeline.runner import (
     PipelineRunner,
@@ -126,8 +128,17 @@ class L2LStagesRunner(RunnerBase):
         self._shards: dict[str, ckpt.Written] | None = (
             None  # rank 0: the files the ranks wrote for a checkpoint
         )
-        self.overlapped = mode.overlapped_update  # l2l_p: each layer updated as its gradient lands
-        self.eps.speculation.combine = self.pipeline_norms  # its verdict: the whole pipeline's norms
+        # l2l_p: each layer updated as its gradient lands, its verdict on the whole pipeline's norms (a
+        # stage's tier does not change the schedule: the stages' breadth-first order is its own)
+        schedule = update_schedule(
+            mode, tier_updates_in_backward=False, eager_reduce=self.settings.eager_reduce
+        )
+        self.trailing = TrailingUpdate(self.eps) if schedule.trailing else None
+        self.speculation = (
+            Speculation(self.eps, self.trailing, combine=self.pipeline_norms)
+            if schedule.in_backward
+            else None
+        )
         self._lr = 0.0
         self.sends: list[Any] = []
         self.steps_timed, self.totals = 0, {"compute": 0.0, "pipeline": 0.0, "transfer": 0.0, "forward": 0.0}
@@ -188,9 +199,9 @@ class L2LStagesRunner(RunnerBase):
         t_start, lr = time.perf_counter(), self.lr()
         self._lr = lr
         div = self.loss_divisors(minibatch)  # the loss: one mean over the global minibatch's terms
-        if self.overlapped:
+        if self.trailing is not None:
             with self.timer("optimizer"):  # L2L-p: the last step's trailing update, the rows read first
-                self.eps.start_step(minibatch)
+                self.trailing.start_step(minibatch)
         ubatches = self.to_device(minibatch).split(self.num_ubatches)
         dtype = self.precision.device_dtype
         masks = [self.spec.side_inputs(ub, dtype) for ub in ubatches]
@@ -209,7 +220,7 @@ class L2LStagesRunner(RunnerBase):
         dist.barrier(group=self.pp_host)
         t1 = time.perf_counter()
         loss = self._pipeline_loss(loss)
-        applied, norm = self.finish_overlapped(lr) if self.overlapped else self.update(lr)
+        applied, norm = self.finish_overlapped(lr) if self.speculation is not None else self.update(lr)
         phases = self.timer.pop()
         compute = sum(phases.get(k, 0.0) for k in ("forward", "recompute", "backward"))
         if self.step_count > 0 or not self.steps_timed:  # steady state: the first step only if alone
@@ -225,9 +236,9 @@ class L2LStagesRunner(RunnerBase):
             self.totals["pipeline"] += t1 - t0
         report = self.finish(loss, len(minibatch), t_start, lr, skipped=not applied, grad_norm=norm)
         report.phases = phases
-        report.extra = {"eps_background_s": self.eps.pop_busy(), **self.eps.pop_optimizer(),
+        report.extra = {"eps_background_s": self.eps.worker.pop_busy(), **self.eps.worker.pop_optimizer(),
                         "pipe_compute_s": compute, "pipe_bubble": max(0.0, 1 - compute / max(t1 - t0, 1e-9))}  # fmt: skip
-        if self.overlapped and self.eps.last_rollback is not None:
+        if self.speculation is not None and self.speculation.last_rollback is not None:
             report.extra["rollback"] = 1.0
         return report
 
@@ -269,11 +280,11 @@ class L2LStagesRunner(RunnerBase):
         """Local layer j's gradient has left the device: L2L reduces it in the background (the update waits
         for the step's end); L2L-p reduces and updates it, speculatively (Alg. 4's Process 2), while the
         device runs the layers below; except local layer 0, the rank's last, whose update trails."""
-        if not self.overlapped:
+        if self.speculation is None:
             self.eps.reduce_async(j)
         elif j > 0:
             s = self.settings
-            self.eps.update_async(j, self._lr, self.precision.scaler, self.clip, s.max_grad_norm)
+            self.speculation.update_async(j, self._lr, self.precision.scaler, self.clip, s.max_grad_norm)
 
     def backward_pass(
         self, g: list[Any], ubatches: list[Batch], masks: list[Any], shape: tuple[int, ...]
@@ -338,10 +349,9 @@ class L2LStagesRunner(RunnerBase):
         rank's updates are rolled back and redone when the whole model's norm says clip, though its own
         layers' norm would not; one non-finite gradient anywhere undoes every rank's step."""
         s = self.settings
+        assert self.speculation is not None
         with self.timer("optimizer"):
-            return self.eps.finish_async(
-                self.precision.scaler, (0, lr, self.clip, s.max_grad_norm), defer=True
-            )
+            return self.speculation.finish(self.precision.scaler, (0, lr, self.clip, s.max_grad_norm))
 
     def update(self, lr: float) -> tuple[bool, float]:
         """Alg. 3's host update of this rank's layers, with the norms of every rank of the pipeline: one
@@ -358,12 +368,16 @@ class L2LStagesRunner(RunnerBase):
                     eps.update_layer(j, lr, eps.grad_mult(scaler, None if coefs is None else coefs[i]))
         return finite, float(torch.linalg.vector_norm(norms))
 
+    def settle(self) -> None:
+        """Every update in flight is in (a held trailing update applied) before anything else reads the EPS."""
+        settle(self.eps, self.trailing)
+
     # ---- evaluation: forward only through the first pipeline ---------------------------------------
 
     @torch.no_grad()
     def predict(self, batch: Batch) -> torch.Tensor:
         """Logits of a batch (one micro-batch), layer by layer through the pipeline; every rank gets them."""
-        self.eps.settle()
+        self.settle()
         b = self.to_device(batch)
         mask = self.spec.side_inputs(b, self.precision.device_dtype)
         shape = (len(b), b.seq_len, self.spec.hidden_size)
@@ -400,8 +414,8 @@ class L2LStagesRunner(RunnerBase):
 
     def collect(self) -> None:
         """Collective: rank 0 gets every stage's weights by Hugging Face name (the final model)."""
-        self.eps.settle()
-        mine = {name: t.detach().cpu().clone() for name, t in self.eps.hf_tensors()}
+        self.settle()
+        mine = {name: t.detach().cpu().clone() for name, t in self.eps.files.hf_tensors()}
         self._full = None
         if self.dp_rank != 0:
             return
@@ -413,11 +427,11 @@ class L2LStagesRunner(RunnerBase):
     def hf_tensors(self) -> Any:
         if self._full is not None:
             return iter(self._full.items())
-        self.eps.settle()
-        return self.eps.hf_tensors()
+        self.settle()
+        return self.eps.files.hf_tensors()
 
     def load_hf(self, tensors: Any) -> list[str]:
-        self.eps.settle()
+        self.settle()
         return self.eps.load_hf(tensors)
 
     def host_parts(self) -> dict[str, int]:
@@ -433,13 +447,13 @@ class L2LStagesRunner(RunnerBase):
         self._shards = None
         if self.dp_rank != 0:
             return
-        self.eps.settle()
+        self.settle()
         where = ckpt.shard_dir(root, step)
         if self.pp_rank == 0:  # (a crash's leftovers of this step go first)
             shutil.rmtree(where, ignore_errors=True)
             where.mkdir(parents=True)
         dist.barrier(group=self.pp_host)
-        mine = {name: ckpt.write_bytes(where / name, data) for name, data in self.eps.state_files()}
+        mine = {name: ckpt.write_bytes(where / name, data) for name, data in self.eps.files.state_files()}
         parts: list[Any] | None = [None] * self.pipe.pipeline if self.dist.rank == 0 else None
         dist.gather_object(mine, parts, dst=0, group=self.pp_host)
         if parts is not None:
@@ -458,8 +472,8 @@ class L2LStagesRunner(RunnerBase):
     def load_state(self, ckpt_dir: Any, manifest: dict[str, Any]) -> None:
         """This rank's layers from any checkpoint of the EPS layout: one process's, or a pipeline's of any
         placement (each file is one of the model's layers)."""
-        self.eps.settle()
-        self.eps.load_state(ckpt_dir, manifest)
+        self.settle()
+        self.eps.files.load_state(ckpt_dir, manifest)
 
     def sections(self) -> dict[str, dict[str, Any]]:
         """summary.json's ``pipeline``: the layout, the bubble measured (1 - compute / pipeline time, the
@@ -469,8 +483,9 @@ class L2LStagesRunner(RunnerBase):
                 "stages": self.my_stages, "layers": self.index, "compute_s": self.totals["compute"] / n,
                 "pipeline_s": self.totals["pipeline"] / n, "transfer_s": self.totals["transfer"] / n,
                 "forward_s": self.totals.get("forward", 0.0) / n}  # fmt: skip
-        if self.overlapped:  # L2L-p: steps whose speculative updates this rank undid, and how many
-            mine |= {"rollbacks": self.eps.rollbacks, "rolled_back_layer_updates": self.eps.rollback_layers}
+        spec = self.speculation
+        if spec is not None:  # L2L-p: steps whose speculative updates this rank undid, and how many
+            mine |= {"rollbacks": spec.rollbacks, "rolled_back_layer_updates": spec.rollback_layers}
         mine["bubble"] = 1 - mine["compute_s"] / mine["pipeline_s"] if mine["pipeline_s"] > 0 else None
         ranks: list[Any] = [None] * self.dist.world
         dist.all_gather_object(ranks, mine)
@@ -500,7 +515,7 @@ class L2LStagesRunner(RunnerBase):
 
     def close(self) -> None:
         try:
-            self.eps.settle()
+            self.settle()
         finally:
             self.eps.close()
 
