@@ -111,6 +111,7 @@ def eps_tier(cfg: Any, run_dir: Path | None) -> TierSettings:
     return TierSettings(
         e.tier, path, e.host_cache_layers, resume=bool(resume), grad_ram_bytes=grad_ram,
         grad_ram_layers=e.grad_ram_layers,
+        clip_global=run_clip(cfg) == "global" and bool(cfg.optim.max_grad_norm),
     )  # fmt: skip
 
 

@@ -188,16 +188,23 @@ def memory(shape: ModelShape, s: Setup) -> dict[str, dict[str, float]]:
         # one layer's working set for one micro-batch, plus every micro-batch's layer output / gradient
         dev["working_activations"] = ub * working + mb * A
         if s.disk:
-            # k cache slots of the largest layer (w, m, v, g and the half send copy); the state and L2L-p's
-            # undo (the slot an update does not overwrite) are in the layer files
+            # k cache slots sized for the model's k largest layers (w, m, v, g and the half send copy); the
+            # state and L2L-p's undo (the slot an update does not overwrite) are in the layer files
             k = min(s.cache_layers, N + 2)
             per_param = FP32_STATE + (2.0 if s.precision == "cmp" else 0.0)
-            host["eps_cache"] = k * per_param * L_state
-            # the gradients waiting for the clipping verdict (or their update): eps.grad_ram_layers buffers
-            # of the largest layer, whatever the depth; the others wait on disk (an applied one kept for a
-            # redo in kept_grads.eps, sparse: at most 4 bytes per parameter)
+            # the trainable layers' sizes, largest first (LoRA: the adapters of each layer)
+            if pe:
+                largest = [L_state] * (N + 2)
+            else:
+                largest = sorted(
+                    [shape.pre_params, *[shape.block_params] * N, shape.post_params], reverse=True
+                )
+            host["eps_cache"] = per_param * sum(largest[:k])
+            # the gradients waiting for the clipping verdict (or their update): eps.grad_ram_layers buffers,
+            # at most the largest layers' gradients, whatever the depth; the others wait on disk (an applied
+            # one kept for a redo in kept_grads.eps, sparse: at most 4 bytes per parameter)
             pool = s.pool_layers(L_state, N + 2)
-            host["eps_grad_pool"] = pool * 4.0 * L_state
+            host["eps_grad_pool"] = 4.0 * sum(largest[:pool])
             disk["eps_files"] = DISK_STATE * P_state
             if s.clip_global and pool < N + 2:
                 disk["eps_kept_grads"] = 4.0 * P_state

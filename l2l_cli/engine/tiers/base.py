@@ -50,6 +50,7 @@ class TierSettings:
     resume: bool = False  # disk: continue from the state committed at ``path`` (trainer.resume)
     grad_ram_bytes: int = 0  # disk: gradients kept in RAM instead of on disk, bytes (eps.grad_ram_gb)
     grad_ram_layers: int = 2  # disk: ... and at most this many layers' of them (eps.grad_ram_layers)
+    clip_global: bool = True  # disk: global-norm clipping (gradients kept for its verdict: the space check)
 
 
 class Tier(Protocol):

@@ -1,5 +1,10 @@
 """The disk tier's host cache: ``eps.host_cache_layers`` page-aligned slots, each holding one layer's state
-while it is in use, and the choice of which slot to reuse for the next layer."""
+while it is in use, and the choice of which slot to reuse for the next layer.
+
+The slots are sized for the layers they may hold, not all for the largest: slot r is sized for the r-th
+largest layer of the model (the embeddings, say, then the blocks), so any ``host_cache_layers`` layers fit
+at once (the r-th largest of them is no larger than the model's r-th largest) and the cache takes the bytes
+of the model's ``host_cache_layers`` largest layers, whatever the depth (:func:`slot_numels`)."""
 
 from __future__ import annotations
 
@@ -14,14 +19,21 @@ from l2l_cli.engine.optim import OptimSettings
 from l2l_cli.engine.tiers.disk.format import AlignedBuffer, aligned
 
 
+def slot_numels(numels: list[int], k: int) -> list[int]:
+    """The cache's slot sizes (elements) for layers of ``numels``: the ``k`` largest, largest first."""
+    return sorted(numels, reverse=True)[: max(0, min(k, len(numels)))]
+
+
 class CacheSlot:
-    """One layer's state in RAM: [w | m | v | g] page-aligned, sized for the largest layer, with one
-    optimizer per layer kind bound to views of it (the optimizer runs on the cached copy in place)."""
+    """One layer's state in RAM: [w | m | v | g] page-aligned, sized for ``n_max`` elements (a layer of at
+    most that many fits), with one optimizer per layer kind that fits bound to views of it (the optimizer
+    runs on the cached copy in place)."""
 
     def __init__(
         self, n_max: int, layouts: dict[str, FlatLayout], acc: Accelerator, send_dtype: torch.dtype,
         optim: OptimSettings, split: bool = False,
     ):  # fmt: skip
+        self.numel = n_max  # the largest layer this slot can hold
         self.split = split  # format 2: the send copy is the file's hi plane, ``lo`` its lo plane
         self.part_bytes = aligned(4 * n_max)
         self.buf = AlignedBuffer(4 * self.part_bytes, acc)
@@ -42,6 +54,7 @@ class CacheSlot:
         self.optimizers = {
             kind: bind_optimizer(layout, *(self.f32[p][: layout.numel] for p in "wgmv"), optim)
             for kind, layout in layouts.items()
+            if layout.numel <= n_max
         }
         self.layer: int | None = None
         self.valid: set[str] = set()  # parts that hold the layer's current values
@@ -78,10 +91,11 @@ class SlotCache:
     """The slots, which layer each holds, and which one to reuse (the tier's lock guards all of it)."""
 
     def __init__(
-        self, k: int, n_max: int, layouts: dict[str, FlatLayout], acc: Accelerator, send_dtype: torch.dtype,
-        optim: OptimSettings, split: bool = False,
+        self, k: int, numels: list[int], layouts: dict[str, FlatLayout], acc: Accelerator,
+        send_dtype: torch.dtype, optim: OptimSettings, split: bool = False,
     ):  # fmt: skip
-        self.slots = [CacheSlot(n_max, layouts, acc, send_dtype, optim, split) for _ in range(k)]
+        """``k`` slots for layers of ``numels`` elements (each layer's), sized by :func:`slot_numels`."""
+        self.slots = [CacheSlot(n, layouts, acc, send_dtype, optim, split) for n in slot_numels(numels, k)]
         self._clock = 0
 
     def __len__(self) -> int:
@@ -105,23 +119,26 @@ class SlotCache:
         self._clock += 1
         s.used = self._clock
 
-    def victim(self, avoid: set[int], later: dict[int, int]) -> CacheSlot | None:
-        """An unpinned slot to reuse: empty, else one nobody will use soon (least recently used, clean
-        before one whose gradient must be parked, one whose write-back is done first), else the one needed
-        last."""
-        free = [s for s in self.slots if s.pins == 0 and not s.busy and s.layer not in avoid]
+    def victim(self, avoid: set[int], later: dict[int, int], numel: int = 0) -> CacheSlot | None:
+        """An unpinned slot to reuse for a layer of ``numel`` elements, among those large enough: empty,
+        else one nobody will use soon (least recently used, clean before one whose gradient must be parked,
+        one whose write-back is done first), else the one needed last; of two alike, the smaller (a larger
+        slot stays for the larger layers only it can hold)."""
+        free = [
+            s for s in self.slots if s.pins == 0 and not s.busy and s.layer not in avoid and s.numel >= numel
+        ]
         if not free:
             return None
 
-        def cost(s: CacheSlot) -> tuple[int, int, float]:
+        def cost(s: CacheSlot) -> tuple[float, ...]:
             # a slot whose write-back is still going would hold the reader up (its reads and the writes are
             # on their own queues, so a read never waits behind a write it does not need to)
             writing = int(s.writing is not None and not s.writing.done())
             if s.layer is None:
-                return (0, writing, 0.0)
+                return (0, s.numel, writing, 0.0)
             if s.layer not in later:
-                return (1 + int(s.g_dirty), writing, float(s.used))
-            return (3, writing, -float(later[s.layer]))
+                return (1 + int(s.g_dirty), s.numel, writing, float(s.used))
+            return (3, writing, -float(later[s.layer]), s.numel)
 
         return min(free, key=cost)
 

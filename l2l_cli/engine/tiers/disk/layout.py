@@ -30,6 +30,31 @@ def part_width(part: str) -> int:
     return 2 if part in "hl" else 4
 
 
+def layer_numels(spec: ModelSpec) -> list[int]:
+    """Each layer's parameters, in order (embeddings, blocks, head): what its file and cache slot hold."""
+    pre, block, post = spec.param_counts()
+    return [pre, *[block] * spec.num_layers, post]
+
+
+def pool_capacity(numels: list[int], grad_ram_layers: int, grad_ram_bytes: int) -> int:
+    """How many layers' waiting gradients the tier keeps in RAM at once: ``eps.grad_ram_layers``, within
+    ``eps.grad_ram_gb`` (counted in the largest layer's gradients) and the model's layers."""
+    largest = aligned(4 * max(1, max(numels, default=1)))
+    return max(0, min(grad_ram_layers, len(numels), grad_ram_bytes // largest))
+
+
+def kept_grads_bytes(spec: ModelSpec, grad_ram_layers: int, grad_ram_bytes: int, clip_global: bool) -> int:
+    """The most ``kept_grads.eps`` takes on disk: the gradients of speculative updates that wait for the
+    global clipping verdict beyond the RAM pool (4 bytes per parameter of the layers that can be written
+    there: all but the pool's, at worst the smallest; the file is sparse, this is its most); 0 without
+    global clipping, or when the pool holds every layer's."""
+    numels = layer_numels(spec)
+    pool = pool_capacity(numels, grad_ram_layers, grad_ram_bytes)
+    if not clip_global or pool >= len(numels):
+        return 0
+    return sum(sorted(aligned(4 * n) for n in numels)[pool:])
+
+
 def disk_bytes(spec: ModelSpec) -> int:
     """What the disk tier needs on disk for ``spec``: 24 bytes per parameter (two versions of w, m, v)."""
     pre, block, post = spec.param_counts()

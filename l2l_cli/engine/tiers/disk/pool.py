@@ -8,45 +8,65 @@ update is redone with the step's clipping factor). On disk, either costs a write
 go to disk (parked in the layer file's free slot, or kept in :mod:`.spill`'s file), so the RAM it takes is
 bounded by a number of layers, not by the depth.
 
-Its buffers are sized for the largest layer and reused: a buffer belongs to a layer while that layer's
-gradient waits in it (``live``: parked until its update; ``kept``: for a redo until the step's verdict),
-and is free for another layer after. The tier's lock guards all of it.
+Its buffers are sized for the layers whose gradients they hold and reused: a buffer belongs to a layer
+while that layer's gradient waits in it (``live``: parked until its update; ``kept``: for a redo until the
+step's verdict), and is free for another layer (as large or smaller) after. The buffers together never take
+more than the model's ``capacity`` largest layers' gradients (``bound``), whatever the depth. The tier's lock
+guards all of it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from l2l_cli.engine.tiers.disk.layout import aligned
+from l2l_cli.engine.tiers.disk.layout import aligned, pool_capacity
+
+
+def pool_bound(numels: list[int], capacity: int) -> int:
+    """The most bytes the pool takes: the gradients of the ``capacity`` largest layers of ``numels``."""
+    return sum(aligned(4 * n) for n in sorted(numels, reverse=True)[: max(0, capacity)])
 
 
 class GradPool:
-    """At most ``capacity`` FP32 gradient buffers in RAM, each for one layer at a time."""
+    """At most ``capacity`` FP32 gradient buffers in RAM, each for one layer at a time, ``bound`` bytes in all."""
 
-    def __init__(self, budget: int, layers: int, numel: int):
-        self.numel = numel  # elements of a buffer: the largest layer's
-        self.buf_bytes = aligned(4 * max(1, numel))
-        self.capacity = max(0, min(layers, budget // self.buf_bytes))
+    def __init__(self, budget: int, layers: int, numels: list[int]):
+        numel = max(numels, default=1)
+        self.numel = numel  # elements of the largest layer's gradient
+        # how many layers' gradients: eps.grad_ram_layers, within eps.grad_ram_gb (of the largest layer's)
+        self.capacity = pool_capacity(numels, layers, budget)
+        self.bound = pool_bound(numels, self.capacity)
         self.bufs: list[torch.Tensor] = []
         self.owner: dict[int, int] = {}  # layer -> its buffer (reserved, or holding its gradient)
         self.live: set[int] = set()  # layers whose parked gradient the pool holds (until their update)
         self.kept: set[int] = set()  # layers whose gradient the pool keeps for a redo (until the verdict)
 
     def reserve(self, i: int, numel: int) -> bool:
-        """(Holding the lock.) A buffer for layer i's gradient: its own, a free one, or a new one while the
-        pool has fewer than ``capacity``; False when every buffer holds another layer's gradient."""
+        """(Holding the lock.) A buffer for layer i's gradient: its own, the smallest free one large enough,
+        or a new one of its size while the pool has fewer than ``capacity`` and stays within ``bound`` (a
+        free one too small is given up for it); False when there is none (its gradient waits on disk)."""
         if i in self.owner:
             return True
         if numel > self.numel:
             return False
         taken = set(self.owner.values())
         free = [k for k in range(len(self.bufs)) if k not in taken]
-        if not free:
-            if len(self.bufs) >= self.capacity:
-                return False
-            self.bufs.append(torch.empty(self.buf_bytes // 4, dtype=torch.float32))
-            free = [len(self.bufs) - 1]
-        self.owner[i] = free[0]
+        fits = [k for k in free if self.bufs[k].numel() >= numel]
+        if fits:
+            self.owner[i] = min(fits, key=lambda k: self.bufs[k].numel())
+            return True
+        size = aligned(4 * max(1, numel))
+        small = [k for k in free if self.nbytes - self.bufs[k].nbytes + size <= self.bound]
+        if len(self.bufs) < self.capacity and self.nbytes + size <= self.bound:
+            self.bufs.append(torch.empty(size // 4, dtype=torch.float32))
+            k = len(self.bufs) - 1
+        elif small:  # a free buffer too small for it: replaced by one of its size
+            k = small[0]
+            self.bufs[k] = torch.empty(0)  # (the old one is given back before the new one is taken)
+            self.bufs[k] = torch.empty(size // 4, dtype=torch.float32)
+        else:
+            return False
+        self.owner[i] = k
         return True
 
     def release(self, i: int) -> None:
@@ -80,10 +100,5 @@ class GradPool:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the buffers allocated (they are kept for reuse: this is also the pool's peak)."""
+        """Bytes of the buffers allocated (kept for reuse; never more than ``bound``)."""
         return sum(b.nbytes for b in self.bufs)
-
-    @property
-    def bound(self) -> int:
-        """The most bytes the pool ever takes: ``capacity`` buffers of the largest layer."""
-        return self.capacity * self.buf_bytes

@@ -101,7 +101,7 @@ class Reader:
                     continue
                 s.busy = True
                 return _Job(s, d.layer, missing, d, writing=s.writing)
-            v = self.cache.victim(set(), later)
+            v = self.cache.victim(set(), later, self.store.files[d.layer].numel)
             if v is None:
                 continue  # every slot pinned: wait for an unpin
             return self._bind(v, d.layer, frozenset() if d.fresh else d.need, d)
@@ -114,7 +114,8 @@ class Reader:
                     s.busy = True
                     return _Job(s, j, missing, writing=s.writing)
                 continue
-            v = self.cache.victim({x for x, _ in want[: k + 1]}, {x: p for x, p in later.items() if p > k})
+            avoid, after = {x for x, _ in want[: k + 1]}, {x: p for x, p in later.items() if p > k}
+            v = self.cache.victim(avoid, after, self.store.files[j].numel)
             if v is None:
                 return None
             return self._bind(v, j, parts, None)

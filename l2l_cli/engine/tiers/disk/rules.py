@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf
 
 from l2l_cli.engine.tiers.base import TierSettings
-from l2l_cli.engine.tiers.disk.layout import COMMIT, disk_bytes
+from l2l_cli.engine.tiers.disk.layout import COMMIT, disk_bytes, kept_grads_bytes
 from l2l_cli.problems import Problem, at_least, fmt_bytes
 
 if TYPE_CHECKING:
@@ -68,12 +68,20 @@ def validate(cfg: Any, check_files: bool) -> list[Problem]:
     return p
 
 
-def check_eps_path(root: Path, need: int, params: int, resume: bool = False) -> list[Problem]:
-    """A disk EPS directory that cannot hold the state is refused before any work, saying what it needs."""
+def check_eps_path(root: Path, need: int, params: int, resume: bool = False, kept: int = 0) -> list[Problem]:
+    """A disk EPS directory that cannot hold the state is refused before any work, saying what it needs
+    (``need``: the layer files; ``kept``: the most ``kept_grads.eps`` takes, counted in with them)."""
     root = root.expanduser()
+    total = need + kept
     what = (
-        f"the disk EPS needs {fmt_bytes(need)} ({need:,} bytes: two versions of the FP32 weights and "
-        f"optimizer moments, 24 bytes per parameter x {params:,})"
+        f"the disk EPS needs {fmt_bytes(total)} ({total:,} bytes: two versions of the FP32 weights and "
+        f"optimizer moments, 24 bytes per parameter x {params:,}"
+        + (
+            f", and up to {fmt_bytes(kept)} of gradients kept for the global clipping verdict in "
+            f"kept_grads.eps, 4 bytes per parameter beyond eps.grad_ram_layers)"
+            if kept
+            else ")"
+        )
     )
     if (root / COMMIT).is_file():
         if resume:
@@ -94,7 +102,7 @@ def check_eps_path(root: Path, need: int, params: int, resume: bool = False) -> 
     if st.f_flag & os.ST_RDONLY or not os.access(base, os.W_OK):
         return [Problem("eps.path", f"{root} is not writable (read-only file system or permissions); {what}")]
     free = st.f_bavail * st.f_frsize
-    if free < need:
+    if free < total:
         return [Problem("eps.path", f"{root} has {fmt_bytes(free)} free; {what}")]
     return []
 
@@ -118,15 +126,28 @@ def eps_dir_guess(cfg: Any) -> Path:
     return Path(str(run_dir) if run_dir else "outputs") / DIR
 
 
+def clip_may_be_global(cfg: Any) -> bool:
+    """Whether the run clips by the global norm (``optim.clip=auto`` is global in every built-in mode):
+    then speculative updates keep their gradients until the verdict, beyond the RAM pool in kept_grads.eps."""
+    return str(cfg.optim.clip) in ("auto", "global") and bool(cfg.optim.max_grad_norm)
+
+
 def check_space(cfg: Any, spec: ModelSpec) -> list[Problem]:
-    """Whether the directory the config points at can hold ``spec``'s state (before the run dir exists)."""
-    return check_eps_path(eps_dir_guess(cfg), disk_bytes(spec), spec.total_params, bool(cfg.trainer.resume))
+    """Whether the directory the config points at can hold ``spec``'s state and the gradients kept for the
+    clipping verdict (before the run dir exists)."""
+    e = cfg.eps
+    kept = kept_grads_bytes(spec, e.grad_ram_layers, int(e.grad_ram_gb * 1e9), clip_may_be_global(cfg))
+    return check_eps_path(
+        eps_dir_guess(cfg), disk_bytes(spec), spec.total_params, bool(cfg.trainer.resume), kept
+    )
 
 
 def check_start(settings: TierSettings, spec: ModelSpec, world: int) -> list[Problem]:
     """The session's check once the directory and the ranks are known."""
     root = Path(settings.path) if settings.path else Path(tempfile.gettempdir())
-    problems = check_eps_path(root, disk_bytes(spec), spec.total_params, settings.resume)
+    s = settings
+    kept = kept_grads_bytes(spec, s.grad_ram_layers, s.grad_ram_bytes, s.clip_global)
+    problems = check_eps_path(root, disk_bytes(spec), spec.total_params, settings.resume, kept)
     if world > 1:
         problems.append(Problem("eps.tier", "disk runs in one process; this job has more ranks"))
     return problems

@@ -67,9 +67,10 @@ class LayerStore:
         # every read of a part whose checksum is known is checked against it (empty: not known)
         self.sums: list[tuple[dict[str, int], dict[str, int]]] = [({}, {}) for _ in range(n)]
         self.w_seen: set[int] = set()  # layers whose weights were read this step (for the byte breakdown)
-        n_max = max(f.numel for f in self.files)
         # gradients waiting in RAM instead of on disk, for at most eps.grad_ram_layers layers at a time
-        self.pool = GradPool(settings.grad_ram_bytes, min(settings.grad_ram_layers, n), n_max)
+        self.pool = GradPool(
+            settings.grad_ram_bytes, min(settings.grad_ram_layers, n), [f.numel for f in self.files]
+        )
         # speculatively applied gradients kept for a redo that the pool has no room for (``kept_on_disk``)
         self.kept = KeptGrads(self.root, [f.part_bytes for f in self.files])
         self.kept_on_disk = [False] * n

@@ -64,10 +64,10 @@ class DiskTier:
         if settings.resume:
             self.store.adopt()  # (its format decides the cache's: a format-1 directory stays FP32)
         n = len(self.store)
-        n_max = max(layout.numel for layout in layouts.values())
         with acc.meter.paused():
             k = min(settings.cache_layers, n)  # more slots than layers would never be used
-            self.cache = SlotCache(k, n_max, layouts, acc, send_dtype, optim, self.store.split)
+            numels = [f.numel for f in self.store.files]  # slots sized for the k largest layers
+            self.cache = SlotCache(k, numels, layouts, acc, send_dtype, optim, self.store.split)
         self.plan = ReadAhead(n, k, threading.get_ident())
         self.resident_peak = self.cache.nbytes
         self.layers: dict[int, DiskLayer] = {}
