@@ -91,6 +91,9 @@ class Reader:
                     d.error, d.done = RuntimeError("the disk EPS's reader thread has ended"), True
 
     def _bind(self, s: CacheSlot, i: int, parts: frozenset[str], demand: Demand | None) -> _Job:
+        """(Holding the lock.) Slot ``s`` for layer i from now on: its previous layer is evicted by the job."""
+        assert s.pins == 0 and not s.busy, f"the slot of layer {s.layer} rebound while in use"
+        assert self.cache.slot_of(i) is None, f"layer {i} bound to a second slot"
         old = s.layer
         evict = (old, s.copies, s.writing, s.g_dirty and old is not None)
         s.layer, s.valid, s.copies, s.writing, s.g_dirty = i, set(), [], None, False
@@ -134,6 +137,7 @@ class Reader:
         """(Holding the lock.) Serve ``d`` with ``s`` and wake its waiter: a grant can come from the check
         of the demands right after a job ended, when the waiter woken by that job's end has already found
         its demand not served and waits again."""
+        assert s.layer == d.layer and not s.busy, f"layer {d.layer} granted a slot holding {s.layer}"
         if d.fresh:
             self.store.make_fresh(s, d.layer, d.need - s.valid)
         self.cache.pin(s)
@@ -177,6 +181,7 @@ class Reader:
                 err = e
             with self.cv:
                 s = job.slot
+                assert s.busy and s.layer == job.layer, f"layer {job.layer}'s slot changed during its job"
                 s.busy = False
                 if err is not None:
                     s.layer, s.valid = None, set()
