@@ -64,10 +64,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--check", help="a previous --out to compare against (exit 1 on any difference)")
+    ap.add_argument(
+        "--only", help="comma-separated parts of names (e.g. disk,dp2): run only the combinations naming one"
+    )
     args = ap.parse_args()
+    only = [x for x in (args.only or "").split(",") if x]
+    chosen = [(n, o) for n, o in combos() if not only or any(x in n for x in only)]
+    if not chosen:
+        print(f"--only {args.only}: no combination matches (names: {', '.join(n for n, _ in combos())})")
+        return 2
     results: dict[str, dict[str, str]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, overrides in combos():
+        for name, overrides in chosen:
             run_dir = Path(tmp) / name.replace("/", "-")
             cmd = [sys.executable, "-m", "l2l_cli", "train", *overrides, *COMMON, f"hydra.run.dir={run_dir}"]
             proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -81,6 +89,8 @@ def main() -> int:
     Path(args.out).write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     if args.check:
         before = json.loads(Path(args.check).read_text())
+        if only:  # (a full --out checked against a partial run: the combinations run)
+            before = {k: v for k, v in before.items() if k in results}
         bad = [k for k in before if before[k] != results.get(k)]
         for k in bad:
             diff = [t for t in before[k] if before[k][t] != results.get(k, {}).get(t)]

@@ -5,7 +5,7 @@ forked from one fresh interpreter so the imports are paid once.
 
 JOBS.json: a list of {"overrides": [...], "run_dir": str, "crash": "<event>:<n>" (the disk EPS kills its
 own process there; see l2l_cli.engine.tiers.disk.format), "kill_after_steps": n (SIGKILL from outside once
-n steps are logged, after "kill_delay_s")}. RESULTS.json: per job {"signal", "exit", "maxrss_bytes"} (the
+n steps are logged, after "kill_delay_s"), "fault": "<ENOSPC|EIO>:<path part>@n" (that write refused)}. RESULTS.json: per job {"signal", "exit", "maxrss_bytes"} (the
 child's peak RSS, from wait4). The parent only imports: no torch op runs before a fork.
 """
 
@@ -37,6 +37,11 @@ def _child(job: dict, run_dir: Path) -> None:
         from l2l_cli.train import run_job
 
         disk_format._CRASH = job.get("crash", "")
+        if job.get("fault"):  # "<ENOSPC|EIO>:<path part>@n": that write refused (l2l_cli.problems.writing)
+            from l2l_cli import problems
+
+            kind, _, where = job["fault"].partition(":")
+            setattr(problems, "_FAULT" if kind == "ENOSPC" else "_FAULT_EIO", where)
         status = run_job(compose(job["overrides"]), run_dir)
         os._exit(0 if status == "ok" else 1)
     except BaseException:

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import functools
 import json
+import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -17,12 +20,13 @@ from safetensors.torch import load_file
 
 from l2l_cli import problems
 from l2l_cli.compose import compose
+from l2l_cli.engine.tiers.disk import format as disk_format
 from l2l_cli.engine.tiers.disk import writeback
 from l2l_cli.engine.tiers.disk.format import ALIGN, MAGIC, DiskIo, LayerFile, record_digest
 from l2l_cli.engine.tiers.disk.store import LayerStore
 from l2l_cli.engine.tiers.disk.tier import DiskTier
 from l2l_cli.train import run_job
-from tests.util import TINY, tiny_cfg, train
+from tests.util import REPO, TINY, tiny_cfg, train
 
 STEPS = 4
 # 5 layers, 3 of them in RAM, no RAM for gradients and clipping certain: every step writes layer files
@@ -36,23 +40,46 @@ def _run(run: Path, *extra: str) -> str:
     return run_job(compose([*COMMON, *extra]), run)
 
 
-@functools.cache
-def _reference(root: str) -> tuple[dict[str, torch.Tensor], tuple[str, ...]]:
-    """The uninterrupted run's final weights, and the path of every write the tier made, in order."""
-    run = Path(root) / "ref"
-    seen: list[str] = []
-    real = writeback.writing
+# what each write of the tier is, by the function that makes it (every one goes through problems.writing)
+WRITERS = {"create": "create", "_write": "layer", "_park": "park", "_keep": "kept", "_write_record": "commit"}
+
+
+def _traced(run: Path, *extra: str) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    """A run, with the path and the kind (WRITERS) of every write the tier made, in order."""
+    paths: list[str] = []
+    kinds: list[str] = []
+    real = problems.writing
 
     def counted(path: Any) -> Any:
-        seen.append(str(path))
+        paths.append(str(path))
+        kinds.append(WRITERS[sys._getframe(1).f_code.co_name])
         return real(path)
 
-    writeback.writing = counted  # type: ignore[assignment]
+    mods = (writeback, disk_format)
+    for m in mods:
+        m.writing = counted  # type: ignore[attr-defined]
     try:
-        assert _run(run) == "ok"
+        status = _run(run, *extra)
     finally:
-        writeback.writing = real  # type: ignore[assignment]
-    return load_file(run / "final" / "model.safetensors"), tuple(seen)
+        for m in mods:
+            m.writing = real  # type: ignore[attr-defined]
+    return status, tuple(paths), tuple(kinds)
+
+
+@functools.cache
+def _reference_run(
+    root: str, *extra: str
+) -> tuple[dict[str, torch.Tensor], tuple[str, ...], tuple[str, ...]]:
+    """The uninterrupted run's final weights, and the path and kind of every write the tier made, in order."""
+    run = Path(root) / ("ref" + "-".join(("", *extra)).replace("=", ""))
+    status, paths, kinds = _traced(run, *extra)
+    assert status == "ok"
+    return load_file(run / "final" / "model.safetensors"), paths, kinds
+
+
+def _reference(root: str) -> tuple[dict[str, torch.Tensor], tuple[str, ...]]:
+    ref, paths, _ = _reference_run(root)
+    return ref, paths
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +198,21 @@ def test_a_read_into_a_slot_waits_for_its_write_back(monkeypatch: Any) -> None:
     assert [k for k in ref["weights"] if not torch.equal(got["weights"][k], ref["weights"][k])] == []
 
 
+@pytest.mark.parametrize("kind", ["EIO", pytest.param("ENOSPC", marks=pytest.mark.slow)])
+def test_a_layer_file_that_cannot_be_created_is_one_line_and_nothing_is_committed(
+    tmp_path: Path, monkeypatch: Any, capsys: Any, kind: str
+) -> None:
+    """Creating a layer file (its blocks reserved, its header written) goes through the same fault
+    injection as every other write of the tier: the run stops in one line naming the file, before any
+    commit record, and a resume says there is nothing to continue."""
+    run = tmp_path / "run"
+    lines = _faulted(monkeypatch, capsys, run, kind, f"{run}/eps/layer_00002.eps@1")
+    assert len(lines) == 1 and f"{run}/eps/layer_00002.eps" in lines[0], lines
+    assert not (run / "eps" / "commit.json").exists()
+    assert _run(run, f"trainer.resume={run}") != "ok"
+    assert "no usable checkpoint" in capsys.readouterr().err
+
+
 # ---- issue 37 item 3: checksums on the layer files' slots and the commit record -----------------------
 
 SHORT = [*TINY, "mode=l2l", "eps.tier=disk", "task.num_train=256", "task.num_eval=16"]
@@ -260,3 +302,137 @@ def test_a_fault_at_any_write_of_a_step_resumes_bit_identical(
     assert lines[0].startswith("l2l: error: " + ("disk full" if kind == "ENOSPC" else "write failed")), lines
     assert name in lines[0] or "layer_" in lines[0], (name, lines)
     _resumed_equals_the_reference(run, ref, capsys)
+
+
+# ---- kill trials with faults injected at random -------------------------------------------------------
+
+# the trials' two setups: COMMON (every step parks gradients on disk: clipping certain, no RAM for them) and
+# speculative updates whose gradients are kept on disk for a redo (kept_grads.eps; the first step rolls back)
+KEPT = ("optim.max_grad_norm=0.24", "eps.grad_ram_layers=0")
+
+
+def _trial(seed: int, run: Path, ref_root: Path) -> dict[str, Any]:
+    """Seed ``seed``'s trial: its setup, the fault of its killed run (ENOSPC or EIO at a random write of the
+    tier: a layer file's creation, an update, a park, a kept gradient, the commit record), its kill (at the
+    k-th write, park or commit of a random kind, or from outside a random time after a random step), and the
+    fault of its first resume (none, or another at random)."""
+    rng = random.Random(seed)
+    extra = KEPT if rng.random() < 0.5 else ()
+    _, paths, kinds = _reference_run(str(ref_root), *extra)
+    built = kinds.index("commit") + 1  # the writes up to the first commit record (building the state)
+
+    def point(positions: list[int]) -> int:
+        """One of ``positions`` (1-based writes), 4 times in 5 one after the state was built."""
+        later = [n for n in positions if n > built]
+        return rng.choice(later if later and rng.random() < 0.8 else positions)
+
+    crash = {"layer": "write", "park": "park", "kept": "park", "commit": "commit"}
+    if rng.random() < 0.5:
+        event = rng.choice(sorted({crash[k] for k in kinds if k in crash}))
+        mine = [n for n, k in enumerate(kinds, 1) if crash.get(k) == event]
+        kill: dict[str, Any] = {"crash": f"{event}:{mine.index(point(mine)) + 1}"}
+    else:
+        kill = {
+            "kill_after_steps": rng.randint(1, STEPS - 1),
+            "kill_delay_s": round(rng.uniform(0.0, 0.3), 3),
+        }
+
+    def fault() -> str:
+        n = point(list(range(1, len(paths) + 1)))
+        return f"{rng.choice(['ENOSPC', 'EIO'])}:{run}/eps/@{n}"
+
+    first = fault()
+    second = fault() if rng.random() < 0.5 else ""
+    return {"run": str(run), "extra": extra, "kill": kill, "fault": first, "resume_fault": second}
+
+
+def _killed_runs(root: Path, ref_root: Path, seeds: list[int]) -> dict[int, dict[str, Any]]:
+    """Each seed's first run, faulted and killed, in processes forked from one helper (tests.forkrun)."""
+    trials = {seed: _trial(seed, root / f"trial{seed}", ref_root) for seed in seeds}
+    jobs = [
+        {"overrides": [*COMMON, *t["extra"]], "run_dir": str(root / f"trial{seed}"), "fault": t["fault"], **t["kill"]}
+        for seed, t in trials.items()
+    ]  # fmt: skip
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    subprocess.run([sys.executable, "-m", "tests.forkrun", str(root / "jobs.json"), str(root / "results.json")],
+                   cwd=REPO, check=True, timeout=900)  # fmt: skip
+    for t, result in zip(trials.values(), json.loads((root / "results.json").read_text())):
+        t["result"] = result
+    return trials
+
+
+FAST_SEEDS = [2]  # the default suite's sample (its setup: COMMON, the sweep's reference)
+SLOW_SEEDS = [s for s in range(1, 17) if s not in FAST_SEEDS]
+
+
+@pytest.fixture(scope="module")
+def fast_trials(tmp_path_factory: Any, ref_root: Path) -> dict[int, dict[str, Any]]:
+    return _killed_runs(tmp_path_factory.mktemp("fault-kills"), ref_root, FAST_SEEDS)
+
+
+@pytest.fixture(scope="module")
+def slow_trials(tmp_path_factory: Any, ref_root: Path) -> dict[int, dict[str, Any]]:
+    return _killed_runs(tmp_path_factory.mktemp("fault-kills-slow"), ref_root, SLOW_SEEDS)
+
+
+def _resumes_to_the_reference(
+    trial: dict[str, Any], run: Path, ref_root: Path, monkeypatch: Any, capsys: Any
+) -> None:
+    """The killed run resumed (with the trial's second fault, if any; then again without): bit-identical to
+    the uninterrupted run, or refused in one line naming what was lost. Never a silent difference."""
+    result = trial["result"]
+    log = (run / "child.log").read_text()[-3000:] if (run / "child.log").exists() else ""
+    # killed (before its fault, or torn at the crash point), or stopped by its fault with one line
+    assert result["signal"] == 9 or result["exit"] == 1, (trial, result, log)
+    if result["exit"] == 1:
+        lines = [x for x in log.splitlines() if x.startswith("l2l: error:")]
+        assert len(lines) == 1 and f"{run}/eps/" in lines[0] and "Traceback" not in log, (trial, log)
+    extra = [*trial["extra"], f"trainer.resume={run}"]
+    if not (run / "eps" / "commit.json").exists():  # ended while building the state: nothing committed,
+        capsys.readouterr()  # nothing lost; the resume says there is nothing to continue
+        status = _run(run, *extra)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert status == "config" and len(err) == 1 and "no usable checkpoint" in err[0], (status, err)
+        return
+    if trial["resume_fault"]:
+        kind, _, where = trial["resume_fault"].partition(":")
+        monkeypatch.setattr(problems, "_FAULT" if kind == "ENOSPC" else "_FAULT_EIO", where)
+        monkeypatch.setattr(problems, "_fault_seen", [0])
+        capsys.readouterr()
+        status = _run(run, *extra)
+        monkeypatch.undo()
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert status in ("ok", "error"), (status, lines)
+        if status == "error":
+            assert len(lines) == 1 and f"{run}/eps/" in lines[0], lines
+    capsys.readouterr()
+    status = _run(run, *extra)
+    err = capsys.readouterr().err.strip().splitlines()
+    if status != "ok":  # refused: one line, naming the file whose state was lost
+        assert len(err) == 1 and f"{run}/eps/" in err[0] and "Traceback" not in err[0], err
+        return
+    ref, _, _ = _reference_run(str(ref_root), *trial["extra"])
+    got = load_file(run / "final" / "model.safetensors")
+    assert got.keys() == ref.keys()
+    assert [k for k in ref if not torch.equal(got[k], ref[k])] == [], trial
+
+
+@pytest.mark.parametrize("seed", FAST_SEEDS)
+def test_a_random_fault_and_a_random_kill_resume_bit_identical(
+    fast_trials: Any, seed: int, ref_root: Path, monkeypatch: Any, capsys: Any
+) -> None:
+    """Seeded kill trials with a fault injected at random: a write of the tier refused (ENOSPC or EIO), a
+    SIGKILL at a random write, park or commit or from outside at a random time (whichever comes first ends
+    the run), a resume perhaps faulted again, and a last resume: the uninterrupted run's weights bit for
+    bit, or a refusal in one line naming what was lost."""
+    trial = fast_trials[seed]
+    _resumes_to_the_reference(trial, Path(trial["run"]), ref_root, monkeypatch, capsys)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", SLOW_SEEDS)
+def test_random_faults_and_random_kills_resume_bit_identical(
+    slow_trials: Any, seed: int, ref_root: Path, monkeypatch: Any, capsys: Any
+) -> None:
+    trial = slow_trials[seed]
+    _resumes_to_the_reference(trial, Path(trial["run"]), ref_root, monkeypatch, capsys)

@@ -35,6 +35,7 @@ from l2l_cli.engine.tiers.disk.layout import (  # noqa: F401  (the sizes, re-exp
     layer_file_bytes,
     part_width,
 )
+from l2l_cli.problems import writing
 
 CHUNK = 64 << 20  # one read/write call
 FORMAT = 1  # FP32 weights (FP32 and fp16 CMP runs; what every disk EPS before format 2 wrote)
@@ -264,16 +265,14 @@ class LayerFile:
     def create(self) -> None:
         """A new file with its blocks reserved (a full disk fails here, not mid-run); unwritten blocks
         read as zeros, which is the initial state of the moments."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
+        with writing(self.path):  # a full disk or an I/O error: one line naming the file
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 os.posix_fallocate(fd, 0, self.size)
-            except OSError as e:
-                raise OSError(e.errno, f"{self.path}: cannot reserve {self.size} bytes ({e.strerror})") from e
-            os.pwrite(fd, self.header(), 0)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+                os.pwrite(fd, self.header(), 0)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def problem(self) -> str | None:
         """Why this file cannot be this layer's (None: it can)."""

@@ -57,6 +57,7 @@ class Reader:
             None  # a read-ahead failed: read-ahead stops, the next pin raises it
         )
         self.closed = False
+        self._ended: BaseException | None = None  # why the reader thread ended (closed, or it failed)
         self._thread = threading.Thread(target=self._loop, name="l2l-disk-read", daemon=True)
 
     def start(self) -> None:
@@ -69,18 +70,30 @@ class Reader:
         self._thread.join(timeout=60)
 
     def ask(self, d: Demand) -> None:
-        """Queue a pin the cache could not serve (``wait`` for it to be served, or to fail)."""
+        """Queue a pin the cache could not serve (``wait`` for it to be served, or to fail). A reader that
+        has ended (closed, or failed between jobs) fails it at once."""
         with self.cv:
             self.counts.step.misses += 1
+            if self._ended is not None:
+                d.error, d.done = self._ended, True
+                return
             self.demands.append(d)
             self.cv.notify_all()
 
     def wait(self, d: Demand) -> None:
+        """Until the reader has served ``d`` or failed it. Every change to ``d`` is made under the lock and
+        notified; the timed wait re-checks that the reader thread still runs, so a reader that ended some
+        other way fails the pin instead of blocking it forever."""
         with self.cv:
             while not d.done:
-                self.cv.wait()
+                self.cv.wait(timeout=1.0)
+                if not d.done and not self._thread.is_alive():
+                    d.error, d.done = RuntimeError("the disk EPS's reader thread has ended"), True
 
     def _bind(self, s: CacheSlot, i: int, parts: frozenset[str], demand: Demand | None) -> _Job:
+        """(Holding the lock.) Slot ``s`` for layer i from now on: its previous layer is evicted by the job."""
+        assert s.pins == 0 and not s.busy, f"the slot of layer {s.layer} rebound while in use"
+        assert self.cache.slot_of(i) is None, f"layer {i} bound to a second slot"
         old = s.layer
         evict = (old, s.copies, s.writing, s.g_dirty and old is not None)
         s.layer, s.valid, s.copies, s.writing, s.g_dirty = i, set(), [], None, False
@@ -122,18 +135,42 @@ class Reader:
         return None
 
     def _grant(self, d: Demand, s: CacheSlot) -> None:
+        """(Holding the lock.) Serve ``d`` with ``s`` and wake its waiter: a grant can come from the check
+        of the demands right after a job ended, when the waiter woken by that job's end has already found
+        its demand not served and waits again."""
+        assert s.layer == d.layer and not s.busy, f"layer {d.layer} granted a slot holding {s.layer}"
         if d.fresh:
             self.store.make_fresh(s, d.layer, d.need - s.valid)
         self.cache.pin(s)
         d.slot, d.done = s, True
         self.demands.remove(d)
+        self.cv.notify_all()
+
+    def _end(self, why: BaseException) -> None:
+        """(Holding the lock.) The reader stops: every waiting demand, and every later one, fails with
+        ``why``; read-ahead stops and the next pin raises it."""
+        self._ended = why
+        if self.failed is None and not self.closed:
+            self.failed = why
+        for d in self.demands:
+            d.error, d.done = why, True
+        self.demands.clear()
+        self.cv.notify_all()
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # a bug in choosing the next job: the pins raise it, none waits forever
+            with self.cv:
+                self._end(e)
+
+    def _serve(self) -> None:
         while True:
             with self.cv:
                 job = None
                 while job is None:
                     if self.closed:
+                        self._end(RuntimeError("the disk EPS is closed"))
                         return
                     job = self._next_job()
                     if job is None:
@@ -145,6 +182,7 @@ class Reader:
                 err = e
             with self.cv:
                 s = job.slot
+                assert s.busy and s.layer == job.layer, f"layer {job.layer}'s slot changed during its job"
                 s.busy = False
                 if err is not None:
                     s.layer, s.valid = None, set()

@@ -130,10 +130,10 @@ class DiskTier:
         """Layer i's ``parts`` in RAM for the block; ``dirty``: the block changes the state, which is then
         written back (behind the compute) to the slot that does not hold the current version."""
         s = self._pin(i, frozenset(parts), fresh, "update" if dirty else None)
-        if dirty and s.writing is not None:  # the last write-back still reads these buffers
-            self._wait(functools.partial(self.writer.result, s.writing))
         ok = False
         try:
+            if dirty and s.writing is not None:  # the last write-back still reads these buffers
+                self._wait(functools.partial(self.writer.result, s.writing))
             yield
             ok = True
         finally:
@@ -213,10 +213,18 @@ class DiskTier:
             return None
 
     def _settled(self, s: CacheSlot, fresh: bool) -> CacheSlot:
-        """A slot about to be overwritten (a new gradient) once its last write (a parked gradient) is out."""
+        """(``s`` pinned.) A slot about to be overwritten (a new gradient) once its last write (a parked
+        gradient) is out; if that write failed, the pin is given back (no slot stays pinned by a pin that
+        raised) and the failure raises."""
         writing = s.writing
         if fresh and writing is not None:
-            self._wait(functools.partial(self.writer.result, writing))
+            try:
+                self._wait(functools.partial(self.writer.result, writing))
+            except BaseException:
+                with self.cv:
+                    s.pins -= 1
+                    self.cv.notify_all()
+                raise
         return s
 
     def _wait(self, fn: Any) -> None:

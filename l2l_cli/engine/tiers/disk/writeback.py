@@ -100,6 +100,7 @@ class WriteBehind:
         """(Holding the lock.) Queue layer i's new state for the slot of its file that the last commit
         does not name; the state is the newest from now on, on disk once the write is done (``setup``:
         building the state, counted apart from the steps')."""
+        assert s.layer == i and s.pins > 0, f"layer {i} written back from a slot not pinned for it"
         st = self.store
         prev = st.latest[i]
         if self.recorded is not None and prev != self.recorded[i]:
@@ -163,7 +164,9 @@ class WriteBehind:
             known.update(sums)
 
     def park(self, s: CacheSlot, i: int) -> Future:
-        """(Holding the lock.) Queue layer i's gradient for the disk (after any earlier write of the slot)."""
+        """(Holding the lock.) Queue layer i's gradient for the disk (after any earlier write of the slot):
+        from the slot holding layer i (its gradient released), or the one the reader is evicting it from."""
+        assert s.layer == i or s.busy, f"layer {i}'s gradient parked from a slot holding layer {s.layer}"
         nbytes = self.store.files[i].part_bytes
         self.counts.step.write_bytes += nbytes
         self.counts.step.write_park += nbytes
@@ -196,6 +199,7 @@ class WriteBehind:
     def keep(self, s: CacheSlot, i: int) -> Future:
         """(Holding the lock.) Queue layer i's applied gradient for ``kept_grads.eps``, where a redo of its
         speculative update finds it (:mod:`.spill`); the slot's next write-back queues after it."""
+        assert s.layer == i and s.pins > 0, f"layer {i}'s gradient kept from a slot not pinned for it"
         nbytes = self.store.files[i].part_bytes
         self.counts.step.write_bytes += nbytes
         self.counts.step.write_park += nbytes
@@ -251,17 +255,18 @@ class WriteBehind:
         record["checksum"] = record_digest(record)
         t0 = time.perf_counter()
         tmp = root / f".{COMMIT}.tmp"
-        with writing(root / COMMIT), open(tmp, "w") as f:
-            json.dump(record, f)
-            f.flush()
-            os.fsync(f.fileno())
-        crash_point("commit")  # the new record written, not yet in place
-        os.replace(tmp, root / COMMIT)
-        fd = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        with writing(root / COMMIT):  # the record, its rename into place and the directory's fsync
+            with open(tmp, "w") as f:
+                json.dump(record, f)
+                f.flush()
+                os.fsync(f.fileno())
+            crash_point("commit")  # the new record written, not yet in place
+            os.replace(tmp, root / COMMIT)
+            fd = os.open(root, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         with self.cv:
             self.counts.step.write_s += time.perf_counter() - t0
             self.store.committed = slots  # durable now: the next step may overwrite the other slots
