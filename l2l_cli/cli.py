@@ -268,13 +268,13 @@ def _resolve_resume(argv: list[str], multirun: bool) -> tuple[list[str], Path | 
     (l2l_cli/inherit.py): the run dir is resolved once here (``latest``: the run with the newest
     checkpoint under :func:`latest_root`) and becomes Hydra's run dir; Hydra writes no .hydra/ into it (the
     session records the config once the checkpoint has loaded), so a refused resume leaves the run as it was."""
-    from l2l_cli.checkpoint import CheckpointError
-    from l2l_cli.inherit import find_latest_run
-
     out = list(argv)
     for k, arg in enumerate(argv):
         if not arg.startswith("trainer.resume="):
             continue
+        from l2l_cli.checkpoint import CheckpointError  # (imports torch: only when a run is resumed)
+        from l2l_cli.inherit import find_latest_run
+
         value = arg.split("=", 1)[1]
         if value in ("", "null", "None"):
             return out, None

@@ -24,7 +24,7 @@ def read(run: Path) -> tuple[list[dict], dict, dict]:
 
 
 def test_default_run_writes_the_run_dir_contract(tmp_path) -> None:
-    r = l2l("train", "trainer.max_steps=6", "trainer.log_every=2", f"hydra.run.dir={tmp_path}")
+    r = l2l("train", "trainer.max_steps=6", "trainer.log_every=2", f"hydra.run.dir={tmp_path}", fresh=True)
     assert r.returncode == 0, r.stderr
     metrics, memory, summary = read(tmp_path)
     assert [m["step"] for m in metrics] == [2, 4, 6] and all(m.keys() >= METRICS_KEYS for m in metrics)
@@ -122,7 +122,7 @@ def test_help_lists_groups_and_options() -> None:
 
 
 def test_version() -> None:
-    r = l2l("--version")
+    r = l2l("--version", fresh=True)
     assert r.returncode == 0 and r.stdout.startswith("l2l 0.1.0 (python ") and "torch 2." in r.stdout
 
 

@@ -254,20 +254,15 @@ def test_decoder_resume_is_exact(tmp_path: Path, mode: str) -> None:
 def test_decoder_two_ranks_equal_one_process_with_the_global_batch(tmp_path: Path) -> None:
     """Data parallel for a tied-head decoder: DDP (baseline_ag: the shared parameter reduced once) and the
     EPS (l2l_p: the embedding's gradient, head's use included, reduced per layer) equal one process."""
-    import subprocess
-    import sys
 
     from safetensors.torch import load_file
 
-    from tests.util import REPO, TINY
+    from tests.util import TINY
 
     common = ["-m", "mode=baseline_ag,l2l_p", *TINY, *GPT2_TINY, "trainer.max_steps=3", "trainer.save_final=true",
               "task.max_eval_samples=8"]  # fmt: skip
     for name, extra in (("one", ["batch.size=8"]), ("two", ["dist.nproc=2", "batch.size=4"])):
-        r = subprocess.run(
-            [sys.executable, "-m", "l2l_cli", "train", *common, *extra, f"hydra.sweep.dir={tmp_path / name}"],
-            capture_output=True, text=True, timeout=900, cwd=REPO,
-        )  # fmt: skip
+        r = l2l("train", *common, *extra, f"hydra.sweep.dir={tmp_path / name}", timeout=900)
         assert r.returncode == 0, r.stderr[-3000:]
     for job in ("0", "1"):
         a = load_file(tmp_path / "one" / job / "final" / "model.safetensors")
@@ -280,22 +275,15 @@ def test_an_untied_decoder_pipelines_like_one_process_and_a_tied_one_is_refused(
     """A Llama decoder on a 2-rank modular pipeline (stages past the first take positions from the mask,
     evaluation broadcasts the LM's rows x sequence x vocabulary logits) trains as one process does; a tied
     head, whose one tensor would live on the first and the last rank, is refused before any rank starts."""
-    import subprocess
-    import sys
 
     from safetensors.torch import load_file
-
-    from tests.util import REPO
 
     common = ["model=llama-tiny", "task=lm", "model.num_layers=2", "model.hidden_size=32", "model.num_heads=4",
               "model.num_kv_heads=2", "model.intermediate_size=64", "model.dropout=0.0", "task.max_seq_len=16",
               "task.max_eval_samples=8", "batch.size=4", "batch.ubatch_size=2", "trainer.max_steps=2",
               "trainer.save_final=true", "trainer.progress=none", "mode=baseline_ag"]  # fmt: skip
     for name, extra in (("one", []), ("pipe", ["dist.nproc=2", "dist.pipeline=2"])):
-        r = subprocess.run(
-            [sys.executable, "-m", "l2l_cli", "train", *common, *extra, f"hydra.run.dir={tmp_path / name}"],
-            capture_output=True, text=True, timeout=600, cwd=REPO,
-        )  # fmt: skip
+        r = l2l("train", *common, *extra, f"hydra.run.dir={tmp_path / name}", timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
     one, pipe = (json.loads((tmp_path / n / "summary.json").read_text()) for n in ("one", "pipe"))
     assert pipe["pipeline"]["pipeline"] == 2 and pipe["eval"]["loss"] == pytest.approx(

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.util import REPO, TINY, assert_same_weights, kill_rank_1_mid_run
+from tests.util import REPO, TINY, assert_same_weights, kill_rank_1_mid_run, l2l
 
 MODES = ["baseline_ag", "l2l", "l2l_p"]
 DP = [
@@ -32,10 +32,7 @@ def _final(run: Path) -> dict[str, torch.Tensor]:
 
 
 def _sweep(tmp: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "l2l_cli", "train", "-m", f"mode={','.join(MODES)}", *DP, *args, f"hydra.sweep.dir={tmp}"],
-        capture_output=True, text=True, timeout=600, cwd=REPO,
-    )  # fmt: skip
+    return l2l("train", "-m", f"mode={','.join(MODES)}", *DP, *args, f"hydra.sweep.dir={tmp}", timeout=600)
 
 
 def test_two_ranks_equal_one_process_with_the_global_batch(tmp_path) -> None:
@@ -60,21 +57,11 @@ def test_two_rank_resume_is_exact(tmp_path) -> None:
     args = ["mode=l2l", "dist.nproc=2", "batch.size=4", *DP[:-1], "trainer.max_steps=4", "trainer.save_every=2",
             "trainer.keep_checkpoints=3"]  # fmt: skip
     full, cut = tmp_path / "full", tmp_path / "cut"
-    r = subprocess.run(
-        [sys.executable, "-m", "l2l_cli", "train", *args, f"hydra.run.dir={full}"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
+    r = l2l("train", *args, f"hydra.run.dir={full}", timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     shutil.copytree(full, cut)
     shutil.rmtree(cut / "checkpoints" / "step_4")
-    r = subprocess.run(
-        [sys.executable, "-m", "l2l_cli", "train", *args, f"trainer.resume={cut}"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
+    r = l2l("train", *args, f"trainer.resume={cut}", timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     for f in (full / "checkpoints" / "step_4").glob("layer_*.safetensors"):
         a, b = load_file(f), load_file(cut / "checkpoints" / "step_4" / f.name)
@@ -105,8 +92,7 @@ def test_two_torchrun_nodes_equal_nproc_4_resume_and_end_together_when_one_dies(
     node non-zero within dist.timeout_s."""
     from l2l_cli.engine.dist import free_port
 
-    r = subprocess.run([sys.executable, "-m", "l2l_cli", "train", *NODES, "dist.nproc=4",
-                        f"hydra.run.dir={tmp_path / 'nproc'}"], capture_output=True, text=True, cwd=REPO)  # fmt: skip
+    r = l2l("train", *NODES, "dist.nproc=4", f"hydra.run.dir={tmp_path / 'nproc'}", timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     nodes = tmp_path / "nodes"
     procs = _nodes(nodes, *NODES, port=free_port())

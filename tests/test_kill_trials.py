@@ -1,7 +1,7 @@
 """Random kill trials: SIGKILL a training run at a random moment (seeded), resume it, and its final weights
-equal an uninterrupted run's bit for bit, for every runner that can resume. One trial each for l2l_p and
-the disk tier in the default suite; five per runner, data parallel and the pipeline included,
-with ``-m slow``."""
+equal an uninterrupted run's bit for bit, for every runner that can resume. One trial in the default suite
+(L2L-p on the disk tier: the EPS and its disk tier at once); five per runner, data parallel and the pipeline
+included, with ``-m slow``."""
 
 from __future__ import annotations
 
@@ -29,10 +29,9 @@ RUNNERS = {
     "dp2": ["mode=l2l_p", "dist.nproc=2"],
     "pipeline2": ["mode=baseline_ag", "dist.nproc=2", "dist.pipeline=2", "model.num_layers=4"],
 }
-DEFAULT = [
-    "l2l_p",
-    "disk",
-]  # the default suite: the EPS and its disk tier (the device-resident state: test_signals' SIGKILLs; all: -m slow)
+# the default suite's trial: the EPS on its disk tier (the host tier and the device-resident state: test_signals'
+# SIGKILLs, test_disk_tier's kills at each write; every runner: -m slow)
+DEFAULT = ["disk"]
 STEPS = 16
 COMMON = [*TINY, f"trainer.max_steps={STEPS}", "trainer.save_every=1", "trainer.keep_checkpoints=1",
           "trainer.save_final=true", "task.num_train=256", "task.num_eval=16", "logger=none"]  # fmt: skip

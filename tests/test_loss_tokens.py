@@ -5,8 +5,6 @@ trains on the same minibatches with one token mean (``RunnerBase.loss_divisors``
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,7 @@ from l2l_cli.data.batches import TrainStream
 from l2l_cli.data.rows import IGNORE
 from l2l_cli.engine.optim import no_decay
 from tests.test_chat import chat_cfg, chat_data, conversation, write_jsonl, write_model
-from tests.util import REPO, train
+from tests.util import l2l, train
 
 STEPS = 3
 # a constant learning rate and no warmup: the reference's schedule is the optimizer's own
@@ -127,10 +125,7 @@ def _cli(chat: tuple[Path, Path], out: Path, *overrides: str) -> dict[str, torch
     cfg = cfg_of(chat)  # the in-process runs' config, as command-line overrides
     base = ["task=chat", "task.max_seq_len=48", "model.dropout=0.0", "trainer.progress=none", "optim.lr=1e-3",
             f"model.num_layers={cfg.model.num_layers}", *LOSS]  # fmt: skip
-    r = subprocess.run(
-        [sys.executable, "-m", "l2l_cli", "train", *base, *args, *overrides],
-        capture_output=True, text=True, timeout=600, cwd=REPO,
-    )  # fmt: skip
+    r = l2l("train", *base, *args, *overrides, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return load_file(out / "final" / "model.safetensors")
 

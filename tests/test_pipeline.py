@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ from l2l_cli.config.validate import validate
 from l2l_cli.launch import run_jobs
 from l2l_cli.parallel.pipeline import StagePlan
 from l2l_cli.session import build
-from tests.util import REPO, TINY, assert_same_weights, kill_rank_1_mid_run, tiny_cfg, tiny_data, train
+from tests.util import TINY, assert_same_weights, kill_rank_1_mid_run, l2l, tiny_cfg, tiny_data, train
 
 # 4 blocks (2 stages per rank with P = 2), dropout 0, fp32; 3 steps of a global batch of 8 in 4 micro-batches
 EQ = [*TINY, "model.num_layers=4", "task.num_train=256", "task.num_eval=16", "trainer.max_steps=3"]
@@ -103,11 +101,18 @@ def test_invalid_pipeline_configs_are_refused_naming_the_key() -> None:
 
 def test_a_bad_pipeline_config_exits_2_before_starting_ranks(tmp_path) -> None:
     t0 = time.time()
-    r = subprocess.run(
-        [sys.executable, "-m", "l2l_cli", "train", *TINY, "model.num_layers=4", "mode=baseline_ag", "dist.nproc=3", "dist.pipeline=2",
-         "batch.size=2", "batch.ubatch_size=2", f"hydra.run.dir={tmp_path}"],
-        capture_output=True, text=True, cwd=REPO, timeout=120,
-    )  # fmt: skip
+    r = l2l(
+        "train",
+        *TINY,
+        "model.num_layers=4",
+        "mode=baseline_ag",
+        "dist.nproc=3",
+        "dist.pipeline=2",
+        "batch.size=2",
+        "batch.ubatch_size=2",
+        f"hydra.run.dir={tmp_path}",
+        timeout=120,
+    )
     assert r.returncode == 2, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert [ln.split(":")[2].strip() for ln in lines] == ["dist.pipeline", "batch.ubatch_size"], lines
@@ -538,10 +543,7 @@ def test_an_untied_llama_on_l2l_stages_equals_one_process(tmp_path) -> None:
               "trainer.save_final=true", "trainer.progress=none", "mode=l2l", *CLIP]  # fmt: skip
     two = ["dist.nproc=2", "dist.pipeline=2"]
     for name, extra in (("one", []), ("pipe", [*two, "mode.stash=cpu"]), ("pipe_p", [*two, "mode=l2l_p"])):
-        r = subprocess.run(
-            [sys.executable, "-m", "l2l_cli", "train", *common, *extra, f"hydra.run.dir={tmp_path / name}"],
-            capture_output=True, text=True, timeout=600, cwd=REPO,
-        )  # fmt: skip
+        r = l2l("train", *common, *extra, f"hydra.run.dir={tmp_path / name}", timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
     one = json.loads((tmp_path / "one" / "summary.json").read_text())
     for name, mode in (("pipe", "l2l"), ("pipe_p", "l2l_p")):

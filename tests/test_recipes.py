@@ -1,5 +1,6 @@
 """Every recipe runs through the real CLI at a tiny size, and ``l2l report`` on its output has the rows of the
-paper table it reproduces. The recipes folder is globbed: a new recipe without a case here fails.
+paper table it reproduces. The recipes folder is globbed: a new recipe without a case here fails. The default
+suite runs ``SAMPLE``; ``-m slow`` runs every recipe.
 
 A recipe is for the command its header names: ``l2l train recipe=NAME`` (a multirun of training jobs, with a
 ``scale`` switch) or ``l2l plan --scaling recipe=NAME`` (one config of the analytic model: no sweep, no
@@ -322,7 +323,14 @@ def test_recipe_header_and_both_scales_compose(name: str) -> None:
     assert sweep_dir.startswith(f"outputs/{name}/"), sweep_dir
 
 
-@pytest.mark.parametrize("name", recipe_names())
+# the default suite runs a sample (both precisions of each method and the OOM rows of a depth sweep, and the
+# planner's scaling command); every recipe runs with -m slow
+SAMPLE = {"l2l_v2_table2", "l2l_v2_table4", "layered_ga_scaling"}
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=() if n in SAMPLE else pytest.mark.slow) for n in recipe_names()]
+)
 def test_recipe_runs_and_reports_the_paper_rows(name: str, tmp_path: Path) -> None:
     case = CASES[name]
     command = recipe_command(name)

@@ -9,8 +9,6 @@ import collections
 import functools
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +20,7 @@ from l2l_cli.compose import compose
 from l2l_cli.config.validate import validate
 from l2l_cli.session import build
 from l2l_cli.train import run_job
-from tests.util import REPO, assert_same_weights, batches, built, l2l, tiny_cfg, tiny_data, train
+from tests.util import assert_same_weights, batches, built, l2l, tiny_cfg, tiny_data, train
 
 DROPOUT = ["model.dropout=0.1", "batch.ubatch_size=2"]  # 4 micro-batches, dropout masks to replay
 
@@ -231,11 +229,16 @@ def test_two_ranks_with_kept_and_selective_blocks_equal_one_process(tmp_path: Pa
     from tests.test_dist import DP, _final
 
     def run(out: Path, *args: str) -> dict[str, torch.Tensor]:
-        r = subprocess.run(
-            [sys.executable, "-m", "l2l_cli", "train", "mode=l2l", *DP, "mode.recompute=selective",
-             "mode.keep_layers=1", *args, f"hydra.run.dir={out}"],
-            capture_output=True, text=True, timeout=600, cwd=REPO,
-        )  # fmt: skip
+        r = l2l(
+            "train",
+            "mode=l2l",
+            *DP,
+            "mode.recompute=selective",
+            "mode.keep_layers=1",
+            *args,
+            f"hydra.run.dir={out}",
+            timeout=600,
+        )
         assert r.returncode == 0, r.stderr[-2000:]
         return _final(out)
 

@@ -77,7 +77,9 @@ def test_a_second_signal_exits_at_once(tmp_path) -> None:
     assert "second signal (SIGINT): exiting now" in out
 
 
-@pytest.mark.parametrize("trial", range(3))
+@pytest.mark.parametrize(
+    "trial", [pytest.param(0, marks=pytest.mark.slow), 1, pytest.param(2, marks=pytest.mark.slow)]
+)  # the default suite: L2L-p (its update in flight at the kill); l2l and l2l_stash_cpu: -m slow
 def test_sigkill_at_a_random_moment_loses_at_most_the_step_in_flight(tmp_path, trial: int) -> None:
     mode = ["l2l", "l2l_p", "l2l_stash_cpu"][trial]
     proc = _start(tmp_path, f"mode={mode}", "trainer.realtime_ckpt=true", "trainer.save_every=4")

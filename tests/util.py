@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -110,14 +111,85 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
 
 
 def l2l(
-    *args: str, timeout: float = 300, cwd: Path | None = None, env: dict[str, str] | None = None
+    *args: str,
+    timeout: float = 300,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess:
-    """The real CLI as a subprocess (``python -m l2l_cli``, so it runs wherever the tests run)."""
+    """The real CLI as a process of its own (``python -m l2l_cli``, so it runs wherever the tests run).
+    It is forked from ``tests.cliserver``, which has paid the imports once; with ``fresh``, with ``env``
+    (variables a module may read at import) or with ``L2L_TEST_FRESH=1`` in the environment, a new
+    interpreter runs it instead (what a user's shell starts: the imports, their warnings, the startup)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    if not fresh and env is None and os.environ.get("L2L_TEST_FRESH") != "1":
+        return _SERVER.run(list(args), timeout, cwd or REPO, full_env)
     return subprocess.run(
         [sys.executable, "-m", "l2l_cli", *args], capture_output=True, text=True, timeout=timeout,
         cwd=cwd or REPO, env=full_env,
     )  # fmt: skip
+
+
+class _CliServer:
+    """The client of ``tests.cliserver`` (started at the first command, one per test session)."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.buf = b""
+
+    def _line(self, timeout: float | None = None) -> dict[str, Any] | None:
+        """The server's next reply, or None after ``timeout`` seconds without one."""
+        import select
+        import time
+
+        assert self.proc is not None and self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self.buf:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 65536)
+            assert chunk, "tests.cliserver ended"
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def _start(self) -> subprocess.Popen:
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.cliserver"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )  # fmt: skip
+            self.buf = b""
+            assert (self._line() or {}).get("ready"), "tests.cliserver did not start"
+        return self.proc
+
+    def run(
+        self, argv: list[str], timeout: float, cwd: Path, env: dict[str, str]
+    ) -> subprocess.CompletedProcess:
+        import tempfile
+
+        proc = self._start()
+        assert proc.stdin is not None
+        with tempfile.TemporaryDirectory(prefix="l2l-cli-") as tmp:
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            req = {"argv": argv, "cwd": str(cwd), "env": env, "out": str(out), "err": str(err)}
+            proc.stdin.write(json.dumps(req).encode() + b"\n")
+            proc.stdin.flush()
+            pid = (self._line() or {})["pid"]
+            done = self._line(timeout)
+            if done is None:  # as subprocess.run: the command is killed, then TimeoutExpired
+                os.kill(pid, 9)
+                self._line()
+            stdout, stderr = (p.read_text(errors="replace") if p.exists() else "" for p in (out, err))
+        cmd = [sys.executable, "-m", "l2l_cli", *argv]
+        if done is None:
+            raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+        return subprocess.CompletedProcess(cmd, done["returncode"], stdout, stderr)
+
+
+_SERVER = _CliServer()
 
 
 def kill_rank_1_mid_run(run_dir: Path, *overrides: str) -> None:
