@@ -432,3 +432,30 @@ def test_a_checkpoints_base_is_encoded_once_and_equals_the_built_then_loaded_one
     assert n_once == len(ckpt) + 1 < n_eager  # each frozen tensor once (+ the dropped one from the init)
     for a, b in zip(eager, once, strict=True):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow  # files for every layer's state: minutes on a loaded 2-core machine
+def test_lora_with_the_disk_tier_equals_the_host_tier() -> None:
+    """``eps.tier=disk``: the adapters' master and moments in files, the same numbers bit for bit."""
+    host = run_lora("llama", "mode=l2l")
+    disk = run_lora("llama", "mode=l2l", "eps.tier=disk")
+    assert disk["losses"] == host["losses"]
+    assert all(torch.equal(disk["adapter"][k], v) for k, v in host["adapter"].items())
+
+
+@pytest.mark.parametrize("precision", ["cmp", pytest.param("amp", marks=pytest.mark.slow)])
+def test_lora_in_low_precision_follows_fp32(precision: str) -> None:
+    """CMP / AMP: the frozen base and activations in 16 bits, the adapters' master and moments in fp32.
+    The losses stay within bf16/fp16 rounding of the fp32 run's (1e-4). Adam's first steps move each
+    element by about ``lr`` whatever its gradient's size, so an element whose gradient is near zero can
+    move either way under rounding: the adapter is compared as a whole (cosine > 0.9 with fp32's), not
+    element by element."""
+    ref = run_lora("llama", "mode=l2l")
+    got = run_lora("llama", "mode=l2l", f"precision={precision}")
+    assert got["losses"] == pytest.approx(ref["losses"], rel=1e-4)
+    a = torch.cat([v.flatten() for k, v in sorted(ref["adapter"].items()) if ".lora_B." in k])
+    b = torch.cat([got["adapter"][k].flatten() for k, v in sorted(ref["adapter"].items()) if ".lora_B." in k])
+    cos = float(a @ b / (a.norm() * b.norm()))
+    assert cos > 0.9, cos
+    for k, v in got["before"].items():  # the base stays what it was
+        assert torch.equal(v, got["after"][k]), k
