@@ -253,7 +253,8 @@ class Session:
             if cfg.peft.name != "none":  # LoRA adapters on a frozen base (models/lora.py)
                 from l2l_cli.models.lora import LoraSettings, with_lora
 
-                self.model = with_lora(self.model, LoraSettings.from_cfg(cfg.peft))
+                lora = LoraSettings.from_cfg(cfg.peft, base_from_checkpoint=bool(cfg.model.pretrained))
+                self.model = with_lora(self.model, lora)
         except (UnsupportedModel, PretrainedUnavailable) as e:
             raise ConfigError([Problem("model.pretrained", str(e))]) from e
 

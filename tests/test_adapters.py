@@ -359,3 +359,103 @@ def test_low_bit_base_of_a_real_checkpoint_evaluates_within_2_percent_of_bf16(
         return total / n
 
     assert eval_loss(dtype) == pytest.approx(eval_loss("bf16"), rel=0.02)
+
+
+def test_nf4_is_torchaos_bit_for_bit_on_ties_zeros_and_codes() -> None:
+    """l2l's NF4 (one threshold search per element, a byte table to decode) gives torchao's
+    ``NF4Tensor.from_tensor`` parts and ``get_original_weight`` exactly: on values at the midpoints between
+    codes, on the codes themselves, on an all-zero block and on tiny scales."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
+
+    from l2l_cli.engine.frozen import NF4_CODES, _nf4_decode, _nf4_encode
+
+    g = torch.Generator().manual_seed(0)
+    codes = torch.tensor(NF4_CODES)
+    mids = (codes[:-1] + codes[1:]) / 2
+    for scale in (1.0, 0.02, 1e-30):
+        flat = torch.randn(64 * 256 * 3, generator=g) * scale
+        flat[:64] = 0
+        flat[200:264] = codes.repeat(4) * 3
+        flat[1000:1015], flat[1015] = mids, 1.0
+        flat[1024:1039], flat[1039] = -mids, -1.0
+        flat[2048:2063], flat[2063] = torch.nextafter(mids, codes[1:]), 1.0
+        q = NF4Tensor.from_tensor(flat, 64, 256)
+        ref = {"data": q.quantized_data, "scalers": q.quantized_scalers, "factor": q.quantization_factor,
+               "mean": q.scaler_mean.reshape(1), "nf4": q.nf4}  # fmt: skip
+        got = _nf4_encode(flat)
+        for k, v in ref.items():
+            assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+        w = _nf4_decode(got, torch.device("cpu"))
+        assert torch.equal(w.view(torch.int32), q.get_original_weight().view(torch.int32))
+
+
+@pytest.mark.parametrize("source", ["host", "disk"])
+def test_a_checkpoints_base_is_encoded_once_and_equals_the_built_then_loaded_one(
+    source: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``model.pretrained`` the frozen base is stored from the checkpoint's tensors only (one encode
+    per tensor, not the seeded init's first); a tensor the checkpoint lacks is the seeded init's. Both give
+    the base the eager build-then-load gives, bit for bit."""
+    import dataclasses
+
+    from l2l_cli.engine import frozen
+    from l2l_cli.engine.flat import FlatLayout
+    from l2l_cli.models.base import BLOCK, POST, PRE
+
+    cfg = tiny_cfg(*FAMILY["llama"], *R8, "peft.base_dtype=nf4", f"peft.base_source={source}")
+    with built(cfg) as runner:
+        spec = runner.spec
+    seed = cfg.trainer.seed
+    ckpt = LayeredModel(base_spec(spec), seed=seed + 1).hf_state_dict()
+    dropped = "model.layers.1.mlp.up_proj.weight"
+    del ckpt[dropped]
+    layouts = {
+        k: FlatLayout(spec.new_layer(k, "meta"), skip=spec.trainable_names(k)) for k in (PRE, BLOCK, POST)
+    }
+    encodes = []
+    real = frozen.encode
+    monkeypatch.setattr(frozen, "encode", lambda *a: encodes.append(1) or real(*a))
+
+    def base(lora: Any) -> tuple[list[dict[str, torch.Tensor]], int]:
+        encodes.clear()
+        b = frozen.FrozenBase(spec, layouts, lora, None, seed)
+        for i in range(spec.num_all_layers):
+            b.put(i, spec.build_layer(i, seed))
+        assert b.load_hf(ckpt) == [dropped]
+        out = [dict(b.tensors(i)) for i in range(spec.num_all_layers)]
+        b.close()
+        return out, len(encodes)
+
+    lora = lora_of(spec)
+    eager, n_eager = base(lora)
+    once, n_once = base(dataclasses.replace(lora, base_from_checkpoint=True))
+    assert n_once == len(ckpt) + 1 < n_eager  # each frozen tensor once (+ the dropped one from the init)
+    for a, b in zip(eager, once, strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow  # files for every layer's state: minutes on a loaded 2-core machine
+def test_lora_with_the_disk_tier_equals_the_host_tier() -> None:
+    """``eps.tier=disk``: the adapters' master and moments in files, the same numbers bit for bit."""
+    host = run_lora("llama", "mode=l2l")
+    disk = run_lora("llama", "mode=l2l", "eps.tier=disk")
+    assert disk["losses"] == host["losses"]
+    assert all(torch.equal(disk["adapter"][k], v) for k, v in host["adapter"].items())
+
+
+@pytest.mark.parametrize("precision", ["cmp", pytest.param("amp", marks=pytest.mark.slow)])
+def test_lora_in_low_precision_follows_fp32(precision: str) -> None:
+    """CMP / AMP: the frozen base and activations in 16 bits, the adapters' master and moments in fp32.
+    The losses stay within bf16/fp16 rounding of the fp32 run's (1e-4). Adam's first steps move each
+    element by about ``lr`` whatever its gradient's size, so an element whose gradient is near zero can
+    move either way under rounding: the adapter is compared as a whole (cosine > 0.9 with fp32's), not
+    element by element."""
+    ref = run_lora("llama", "mode=l2l")
+    got = run_lora("llama", "mode=l2l", f"precision={precision}")
+    assert got["losses"] == pytest.approx(ref["losses"], rel=1e-4)
+    a = torch.cat([v.flatten() for k, v in sorted(ref["adapter"].items()) if ".lora_B." in k])
+    b = torch.cat([got["adapter"][k].flatten() for k, v in sorted(ref["adapter"].items()) if ".lora_B." in k])
+    cos = float(a @ b / (a.norm() * b.norm()))
+    assert cos > 0.9, cos
+    for k, v in got["before"].items():  # the base stays what it was
+        assert torch.equal(v, got["after"][k]), k

@@ -94,7 +94,7 @@ class EagerParamServer:
             self.frozen_layouts = {k: FlatLayout(spec.new_layer(k, "meta"), skip=trainable[k]) for k in KINDS}
             where = tier.path if tier is not None and tier.path else None  # a base on disk: under eps.path
             self.base = FrozenBase(
-                spec, self.frozen_layouts, lora, Path(where) / "frozen_base" if where else None
+                spec, self.frozen_layouts, lora, Path(where) / "frozen_base" if where else None, seed
             )
         self.layers: list[LayerState] = []
         self.files = EpsFiles(spec, self.layers, self.tier)

@@ -48,12 +48,15 @@ class LoraSettings:
     modules_to_save: tuple[str, ...] = ()
     base_dtype: str = "fp32"
     base_source: str = "host"
+    # the run loads a checkpoint (model.pretrained) over the built base: the frozen base is stored from
+    # the checkpoint's tensors, not first from the seeded init it replaces (engine/frozen.py)
+    base_from_checkpoint: bool = False
 
     @classmethod
-    def from_cfg(cls, p: Any) -> LoraSettings:
+    def from_cfg(cls, p: Any, base_from_checkpoint: bool = False) -> LoraSettings:
         return cls(
             int(p.r), float(p.alpha), float(p.dropout), names_of(p.target_modules),
-            names_of(p.modules_to_save) or (), str(p.base_dtype), str(p.base_source),
+            names_of(p.modules_to_save) or (), str(p.base_dtype), str(p.base_source), base_from_checkpoint,
         )  # fmt: skip
 
     @property
@@ -385,6 +388,7 @@ def summary_section(spec: ModelSpec, host_parts: dict[str, int] | None) -> dict[
 
 def settings_dict(lora: LoraSettings) -> dict[str, Any]:
     d = asdict(lora)
+    d.pop("base_from_checkpoint")
     d["target_modules"] = list(_listed(lora.target_modules))
     d["modules_to_save"] = list(lora.modules_to_save)
     return d
