@@ -199,7 +199,7 @@ def memory(shape: ModelShape, s: Setup) -> dict[str, dict[str, float]]:
                 largest = sorted(
                     [shape.pre_params, *[shape.block_params] * N, shape.post_params], reverse=True
                 )
-            host["eps_cache"] = per_param * sum(largest[:k])
+            host["eps_cache"] = per_param * k * largest[0]  # every slot sized for the largest layer
             # the gradients waiting for the clipping verdict (or their update): eps.grad_ram_layers buffers,
             # at most the largest layers' gradients, whatever the depth; the others wait on disk (an applied
             # one kept for a redo in kept_grads.eps, sparse: at most 4 bytes per parameter)

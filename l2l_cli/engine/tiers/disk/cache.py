@@ -1,10 +1,9 @@
 """The disk tier's host cache: ``eps.host_cache_layers`` page-aligned slots, each holding one layer's state
 while it is in use, and the choice of which slot to reuse for the next layer.
 
-The slots are sized for the layers they may hold, not all for the largest: slot r is sized for the r-th
-largest layer of the model (the embeddings, say, then the blocks), so any ``host_cache_layers`` layers fit
-at once (the r-th largest of them is no larger than the model's r-th largest) and the cache takes the bytes
-of the model's ``host_cache_layers`` largest layers, whatever the depth (:func:`slot_numels`)."""
+A slot holds a layer of at most its own size (:func:`slot_numels` sizes slots for given layers). The tier
+sizes every slot for the model's largest layer: slots sized per layer let a small layer pinned in the one
+large slot starve a large layer (a tied head, which pins the embeddings while it loads, deadlocked)."""
 
 from __future__ import annotations
 

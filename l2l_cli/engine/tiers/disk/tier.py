@@ -66,7 +66,9 @@ class DiskTier:
         n = len(self.store)
         with acc.meter.paused():
             k = min(settings.cache_layers, n)  # more slots than layers would never be used
-            numels = [f.numel for f in self.store.files]  # slots sized for the k largest layers
+            # every slot sized for the largest layer: any layer may take any slot, so no set of pins can
+            # wait on a slot only a larger layer fits (slots sized per layer deadlocked a tied head)
+            numels = [max(f.numel for f in self.store.files)] * n
             self.cache = SlotCache(k, numels, layouts, acc, send_dtype, optim, self.store.split)
         self.plan = ReadAhead(n, k, threading.get_ident())
         self.resident_peak = self.cache.nbytes
