@@ -166,6 +166,7 @@ class PeftShape:
             ),
             "base_dtype": self.base_dtype,
             "base_source": self.base_source,
+            "base_on_disk": self.on_disk,
             "trainable_params": self.trainable,
             "frozen_params": self.frozen,
             "base_bytes": self.stored,

@@ -218,7 +218,7 @@ def render_peft(pe: dict[str, Any], console: Console) -> None:
         f"LoRA (peft=lora, r={pe['r']} on {targets}): bytes per parameter",
         "part", "parameters", "B/param", "in", "bytes", "set by",
     )  # fmt: skip
-    disk = pe["base_source"] == "disk"
+    disk = pe["base_on_disk"]
     t.add_row(f"frozen base, {pe['base_dtype']}", fmt_n(pe["frozen_params"]), f"{pe['base_bytes_per_param']:.3g}",
               "disk" if disk else "RAM", fmt_bytes(pe["base_bytes"]), "peft.base_dtype")  # fmt: skip
     if disk:
