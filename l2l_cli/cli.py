@@ -224,7 +224,29 @@ def _claim_run_dir(
     if taken:
         raise LockError(key, path, f"{path} holds a run already ({', '.join(taken[:3])}); continue it with "
                         f"trainer.resume={path}, or choose a new directory")  # fmt: skip
+    _CLAIMED.append((path, path.exists()))
     return argv, DirLock(path, key).acquire()
+
+
+# the run dirs this process claimed, and whether each existed before: a Ctrl-C before the run starts
+# removes what the claim alone made (the lock, an empty dir), and names what Hydra had already written
+_CLAIMED: list[tuple[Path, bool]] = []
+
+
+def _interrupted_early(cmd: str) -> str:
+    """The one line for a Ctrl-C before a command's own handling, true about what it left behind."""
+    from l2l_cli.locks import LOCK_NAME
+    from l2l_cli.rundir import run_markers
+
+    for path, existed in _CLAIMED:
+        left = run_markers(path) if path.is_dir() else []
+        if left:
+            return (f"l2l: {cmd} interrupted before its first step; {path} holds only its config and log "
+                    f"({', '.join(left)}): delete it, or choose another hydra.run.dir")  # fmt: skip
+        (path / LOCK_NAME).unlink(missing_ok=True)
+        if not existed and path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
+    return f"l2l: {cmd} interrupted before it started (nothing written)"
 
 
 def _torchrun_world(argv: list[str]) -> list[str]:
@@ -340,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = _dispatch(cmd, rest)
     except KeyboardInterrupt:  # Ctrl-C before a command's own handling (importing torch, composing): one line
-        print(f"\nl2l: {cmd} interrupted before it started (nothing written)", file=sys.stderr, flush=True)
+        print("\n" + _interrupted_early(cmd), file=sys.stderr, flush=True)
         code = 130
     sys.exit(code)
 

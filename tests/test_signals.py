@@ -192,7 +192,7 @@ def test_ctrl_c_in_the_first_second_is_one_line(tmp_path) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "l2l_cli", "train", f"hydra.run.dir={run}"], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
-    time.sleep(0.6)  # the interpreter is up, torch is still importing
+    time.sleep(0.4)  # the interpreter is up, the command line not yet composed
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     ours = [ln for ln in (out + err).splitlines() if ln.startswith("l2l:")]
