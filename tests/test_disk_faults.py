@@ -87,14 +87,21 @@ def ref_root(tmp_path_factory: Any) -> Path:
     return tmp_path_factory.mktemp("disk-faults-ref")
 
 
-def _faulted(monkeypatch: Any, capsys: Any, run: Path, kind: str, fault: str, *extra: str) -> list[str]:
-    """A run with the ``kind`` fault (ENOSPC | EIO) at ``fault``; its stderr lines."""
+def _run_with_fault(
+    monkeypatch: Any, capsys: Any, run: Path, kind: str, fault: str, *extra: str
+) -> tuple[str, list[str]]:
+    """A run with the ``kind`` fault (ENOSPC | EIO) at ``fault``: its status and stderr lines."""
     monkeypatch.setattr(problems, "_FAULT" if kind == "ENOSPC" else "_FAULT_EIO", fault)
     monkeypatch.setattr(problems, "_fault_seen", [0])
     capsys.readouterr()
     status = _run(run, *extra)
     monkeypatch.undo()
-    lines = capsys.readouterr().err.strip().splitlines()
+    return status, capsys.readouterr().err.strip().splitlines()
+
+
+def _faulted(monkeypatch: Any, capsys: Any, run: Path, kind: str, fault: str, *extra: str) -> list[str]:
+    """A run with the ``kind`` fault (ENOSPC | EIO) at ``fault`` that must fail; its stderr lines."""
+    status, lines = _run_with_fault(monkeypatch, capsys, run, kind, fault, *extra)
     assert status == "error", (status, lines)
     return lines
 
@@ -396,12 +403,7 @@ def _resumes_to_the_reference(
         return
     if trial["resume_fault"]:
         kind, _, where = trial["resume_fault"].partition(":")
-        monkeypatch.setattr(problems, "_FAULT" if kind == "ENOSPC" else "_FAULT_EIO", where)
-        monkeypatch.setattr(problems, "_fault_seen", [0])
-        capsys.readouterr()
-        status = _run(run, *extra)
-        monkeypatch.undo()
-        lines = capsys.readouterr().err.strip().splitlines()
+        status, lines = _run_with_fault(monkeypatch, capsys, run, kind, where, *extra)
         assert status in ("ok", "error"), (status, lines)
         if status == "error":
             assert len(lines) == 1 and f"{run}/eps/" in lines[0], lines
