@@ -175,7 +175,7 @@ def evaluate(cfg: DictConfig, run_dir: Path, weights: Path, as_json: bool) -> in
         with Progress(TextColumn("eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, transient=True, disable=as_json or not console.is_terminal) as bar:  # fmt: skip
             task = bar.add_task("eval", total=None)
-            metrics = session.evaluate(lambda done, total: bar.update(task, completed=done, total=total))
+            metrics = session.evaluator(lambda done, total: bar.update(task, completed=done, total=total))
         result = {
             "run_dir": str(run_dir), "weights": str(weights), "task": cfg.task.name,
             "data_source": session.data.source, "examples": n, "metrics": metrics,

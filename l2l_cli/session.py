@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from l2l_cli.config.validate import validate
 from l2l_cli.data.batches import TrainStream
 from l2l_cli.data.loading import load_task
 from l2l_cli.data.tasks import LM, TaskData
+from l2l_cli.dev_eval import DevEvaluator
 from l2l_cli.engine.device import Accelerator, make_accelerator
 from l2l_cli.engine.dist import DistContext
 from l2l_cli.engine.dist import from_env as dist_from_env
@@ -32,7 +32,7 @@ from l2l_cli.engine.recompute import RecomputeSettings
 from l2l_cli.engine.tiers import TIERS, TierSettings
 from l2l_cli.inherit import record_config_sum
 from l2l_cli.locks import DirLock, LockError, held
-from l2l_cli.loop import EvalStopped, StopFlag, Trainer, TrainerSettings
+from l2l_cli.loop import StopFlag, Trainer, TrainerSettings
 from l2l_cli.models import ModelSpec, PretrainedUnavailable, UnsupportedModel, make_spec
 from l2l_cli.models.hf import load_adapter, load_exported, load_pretrained
 from l2l_cli.modes import (
@@ -48,7 +48,7 @@ from l2l_cli.modes import (
 from l2l_cli.parallel import ParallelSpec, parallel_for
 from l2l_cli.problems import ConfigError, Problem
 from l2l_cli.rundir import JsonlLogger, Logger, RunFiles, make_loggers
-from l2l_cli.runfiles import DeviceMemory, HostMemory, MemoryReport, RunConfig, Summary, Transfer
+from l2l_cli.runfiles import RunConfig, Summary
 
 log = logging.getLogger("l2l")
 
@@ -184,6 +184,7 @@ class Session:
         self.precision: Precision | None = None
         self.tier = TierSettings()  # where an EPS keeps the state (eps.*, resolved)
         self.runner: Runner | None = None
+        self.evaluator: DevEvaluator | None = None  # the task's metrics on the dev split
         self.stream: TrainStream | None = None
         self.trainer: Trainer | None = None
         self.loggers: list[Logger] = []
@@ -211,6 +212,7 @@ class Session:
             self._make_accelerator()
             self._make_precision()
             self._make_runner()
+            self._make_evaluator()
             if not self.train:
                 self._load_eval_weights()
                 return self
@@ -348,6 +350,15 @@ class Session:
         with self.acc.meter.window():
             self.runner = self.parallel.runner(args, self.mode) if self.parallel else self.mode.runner(args)
 
+    def _make_evaluator(self) -> None:
+        """The dev split's evaluation (``batch.eval_size``, else ``batch.size``): the trainer's and
+        ``l2l eval``'s."""
+        cfg = self.cfg
+        assert self.runner is not None and self.model is not None and self.data is not None
+        pad_to = cfg.task.max_seq_len if cfg.task.pad_to_max else None
+        size = cfg.batch.eval_size or cfg.batch.size
+        self.evaluator = DevEvaluator(self.runner, self.model, self.data, self.dist, size, pad_to, self.stop)
+
     def _load_eval_weights(self) -> None:
         """Evaluation only: the weights asked for, if any (else the runner's initialization)."""
         assert self.acc is not None
@@ -388,7 +399,7 @@ class Session:
         self.trainer = Trainer(
             trainer_settings(self.cfg, self.steps, identity(self.model, self.mode, self.cfg.optim.name),
                              self.title()),
-            runner=self.runner, stream=self.stream, data=self.data, evaluate=self.evaluate, files=self.files,
+            runner=self.runner, stream=self.stream, data=self.data, evaluate=self.evaluator, files=self.files,
             loggers=self.loggers, summary=self.summary, ctx=self.dist, stop=self.stop,
         )  # fmt: skip
 
@@ -451,64 +462,6 @@ class Session:
         title = f"{c.method} · {name} ({(self.summary.params or 0) / 1e6:.1f}M params) · {c.task}"
         recompute = getattr(self.runner, "recompute_info", None)  # the L2L runners: what they recompute
         return f"{title} · {recompute}" if recompute else title
-
-    def evaluate(self, on_batch: Callable[[int, int], None] | None = None) -> dict[str, float]:
-        """The task's metrics on the dev split: rank 0 evaluates (the weights are identical on every
-        rank), the others wait for it; ranks that each hold part of the model (a pipeline's) predict
-        together, and rank 0 keeps the metrics. ``on_batch(done, total)`` follows it; a stop requested
-        meanwhile (``stop``) ends it at the next batch with :class:`EvalStopped` (a rank that evaluates
-        alone; ranks that predict together finish the evaluation). The ranks then agree (a host
-        all-reduce): if any was asked to stop, every rank raises :class:`EvalStopped`, so none goes on into
-        the next step's collectives alone."""
-        assert self.runner is not None and self.data is not None and self.model is not None
-        cfg, runner = self.cfg, self.runner
-        metrics: dict[str, float] = {}
-        stopped: EvalStopped | None = None
-        size = cfg.batch.eval_size or cfg.batch.size
-        total, done = -(-len(self.data.dev) // size), 0
-        alone = len(self.dist.eval_ranks) == 1  # several ranks predicting together stop together, after
-        if self.dist.rank in self.dist.eval_ranks:
-            pad = cfg.task.max_seq_len if cfg.task.pad_to_max else None
-
-            def predict(batch: Any) -> torch.Tensor:
-                nonlocal done
-                if alone and self.stop is not None and self.stop.signum:
-                    raise EvalStopped(done, total)
-                out = runner.predict(batch)
-                done += 1
-                if on_batch is not None:
-                    on_batch(done, total)
-                return out
-
-            try:
-                metrics = self.model.evaluate(predict, self.data.dev, self.data.spec, size, pad)
-            except EvalStopped as e:
-                stopped = e
-        asked = stopped is not None or bool(self.stop is not None and self.stop.signum)
-        if self.dist.any(asked):  # one verdict for every rank (this is also the ranks' barrier)
-            raise stopped or EvalStopped(done if self.dist.rank in self.dist.eval_ranks else 0, total)
-        return metrics
-
-    def memory_report(self) -> MemoryReport:
-        """memory.json: the device meter's peak and parts, the host tier's bytes, the link's bytes."""
-        import resource
-
-        acc = self.acc
-        assert acc is not None
-        host_parts = self.runner.host_parts() if self.runner is not None else {}
-        dev = acc.meter.report()
-        budget = acc.meter.budget_bytes if acc.kind == "sim" else None  # type: ignore[attr-defined]
-        return MemoryReport(
-            device=DeviceMemory(
-                dev["peak_bytes"], dev["method"], dev["parts"], acc.kind, budget, acc.meter.note
-            ),
-            host=HostMemory(
-                sum(host_parts.values()),
-                host_parts,
-                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            ),
-            transfer=Transfer(**acc.memory_stats()),
-        )
 
     def close(self) -> None:
         for logger in self.loggers:

@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 from l2l_cli.checkpoint import CheckpointError
 from l2l_cli.engine.dist import shutdown as dist_shutdown
 from l2l_cli.loop import Interrupted, TrainingError
+from l2l_cli.memory_report import memory_report
 from l2l_cli.problems import ConfigError, WriteFailed
 from l2l_cli.progress import console, summary_table, summary_text
 from l2l_cli.rundir import RunFiles
@@ -103,7 +104,7 @@ def write_outcome(session: Session, wall_s: float) -> None:
     if summary.status != "ok" and session.runner is not None and not summary.steps:
         summary.steps = session.runner.step_count  # how far a failed or stopped run got
     if session.acc is not None and not bad_input:
-        memory = session.memory_report()
+        memory = memory_report(session.acc, session.runner)
         if ctx.enabled and summary.status == "ok":  # per-rank memory and timing, gathered on rank 0
             memory.ranks = ctx.gather(
                 {"rank": ctx.rank, **memory.to_json(), "time_breakdown_s": summary.time_breakdown_s}
