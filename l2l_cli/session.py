@@ -7,7 +7,6 @@ while the runner allocates, say) still reports the run's header and memory; ``cl
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from contextlib import ExitStack
@@ -47,6 +46,7 @@ from l2l_cli.modes import (
 )
 from l2l_cli.parallel import ParallelSpec, parallel_for
 from l2l_cli.problems import ConfigError, Problem
+from l2l_cli.run_header import run_header, run_title
 from l2l_cli.rundir import JsonlLogger, Logger, RunFiles, make_loggers
 from l2l_cli.runfiles import RunConfig, Summary
 
@@ -124,21 +124,6 @@ def check_vocab(data: TaskData, spec: ModelSpec, cfg: Any) -> None:
         [Problem(key, f"the model has {spec.vocab_size} token ids, the tokenizer ({data.source}) "
                       f"{len(data.tokenizer)}; use a model.vocab_size >= {len(data.tokenizer)} or set task.tokenizer")]
     )  # fmt: skip
-
-
-def model_name(model: Any, family: str) -> str:
-    """What train.log calls the model: a named size (``bert-tiny``), or a checkpoint by its own name (its
-    config.json's ``_name_or_path`` when that is a hub id, else the folder's or hub id's), never the group
-    default a pretrained run does not use."""
-    if not model.pretrained:
-        return str(model.name)
-    ref = str(model.pretrained)
-    try:
-        own = json.loads((Path(ref).expanduser() / "config.json").read_text()).get("_name_or_path") or ""
-    except (OSError, ValueError, AttributeError):
-        own = ""
-    hub_id = own and not own.startswith((".", "/", "~")) and own.count("/") <= 1
-    return f"{own if hub_id else Path(ref).name or ref} ({family}, pretrained)"
 
 
 def run_config(cfg: Any, mode: ModeSpec, spec: ModelSpec, data: TaskData, world: int) -> RunConfig:
@@ -221,7 +206,8 @@ class Session:
             self._make_loggers()
             self._make_trainer()
             self._load_start_state()
-            log.info("%s", self.header())
+            dev = len(self.data.dev) if self.data else 0
+            log.info("%s", run_header(self.summary, self.cfg, self.run_dir, self.dist.world, dev, self.steps))
         except BaseException:
             self.close()
             raise
@@ -396,9 +382,10 @@ class Session:
     def _make_trainer(self) -> None:
         """The loop, from its settings (the config's ``trainer.*`` resolved) and the live parts it drives."""
         assert self.runner is not None and self.stream is not None and self.data is not None
+        title = run_title(self.summary, self.cfg, getattr(self.runner, "recompute_info", None))
+        ident = identity(self.model, self.mode, self.cfg.optim.name)
         self.trainer = Trainer(
-            trainer_settings(self.cfg, self.steps, identity(self.model, self.mode, self.cfg.optim.name),
-                             self.title()),
+            trainer_settings(self.cfg, self.steps, ident, title),
             runner=self.runner, stream=self.stream, data=self.data, evaluate=self.evaluator, files=self.files,
             loggers=self.loggers, summary=self.summary, ctx=self.dist, stop=self.stop,
         )  # fmt: skip
@@ -434,34 +421,7 @@ class Session:
             self.files.write_text(".hydra/config.yaml", OmegaConf.to_yaml(self.cfg))
             record_config_sum(self.files.dir)
 
-    # ---- what a run does with it ------------------------------------------------------------------------
-
-    def header(self) -> str:
-        """What this run is, for train.log: mode, model (and the checkpoint it starts from), task, data."""
-        c, cfg = self.summary.config, self.cfg
-        lines = [
-            f"run {self.run_dir} on {self.summary.device}, {self.dist.world} process(es)",
-            f"  mode      {c.method} ({c.precision}, clip {c.clip})",
-            f"  model     {model_name(cfg.model, c.family)}: {c.num_layers} layers, hidden {c.hidden_size}, "
-            f"{(self.summary.params or 0) / 1e6:.2f}M params",
-            f"  task      {c.task} from {c.data_source}: {c.train_samples} training examples, "
-            f"{len(self.data.dev) if self.data else 0} dev, max {c.seq_len} tokens",
-            f"  batch     {c.batch_size} = {c.num_ubatches} x ubatch {c.ubatch_size}; {self.steps} steps, "
-            f"{cfg.optim.name} lr {cfg.optim.lr:g}",
-        ]
-        if cfg.model.pretrained:
-            lines.insert(3, f"  from      {cfg.model.pretrained} (pretrained)")
-        if self.summary.resumed_from:
-            lines.append(f"  resumed   from {self.summary.resumed_from['checkpoint']}")
-        return "\n".join(lines)
-
-    def title(self) -> str:
-        """The progress header: method, model (or the pretrained checkpoint it starts from), task."""
-        c, cfg = self.summary.config, self.cfg
-        name = f"pretrained {cfg.model.pretrained}" if cfg.model.pretrained else cfg.model.name
-        title = f"{c.method} · {name} ({(self.summary.params or 0) / 1e6:.1f}M params) · {c.task}"
-        recompute = getattr(self.runner, "recompute_info", None)  # the L2L runners: what they recompute
-        return f"{title} · {recompute}" if recompute else title
+    # ---- releasing it ------------------------------------------------------------------------------------
 
     def close(self) -> None:
         for logger in self.loggers:

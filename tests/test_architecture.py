@@ -127,8 +127,17 @@ def test_floors_point_down() -> None:
     graph = module_graph(PACKAGE)
     for ground in ("l2l_cli.problems", "l2l_cli.runfiles", "l2l_cli.config.schema"):
         assert graph[ground] == set(), ground
-    upstairs = ("l2l_cli.modes", "l2l_cli.parallel", "l2l_cli.session", "l2l_cli.loop", "l2l_cli.train",
-                "l2l_cli.config.validate", "l2l_cli.cli", "l2l_cli.plan", "l2l_cli.report")  # fmt: skip
+    upstairs = (
+        "l2l_cli.modes",
+        "l2l_cli.parallel",
+        "l2l_cli.session",
+        "l2l_cli.loop",
+        "l2l_cli.train",
+        "l2l_cli.config.validate",
+        "l2l_cli.cli",
+        "l2l_cli.plan",
+        "l2l_cli.report",
+    )
     for floor in ("l2l_cli.engine", "l2l_cli.models", "l2l_cli.data"):
         for mod, deps in _imports(graph, floor).items():
             bad = sorted(d for d in deps if d.startswith(upstairs))
@@ -215,8 +224,12 @@ def test_the_eps_composes_its_parts_without_forwarding_shims() -> None:
     """The EPS's parts are its public attributes (``worker``, ``tier``, ``files``), called by whoever needs
     them; no method of the EPS, the relay or the schedules beside it only forwards to a part's namesake."""
     engine = PACKAGE / "engine"
-    for module, cls in (("eps", "EagerParamServer"), ("speculative", "Speculation"),
-                        ("trailing", "TrailingUpdate"), ("relay", "Relay")):  # fmt: skip
+    for module, cls in (
+        ("eps", "EagerParamServer"),
+        ("speculative", "Speculation"),
+        ("trailing", "TrailingUpdate"),
+        ("relay", "Relay"),
+    ):
         assert forwarding_methods((engine / f"{module}.py").read_text(), cls) == [], f"{module}.{cls}"
 
 
@@ -252,3 +265,134 @@ def test_tests_use_only_public_names_of_the_eps() -> None:
         and any(isinstance(d, ast.Name) and d.id == "property" for d in fn.decorator_list)
     ]
     assert private_props == []
+
+
+# ---- the session builds; the pipeline's parts each have a module; its summary only reports -------------
+
+PIPELINE = PACKAGE / "parallel" / "pipeline"
+
+
+def test_the_session_and_the_pipeline_modules_are_at_most_450_lines() -> None:
+    """The builder, what left it (the dev split's evaluation, the memory report) and each module of the
+    pipeline (runners, groups, p2p, checkpoint shards, the bubble model) read in one sitting."""
+    paths = [PACKAGE / f"{m}.py" for m in ("session", "dev_eval", "memory_report", "run_header")]
+    paths += sorted(PIPELINE.glob("*.py"))
+    assert len(paths) > 12  # the walk saw the pipeline package
+    big = {
+        str(p.relative_to(PACKAGE)): n for p in paths if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert big == {}, f"modules over {MAX_LINES} lines: {big}"
+
+
+def _defined(tree: ast.AST) -> dict[str, list[ast.FunctionDef]]:
+    out: dict[str, list[ast.FunctionDef]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef):
+            out.setdefault(node.name, []).append(node)
+    return out
+
+
+def test_the_session_defines_no_evaluation_or_report() -> None:
+    """``session.py`` builds a run's parts and nothing else: evaluating the dev split lives in
+    ``dev_eval.py``, memory.json in ``memory_report.py``, train.log's header and the progress title in
+    ``run_header.py``; the session imports none of the report's types nor calls a model's evaluation."""
+    tree = ast.parse((PACKAGE / "session.py").read_text())
+    names = set(_defined(tree))
+    words = ("evaluat", "report", "header", "title")  # what a run reports; building one is ``_make_*``
+    assert not {n for n in names if any(w in n for w in words) and not n.startswith("_make_")}
+    calls = {
+        n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+    }
+    assert not calls & {"evaluate", "predict", "getrusage", "memory_stats"}
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert not imported & {"MemoryReport", "DeviceMemory", "HostMemory", "Transfer", "EvalStopped"}
+    graph = module_graph(PACKAGE)
+    assert "l2l_cli.dev_eval" in graph["l2l_cli.session"]
+    assert "l2l_cli.memory_report" in graph["l2l_cli.train"]
+
+
+# torch.distributed's collectives and point-to-point calls
+COLLECTIVES = {
+    "all_reduce",
+    "broadcast",
+    "barrier",
+    "gather_object",
+    "all_gather_object",
+    "all_gather",
+    "gather",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_gather_into_tensor",
+    "isend",
+    "irecv",
+    "send",
+    "recv",
+    "batch_isend_irecv",
+    "new_group",
+    "broadcast_object_list",
+    "scatter",
+}
+
+
+def reached_calls(sources: dict[str, str], roots: list[tuple[str, str]]) -> set[str]:
+    """Every name called from methods ``roots`` ((class, method)) and, transitively, from the functions
+    and methods of ``sources`` (module name -> source) those calls name: a call graph by bare name (a
+    call ``x.f()`` or ``f()`` reaches every ``def f`` in the sources)."""
+    trees = {m: ast.parse(s) for m, s in sources.items()}
+    defs: dict[str, list[ast.FunctionDef]] = {}
+    for tree in trees.values():
+        for name, fns in _defined(tree).items():
+            defs.setdefault(name, []).extend(fns)
+    todo: list[ast.FunctionDef] = []
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                todo += [
+                    f for f in node.body if isinstance(f, ast.FunctionDef) and (node.name, f.name) in roots
+                ]
+    assert todo, f"none of {roots} found"
+    seen: set[int] = set()
+    called: set[str] = set()
+    while todo:
+        fn = todo.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+                if name is not None:
+                    called.add(name)
+                    todo += defs.get(name, [])
+    return called
+
+
+def test_the_reached_calls_walk_follows_helpers_into_other_modules() -> None:
+    sources = {
+        "a": "class R:\n    def sections(self):\n        return helper(self.x)\n",
+        "b": "import torch.distributed as dist\ndef helper(x):\n    dist.barrier()\n    return probe(x)\n"
+        "def probe(x):\n    return time_exchange(x)\n",
+    }
+    assert {"helper", "barrier", "probe", "time_exchange"} <= reached_calls(sources, [("R", "sections")])
+
+
+def test_the_pipelines_summary_runs_no_calibration_and_no_collective_but_the_ranks_gather() -> None:
+    """``sections()`` reports: the costs of a message and a schedule action are measured where a runner
+    is built (``calibrate.link_costs``), never while the summary is written; the only collective the
+    summary runs is the gather of every rank's times, and the bubble model (``bubble.py``) talks to no
+    other rank."""
+    sources = {p.stem: p.read_text() for p in sorted(PIPELINE.glob("*.py"))}
+    calibration = set(_defined(ast.parse(sources["calibrate"])))
+    assert {"time_exchange", "action_seconds", "wake_seconds"} <= calibration
+    roots = [("PipelineRunner", "sections"), ("L2LStagesRunner", "sections")]
+    called = reached_calls(sources, roots)
+    assert called & calibration == set(), sorted(called & calibration)
+    assert called & COLLECTIVES == {"all_gather_object"}, sorted(called & COLLECTIVES)
+    bubble = ast.parse(sources["bubble"])
+    imports = {a.name for n in ast.walk(bubble) if isinstance(n, ast.Import) for a in n.names}
+    imports |= {n.module or "" for n in ast.walk(bubble) if isinstance(n, ast.ImportFrom)}
+    assert not any(m.startswith("torch") or m.endswith("calibrate") for m in imports), sorted(imports)
+    # and the runners measure once, as they are built
+    for module, cls in (("runner", "PipelineRunner"), ("l2l_stages", "L2LStagesRunner")):
+        assert "link_costs" in reached_calls({module: sources[module]}, [(cls, "__init__")]), cls

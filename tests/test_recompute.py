@@ -119,7 +119,7 @@ def _sim(gb: float, *extra: str) -> tuple[Any, int, str]:
     cfg = tiny_cfg("mode=l2l", *DROPOUT, "device=sim", f"sim.memory_gb={gb}", "trainer.max_steps=10", *extra)
     with build(cfg, data=tiny_data(cfg)) as s:
         s.runner.step(next(batches(cfg)))  # type: ignore[union-attr]
-        return s.runner.recompute, s.acc.meter.peak_bytes, s.title()  # type: ignore[union-attr]
+        return s.runner.recompute, s.acc.meter.peak_bytes, s.trainer.settings.title  # type: ignore[union-attr]
 
 
 def test_auto_on_the_simulated_device_keeps_what_fits_and_stays_under_the_budget() -> None:

@@ -5,9 +5,16 @@ engine, ``dist.pipeline > 1``. A reader's path through it:
 - ``plan.py``: which layers each stage holds, which rank runs it, and the bubble the paper predicts;
 - ``stage.py``: a stage's module (its layers in order) and torch's ``PipelineStage`` timing it;
 - ``state.py``: a stage's flat weights, gradients, optimizer shard and moments, and its reduction;
-- ``runner.py``: one rank's ``PipelineRunner``: its stages, torch's schedule, the update, checkpoints;
+- ``groups.py``: which ranks form a pipeline, and each rank's process groups;
+- ``p2p.py``: what crosses between ranks: hidden states and their gradients, the loss, the logits;
+- ``shards.py``: checkpoints of a state no rank holds whole (gathered on rank 0, or written per rank);
+- ``bubble.py``: summary.json's ``pipeline`` section, the bubble measured and predicted (reporting only);
+- ``calibrate.py``: ``hardware=measure``'s costs of a message and a schedule action, timed once, as a
+  runner is built;
+- ``runner.py``: one rank's ``PipelineRunner``: its stages, torch's schedule, the update (Alg. 2);
 - ``l2l_stages.py``: ``L2LStagesRunner``, stages that run L2L (an EPS mode): each rank's EPS holds its
-  stages' layers, relayed once per batch each way, the breadth-first schedule written out as Alg. 3.
+  stages' layers (``rank_layers.py``), relayed once per batch each way, the breadth-first schedule
+  written out as Alg. 3.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ if TYPE_CHECKING:
     from l2l_cli.modes.registry import ModeSpec
 
 
-# The runners import torch.distributed.pipelining (~1 s): only a pipeline rank pays it, not every `l2l`
+# The runners import torch.distributed.pipelining (slow to import): only a pipeline rank pays it, not every `l2l`
 # command that registers the strategy (plan, report, validation, a one-process run).
 def stage_runner(args: RunnerArgs, mode: ModeSpec) -> RunnerBase:
     """A pipeline rank's runner (L2L stages or torch's schedules: see ``l2l_stages.stage_runner``)."""
@@ -34,8 +41,8 @@ def stage_runner(args: RunnerArgs, mode: ModeSpec) -> RunnerBase:
 
 
 def layout(ctx: DistContext, s: PipelineSettings) -> DistContext:
-    """Which ranks share a data shard and evaluate together (``runner.layout``)."""
-    from l2l_cli.parallel.pipeline.runner import layout as lay
+    """Which ranks share a data shard and evaluate together (``groups.layout``)."""
+    from l2l_cli.parallel.pipeline.groups import layout as lay
 
     return lay(ctx, s)
 

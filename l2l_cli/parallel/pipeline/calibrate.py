@@ -1,14 +1,16 @@
-"""``hardware=measure``'s per-action cost of a pipeline schedule (``hardware.pipe_action_us``): torch's
-breadth-first schedule over stand-in stages that compute nothing but keep the core busy and send messages
-of the run's size, timed on the
-pipeline's own group and backend. The cost is what the pre-run model charges: the per-action seconds at
-which the dependency-ordered simulation of this very schedule (``plan.simulate``, on the chunks' measured
-durations and the measured exchange of that size) takes as long as the step did (``plan.fit_action``),
-fitted per step and the median over the steps taken: a chunk's call into the schedule and autograd, a
-posted send or recv, the schedule's bookkeeping, one constant. One suffices: the simulation charges it to
-each chunk, send and recv alike, and this schedule's mix of them is the modular placements'; the
-contiguous ones post about one message per chunk instead of two (their rows in the benchmark test it).
-Measurement code, apart from the product stage (``stage.py``)."""
+"""``hardware=measure``: what a message and a schedule action cost on the pipeline's own group and
+backend, measured once, where a runner is built (:func:`link_costs`; the summary only reports them).
+
+The per-action cost (``hardware.pipe_action_us``): torch's breadth-first schedule over stand-in stages
+that compute nothing but keep the core busy and send messages of the run's size. The cost is what the
+pre-run model charges: the per-action seconds at which the dependency-ordered simulation of this very
+schedule (``plan.simulate``, on the chunks' measured durations and the measured exchange of that size)
+takes as long as the step did (``plan.fit_action``), fitted per step and the median over the steps taken:
+a chunk's call into the schedule and autograd, a posted send or recv, the schedule's bookkeeping, one
+constant. One suffices: the simulation charges it to each chunk, send and recv alike, and this schedule's
+mix of them is the modular placements'; the contiguous ones post about one message per chunk instead of
+two (``benchmarks/pipeline_bubble.py``'s rows check it). Measurement code, apart from the product stage
+(``stage.py``)."""
 
 from __future__ import annotations
 
@@ -22,15 +24,18 @@ from torch import nn
 from torch.distributed.pipelining import ScheduleLoopedBFS
 
 from l2l_cli.engine.device import synchronize
+from l2l_cli.parallel.pipeline.bubble import LinkCosts
+from l2l_cli.parallel.pipeline.groups import Groups
 from l2l_cli.parallel.pipeline.plan import StagePlan, fit_action, table_cost
+from l2l_cli.parallel.pipeline.settings import PipelineSettings
 from l2l_cli.parallel.pipeline.stage import TimedStage, Timeline
 
 STAGES_PER_RANK = 2  # the calibration's modular pipeline: 2 stages per rank (S = 2P), breadth-first
 UBATCHES = 8
 HIDDEN = 4  # floats per message where no size is given: near-zero bytes
 STEPS = 24  # timed steps (the first is not counted): a fit per step, their median
-BUSY_S = 0.005  # each stand-in chunk keeps its core busy 5 ms (a layer's chunk on a CPU: milliseconds): the
-# action's cost under load, as a real chunk leaves it, not on an idle core
+BUSY_S = 0.005  # each stand-in chunk keeps its core busy this long, as a real layer's chunk does: the
+# action's cost under load, not on an idle core
 
 
 class StandIn(nn.Module):
@@ -78,7 +83,8 @@ def time_exchange(
     return statistics.median(times[1:])
 
 
-# per side of the wake probe: the slice is a tail (a fifth of messages here), so a mean of 100
+# messages per side of the wake probe: the wake is a tail (some messages only), so a mean over many
+# (docs/benchmarks.md, "The pipeline's constants")
 WAKE_REPS = 100
 WAKE_BUSY_S = 0.01  # the sender computes this long after posting its send; the recv comes a quarter in
 
@@ -161,9 +167,20 @@ def action_seconds(
         ids = meta((rows, 1), torch.long, False)
         inputs = (ids, ids) if s == 0 else (meta((rows, 1, hidden), torch.float32, True),)
         out = meta((), torch.float32, True) if s == S - 1 else meta((rows, 1, hidden), torch.float32, True)
-        stages.append(TimedStage(StandIn(s == 0, s == S - 1, hidden, busy_s).to(device), s, S, device,
-                                 input_args=inputs, output_args=out, group=group, timeline=timeline,
-                                 grads_ready=lambda _: None, own_recvs=backend == "gloo"))  # fmt: skip
+        stages.append(
+            TimedStage(
+                StandIn(s == 0, s == S - 1, hidden, busy_s).to(device),
+                s,
+                S,
+                device,
+                input_args=inputs,
+                output_args=out,
+                group=group,
+                timeline=timeline,
+                grads_ready=lambda _: None,
+                own_recvs=backend == "gloo",
+            )
+        )
     sched = ScheduleLoopedBFS(stages, n, loss_fn=lambda out, target: out, scale_grads=False)
     ids = torch.zeros((n * rows, 1), dtype=torch.long, device=device)
     args = (ids, ids) if 0 in plan.stages_of(rank) else ()
@@ -188,3 +205,23 @@ def action_seconds(
         table = {s: (step[r][1], step[r][2]) for r in range(P) for s in plan.stages_of(r)}
         fits.append(fit_action(orders, table_cost(table), latency_s, max(x[0] for x in step), wake_s=wake_s))
     return statistics.median(fits), wake_s
+
+
+def link_costs(
+    s: PipelineSettings,
+    groups: Groups,
+    peers: tuple[int, int],
+    backend: str,
+    device: torch.device,
+    nbytes: float,
+) -> LinkCosts:
+    """What the bubble model charges a message and a schedule action: with ``hardware=measure`` timed here
+    on the pipeline's own group (``groups.pp``; ``groups.pp_host`` for the barriers) with messages of
+    ``nbytes``: one exchange between this rank's neighbours (``peers``: the previous and the next rank,
+    global) and :func:`action_seconds`; else the ``hardware`` preset's. Collective over the pipeline when
+    measured: the runner calls it once, as it is built."""
+    if not s.measure_p2p:
+        return LinkCosts.preset(s)
+    exchange = time_exchange(groups.pp, groups.pp_host, device, peers, nbytes)
+    action, wake = action_seconds(groups.pp, groups.pp_host, device, backend, nbytes=nbytes)
+    return LinkCosts(action, wake, "measured", exchange)

@@ -27,7 +27,6 @@ is the loop's own. What is not built: the disk tier (refused by the tier: one pr
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -45,53 +44,18 @@ from l2l_cli.engine.relay import Relay
 from l2l_cli.engine.speculative import Speculation
 from l2l_cli.engine.stash import CpuStash, DeviceStash
 from l2l_cli.engine.trailing import TrailingUpdate, settle
-from l2l_cli.models.base import ModelSpec
 from l2l_cli.modes.base import RunnerArgs, RunnerBase, StepReport
 from l2l_cli.modes.l2l import head_turn
 from l2l_cli.modes.registry import ModeSpec, update_schedule
+from l2l_cli.parallel.pipeline.bubble import StageTimes, bubble_section, layer_flops, pipeline_section
+from l2l_cli.parallel.pipeline.calibrate import link_costs
+from l2l_cli.parallel.pipeline.groups import neighbours, pipeline_groups, pipeline_position
+from l2l_cli.parallel.pipeline.p2p import StageMessages, from_last_stage, logits_from_last_stage
 from l2l_cli.parallel.pipeline.plan import StagePlan, count, hidden_bytes, layer_weights
-from l2l_cli.parallel.pipeline.runner import (
-    PipelineRunner,
-    action_s,
-    bubble_section,
-    exchange_s,
-    pipeline_groups,
-    pipeline_position,
-)
+from l2l_cli.parallel.pipeline.rank_layers import RankLayers
+from l2l_cli.parallel.pipeline.runner import PipelineRunner
 from l2l_cli.parallel.pipeline.settings import PipelineSettings, eps_stages
-
-
-class RankLayers:
-    """The model as this rank's EPS, relay and stash see it: only its stages' layers, numbered 0..k-1 in
-    model order (local index j is the model's layer ``index[j]``); everything else is the model's."""
-
-    def __init__(self, spec: ModelSpec, index: list[int]):
-        self.spec, self.index = spec, index
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.spec, name)
-
-    @property
-    def num_all_layers(self) -> int:
-        return len(self.index)
-
-    def kind(self, j: int) -> str:
-        return self.spec.kind(self.index[j])
-
-    def build_layer(self, j: int, seed: int, device: Any = None) -> nn.Module:
-        return self.spec.build_layer(self.index[j], seed, device)  # the model's seeded init of that layer
-
-    def init_layer(self, module: nn.Module, j: int, seed: int) -> nn.Module:
-        return self.spec.init_layer(module, self.index[j], seed)
-
-    def hf_name(self, j: int, name: str) -> str:
-        return self.spec.hf_name(self.index[j], name)
-
-    def rows_read(self, j: int, batch: Any) -> Any:
-        return self.spec.rows_read(self.index[j], batch)
-
-    def tied_params(self) -> dict[str, str]:
-        return {}  # a tied head is refused with dist.pipeline > 1 (settings.py)
+from l2l_cli.parallel.pipeline.shards import gather_on_rank0, in_layer_order, write_layer_files
 
 
 class L2LStagesRunner(RunnerBase):
@@ -106,42 +70,52 @@ class L2LStagesRunner(RunnerBase):
         # hidden states on the run's backend; the EPS reduces host buffers over a gloo group of its own
         groups = pipeline_groups(P, world, self.pp_rank, self.dp_rank, self.dist.backend, dp_backend="gloo")
         self.pp_group, self.pp_host = groups.pp, groups.pp_host
+        # what a message and a schedule action cost the bubble model: measured now (hardware=measure,
+        # collective over the pipeline) on the configured micro-batch's hidden state, or the preset's
+        message = hidden_bytes(
+            self.settings.ubatch_size, self.settings.recompute.seq_len, self.spec.hidden_size
+        )
+        peers = neighbours(self.pp_rank, self.dp_rank, P)
+        with self.acc.meter.paused():
+            self.links = link_costs(s, groups, peers, self.dist.backend, self.acc.device, message)
         self.plan = StagePlan(self.spec.num_layers, P, s.placement, s.layers_per_stage)
         self.head = self.spec.num_layers + 1
         self.my_stages = self.plan.stages_of(self.pp_rank)
         self.index = [i for st in self.my_stages for i in self.plan.layers(st)]
         self.local = {i: j for j, i in enumerate(self.index)}
         self.last_rank = self._global(self.plan.num_stages - 1)
+        self.messages = StageMessages(self.pp_group, self.acc.device, self.num_ubatches, self._global)
         dtype = self.precision.device_dtype
-        eps_dist = DistContext(
-            self.dp_rank, self.dp_world, eps_group=groups.dp
-        )  # the EPS's view: D pipelines
+        eps_dist = DistContext(self.dp_rank, self.dp_world, eps_group=groups.dp)  # the EPS's: D pipelines
         self.layers = RankLayers(self.spec, self.index)
         self.eps = EagerParamServer(
-            self.layers, self.optim, self.acc, dtype, seed=self.seed, dist=eps_dist,  # type: ignore[arg-type]
-            eager_reduce=self.settings.eager_reduce, tier=args.eps_tier, timer=self.timer,
-        )  # fmt: skip
+            self.layers,
+            self.optim,
+            self.acc,
+            dtype,
+            seed=self.seed,
+            dist=eps_dist,  # type: ignore[arg-type]
+            eager_reduce=self.settings.eager_reduce,
+            tier=args.eps_tier,
+            timer=self.timer,
+        )
         self.relay = Relay(self.acc, self.layers, self.eps, dtype, self.settings.prefetch, self.timer)  # type: ignore[arg-type]
         cpu = self.settings.stash == "cpu"
         self.stash = CpuStash(self.acc, self.eps, self.timer) if cpu else DeviceStash(self.acc, self.timer)
         self.eps.files.numbers = self.index  # its checkpoint files by the model's layer: one process's
-        self._shards: dict[str, ckpt.Written] | None = (
-            None  # rank 0: the files the ranks wrote for a checkpoint
-        )
+        self._shards: dict[str, ckpt.Written] | None = None  # rank 0: the files the ranks wrote
         # l2l_p: each layer updated as its gradient lands, its verdict on the whole pipeline's norms (a
         # stage's tier does not change the schedule: the stages' breadth-first order is its own)
         schedule = update_schedule(
             mode, tier_updates_in_backward=False, eager_reduce=self.settings.eager_reduce
         )
         self.trailing = TrailingUpdate(self.eps) if schedule.trailing else None
+        speculate = schedule.in_backward
         self.speculation = (
-            Speculation(self.eps, self.trailing, combine=self.pipeline_norms)
-            if schedule.in_backward
-            else None
+            Speculation(self.eps, self.trailing, combine=self.pipeline_norms) if speculate else None
         )
         self._lr = 0.0
-        self.sends: list[Any] = []
-        self.steps_timed, self.totals = 0, {"compute": 0.0, "pipeline": 0.0, "transfer": 0.0, "forward": 0.0}
+        self.times = StageTimes()
         self._full: dict[str, torch.Tensor] | None = None
         self.message_bytes, self.seq_len = 0.0, 1  # the last step's hidden state on the wire, its tokens
 
@@ -157,41 +131,6 @@ class L2LStagesRunner(RunnerBase):
         """The model's layer i on one micro-batch (as L2L's runner: under the precision's autocast)."""
         with self.precision.autocast():
             return self.spec.run_layer(layer, i, x, ub, side)
-
-    # ---- hidden states and their gradients between ranks: per micro-batch, as soon as computed ---------
-
-    def _recv(self, shape: tuple[int, ...], stage: int, n: int, backward: bool) -> list[tuple[Any, Any]]:
-        """Post the receives of ``stage``'s n micro-batches (from the stage below in forward, above in
-        backward): (buffer, request) per micro-batch, waited for one at a time."""
-        peer = self._global(stage - 1 if not backward else stage + 1)
-        out = []
-        for u in range(n):
-            buf = torch.empty(shape, dtype=torch.float32, device=self.acc.device)
-            out.append(
-                (buf, dist.irecv(buf, src=peer, group=self.pp_group, tag=self._tag(stage, u, backward)))
-            )
-        return out
-
-    def _send(self, x: torch.Tensor, stage: int, u: int, backward: bool) -> None:
-        peer = self._global(stage + 1 if not backward else stage - 1)
-        t = x.detach().float().contiguous()
-        tag = self._tag(stage + (1 if not backward else -1), u, backward)
-        self.sends.append((t, dist.isend(t, dst=peer, group=self.pp_group, tag=tag)))
-
-    def _tag(self, stage: int, u: int, backward: bool) -> int:
-        """A message's tag: the receiving stage, the direction and the micro-batch."""
-        return ((2 * stage + int(backward)) * self.num_ubatches + u) % (2**31)
-
-    @staticmethod
-    def _arrived(req: tuple[Any, Any], dtype: torch.dtype) -> torch.Tensor:
-        buf, handle = req
-        handle.wait()
-        return buf.to(dtype)
-
-    def _wait_sends(self) -> None:
-        for _, h in self.sends:
-            h.wait()
-        self.sends = []
 
     # ---- the step: Alg. 3 over this rank's layers, stage by stage -------------------------------------
 
@@ -216,28 +155,22 @@ class L2LStagesRunner(RunnerBase):
         if self.head in self.local:
             g, loss = self.turn(x, ubatches, div)
         self.backward_pass(g, ubatches, masks, shape)
-        self._wait_sends()
+        self.messages.wait_sends()
         dist.barrier(group=self.pp_host)
         t1 = time.perf_counter()
         loss = self._pipeline_loss(loss)
         applied, norm = self.finish_overlapped(lr) if self.speculation is not None else self.update(lr)
         phases = self.timer.pop()
         compute = sum(phases.get(k, 0.0) for k in ("forward", "recompute", "backward"))
-        if self.step_count > 0 or not self.steps_timed:  # steady state: the first step only if alone
-            if self.step_count == 1:
-                self.steps_timed, self.totals = (
-                    0,
-                    {"compute": 0.0, "pipeline": 0.0, "transfer": 0.0, "forward": 0.0},
-                )
-            self.steps_timed += 1
-            self.totals["transfer"] += phases.get("transfer", 0.0)
-            self.totals["compute"] += compute
-            self.totals["forward"] += phases.get("forward", 0.0)
-            self.totals["pipeline"] += t1 - t0
+        self.times.add(self.step_count, phases, compute, t1 - t0)
         report = self.finish(loss, len(minibatch), t_start, lr, skipped=not applied, grad_norm=norm)
         report.phases = phases
-        report.extra = {"eps_background_s": self.eps.worker.pop_busy(), **self.eps.worker.pop_optimizer(),
-                        "pipe_compute_s": compute, "pipe_bubble": max(0.0, 1 - compute / max(t1 - t0, 1e-9))}  # fmt: skip
+        report.extra = {
+            "eps_background_s": self.eps.worker.pop_busy(),
+            **self.eps.worker.pop_optimizer(),
+            "pipe_compute_s": compute,
+            "pipe_bubble": max(0.0, 1 - compute / max(t1 - t0, 1e-9)),
+        }
         if self.speculation is not None and self.speculation.last_rollback is not None:
             report.extra["rollback"] = 1.0
         return report
@@ -249,21 +182,21 @@ class L2LStagesRunner(RunnerBase):
         x: list[Any] = [None] * n
         for s in self.my_stages:
             body = self._body(s)
-            self._wait_sends()  # the last stage's messages are out: one stage's in flight, whatever the depth
-            recv = self._recv(shape, s, n, backward=False) if s > 0 else None
+            self.messages.wait_sends()  # the last stage's messages are out: one stage's in flight at most
+            recv = self.messages.recv(shape, s, n, backward=False) if s > 0 else None
             for k, i in enumerate(body):
                 j = self.local[i]
                 layer = self.relay.acquire(j, prefetch=j + 1 if j + 1 < len(self.index) else None)
                 for u, ub in enumerate(ubatches):
                     if k == 0 and recv is not None:
-                        x[u] = self._arrived(recv[u], self.precision.device_dtype)
+                        x[u] = self.messages.arrived(recv[u], self.precision.device_dtype)
                     if i > 0:
                         self.stash.put(j, u, x[u])  # the input of layer i
                     self.seed_dropout(i, u)
                     with self.timer("forward"), torch.no_grad(), self.acc.meter.part("activations"):
                         x[u] = self.run_layer(layer, i, x[u], ub, masks[u])
                     if k == len(body) - 1 and s < S - 1:
-                        self._send(x[u], s, u, backward=False)  # on to the next stage's rank at once
+                        self.messages.send(x[u], s, u, backward=False)  # on to the next stage's rank at once
                         x[u] = None
         return x
 
@@ -294,15 +227,15 @@ class L2LStagesRunner(RunnerBase):
         n, S = len(ubatches), self.plan.num_stages
         for s in reversed(self.my_stages):
             body = self._body(s)
-            self._wait_sends()
-            recv = self._recv(shape, s, n, backward=True) if s < S - 1 else None
+            self.messages.wait_sends()
+            recv = self.messages.recv(shape, s, n, backward=True) if s < S - 1 else None
             for k in reversed(range(len(body))):
                 i = body[k]
                 j = self.local[i]
                 layer = self.relay.acquire(j, prefetch=j - 1 if j > 0 else None, grads=True)
                 for u, ub in enumerate(ubatches):
                     if k == len(body) - 1 and recv is not None:
-                        g[u] = self._arrived(recv[u], self.precision.device_dtype)
+                        g[u] = self.messages.arrived(recv[u], self.precision.device_dtype)
                     x_in = None
                     if i > 0:
                         x_in = self.stash.pop(j, u).detach().requires_grad_()
@@ -315,25 +248,15 @@ class L2LStagesRunner(RunnerBase):
                         torch.autograd.backward(y, g[u])
                     g[u] = x_in.grad if x_in is not None else None
                     if k == 0 and s > 0:
-                        self._send(g[u], s, u, backward=True)  # down to the previous stage's rank
+                        self.messages.send(g[u], s, u, backward=True)  # down to the previous stage's rank
                         g[u] = None
                 self.relay.send_grads(j)
                 self.landed(j)  # reduced over the pipelines as it lands (and, L2L-p, updated)
 
-    def _layer_flops(self, i: int) -> float:
-        """Forward FLOPs of model layer i on one sample: the split of the rank's measured compute over its
-        layers (the embeddings' lookup and sums: ~seq·hidden)."""
-        seq, spec = self.seq_len, self.spec
-        if i == 0:
-            return 2.0 * seq * spec.hidden_size
-        return spec.head_flops(seq) if i == self.head else spec.block_flops(seq)
-
     def _pipeline_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The minibatch's mean loss (unscaled: the turn sums the losses before scaling), from the last
         stage's rank to every rank of the pipeline."""
-        t = loss.detach().float().cpu()
-        dist.broadcast(t, src=self.last_rank, group=self.pp_host)
-        return t
+        return from_last_stage(loss.detach().float().cpu(), self.last_rank, self.pp_host)
 
     def pipeline_norms(self, local: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """Collective over the pipeline: every layer's gradient norm in model order, from each rank's own
@@ -369,7 +292,7 @@ class L2LStagesRunner(RunnerBase):
         return finite, float(torch.linalg.vector_norm(norms))
 
     def settle(self) -> None:
-        """Every update in flight is in (a held trailing update applied) before anything else reads the EPS."""
+        """Every update in flight is in (a held trailing update applied) before anything reads the EPS."""
         settle(self.eps, self.trailing)
 
     # ---- evaluation: forward only through the first pipeline ---------------------------------------
@@ -386,29 +309,25 @@ class L2LStagesRunner(RunnerBase):
         try:
             for s in self.my_stages:
                 if s > 0:
-                    x = self._arrived(self._recv(shape, s, 1, backward=False)[0], self.precision.device_dtype)
+                    x = self.messages.arrived(
+                        self.messages.recv(shape, s, 1, backward=False)[0], self.precision.device_dtype
+                    )
                 for i in self._body(s):
                     layer = self.relay.acquire(self.local[i])
                     with self.acc.meter.part("activations"):
                         x = self.run_layer(layer, i, x, b, mask)
                 if s < self.plan.num_stages - 1:
-                    self._send(x, s, 0, backward=False)
+                    self.messages.send(x, s, 0, backward=False)
             logits = None
             if self.head in self.local:
                 layer = self.relay.acquire(self.local[self.head])
                 with self.precision.autocast():
                     logits = self.spec.head_logits(layer, x).float().cpu()
-            self._wait_sends()
+            self.messages.wait_sends()
         finally:
             self.relay.train(True)
             self.timer.pop()
-        shape_t = torch.zeros(3, dtype=torch.long)
-        if logits is not None:
-            shape_t[: logits.dim()] = torch.tensor(logits.shape)
-        dist.broadcast(shape_t, src=self.last_rank, group=self.pp_host)
-        out = logits if logits is not None else torch.empty([int(d) for d in shape_t if d > 0])
-        dist.broadcast(out, src=self.last_rank, group=self.pp_host)
-        return out
+        return logits_from_last_stage(logits, self.last_rank, self.pp_host)
 
     # ---- weights: by Hugging Face name, gathered on rank 0 ------------------------------------------
 
@@ -419,8 +338,7 @@ class L2LStagesRunner(RunnerBase):
         self._full = None
         if self.dp_rank != 0:
             return
-        parts: list[Any] | None = [None] * self.pipe.pipeline if self.dist.rank == 0 else None
-        dist.gather_object(mine, parts, dst=0, group=self.pp_host)
+        parts = gather_on_rank0(mine, self.pipe.pipeline, self.dist.rank, self.pp_host)
         if parts is not None:
             self._full = {k: v for part in parts for k, v in part.items()}
 
@@ -448,26 +366,16 @@ class L2LStagesRunner(RunnerBase):
         if self.dp_rank != 0:
             return
         self.settle()
-        where = ckpt.shard_dir(root, step)
-        if self.pp_rank == 0:  # (a crash's leftovers of this step go first)
-            shutil.rmtree(where, ignore_errors=True)
-            where.mkdir(parents=True)
-        dist.barrier(group=self.pp_host)
-        mine = {name: ckpt.write_bytes(where / name, data) for name, data in self.eps.files.state_files()}
-        parts: list[Any] | None = [None] * self.pipe.pipeline if self.dist.rank == 0 else None
-        dist.gather_object(mine, parts, dst=0, group=self.pp_host)
-        if parts is not None:
-            self._shards = {n: ckpt.Written(where / n, e) for part in parts for n, e in part.items()}
+        files = self.eps.files.state_files()
+        P, rank = self.pipe.pipeline, self.dist.rank
+        self._shards = write_layer_files(files, root, step, self.pp_rank, P, rank, self.pp_host)
 
     def state_files(self) -> Any:
         """Rank 0: the files every rank wrote (``write_shards``), in the model's layer order."""
         if self._shards is None:
-            raise RuntimeError(
-                "L2L stages write their checkpoint files in write_shards, called by the trainer"
-            )
+            raise RuntimeError("L2L stages write their checkpoint files in write_shards (the trainer's)")
         shards, self._shards = self._shards, None
-        number = {n: int(n.removeprefix("layer_").split(".")[0]) for n in shards}
-        return iter(sorted(shards.items(), key=lambda item: number[item[0]]))
+        return in_layer_order(shards)
 
     def load_state(self, ckpt_dir: Any, manifest: dict[str, Any]) -> None:
         """This rank's layers from any checkpoint of the EPS layout: one process's, or a pipeline's of any
@@ -475,43 +383,36 @@ class L2LStagesRunner(RunnerBase):
         self.settle()
         self.eps.files.load_state(ckpt_dir, manifest)
 
-    def sections(self) -> dict[str, dict[str, Any]]:
-        """summary.json's ``pipeline``: the layout, the bubble measured (1 - compute / pipeline time, the
-        mean over ranks) and predicted."""
-        n = max(self.steps_timed, 1)
-        mine = {"rank": self.dist.rank, "pipeline_rank": self.pp_rank, "data_rank": self.dp_rank,
-                "stages": self.my_stages, "layers": self.index, "compute_s": self.totals["compute"] / n,
-                "pipeline_s": self.totals["pipeline"] / n, "transfer_s": self.totals["transfer"] / n,
-                "forward_s": self.totals.get("forward", 0.0) / n}  # fmt: skip
+    def rank_stats(self) -> dict[str, Any]:
+        """This rank's layout and mean times per timed step (compute, the pipeline's window, the relay's
+        transfers), its bubble, and (L2L-p) the steps whose speculative updates it undid."""
+        mine = {"rank": self.dist.rank, "pipeline_rank": self.pp_rank, "data_rank": self.dp_rank}
+        mine |= {"stages": self.my_stages, "layers": self.index, **self.times.means()}
         spec = self.speculation
         if spec is not None:  # L2L-p: steps whose speculative updates this rank undid, and how many
             mine |= {"rollbacks": spec.rollbacks, "rolled_back_layer_updates": spec.rollback_layers}
         mine["bubble"] = 1 - mine["compute_s"] / mine["pipeline_s"] if mine["pipeline_s"] > 0 else None
+        return mine
+
+    def sections(self) -> dict[str, dict[str, Any]]:
+        """summary.json's ``pipeline``: the layout, the bubble measured (1 - compute / pipeline time, the
+        mean over ranks) and predicted. Collective: every rank's times are gathered; the costs the model
+        charges were settled at build."""
         ranks: list[Any] = [None] * self.dist.world
-        dist.all_gather_object(ranks, mine)
-        bubbles = [r["bubble"] for r in ranks if r["bubble"] is not None]
-        s, plan = self.pipe, self.plan
-        base = self.dp_rank * s.pipeline
-        peers = (base + (self.pp_rank - 1) % s.pipeline, base + (self.pp_rank + 1) % s.pipeline)
-        groups = (self.pp_group, self.pp_host)
-        exchange = exchange_s(s, groups, peers, self.message_bytes, self.acc.device)
+        dist.all_gather_object(ranks, self.rank_stats())
+        s, plan, n = self.pipe, self.plan, self.num_ubatches
         # the pre-run model on this run's compute: its own loops' actions, the relay's moves at their mean
-        orders = plan.l2l_orders(self.num_ubatches)
+        orders = plan.l2l_orders(n)
         moves = sum(count(orders[r["pipeline_rank"]]).loads for r in ranks)
         load_s = sum(r["transfer_s"] for r in ranks) / moves if moves else 0.0
-        action = action_s(s, groups, self.dist.backend, self.acc.device, self.message_bytes)
-        return {
-            "pipeline": {
-                "pipeline": s.pipeline, "data_parallel": self.dp_world, "placement": s.placement,
-                "schedule": s.schedule, "torch_schedule": None, "stage_mode": self.stage_mode.name,
-                "num_stages": plan.num_stages, "layers_per_stage": plan.block_size,
-                "stages_per_rank": plan.stages_per_rank, "num_ubatches": self.num_ubatches,
-                "stash": self.settings.stash, "bubble_measured": sum(bubbles) / len(bubbles) if bubbles else None,
-                **bubble_section(plan, self.num_ubatches, ranks, orders, lambda p: layer_weights(plan, p, self._layer_flops), exchange,
-                                 action, self.message_bytes, load_s),
-                "ranks": ranks,
-            }
-        }  # fmt: skip
+
+        def weights(p: int) -> dict[int, float]:
+            return layer_weights(plan, p, lambda i: layer_flops(self.spec, i, self.seq_len))
+
+        bubble = bubble_section(plan, n, ranks, orders, weights, self.links, self.message_bytes, load_s)
+        runs = {"torch_schedule": None, "stage_mode": self.stage_mode.name}
+        section = pipeline_section(s, plan, n, runs, {"stash": self.settings.stash}, ranks, bubble)
+        return {"pipeline": section}
 
     def close(self) -> None:
         try:
@@ -528,4 +429,4 @@ def stage_runner(args: RunnerArgs, mode: ModeSpec) -> RunnerBase:
     return PipelineRunner(args, mode)
 
 
-__all__ = ["L2LStagesRunner", "RankLayers", "stage_runner"]
+__all__ = ["L2LStagesRunner", "stage_runner"]

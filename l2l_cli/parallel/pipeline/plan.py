@@ -104,12 +104,19 @@ class StagePlan:
         receives: the runtime posts each recv where it stands and waits for it at the chunk that reads it).
         A single-stage schedule runs torch's own loops (:func:`_single_stage`), whose order its IR does
         not say (``Schedule1F1B.pipeline_order`` is not the order its loop runs)."""
-        import torch.distributed.pipelining as pipelining  # ~1 s to import: only where a pipeline is planned
+        import torch.distributed.pipelining as pipelining  # slow to import: only where a pipeline is planned
 
         S, n, out = self.num_stages, num_ubatches, []
         cls = getattr(pipelining, torch_schedule)
-        kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "B", "SEND_F": "SEND_F",
-                 "SEND_B": "SEND_B", "RECV_F": "RECV_F", "RECV_B": "RECV_B"}  # fmt: skip
+        kinds = {
+            "FORWARD": "F",
+            "FULL_BACKWARD": "B",
+            "BACKWARD_INPUT": "B",
+            "SEND_F": "SEND_F",
+            "SEND_B": "SEND_B",
+            "RECV_F": "RECV_F",
+            "RECV_B": "RECV_B",
+        }
         for rank in range(self.pipeline):
             stages = [_StubStage(s, S, self.pipeline) for s in self.stages_of(rank)]
             sched = cls(stages if many else stages[0], n, loss_fn=lambda out, target: out, scale_grads=False)
@@ -172,9 +179,13 @@ class StagePlan:
         return count(self.l2l_orders(num_ubatches)[rank])
 
     def bubble_simulated(
-        self, orders: list[list[Op]], cost: Callable[[int, Op], float], action_s: float, link_s: float,
+        self,
+        orders: list[list[Op]],
+        cost: Callable[[int, Op], float],
+        action_s: float,
+        link_s: float,
         wake_s: float = 0.0,
-    ) -> float:  # fmt: skip
+    ) -> float:
         """The pre-run bubble (:func:`simulate`): the mean over the pipeline's ranks of 1 - compute / step
         time, as the runner measures it."""
         t, busy = simulate(orders, cost, action_s, link_s, wake_s)
@@ -239,9 +250,12 @@ def _single_stage(s: int, S: int, n: int, one_f_one_b: bool) -> list[Op]:
 
 
 def simulate(
-    orders: list[list[Op]], cost: Callable[[int, Op], float], action_s: float, link_s: float,
+    orders: list[list[Op]],
+    cost: Callable[[int, Op], float],
+    action_s: float,
+    link_s: float,
     wake_s: float = 0.0,
-) -> tuple[float, list[float]]:  # fmt: skip
+) -> tuple[float, list[float]]:
     """A training step's pipeline, each rank running its actions in order (``orders``, by pipeline rank):
     every chunk, send and recv costs ``action_s`` on its own rank (the schedule's call, posting, autograd
     entry), then a chunk lasts ``cost(rank, op)``, as does a relay move (``LOAD``); a chunk that reads a
@@ -292,7 +306,7 @@ def simulate(
                     if key in reads[r]:
                         a = arrival(key)
                         if a is None:
-                            break  # its message is not posted yet (or its sender not there): another rank first
+                            break  # its message is not posted yet (or its sender absent): another rank first
                         start = max(start, a)
                     d = cost(r, op)
                     chunks[r].append((start, start + d))
@@ -363,9 +377,13 @@ def table_cost(table: dict[int, tuple[float, float]], load_s: float = 0.0) -> Ca
 
 
 def fit_action(
-    orders: list[list[Op]], cost: Callable[[int, Op], float], link_s: float, step_s: float, hi: float = 0.01,
+    orders: list[list[Op]],
+    cost: Callable[[int, Op], float],
+    link_s: float,
+    step_s: float,
+    hi: float = 0.01,
     wake_s: float = 0.0,
-) -> float:  # fmt: skip
+) -> float:
     """The per-action seconds at which :func:`simulate` of ``orders`` takes ``step_s`` (bisection: the
     step time grows with it); 0 where the step is no longer than its chunks and messages alone."""
     if simulate(orders, cost, 0.0, link_s, wake_s)[0] >= step_s:

@@ -20,7 +20,8 @@ Side inputs are rebuilt per stage from the batch (stage.py); only hidden states 
 
 Data parallel across pipelines: as soon as a stage's last micro-batch finishes backward (torch's
 REDUCE_GRAD action), its gradient starts an asynchronous reduction on the data-parallel group (a group of
-its own, on the run's backend, like the EPS's eager per-layer reduction), overlapping the backward of the stages below it.
+its own, on the run's backend, like the EPS's eager per-layer reduction), overlapping the backward of the
+stages below it.
 ``dist.partition_state``: the reduction is a reduce-scatter, each data-parallel rank updates its shard of
 every stage with the optimizer state of that shard only, and an all-gather brings the updated weights back.
 
@@ -31,11 +32,9 @@ bubble = 1 - compute / pipeline time, next to appendix C's prediction (§2.4 and
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,133 +44,22 @@ from torch.distributed.pipelining import ScheduleLoopedBFS
 
 from l2l_cli.checkpoint import ModuleState, module_state_files
 from l2l_cli.data.batches import Batch
-from l2l_cli.engine.dist import DistContext
 from l2l_cli.engine.flat import FlatLayout
 from l2l_cli.engine.optim import clip_coefficients
 from l2l_cli.models.base import BLOCK, POST, PRE
 from l2l_cli.modes.base import RunnerArgs, RunnerBase, StepReport
 from l2l_cli.modes.registry import ModeSpec
-from l2l_cli.parallel.pipeline.calibrate import action_seconds, time_exchange
-from l2l_cli.parallel.pipeline.plan import (
-    Op,
-    StagePlan,
-    count,
-    exchange_seconds,
-    hidden_bytes,
-    split_by_weight,
-    table_cost,
-)
+from l2l_cli.parallel.pipeline.bubble import bubble_section, pipeline_section
+from l2l_cli.parallel.pipeline.calibrate import link_costs
+from l2l_cli.parallel.pipeline.groups import neighbours, pipeline_groups, pipeline_position
+from l2l_cli.parallel.pipeline.p2p import from_last_stage, logits_from_last_stage
+from l2l_cli.parallel.pipeline.plan import StagePlan, hidden_bytes
 from l2l_cli.parallel.pipeline.settings import SCHEDULES, PipelineSettings, schedule_class, torch_problem
+from l2l_cli.parallel.pipeline.shards import gather_on_rank0, merge_module_states, module_state
 from l2l_cli.parallel.pipeline.stage import TimedStage, Timeline
 from l2l_cli.parallel.pipeline.state import Shard, StageState
 
 MAX_SCHEDULES = 8  # one per padded batch shape (torch fixes shapes at a schedule's first step), LRU
-
-
-def layout(ctx: DistContext, s: PipelineSettings) -> DistContext:
-    """Ranks [d·P, (d+1)·P) form pipeline d and share data shard d; the first pipeline evaluates."""
-    P = s.pipeline
-    return replace(
-        ctx, data_rank=ctx.rank // P, data_world=max(1, ctx.world // P), eval_ranks=tuple(range(P))
-    )
-
-
-def pipeline_position(ctx: DistContext, P: int) -> tuple[int, int, int]:
-    """This rank's place: (its pipeline rank, its pipeline's index = data-parallel rank, the pipelines)."""
-    if ctx.world % P:
-        raise RuntimeError(f"dist.pipeline={P} does not divide the {ctx.world} ranks launched")
-    return ctx.rank % P, ctx.rank // P, ctx.world // P
-
-
-@dataclass(frozen=True)
-class Groups:
-    """This rank's process groups: ``pp`` carries the hidden states between pipeline ranks (the run's
-    backend: NCCL between GPUs, whose send/recv take device tensors; gloo on CPU); ``dp`` the data-parallel
-    reduction; ``pp_host`` the pipeline's small host-side collectives (the loss, the norms, logits, the
-    gathered checkpoint): gloo, the same group as ``pp`` where that is gloo."""
-
-    pp: Any
-    dp: Any
-    pp_host: Any
-
-
-def pipeline_groups(
-    P: int, world: int, pp_rank: int, dp_rank: int, backend: str, dp_backend: str | None = None
-) -> Groups:
-    """This rank's groups: pipelines are consecutive ranks, data-parallel groups share a pipeline rank;
-    every rank creates every group, in the same order, as torch.distributed requires. ``dp_backend``: the
-    data-parallel group's when it differs (an EPS reduces host buffers, on gloo)."""
-    pp = dp = host = None
-    for d in range(world // P):
-        ranks = [d * P + i for i in range(P)]
-        g = dist.new_group(ranks, backend=backend)
-        h = g if backend == "gloo" else dist.new_group(ranks, backend="gloo")
-        pp, host = (g, h) if d == dp_rank else (pp, host)
-    for i in range(P):
-        g = dist.new_group([d * P + i for d in range(world // P)], backend=dp_backend or backend)
-        dp = g if i == pp_rank else dp
-    return Groups(pp, dp, host)
-
-
-def exchange_s(
-    s: PipelineSettings, groups: tuple[Any, Any], peers: tuple[int, int], nbytes: float, device: torch.device
-) -> tuple[float, str]:
-    """Seconds of one exchange between pipeline neighbours (a hidden state out, one in) and where the number
-    comes from: with ``hardware=measure`` timed here on the pipeline's own group (each rank sends ``nbytes``
-    to the next rank and receives as many from the previous; the median of 15), else the ``hardware``
-    preset's latency plus the bytes over its network. Collective over the pipeline (``groups``: the
-    messages' group and its host group; ``peers``: the previous and the next rank, global)."""
-    if not s.measure_p2p:
-        return exchange_seconds(nbytes, s.p2p_latency_s, s.p2p_bytes_per_s), "hardware"
-    return time_exchange(groups[0], groups[1], device, peers, nbytes), "measured"
-
-
-def action_s(
-    s: PipelineSettings, groups: tuple[Any, Any], backend: str, device: torch.device, nbytes: float
-) -> tuple[float, float, str]:
-    """Seconds one schedule action costs beyond compute and bytes, the seconds a message waits for its
-    computing sender's core, and where the numbers come from: with ``hardware=measure`` timed once on the
-    pipeline's own group with messages of ``nbytes`` (``calibrate.action_seconds``), else the preset's
-    ``hardware.pipe_action_us`` and ``hardware.pipe_wake_us``. Collective over the pipeline."""
-    if not s.measure_p2p:
-        return s.action_s, s.wake_s, "hardware"
-    return (*action_seconds(groups[0], groups[1], device, backend, nbytes=nbytes), "measured")
-
-
-def bubble_section(
-    plan: StagePlan, n: int, ranks: list[dict[str, Any]], orders: list[list[Op]],
-    weights: Callable[[int], dict[int, float]], exchange: tuple[float, str], action: tuple[float, float, str],
-    nbytes: float, load_s: float = 0.0,
-) -> dict[str, Any]:  # fmt: skip
-    """summary.json's predicted bubbles: the paper's (messages free), and the pre-run model: the
-    dependency-ordered simulation (``plan.simulate``) of each pipeline rank's actions (``orders``, read off
-    the schedule), its chunks lasting the rank's measured forward and backward seconds split over its
-    stages (or layers) by ``weights(pipeline rank)``, ``action`` (seconds per action, the message wake,
-    where they came from), ``exchange`` per message (and where it came from) and ``load_s`` per relay move (L2L stages)."""
-    by: dict[int, list[dict[str, Any]]] = {}
-    for r in ranks:
-        if r.get("compute_s"):
-            by.setdefault(r["pipeline_rank"], []).append(r)
-    table: dict[int, tuple[float, float]] = {}
-    for p, rs in by.items():  # data-parallel copies of a pipeline rank: their mean
-        fwd = statistics.mean(r.get("forward_s", r["compute_s"] / 3) for r in rs)
-        table |= split_by_weight((fwd, statistics.mean(r["compute_s"] for r in rs) - fwd), weights(p), n)
-    model = (
-        plan.bubble_simulated(orders, table_cost(table, load_s), action[0], exchange[0], action[1])
-        if len(by) == plan.pipeline else plan.bubble_fraction(n)
-    )  # fmt: skip
-    actions = [count(o) for o in orders]
-    return {
-        "bubble_predicted": model, "bubble_predicted_from": "simulated schedule" if len(by) == plan.pipeline else "paper",
-        "bubble_predicted_paper": plan.bubble_fraction(n),
-        "bubble_overhead_predicted": plan.bubble_overhead(n),
-        "messages_per_rank": plan.messages_per_rank(n), "message_bytes": nbytes,
-        "exchange_s": exchange[0], "exchange_from": exchange[1],
-        "actions_per_rank": [a.total for a in actions], "action_s": action[0], "action_from": action[2],
-        "wake_s": action[1],
-        "chunks_per_rank": [a.chunks for a in actions], "relay_moves_per_rank": [a.loads for a in actions],
-        "relay_move_s": load_s,
-    }  # fmt: skip
 
 
 class PipelineRunner(RunnerBase):
@@ -187,6 +75,14 @@ class PipelineRunner(RunnerBase):
             raise RuntimeError(why)
         groups = pipeline_groups(P, world, self.pp_rank, self.dp_rank, self.dist.backend)
         self.pp_group, self.dp_group, self.pp_host = groups.pp, groups.dp, groups.pp_host
+        # what a message and a schedule action cost the bubble model: measured now (hardware=measure,
+        # collective over the pipeline) on the configured micro-batch's hidden state, or the preset's
+        message = hidden_bytes(
+            self.settings.ubatch_size, self.settings.recompute.seq_len, self.spec.hidden_size
+        )
+        peers = neighbours(self.pp_rank, self.dp_rank, P)
+        with self.acc.meter.paused():
+            self.links = link_costs(s, groups, peers, self.dist.backend, self.acc.device, message)
         self.plan = StagePlan(self.spec.num_layers, P, s.placement, s.layers_per_stage)
         self.head = self.spec.num_layers + 1
         self.last_rank = self.dp_rank * P + self.plan.rank_of(self.plan.num_stages - 1)  # global rank
@@ -322,9 +218,11 @@ class PipelineRunner(RunnerBase):
         times["step"] = report.step_time_s
         self._account(times)
         report.extra = {
-            "pipe_compute_s": times["compute"], "pipe_wait_s": times["wait"], "pipe_idle_s": times["idle"],
+            "pipe_compute_s": times["compute"],
+            "pipe_wait_s": times["wait"],
+            "pipe_idle_s": times["idle"],
             "pipe_bubble": (times["pipeline"] - times["compute"]) / times["pipeline"],
-        }  # fmt: skip
+        }
         return report
 
     def _pipeline_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
@@ -332,8 +230,7 @@ class PipelineRunner(RunnerBase):
         t = torch.zeros((), dtype=torch.float32)
         if losses:
             t = torch.stack([x.detach().float() for x in losses]).sum().cpu() / self.precision.scaler.scale
-        dist.broadcast(t, src=self.last_rank, group=self.pp_host)
-        return t
+        return from_last_stage(t, self.last_rank, self.pp_host)
 
     def update(self, lr: float) -> tuple[bool, float]:
         """Alg. 2's update of this rank's layers: one verdict for the whole model (every rank takes the
@@ -386,53 +283,54 @@ class PipelineRunner(RunnerBase):
         mean = {k: v / n for k, v in totals.items()}
         pipe = mean.get("pipeline", 0.0)
         return {
-            "rank": self.dist.rank, "pipeline_rank": self.pp_rank, "data_rank": self.dp_rank,
-            "stages": sorted(self.stages), "layers": [i for s in sorted(self.stages) for i in self.plan.layers(s)],
-            "compute_s": mean.get("compute", 0.0), "forward_s": mean.get("forward", 0.0),
-            "backward_s": mean.get("backward", 0.0), "wait_s": mean.get("wait", 0.0),
-            "idle_s": mean.get("idle", 0.0), "recv_wait_s": mean.get("recv_wait", 0.0),
-            "overhead_s": mean.get("overhead", 0.0), "chunks": mean.get("chunks", 0.0), "pipeline_s": pipe, "step_s": mean.get("step", 0.0),
+            "rank": self.dist.rank,
+            "pipeline_rank": self.pp_rank,
+            "data_rank": self.dp_rank,
+            "stages": sorted(self.stages),
+            "layers": [i for s in sorted(self.stages) for i in self.plan.layers(s)],
+            "compute_s": mean.get("compute", 0.0),
+            "forward_s": mean.get("forward", 0.0),
+            "backward_s": mean.get("backward", 0.0),
+            "wait_s": mean.get("wait", 0.0),
+            "idle_s": mean.get("idle", 0.0),
+            "recv_wait_s": mean.get("recv_wait", 0.0),
+            "overhead_s": mean.get("overhead", 0.0),
+            "chunks": mean.get("chunks", 0.0),
+            "pipeline_s": pipe,
+            "step_s": mean.get("step", 0.0),
             "bubble": (pipe - mean.get("compute", 0.0)) / pipe if pipe > 0 else None,
             "steps_timed": self.timed_steps,
             # each stage's mean forward + backward chunk over the run: how the rank's compute splits
-            "stage_chunks": {str(st): sum(v[0] / max(v[1], 1) for (i, _), v in self.timeline.by_stage.items() if i == st)
-                             or 1.0 for st in sorted(self.stages)},
-        }  # fmt: skip
-
-    def exchange(self) -> tuple[float, str]:
-        """One exchange's seconds between this rank's pipeline neighbours (collective over the pipeline)."""
-        P, base = self.pipe.pipeline, self.dp_rank * self.pipe.pipeline
-        peers = (base + (self.pp_rank - 1) % P, base + (self.pp_rank + 1) % P)
-        return exchange_s(
-            self.pipe, (self.pp_group, self.pp_host), peers, self.message_bytes, self.acc.device
-        )
+            "stage_chunks": {
+                str(st): sum(v[0] / max(v[1], 1) for (i, _), v in self.timeline.by_stage.items() if i == st)
+                or 1.0
+                for st in sorted(self.stages)
+            },
+        }
 
     def sections(self) -> dict[str, dict[str, Any]]:
-        """summary.json's ``pipeline``: the layout, each rank's times, the bubble measured and predicted."""
-        ranks = [None] * self.dist.world
+        """summary.json's ``pipeline``: the layout, each rank's times, the bubble measured and predicted.
+        Collective: every rank's times are gathered; the costs the model charges were settled at build."""
+        ranks: list[Any] = [None] * self.dist.world
         dist.all_gather_object(ranks, self.rank_stats())
-        bubbles = [r["bubble"] for r in ranks if r["bubble"] is not None]
         s, plan, n = self.pipe, self.plan, self.num_ubatches
         cls, many = SCHEDULES[s.schedule]
         orders = plan.orders(n, cls, many)
         # a rank's compute over its stages: as their measured mean chunks (all ranks', gathered above)
         chunks = {int(k): v for r in ranks for k, v in r["stage_chunks"].items()}
-        groups = (self.pp_group, self.pp_host)
-        action = action_s(s, groups, self.dist.backend, self.acc.device, self.message_bytes)
-        return {
-            "pipeline": {
-                "pipeline": s.pipeline, "data_parallel": self.dp_world, "placement": s.placement,
-                "schedule": s.schedule, "torch_schedule": cls, "stage_mode": self.stage_mode.name,
-                "num_stages": plan.num_stages, "layers_per_stage": plan.block_size,
-                "stages_per_rank": plan.stages_per_rank, "num_ubatches": n, "partition_state": s.partition_state,
-                "side_inputs": "rebuilt per stage from the batch (mask, labels, micro-batch index as keyword "
-                               "arguments); only hidden states cross ranks",
-                "bubble_measured": sum(bubbles) / len(bubbles) if bubbles else None,
-                **bubble_section(plan, n, ranks, orders, lambda p: {k: chunks[k] for k in plan.stages_of(p)},
-                                 self.exchange(), action, self.message_bytes),
-                "ranks": ranks,
-            }
-        }  # fmt: skip
+
+        def weights(p: int) -> dict[int, float]:
+            return {k: chunks[k] for k in plan.stages_of(p)}
+
+        own = {
+            "partition_state": s.partition_state,
+            "side_inputs": "rebuilt per stage from the batch (mask, labels, micro-batch index as keyword "
+            "arguments); only hidden states cross ranks",
+        }
+        bubble = bubble_section(plan, n, ranks, orders, weights, self.links, self.message_bytes)
+        runs = {"torch_schedule": cls, "stage_mode": self.stage_mode.name}
+        section = pipeline_section(s, plan, n, runs, own, ranks, bubble)
+        return {"pipeline": section}
 
     # ---- evaluation: the first pipeline predicts together -------------------------------------------
 
@@ -455,15 +353,8 @@ class PipelineRunner(RunnerBase):
         finally:
             for st in self.stages.values():
                 st.module.train()
-        # the logits' shape first: (rows, labels) for a classifier, (rows, sequence, vocabulary) for an LM
-        shape = torch.zeros(3, dtype=torch.long)
-        if out is not None:
-            shape[: out.dim()] = torch.tensor(out.shape)
-        dist.broadcast(shape, src=self.last_rank, group=self.pp_host)
-        dims = [int(d) for d in shape if d > 0]
-        logits = out.float().cpu() if out is not None else torch.empty(dims)
-        dist.broadcast(logits, src=self.last_rank, group=self.pp_host)
-        return logits
+        logits = out.float().cpu() if out is not None else None
+        return logits_from_last_stage(logits, self.last_rank, self.pp_host)
 
     # ---- checkpoints and weights: Hugging Face names, gathered on rank 0 ----------------------------
 
@@ -473,28 +364,13 @@ class PipelineRunner(RunnerBase):
         so a run resumes with any pipeline degree or placement (resharding on load), or none."""
         if self._collected_at == self.step_count:  # every rank decides alike
             return
-        mine: dict[str, dict[str, Any]] = {"weights": {}, "moments": {}}
-        for st in self.stages.values():
-            m, v = st.full_moments(self.dp_group)
-            steps = st.steps_taken()
-            for (name, w), (_, exp_avg), (_, exp_avg_sq) in zip(st.named(st.w), st.named(m), st.named(v)):
-                mine["weights"][name] = w.detach().cpu().clone()
-                if steps > 0:  # as the baselines: moments once the optimizer has stepped
-                    mine["moments"][name] = {
-                        "exp_avg": exp_avg.detach().cpu().clone(),
-                        "exp_avg_sq": exp_avg_sq.detach().cpu().clone(),
-                        "step": steps,
-                    }
+        mine = module_state(self.stages.values(), self.dp_group)
         self._collected_at = self.step_count
         if self.dp_rank != 0:
             return
-        parts: list[Any] | None = [None] * self.pipe.pipeline if self.dist.rank == 0 else None
-        dist.gather_object(mine, parts, dst=0, group=self.pp_host)
+        parts = gather_on_rank0(mine, self.pipe.pipeline, self.dist.rank, self.pp_host)
         if parts is not None:
-            self._full = {"weights": {}, "moments": {}}
-            for part in parts:
-                self._full["weights"] |= part["weights"]
-                self._full["moments"] |= part["moments"]
+            self._full = merge_module_states(parts)
 
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every weight by HF name after ``collect`` (rank 0); this rank's own otherwise."""

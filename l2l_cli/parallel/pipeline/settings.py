@@ -15,7 +15,7 @@ from l2l_cli.parallel.pipeline.plan import plan_of
 from l2l_cli.problems import Problem, divisors
 
 # dist.schedule -> torch's schedule (its class in torch.distributed.pipelining, imported only by a rank that
-# runs it: that package costs ~1 s to import, paid otherwise by every `l2l` command), and whether it runs
+# runs it: that package is slow to import, paid otherwise by every `l2l` command), and whether it runs
 # several stages per rank
 SCHEDULES: dict[str, tuple[str, bool]] = {
     "breadth_first": ("ScheduleLoopedBFS", True),
@@ -33,10 +33,10 @@ def schedule_class(schedule: str) -> type:
 
 
 AUTO_SCHEDULE = {"modular": "breadth_first", "contiguous": "1f1b"}
-# the first torch whose schedules drive the data-parallel reduction: torch 2.10 added the REDUCE_GRAD
-# action (pytorch#166449), after each stage's last backward; from it our stage starts its reduction
-# (TimedStage.perform_reduce_grad). Older schedules never call it, and data-parallel pipelines would drift
-# apart silently. Keep in step with pyproject.toml.
+# the first torch whose schedules call the REDUCE_GRAD action after each stage's last backward, from which
+# our stage starts its data-parallel reduction (TimedStage.perform_reduce_grad): older schedules never call
+# it, and data-parallel pipelines would drift apart silently (docs/benchmarks.md, "The pipeline's
+# constants"). Keep in step with pyproject.toml.
 MIN_TORCH = (2, 10)
 
 
@@ -49,8 +49,10 @@ def torch_problem(version: str | None = None) -> str | None:
     if m is None or (int(m.group(1)), int(m.group(2))) >= MIN_TORCH:
         return None
     need = ".".join(map(str, MIN_TORCH))
-    return (f"torch {version} is older than {need}, whose pipeline schedules first call REDUCE_GRAD (the "
-            f"data-parallel pipelines would drift apart); install torch>={need}")  # fmt: skip
+    return (
+        f"torch {version} is older than {need}, whose pipeline schedules first call REDUCE_GRAD (the "
+        f"data-parallel pipelines would drift apart); install torch>={need}"
+    )
 
 
 def eps_stages(mode: Any) -> bool:
@@ -78,9 +80,18 @@ class PipelineSettings:
     def from_cfg(cls, cfg: Any) -> PipelineSettings:
         d, hw = cfg.dist, cfg.hardware
         schedule = AUTO_SCHEDULE[d.placement] if d.schedule == "auto" else d.schedule
-        return cls(d.pipeline, d.placement, schedule, d.layers_per_stage, bool(d.partition_state),
-                   hw.p2p_latency_us * 1e-6, hw.network_gbps * 1e9, bool(hw.measured),
-                   hw.pipe_action_us * 1e-6, hw.pipe_wake_us * 1e-6)  # fmt: skip
+        return cls(
+            pipeline=d.pipeline,
+            placement=d.placement,
+            schedule=schedule,
+            layers_per_stage=d.layers_per_stage,
+            partition_state=bool(d.partition_state),
+            p2p_latency_s=hw.p2p_latency_us * 1e-6,
+            p2p_bytes_per_s=hw.network_gbps * 1e9,
+            measure_p2p=bool(hw.measured),
+            action_s=hw.pipe_action_us * 1e-6,
+            wake_s=hw.pipe_wake_us * 1e-6,
+        )
 
 
 def selected(cfg: Any) -> bool:
@@ -129,40 +140,64 @@ def validate(cfg: Any) -> list[Problem]:
         return p
     N, (L, tied), lps = d.nproc, _shape(cfg), d.layers_per_stage
     if tied:  # one tensor on the first and the last rank: its two gradients would need a sum across ranks
-        bad("dist.pipeline", "the model's LM head is tied to its token embedding, which lives on another "
-            "pipeline rank; set model.tie_word_embeddings=false, or dist.pipeline=1")  # fmt: skip
+        bad(
+            "dist.pipeline",
+            "the model's LM head is tied to its token embedding, which lives on another "
+            "pipeline rank; set model.tie_word_embeddings=false, or dist.pipeline=1",
+        )
     if N % P:
-        bad("dist.pipeline", f"{P} does not divide dist.nproc={N} (the ranks form nproc/P pipelines); allowed: "
-            f"a divisor of {N} ({divisors(N)})")  # fmt: skip
+        bad(
+            "dist.pipeline",
+            f"{P} does not divide dist.nproc={N} (the ranks form nproc/P pipelines); allowed: "
+            f"a divisor of {N} ({divisors(N)})",
+        )
     if P > L:
         bad("dist.pipeline", f"got {P}; every pipeline rank needs a layer: must be <= model.num_layers={L}")
         return p
     if L % P:
-        bad("dist.pipeline", f"torch's schedules give every rank as many stages: {P} does not divide "
-            f"model.num_layers={L}; allowed: a divisor of {L} ({divisors(L)})")  # fmt: skip
+        bad(
+            "dist.pipeline",
+            f"torch's schedules give every rank as many stages: {P} does not divide "
+            f"model.num_layers={L}; allowed: a divisor of {L} ({divisors(L)})",
+        )
         return p
     if d.placement == "modular" and (L % lps or (L // lps) % P):
         ok = [k for k in range(1, L + 1) if L % k == 0 and (L // k) % P == 0]
-        bad("dist.layers_per_stage", f"{lps} layers per stage do not make a multiple of dist.pipeline={P} "
-            f"stages of model.num_layers={L}; allowed: {', '.join(map(str, ok))}")  # fmt: skip
+        bad(
+            "dist.layers_per_stage",
+            f"{lps} layers per stage do not make a multiple of dist.pipeline={P} "
+            f"stages of model.num_layers={L}; allowed: {', '.join(map(str, ok))}",
+        )
         return p
     if d.placement == "contiguous" and lps not in (1, L // P):
-        bad("dist.layers_per_stage", f"applies to placement=modular; contiguous runs one stage of L/P={L // P} "
-            "layers per rank (torch's multi-stage schedules place stages modularly)")  # fmt: skip
+        bad(
+            "dist.layers_per_stage",
+            f"applies to placement=modular; contiguous runs one stage of L/P={L // P} "
+            "layers per rank (torch's multi-stage schedules place stages modularly)",
+        )
     plan = plan_of(cfg, L)
     schedule = AUTO_SCHEDULE[d.placement] if d.schedule == "auto" else d.schedule
     if plan.stages_per_rank > 1 and not SCHEDULES[schedule][1]:
         multi = ", ".join(k for k, (_, many) in SCHEDULES.items() if many)
-        bad("dist.schedule", f"{schedule} runs one stage per rank, but placement={d.placement} puts "
-            f"{plan.stages_per_rank} on each; allowed: {multi} (or dist.layers_per_stage={L // P})")  # fmt: skip
+        bad(
+            "dist.schedule",
+            f"{schedule} runs one stage per rank, but placement={d.placement} puts "
+            f"{plan.stages_per_rank} on each; allowed: {multi} (or dist.layers_per_stage={L // P})",
+        )
     b = cfg.batch
     n = b.size // b.ubatch_size if b.ubatch_size >= 1 and b.size % b.ubatch_size == 0 else None
     if n is not None and n < P:
-        bad("batch.ubatch_size", f"{n} micro-batches for dist.pipeline={P}: a pipeline needs at least P in "
-            f"flight; allowed: batch.size / batch.ubatch_size >= {P}")  # fmt: skip
+        bad(
+            "batch.ubatch_size",
+            f"{n} micro-batches for dist.pipeline={P}: a pipeline needs at least P in "
+            f"flight; allowed: batch.size / batch.ubatch_size >= {P}",
+        )
     elif n is not None and schedule == "interleaved_1f1b" and n % max(1, n // P):
-        bad("batch.ubatch_size", f"interleaved_1f1b runs rounds of P micro-batches: {n} is not a multiple of "
-            f"its {max(1, n // P)} rounds; allowed: a multiple of {P}, or dist.schedule=breadth_first")  # fmt: skip
+        bad(
+            "batch.ubatch_size",
+            f"interleaved_1f1b runs rounds of P micro-batches: {n} is not a multiple of "
+            f"its {max(1, n // P)} rounds; allowed: a multiple of {P}, or dist.schedule=breadth_first",
+        )
     spec = MODES.get(cfg.mode.name)
     p.extend(_device_rules(cfg))
     if eps_stages(spec):
@@ -171,11 +206,16 @@ def validate(cfg: Any) -> list[Problem]:
         bad("dist.pipeline", why)
     if spec is not None and not spec.pipeline_stage:
         stage_modes = ", ".join(m.name for m in MODES.values() if m.pipeline_stage)
-        bad("mode.name", f"mode={spec.name} cannot run as a pipeline stage; allowed with dist.pipeline > 1: "
-            f"{stage_modes}")  # fmt: skip
+        bad(
+            "mode.name",
+            f"mode={spec.name} cannot run as a pipeline stage; allowed with dist.pipeline > 1: {stage_modes}",
+        )
     if d.partition_state and cfg.optim.name in OPTIMIZERS and not OPTIMIZERS[cfg.optim.name].elementwise:
-        bad("dist.partition_state", f"optim={cfg.optim.name}'s trust ratio needs whole parameter tensors, which "
-            "a shard of the state splits; use optim=adamw, or dist.partition_state=false")  # fmt: skip
+        bad(
+            "dist.partition_state",
+            f"optim={cfg.optim.name}'s trust ratio needs whole parameter tensors, which "
+            "a shard of the state splits; use optim=adamw, or dist.partition_state=false",
+        )
     return p
 
 
@@ -189,11 +229,21 @@ def _device_rules(cfg: Any) -> list[Problem]:
     cuda = dev == "cuda" or (dev == "auto" and cuda_available())
     backend = resolve_backend(d.backend, dev)
     if backend == "nccl" and not cuda:
-        return [Problem("dist.backend", f"nccl moves CUDA tensors, and device={dev} runs the stages on the CPU "
-                        "here; allowed: gloo, auto")]  # fmt: skip
+        return [
+            Problem(
+                "dist.backend",
+                f"nccl moves CUDA tensors, and device={dev} runs the stages on the CPU "
+                "here; allowed: gloo, auto",
+            )
+        ]
     if backend == "gloo" and cuda:
-        return [Problem("dist.backend", "gloo's send/recv take CPU tensors: the stages' hidden states on "
-                        f"device={dev} cannot cross ranks; allowed: nccl, auto")]  # fmt: skip
+        return [
+            Problem(
+                "dist.backend",
+                "gloo's send/recv take CPU tensors: the stages' hidden states on "
+                f"device={dev} cannot cross ranks; allowed: nccl, auto",
+            )
+        ]
     return []
 
 
@@ -206,13 +256,27 @@ def _l2l_stage_rules(cfg: Any, mode: Any, schedule: str) -> list[Problem]:
     )
     p: list[Problem] = []
     if schedule != "breadth_first":
-        p.append(Problem("dist.schedule", f"mode={mode.name} stages load each layer once per batch, every "
-                         "micro-batch through it first: allowed: breadth_first, auto (modular)"))  # fmt: skip
+        p.append(
+            Problem(
+                "dist.schedule",
+                f"mode={mode.name} stages load each layer once per batch, every "
+                "micro-batch through it first: allowed: breadth_first, auto (modular)",
+            )
+        )
     if cfg.dist.partition_state:
-        p.append(Problem("dist.partition_state", f"mode={mode.name}'s state is on the host EPS, reduced there "
-                         "whole; allowed: false"))  # fmt: skip
+        p.append(
+            Problem(
+                "dist.partition_state",
+                f"mode={mode.name}'s state is on the host EPS, reduced there whole; allowed: false",
+            )
+        )
     if cfg.trainer.realtime_ckpt:
-        p.append(Problem("trainer.realtime_ckpt", f"mode={mode.name} pipeline stages write checkpoints every "
-                         "trainer.save_every steps, each rank its layers, rank 0 committing them; real-time "
-                         "checkpoints (one commit per layer update) are one process's: unset it"))  # fmt: skip
+        p.append(
+            Problem(
+                "trainer.realtime_ckpt",
+                f"mode={mode.name} pipeline stages write checkpoints every "
+                "trainer.save_every steps, each rank its layers, rank 0 committing them; real-time "
+                "checkpoints (one commit per layer update) are one process's: unset it",
+            )
+        )
     return p

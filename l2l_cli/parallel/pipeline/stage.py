@@ -29,8 +29,12 @@ from l2l_cli.modes.base import RunnerBase
 
 def _ubatch(ids: torch.Tensor | None, tt: torch.Tensor | None, mask: torch.Tensor, labels: Any) -> Batch:
     none = mask.new_empty(0)
-    return Batch(ids if ids is not None else none, tt if tt is not None else none, mask,
-                 labels if labels is not None else none)  # fmt: skip
+    return Batch(
+        ids if ids is not None else none,
+        tt if tt is not None else none,
+        mask,
+        labels if labels is not None else none,
+    )
 
 
 class StageModule(nn.Module):
@@ -123,8 +127,15 @@ class Timeline:
         recv_wait = sum(b - a for a, b in waits if chunks and a >= chunks[0][1])  # the fill's wait is idle
         # between chunks: blocked on a message (recv_wait, where the stage times its recvs), and the rest:
         # the schedule's own work per action (posting sends and recvs, its bookkeeping, Python)
-        out.update(pipeline=t1 - t0, compute=compute, idle=idle, wait=wait, recv_wait=min(recv_wait, wait),
-                   overhead=max(0.0, wait - recv_wait), chunks=float(len(chunks)))  # fmt: skip
+        out.update(
+            pipeline=t1 - t0,
+            compute=compute,
+            idle=idle,
+            wait=wait,
+            recv_wait=min(recv_wait, wait),
+            overhead=max(0.0, wait - recv_wait),
+            chunks=float(len(chunks)),
+        )
         return out
 
 

@@ -1,0 +1,162 @@
+"""summary.json's ``pipeline`` section: the layout, the bubble measured, and the bubble predicted, by the
+paper (appendix C, messages free) and by the pre-run model (``plan.simulate``: each rank's schedule
+actions in dependency order, on this run's measured compute, with what a message and an action cost).
+
+Reporting only: what a message and an action cost (:class:`LinkCosts`) is settled where the runner is
+built (``calibrate.link_costs``), and the ranks' times are gathered by the runner; nothing here talks to
+another rank."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from l2l_cli.models.base import ModelSpec
+from l2l_cli.parallel.pipeline.plan import Op, StagePlan, count, exchange_seconds, split_by_weight, table_cost
+from l2l_cli.parallel.pipeline.settings import PipelineSettings
+
+
+@dataclass(frozen=True)
+class LinkCosts:
+    """What the pre-run model charges beyond compute: one schedule action (``action_s``), a message's wait
+    for its computing sender's core (``wake_s``) and an exchange between pipeline neighbours, and where
+    they come from (``source``): ``measured`` on the pipeline's own group (``hardware=measure``: the
+    exchange of the configured micro-batch's hidden state, ``exchange_measured_s``), or the ``hardware``
+    preset's (the exchange its latency plus the bytes over its network)."""
+
+    action_s: float
+    wake_s: float
+    source: str
+    exchange_measured_s: float | None = None
+    latency_s: float = 0.0
+    bytes_per_s: float = 1.0
+
+    @classmethod
+    def preset(cls, s: PipelineSettings) -> LinkCosts:
+        """The ``hardware`` preset's costs (``hardware.pipe_action_us``, ``pipe_wake_us``, its network)."""
+        return cls(s.action_s, s.wake_s, "hardware", None, s.p2p_latency_s, s.p2p_bytes_per_s)
+
+    def exchange_s(self, nbytes: float) -> float:
+        """Seconds of one exchange of ``nbytes`` each way between pipeline neighbours."""
+        if self.exchange_measured_s is not None:
+            return self.exchange_measured_s
+        return exchange_seconds(nbytes, self.latency_s, self.bytes_per_s)
+
+
+TIMED = ("compute", "pipeline", "transfer", "forward")  # an L2L stage rank's times per step
+
+
+class StageTimes:
+    """An L2L stage rank's mean seconds per timed step: its compute (forward, recompute, backward), the
+    pipeline's window, the relay's transfers, the forward. Steady state: the first step (set-up, the first
+    shape's warm-up) is left out, unless it is the only one."""
+
+    def __init__(self) -> None:
+        self.steps, self.totals = 0, dict.fromkeys(TIMED, 0.0)
+
+    def add(self, step_count: int, phases: dict[str, float], compute: float, window: float) -> None:
+        """Step ``step_count + 1``'s ``phases`` (the runner's timer), its compute and its window."""
+        if step_count > 0 or not self.steps:
+            if step_count == 1:
+                self.steps, self.totals = 0, dict.fromkeys(TIMED, 0.0)
+            self.steps += 1
+            self.totals["transfer"] += phases.get("transfer", 0.0)
+            self.totals["compute"] += compute
+            self.totals["forward"] += phases.get("forward", 0.0)
+            self.totals["pipeline"] += window
+
+    def means(self) -> dict[str, float]:
+        """``compute_s``, ``pipeline_s``, ``transfer_s``, ``forward_s``: the means over the timed steps."""
+        n = max(self.steps, 1)
+        return {f"{k}_s": self.totals[k] / n for k in TIMED}
+
+
+def layer_flops(spec: ModelSpec, i: int, seq: int) -> float:
+    """Forward FLOPs of model layer i on one sample of ``seq`` tokens: how an L2L stage rank's measured
+    compute splits over its layers (the embeddings' lookup and sums: ~seq·hidden)."""
+    if i == 0:
+        return 2.0 * seq * spec.hidden_size
+    return spec.head_flops(seq) if i == spec.num_layers + 1 else spec.block_flops(seq)
+
+
+def bubble_section(
+    plan: StagePlan,
+    n: int,
+    ranks: list[dict[str, Any]],
+    orders: list[list[Op]],
+    weights: Callable[[int], dict[int, float]],
+    costs: LinkCosts,
+    nbytes: float,
+    load_s: float = 0.0,
+) -> dict[str, Any]:
+    """The predicted bubbles: the paper's (messages free), and the pre-run model's: the dependency-ordered
+    simulation (``plan.simulate``) of each pipeline rank's actions (``orders``, read off the schedule),
+    its chunks lasting the rank's measured forward and backward seconds split over its stages (or layers)
+    by ``weights(pipeline rank)``, each action, message wake and exchange (of ``nbytes``) as ``costs``
+    say, and ``load_s`` per relay move (L2L stages)."""
+    by: dict[int, list[dict[str, Any]]] = {}
+    for r in ranks:
+        if r.get("compute_s"):
+            by.setdefault(r["pipeline_rank"], []).append(r)
+    table: dict[int, tuple[float, float]] = {}
+    for p, rs in by.items():  # data-parallel copies of a pipeline rank: their mean
+        fwd = statistics.mean(r.get("forward_s", r["compute_s"] / 3) for r in rs)
+        table |= split_by_weight((fwd, statistics.mean(r["compute_s"] for r in rs) - fwd), weights(p), n)
+    simulated = len(by) == plan.pipeline
+    exchange_s = costs.exchange_s(nbytes)
+    if simulated:
+        cost = table_cost(table, load_s)
+        model = plan.bubble_simulated(orders, cost, costs.action_s, exchange_s, costs.wake_s)
+    else:
+        model = plan.bubble_fraction(n)
+    actions = [count(o) for o in orders]
+    return {
+        "bubble_predicted": model,
+        "bubble_predicted_from": "simulated schedule" if simulated else "paper",
+        "bubble_predicted_paper": plan.bubble_fraction(n),
+        "bubble_overhead_predicted": plan.bubble_overhead(n),
+        "messages_per_rank": plan.messages_per_rank(n),
+        "message_bytes": nbytes,
+        "exchange_s": exchange_s,
+        "exchange_from": costs.source,
+        "actions_per_rank": [a.total for a in actions],
+        "action_s": costs.action_s,
+        "action_from": costs.source,
+        "wake_s": costs.wake_s,
+        "chunks_per_rank": [a.chunks for a in actions],
+        "relay_moves_per_rank": [a.loads for a in actions],
+        "relay_move_s": load_s,
+    }
+
+
+def pipeline_section(
+    s: PipelineSettings,
+    plan: StagePlan,
+    n: int,
+    runs: dict[str, Any],
+    own: dict[str, Any],
+    ranks: list[dict[str, Any]],
+    bubble: dict[str, Any],
+) -> dict[str, Any]:
+    """The whole section: the layout (``runs``: ``torch_schedule`` and ``stage_mode``; ``n``
+    micro-batches), the runner's ``own`` fields, the bubble measured (the mean over the ranks of
+    1 - compute / pipeline time) and predicted (:func:`bubble_section`), and every rank's times."""
+    bubbles = [r["bubble"] for r in ranks if r["bubble"] is not None]
+    return {
+        "pipeline": s.pipeline,
+        "data_parallel": len(ranks) // s.pipeline,
+        "placement": s.placement,
+        "schedule": s.schedule,
+        "torch_schedule": runs["torch_schedule"],
+        "stage_mode": runs["stage_mode"],
+        "num_stages": plan.num_stages,
+        "layers_per_stage": plan.block_size,
+        "stages_per_rank": plan.stages_per_rank,
+        "num_ubatches": n,
+        **own,
+        "bubble_measured": sum(bubbles) / len(bubbles) if bubbles else None,
+        **bubble,
+        "ranks": ranks,
+    }
