@@ -86,11 +86,20 @@ def main() -> None:
     if args.json:
         out = {
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "configs": {k: {"samples_per_s": v["samples_per_s"], "step_time_s": v["step_time_s"],
-                            "device_peak_bytes": v["peak_bytes"], "phases": v["phases"]} for k, v in res.items()},
+            "configs": {
+                k: {
+                    "samples_per_s": v["samples_per_s"],
+                    "step_time_s": v["step_time_s"],
+                    "device_peak_bytes": v["peak_bytes"],
+                    "phases": v["phases"],
+                }
+                for k, v in res.items()
+            },
             "checks": [{"check": c, "ratio": r, "target": t} for c, r, t in checks],
-            "eps_update_s": eps_s, "fused_adamw_s": ref_s, "grad_norm_s": norm_s,
-        }  # fmt: skip
+            "eps_update_s": eps_s,
+            "fused_adamw_s": ref_s,
+            "grad_norm_s": norm_s,
+        }
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     peaks = {k: v["peak_bytes"] for k, v in res.items()}
     print(

@@ -172,14 +172,25 @@ def evaluate(cfg: DictConfig, run_dir: Path, weights: Path, as_json: bool) -> in
 
     with _session(cfg, weights) as session:
         n = len(session.data.dev)
-        with Progress(TextColumn("eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=console, transient=True, disable=as_json or not console.is_terminal) as bar:  # fmt: skip
+        with Progress(
+            TextColumn("eval"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+            disable=as_json or not console.is_terminal,
+        ) as bar:
             task = bar.add_task("eval", total=None)
             metrics = session.evaluate(lambda done, total: bar.update(task, completed=done, total=total))
         result = {
-            "run_dir": str(run_dir), "weights": str(weights), "task": cfg.task.name,
-            "data_source": session.data.source, "examples": n, "metrics": metrics,
-        }  # fmt: skip
+            "run_dir": str(run_dir),
+            "weights": str(weights),
+            "task": cfg.task.name,
+            "data_source": session.data.source,
+            "examples": n,
+            "metrics": metrics,
+        }
     if as_json:
         print(json.dumps(result))
     else:
@@ -272,8 +283,10 @@ def text_record(line: str, number: int, fields: list[str], path: Path) -> dict[s
     """One line of a plain-text ``--input`` as the task's text fields (a pair task: two texts, tab-split)."""
     parts = line.split("\t") if len(fields) > 1 else [line]
     if len(parts) != len(fields):
-        raise UsageError(f"--input {path} line {number}: {len(parts)} tab-separated text(s); the task reads "
-                         f"{len(fields)} ({', '.join(fields)})")  # fmt: skip
+        raise UsageError(
+            f"--input {path} line {number}: {len(parts)} tab-separated text(s); the task reads "
+            f"{len(fields)} ({', '.join(fields)})"
+        )
     return dict(zip(fields, parts, strict=True))
 
 
@@ -283,6 +296,8 @@ def prediction(index: int, logits: torch.Tensor, label_names: tuple[str, ...] | 
     probs = torch.softmax(logits, dim=-1).numpy()
     k = int(np.argmax(probs))
     return {
-        "index": index, "prediction": label_names[k], "label_id": k,
+        "index": index,
+        "prediction": label_names[k],
+        "label_id": k,
         "probabilities": {name: round(float(p), 6) for name, p in zip(label_names, probs)},
-    }  # fmt: skip
+    }

@@ -88,10 +88,19 @@ class Trainer:
     parts it works with: the data, where the run's files and logs go, the ranks (``ctx``), the stop flag."""
 
     def __init__(
-        self, settings: TrainerSettings, *, runner: Runner, stream: TrainStream, data: TaskData,
-        evaluate: Evaluate, files: RunFiles, loggers: list[Logger], summary: Summary, ctx: DistContext,
+        self,
+        settings: TrainerSettings,
+        *,
+        runner: Runner,
+        stream: TrainStream,
+        data: TaskData,
+        evaluate: Evaluate,
+        files: RunFiles,
+        loggers: list[Logger],
+        summary: Summary,
+        ctx: DistContext,
         stop: StopFlag | None = None,
-    ):  # fmt: skip
+    ):
         self.settings = settings
         self.runner, self.stream, self.data = runner, stream, data
         self.evaluate_fn, self.files, self.loggers, self.summary = evaluate, files, loggers, summary
@@ -201,9 +210,14 @@ class Trainer:
         step = self.runner.step_count
         knobs = self.settings
         path = ckpt.save(
-            self.ckpt_root, step, self.runner, knobs.ident, self.state(), knobs.keep_checkpoints,
+            self.ckpt_root,
+            step,
+            self.runner,
+            knobs.ident,
+            self.state(),
+            knobs.keep_checkpoints,
             knobs.config_yaml,
-        )  # fmt: skip
+        )
         self.last_saved = step
         self.note(f"saved checkpoint step {step} to {path} in {time.perf_counter() - t0:.2f} s")
         return path
@@ -310,11 +324,20 @@ class Trainer:
                 self.phase_sum[k] = self.phase_sum.get(k, 0.0) + v
         if step % knobs.log_every == 0 or step == knobs.steps or report.skipped:
             row = MetricsRow(
-                step=step, loss=report.loss, lr=report.lr, samples_per_s=sps, step_time_s=report.step_time_s,
-                device_peak_bytes=meter.peak_bytes, device_bytes=meter.current_bytes, skipped=report.skipped,
-                grad_norm=report.grad_norm, loss_scale=report.loss_scale, phases=report.phases,
-                tokens_per_s=tps, extra={**self.data.spec.step_metrics(report.loss), **report.extra},
-            )  # fmt: skip
+                step=step,
+                loss=report.loss,
+                lr=report.lr,
+                samples_per_s=sps,
+                step_time_s=report.step_time_s,
+                device_peak_bytes=meter.peak_bytes,
+                device_bytes=meter.current_bytes,
+                skipped=report.skipped,
+                grad_norm=report.grad_norm,
+                loss_scale=report.loss_scale,
+                phases=report.phases,
+                tokens_per_s=tps,
+                extra={**self.data.spec.step_metrics(report.loss), **report.extra},
+            )
             for logger in self.loggers:
                 logger.log_step(row)
         if self.bad_in_row >= knobs.max_bad_steps:

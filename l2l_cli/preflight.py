@@ -28,9 +28,14 @@ MAX_SWEEP_JOBS = 512
 
 
 def preflight(
-    overrides: list[str], multirun: bool, warn: list[str] | None = None, *, resume: Path | None = None,
-    info: dict[str, Any] | None = None, check_space: bool = True,
-) -> list[Problem]:  # fmt: skip
+    overrides: list[str],
+    multirun: bool,
+    warn: list[str] | None = None,
+    *,
+    resume: Path | None = None,
+    info: dict[str, Any] | None = None,
+    check_space: bool = True,
+) -> list[Problem]:
     """All problems with an ``l2l train`` command line (empty: safe to start).
 
     In a sweep, a job whose own combination is invalid (say mode=baseline with micro-batches) does not

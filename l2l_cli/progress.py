@@ -154,10 +154,13 @@ def summary_table(summary: Summary) -> Table:
     pipe = summary.sections.get("pipeline")
     if pipe and pipe.get("bubble_measured") is not None:  # layered-GA §4: measured vs appendix C
         rows.append(
-            ("pipeline", f"{pipe['data_parallel']} x {pipe['pipeline']} ranks, {pipe['placement']} "
-             f"{pipe['schedule']}: bubble {pipe['bubble_measured']:.1%} (predicted {pipe['bubble_predicted']:.1%} "
-             f"counting the schedule's actions and messages, {pipe['bubble_predicted_paper']:.1%} the paper's)")
-        )  # fmt: skip
+            (
+                "pipeline",
+                f"{pipe['data_parallel']} x {pipe['pipeline']} ranks, {pipe['placement']} "
+                f"{pipe['schedule']}: bubble {pipe['bubble_measured']:.1%} (predicted {pipe['bubble_predicted']:.1%} "
+                f"counting the schedule's actions and messages, {pipe['bubble_predicted_paper']:.1%} the paper's)",
+            )
+        )
     for name, value in summary.eval.items():
         rows.append((f"eval {name}", f"{value:.4f}"))
     rows.append(("run dir", summary.run_dir))

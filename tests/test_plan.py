@@ -48,11 +48,15 @@ def v1_inputs() -> dict[str, float]:
     hw = OmegaConf.load(REPO / "conf" / "hardware" / "v100-16g.yaml")
     T = hw.device_tflops * 1e12
     return {
-        "N": 24, "u": 16,
-        "Ft": 4 * 12e9 / T, "Bt": 4 * 24e9 / T,
-        "Ot": 100e9 / (hw.device_optim_gflops * 1e9), "Otc": 100e9 / (hw.host_gflops * 1e9),
-        "L": BERT_LARGE.block_params * 4.0, "Hb": hw.h2d_gbps * 1e9,
-    }  # fmt: skip
+        "N": 24,
+        "u": 16,
+        "Ft": 4 * 12e9 / T,
+        "Bt": 4 * 24e9 / T,
+        "Ot": 100e9 / (hw.device_optim_gflops * 1e9),
+        "Otc": 100e9 / (hw.host_gflops * 1e9),
+        "L": BERT_LARGE.block_params * 4.0,
+        "Hb": hw.h2d_gbps * 1e9,
+    }
 
 
 def test_v1_worked_example_baseline_and_l2l_p_match_the_paper_within_its_rounding() -> None:
@@ -396,9 +400,16 @@ def test_hardware_measure_times_a_language_model(capsys) -> None:
 
     torch.set_num_threads(1)
     plan = run_json(
-        capsys, "hardware=measure", "plan.measure_repeats=1", "model=llama-tiny", "task=lm",
-        "batch.size=2", "batch.ubatch_size=1", "task.max_seq_len=16", "mode=l2l",
-    )  # fmt: skip
+        capsys,
+        "hardware=measure",
+        "plan.measure_repeats=1",
+        "model=llama-tiny",
+        "task=lm",
+        "batch.size=2",
+        "batch.ubatch_size=1",
+        "task.max_seq_len=16",
+        "mode=l2l",
+    )
     assert plan["hardware"]["measured"]["block_forward_s"] > 0
 
 
@@ -415,8 +426,13 @@ def test_compare_reads_a_run_dir(capsys, tmp_path) -> None:
         "transfer": 0.1,
         "other": 0.05,
     }
-    summary = {"status": "ok", "step_time_s": 2.35, "samples_per_s": 16 / 2.35, "time_breakdown_s": measured,
-               "device_peak_bytes": 40_000_000}  # fmt: skip
+    summary = {
+        "status": "ok",
+        "step_time_s": 2.35,
+        "samples_per_s": 16 / 2.35,
+        "time_breakdown_s": measured,
+        "device_peak_bytes": 40_000_000,
+    }
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     plan = run_json(capsys, "--compare", str(tmp_path))
     cmp_ = plan["compare"]
@@ -461,8 +477,16 @@ def test_compare_run_is_the_round_trip_report_can_call(tmp_path) -> None:
 def test_the_pipeline_section_counts_messages_for_both_placements() -> None:
     """Issue 23: the bubble adds each rank's 2(S-1)n_mu/P exchanges at the preset's latency + bytes over its
     network; the paper's free-overlap value stays beside it; L2L stages keep the rank's state on the host."""
-    over = ["model=bert-mini", "model.num_layers=8", "dist.nproc=2", "dist.pipeline=2", "batch.size=16",
-            "batch.ubatch_size=4", "task.max_seq_len=128", "hardware=cpu-eps"]  # fmt: skip
+    over = [
+        "model=bert-mini",
+        "model.num_layers=8",
+        "dist.nproc=2",
+        "dist.pipeline=2",
+        "batch.size=16",
+        "batch.ubatch_size=4",
+        "task.max_seq_len=128",
+        "hardware=cpu-eps",
+    ]
     cfg = compose([*over, "mode=baseline_ag"])
     pipe = make_plan(cfg)["pipeline"]
     rows = {(r["placement"], r["schedule"]): r for r in pipe["alternatives"]}
@@ -513,8 +537,16 @@ def test_hardware_measure_puts_the_measured_action_cost_into_the_pipeline_model(
     processes) and the planner's pipeline section predicts with that constant, not the preset's."""
     from l2l_cli.plan import measure
 
-    over = ["model=bert-mini", "model.num_layers=8", "dist.nproc=2", "dist.pipeline=2", "batch.size=16",
-            "batch.ubatch_size=4", "task.max_seq_len=128", "mode=baseline_ag"]  # fmt: skip
+    over = [
+        "model=bert-mini",
+        "model.num_layers=8",
+        "dist.nproc=2",
+        "dist.pipeline=2",
+        "batch.size=16",
+        "batch.ubatch_size=4",
+        "task.max_seq_len=128",
+        "mode=baseline_ag",
+    ]
     cfg = compose([*over, "hardware=cpu-eps"])
     shape = model_shape(cfg)[0]
     lt = resolve(cfg, shape).layer_times(shape, 128, 4)

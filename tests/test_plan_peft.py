@@ -23,8 +23,15 @@ from l2l_cli.plan.planner import make_plan, model_shape
 from l2l_cli.plan.render import fmt_s
 
 GiB = 2**30
-ACCEPT = ["model=llama-70b", "task=lm", "peft=lora", "peft.base_dtype=nf4", "peft.base_source=disk",
-          "hardware.device_memory_gb=24", "hardware.host_memory_gb=64"]  # fmt: skip
+ACCEPT = [
+    "model=llama-70b",
+    "task=lm",
+    "peft=lora",
+    "peft.base_dtype=nf4",
+    "peft.base_source=disk",
+    "hardware.device_memory_gb=24",
+    "hardware.host_memory_gb=64",
+]
 TINY_LM = [
     "model=llama-tiny",
     "task=lm",
@@ -64,8 +71,11 @@ def test_70b_nf4_from_disk_fits_a_24gb_gpu_and_64gb_of_ram(capsys) -> None:
     out = capsys.readouterr().out
     assert "✓ fits" in out and "LoRA r=8, base nf4 on disk, adamw" in out and "bound by:" in out
     assert f"step {fmt_s(p['step_time_s']['total'])}, bound by {pe['bound']}" in out
-    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]] for line in out.splitlines()
-            if line.startswith("│") and line.count("│") == 7}  # fmt: skip
+    rows = {
+        line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+        for line in out.splitlines()
+        if line.startswith("│") and line.count("│") == 7
+    }
     assert rows["frozen base, nf4"][1:3] == [f"{pe['base_bytes_per_param']:.3g}", "disk"]
     assert rows["read ahead (3 layers at most)"][1:3] == ["0", "RAM"]
     assert rows["adapters' state (adamw)"][1:3] == ["16", "RAM"]

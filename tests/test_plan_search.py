@@ -37,16 +37,58 @@ MONTH = 365.25 / 12
 #   3d Improved ✗2415 1 5 38640 483 5 16 0.88 6.8 d       | 0.364 1.22 2.75 0.389 1.58 3.14
 # (mix, method, (offload, b, b_mu, n_mu, n_b, n_l, n_a), efficiency, days, memory)
 TABLE_6_1 = [
-    ("none", "baseline", (True, 2416, 4, 604, 1, 1, 1), 1.00, 630 * 365, (14.1e3, 47.2e3, 43.9, 24.9, 61.2e3, 68.8)),
-    ("data", "baseline", (True, 2415, 5, 1, 483, 1, 1), 1.00, 1.3 * 365, (14.1e3, 97.7, 43.9, 31.1, 14.2e3, 75.1)),
-    ("data", "partitioned", (True, 2415, 5, 1, 483, 1, 1), 1.00, 1.3 * 365, (29.1, 97.7, 43.9, 31.1, 127, 75.1)),
-    ("data+pipe", "baseline", (True, 2412, 4, 201, 3, 160, 1), 0.56, 2.4 * 365, (87.9, 98.1, 43.9, 24.9, 186, 68.8)),
-    ("data+pipe", "improved", (False, 2415, 1, 5, 483, 5, 1), 0.94, 100, (5.82, 19.5, 43.9, 6.23, 25.4, 50.2)),
+    (
+        "none",
+        "baseline",
+        (True, 2416, 4, 604, 1, 1, 1),
+        1.00,
+        630 * 365,
+        (14.1e3, 47.2e3, 43.9, 24.9, 61.2e3, 68.8),
+    ),
+    (
+        "data",
+        "baseline",
+        (True, 2415, 5, 1, 483, 1, 1),
+        1.00,
+        1.3 * 365,
+        (14.1e3, 97.7, 43.9, 31.1, 14.2e3, 75.1),
+    ),
+    (
+        "data",
+        "partitioned",
+        (True, 2415, 5, 1, 483, 1, 1),
+        1.00,
+        1.3 * 365,
+        (29.1, 97.7, 43.9, 31.1, 127, 75.1),
+    ),
+    (
+        "data+pipe",
+        "baseline",
+        (True, 2412, 4, 201, 3, 160, 1),
+        0.56,
+        2.4 * 365,
+        (87.9, 98.1, 43.9, 24.9, 186, 68.8),
+    ),
+    (
+        "data+pipe",
+        "improved",
+        (False, 2415, 1, 5, 483, 5, 1),
+        0.94,
+        100,
+        (5.82, 19.5, 43.9, 6.23, 25.4, 50.2),
+    ),
     ("data+tensor", "baseline", (True, 2415, 5, 1, 483, 1, 16), 0.93, 32, (879, 6.10, 2.75, 1.95, 885, 4.69)),
-    ("data+tensor", "partitioned", (False, 2415, 5, 1, 483, 1, 16), 0.93, 32, (1.82, 6.10, 2.75, 1.95, 7.92, 4.69)),
+    (
+        "data+tensor",
+        "partitioned",
+        (False, 2415, 5, 1, 483, 1, 16),
+        0.93,
+        32,
+        (1.82, 6.10, 2.75, 1.95, 7.92, 4.69),
+    ),
     ("3d", "baseline", (False, 2408, 1, 172, 14, 160, 16), 0.48, 13, (5.49, 1.31, 2.75, 0.389, 6.81, 3.14)),
     ("3d", "improved", (False, 2415, 1, 5, 483, 5, 16), 0.88, 6.8, (0.364, 1.22, 2.75, 0.389, 1.58, 3.14)),
-]  # fmt: skip
+]
 
 
 def printed(ours: float, paper: float, digits: int = 3) -> bool:
@@ -152,8 +194,16 @@ def test_the_search_and_the_per_config_model_agree() -> None:
         r = S._evaluate(X160, b, method, mix, c)
         for i in rng.choice(c["b_mu"].size, 40, replace=False):
             n_b = int(max(r["n_b"][i], 1))
-            cfg = ga.Parallel(method, int(c["b_mu"][i] * c["n_mu"][i] * n_b), int(c["b_mu"][i]), int(c["n_mu"][i]),
-                              n_b, int(c["n_l"][i]), int(c["n_a"][i]), bool(c["offload"][i]))  # fmt: skip
+            cfg = ga.Parallel(
+                method,
+                int(c["b_mu"][i] * c["n_mu"][i] * n_b),
+                int(c["b_mu"][i]),
+                int(c["n_mu"][i]),
+                n_b,
+                int(c["n_l"][i]),
+                int(c["n_a"][i]),
+                bool(c["offload"][i]),
+            )
             a = ga.analyze(X160.model, cfg, X160.links, samples=b.steps * X160.b_c)
             assert a["efficiency"] == pytest.approx(float(r["efficiency"][i]), rel=1e-12)
             assert a["train_time_s"] == pytest.approx(float(r["time_s"][i]), rel=1e-12)
@@ -181,8 +231,18 @@ def test_the_config_view_uses_the_same_formulas() -> None:
     rate of the config's precision (fp32 here: the preset's TF32 78 TFLOP/s, 25% of the 312 peak)."""
     from l2l_cli.plan.planner import make_plan
 
-    cfg = compose(["model=x", "model.x=16", "hardware=a100-80g", "batch.size=8", "batch.ubatch_size=2",
-                   "plan.data_parallel=4", "plan.pipeline_parallel=2", "plan.tensor_parallel=2"])  # fmt: skip
+    cfg = compose(
+        [
+            "model=x",
+            "model.x=16",
+            "hardware=a100-80g",
+            "batch.size=8",
+            "batch.ubatch_size=2",
+            "plan.data_parallel=4",
+            "plan.pipeline_parallel=2",
+            "plan.tensor_parallel=2",
+        ]
+    )
     ga_view = make_plan(cfg)["layered_ga"]
     assert ga_view["mfu"] == pytest.approx(78 / 312)
     m = ga.x_family(16)
@@ -283,7 +343,11 @@ def test_section_7_memory_statements_all_put_the_infiniband_tensor_cap_near_28_p
         mem = ga.memory(ga.x_family(x), replace(f.config, n_a=n_a))
         assert (mem["offloadable"] + mem["non_offloadable"]) / GiB == pytest.approx(gb, abs=0.1)
     assert [round(lk.threshold(50.0) * (n - 1) / (4 * x * x), 3) for n in (20, 21, 22, 23)] == [
-        0.247, 0.260, 0.273, 0.287]  # fmt: skip
+        0.247,
+        0.260,
+        0.273,
+        0.287,
+    ]
     # the sawtooth
     assert [best(x) is not None for x in (442, 444, 446, 448)] == [True, False, True, False]
     assert (best(446).config.n_a, best(442).config.n_a) == (35, 34)
@@ -328,10 +392,13 @@ def test_section_7_time_statements_hold_only_if_the_tensor_overhead_is_not_charg
     assert (l5["one_month_params"], l5["one_year_params"]) == pytest.approx((42.2, 954), rel=0.01)
     assert l4["one_year_params"] == pytest.approx(43.4, rel=0.01)
     assert (l4["fits_80gb_params"], l4["offload_above_params"]) == pytest.approx((202, 64.8), rel=0.01)
-    assert [l4c[k] for k in ("fits_80gb_params", "offload_above_params", "one_month_params",
-                             "one_year_params")] == pytest.approx([275, 85.5, 4.74, 49.4], rel=0.01)  # fmt: skip
-    effs = {mix: S.search_one(X160, S.Bounds(), m, mix).efficiency
-            for mix, m in (("data+tensor", "partitioned"), ("3d", "improved"))}  # fmt: skip
+    assert [
+        l4c[k] for k in ("fits_80gb_params", "offload_above_params", "one_month_params", "one_year_params")
+    ] == pytest.approx([275, 85.5, 4.74, 49.4], rel=0.01)
+    effs = {
+        mix: S.search_one(X160, S.Bounds(), m, mix).efficiency
+        for mix, m in (("data+tensor", "partitioned"), ("3d", "improved"))
+    }
     assert effs == pytest.approx({"data+tensor": 1.0, "3d": 0.94}, abs=0.005)
 
 
@@ -410,8 +477,11 @@ def _x160_best_over(links: ga.Links, eq: int, pipe: str) -> tuple[float, tuple[i
     nu_d = tr["data"]["value"] * (1.5 if eq == 8 else 1.0)
     ok = (n_l <= n_mu) & (nu_d >= tr["data"]["threshold"])
     r = np.where(n_l > 1, tr["pipeline"]["threshold"] / tr["pipeline"]["value"], 0.0)
-    exposed = {"ours": np.where(tr["pipeline"]["overlapped"], 0.0, r),
-               "partial": np.maximum(0.0, n_l * (1 + r) / n_mu - 1), "free": 0.0}[pipe]  # fmt: skip
+    exposed = {
+        "ours": np.where(tr["pipeline"]["overlapped"], 0.0, r),
+        "partial": np.maximum(0.0, n_l * (1 + r) / n_mu - 1),
+        "free": 0.0,
+    }[pipe]
     tensor = tr["tensor"]["threshold"] / tr["tensor"]["value"]
     eff = 1.0 / ((1 + ga.bubble_of(m, "improved", n_mu, n_l)) * (1 + exposed) * (1 + tensor))
     thr = np.where(ok, n_b * n_l * 16 * eff, 0.0)
@@ -441,8 +511,11 @@ def test_figure_8_readings_tried() -> None:
     eth = replace(X160.links, network_gbps=6.25)
     ib = S.search_one(X160, S.Bounds(), "improved", "3d")
     ib_thr = ib.config.n_gpu * ib.efficiency
-    slow = {(eq, pipe): ib_thr / _x160_best_over(eth, eq, pipe)[0] - 1
-            for eq in (9, 8) for pipe in ("ours", "partial", "free")}  # fmt: skip
+    slow = {
+        (eq, pipe): ib_thr / _x160_best_over(eth, eq, pipe)[0] - 1
+        for eq in (9, 8)
+        for pipe in ("ours", "partial", "free")
+    }
     assert slow[9, "ours"] == pytest.approx(F.ethernet_slowdown(ga.Links(), 50.0, 6.25), abs=1e-9)
     assert slow[9, "free"] == pytest.approx(0.156, abs=0.005)
     assert slow[9, "partial"] == pytest.approx(0.398, abs=0.005)
@@ -516,8 +589,25 @@ def test_scaling_writes_the_figures_csv_and_limits(capsys, tmp_path) -> None:
 # The command
 
 
-ROW_FIELDS = {"parallelism", "method", "offload", "b", "b_mu", "n_mu", "n_gpu", "n_b", "n_l", "n_a", "efficiency",
-              "days", "memory", "binding", "command", "l2l_runs", "steps"}  # fmt: skip
+ROW_FIELDS = {
+    "parallelism",
+    "method",
+    "offload",
+    "b",
+    "b_mu",
+    "n_mu",
+    "n_gpu",
+    "n_b",
+    "n_l",
+    "n_a",
+    "efficiency",
+    "days",
+    "memory",
+    "binding",
+    "command",
+    "l2l_runs",
+    "steps",
+}
 MEM_FIELDS = {"state", "checkpoint", "buffers", "activations", "offloadable", "non_offloadable"}
 
 
@@ -599,8 +689,20 @@ def test_plan_takes_a_plan_recipe_and_refuses_a_training_sweep(capsys) -> None:
     training recipe's sweep is not one config."""
     cfg = compose(["recipe=layered_ga_scaling"])
     assert (cfg.hardware.name, cfg.plan.network, cfg.plan.max_overhead) == ("a100-80g", "infiniband", 0.25)
-    assert main(["--search", "--json", "recipe=layered_ga_scaling", "model=x", "model.x=160",
-                 "plan.parallelism=3d", "plan.method=improved"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "--search",
+                "--json",
+                "recipe=layered_ga_scaling",
+                "model=x",
+                "model.x=160",
+                "plan.parallelism=3d",
+                "plan.method=improved",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["search"][0]["n_gpu"] == 38640
     assert main(["recipe=l2l_v2_table2"]) == 2
     assert "a sweep of 4 jobs (run it with l2l train)" in capsys.readouterr().err

@@ -22,8 +22,16 @@ from l2l_cli.engine.tiers.disk.format import ALIGN, AlignedBuffer, DiskIo
 from l2l_cli.problems import writing
 
 CHUNK = 32 << 20  # the streaming writer's staging buffer, bytes
-_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-              torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}  # fmt: skip
+_ST_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 _staging = threading.local()
 
 

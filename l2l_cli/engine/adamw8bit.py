@@ -138,9 +138,17 @@ class AdamW8bit(torch.optim.Optimizer):
                 self._update(p.view(-1), p.grad.view(-1), st, lr, b1, b2, eps, wd, t)
 
     def _update(
-        self, w: torch.Tensor, g: torch.Tensor, st: dict[str, torch.Tensor], lr: float, b1: float, b2: float,
-        eps: float, wd: float, t: float,
-    ) -> None:  # fmt: skip
+        self,
+        w: torch.Tensor,
+        g: torch.Tensor,
+        st: dict[str, torch.Tensor],
+        lr: float,
+        b1: float,
+        b2: float,
+        eps: float,
+        wd: float,
+        t: float,
+    ) -> None:
         signed, unsigned = self.maps(w.device)
         step_size = lr / (1 - b1**t)
         bc2_sqrt = math.sqrt(1 - b2**t)

@@ -104,8 +104,9 @@ def from_env(cfg: Any) -> DistContext:
     # NCCL refuses host tensors; the EPS thread's group is not shared (collectives on one group from two
     # threads would interleave differently on each rank)
     host = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
-    return DistContext(rank, world, local_rank, eps_group, data_rank=rank, data_world=world, backend=backend,
-                       host_group=host)  # fmt: skip
+    return DistContext(
+        rank, world, local_rank, eps_group, data_rank=rank, data_world=world, backend=backend, host_group=host
+    )
 
 
 def shutdown(ctx: DistContext) -> None:

@@ -150,8 +150,9 @@ class OptimSettings:
 
     @classmethod
     def from_cfg(cls, o: Any) -> OptimSettings:
-        return cls(o.name, o.lr, o.weight_decay, o.beta1, o.beta2, o.eps, o.warmup_ratio, o.warmup_steps,
-                   o.schedule)  # fmt: skip
+        return cls(
+            o.name, o.lr, o.weight_decay, o.beta1, o.beta2, o.eps, o.warmup_ratio, o.warmup_steps, o.schedule
+        )
 
 
 def make_optimizer(groups: list[dict[str, Any]], o: OptimSettings) -> torch.optim.Optimizer:

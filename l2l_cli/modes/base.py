@@ -231,9 +231,14 @@ class RunnerBase:
     def finish(self, loss: torch.Tensor, samples: int, t0: float, lr: float, **kw: Any) -> StepReport:
         self.step_count += 1
         return StepReport(
-            loss=float(loss), samples=samples, step_time_s=time.perf_counter() - t0, phases=self.timer.pop(),
-            lr=lr, loss_scale=self.precision.scaler.scale, **kw,
-        )  # fmt: skip
+            loss=float(loss),
+            samples=samples,
+            step_time_s=time.perf_counter() - t0,
+            phases=self.timer.pop(),
+            lr=lr,
+            loss_scale=self.precision.scaler.scale,
+            **kw,
+        )
 
     def host_parts(self) -> dict[str, int]:
         return {}

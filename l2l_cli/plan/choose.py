@@ -145,10 +145,20 @@ def setup_of(f: Found, seq: int) -> Any:
     if f.method == GA_IMPROVED and c.n_l == 1:
         return est.Setup("l2l", "device", True, "cmp", seq, batch, c.b_mu, c.n_gpu)
     modular = f.method != GA_BASELINE
-    return est.Setup("baseline_ag", None, True, "amp", seq, batch, c.b_mu, c.n_gpu, pipeline=c.n_l,
-                     placement="modular" if modular else "contiguous",
-                     schedule="breadth_first" if modular else "1f1b",
-                     partition_state=modular and c.n_l > 1 and c.n_b > 1)  # fmt: skip
+    return est.Setup(
+        "baseline_ag",
+        None,
+        True,
+        "amp",
+        seq,
+        batch,
+        c.b_mu,
+        c.n_gpu,
+        pipeline=c.n_l,
+        placement="modular" if modular else "contiguous",
+        schedule="breadth_first" if modular else "1f1b",
+        partition_state=modular and c.n_l > 1 and c.n_b > 1,
+    )
 
 
 def l2l_fits(f: Found, shape: Any, seq: int, hw: Any) -> str:
@@ -165,8 +175,10 @@ def l2l_fits(f: Found, shape: Any, seq: int, hw: Any) -> str:
     if dev > hw.device_memory_gb * ga.GiB:
         return f"l2l's {s.mode} needs {dev / ga.GiB:,.1f} GiB per GPU > hardware.device_memory_gb={hw.device_memory_gb:g}"
     if on_node * host > hw.host_memory_gb * ga.GiB:
-        return (f"{on_node} ranks on a node, each EPS holding the whole state: {on_node * host / ga.GiB:,.0f} GiB "
-                f"host memory > hardware.host_memory_gb={hw.host_memory_gb:g} (per node)")  # fmt: skip
+        return (
+            f"{on_node} ranks on a node, each EPS holding the whole state: {on_node * host / ga.GiB:,.0f} GiB "
+            f"host memory > hardware.host_memory_gb={hw.host_memory_gb:g} (per node)"
+        )
     return ""
 
 

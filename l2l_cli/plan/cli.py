@@ -77,8 +77,14 @@ def _jsonable(obj: Any) -> Any:
 
 def parse(argv: list[str]) -> tuple[dict[str, Any], list[str], list[str]]:
     """(flags, overrides, errors)."""
-    flags: dict[str, Any] = {"json": False, "compare": None, "help": False, "search": False, "scaling": False,
-                             "out": None}  # fmt: skip
+    flags: dict[str, Any] = {
+        "json": False,
+        "compare": None,
+        "help": False,
+        "search": False,
+        "scaling": False,
+        "out": None,
+    }
     overrides, errors = [], []
     it = iter(argv)
     for a in it:

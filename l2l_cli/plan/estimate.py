@@ -65,16 +65,28 @@ class Setup:
 
         pipe = PipelineSettings.from_cfg(cfg)
         return cls(
-            cfg.mode.name, run_stash(cfg), bool(cfg.mode.prefetch), run_precision(cfg), cfg.task.max_seq_len,
-            cfg.batch.size, cfg.batch.ubatch_size, cfg.dist.nproc, cfg.eps.tier, cfg.eps.host_cache_layers,
-            pipe.pipeline, pipe.placement, pipe.schedule,
-            pipe.layers_per_stage if pipe.placement == "modular" else 1, pipe.partition_state,
-            grad_ram_gb=cfg.eps.grad_ram_gb, grad_ram_layers=cfg.eps.grad_ram_layers,
+            cfg.mode.name,
+            run_stash(cfg),
+            bool(cfg.mode.prefetch),
+            run_precision(cfg),
+            cfg.task.max_seq_len,
+            cfg.batch.size,
+            cfg.batch.ubatch_size,
+            cfg.dist.nproc,
+            cfg.eps.tier,
+            cfg.eps.host_cache_layers,
+            pipe.pipeline,
+            pipe.placement,
+            pipe.schedule,
+            pipe.layers_per_stage if pipe.placement == "modular" else 1,
+            pipe.partition_state,
+            grad_ram_gb=cfg.eps.grad_ram_gb,
+            grad_ram_layers=cfg.eps.grad_ram_layers,
             clip_global=run_clip(cfg) == "global",
             bf16_master_planes=run_precision(cfg) == "cmp" and cfg.precision.dtype == "bf16",
             **device_terms(cfg),
             optim=cfg.optim.name,
-        )  # fmt: skip
+        )
 
     @property
     def disk(self) -> bool:
@@ -344,9 +356,7 @@ def dequantize_time(shape: ModelShape, s: Setup, rates: Rates) -> float:
     return pe.dequant_bytes(device_weight_bytes(s.precision)) / bw
 
 
-def _base_reads(
-    out: Phase, s: Setup, rates: Rates, pe: Any, fwd: list[float], win_b: list[float]
-) -> None:  # fmt: skip
+def _base_reads(out: Phase, s: Setup, rates: Rates, pe: Any, fwd: list[float], win_b: list[float]) -> None:
     """A frozen base on disk (``peft.base_source=disk``): the relay reads each layer's file at every load
     (:meth:`PeftShape.loads`: the forward, then the backward's recompute + backward from one load), with
     ``READ_AHEAD`` layers read ahead on a thread of its own in the direction the pass goes
@@ -414,9 +424,15 @@ def _disk(
 
 
 def _transfer(
-    out: Phase, s: Setup, rates: Rates, fwd: list[float], win_b: list[float], load: list[float],
-    stash: list[float], grads: list[float] | None = None,
-) -> None:  # fmt: skip
+    out: Phase,
+    s: Setup,
+    rates: Rates,
+    fwd: list[float],
+    win_b: list[float],
+    load: list[float],
+    stash: list[float],
+    grads: list[float] | None = None,
+) -> None:
     """Layer loads (h2d), gradients (d2h) and the CPU stash (d2h in forward, h2d in backward).
 
     Inline copies (a CPU device tier) are all exposed. With copy engines, a copy hides behind the compute
@@ -515,11 +531,15 @@ def eps_tier(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Any] | None
     for tier in TIERS:  # the registered tiers, host first
         r = evaluate(shape, s.but(tier=tier), rates)
         tiers[tier] = {
-            "host_bytes": r["host_bytes"], "disk_bytes": r["disk_bytes"], "fits": r["fits"],
-            "host_fits": r["host_node_bytes"] <= rates.host_memory, "disk_fits": r["disk_bytes"] <= rates.disk_free,
-            "step_time_s": r["step_time_s"], "disk_wait_s": r["phases"]["disk_wait"].exposed,
+            "host_bytes": r["host_bytes"],
+            "disk_bytes": r["disk_bytes"],
+            "fits": r["fits"],
+            "host_fits": r["host_node_bytes"] <= rates.host_memory,
+            "disk_fits": r["disk_bytes"] <= rates.disk_free,
+            "step_time_s": r["step_time_s"],
+            "disk_wait_s": r["phases"]["disk_wait"].exposed,
             "disk_hidden_s": r["phases"]["disk_wait"].hidden,
-        }  # fmt: skip
+        }
     # a tier in RAM needs its state to fit there; one on disk needs the whole run (disk, RAM, device) to fit
     # (a tier on disk holds FP32 moments only: not a choice for adamw8bit yet)
     needed = next(
@@ -637,12 +657,17 @@ def compare_modes(shape: ModelShape, s: Setup, rates: Rates) -> list[dict[str, A
         r = evaluate(shape, alt, rates)
         rows.append(
             {
-                "method": r["label"], "ubatch_size": alt.ubatch, "num_ubatches": alt.num_ubatches,
-                "device_bytes": r["device_bytes"], "host_bytes": r["host_bytes"], "fits": r["fits"],
-                "step_time_s": r["step_time_s"], "samples_per_s": r["samples_per_s"],
+                "method": r["label"],
+                "ubatch_size": alt.ubatch,
+                "num_ubatches": alt.num_ubatches,
+                "device_bytes": r["device_bytes"],
+                "host_bytes": r["host_bytes"],
+                "fits": r["fits"],
+                "step_time_s": r["step_time_s"],
+                "samples_per_s": r["samples_per_s"],
                 "configured": alt == s,
             }
-        )  # fmt: skip
+        )
     return rows
 
 
@@ -658,8 +683,11 @@ def peft_view(shape: ModelShape, s: Setup, rates: Rates, result: dict[str, Any])
     P = shape.total_params
     mem = result["memory"]
     e = device_weight_bytes(s.precision)
-    host_state = sum(v for k, v in mem["host"].items() if k in ("training_state", "frozen_base", "eps_cache",
-                                                                "eps_grad_pool"))  # fmt: skip
+    host_state = sum(
+        v
+        for k, v in mem["host"].items()
+        if k in ("training_state", "frozen_base", "eps_cache", "eps_grad_pool")
+    )
     phases = result["phases"]
     compute = sum(phases[k].exposed + phases[k].hidden for k in ("forward", "recompute", "backward"))
     dequant = dequantize_time(shape, s, rates) if s.l2l else 0.0
@@ -673,8 +701,12 @@ def peft_view(shape: ModelShape, s: Setup, rates: Rates, result: dict[str, Any])
     }
     # the relay's reads, copies and the host's updates run beside the compute; the dequantize runs on
     # the compute's stream, in line with it
-    lanes = {"compute + dequantize": compute + dequant, "disk read": terms["disk_read"],
-             "link": terms["link"], "host optimizer": terms["optimizer"]}  # fmt: skip
+    lanes = {
+        "compute + dequantize": compute + dequant,
+        "disk read": terms["disk_read"],
+        "link": terms["link"],
+        "host optimizer": terms["optimizer"],
+    }
     bound = max(lanes, key=lanes.get)
     return {
         **pe.summary(P),
@@ -845,8 +877,10 @@ def _simulation(
     if s.l2l:  # a body layer's backward chunk recomputes its forward first
         table = {i: (f, b + (f if i != head else 0.0)) for i, (f, b) in per.items()}
     else:
-        table = {st: (sum(per[i][0] for i in plan.layers(st)), sum(per[i][1] for i in plan.layers(st)))
-                 for st in range(plan.num_stages)}  # fmt: skip
+        table = {
+            st: (sum(per[i][0] for i in plan.layers(st)), sum(per[i][1] for i in plan.layers(st)))
+            for st in range(plan.num_stages)
+        }
     return simulate(
         orders if orders is not None else _orders(shape, s),
         table_cost(table, load_s),
@@ -907,9 +941,12 @@ def pipeline_memory(shape: ModelShape, s: Setup) -> dict[str, dict[str, float]]:
     if s.l2l:  # L2L stages: the relay's slots and the stash on the device, the rank's state on its EPS
         A = shape.output_bytes(s.seq, s.precision)
         slots = 2 if s.prefetch else 1
-        dev = {"param_grad_buffers": 2.0 * slots * shape.max_layer_params * device_weight_bytes(s.precision),
-               "stash": 2.0 * s.ubatch * A if s.stash == "cpu" else layers * s.batch * A,
-               "working_activations": s.ubatch * shape.block_working_bytes(s.seq, s.precision, s.att_half) + 2 * s.batch * A}  # fmt: skip
+        dev = {
+            "param_grad_buffers": 2.0 * slots * shape.max_layer_params * device_weight_bytes(s.precision),
+            "stash": 2.0 * s.ubatch * A if s.stash == "cpu" else layers * s.batch * A,
+            "working_activations": s.ubatch * shape.block_working_bytes(s.seq, s.precision, s.att_half)
+            + 2 * s.batch * A,
+        }
         host = {"training_state": FP32_STATE * params}
         if s.stash == "cpu":
             host["stash"] = layers * s.batch * A
@@ -950,26 +987,47 @@ def pipeline_view(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Any] |
             orders = _orders(shape, alt)
             step, busy = _simulation(shape, alt, rates, 0.0 if rates.async_copy else move, orders)
             acts = count(orders[0])
-            rows.append({
-                "placement": placement, "schedule": schedule, "torch_schedule": cls,
-                "stages_per_rank": plan.stages_per_rank, "bubble_overhead": plan.bubble_overhead(s.num_ubatches),
-                "bubble_predicted": sum(1 - c / step for c in busy) / len(busy) if step > 0 else 0.0,
-                "actions_per_rank": acts.total, "action_s": rates.pipe_action, "wake_s": rates.pipe_wake,
-                "bubble_predicted_paper": plan.bubble_fraction(s.num_ubatches),
-                "messages_per_rank": plan.messages_per_rank(s.num_ubatches), "exchange_s": exchange,
-                "step_time_s": r["step_time_s"],
-                "samples_per_s": r["samples_per_s"], "configured": alt == s,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "placement": placement,
+                    "schedule": schedule,
+                    "torch_schedule": cls,
+                    "stages_per_rank": plan.stages_per_rank,
+                    "bubble_overhead": plan.bubble_overhead(s.num_ubatches),
+                    "bubble_predicted": sum(1 - c / step for c in busy) / len(busy) if step > 0 else 0.0,
+                    "actions_per_rank": acts.total,
+                    "action_s": rates.pipe_action,
+                    "wake_s": rates.pipe_wake,
+                    "bubble_predicted_paper": plan.bubble_fraction(s.num_ubatches),
+                    "messages_per_rank": plan.messages_per_rank(s.num_ubatches),
+                    "exchange_s": exchange,
+                    "step_time_s": r["step_time_s"],
+                    "samples_per_s": r["samples_per_s"],
+                    "configured": alt == s,
+                }
+            )
     mine = next(r for r in rows if r["configured"])
     return {
-        "pipeline": s.pipeline, "data_parallel": s.data_parallel, "placement": s.placement, "schedule": s.schedule,
-        "num_ubatches": s.num_ubatches, "layers_per_stage": s.layers_per_stage, "partition_state": s.partition_state,
-        "bubble_overhead": mine["bubble_overhead"], "bubble_predicted": mine["bubble_predicted"],
-        "bubble_predicted_paper": mine["bubble_predicted_paper"], "messages_per_rank": mine["messages_per_rank"],
-        "exchange_s": mine["exchange_s"], "actions_per_rank": mine["actions_per_rank"], "action_s": mine["action_s"],
-        "wake_s": mine["wake_s"], "step_time_s": mine["step_time_s"], "samples_per_s": mine["samples_per_s"],
-        "ranks": _pipeline_ranks(shape, s, rates), "alternatives": rows,
-    }  # fmt: skip
+        "pipeline": s.pipeline,
+        "data_parallel": s.data_parallel,
+        "placement": s.placement,
+        "schedule": s.schedule,
+        "num_ubatches": s.num_ubatches,
+        "layers_per_stage": s.layers_per_stage,
+        "partition_state": s.partition_state,
+        "bubble_overhead": mine["bubble_overhead"],
+        "bubble_predicted": mine["bubble_predicted"],
+        "bubble_predicted_paper": mine["bubble_predicted_paper"],
+        "messages_per_rank": mine["messages_per_rank"],
+        "exchange_s": mine["exchange_s"],
+        "actions_per_rank": mine["actions_per_rank"],
+        "action_s": mine["action_s"],
+        "wake_s": mine["wake_s"],
+        "step_time_s": mine["step_time_s"],
+        "samples_per_s": mine["samples_per_s"],
+        "ranks": _pipeline_ranks(shape, s, rates),
+        "alternatives": rows,
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1022,10 +1080,13 @@ def recompute_choices(
         step = base["step_time_s"] - saved
         device = base["device_bytes"] + extra
         return {
-            "policy": plan.section()["policy"], "kept_layers": plan.kept, "device_bytes": device,
-            "fits": device <= rates.device_memory, "step_time_s": step,
+            "policy": plan.section()["policy"],
+            "kept_layers": plan.kept,
+            "device_bytes": device,
+            "fits": device <= rates.device_memory,
+            "step_time_s": step,
             "samples_per_s": s.batch * s.data_parallel / step if step > 0 else float("inf"),
-        }  # fmt: skip
+        }
 
     rows = [row("full", 0), row("selective", 0)]
     for k in sorted({N // 4, N // 2, N} - {0}):

@@ -195,9 +195,11 @@ def resolve(cfg: Any, shape: ModelShape) -> Rates:
             rates = replace(
                 rates, p2p_latency=latency, p2p_bytes_per_s=bw, pipe_action=action, pipe_wake=wake
             )
-            notes.append(f"pipeline messages measured between two gloo processes: {latency * 1e6:.0f} µs, "
-                         f"{bw / GB:.2f} GB/s; a schedule action {action * 1e6:.0f} µs beyond compute, a message "
-                         f"{wake * 1e6:.0f} µs later while its sender computes")  # fmt: skip
+            notes.append(
+                f"pipeline messages measured between two gloo processes: {latency * 1e6:.0f} µs, "
+                f"{bw / GB:.2f} GB/s; a schedule action {action * 1e6:.0f} µs beyond compute, a message "
+                f"{wake * 1e6:.0f} µs later while its sender computes"
+            )
         if measured.disk is not None:
             d = measured.disk
             rates = replace(

@@ -119,8 +119,12 @@ def render(plan: dict[str, Any], console: Console) -> None:
     t.add_row("[bold]total", *(f"[bold]{fmt_bytes(m[x]['total'])}" for x in tiers))
     if m["host"].get("ranks_on_node", 1) > 1:
         n = m["host"]["ranks_on_node"]
-        t.add_row(f"host per node: {n} ranks share it", "", fmt_bytes(m["host"]["node_total"]),
-                  *([""] if "disk" in tiers else []))  # fmt: skip
+        t.add_row(
+            f"host per node: {n} ranks share it",
+            "",
+            fmt_bytes(m["host"]["node_total"]),
+            *([""] if "disk" in tiers else []),
+        )
     budgets = [fmt_bytes(m[x]["budget"]) for x in tiers]
     budgets[1] += " per node"  # the second column, host memory: its ranks share a node's
     t.add_row("budget", *budgets)
@@ -181,10 +185,15 @@ def render(plan: dict[str, Any], console: Console) -> None:
     for row in plan["modes"]:
         style = "bold" if row["configured"] else ""
         t.add_row(
-            row["method"], f"{row['ubatch_size']} × {row['num_ubatches']}", fmt_bytes(row["device_bytes"]),
-            fmt_bytes(row["host_bytes"]) if row["host_bytes"] else "-", "yes" if row["fits"] else "[red]no",
-            fmt_s(row["step_time_s"]), f"{row['samples_per_s']:.4g}", style=style,
-        )  # fmt: skip
+            row["method"],
+            f"{row['ubatch_size']} × {row['num_ubatches']}",
+            fmt_bytes(row["device_bytes"]),
+            fmt_bytes(row["host_bytes"]) if row["host_bytes"] else "-",
+            "yes" if row["fits"] else "[red]no",
+            fmt_s(row["step_time_s"]),
+            f"{row['samples_per_s']:.4g}",
+            style=style,
+        )
     console.print(t)
 
     if plan.get("recompute"):
@@ -194,14 +203,29 @@ def render(plan: dict[str, Any], console: Console) -> None:
     t = _table(
         f"Layered-GA view (d_s={ga['d_s']}, p={fmt_n(ga['params'])}): critical batch {plan['critical_batch_size']:.4g}, "
         f"batch {ga['batch']} = {ga['batch_vs_critical']:.2g}× critical; memory in GiB per device",
-        "method", "GPUs", "state", "ckpt", "buffers", "acts", "on-dev", "eff", "time",
-    )  # fmt: skip
+        "method",
+        "GPUs",
+        "state",
+        "ckpt",
+        "buffers",
+        "acts",
+        "on-dev",
+        "eff",
+        "time",
+    )
     for row in ga["methods"]:
         mb = {k: f"{v / GiB:.3g}" for k, v in row["memory_bytes"].items()}
         t.add_row(
-            row["method"], str(row["config"]["n_gpu"]), mb["state"], mb["checkpoints"], mb["buffers"],
-            mb["activations"], mb["non_offloadable"], f"{row['efficiency']:.2f}", fmt_s(row["train_time_s"]),
-        )  # fmt: skip
+            row["method"],
+            str(row["config"]["n_gpu"]),
+            mb["state"],
+            mb["checkpoints"],
+            mb["buffers"],
+            mb["activations"],
+            mb["non_offloadable"],
+            f"{row['efficiency']:.2f}",
+            fmt_s(row["train_time_s"]),
+        )
     console.print(t)
     console.print(
         f"[dim]  (ckpt = activation checkpoints; state and ckpt can be offloaded, on-dev cannot; time = "
@@ -216,20 +240,55 @@ def render_peft(pe: dict[str, Any], console: Console) -> None:
     targets = ",".join(pe["target_modules"])
     t = _table(
         f"LoRA (peft=lora, r={pe['r']} on {targets}): bytes per parameter",
-        "part", "parameters", "B/param", "in", "bytes", "set by",
-    )  # fmt: skip
+        "part",
+        "parameters",
+        "B/param",
+        "in",
+        "bytes",
+        "set by",
+    )
     disk = pe["base_on_disk"]
-    t.add_row(f"frozen base, {pe['base_dtype']}", fmt_n(pe["frozen_params"]), f"{pe['base_bytes_per_param']:.3g}",
-              "disk" if disk else "RAM", fmt_bytes(pe["base_bytes"]), "peft.base_dtype")  # fmt: skip
+    t.add_row(
+        f"frozen base, {pe['base_dtype']}",
+        fmt_n(pe["frozen_params"]),
+        f"{pe['base_bytes_per_param']:.3g}",
+        "disk" if disk else "RAM",
+        fmt_bytes(pe["base_bytes"]),
+        "peft.base_dtype",
+    )
     if disk:
-        t.add_row("  read ahead (3 layers at most)", "", "0", "RAM", fmt_bytes(pe["base_readahead_bytes"]),
-                  "peft.base_source")  # fmt: skip
-    t.add_row("  a relay slot: one layer, dequantized", fmt_n(pe["slot_params"]),
-              f"{pe['device_layer_bytes_per_param']:.3g}", "device", fmt_bytes(pe["device_slot_bytes"]), "precision")  # fmt: skip
-    t.add_row(f"adapters' state ({pe['optimizer']})", fmt_n(pe["trainable_params"]),
-              f"{pe['state_bytes_per_trainable_param']:.3g}", "RAM", fmt_bytes(pe["adapter_state_bytes"]), "optim, peft.r")  # fmt: skip
-    t.add_row("[bold]host state per model parameter", fmt_n(pe["total_params"]),
-              f"[bold]{pe['host_bytes_per_param']:.3g}", "RAM", "", "summary.json")  # fmt: skip
+        t.add_row(
+            "  read ahead (3 layers at most)",
+            "",
+            "0",
+            "RAM",
+            fmt_bytes(pe["base_readahead_bytes"]),
+            "peft.base_source",
+        )
+    t.add_row(
+        "  a relay slot: one layer, dequantized",
+        fmt_n(pe["slot_params"]),
+        f"{pe['device_layer_bytes_per_param']:.3g}",
+        "device",
+        fmt_bytes(pe["device_slot_bytes"]),
+        "precision",
+    )
+    t.add_row(
+        f"adapters' state ({pe['optimizer']})",
+        fmt_n(pe["trainable_params"]),
+        f"{pe['state_bytes_per_trainable_param']:.3g}",
+        "RAM",
+        fmt_bytes(pe["adapter_state_bytes"]),
+        "optim, peft.r",
+    )
+    t.add_row(
+        "[bold]host state per model parameter",
+        fmt_n(pe["total_params"]),
+        f"[bold]{pe['host_bytes_per_param']:.3g}",
+        "RAM",
+        "",
+        "summary.json",
+    )
     console.print(t)
     terms = pe["step_terms_s"]
     read = pe["base_bytes_read_per_step"]
@@ -256,17 +315,25 @@ def render_recompute(rc: dict[str, Any], console: Console) -> None:
     """mode.recompute / keep_layers: each choice's device memory and step, and auto's pick."""
     t = _table(
         f"Recompute choices (mode.recompute, mode.keep_layers; room beyond full: {fmt_bytes(max(0.0, rc['room_bytes']))})",
-        "choice", "device", "fits", "step", "samples/s",
-    )  # fmt: skip
+        "choice",
+        "device",
+        "fits",
+        "step",
+        "samples/s",
+    )
     rows = [(f"{r['policy']}, keep {r['kept_layers']}", r, "") for r in rc["choices"]]
     if rc["configured"] is not None:
         rows.append(("configured", rc["configured"], "bold"))
     rows.append((f"auto picks: {rc['auto']['policy']}, keep {rc['auto']['kept_layers']}", rc["auto"], "bold"))
     for name, r, style in rows:
         t.add_row(
-            name, fmt_bytes(r["device_bytes"]), "yes" if r["fits"] else "[red]no", fmt_s(r["step_time_s"]),
-            f"{r['samples_per_s']:.4g}", style=style,
-        )  # fmt: skip
+            name,
+            fmt_bytes(r["device_bytes"]),
+            "yes" if r["fits"] else "[red]no",
+            fmt_s(r["step_time_s"]),
+            f"{r['samples_per_s']:.4g}",
+            style=style,
+        )
     console.print(t)
 
 
@@ -279,17 +346,29 @@ def render_pipeline(p: dict[str, Any], console: Console) -> None:
         f"schedule actions (read off the schedule) in dependency order, each action {fmt_s(p['action_s'])}, each "
         f"of its 2(S-1)n_mu/P exchanges {fmt_s(p['exchange_s'])} (latency + bytes over the link), a message "
         f"{fmt_s(p['wake_s'])} later where its sender computes",
-        "placement", "schedule", "stages/rank", "bubble (paper)", "actions", "messages", "bubble", "step",
+        "placement",
+        "schedule",
+        "stages/rank",
+        "bubble (paper)",
+        "actions",
+        "messages",
+        "bubble",
+        "step",
         "samples/s",
-    )  # fmt: skip
+    )
     for row in p["alternatives"]:
         t.add_row(
-            row["placement"], row["schedule"], str(row["stages_per_rank"]), f"{row['bubble_predicted_paper']:.1%}",
-            str(row["actions_per_rank"]), f"{row['messages_per_rank']:.3g}", f"{row['bubble_predicted']:.1%}",
+            row["placement"],
+            row["schedule"],
+            str(row["stages_per_rank"]),
+            f"{row['bubble_predicted_paper']:.1%}",
+            str(row["actions_per_rank"]),
+            f"{row['messages_per_rank']:.3g}",
+            f"{row['bubble_predicted']:.1%}",
             fmt_s(row["step_time_s"]),
             f"{row['samples_per_s']:.4g}",
             style="bold" if row["configured"] else "",
-        )  # fmt: skip
+        )
     console.print(t)
 
 
@@ -358,22 +437,62 @@ def render_search(out: dict[str, Any], console: Console) -> None:
             expand=False,
         )
     )
-    t = _table(f"Fastest configuration per method for {out['model']}, {out['budget']} (Table 6.1's columns; "
-               "l2l ✗: the paper's, l2l cannot run it)", "parallelism", "method", "offload", "b", "b_mu",
-               "n_mu", "n_gpu", "n_b", "n_l", "n_a", "efficiency", "time", "l2l")  # fmt: skip
+    t = _table(
+        f"Fastest configuration per method for {out['model']}, {out['budget']} (Table 6.1's columns; "
+        "l2l ✗: the paper's, l2l cannot run it)",
+        "parallelism",
+        "method",
+        "offload",
+        "b",
+        "b_mu",
+        "n_mu",
+        "n_gpu",
+        "n_b",
+        "n_l",
+        "n_a",
+        "efficiency",
+        "time",
+        "l2l",
+    )
     for r in out["search"]:
-        t.add_row(r["parallelism"], r["method"], "✓" if r["offload"] else "✗", str(r["b"]), str(r["b_mu"]),
-                  str(r["n_mu"]), str(r["n_gpu"]), str(r["n_b"]), str(r["n_l"]), str(r["n_a"]),
-                  f"{r['efficiency']:.2f}", fmt_time(r["days"]), "✓" if r["l2l_runs"] else "✗",
-                  style="" if r["l2l_runs"] else "dim")  # fmt: skip
+        t.add_row(
+            r["parallelism"],
+            r["method"],
+            "✓" if r["offload"] else "✗",
+            str(r["b"]),
+            str(r["b_mu"]),
+            str(r["n_mu"]),
+            str(r["n_gpu"]),
+            str(r["n_b"]),
+            str(r["n_l"]),
+            str(r["n_a"]),
+            f"{r['efficiency']:.2f}",
+            fmt_time(r["days"]),
+            "✓" if r["l2l_runs"] else "✗",
+            style="" if r["l2l_runs"] else "dim",
+        )
     console.print(t)
-    t = _table(f"Memory per GPU, GB (Table 6.2's columns), {out['model']}", "parallelism", "method", "state",
-               "checkpoint", "buffers",
-               "activations", "offloadable", "non-offloadable")  # fmt: skip
+    t = _table(
+        f"Memory per GPU, GB (Table 6.2's columns), {out['model']}",
+        "parallelism",
+        "method",
+        "state",
+        "checkpoint",
+        "buffers",
+        "activations",
+        "offloadable",
+        "non-offloadable",
+    )
     for r in out["search"]:
         mem = r["memory"]
-        t.add_row(r["parallelism"], r["method"], *(f"{mem[k]:.3g}" for k in ("state", "checkpoint", "buffers",
-                  "activations", "offloadable", "non_offloadable")))  # fmt: skip
+        t.add_row(
+            r["parallelism"],
+            r["method"],
+            *(
+                f"{mem[k]:.3g}"
+                for k in ("state", "checkpoint", "buffers", "activations", "offloadable", "non_offloadable")
+            ),
+        )
     console.print(t)
     for r in out["search"]:
         console.print(f"[bold]{r['parallelism']} / {r['method']}[/]: {r['binding']}")
@@ -396,9 +515,12 @@ def render_scaling(out: dict[str, Any], console: Console) -> None:
     """``l2l plan --scaling``: where the files went and §7's limits."""
     lim = out["limits"]
     t = _table(f"Layered-GA §7 limits, improved method ({out['hardware']}, Figure 4)", "limit", "parameters")
-    names = {"fits_80gb_params": f"largest model whose non-offloadable memory fits {out['memory_gb']:g} GB",
-             "offload_above_params": "offload needed above", "one_month_params": "largest trained in one month",
-             "one_year_params": "largest trained in one year"}  # fmt: skip
+    names = {
+        "fits_80gb_params": f"largest model whose non-offloadable memory fits {out['memory_gb']:g} GB",
+        "offload_above_params": "offload needed above",
+        "one_month_params": "largest trained in one month",
+        "one_year_params": "largest trained in one year",
+    }
     for k, label in names.items():
         t.add_row(label, fmt_n(lim[k]) if lim[k] else "-")
     console.print(t)

@@ -46,9 +46,22 @@ def plan_problems(cfg: Any) -> list[Problem]:
         positive(p, "hardware.device_tflops_half", hw.device_tflops_half)
     if hw.gpus_per_node is not None:
         at_least(p, "hardware.gpus_per_node", hw.gpus_per_node, 1)
-    for k in ("device_tflops", "device_peak_tflops", "backward_factor", "device_memory_gbps",
-              "device_memory_gb", "device_optim_gflops", "host_gflops", "host_memory_gb", "h2d_gbps",
-              "network_gbps", "offload_gbps", "disk_read_gbps", "disk_write_gbps", "disk_free_gb"):  # fmt: skip
+    for k in (
+        "device_tflops",
+        "device_peak_tflops",
+        "backward_factor",
+        "device_memory_gbps",
+        "device_memory_gb",
+        "device_optim_gflops",
+        "host_gflops",
+        "host_memory_gb",
+        "h2d_gbps",
+        "network_gbps",
+        "offload_gbps",
+        "disk_read_gbps",
+        "disk_write_gbps",
+        "disk_free_gb",
+    ):
         positive(p, f"hardware.{k}", getattr(hw, k))
     for k in ("pipe_action_us", "pipe_wake_us"):
         if getattr(hw, k) < 0:

@@ -288,19 +288,39 @@ def transfers(
     data_on, pipe_on = n_b > 1, n_l > 1
     # PCIe: offload plus the network transfers that overlap it
     over_net = np.asarray(thr_p) == net  # a pipeline inside a node does not cross the GPU's PCIe link
-    inv = (1.0 / nu_o + np.where(data_on & ov_d, 1.0 / nu_d, 0.0)
-           + np.where(pipe_on & ov_p & over_net, 1.0 / nu_p, 0.0))  # fmt: skip
+    inv = (
+        1.0 / nu_o
+        + np.where(data_on & ov_d, 1.0 / nu_d, 0.0)
+        + np.where(pipe_on & ov_p & over_net, 1.0 / nu_p, 0.0)
+    )
     pcie_thr = links.threshold(links.pcie_gbps)
     return {
         "data": {"eq": eq_d, "value": nu_d, "threshold": net, "overlapped": ov_d, "active": data_on},
-        "pipeline": {"eq": 11 if method in MODULAR else 10, "value": nu_p, "threshold": thr_p,
-                     "overlapped": ov_p, "active": pipe_on},
+        "pipeline": {
+            "eq": 11 if method in MODULAR else 10,
+            "value": nu_p,
+            "threshold": thr_p,
+            "overlapped": ov_p,
+            "active": pipe_on,
+        },
         "tensor": {"eq": 12, "value": nu_a, "threshold": thr_a, "overlapped": np.False_, "active": n_a > 1},
-        "offload": {"eq": 13, "value": nu_o, "threshold": links.threshold(links.offload_gbps),
-                    "overlapped": np.True_, "active": offload, "state": nu_s, "checkpoints": nu_c},
-        "pcie": {"eq": None, "value": 1.0 / inv, "threshold": pcie_thr, "overlapped": np.True_,
-                 "active": offload & (data_on | pipe_on) & (links.pcie_gbps > 0)},
-    }  # fmt: skip
+        "offload": {
+            "eq": 13,
+            "value": nu_o,
+            "threshold": links.threshold(links.offload_gbps),
+            "overlapped": np.True_,
+            "active": offload,
+            "state": nu_s,
+            "checkpoints": nu_c,
+        },
+        "pcie": {
+            "eq": None,
+            "value": 1.0 / inv,
+            "threshold": pcie_thr,
+            "overlapped": np.True_,
+            "active": offload & (data_on | pipe_on) & (links.pcie_gbps > 0),
+        },
+    }
 
 
 def ratios(t: dict[str, dict[str, Any]]) -> dict[str, Any]:

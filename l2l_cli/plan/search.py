@@ -226,8 +226,11 @@ def _evaluate(t: Target, b: Bounds, method: str, mix: str, c: dict[str, np.ndarr
         need = np.ceil(total / (b.max_days * DAY * links.rate * eff0 * la) - 1e-9)
         if method in PARTITIONED:  # the partitioned state shrinks with n_b
             ck = 2.0 * bmu * nmu * m.d_s * m.d_m * m.d_l / la
-            rest = np.where(off, links.host_per_gpu(n_b_max * la) - ck,
-                            links.device_memory_gib * GiB - ck - 6.0 * m.p_l / n_a - bmu * m.d_s * m.m0 / n_a)  # fmt: skip
+            rest = np.where(
+                off,
+                links.host_per_gpu(n_b_max * la) - ck,
+                links.device_memory_gib * GiB - ck - 6.0 * m.p_l / n_a - bmu * m.d_s * m.m0 / n_a,
+            )
             need = np.maximum(need, np.ceil(12.0 * m.p / (la * np.maximum(rest, 1.0)) - 1e-9))
         n_b = np.minimum(np.maximum(need, 1), n_b_max).astype(np.int64)
     n_b = np.maximum(n_b, 0)
@@ -246,8 +249,13 @@ def _costs(t: Target, method: str, bmu: Any, nmu: Any, n_b: Any, n_l: Any, n_a: 
     tr = ga.transfers(m, method, bmu, nmu, n_b, n_l, n_a, off, t.links)
     ov = ga.overheads_of(m, method, nmu, n_l, tr)
     mem = ga.memory_parts(m, method in PARTITIONED, bmu * nmu * n_b, bmu, n_b * n_l * n_a, n_l, n_a)
-    return {"transfers": tr, "ratios": ga.ratios(tr), "overheads": ov, "efficiency": ga.efficiency_of(ov),
-            "memory": mem}  # fmt: skip
+    return {
+        "transfers": tr,
+        "ratios": ga.ratios(tr),
+        "overheads": ov,
+        "efficiency": ga.efficiency_of(ov),
+        "memory": mem,
+    }
 
 
 def _violations(t: Target, b: Bounds, method: str, c: dict[str, Any], r: dict[str, Any]) -> dict[str, Any]:
@@ -263,8 +271,11 @@ def _violations(t: Target, b: Bounds, method: str, c: dict[str, Any], r: dict[st
         return tr[k]["active"] & np.where(tr[k]["overlapped"], rat[k] > 1 + eps, rat[k] > cap + eps)
 
     budget, host = links.device_memory_gib * GiB, links.host_per_gpu(n_b * c["n_l"] * c["n_a"])
-    fits = np.where(off, (mem["non_offloadable"] <= budget) & (mem["offloadable"] <= host),
-                    mem["offloadable"] + mem["non_offloadable"] <= budget)  # fmt: skip
+    fits = np.where(
+        off,
+        (mem["non_offloadable"] <= budget) & (mem["offloadable"] <= host),
+        mem["offloadable"] + mem["non_offloadable"] <= budget,
+    )
     B = math.floor(t.b_c + 1e-9)
     v = {
         "critical batch": c["b_mu"] * c["n_mu"] * n_b > B,
@@ -328,12 +339,22 @@ class Found:
         """The ``--json`` row: exactly the issue's fields (memory in the paper's GB, i.e. GiB)."""
         c = self.config
         return {
-            "parallelism": self.mix, "method": self.method, "offload": c.offload, "b": c.b, "b_mu": c.b_mu,
-            "n_mu": c.n_mu, "n_gpu": c.n_gpu, "n_b": c.n_b, "n_l": c.n_l, "n_a": c.n_a,
-            "efficiency": self.efficiency, "days": self.time_s / DAY,
+            "parallelism": self.mix,
+            "method": self.method,
+            "offload": c.offload,
+            "b": c.b,
+            "b_mu": c.b_mu,
+            "n_mu": c.n_mu,
+            "n_gpu": c.n_gpu,
+            "n_b": c.n_b,
+            "n_l": c.n_l,
+            "n_a": c.n_a,
+            "efficiency": self.efficiency,
+            "days": self.time_s / DAY,
             "memory": {k: self.memory_bytes[_PARTS.get(k, k)] / GiB for k in MEMORY_KEYS},
-            "binding": "; ".join(self.binding), "command": None,
-        }  # fmt: skip
+            "binding": "; ".join(self.binding),
+            "command": None,
+        }
 
 
 def search_one(t: Target, b: Bounds, method: str, mix: str, prune: bool | None = None) -> Found | str:
@@ -358,8 +379,16 @@ def search_one(t: Target, b: Bounds, method: str, mix: str, prune: bool | None =
         worst = sorted((k for k in counts if counts[k]), key=lambda k: -counts[k])[:3]
         return f"{method} with {mix}: nothing fits ({', '.join(worst)} rule out every candidate)"
     n_b = int(r["n_b"][i])
-    cfg = ga.Parallel(method, int(c["b_mu"][i] * c["n_mu"][i] * n_b), int(c["b_mu"][i]), int(c["n_mu"][i]),
-                      n_b, int(c["n_l"][i]), int(c["n_a"][i]), bool(c["offload"][i]))  # fmt: skip
+    cfg = ga.Parallel(
+        method,
+        int(c["b_mu"][i] * c["n_mu"][i] * n_b),
+        int(c["b_mu"][i]),
+        int(c["n_mu"][i]),
+        n_b,
+        int(c["n_l"][i]),
+        int(c["n_a"][i]),
+        bool(c["offload"][i]),
+    )
     mem = {k: float(v[i]) for k, v in r["memory"].items()}
     ov = {
         k: float(v[i])
@@ -439,9 +468,11 @@ def binding(t: Target, b: Bounds, f: Found) -> list[str]:
         w = why(replace(c, b_mu=c.b_mu - 1, b=(c.b_mu - 1) * c.n_mu * c.n_b))
         names = [k for k in w if k in ("reduction", "offload link", "pcie", "tensor link")]
         if names:
-            eq = {"reduction": f"eq. {5 if c.n_l == 1 and f.method == GA_BASELINE else 7} at {net}",
-                  "offload link": f"eqs. 13-14 at {t.links.offload_gbps:g} GB/s",
-                  "pcie": f"network + offload on PCIe {t.links.pcie_gbps:g} GB/s"}  # fmt: skip
+            eq = {
+                "reduction": f"eq. {5 if c.n_l == 1 and f.method == GA_BASELINE else 7} at {net}",
+                "offload link": f"eqs. 13-14 at {t.links.offload_gbps:g} GB/s",
+                "pcie": f"network + offload on PCIe {t.links.pcie_gbps:g} GB/s",
+            }
             out.append(f"{names[0]}: b_mu >= {c.b_mu} ({eq.get(names[0], '')})")
     elif f.method in MODULAR and data and c.n_mu > 1:
         w = why(replace(c, n_mu=c.n_mu - 1, b=c.b_mu * (c.n_mu - 1) * c.n_b))

@@ -148,8 +148,14 @@ def print_tables(report: Report) -> None:
     t = Table(title=f"l2l report: {len(report.runs)} runs", header_style="bold", title_justify="left")
     for c in cols:  # headers whole (a narrow terminal shortens cells, not names); notes and run names fold
         fold = c.header in ("NOTE", "RUN")
-        t.add_column(c.header, justify="right" if c.numeric else "left", no_wrap=not fold, min_width=len(c.header),
-                     overflow="fold" if fold else "ellipsis", max_width=70 if fold else None)  # fmt: skip
+        t.add_column(
+            c.header,
+            justify="right" if c.numeric else "left",
+            no_wrap=not fold,
+            min_width=len(c.header),
+            overflow="fold" if fold else "ellipsis",
+            max_width=70 if fold else None,
+        )
     for r, cells in zip(report.runs, rows(report.runs, cols), strict=True):
         t.add_row(*cells, style=None if r.ok else "red")
     show(t)
