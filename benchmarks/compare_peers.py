@@ -321,7 +321,8 @@ def main() -> int:
             )
     ref = results.get("l2l")
     print(
-        f"\n{'peer':26s} {'samples/s':>10s} {'x l2l':>6s} {'device peak':>12s} {'x l2l':>6s} {'peak RSS':>10s} {'x l2l':>6s}"
+        f"\n{'peer':26s} {'samples/s':>10s} {'x l2l':>6s} {'device peak':>12s} {'x l2l':>6s} "
+        f"{'peak RSS':>10s} {'x l2l':>6s}"
     )
     for name, r in results.items():
 
@@ -330,12 +331,14 @@ def main() -> int:
             return f"{a / b:6.2f}" if a and b else f"{'-':>6s}"
 
         print(
-            f"{name:26s} {r['samples_per_s']:10.3f} {ratio('samples_per_s')} {fmt_bytes(r['device_peak_bytes']):>12s} "
+            f"{name:26s} {r['samples_per_s']:10.3f} {ratio('samples_per_s')} "
+            f"{fmt_bytes(r['device_peak_bytes']):>12s} "
             f"{ratio('device_peak_bytes')} {fmt_bytes(r['peak_rss_bytes']):>10s} {ratio('peak_rss_bytes')}"
         )
     if args.device == "cpu":
         print(
-            "(on a CPU the device tier is the host: only l2l's own meter reports one; peak RSS is each process')"
+            "(on a CPU the device tier is the host: only l2l's own meter reports one; peak RSS is each "
+            "process')"
         )
     if ref:  # the same weights, batches and no dropout: the same first loss, whoever trains it
         first = ref["losses"][0]

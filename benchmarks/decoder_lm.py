@@ -127,7 +127,8 @@ def part_tokens(args: argparse.Namespace) -> None:
 
 def part_largest(args: argparse.Namespace) -> None:
     print(
-        f"2. the largest Llama-shaped decoder one l2l step trains here (cmp, stash on the host, seq {args.llama_seq}, "
+        "2. the largest Llama-shaped decoder one l2l step trains here (cmp, stash on the host, seq "
+        f"{args.llama_seq}, "
         "batch 1)"
     )
     best = None

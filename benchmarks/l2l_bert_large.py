@@ -103,11 +103,13 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     peaks = {k: v["peak_bytes"] for k, v in res.items()}
     print(
-        f"\ndevice peak: baseline_ag {gib(peaks['baseline_ag fp32 ub2'])}, l2l ub16 {gib(peaks['l2l fp32 ub16'])}, "
+        f"\ndevice peak: baseline_ag {gib(peaks['baseline_ag fp32 ub2'])}, l2l ub16 "
+        f"{gib(peaks['l2l fp32 ub16'])}, "
         f"stash=cpu {gib(peaks['l2l stash=cpu fp32 ub16'])}, cmp {gib(peaks['l2l cmp(bf16) ub16'])}"
     )
     print(
-        f"EPS update {eps_s * 1e3:.0f} ms vs fused AdamW {ref_s * 1e3:.0f} ms (+ gradient norms {norm_s * 1e3:.0f} ms, "
+        f"EPS update {eps_s * 1e3:.0f} ms vs fused AdamW {ref_s * 1e3:.0f} ms (+ gradient norms "
+        f"{norm_s * 1e3:.0f} ms, "
         f"taken on the EPS thread as each gradient lands); threads {torch.get_num_threads()}"
     )
 

@@ -51,7 +51,8 @@ def overlap(steps: int, layers: int, clip: str) -> None:
         f"l2l exposes all {l2l['phases']['optimizer_s']:.2f} s; target >= 70%)"
     )
     print(
-        f"step time l2l_p / l2l: {l2lp['step_time_s'] / l2l['step_time_s']:.2f} (the update runs on the cores the backward uses)"
+        f"step time l2l_p / l2l: {l2lp['step_time_s'] / l2l['step_time_s']:.2f} (the update runs on the "
+        "cores the backward uses)"
     )
 
 

@@ -82,7 +82,8 @@ def main() -> None:
     rows = []
     print(
         f"{'placement':11s} {'schedule':17s} {'n_mu':>4s} {'bubble':>7s} {'pre-run':>7s} {'paper':>7s} "
-        f"{'compute':>8s} {'recv':>7s} {'overhd':>7s} {'idle':>7s} {'actions':>7s} {'action':>7s} {'wake':>7s} {'samples/s':>9s} "
+        f"{'compute':>8s} {'recv':>7s} {'overhd':>7s} {'idle':>7s} {'actions':>7s} {'action':>7s} "
+        f"{'wake':>7s} {'samples/s':>9s} "
         f"within 5 points"
     )
     for (placement, schedule, n), res in zip([k for k, _ in plan], results, strict=True):
@@ -112,9 +113,11 @@ def main() -> None:
         rows.append(row)
         ms = [f"{1e3 * v:.0f}ms" for v in split.values()]
         print(
-            f"{placement:11s} {schedule:17s} {n:4d} {pipe['bubble_measured']:7.3f} {pipe['bubble_predicted']:7.3f} "
+            f"{placement:11s} {schedule:17s} {n:4d} {pipe['bubble_measured']:7.3f} "
+            f"{pipe['bubble_predicted']:7.3f} "
             f"{pipe['bubble_predicted_paper']:7.3f} {ms[0]:>8s} {ms[1]:>7s} {ms[2]:>7s} {ms[3]:>7s} "
-            f"{max(pipe['actions_per_rank']):7d} {1e6 * pipe['action_s']:5.0f}us {1e6 * pipe['wake_s']:5.0f}us {sps:9.1f} "
+            f"{max(pipe['actions_per_rank']):7d} {1e6 * pipe['action_s']:5.0f}us "
+            f"{1e6 * pipe['wake_s']:5.0f}us {sps:9.1f} "
             f"{'yes' if close else 'NO'}"
         )
     for n in (P, 2 * P, 4 * P):

@@ -54,7 +54,8 @@ def main() -> None:
     base, _, _ = run([], a.steps, a.model, a.layers)
     rt, size, busy = run(["trainer.realtime_ckpt=true"], a.steps, a.model, a.layers)
     print(
-        f"step time without real-time checkpoints {base:.2f} s, with {rt:.2f} s: overhead {rt / base - 1:+.1%} (target <= 5%)"
+        f"step time without real-time checkpoints {base:.2f} s, with {rt:.2f} s: overhead "
+        f"{rt / base - 1:+.1%} (target <= 5%)"
     )
     print(
         f"one real-time checkpoint on disk: {size / 2**20:.0f} MiB, rewritten every step; "

@@ -273,7 +273,8 @@ def report(
         if "budget_bytes" in r:
             under = r["peak_bytes"] <= r["budget_bytes"]
             print(
-                f"{name}: peak {gib(r['peak_bytes'])} {'<=' if under else '>'} budget {gib(r['budget_bytes'])}"
+                f"{name}: peak {gib(r['peak_bytes'])} {'<=' if under else '>'} budget "
+                f"{gib(r['budget_bytes'])}"
             )
     if kept:
         print("\nkeep_layers  samples/s  x full  device peak")

@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(soak(name, args.steps, args.every, Path(tmp)))
     for r in results:
         print(
-            f"{r['config']:6s}: RSS growth from step {args.every} on (median, first vs last quarter): {100 * r['rss_growth']:+.2f}% "
+            f"{r['config']:6s}: RSS growth from step {args.every} on (median, first vs last quarter): "
+            f"{100 * r['rss_growth']:+.2f}% "
             f"(limit {100 * RSS_GROWTH:.0f}%), open files constant: {r['fds_constant']}, threads constant: "
             f"{r['threads_constant']} -> {'ok' if r['ok'] else 'LEAK'}"
         )

@@ -48,7 +48,8 @@ def parser(cmd: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--checkpoint",
         metavar="DIR",
-        help="weights: a checkpoint (step_<k>, or its path) or a Hugging Face dir; default final/, else the newest checkpoint",
+        help="weights: a checkpoint (step_<k>, or its path) or a Hugging Face dir; default final/, else the "
+        "newest checkpoint",
     )
     if cmd == "eval":
         p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -57,7 +58,8 @@ def parser(cmd: str) -> argparse.ArgumentParser:
             "--input",
             required=True,
             metavar="FILE",
-            help="examples: CSV/TSV with a header, JSON lines or a JSON array, or plain text (an input per line)",
+            help="examples: CSV/TSV with a header, JSON lines or a JSON array, or plain text (an input per "
+            "line)",
         )
         p.add_argument("--output", metavar="FILE", help="where the JSON lines go (default: stdout)")
     return p
@@ -76,7 +78,8 @@ def weights_of(run_dir: Path, choice: str | None) -> Path:
             ):
                 return cand
         raise UsageError(
-            f"--checkpoint {choice}: no checkpoint (checkpoints/step_<k>) or Hugging Face dir by that name in {run_dir}"
+            f"--checkpoint {choice}: no checkpoint (checkpoints/step_<k>) or Hugging Face dir by that name "
+            f"in {run_dir}"
         )
     if (run_dir / "final" / "model.safetensors").is_file() or is_adapter_dir(run_dir / "final"):
         return run_dir / "final"  # a model, or a LoRA run's adapter (peft=lora)
@@ -236,7 +239,8 @@ def predict(cfg: DictConfig, weights: Path, input_path: Path, output: str | None
         missing = [f for f in fields if any(f not in r for r in records[:1])]
         if missing:
             raise UsageError(
-                f"--input {input_path}: no field {', '.join(missing)} (task {spec.name} reads {', '.join(fields)})"
+                f"--input {input_path}: no field {', '.join(missing)} (task {spec.name} reads "
+                f"{', '.join(fields)})"
             )
         examples = [
             Example(str(r.get(fields[0], "")), str(r.get(fields[1], "")) if len(fields) > 1 else None, 0)

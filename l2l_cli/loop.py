@@ -343,7 +343,8 @@ class Trainer:
         if self.bad_in_row >= knobs.max_bad_steps:
             raise TrainingError(
                 f"non-finite loss or gradients at step {step}: {self.bad_in_row} steps in a row skipped "
-                f"(trainer.max_bad_steps={knobs.max_bad_steps}); lower optim.lr, check the data, or use precision=fp32"
+                f"(trainer.max_bad_steps={knobs.max_bad_steps}); lower optim.lr, check the data, or use "
+                "precision=fp32"
             )
 
     def interrupt(self, step: int, during: str = "") -> NoReturn:

@@ -127,7 +127,8 @@ def _lr_advice(cfg: Any, job: list[str]) -> str | None:
     ):
         return None
     return (
-        f"optim.lr={lr:g} is task={cfg.task.name}'s fine-tuning rate, but the model starts from random weights "
+        f"optim.lr={lr:g} is task={cfg.task.name}'s fine-tuning rate, but the model starts from random "
+        "weights "
         f"(no model.pretrained): {cfg.model.name} from scratch trains at model.lr={own:g}; set "
         f"model.pretrained=<checkpoint> to fine-tune, or optim.lr=<rate> to keep this one and silence this"
     )

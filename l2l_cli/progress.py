@@ -66,7 +66,8 @@ class RunProgress:
         elif self.style == "plain" and (step % self.every == 0 or step == self.total or step == 1):
             now = time.perf_counter()
             console.print(
-                f"step {step}/{self.total}  loss {loss:.4f}  {samples_per_s:.1f} samples/s  device {mem}{note}",
+                f"step {step}/{self.total}  loss {loss:.4f}  {samples_per_s:.1f} samples/s  device "
+                f"{mem}{note}",
                 soft_wrap=True,
             )
             self._last_print = now
@@ -146,7 +147,8 @@ def summary_table(summary: Summary) -> Table:
         rows.append(
             (
                 "disk EPS",
-                f"{fmt_bytes(disk['read_bytes'])} read, {fmt_bytes(disk['write_bytes'])} written{per} ({gbps}); "
+                f"{fmt_bytes(disk['read_bytes'])} read, {fmt_bytes(disk['write_bytes'])} written{per} "
+                f"({gbps}); "
                 f"{'-' if hidden is None else f'{100 * hidden:.0f}%'} of it hidden behind compute; "
                 f"{disk['host_cache_layers']} layers in RAM",
             )
@@ -157,8 +159,10 @@ def summary_table(summary: Summary) -> Table:
             (
                 "pipeline",
                 f"{pipe['data_parallel']} x {pipe['pipeline']} ranks, {pipe['placement']} "
-                f"{pipe['schedule']}: bubble {pipe['bubble_measured']:.1%} (predicted {pipe['bubble_predicted']:.1%} "
-                f"counting the schedule's actions and messages, {pipe['bubble_predicted_paper']:.1%} the paper's)",
+                f"{pipe['schedule']}: bubble {pipe['bubble_measured']:.1%} (predicted "
+                f"{pipe['bubble_predicted']:.1%} "
+                f"counting the schedule's actions and messages, {pipe['bubble_predicted_paper']:.1%} the "
+                "paper's)",
             )
         )
     for name, value in summary.eval.items():

@@ -54,7 +54,8 @@ def main() -> None:
     fast.model_max_length = 1 << 30
     fast.save_pretrained(str(OUT / "tokenizer"))
     print(
-        f"{len(docs)} documents -> {OUT / 'rte_premises.txt'}; tokenizer ({len(fast)} ids) -> {OUT / 'tokenizer'}"
+        f"{len(docs)} documents -> {OUT / 'rte_premises.txt'}; tokenizer ({len(fast)} ids) -> "
+        f"{OUT / 'tokenizer'}"
     )
 
 

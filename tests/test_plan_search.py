@@ -404,7 +404,8 @@ def test_section_7_time_statements_hold_only_if_the_tensor_overhead_is_not_charg
 
 @pytest.mark.xfail(
     strict=True,
-    reason="§7's 280T / 90T need a ~28% tensor cap over InfiniBand; the paper states 25% (see the tests above)",
+    reason="§7's 280T / 90T need a ~28% tensor cap over InfiniBand; the paper states 25% (see the tests "
+    "above)",
 )
 def test_section_7_memory_limits_within_25_percent(figure4: list) -> None:
     """Acceptance 3's memory half. Not met, and we find no reading of the paper that meets it: the three

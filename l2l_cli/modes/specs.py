@@ -86,7 +86,8 @@ L2L = register_mode(
         label="l2l",
         runner=_l2l_runner,
         decodes=True,
-        description="Alg. 3: layers relayed from the eager param-server, every micro-batch through layer l first",
+        description="Alg. 3: layers relayed from the eager param-server, every micro-batch through layer l "
+        "first",
         precisions=L2L_PRECISIONS,
         stash=("device", "cpu"),
         recompute=True,

@@ -176,7 +176,8 @@ def l2l_fits(f: Found, shape: Any, seq: int, hw: Any) -> str:
         return f"l2l's {s.mode} needs {dev / ga.GiB:,.1f} GiB per GPU > hardware.device_memory_gb={hw.device_memory_gb:g}"
     if on_node * host > hw.host_memory_gb * ga.GiB:
         return (
-            f"{on_node} ranks on a node, each EPS holding the whole state: {on_node * host / ga.GiB:,.0f} GiB "
+            f"{on_node} ranks on a node, each EPS holding the whole state: {on_node * host / ga.GiB:,.0f} "
+            "GiB "
             f"host memory > hardware.host_memory_gb={hw.host_memory_gb:g} (per node)"
         )
     return ""

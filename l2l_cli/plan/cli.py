@@ -106,7 +106,8 @@ def parse(argv: list[str]) -> tuple[dict[str, Any], list[str], list[str]]:
             flags["out"] = value
         elif a.startswith("-"):
             errors.append(
-                f"unknown option {a}; allowed: --json, --compare RUN_DIR, --search, --scaling, --out DIR, --help"
+                f"unknown option {a}; allowed: --json, --compare RUN_DIR, --search, --scaling, --out DIR, "
+                "--help"
             )
         else:
             overrides.append(a)
@@ -148,7 +149,8 @@ def main(argv: list[str]) -> int:
     if info.get("jobs", 1) > 1:  # a training recipe's sweep (hydra.sweeper.params): plan one config of it
         return _fail(
             [
-                f"config error: recipe: a sweep of {info['jobs']} jobs (run it with l2l train); l2l plan takes "
+                f"config error: recipe: a sweep of {info['jobs']} jobs (run it with l2l train); l2l plan "
+                "takes "
                 "one config: give one value for each swept key"
             ]
         )
@@ -184,7 +186,8 @@ def _search_or_scaling(cfg: Any, overrides: list[str], flags: dict[str, Any]) ->
     if cfg.hardware.measured:
         return _fail(
             [
-                "config error: hardware=measure: --search and --scaling need a GPU preset (hardware=a100-80g, ...)"
+                "config error: hardware=measure: --search and --scaling need a GPU preset "
+                "(hardware=a100-80g, ...)"
             ]
         )
     if cfg.peft.name != "none":

@@ -747,7 +747,8 @@ def verdict(shape: ModelShape, s: Setup, rates: Rates, result: dict[str, Any]) -
     pe = shape.peft
     if pe is not None and result["disk_bytes"] > rates.disk_free:
         return (
-            f"does not fit: the frozen base's files and the EPS need {fmt_bytes(result['disk_bytes'])} on disk > "
+            f"does not fit: the frozen base's files and the EPS need {fmt_bytes(result['disk_bytes'])} on "
+            "disk > "
             f"{fmt_bytes(rates.disk_free)} free; try a lower peft.base_dtype (nf4)"
         )
     if result["disk_bytes"] > rates.disk_free:

@@ -68,7 +68,8 @@ def _table(title: str, *cols: str, **kw: Any) -> Table:
 def render(plan: dict[str, Any], console: Console) -> None:
     c, hw = plan["config"], plan["hardware"]
     head = (
-        f"[bold]{c['model']}[/] ({fmt_n(plan['params']['total'])} parameters) · {c['method']} · {c['precision']} · "
+        f"[bold]{c['model']}[/] ({fmt_n(plan['params']['total'])} parameters) · {c['method']} · "
+        f"{c['precision']} · "
         f"seq {c['seq_len']} · batch {c['batch_size']} = {c['num_ubatches']} × ubatch {c['ubatch_size']}"
         + (f" × {c['nproc']} processes" if c["nproc"] > 1 else "")
         + (
@@ -77,7 +78,8 @@ def render(plan: dict[str, Any], console: Console) -> None:
             else ""
         )
         + (
-            f" · LoRA r={plan['peft']['r']}, base {plan['peft']['base_dtype']} on {plan['peft']['base_source']}, "
+            f" · LoRA r={plan['peft']['r']}, base {plan['peft']['base_dtype']} on "
+            f"{plan['peft']['base_source']}, "
             f"{plan['config']['optimizer']}"
             if plan.get("peft")
             else ""
@@ -201,7 +203,8 @@ def render(plan: dict[str, Any], console: Console) -> None:
 
     ga = plan["layered_ga"]
     t = _table(
-        f"Layered-GA view (d_s={ga['d_s']}, p={fmt_n(ga['params'])}): critical batch {plan['critical_batch_size']:.4g}, "
+        f"Layered-GA view (d_s={ga['d_s']}, p={fmt_n(ga['params'])}): critical batch "
+        f"{plan['critical_batch_size']:.4g}, "
         f"batch {ga['batch']} = {ga['batch_vs_critical']:.2g}× critical; memory in GiB per device",
         "method",
         "GPUs",
@@ -314,7 +317,8 @@ def render_peft(pe: dict[str, Any], console: Console) -> None:
 def render_recompute(rc: dict[str, Any], console: Console) -> None:
     """mode.recompute / keep_layers: each choice's device memory and step, and auto's pick."""
     t = _table(
-        f"Recompute choices (mode.recompute, mode.keep_layers; room beyond full: {fmt_bytes(max(0.0, rc['room_bytes']))})",
+        "Recompute choices (mode.recompute, mode.keep_layers; room beyond full: "
+        f"{fmt_bytes(max(0.0, rc['room_bytes']))})",
         "choice",
         "device",
         "fits",
@@ -341,9 +345,11 @@ def render_pipeline(p: dict[str, Any], console: Console) -> None:
     """The pipeline's predicted bubble (layered-GA appendix C, §4) and step time, for this (N, P) and the
     other placements and schedules."""
     t = _table(
-        f"Pipeline bubble at {p['num_ubatches']} ubatches (layered-GA appendix C, §4): o = (P-1)/n_mu/(stages per "
+        f"Pipeline bubble at {p['num_ubatches']} ubatches (layered-GA appendix C, §4): o = "
+        "(P-1)/n_mu/(stages per "
         "rank), the share of the pipeline's time o/(1+o) (paper: messages free); the model runs each rank's "
-        f"schedule actions (read off the schedule) in dependency order, each action {fmt_s(p['action_s'])}, each "
+        f"schedule actions (read off the schedule) in dependency order, each action {fmt_s(p['action_s'])}, "
+        "each "
         f"of its 2(S-1)n_mu/P exchanges {fmt_s(p['exchange_s'])} (latency + bytes over the link), a message "
         f"{fmt_s(p['wake_s'])} later where its sender computes",
         "placement",
@@ -420,11 +426,14 @@ def render_search(out: dict[str, Any], console: Console) -> None:
     """``l2l plan --search``: Table 6.1's columns, Table 6.2's memory, what binds each row, the commands."""
     hw, bd = out["hardware"], out["bounds"]
     head = (
-        f"[bold]{out['model']}[/] ({fmt_n(out['params'])} parameters in the layers; d_l {out['shape']['d_l']}, "
-        f"d_m {out['shape']['d_m']}, heads {out['shape']['d_a']}, d_s {out['shape']['d_s']}) · critical batch "
+        f"[bold]{out['model']}[/] ({fmt_n(out['params'])} parameters in the layers; d_l "
+        f"{out['shape']['d_l']}, "
+        f"d_m {out['shape']['d_m']}, heads {out['shape']['d_a']}, d_s {out['shape']['d_s']}) · critical "
+        "batch "
         f"{out['critical_batch_size']:.4g} · budget {out['budget']}\n"
         f"[bold]{hw['name']}[/]{_with(hw)}: {out['rate']}, {hw['memory_gb']:g} GB, {hw['network']} "
-        f"{hw['network_gbps']:g} GB/s, tensor link {hw['tensor_link_gbps']:g} GB/s × {hw['node_size'] or 'any'} GPUs, "
+        f"{hw['network_gbps']:g} GB/s, tensor link {hw['tensor_link_gbps']:g} GB/s × "
+        f"{hw['node_size'] or 'any'} GPUs, "
         f"CPU-GPU {hw['offload_gbps']:g} GB/s · objective: {out['objective']}"
         + (f" · max {bd['max_gpus']} GPUs" if bd["max_gpus"] else "")
         + (f" · max {bd['max_days']:g} days" if bd["max_days"] else "")

@@ -30,7 +30,8 @@ def plan_problems(cfg: Any) -> list[Problem]:
         p.append(
             Problem(
                 "plan.pipeline_parallel",
-                f"got {nl}; a pipeline stage needs at least one layer: must be <= model.num_layers={m.num_layers}",
+                f"got {nl}; a pipeline stage needs at least one layer: must be <= "
+                f"model.num_layers={m.num_layers}",
             )
         )
     budget = [k for k in ("tokens", "steps") if getattr(plan, k)]

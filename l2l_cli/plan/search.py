@@ -488,7 +488,8 @@ def binding(t: Target, b: Bounds, f: Found) -> list[str]:
                 out.append(f"bubble: n_l <= n_mu = {c.n_mu}")
             elif "pipeline link" in w:
                 out.append(
-                    f"pipeline link: n_mu = {c.n_mu} overlaps n_l <= {c.n_l} (eq. {11 if f.method in MODULAR else 10})"
+                    f"pipeline link: n_mu = {c.n_mu} overlaps n_l <= {c.n_l} (eq. "
+                    f"{11 if f.method in MODULAR else 10})"
                 )
             elif f.overheads.get("bubble", 0) > 0 and not [x for x in w if x not in ("max_gpus", "memory")]:
                 out.append(f"bubble: n_l = {c.n_l} balances the bubble against the pipeline's transfers")
