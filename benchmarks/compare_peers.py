@@ -6,7 +6,8 @@ can be measured: CUDA's allocator; on a CPU only l2l's own meter sees a device t
 as a ratio to l2l.
 
     pip install .[peers]                                     # DeepSpeed (optional: skipped when missing)
-    python benchmarks/compare_peers.py                       # 8 BERT-Large layers, batch 16, ubatch 4, seq 128
+    python benchmarks/compare_peers.py                       # 8 BERT-Large layers, batch 16, ubatch 4,
+                                                             # seq 128
     python benchmarks/compare_peers.py --tiny --steps 2      # a smoke run
     python benchmarks/compare_peers.py --peers l2l,fsdp2-offload --layers 4
 

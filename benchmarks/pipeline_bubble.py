@@ -1,16 +1,17 @@
-"""Issues 14 and 23's benchmark: the pipeline bubble, measured against two predictions: the layered-GA
-paper's (appendix C: a step lengthened by (P-1)/n_mu of its compute; §4: divided by L/P for the modular
-pipeline; messages free) and the pre-run model (``plan.simulate``): each rank's actions, read off torch's
-schedule, run in dependency order, every chunk lasting its stage's measured forward or backward, every
-action ``hardware.pipe_action_us``, every message latency + bytes over the link after both ends posted it.
-With ``hardware=measure`` both constants are timed once on the pipeline's group (the action fitted to a
-stand-in schedule with no real compute: ``parallel/pipeline/calibrate.py``), not on the configuration being predicted. Each row also
-splits the ranks' step (means): compute, blocked on a recv, the schedule's own work between chunks
-(posting, send waits, bookkeeping) and the fill/drain idle; and the throughput, for modular vs contiguous placement x breadth-first vs 1F1B x n_mu in {P, 2P, 4P}, on a
-bert-mini-shaped model (width 256, 4 heads; a 2k vocabulary, as the recipe) with 8 layers and P = 2 ranks.
+"""Issues 14 and 23's benchmark: the pipeline bubble, measured against two predictions: the layered-GA paper's
+(appendix C: a step lengthened by (P-1)/n_mu of its compute; §4: divided by L/P for the modular pipeline;
+messages free) and the pre-run model (``plan.simulate``): each rank's actions, read off torch's schedule, run
+in dependency order, every chunk lasting its stage's measured forward or backward, every action
+``hardware.pipe_action_us``, every message latency + bytes over the link after both ends posted it. With
+``hardware=measure`` both constants are timed once on the pipeline's group (the action fitted to a stand-in
+schedule with no real compute: ``parallel/pipeline/calibrate.py``), not on the configuration being predicted.
+Each row also splits the ranks' step (means): compute, blocked on a recv, the schedule's own work between
+chunks (posting, send waits, bookkeeping) and the fill/drain idle; and the throughput, for modular vs
+contiguous placement x breadth-first vs 1F1B x n_mu in {P, 2P, 4P}, on a bert-mini-shaped model (width 256, 4
+heads; a 2k vocabulary, as the recipe) with 8 layers and P = 2 ranks.
 One process group runs every configuration (starting ranks costs seconds).
-Usage: python benchmarks/pipeline_bubble.py [--steps 6] [--seq 128] [--ubatch 4] [--layers 8] [--mode baseline_ag]
-       [--json out.json]
+Usage: python benchmarks/pipeline_bubble.py [--steps 6] [--seq 128] [--ubatch 4] [--layers 8]
+       [--mode baseline_ag] [--json out.json]
 ``--mode l2l``: L2L stages (breadth-first only). Acceptance (issue 23): every row's measured bubble within
 5 points of the pre-run model's prediction.
 

@@ -1,11 +1,11 @@
 """Soak: train bert-tiny for many steps in l2l, l2l_p and on the disk tier, and watch the process for leaks.
 
-Each configuration runs as its own ``l2l train`` process; this script samples it from /proc every
-``--every`` steps (as its metrics.jsonl reaches them): resident memory (VmRSS), open file descriptors and
-threads. After the first ``--every`` steps (warm-up: allocator pools, thread pools, caches) RSS must not
-grow by more than 2% (the last quarter's median against the first quarter's: a leak is a trend, a sample
-that caught a layer's buffer in flight is not) and the descriptors and threads must stay constant (their floor: the disk tier opens a
-layer file per write and closes it after, so a sample may catch one open).
+Each configuration runs as its own ``l2l train`` process; this script samples it from /proc every ``--every``
+steps (as its metrics.jsonl reaches them): resident memory (VmRSS), open file descriptors and threads. After
+the first ``--every`` steps (warm-up: allocator pools, thread pools, caches) RSS must not grow by more than 2%
+(the last quarter's median against the first quarter's: a leak is a trend, a sample that caught a layer's
+buffer in flight is not) and the descriptors and threads must stay constant (their floor: the disk tier opens
+a layer file per write and closes it after, so a sample may catch one open).
 
     python benchmarks/soak.py                      # 2,000 steps each (~5 min per configuration, 2 cores)
     python benchmarks/soak.py --steps 300 --json   # the slow test's length

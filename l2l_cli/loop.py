@@ -450,6 +450,7 @@ class Trainer:
 
 
 def base_dir(data: TaskData) -> str | None:
-    """The folder the run's tokenizer came from (a pretrained checkpoint's own, with its generation config)."""
+    """The folder the run's tokenizer came from (a pretrained checkpoint's own, with its generation
+    config)."""
     ref = getattr(data.tokenizer, "name_or_path", None)
     return ref if ref and Path(ref).expanduser().is_dir() else None

@@ -25,7 +25,8 @@ console = Console(stderr=False, highlight=False)
 
 
 class RunProgress:
-    """Step, loss, samples/s and device memory, live. ``style``: rich | plain | none | auto (rich on a TTY)."""
+    """Step, loss, samples/s and device memory, live. ``style``: rich | plain | none | auto (rich on a
+    TTY)."""
 
     def __init__(self, style: str, total: int, title: str, enabled: bool = True):
         if style == "auto":

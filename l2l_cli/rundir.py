@@ -81,7 +81,8 @@ class RunFiles:
             if record.get("step", 0) <= step:
                 keep.append(ln)
         if torn:
-            msg = f"{path}: dropped {len(torn)} line(s) that are not whole records (line {', '.join(map(str, torn))})"
+            lines = ", ".join(map(str, torn))
+            msg = f"{path}: dropped {len(torn)} line(s) that are not whole records (line {lines})"
             log.warning("%s", msg)
             print(f"l2l: warning: {msg}", file=sys.stderr, flush=True)
         self.write_text(name, "".join(f"{ln}\n" for ln in keep))

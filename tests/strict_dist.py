@@ -295,9 +295,14 @@ class StrictDist:
                     if kind == "any":
                         continue
                     if (backend == "nccl") != (kind == DEV):
+                        why = (
+                            "NCCL moves device tensors only"
+                            if backend == "nccl"
+                            else "gloo moves host tensors"
+                        )
                         raise StrictDistError(
                             f"{name}: a {kind} tensor {tuple(t.shape)} {t.dtype} on a group declared "
-                            f"{backend} ({'NCCL moves device tensors only' if backend == 'nccl' else 'gloo moves host tensors'})"
+                            f"{backend} ({why})"
                         )
                     self.counts[f"{backend} {name} {kind}"] += 1
             return fn(*args, **kwargs)

@@ -29,8 +29,8 @@ RUNNERS = {
     "dp2": ["mode=l2l_p", "dist.nproc=2"],
     "pipeline2": ["mode=baseline_ag", "dist.nproc=2", "dist.pipeline=2", "model.num_layers=4"],
 }
-# the default suite's trial: the EPS on its disk tier (the host tier and the device-resident state: test_signals'
-# SIGKILLs, test_disk_tier's kills at each write; every runner: -m slow)
+# the default suite's trial: the EPS on its disk tier (the host tier and the device-resident state:
+# test_signals' SIGKILLs, test_disk_tier's kills at each write; every runner: -m slow)
 DEFAULT = ["disk"]
 STEPS = 16
 COMMON = [

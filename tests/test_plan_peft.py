@@ -188,10 +188,11 @@ def test_read_ahead_is_the_disk_readers() -> None:
 
 
 def test_host_bytes_per_param_match_a_tiny_run(tmp_path: Path) -> None:
-    """A tiny Llama LoRA run (``l2l train``'s job: NF4 base in RAM, adamw8bit) reports the host bytes the plan predicts: the run's
-    ``host_bytes_per_param`` (per model parameter), ``peft.host_bytes_per_param`` (per trainable + frozen),
-    the base's bytes in RAM and the bytes loaded toward the device per step. Tolerance 1e-6 relative: both
-    sides count the bytes of the same tensors (nothing measured), so only float rounding may differ."""
+    """A tiny Llama LoRA run (``l2l train``'s job: NF4 base in RAM, adamw8bit) reports the host bytes the plan
+    predicts: the run's ``host_bytes_per_param`` (per model parameter), ``peft.host_bytes_per_param`` (per
+    trainable + frozen), the base's bytes in RAM and the bytes loaded toward the device per step. Tolerance
+    1e-6 relative: both sides count the bytes of the same tensors (nothing measured), so only float rounding
+    may differ."""
     args = [*TINY_LM, "peft=lora", "peft.base_dtype=nf4", "optim=adamw8bit"]
     p = make_plan(compose(args))["peft"]
     from l2l_cli.train import run_job  # what `l2l train` runs, in this process (its imports paid once)

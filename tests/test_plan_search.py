@@ -24,7 +24,8 @@ from l2l_cli.preflight import preflight
 X160 = S.Target(ga.x_family(160), ga.x_critical_batch_size(160))
 MONTH = 365.25 / 12
 
-# Table 6.1 (the paper, quoted): Parallelism, Method, Offload, b, b_mu, n_mu, n_gpu, n_b, n_l, n_a, Efficiency, Time;
+# Table 6.1 (the paper, quoted): Parallelism, Method, Offload, b, b_mu, n_mu, n_gpu, n_b, n_l, n_a,
+# Efficiency, Time;
 # with Table 6.2's memory (GB): State, Checkpoint, Buffers, Activations, Offloadable, Non-offloadable.
 #   None Baseline ✓2416 4 604 1 1 1 1 1.00 630 y          | 14.1 K 47.2 K 43.9 24.9 61.2 K 68.8
 #   Data Baseline ✓2415 5 1 483 483 1 1 1.00 1.3 y        | 14.1 K 97.7 43.9 31.1 14.2 K 75.1
@@ -467,10 +468,11 @@ def test_figure_8_no_configuration_is_within_4_percent() -> None:
 def _x160_best_over(links: ga.Links, eq: int, pipe: str) -> tuple[float, tuple[int, int, int]]:
     """The largest n_gpu·efficiency of X160's improved 3d configurations (n_a = 16 on NVLink, b_mu = 1: a
     larger b_mu only lowers n_mu for the same b/n_b, and the bubble with it) whose reduction is compute-bound,
-    over every (n_mu, n_l <= n_mu) with n_b = floor(b_c / n_mu). ``eq``: 9 (partitioned state, ν = b·d_s/(2·n_b))
-    or 8 (no partition, ν = 3·b·d_s/(4·n_b), 1.5x eq. 9). ``pipe``: the modular pipeline's transfers (eq. 11)
-    by the search's rule ("ours": free when n_mu >= n_l·(1 + ν_net/ν_l), C.4.2, else exposed), exposed in
-    proportion to the micro-batches missing ("partial": max(0, n_l·(1 + ν_net/ν_l)/n_mu - 1)), or "free"."""
+    over every (n_mu, n_l <= n_mu) with n_b = floor(b_c / n_mu). ``eq``: 9 (partitioned state, ν =
+    b·d_s/(2·n_b)) or 8 (no partition, ν = 3·b·d_s/(4·n_b), 1.5x eq. 9). ``pipe``: the modular pipeline's
+    transfers (eq. 11) by the search's rule ("ours": free when n_mu >= n_l·(1 + ν_net/ν_l), C.4.2, else
+    exposed), exposed in proportion to the micro-batches missing ("partial": max(0, n_l·(1 + ν_net/ν_l)/n_mu -
+    1)), or "free"."""
     m, B = X160.model, math.floor(X160.b_c)
     n_mu, n_l = np.meshgrid(np.arange(1, B + 1), np.arange(1, m.d_l + 1), indexing="ij")
     n_b = B // n_mu

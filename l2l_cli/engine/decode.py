@@ -53,7 +53,8 @@ class Sampling:
         return out
 
     def hf_kwargs(self) -> dict[str, Any]:
-        """The same choice as ``transformers.GenerationConfig`` fields (top-k 0: off; unset, generate would keep the top 50)."""
+        """The same choice as ``transformers.GenerationConfig`` fields (top-k 0: off; unset, generate
+        would keep the top 50)."""
         if self.greedy:
             return {"do_sample": False}
         return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0}

@@ -169,7 +169,8 @@ def ubatch_seed(seed: int, step: int, layer: int, ubatch: int) -> int:
 
 
 def _metered(fn: Any, kind: str) -> Any:
-    """``fn(self, batch, ...)`` inside a meter window keyed by the batch's shape (see ``MemoryMeter.window``)."""
+    """``fn(self, batch, ...)`` inside a meter window keyed by the batch's shape (see
+    ``MemoryMeter.window``)."""
 
     @functools.wraps(fn)
     def run(self: Any, batch: Batch, *args: Any, **kw: Any) -> Any:

@@ -1,7 +1,8 @@
 """The mode registry: one :class:`ModeSpec` per execution algorithm, registered by the mode's own file.
 
 Validation, runner dispatch, checkpoints, the progress header, ``l2l report`` and ``l2l plan`` read the
-spec, never the mode's name, so a new algorithm is one file: its runner and a ``register_mode(ModeSpec(...))``.
+spec, never the mode's name, so a new algorithm is one file: its runner and a
+``register_mode(ModeSpec(...))``.
 """
 
 from __future__ import annotations

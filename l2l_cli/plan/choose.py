@@ -173,7 +173,10 @@ def l2l_fits(f: Found, shape: Any, seq: int, hw: Any) -> str:
     dev, host = sum(mem["device"].values()), sum(mem["host"].values())
     on_node = max(1, min(s.nproc, gpus_per_node(hw)))
     if dev > hw.device_memory_gb * ga.GiB:
-        return f"l2l's {s.mode} needs {dev / ga.GiB:,.1f} GiB per GPU > hardware.device_memory_gb={hw.device_memory_gb:g}"
+        return (
+            f"l2l's {s.mode} needs {dev / ga.GiB:,.1f} GiB per GPU > "
+            f"hardware.device_memory_gb={hw.device_memory_gb:g}"
+        )
     if on_node * host > hw.host_memory_gb * ga.GiB:
         return (
             f"{on_node} ranks on a node, each EPS holding the whole state: {on_node * host / ga.GiB:,.0f} "
@@ -256,8 +259,10 @@ def search_plan(cfg: Any, overrides: list[str]) -> dict[str, Any]:
         },
         "budget": budget.label,
         "budget_samples": b.samples,
-        "rate": f"{t.links.rate / 1e12:.4g} TFLOP/s = {t.links.mfu:.0%} of {t.links.peak_flops / 1e12:.4g} peak "
-        f"(hardware.mfu)",
+        "rate": (
+            f"{t.links.rate / 1e12:.4g} TFLOP/s = {t.links.mfu:.0%} of {t.links.peak_flops / 1e12:.4g} peak "
+            "(hardware.mfu)"
+        ),
         "bounds": {
             "max_gpus": b.max_gpus,
             "max_days": b.max_days,

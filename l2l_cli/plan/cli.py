@@ -29,8 +29,8 @@ usage: l2l plan [group=option] [key=value ...] [--json] [--compare RUN_DIR | --s
   --json              print the plan as one JSON object on stdout
   --compare RUN_DIR   predicted vs measured per phase for a finished run (its overrides, then these)
   --search            layered-GA §5: the fastest configuration per method and parallelism mix that fits
-                      (plan.parallelism, plan.method, plan.max_gpus, plan.max_days, plan.network, plan.node_size),
-                      with the l2l train / torchrun command for the ones l2l can run
+                      (plan.parallelism, plan.method, plan.max_gpus, plan.max_days, plan.network,
+                      plan.node_size), with the l2l train / torchrun command for the ones l2l can run
   --scaling           layered-GA §7: sweep the X[x] family (1e9..1e16 parameters), write figure4/5/8 (.png,
                       .svg), scaling.csv and scaling.json into --out DIR (default outputs/layered_ga_scaling),
                       report the limits; recipe=layered_ga_scaling sets the paper's machine and bounds

@@ -347,7 +347,8 @@ def draw(
 
 
 def scaling_plan(cfg: Any, out: Path) -> dict[str, Any]:
-    """Sweep, write the figures, scaling.csv and scaling.json into ``out``, and return the limits (``--scaling``)."""
+    """Sweep, write the figures, scaling.csv and scaling.json into ``out``, and return the limits
+    (``--scaling``)."""
     from l2l_cli.plan.choose import links_for
 
     # the paper's machine for its figures: each GPU may offload up to the 1 TB line (not the tool's
@@ -366,8 +367,10 @@ def scaling_plan(cfg: Any, out: Path) -> dict[str, Any]:
     titles = {
         "figure4": f"Figure 4: fastest configuration per method, {hw.name}, InfiniBand, 16 GPUs per node",
         "figure5": f"Figure 5: the same without the node-size limit on tensor parallelism ({hw.name})",
-        "figure8": f"Figure 8: over Ethernet ({hw.ethernet_gbps:g} GB/s per GPU); dotted: InfiniBand, black: No "
-        f"partition ({hw.name})",
+        "figure8": (
+            f"Figure 8: over Ethernet ({hw.ethernet_gbps:g} GB/s per GPU); dotted: InfiniBand, black: No "
+            f"partition ({hw.name})"
+        ),
     }
     eth = replace(base, node_size=FIGURES["figure8"]["node_size"], network_gbps=hw.ethernet_gbps)
     unpartitioned = no_partition(eth, xs, bounds)

@@ -85,7 +85,8 @@ class Rates:
     def rate_label(self) -> str:
         """The compute rate every view uses, and where it comes from."""
         src = "measured" if self.measured is not None else "hardware.mfu"
-        return f"{self.device_flops / 1e12:.3g} TFLOP/s = {self.mfu:.0%} of {self.peak_flops / 1e12:.4g} peak ({src})"
+        peak = self.peak_flops / 1e12
+        return f"{self.device_flops / 1e12:.3g} TFLOP/s = {self.mfu:.0%} of {peak:.4g} peak ({src})"
 
     def disk_time(self, read_bytes: float, write_bytes: float) -> float:
         """The disk EPS tier's I/O: reads and writes share one disk. They run on their own queues (read-ahead,

@@ -440,7 +440,8 @@ def _check(t: Target, b: Bounds, method: str, mix: str, cfg: ga.Parallel) -> lis
 
 
 def binding(t: Target, b: Bounds, f: Found) -> list[str]:
-    """What stops each dimension from growing (or b_mu from shrinking): the constraint the next step breaks."""
+    """What stops each dimension from growing (or b_mu from shrinking): the constraint the next step
+    breaks."""
     from dataclasses import replace
 
     c, m, mix = f.config, t.model, f.mix

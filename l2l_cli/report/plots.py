@@ -1,5 +1,6 @@
-"""Plots (PNG at 200 dpi, and SVG beside each) of a set of runs: the papers' sweeps (memory and throughput against depth, #ubatches, ubatch
-size and batch size), the time breakdown per phase (L2L v1 Figure 6), and loss and eval curves.
+"""Plots (PNG at 200 dpi, and SVG beside each) of a set of runs: the papers' sweeps (memory and throughput
+against depth, #ubatches, ubatch size and batch size), the time breakdown per phase (L2L v1 Figure 6), and
+loss and eval curves.
 
 A plot is drawn only when the runs hold what it shows (a sweep axis that varies within a series, a
 breakdown, logged steps), so a report of one run is not padded with empty figures. Titles name what all

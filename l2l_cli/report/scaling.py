@@ -1,5 +1,5 @@
-"""What ``l2l plan --scaling`` wrote (layered-GA §7 and §8.3), as the report shows it: the figures, linked, and
-the limits read off them.
+"""What ``l2l plan --scaling`` wrote (layered-GA §7 and §8.3), as the report shows it: the figures, linked,
+and the limits read off them.
 
 A scaling output directory holds ``scaling.json`` (the ``--json`` object: the limits per figure and the
 Ethernet slowdown of X160) beside figure4/5/8 (.png, .svg) and ``scaling.csv``. ``l2l report`` finds such
