@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from l2l_cli import generate
+from l2l_cli import generate, prompts
 from l2l_cli.compose import compose
 from l2l_cli.engine.decode import Sampling
 from l2l_cli.evaluate import run_config, weights_of
@@ -78,7 +78,7 @@ def main() -> None:
         )
         print(f"{'prompts':>7}  {'engine':<22} {'s':>8} {'new tok/s':>10} {'vs transformers':>16}")
         for n in (1, 8):
-            ids = generate.encode(tok, [generate.Prompt(f"{PROMPT} {i}") for i in range(n)], False, "")
+            ids = prompts.encode(tok, [prompts.Prompt(f"{PROMPT} {i}") for i in range(n)], False, "")
             limits = [min(n_new, spec.seq_len - len(p)) for p in ids]
             host, disk = (
                 generate.choose_engine("host", spec, True),

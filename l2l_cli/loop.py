@@ -26,9 +26,8 @@ from l2l_cli.rundir import Logger, RunFiles
 from l2l_cli.runfiles import BACKGROUND_PHASES, OTHER, MetricsRow, Summary, read_jsonl
 
 log = logging.getLogger("l2l")
-LOWER_IS_BETTER = frozenset(
-    {"loss", "perplexity"}
-)  # eval metrics where smaller is better (trainer.save_best)
+# eval metrics where smaller is better (trainer.save_best)
+LOWER_IS_BETTER = frozenset({"loss", "perplexity"})
 
 
 class TrainingError(Exception):
@@ -209,14 +208,9 @@ class Trainer:
         t0 = time.perf_counter()
         step = self.runner.step_count
         knobs = self.settings
+        state = self.state()
         path = ckpt.save(
-            self.ckpt_root,
-            step,
-            self.runner,
-            knobs.ident,
-            self.state(),
-            knobs.keep_checkpoints,
-            knobs.config_yaml,
+            self.ckpt_root, step, self.runner, knobs.ident, state, knobs.keep_checkpoints, knobs.config_yaml
         )
         self.last_saved = step
         self.note(f"saved checkpoint step {step} to {path} in {time.perf_counter() - t0:.2f} s")
@@ -450,7 +444,6 @@ class Trainer:
 
 
 def base_dir(data: TaskData) -> str | None:
-    """The folder the run's tokenizer came from (a pretrained checkpoint's own, with its generation
-    config)."""
+    """The run's tokenizer's folder (a pretrained checkpoint's own, with its generation config)."""
     ref = getattr(data.tokenizer, "name_or_path", None)
     return ref if ref and Path(ref).expanduser().is_dir() else None

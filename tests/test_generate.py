@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from l2l_cli import generate
+from l2l_cli import generate, prompts
 from l2l_cli.train import run_job
 from tests.util import tiny_cfg
 
@@ -118,7 +118,7 @@ def test_disk_tier_generates_the_tokens_of_ram_with_the_caches_in_files(
     assert tokens(disk) == tokens(ram)
     # blocks 1..2: keys and values of 3 prompts x kv heads x (the longest prompt + 8 positions) x head_dim
     c = json.loads((run / "final" / "config.json").read_text())
-    width = max(len(p) for p in generate.encode(_tok(run), [generate.Prompt(t) for t in PROMPTS], False, ""))
+    width = max(len(p) for p in prompts.encode(_tok(run), [prompts.Prompt(t) for t in PROMPTS], False, ""))
     head_dim = c["hidden_size"] // c["num_attention_heads"]
     assert seen == {
         f"kv_{i}.bin": 2 * 3 * c["num_key_value_heads"] * (width + 8) * head_dim * 4 for i in (1, 2)

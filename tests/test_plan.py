@@ -17,8 +17,11 @@ from l2l_cli.plan import estimate as est
 from l2l_cli.plan import scaling as ga
 from l2l_cli.plan.cli import main
 from l2l_cli.plan.hardware import GiB, MeasuredTimes, resolve
+from l2l_cli.plan.knobs import Setup
+from l2l_cli.plan.memory import memory
 from l2l_cli.plan.planner import make_plan, model_shape
 from l2l_cli.plan.shapes import ModelShape
+from l2l_cli.plan.steptime import step_time
 
 REPO = Path(__file__).resolve().parent.parent
 BERT_LARGE = ModelShape.bert(24, 1024, 16, 4096)
@@ -232,14 +235,14 @@ def rates_for(*overrides: str):
 
 def test_prefetch_hides_transfer_and_l2l_p_hides_the_update() -> None:
     cfg, shape, rates = rates_for(*V1_EXAMPLE, "mode=l2l")
-    s = est.Setup.from_cfg(cfg)
-    serial = est.step_time(shape, s.but(prefetch=False), rates)
-    relay = est.step_time(shape, s, rates)
+    s = Setup.from_cfg(cfg)
+    serial = step_time(shape, s.but(prefetch=False), rates)
+    relay = step_time(shape, s, rates)
     assert relay["transfer"].exposed < 0.2 * serial["transfer"].exposed
     assert relay["transfer"].exposed + relay["transfer"].hidden == pytest.approx(
         serial["transfer"].exposed + serial["transfer"].hidden, rel=0.05
     )
-    p = est.step_time(shape, s.but(mode="l2l_p"), rates)
+    p = step_time(shape, s.but(mode="l2l_p"), rates)
     assert p["optimizer"].exposed < 0.2 * relay["optimizer"].exposed  # only the trailing update remains
     # the trailing update is the embeddings': it cannot hide
     assert p["optimizer"].exposed >= rates.host_update_time(shape.pre_params) * 0.999
@@ -247,12 +250,12 @@ def test_prefetch_hides_transfer_and_l2l_p_hides_the_update() -> None:
     from dataclasses import replace
 
     cpu = replace(rates, async_copy=False, host_shares_device=True)
-    q = est.step_time(shape, s.but(mode="l2l_p"), cpu)
+    q = step_time(shape, s.but(mode="l2l_p"), cpu)
     assert q["transfer"].hidden == 0 and q["optimizer"].hidden == 0
     # ... and where the overlap was measured to cost more than the update itself, the step pays that
     lt = rates.layer_times(shape, s.seq, s.ubatch)
     measured = MeasuredTimes(lt, 1e-9, 1e-9, 1e10, 1, 2, overlap_cost=3.0)
-    r = est.step_time(shape, s.but(mode="l2l_p"), replace(cpu, measured=measured))
+    r = step_time(shape, s.but(mode="l2l_p"), replace(cpu, measured=measured))
     trailing = measured.host_s_per_param * shape.pre_params
     total = measured.host_s_per_param * shape.total_params
     assert r["optimizer"].exposed == pytest.approx(trailing + 3.0 * (total - trailing))
@@ -261,16 +264,13 @@ def test_prefetch_hides_transfer_and_l2l_p_hides_the_update() -> None:
 def test_stash_on_cpu_is_constant_in_depth_and_the_device_stash_grows_as_in_v2_table_4() -> None:
     """v2 Table 4 (ubatch 64, batch 64): stash on GPU 5.22 / 6.76 / 9.83 GB at 24 / 48 / 96 layers, i.e.
     0.064 GB per layer (64 samples × 512 × 1024 half values); stash on CPU 3.69 GB at 24, 96 and 384."""
-    s = est.Setup("l2l", "device", True, "cmp", 512, 64, 64)
+    s = Setup("l2l", "device", True, "cmp", 512, 64, 64)
     dev = {
-        n: sum(est.memory(ModelShape.bert(n, 1024, 16, 4096), s)["device"].values())
-        for n in (24, 48, 96, 384)
+        n: sum(memory(ModelShape.bert(n, 1024, 16, 4096), s)["device"].values()) for n in (24, 48, 96, 384)
     }
     slope = (dev[96] - dev[24]) / 72 / 1e9
     assert slope == pytest.approx((9.83 - 5.22) / 72, rel=0.06)
-    cpu = {
-        n: est.memory(ModelShape.bert(n, 1024, 16, 4096), s.but(stash="cpu"))["device"] for n in (24, 96, 384)
-    }
+    cpu = {n: memory(ModelShape.bert(n, 1024, 16, 4096), s.but(stash="cpu"))["device"] for n in (24, 96, 384)}
     assert cpu[24] == cpu[96] == cpu[384]
 
 
@@ -278,7 +278,7 @@ def test_the_recommended_ubatches_meet_the_target_and_the_largest_ubatch_fits() 
     cfg, shape, rates = rates_for(
         "model=bert-base", "task.max_seq_len=128", "batch.size=64", "batch.ubatch_size=2"
     )
-    s = est.Setup.from_cfg(cfg)
+    s = Setup.from_cfg(cfg)
     rec = est.recommend(shape, s, rates, 0.05)
     u = rec["num_ubatches_min"]
     assert cm.transfer_overhead(u, rec["layer_forward_s"], rec["layer_transfer_s"]) <= 0.05

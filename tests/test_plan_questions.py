@@ -276,13 +276,14 @@ def test_layered_ga_links_default_to_the_papers_peak() -> None:
 def _l2l_device_gib(overrides: list[str], layers: tuple[int, ...]) -> list[float]:
     """L2L's device peak (GiB) for BERT-Large widths at these depths, on the v100-16g preset's fixed terms
     (``hardware.device_reserved_gb``, ``hardware.attention_bytes_half``)."""
-    from l2l_cli.plan import estimate as est
+    from l2l_cli.plan.knobs import Setup
+    from l2l_cli.plan.memory import memory
     from l2l_cli.plan.shapes import ModelShape
 
-    s = est.Setup.from_cfg(
+    s = Setup.from_cfg(
         compose(["model=bert-large", "hardware=v100-16g", "mode=l2l", "task.max_seq_len=512", *overrides])
     )
-    return [sum(est.memory(ModelShape.bert(n, 1024, 16, 4096), s)["device"].values()) / 2**30 for n in layers]
+    return [sum(memory(ModelShape.bert(n, 1024, 16, 4096), s)["device"].values()) / 2**30 for n in layers]
 
 
 def test_v1_table_2_l2l_memory_within_10_percent() -> None:

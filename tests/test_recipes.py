@@ -238,7 +238,7 @@ CASES: dict[str, Case] = {
     "l2l_v1_figure6": Case(
         [*TINY, "model.num_layers=2", "trainer.max_steps=3"], check_v1_figure6, ("time_breakdown.png",)
     ),
-    # one job of the twelve (two ranks each: ~20 s here)
+    # one job of the twelve (two ranks each: the costliest recipe)
     "layered_ga_pipeline": Case(
         [
             *TINY,
@@ -250,7 +250,7 @@ CASES: dict[str, Case] = {
         check_layered_ga_pipeline,
         ("pipeline_bubble.png",),
     ),
-    # one task of the two (each MiniLM job costs ~10 s here); the header test checks RTE's data dir
+    # one task of the two (each MiniLM job is costly); the header test checks RTE's data dir
     "glue_accuracy": Case(
         [
             "task=mrpc",

@@ -62,8 +62,8 @@ def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, An
     """Stream tensors into a safetensors file without building it in memory; returns its manifest
     entry (size, crc32).
 
-    Why not ``write_bytes(st_save(...))``: on this class of machine a buffered write costs ~3 ms of
-    kernel CPU per MB (page-cache copies), which a background writer steals from training. Here each
+    Why not ``write_bytes(st_save(...))``: a buffered write spends kernel CPU on page-cache copies, which
+    a background writer steals from training (docs/benchmarks.md has the measurement). Here each
     32 MiB chunk is copied into a page-aligned staging buffer and written with O_DIRECT (DMA, almost
     no CPU); the header is padded with spaces (allowed by the format) so the data starts block-aligned.
     Where O_DIRECT is refused (tmpfs, some network filesystems) the same loop uses ordinary writes."""

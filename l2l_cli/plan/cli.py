@@ -213,7 +213,7 @@ def _search_or_scaling(cfg: Any, overrides: list[str], flags: dict[str, Any]) ->
     if flags["json"]:
         print(json.dumps(_jsonable(out)))
         return 0
-    from l2l_cli.plan.render import render_scaling, render_search
+    from l2l_cli.plan.render_search import render_scaling, render_search
 
     (render_search if flags["search"] else render_scaling)(out, _console())
     return 0

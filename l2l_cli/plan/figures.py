@@ -23,13 +23,13 @@ from typing import Any
 import numpy as np
 
 from l2l_cli.plan import scaling as ga
+from l2l_cli.plan.candidates import DAY, MEMORY_KEYS, PAIRS, Bounds, Target
 from l2l_cli.plan.scaling import GA_IMPROVED, GA_NO_PARTITION, METHODS, GiB
-from l2l_cli.plan.search import DAY, MEMORY_KEYS, PAIRS, Bounds, Found, Target, fastest
+from l2l_cli.plan.search import Found, fastest
 
 MONTH_DAYS, YEAR_DAYS = 365.25 / 12, 365.25
-DEFAULT_OUT = (
-    "outputs/layered_ga_scaling"  # --out's default: where recipes/layered_ga_scaling.yaml's report looks
-)
+# --out's default: where recipes/layered_ga_scaling.yaml's report looks
+DEFAULT_OUT = "outputs/layered_ga_scaling"
 SUMMARY = "scaling.json"  # the sweep's summary (the --json object) beside the figures: `l2l report` reads it
 FIGURES = {  # name -> what differs from the base machine
     "figure4": {"node_size": 16, "network": "infiniband"},

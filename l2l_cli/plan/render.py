@@ -33,7 +33,7 @@ PART_NAMES = {
 }
 
 
-def _with(hw: dict[str, Any]) -> str:
+def overrides_note(hw: dict[str, Any]) -> str:
     """The preset's name is not the whole machine when hardware.* keys override it: say which."""
     keys = hw.get("overrides") or []
     return f" (with {', '.join(keys)})" if keys else ""
@@ -57,7 +57,7 @@ def fmt_n(n: float) -> str:
     return f"{n:.3g}"
 
 
-def _table(title: str, *cols: str, **kw: Any) -> Table:
+def new_table(title: str, *cols: str, **kw: Any) -> Table:
     """A table whose cells wrap (fold) rather than end in "…": a number is never cut short."""
     t = Table(title=title, title_justify="left", title_style="bold", **kw)
     for i, c in enumerate(cols):
@@ -84,7 +84,7 @@ def render(plan: dict[str, Any], console: Console) -> None:
             if plan.get("peft")
             else ""
         )
-        + f"\nhardware [bold]{hw['name']}[/]{_with(hw)}: {hw['rate']}, "
+        + f"\nhardware [bold]{hw['name']}[/]{overrides_note(hw)}: {hw['rate']}, "
         f"{hw['device_memory_gib']:.3g} GiB device, link {hw['h2d_gbps']:.3g} GB/s, "
         f"host update {hw['host_gflops']:.3g} GFLOP/s"
     )
@@ -97,7 +97,7 @@ def render(plan: dict[str, Any], console: Console) -> None:
     console.print(Panel(Group(*lines), title="l2l plan", title_align="left", expand=False))
 
     p = plan["params"]
-    t = _table("Parameters", "layer", "parameters")
+    t = new_table("Parameters", "layer", "parameters")
     t.add_row("embeddings", fmt_n(p["embeddings"]))
     t.add_row(f"{c['num_layers']} blocks × {fmt_n(p['per_block'])}", fmt_n(p["blocks"]))
     t.add_row(f"head ({p.get('head_parts', 'pooler, classifier')})", fmt_n(p["head"]))
@@ -106,7 +106,7 @@ def render(plan: dict[str, Any], console: Console) -> None:
 
     m = plan["memory_bytes"]
     tiers = ["device", "host"] + (["disk"] if m.get("disk", {}).get("total") else [])
-    t = _table(
+    t = new_table(
         "Memory at the step's peak",
         "part",
         "device",
@@ -136,7 +136,7 @@ def render(plan: dict[str, Any], console: Console) -> None:
         render_peft(plan["peft"], console)
 
     st, hid = plan["step_time_s"], plan["hidden_s"]
-    t = _table("Step time by phase", "phase", "exposed", "hidden (overlapped)")
+    t = new_table("Step time by phase", "phase", "exposed", "hidden (overlapped)")
     for k in ("forward", "recompute", "backward", "transfer", "optimizer", "reduce", "disk_wait", "bubble"):
         if st[k] or hid[k]:
             t.add_row(k, fmt_s(st[k]), fmt_s(hid[k]) if hid[k] else "-")
@@ -148,7 +148,7 @@ def render(plan: dict[str, Any], console: Console) -> None:
         render_pipeline(plan["pipeline"], console)
 
     r = plan["recommendation"]
-    t = _table("Recommendation", "", "")
+    t = new_table("Recommendation", "", "")
     if r["num_ubatches_min"] is not None:
         t.add_row(
             f"#ubatches for L2L transfer ≤ {r['max_transfer_overhead']:.0%} (v2 eq. 4)",
@@ -181,7 +181,7 @@ def render(plan: dict[str, Any], console: Console) -> None:
         )
     console.print(t)
 
-    t = _table(
+    t = new_table(
         "All modes at this batch", "method", "ubatch × n", "device", "host", "fits", "step", "samples/s"
     )
     for row in plan["modes"]:
@@ -202,7 +202,7 @@ def render(plan: dict[str, Any], console: Console) -> None:
         render_recompute(plan["recompute"], console)
 
     ga = plan["layered_ga"]
-    t = _table(
+    t = new_table(
         f"Layered-GA view (d_s={ga['d_s']}, p={fmt_n(ga['params'])}): critical batch "
         f"{plan['critical_batch_size']:.4g}, "
         f"batch {ga['batch']} = {ga['batch_vs_critical']:.2g}× critical; memory in GiB per device",
@@ -241,7 +241,7 @@ def render(plan: dict[str, Any], console: Console) -> None:
 def render_peft(pe: dict[str, Any], console: Console) -> None:
     """peft=lora: bytes per parameter where each part lives, and which term bounds the step."""
     targets = ",".join(pe["target_modules"])
-    t = _table(
+    t = new_table(
         f"LoRA (peft=lora, r={pe['r']} on {targets}): bytes per parameter",
         "part",
         "parameters",
@@ -295,7 +295,7 @@ def render_peft(pe: dict[str, Any], console: Console) -> None:
     console.print(t)
     terms = pe["step_terms_s"]
     read = pe["base_bytes_read_per_step"]
-    t = _table(
+    t = new_table(
         "LoRA step terms (each layer's base is loaded twice a step: for the forward, and for the backward's "
         "recompute + backward)",
         "term",
@@ -316,7 +316,7 @@ def render_peft(pe: dict[str, Any], console: Console) -> None:
 
 def render_recompute(rc: dict[str, Any], console: Console) -> None:
     """mode.recompute / keep_layers: each choice's device memory and step, and auto's pick."""
-    t = _table(
+    t = new_table(
         "Recompute choices (mode.recompute, mode.keep_layers; room beyond full: "
         f"{fmt_bytes(max(0.0, rc['room_bytes']))})",
         "choice",
@@ -344,7 +344,7 @@ def render_recompute(rc: dict[str, Any], console: Console) -> None:
 def render_pipeline(p: dict[str, Any], console: Console) -> None:
     """The pipeline's predicted bubble (layered-GA appendix C, §4) and step time, for this (N, P) and the
     other placements and schedules."""
-    t = _table(
+    t = new_table(
         f"Pipeline bubble at {p['num_ubatches']} ubatches (layered-GA appendix C, §4): o = "
         "(P-1)/n_mu/(stages per "
         "rank), the share of the pipeline's time o/(1+o) (paper: messages free); the model runs each rank's "
@@ -379,7 +379,7 @@ def render_pipeline(p: dict[str, Any], console: Console) -> None:
 
 
 def render_compare(cmp: dict[str, Any], console: Console) -> None:
-    t = _table(
+    t = new_table(
         f"Predicted vs measured: {cmp['run_dir']}", "phase", "predicted", "measured", "measured / predicted"
     )
     for k, row in cmp["phases"].items():
@@ -406,133 +406,3 @@ def _tier_needed(name: str) -> str:
     if name not in TIERS:
         return "none fits"
     return f"{name} (eps.tier={name})" if TIERS[name].on_disk else name
-
-
-def fmt_days(d: float | None) -> str:
-    """Table 6.1's time column: days below a year, years above."""
-    if d is None:
-        return "-"
-    return f"{d:.3g} d" if d < 365 else f"{d / 365:.3g} y"
-
-
-def fmt_time(days: float | None) -> str:
-    """A training time: hours below a day, days below a year, years above."""
-    if days is None:
-        return "-"
-    return f"{days * 24:.3g} h" if days < 1 else fmt_days(days)
-
-
-def render_search(out: dict[str, Any], console: Console) -> None:
-    """``l2l plan --search``: Table 6.1's columns, Table 6.2's memory, what binds each row, the commands."""
-    hw, bd = out["hardware"], out["bounds"]
-    head = (
-        f"[bold]{out['model']}[/] ({fmt_n(out['params'])} parameters in the layers; d_l "
-        f"{out['shape']['d_l']}, "
-        f"d_m {out['shape']['d_m']}, heads {out['shape']['d_a']}, d_s {out['shape']['d_s']}) · critical "
-        "batch "
-        f"{out['critical_batch_size']:.4g} · budget {out['budget']}\n"
-        f"[bold]{hw['name']}[/]{_with(hw)}: {out['rate']}, {hw['memory_gb']:g} GB, {hw['network']} "
-        f"{hw['network_gbps']:g} GB/s, tensor link {hw['tensor_link_gbps']:g} GB/s × "
-        f"{hw['node_size'] or 'any'} GPUs, "
-        f"CPU-GPU {hw['offload_gbps']:g} GB/s · objective: {out['objective']}"
-        + (f" · max {bd['max_gpus']} GPUs" if bd["max_gpus"] else "")
-        + (f" · max {bd['max_days']:g} days" if bd["max_days"] else "")
-    )
-    console.print(
-        Panel(
-            Text.from_markup(head),
-            title="l2l plan --search (layered-GA §5)",
-            title_align="left",
-            expand=False,
-        )
-    )
-    t = _table(
-        f"Fastest configuration per method for {out['model']}, {out['budget']} (Table 6.1's columns; "
-        "l2l ✗: the paper's, l2l cannot run it)",
-        "parallelism",
-        "method",
-        "offload",
-        "b",
-        "b_mu",
-        "n_mu",
-        "n_gpu",
-        "n_b",
-        "n_l",
-        "n_a",
-        "efficiency",
-        "time",
-        "l2l",
-    )
-    for r in out["search"]:
-        t.add_row(
-            r["parallelism"],
-            r["method"],
-            "✓" if r["offload"] else "✗",
-            str(r["b"]),
-            str(r["b_mu"]),
-            str(r["n_mu"]),
-            str(r["n_gpu"]),
-            str(r["n_b"]),
-            str(r["n_l"]),
-            str(r["n_a"]),
-            f"{r['efficiency']:.2f}",
-            fmt_time(r["days"]),
-            "✓" if r["l2l_runs"] else "✗",
-            style="" if r["l2l_runs"] else "dim",
-        )
-    console.print(t)
-    t = _table(
-        f"Memory per GPU, GB (Table 6.2's columns), {out['model']}",
-        "parallelism",
-        "method",
-        "state",
-        "checkpoint",
-        "buffers",
-        "activations",
-        "offloadable",
-        "non-offloadable",
-    )
-    for r in out["search"]:
-        mem = r["memory"]
-        t.add_row(
-            r["parallelism"],
-            r["method"],
-            *(
-                f"{mem[k]:.3g}"
-                for k in ("state", "checkpoint", "buffers", "activations", "offloadable", "non_offloadable")
-            ),
-        )
-    console.print(t)
-    for r in out["search"]:
-        console.print(f"[bold]{r['parallelism']} / {r['method']}[/]: {r['binding']}")
-        if r["command"]:
-            console.print(f"  [green]{r['command']}", soft_wrap=True)
-    for line in out["not_found"] + out["notes"]:
-        console.print(f"[dim]note: {line}")
-    if out["best"]:
-        b = out["best"]
-        console.print(
-            f"[bold]best (l2l runs it): {b['parallelism']} / {b['method']}, {b['n_gpu']} GPUs, "
-            f"{fmt_time(b['days'])} for {out['budget']}"
-        )
-        console.print(f"  [green]{b['command']}", soft_wrap=True)
-    else:
-        console.print("[bold]best: none of these rows is one l2l runs (see the notes)")
-
-
-def render_scaling(out: dict[str, Any], console: Console) -> None:
-    """``l2l plan --scaling``: where the files went and §7's limits."""
-    lim = out["limits"]
-    t = _table(f"Layered-GA §7 limits, improved method ({out['hardware']}, Figure 4)", "limit", "parameters")
-    names = {
-        "fits_80gb_params": f"largest model whose non-offloadable memory fits {out['memory_gb']:g} GB",
-        "offload_above_params": "offload needed above",
-        "one_month_params": "largest trained in one month",
-        "one_year_params": "largest trained in one year",
-    }
-    for k, label in names.items():
-        t.add_row(label, fmt_n(lim[k]) if lim[k] else "-")
-    console.print(t)
-    for k, v in out.get("extra", {}).items():
-        console.print(f"{k}: {v}")
-    console.print(f"wrote {', '.join(out['files'])} into {out['out']}")

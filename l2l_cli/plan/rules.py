@@ -79,8 +79,8 @@ def plan_problems(cfg: Any) -> list[Problem]:
 def search_problems(cfg: Any) -> list[Problem]:
     """The keys of ``l2l plan --search`` / ``--scaling`` (layered-GA §5's bounds)."""
     from l2l_cli.config.schema import PLAN_NETWORKS
+    from l2l_cli.plan.candidates import MIXES
     from l2l_cli.plan.scaling import METHODS
-    from l2l_cli.plan.search import MIXES
 
     p: list[Problem] = []
     plan, hw = cfg.plan, cfg.hardware
