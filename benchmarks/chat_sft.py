@@ -49,20 +49,31 @@ def measure(overrides: list[str], steps: int, warmup: int = 1) -> dict[str, floa
             if i >= warmup:
                 answer = int((batch.labels[:, 1:] != -100).sum())
                 rates.append((int((batch.attention_mask != 0).sum()) / dt, answer / dt))
-    return {"tokens_per_s": statistics.median(r[0] for r in rates),
-            "answer_tokens_per_s": statistics.median(r[1] for r in rates)}  # fmt: skip
+    return {
+        "tokens_per_s": statistics.median(r[0] for r in rates),
+        "answer_tokens_per_s": statistics.median(r[1] for r in rates),
+    }
 
 
 def packing(root: Path, tiny: bool) -> None:
     hidden, layers, steps = (32, 2, 3) if tiny else (512, 8, 8)
     make_chat(root, hidden, layers, 512 if tiny else 2048)
-    common = ["task=chat", f"model.pretrained={root / 'model'}", f"task.files={root / 'chat.jsonl'}", "mode=l2l",
-              "task.max_seq_len=256", "batch.size=8", "batch.ubatch_size=4"]  # fmt: skip
+    common = [
+        "task=chat",
+        f"model.pretrained={root / 'model'}",
+        f"task.files={root / 'chat.jsonl'}",
+        "mode=l2l",
+        "task.max_seq_len=256",
+        "batch.size=8",
+        "batch.ubatch_size=4",
+    ]
     padded = measure(common, steps)
     packed = measure([*common, "task.packing=true"], steps)
-    print(f"packing: answer tokens/s padded {padded['answer_tokens_per_s']:.0f}, packed "
-          f"{packed['answer_tokens_per_s']:.0f}; ratio packed/padded "
-          f"{packed['answer_tokens_per_s'] / padded['answer_tokens_per_s']:.2f}")  # fmt: skip
+    print(
+        f"packing: answer tokens/s padded {padded['answer_tokens_per_s']:.0f}, packed "
+        f"{packed['answer_tokens_per_s']:.0f}; ratio packed/padded "
+        f"{packed['answer_tokens_per_s'] / padded['answer_tokens_per_s']:.2f}"
+    )
 
 
 def streaming(root: Path, tiny: bool) -> None:
@@ -77,12 +88,22 @@ def streaming(root: Path, tiny: bool) -> None:
     pq.write_table(pa.table({"text": docs}), folder / "train.parquet")
     steps = 3 if tiny else 8
     sizes = ["model.num_layers=2", "model.hidden_size=32"] if tiny else ["model.num_layers=8"]
-    common = ["task=lm", "model=gpt2-tiny", *sizes, "task.max_seq_len=128", "batch.size=8", "batch.ubatch_size=4",
-              "mode=l2l", f"task.dataset={folder}"]  # fmt: skip
+    common = [
+        "task=lm",
+        "model=gpt2-tiny",
+        *sizes,
+        "task.max_seq_len=128",
+        "batch.size=8",
+        "batch.ubatch_size=4",
+        "mode=l2l",
+        f"task.dataset={folder}",
+    ]
     whole = measure(common, steps)
     stream = measure([*common, "task.streaming=true", "task.max_eval_samples=4"], steps)
-    print(f"streaming: tokens/s in memory {whole['tokens_per_s']:.0f}, streamed {stream['tokens_per_s']:.0f}; "
-          f"ratio streamed/in-memory {stream['tokens_per_s'] / whole['tokens_per_s']:.2f}")  # fmt: skip
+    print(
+        f"streaming: tokens/s in memory {whole['tokens_per_s']:.0f}, streamed {stream['tokens_per_s']:.0f}; "
+        f"ratio streamed/in-memory {stream['tokens_per_s'] / whole['tokens_per_s']:.2f}"
+    )
 
 
 def main() -> None:

@@ -6,7 +6,8 @@ can be measured: CUDA's allocator; on a CPU only l2l's own meter sees a device t
 as a ratio to l2l.
 
     pip install .[peers]                                     # DeepSpeed (optional: skipped when missing)
-    python benchmarks/compare_peers.py                       # 8 BERT-Large layers, batch 16, ubatch 4, seq 128
+    python benchmarks/compare_peers.py                       # 8 BERT-Large layers, batch 16, ubatch 4,
+                                                             # seq 128
     python benchmarks/compare_peers.py --tiny --steps 2      # a smoke run
     python benchmarks/compare_peers.py --peers l2l,fsdp2-offload --layers 4
 
@@ -106,13 +107,24 @@ def run_peer(
         _dist_env()
         deepspeed.init_distributed(dist_backend="nccl" if dev.type == "cuda" else "gloo")
         ds_cfg = {
-            "train_micro_batch_size_per_gpu": cfg.batch.ubatch_size, "gradient_accumulation_steps": n_ub,
+            "train_micro_batch_size_per_gpu": cfg.batch.ubatch_size,
+            "gradient_accumulation_steps": n_ub,
             "gradient_clipping": o.max_grad_norm,
-            "optimizer": {"type": "AdamW", "params": {"lr": o.lr, "betas": [o.beta1, o.beta2], "eps": o.eps,
-                                                      "weight_decay": o.weight_decay}},
-            "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
-                                  "offload_optimizer": {"device": "cpu"}},
-        }  # fmt: skip
+            "optimizer": {
+                "type": "AdamW",
+                "params": {
+                    "lr": o.lr,
+                    "betas": [o.beta1, o.beta2],
+                    "eps": o.eps,
+                    "weight_decay": o.weight_decay,
+                },
+            },
+            "zero_optimization": {
+                "stage": 3,
+                "offload_param": {"device": "cpu"},
+                "offload_optimizer": {"device": "cpu"},
+            },
+        }
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
 
         def step(mb: Any) -> float:
@@ -139,8 +151,14 @@ def run_peer(
         fused = (
             name != "fsdp2-offload"
         )  # torch's fused AdamW; FSDP2's CPU-offloaded DTensors take the default
-        opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                weight_decay=o.weight_decay, fused=fused or None)  # fmt: skip
+        opt = torch.optim.AdamW(
+            model.parameters(),
+            lr=o.lr,
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            fused=fused or None,
+        )
 
         def step(mb: Any) -> float:
             loss = 0.0
@@ -259,8 +277,11 @@ def main() -> int:
             f"compare_peers: unknown peer(s) {', '.join(unknown)}; known: {', '.join(PEERS)}", file=sys.stderr
         )
         return 2
-    print(f"{args.layers} layers, batch {args.batch}, ubatch {args.ubatch}, fp32, device {args.device}, "
-          f"{args.steps} steps each (the first a warm-up), {torch.get_num_threads()} threads", flush=True)  # fmt: skip
+    print(
+        f"{args.layers} layers, batch {args.batch}, ubatch {args.ubatch}, fp32, device {args.device}, "
+        f"{args.steps} steps each (the first a warm-up), {torch.get_num_threads()} threads",
+        flush=True,
+    )
     results: dict[str, dict[str, Any]] = {}
     for name in peers:
         why = missing(name)
@@ -269,9 +290,25 @@ def main() -> int:
             continue
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "r.json"
-            cmd = [sys.executable, __file__, "--peer", name, "--out", str(out), "--steps", str(args.steps),
-                   "--layers", str(args.layers), "--batch", str(args.batch), "--ubatch", str(args.ubatch),
-                   "--device", args.device, *(["--tiny"] if args.tiny else [])]  # fmt: skip
+            cmd = [
+                sys.executable,
+                __file__,
+                "--peer",
+                name,
+                "--out",
+                str(out),
+                "--steps",
+                str(args.steps),
+                "--layers",
+                str(args.layers),
+                "--batch",
+                str(args.batch),
+                "--ubatch",
+                str(args.ubatch),
+                "--device",
+                args.device,
+                *(["--tiny"] if args.tiny else []),
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0 or not out.is_file():
                 tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
@@ -279,11 +316,14 @@ def main() -> int:
                 continue
             results[name] = json.loads(out.read_text())
             r = results[name]
-            print(f"  {name}: {r['samples_per_s']:.3f} samples/s, losses {[round(x, 4) for x in r['losses']]}",
-                  flush=True)  # fmt: skip
+            print(
+                f"  {name}: {r['samples_per_s']:.3f} samples/s, losses {[round(x, 4) for x in r['losses']]}",
+                flush=True,
+            )
     ref = results.get("l2l")
     print(
-        f"\n{'peer':26s} {'samples/s':>10s} {'x l2l':>6s} {'device peak':>12s} {'x l2l':>6s} {'peak RSS':>10s} {'x l2l':>6s}"
+        f"\n{'peer':26s} {'samples/s':>10s} {'x l2l':>6s} {'device peak':>12s} {'x l2l':>6s} "
+        f"{'peak RSS':>10s} {'x l2l':>6s}"
     )
     for name, r in results.items():
 
@@ -291,11 +331,15 @@ def main() -> int:
             a, b = r.get(key), (ref or {}).get(key)
             return f"{a / b:6.2f}" if a and b else f"{'-':>6s}"
 
-        print(f"{name:26s} {r['samples_per_s']:10.3f} {ratio('samples_per_s')} {fmt_bytes(r['device_peak_bytes']):>12s} "
-              f"{ratio('device_peak_bytes')} {fmt_bytes(r['peak_rss_bytes']):>10s} {ratio('peak_rss_bytes')}")  # fmt: skip
+        print(
+            f"{name:26s} {r['samples_per_s']:10.3f} {ratio('samples_per_s')} "
+            f"{fmt_bytes(r['device_peak_bytes']):>12s} "
+            f"{ratio('device_peak_bytes')} {fmt_bytes(r['peak_rss_bytes']):>10s} {ratio('peak_rss_bytes')}"
+        )
     if args.device == "cpu":
         print(
-            "(on a CPU the device tier is the host: only l2l's own meter reports one; peak RSS is each process')"
+            "(on a CPU the device tier is the host: only l2l's own meter reports one; peak RSS is each "
+            "process')"
         )
     if ref:  # the same weights, batches and no dropout: the same first loss, whoever trains it
         first = ref["losses"][0]

@@ -77,8 +77,12 @@ def run(overrides: list[str], steps: int) -> dict[str, Any]:
     return {
         "tokens_per_s": statistics.median(tokens / r.step_time_s for r in timed),
         "step_time_s": statistics.median(r.step_time_s for r in timed),
-        "peak": peak, "host": host, "params": params, "build_s": build_s, "loss": reports[-1].loss,
-    }  # fmt: skip
+        "peak": peak,
+        "host": host,
+        "params": params,
+        "build_s": build_s,
+        "loss": reports[-1].loss,
+    }
 
 
 def gib(n: float) -> str:
@@ -93,8 +97,10 @@ def mem_available() -> int:
 
 
 def part_tokens(args: argparse.Namespace) -> None:
-    print(f"1. tokens/s, 12-layer GPT-2-medium-shaped decoder, seq {args.seq}, batch {args.batch} "
-          f"= {args.batch // args.ubatch} x ubatch {args.ubatch}")  # fmt: skip
+    print(
+        f"1. tokens/s, 12-layer GPT-2-medium-shaped decoder, seq {args.seq}, batch {args.batch} "
+        f"= {args.batch // args.ubatch} x ubatch {args.ubatch}"
+    )
     base = [
         *GPT2_MEDIUM_12,
         f"task.max_seq_len={args.seq}",
@@ -106,32 +112,53 @@ def part_tokens(args: argparse.Namespace) -> None:
     print(f"   {'config':24s} {'tokens/s':>9s} {'step s':>8s} {'device peak':>12s} {'params':>8s}")
     for name, ov in TOKENS_CONFIGS.items():
         r = res[name] = run([*base, *ov], args.steps)
-        print(f"   {name:24s} {r['tokens_per_s']:9.1f} {r['step_time_s']:8.2f} {gib(r['peak']):>12s} "
-              f"{r['params'] / 1e6:7.0f}M", flush=True)  # fmt: skip
+        print(
+            f"   {name:24s} {r['tokens_per_s']:9.1f} {r['step_time_s']:8.2f} {gib(r['peak']):>12s} "
+            f"{r['params'] / 1e6:7.0f}M",
+            flush=True,
+        )
     t = {k: v["tokens_per_s"] for k, v in res.items()}
-    print(f"   l2l / baseline_ag, fp32: {t['l2l fp32'] / t['baseline_ag fp32']:.2f}x tokens/s; "
-          f"cmp l2l / amp baseline_ag: {t['l2l cmp(bf16)'] / t['baseline_ag amp(bf16)']:.2f}x; device peak "
-          f"l2l / baseline_ag (fp32): {res['l2l fp32']['peak'] / res['baseline_ag fp32']['peak']:.2f}x")  # fmt: skip
+    print(
+        f"   l2l / baseline_ag, fp32: {t['l2l fp32'] / t['baseline_ag fp32']:.2f}x tokens/s; "
+        f"cmp l2l / amp baseline_ag: {t['l2l cmp(bf16)'] / t['baseline_ag amp(bf16)']:.2f}x; device peak "
+        f"l2l / baseline_ag (fp32): {res['l2l fp32']['peak'] / res['baseline_ag fp32']['peak']:.2f}x"
+    )
 
 
 def part_largest(args: argparse.Namespace) -> None:
-    print(f"2. the largest Llama-shaped decoder one l2l step trains here (cmp, stash on the host, seq {args.llama_seq}, "
-          "batch 1)")  # fmt: skip
+    print(
+        "2. the largest Llama-shaped decoder one l2l step trains here (cmp, stash on the host, seq "
+        f"{args.llama_seq}, "
+        "batch 1)"
+    )
     best = None
     for name, ov in LADDER:
-        overrides = [*ov, "task=lm", "mode=l2l_stash_cpu", "precision=cmp", "batch.size=1", "batch.ubatch_size=1",
-                     f"task.max_seq_len={args.llama_seq}", *(TINY + TINY_KV if args.tiny else [])]  # fmt: skip
+        overrides = [
+            *ov,
+            "task=lm",
+            "mode=l2l_stash_cpu",
+            "precision=cmp",
+            "batch.size=1",
+            "batch.ubatch_size=1",
+            f"task.max_seq_len={args.llama_seq}",
+            *(TINY + TINY_KV if args.tiny else []),
+        ]
         cfg = compose(overrides)
         params = make_spec(cfg.model, 0).total_params
         need, have = params * EPS_BYTES_PER_PARAM, mem_available()
         if need > 0.85 * have:
-            print(f"   {name:28s} {params / 1e9:6.2f}B params: needs ~{gib(need)} of host memory, "
-                  f"{gib(have)} available: not tried")  # fmt: skip
+            print(
+                f"   {name:28s} {params / 1e9:6.2f}B params: needs ~{gib(need)} of host memory, "
+                f"{gib(have)} available: not tried"
+            )
             continue
         r = run(overrides, steps=1)
-        print(f"   {name:28s} {r['params'] / 1e9:6.2f}B params: one step in {r['step_time_s']:.1f} s (built in "
-              f"{r['build_s']:.0f} s), loss {r['loss']:.2f}, device peak {gib(r['peak'])}, host state "
-              f"{gib(r['host'])}", flush=True)  # fmt: skip
+        print(
+            f"   {name:28s} {r['params'] / 1e9:6.2f}B params: one step in {r['step_time_s']:.1f} s (built in "
+            f"{r['build_s']:.0f} s), loss {r['loss']:.2f}, device peak {gib(r['peak'])}, host state "
+            f"{gib(r['host'])}",
+            flush=True,
+        )
         best = (name, r["params"])
     if best:
         print(f"   largest trained: {best[0]} ({best[1] / 1e9:.2f}B parameters)")

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from l2l_cli import generate
+from l2l_cli import generate, prompts
 from l2l_cli.compose import compose
 from l2l_cli.engine.decode import Sampling
 from l2l_cli.evaluate import run_config, weights_of
@@ -34,9 +34,20 @@ PROMPT = "The court ruled that the company had"
 def make_run(root: Path, shape: list[str]) -> Path:
     """A decoder trained one step (its final/ is what generate loads)."""
     run = root / "run"
-    cfg = compose(["task=lm", *shape, "batch.size=2", "batch.ubatch_size=1", "trainer.max_steps=1",
-                   "trainer.save_every=1", "trainer.save_final=true", "task.max_eval_samples=2",
-                   "trainer.progress=none", "model.init_std=0.2"])  # fmt: skip
+    cfg = compose(
+        [
+            "task=lm",
+            *shape,
+            "batch.size=2",
+            "batch.ubatch_size=1",
+            "trainer.max_steps=1",
+            "trainer.save_every=1",
+            "trainer.save_final=true",
+            "task.max_eval_samples=2",
+            "trainer.progress=none",
+            "model.init_std=0.2",
+        ]
+    )
     assert run_job(cfg, run) == "ok"
     return run
 
@@ -61,11 +72,13 @@ def main() -> None:
         weights = weights_of(run, None)
         tok, _ = generate.tokenizer_for(cfg, weights)
         sampling = Sampling(max_new_tokens=n_new)
-        print(f"{spec.num_layers} layers, hidden {spec.hidden_size}, {spec.total_params / 1e6:.1f}M params; "
-              f"{n_new} new tokens per prompt, greedy, device={args.device}")  # fmt: skip
+        print(
+            f"{spec.num_layers} layers, hidden {spec.hidden_size}, {spec.total_params / 1e6:.1f}M params; "
+            f"{n_new} new tokens per prompt, greedy, device={args.device}"
+        )
         print(f"{'prompts':>7}  {'engine':<22} {'s':>8} {'new tok/s':>10} {'vs transformers':>16}")
         for n in (1, 8):
-            ids = generate.encode(tok, [generate.Prompt(f"{PROMPT} {i}") for i in range(n)], False, "")
+            ids = prompts.encode(tok, [prompts.Prompt(f"{PROMPT} {i}") for i in range(n)], False, "")
             limits = [min(n_new, spec.seq_len - len(p)) for p in ids]
             host, disk = (
                 generate.choose_engine("host", spec, True),

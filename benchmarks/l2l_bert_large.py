@@ -86,19 +86,30 @@ def main() -> None:
     if args.json:
         out = {
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "configs": {k: {"samples_per_s": v["samples_per_s"], "step_time_s": v["step_time_s"],
-                            "device_peak_bytes": v["peak_bytes"], "phases": v["phases"]} for k, v in res.items()},
+            "configs": {
+                k: {
+                    "samples_per_s": v["samples_per_s"],
+                    "step_time_s": v["step_time_s"],
+                    "device_peak_bytes": v["peak_bytes"],
+                    "phases": v["phases"],
+                }
+                for k, v in res.items()
+            },
             "checks": [{"check": c, "ratio": r, "target": t} for c, r, t in checks],
-            "eps_update_s": eps_s, "fused_adamw_s": ref_s, "grad_norm_s": norm_s,
-        }  # fmt: skip
+            "eps_update_s": eps_s,
+            "fused_adamw_s": ref_s,
+            "grad_norm_s": norm_s,
+        }
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     peaks = {k: v["peak_bytes"] for k, v in res.items()}
     print(
-        f"\ndevice peak: baseline_ag {gib(peaks['baseline_ag fp32 ub2'])}, l2l ub16 {gib(peaks['l2l fp32 ub16'])}, "
+        f"\ndevice peak: baseline_ag {gib(peaks['baseline_ag fp32 ub2'])}, l2l ub16 "
+        f"{gib(peaks['l2l fp32 ub16'])}, "
         f"stash=cpu {gib(peaks['l2l stash=cpu fp32 ub16'])}, cmp {gib(peaks['l2l cmp(bf16) ub16'])}"
     )
     print(
-        f"EPS update {eps_s * 1e3:.0f} ms vs fused AdamW {ref_s * 1e3:.0f} ms (+ gradient norms {norm_s * 1e3:.0f} ms, "
+        f"EPS update {eps_s * 1e3:.0f} ms vs fused AdamW {ref_s * 1e3:.0f} ms (+ gradient norms "
+        f"{norm_s * 1e3:.0f} ms, "
         f"taken on the EPS thread as each gradient lands); threads {torch.get_num_threads()}"
     )
 

@@ -28,8 +28,20 @@ def overlap(steps: int, layers: int, clip: str) -> None:
     l2l = measure([*common, "mode=l2l"], steps=steps)
     l2lp = measure([*common, "mode=l2l_p"], steps=steps)
     print(f"{'phase (s/step)':22s} {'l2l':>8s} {'l2l_p':>8s}")
-    for k in ("forward", "recompute", "backward", "transfer", "optimizer", "eps_background_s", "optimizer_s",
-              "optimizer_exposed_s", "eps_update_s", "trailing_update_s", "optimizer_wait_s", "rollback"):  # fmt: skip
+    for k in (
+        "forward",
+        "recompute",
+        "backward",
+        "transfer",
+        "optimizer",
+        "eps_background_s",
+        "optimizer_s",
+        "optimizer_exposed_s",
+        "eps_update_s",
+        "trailing_update_s",
+        "optimizer_wait_s",
+        "rollback",
+    ):
         print(f"{k:22s} {l2l['phases'].get(k, 0):8.2f} {l2lp['phases'].get(k, 0):8.2f}")
     print(f"{'step':22s} {l2l['step_time_s']:8.2f} {l2lp['step_time_s']:8.2f}")
     opt = l2lp["phases"]["optimizer_s"]
@@ -39,7 +51,8 @@ def overlap(steps: int, layers: int, clip: str) -> None:
         f"l2l exposes all {l2l['phases']['optimizer_s']:.2f} s; target >= 70%)"
     )
     print(
-        f"step time l2l_p / l2l: {l2lp['step_time_s'] / l2l['step_time_s']:.2f} (the update runs on the cores the backward uses)"
+        f"step time l2l_p / l2l: {l2lp['step_time_s'] / l2l['step_time_s']:.2f} (the update runs on the "
+        "cores the backward uses)"
     )
 
 
@@ -47,9 +60,22 @@ def dp_reduce_wait(steps: int) -> None:
     print("\n2-rank data parallel (gloo), l2l, time per step waiting on gradient reductions:")
     for eager in ("true", "false"):
         with tempfile.TemporaryDirectory() as tmp:
-            cmd = [sys.executable, "-m", "l2l_cli", "train", *BERT_LARGE_8, "mode=l2l", "dist.nproc=2", "batch.size=8",
-                   "batch.ubatch_size=8", f"trainer.max_steps={steps}", "task.num_train=256", "task.num_eval=8",
-                   f"dist.eager_reduce={eager}", f"hydra.run.dir={tmp}"]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "l2l_cli",
+                "train",
+                *BERT_LARGE_8,
+                "mode=l2l",
+                "dist.nproc=2",
+                "batch.size=8",
+                "batch.ubatch_size=8",
+                f"trainer.max_steps={steps}",
+                "task.num_train=256",
+                "task.num_eval=8",
+                f"dist.eager_reduce={eager}",
+                f"hydra.run.dir={tmp}",
+            ]
             subprocess.run(cmd, check=True, capture_output=True)
             rows = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()][1:]
             wait = statistics.mean(r["phases"].get("reduce", 0.0) for r in rows)

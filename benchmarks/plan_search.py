@@ -12,9 +12,9 @@ import os
 import platform
 import time
 
+from l2l_cli.plan import candidates as C
 from l2l_cli.plan import figures as F
 from l2l_cli.plan import scaling as ga
-from l2l_cli.plan import search as S
 
 
 def main() -> None:
@@ -23,7 +23,7 @@ def main() -> None:
     args = ap.parse_args()
     xs = F.sizes(args.points)
     costed = 0
-    real = S._evaluate
+    real = C.evaluate
 
     def counting(*a, **kw):  # count the candidates the sweep costs
         nonlocal costed
@@ -31,14 +31,14 @@ def main() -> None:
         costed += int(r["efficiency"].size)
         return r
 
-    S._evaluate = counting
+    C.evaluate = counting
     t0 = time.perf_counter()
     rows = F.sweep(ga.Links(), xs)
     dt = time.perf_counter() - t0
-    S._evaluate = real
+    C.evaluate = real
     found = sum(f is not None for _, _, f in rows)
     print(f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
-    print(f"figure-4 sweep: {len(xs)} sizes x 3 methods x their mixes ({len(S.PAIRS)} pairs), {found} rows")
+    print(f"figure-4 sweep: {len(xs)} sizes x 3 methods x their mixes ({len(C.PAIRS)} pairs), {found} rows")
     print(f"{costed:,} configurations in {dt:.2f} s: {costed / dt:,.0f} configurations/s")
 
 

@@ -29,10 +29,29 @@ COMMON = [
     "task.pad_to_max=true",
 ]
 CONFIGS = {
-    "tiny/baseline_ag": ["mode=baseline_ag", "model=bert-tiny", "task.max_seq_len=128", "batch.size=32", "batch.ubatch_size=8"],
-    "mini/l2l": ["mode=l2l", "model=bert-mini", "task.max_seq_len=128", "batch.size=32", "batch.ubatch_size=8"],
-    "large8/l2l_p": ["mode=l2l_p", "model=bert-large", "model.num_layers=8", "task.max_seq_len=128", "batch.size=8", "batch.ubatch_size=4"],
-}  # fmt: skip
+    "tiny/baseline_ag": [
+        "mode=baseline_ag",
+        "model=bert-tiny",
+        "task.max_seq_len=128",
+        "batch.size=32",
+        "batch.ubatch_size=8",
+    ],
+    "mini/l2l": [
+        "mode=l2l",
+        "model=bert-mini",
+        "task.max_seq_len=128",
+        "batch.size=32",
+        "batch.ubatch_size=8",
+    ],
+    "large8/l2l_p": [
+        "mode=l2l_p",
+        "model=bert-large",
+        "model.num_layers=8",
+        "task.max_seq_len=128",
+        "batch.size=8",
+        "batch.ubatch_size=4",
+    ],
+}
 PHASES = ("forward", "recompute", "backward", "transfer", "optimizer", "other")
 
 
@@ -95,11 +114,16 @@ def main() -> int:
             res = one(name, CONFIGS[name], args.steps, Path(tmp))
             res["load_at_start"] = load
             results.append(res)
-            print(f"{name:16s} predicted {res['predicted_s']:8.3f} s  measured {res['measured_s']:8.3f} s  "
-                  f"measured/predicted {res['ratio']:.2f}  (load {load:.2f})", flush=True)  # fmt: skip
+            print(
+                f"{name:16s} predicted {res['predicted_s']:8.3f} s  measured {res['measured_s']:8.3f} s  "
+                f"measured/predicted {res['ratio']:.2f}  (load {load:.2f})",
+                flush=True,
+            )
     load1 = os.getloadavg()
-    print(f"\nload average (1/5/15 min) before {load0[0]:.2f}/{load0[1]:.2f}/{load0[2]:.2f}, "
-          f"after {load1[0]:.2f}/{load1[1]:.2f}/{load1[2]:.2f}; {os.cpu_count()} CPUs")  # fmt: skip
+    print(
+        f"\nload average (1/5/15 min) before {load0[0]:.2f}/{load0[1]:.2f}/{load0[2]:.2f}, "
+        f"after {load1[0]:.2f}/{load1[1]:.2f}/{load1[2]:.2f}; {os.cpu_count()} CPUs"
+    )
     print("\nper phase, seconds per step (predicted / measured):")
     print(f"{'config':16s} " + " ".join(f"{p:>17s}" for p in PHASES))
     for r in results:

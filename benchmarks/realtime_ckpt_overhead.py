@@ -16,9 +16,24 @@ from pathlib import Path
 
 def run(extra: list[str], steps: int, model: str, layers: int) -> tuple[float, float, float]:
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "l2l_cli", "train", "mode=l2l_p", f"model={model}", f"model.num_layers={layers}",
-               "task.max_seq_len=128", "task.pad_to_max=true", "batch.size=32", "batch.ubatch_size=16",
-               f"trainer.max_steps={steps}", "task.num_eval=8", "trainer.progress=none", *extra, f"hydra.run.dir={tmp}"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "l2l_cli",
+            "train",
+            "mode=l2l_p",
+            f"model={model}",
+            f"model.num_layers={layers}",
+            "task.max_seq_len=128",
+            "task.pad_to_max=true",
+            "batch.size=32",
+            "batch.ubatch_size=16",
+            f"trainer.max_steps={steps}",
+            "task.num_eval=8",
+            "trainer.progress=none",
+            *extra,
+            f"hydra.run.dir={tmp}",
+        ]
         subprocess.run(cmd, check=True, capture_output=True)
         rows = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()][1:]
         written = (
@@ -39,7 +54,8 @@ def main() -> None:
     base, _, _ = run([], a.steps, a.model, a.layers)
     rt, size, busy = run(["trainer.realtime_ckpt=true"], a.steps, a.model, a.layers)
     print(
-        f"step time without real-time checkpoints {base:.2f} s, with {rt:.2f} s: overhead {rt / base - 1:+.1%} (target <= 5%)"
+        f"step time without real-time checkpoints {base:.2f} s, with {rt:.2f} s: overhead "
+        f"{rt / base - 1:+.1%} (target <= 5%)"
     )
     print(
         f"one real-time checkpoint on disk: {size / 2**20:.0f} MiB, rewritten every step; "

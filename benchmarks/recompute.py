@@ -78,10 +78,26 @@ def run(args: argparse.Namespace, kind: str, *extra: str) -> dict[str, Any] | No
     """``child`` in a fresh process (nothing of an earlier row's heap, threads or page cache state)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
-        cmd = [sys.executable, __file__, "--child", kind, "--out", str(out), "--steps", str(args.steps),
-               "--layers", str(args.layers), "--batch", str(args.batch), "--ubatch", str(args.ubatch),
-               "--device", args.device, *(["--tiny"] if args.tiny else []),
-               *(a for e in extra for a in ("--set", e))]  # fmt: skip
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            kind,
+            "--out",
+            str(out),
+            "--steps",
+            str(args.steps),
+            "--layers",
+            str(args.layers),
+            "--batch",
+            str(args.batch),
+            "--ubatch",
+            str(args.ubatch),
+            "--device",
+            args.device,
+            *(["--tiny"] if args.tiny else []),
+            *(a for e in extra for a in ("--set", e)),
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0 or not out.is_file():
             print(
@@ -96,8 +112,11 @@ def line(name: str, r: dict[str, Any] | None) -> None:
     """One run as it finishes: median samples/s, each measured step's seconds, CPU seconds, contention."""
     if r is None:
         return
-    print(f"  {name:30s} {r['samples_per_s']:7.3f} samples/s  steps {r['walls']} s  cpu {r['cpu_s']:.2f} s  "
-          f"others' cpu <= {r['others_cpu_s']:.2f} s  faults {r['faults']}", flush=True)  # fmt: skip
+    print(
+        f"  {name:30s} {r['samples_per_s']:7.3f} samples/s  steps {r['walls']} s  cpu {r['cpu_s']:.2f} s  "
+        f"others' cpu <= {r['others_cpu_s']:.2f} s  faults {r['faults']}",
+        flush=True,
+    )
 
 
 def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -130,16 +149,25 @@ def main() -> int:
     args = ap.parse_args()
     L = args.layers
     base = [
-        *(TINY if args.tiny else BERT_LARGE), f"model.num_layers={L}", f"batch.size={args.batch}",
-        f"batch.ubatch_size={args.ubatch}", f"device={args.device}", "precision=fp32",
-        "model.dropout=0.0", "optim.schedule=constant", "optim.warmup_steps=0",  # compare_peers' settings
-    ]  # fmt: skip
+        *(TINY if args.tiny else BERT_LARGE),
+        f"model.num_layers={L}",
+        f"batch.size={args.batch}",
+        f"batch.ubatch_size={args.ubatch}",
+        f"device={args.device}",
+        "precision=fp32",
+        "model.dropout=0.0",
+        "optim.schedule=constant",
+        "optim.warmup_steps=0",  # compare_peers' settings
+    ]
     if args.child:
         return child(args, base)
     cpu = args.device == "cpu"
-    print(f"{L} layers, batch {args.batch}, ubatch {args.ubatch}, fp32, device {args.device}, "
-          f"{args.steps} steps per run (the first {WARMUP} a warm-up), {torch.get_num_threads()} threads, "
-          "every run in a fresh process", flush=True)  # fmt: skip
+    print(
+        f"{L} layers, batch {args.batch}, ubatch {args.ubatch}, fp32, device {args.device}, "
+        f"{args.steps} steps per run (the first {WARMUP} a warm-up), {torch.get_num_threads()} threads, "
+        "every run in a fresh process",
+        flush=True,
+    )
     roomy = ["mode.activation_budget_gb=1000"] if cpu else []
     rounds: list[dict[str, Any]] = []
     for p in range(1, args.pairs + 1):  # interleaved: drift of the machine hits both sides of a pair alike
@@ -182,10 +210,14 @@ def main() -> int:
 
 
 def report(
-    rows: dict[str, dict[str, Any]], ga: dict[str, Any] | None, args: argparse.Namespace,
-    rounds: list[dict[str, Any]], full: dict[str, Any] | None = None, sel: dict[str, Any] | None = None,
+    rows: dict[str, dict[str, Any]],
+    ga: dict[str, Any] | None,
+    args: argparse.Namespace,
+    rounds: list[dict[str, Any]],
+    full: dict[str, Any] | None = None,
+    sel: dict[str, Any] | None = None,
     kept: dict[int, Any] | None = None,
-) -> int:  # fmt: skip
+) -> int:
     """Acceptance 1 round by round (each pair's ratio, their median and spread), the table, the ratios
     against the targets, the keep_layers table (what was run)."""
 
@@ -206,18 +238,30 @@ def report(
     sels = [ratio(r.get("sel"), r.get("auto")) for r in rounds if r.get("sel")]
     print("\nacceptance 1, round by round (auto with a budget that holds every layer / plain pytorch-ga):")
     for p, r in enumerate(rounds, 1):
-        print(f"  round {p}: {fmt(r['auto']['samples_per_s'] if r.get('auto') else None)} / "
-              f"{fmt(r['ga']['samples_per_s'] if r.get('ga') else None)} = {fmt(pairs[p - 1])}"
-              + (f"   selective / auto = {fmt(ratio(r['sel'], r['auto']))}" if r.get("sel") and r.get("auto") else ""))  # fmt: skip
+        print(
+            f"  round {p}: {fmt(r['auto']['samples_per_s'] if r.get('auto') else None)} / "
+            f"{fmt(r['ga']['samples_per_s'] if r.get('ga') else None)} = {fmt(pairs[p - 1])}"
+            + (
+                f"   selective / auto = {fmt(ratio(r['sel'], r['auto']))}"
+                if r.get("sel") and r.get("auto")
+                else ""
+            )
+        )
     if pairs_f:
-        print(f"auto (budget holds all) / plain pytorch-ga: median {statistics.median(pairs_f):.3f} over "
-              f"{len(pairs_f)} pairs (spread {min(pairs_f):.3f} .. {max(pairs_f):.3f})  (target >= 0.95)")  # fmt: skip
+        print(
+            f"auto (budget holds all) / plain pytorch-ga: median {statistics.median(pairs_f):.3f} over "
+            f"{len(pairs_f)} pairs (spread {min(pairs_f):.3f} .. {max(pairs_f):.3f})  (target >= 0.95)"
+        )
     if cpu:
-        print(f"  the same by CPU seconds per step (GA's / auto's): median {statistics.median(cpu):.3f} "
-              f"(spread {min(cpu):.3f} .. {max(cpu):.3f})")  # fmt: skip
+        print(
+            f"  the same by CPU seconds per step (GA's / auto's): median {statistics.median(cpu):.3f} "
+            f"(spread {min(cpu):.3f} .. {max(cpu):.3f})"
+        )
     if sels:
-        print(f"selective / auto (every layer kept): median {statistics.median(sels):.3f} "
-              f"(spread {min(sels):.3f} .. {max(sels):.3f})")  # fmt: skip
+        print(
+            f"selective / auto (every layer kept): median {statistics.median(sels):.3f} "
+            f"(spread {min(sels):.3f} .. {max(sels):.3f})"
+        )
 
     print(f"\n{'run':34s} {'samples/s':>10s} {'device peak':>12s}  choice")
     for name, r in rows.items():
@@ -229,7 +273,8 @@ def report(
         if "budget_bytes" in r:
             under = r["peak_bytes"] <= r["budget_bytes"]
             print(
-                f"{name}: peak {gib(r['peak_bytes'])} {'<=' if under else '>'} budget {gib(r['budget_bytes'])}"
+                f"{name}: peak {gib(r['peak_bytes'])} {'<=' if under else '>'} budget "
+                f"{gib(r['budget_bytes'])}"
             )
     if kept:
         print("\nkeep_layers  samples/s  x full  device peak")

@@ -48,7 +48,8 @@ def parser(cmd: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--checkpoint",
         metavar="DIR",
-        help="weights: a checkpoint (step_<k>, or its path) or a Hugging Face dir; default final/, else the newest checkpoint",
+        help="weights: a checkpoint (step_<k>, or its path) or a Hugging Face dir; default final/, else the "
+        "newest checkpoint",
     )
     if cmd == "eval":
         p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -57,7 +58,8 @@ def parser(cmd: str) -> argparse.ArgumentParser:
             "--input",
             required=True,
             metavar="FILE",
-            help="examples: CSV/TSV with a header, JSON lines or a JSON array, or plain text (an input per line)",
+            help="examples: CSV/TSV with a header, JSON lines or a JSON array, or plain text (an input per "
+            "line)",
         )
         p.add_argument("--output", metavar="FILE", help="where the JSON lines go (default: stdout)")
     return p
@@ -76,7 +78,8 @@ def weights_of(run_dir: Path, choice: str | None) -> Path:
             ):
                 return cand
         raise UsageError(
-            f"--checkpoint {choice}: no checkpoint (checkpoints/step_<k>) or Hugging Face dir by that name in {run_dir}"
+            f"--checkpoint {choice}: no checkpoint (checkpoints/step_<k>) or Hugging Face dir by that name "
+            f"in {run_dir}"
         )
     if (run_dir / "final" / "model.safetensors").is_file() or is_adapter_dir(run_dir / "final"):
         return run_dir / "final"  # a model, or a LoRA run's adapter (peft=lora)
@@ -172,14 +175,25 @@ def evaluate(cfg: DictConfig, run_dir: Path, weights: Path, as_json: bool) -> in
 
     with _session(cfg, weights) as session:
         n = len(session.data.dev)
-        with Progress(TextColumn("eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=console, transient=True, disable=as_json or not console.is_terminal) as bar:  # fmt: skip
+        with Progress(
+            TextColumn("eval"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+            disable=as_json or not console.is_terminal,
+        ) as bar:
             task = bar.add_task("eval", total=None)
             metrics = session.evaluator(lambda done, total: bar.update(task, completed=done, total=total))
         result = {
-            "run_dir": str(run_dir), "weights": str(weights), "task": cfg.task.name,
-            "data_source": session.data.source, "examples": n, "metrics": metrics,
-        }  # fmt: skip
+            "run_dir": str(run_dir),
+            "weights": str(weights),
+            "task": cfg.task.name,
+            "data_source": session.data.source,
+            "examples": n,
+            "metrics": metrics,
+        }
     if as_json:
         print(json.dumps(result))
     else:
@@ -225,7 +239,8 @@ def predict(cfg: DictConfig, weights: Path, input_path: Path, output: str | None
         missing = [f for f in fields if any(f not in r for r in records[:1])]
         if missing:
             raise UsageError(
-                f"--input {input_path}: no field {', '.join(missing)} (task {spec.name} reads {', '.join(fields)})"
+                f"--input {input_path}: no field {', '.join(missing)} (task {spec.name} reads "
+                f"{', '.join(fields)})"
             )
         examples = [
             Example(str(r.get(fields[0], "")), str(r.get(fields[1], "")) if len(fields) > 1 else None, 0)
@@ -272,8 +287,10 @@ def text_record(line: str, number: int, fields: list[str], path: Path) -> dict[s
     """One line of a plain-text ``--input`` as the task's text fields (a pair task: two texts, tab-split)."""
     parts = line.split("\t") if len(fields) > 1 else [line]
     if len(parts) != len(fields):
-        raise UsageError(f"--input {path} line {number}: {len(parts)} tab-separated text(s); the task reads "
-                         f"{len(fields)} ({', '.join(fields)})")  # fmt: skip
+        raise UsageError(
+            f"--input {path} line {number}: {len(parts)} tab-separated text(s); the task reads "
+            f"{len(fields)} ({', '.join(fields)})"
+        )
     return dict(zip(fields, parts, strict=True))
 
 
@@ -283,6 +300,8 @@ def prediction(index: int, logits: torch.Tensor, label_names: tuple[str, ...] | 
     probs = torch.softmax(logits, dim=-1).numpy()
     k = int(np.argmax(probs))
     return {
-        "index": index, "prediction": label_names[k], "label_id": k,
+        "index": index,
+        "prediction": label_names[k],
+        "label_id": k,
         "probabilities": {name: round(float(p), 6) for name, p in zip(label_names, probs)},
-    }  # fmt: skip
+    }

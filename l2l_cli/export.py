@@ -49,8 +49,10 @@ def main(argv: list[str]) -> int:
 
         with _session(cfg, weights) as session:
             if lora_of(session.model) is not None and not args.merge:
-                raise UsageError(f"{run_dir} trained a LoRA adapter (its final/ is the adapter): "
-                                 "add --merge for a model with the adapter merged in")  # fmt: skip
+                raise UsageError(
+                    f"{run_dir} trained a LoRA adapter (its final/ is the adapter): "
+                    "add --merge for a model with the adapter merged in"
+                )
             write_model(session, out)
             tok = session.data.tokenizer if session.data is not None else None
         if tok is not None:

@@ -30,6 +30,7 @@ from l2l_cli.engine.device import cuda_available
 from l2l_cli.engine.stops import cut_at_strings, stop_ids
 from l2l_cli.evaluate import UsageError, run_config, weights_of
 from l2l_cli.problems import ConfigError, Problem
+from l2l_cli.prompts import Prompt, encode, read_prompts
 
 HOST_SHARE = 0.8  # the in-RAM engine's model (fp32, loaded twice at its peak) must fit this share of free RAM
 
@@ -43,18 +44,31 @@ def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="l2l generate", description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory of a decoder written by l2l train")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides (device=cuda, ...)")
-    p.add_argument("--checkpoint", metavar="PATH", help="step_<k>, a checkpoint or HF dir, or 'latest' "
-                   "(the newest checkpoint); default final/, else the newest checkpoint")  # fmt: skip
+    p.add_argument(
+        "--checkpoint",
+        metavar="PATH",
+        help="step_<k>, a checkpoint or HF dir, or 'latest' "
+        "(the newest checkpoint); default final/, else the newest checkpoint",
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", metavar="TEXT", help="one prompt")
-    src.add_argument("--input", metavar="FILE", help="prompts: one per line, or JSON lines with 'prompt' "
-                     "(with --chat also 'messages': a list of {role, content})")  # fmt: skip
+    src.add_argument(
+        "--input",
+        metavar="FILE",
+        help="prompts: one per line, or JSON lines with 'prompt' "
+        "(with --chat also 'messages': a list of {role, content})",
+    )
     p.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="new tokens per prompt (32)")
     p.add_argument(
         "--temperature", type=float, default=0.0, metavar="T", help="0: greedy (default); > 0 samples"
     )
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling: keep the top tokens "
-                   "whose probabilities sum to P (0 < P <= 1; 1: all)")  # fmt: skip
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        metavar="P",
+        help="nucleus sampling: keep the top tokens whose probabilities sum to P (0 < P <= 1; 1: all)",
+    )
     p.add_argument("--seed", type=int, default=0, metavar="S", help="prompt i samples from seed S+i (0)")
     p.add_argument(
         "--chat", action="store_true", help="wrap each prompt as a user turn in the tokenizer's chat template"
@@ -64,8 +78,13 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="generate layer by layer through the relay even if the model fits in RAM",
     )
-    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="end a completion where this text appears (repeatable; the text is not kept)")  # fmt: skip
+    p.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="end a completion where this text appears (repeatable; the text is not kept)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per prompt instead of text")
     return p
 
@@ -79,75 +98,6 @@ def sampling_of(args: argparse.Namespace) -> Sampling:
     if not 0.0 < args.top_p <= 1.0:
         raise UsageError(f"--top-p: got {args.top_p}; allowed: 0 < P <= 1")
     return Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
-
-
-@dataclass
-class Prompt:
-    text: str  # as given (a conversation: its last user turn)
-    messages: list[dict[str, str]] | None = None  # --chat: the turns the template renders
-
-
-def read_prompts(args: argparse.Namespace) -> list[Prompt]:
-    """``--prompt``, or ``--input``: one prompt per line of a text file, or JSON lines / a JSON array of
-    objects with ``prompt`` (or ``messages`` with ``--chat``)."""
-    if args.prompt is not None:
-        if not args.prompt:
-            raise UsageError("--prompt: empty; give some text")
-        return [Prompt(args.prompt)]
-    path = Path(args.input).expanduser()
-    if not path.is_file():
-        raise UsageError(f"--input {path}: not a file")
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"--input {path}: unreadable ({e})") from e
-    if path.suffix.lower() not in (".jsonl", ".json"):
-        prompts = [Prompt(line) for line in text.splitlines() if line.strip()]
-    else:
-        try:
-            stripped = text.strip()
-            records = json.loads(stripped) if stripped.startswith("[") else [
-                json.loads(line) for line in text.splitlines() if line.strip()
-            ]  # fmt: skip
-        except ValueError as e:
-            raise UsageError(f"--input {path}: not JSON lines ({str(e).splitlines()[0]})") from e
-        prompts = [_record_prompt(r, i, path, args.chat) for i, r in enumerate(records)]
-    if not prompts:
-        raise UsageError(f"--input {path}: no prompts")
-    return prompts
-
-
-def _record_prompt(r: Any, i: int, path: Path, chat: bool) -> Prompt:
-    if isinstance(r, dict) and chat and isinstance(r.get("messages"), list):
-        msgs = r["messages"]
-        if not all(isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") for m in msgs):
-            raise UsageError(f"--input {path}: example {i}: messages must be {{role, content}} objects")
-        last = next((m["content"] for m in reversed(msgs) if m.get("role") == "user"), "")
-        return Prompt(last, [{"role": str(m["role"]), "content": m["content"]} for m in msgs])
-    if not isinstance(r, dict) or not isinstance(r.get("prompt"), str) or not r["prompt"]:
-        want = "'prompt' (text) or 'messages'" if chat else "'prompt' (text)"
-        raise UsageError(f"--input {path}: example {i} has no {want}")
-    return Prompt(r["prompt"])
-
-
-def encode(tok: Any, prompts: list[Prompt], chat: bool, where: str) -> list[list[int]]:
-    """Token ids of each prompt (``--chat``: rendered by the tokenizer's chat template, with the
-    assistant's turn opened)."""
-    if chat and not getattr(tok, "chat_template", None):
-        raise UsageError(f"--chat: the tokenizer ({where}) has no chat template; drop --chat, or train from "
-                         "a checkpoint whose tokenizer has one")  # fmt: skip
-    out = []
-    for i, p in enumerate(prompts):
-        if chat:
-            msgs = p.messages or [{"role": "user", "content": p.text}]
-            text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-            ids = tok(text, add_special_tokens=False)["input_ids"]
-        else:
-            ids = tok(p.text)["input_ids"]
-        if not ids:
-            raise UsageError(f"prompt {i}: no tokens")
-        out.append(list(ids))
-    return out
 
 
 def main(argv: list[str]) -> int:
@@ -167,11 +117,15 @@ def main(argv: list[str]) -> int:
         limits = [min(sampling.max_new_tokens, spec.seq_len - len(p)) for p in ids]
         for i, (p, n) in enumerate(zip(ids, limits)):
             if n < 1:
-                raise UsageError(f"prompt {i}: {len(p)} tokens; the model takes at most {spec.seq_len} "
-                                 "positions (model.seq_len), so no room is left to generate")  # fmt: skip
+                raise UsageError(
+                    f"prompt {i}: {len(p)} tokens; the model takes at most {spec.seq_len} "
+                    "positions (model.seq_len), so no room is left to generate"
+                )
             if n < sampling.max_new_tokens:
-                print(f"l2l: warning: prompt {i}: at most {n} new tokens (model.seq_len={spec.seq_len})",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    f"l2l: warning: prompt {i}: at most {n} new tokens (model.seq_len={spec.seq_len})",
+                    file=sys.stderr,
+                )
         engine = choose_engine(run_tier(run_dir, args.overrides), spec, args.layered)
         eos = stop_ids(tok, weights, cfg.model.pretrained, chat=args.chat)  # every id that ends a turn
         if engine.layered:
@@ -218,8 +172,10 @@ def decoder_spec(cfg: DictConfig, run_dir: Path) -> Any:
     except (UnsupportedModel, PretrainedUnavailable) as e:
         raise ConfigError([Problem("model.pretrained", str(e))]) from e
     if not isinstance(spec, DecoderSpec):
-        raise UsageError(f"{run_dir} trained a {spec.family} model (an encoder): generate needs a decoder "
-                         "(a causal language model: gpt2, llama)")  # fmt: skip
+        raise UsageError(
+            f"{run_dir} trained a {spec.family} model (an encoder): generate needs a decoder "
+            "(a causal language model: gpt2, llama)"
+        )
     return spec
 
 
@@ -283,8 +239,15 @@ def choose_engine(run_tier: str, spec: Any, layered: bool) -> Engine:
     return Engine(False, run_tier, False, "fits in host RAM")
 
 
-def generate_hf(cfg: DictConfig, weights: Path, tok: Any, ids: list[list[int]], sampling: Sampling,
-                limits: list[int], eos: set[int]) -> list[Generated]:  # fmt: skip
+def generate_hf(
+    cfg: DictConfig,
+    weights: Path,
+    tok: Any,
+    ids: list[list[int]],
+    sampling: Sampling,
+    limits: list[int],
+    eos: set[int],
+) -> list[Generated]:
     """``transformers``' ``generate`` on the exported model (a checkpoint is exported first), one prompt at
     a time, prompt i seeded ``seed + i``."""
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -298,8 +261,13 @@ def generate_hf(cfg: DictConfig, weights: Path, tok: Any, ids: list[list[int]], 
     pad = pad_id(tok)
     out = []
     for i, (p, n) in enumerate(zip(ids, limits)):
-        gen = GenerationConfig(max_new_tokens=n, eos_token_id=sorted(eos) or None, pad_token_id=pad,
-                               use_cache=True, **sampling.hf_kwargs())  # fmt: skip
+        gen = GenerationConfig(
+            max_new_tokens=n,
+            eos_token_id=sorted(eos) or None,
+            pad_token_id=pad,
+            use_cache=True,
+            **sampling.hf_kwargs(),
+        )
         torch.manual_seed(sampling.seed + i)
         x = torch.tensor([p], device=device)
         with torch.no_grad():
@@ -320,8 +288,16 @@ def export(cfg: DictConfig, weights: Path, tok: Any, out: Path) -> Path:
     return out / "hf"
 
 
-def generate_layered(cfg: DictConfig, weights: Path, tok: Any, ids: list[list[int]], sampling: Sampling,
-                     limits: list[int], engine: Engine, eos: set[int]) -> list[Generated]:  # fmt: skip
+def generate_layered(
+    cfg: DictConfig,
+    weights: Path,
+    tok: Any,
+    ids: list[list[int]],
+    sampling: Sampling,
+    limits: list[int],
+    engine: Engine,
+    eos: set[int],
+) -> list[Generated]:
     """Layer by layer through an EPS (a mode whose runner decodes: the run's own if it can, so its
     checkpoints load as they are) on ``engine.tier``; a disk tier's layers and the caches in a temporary
     folder, never the run's own eps/."""
@@ -367,8 +343,14 @@ def pad_id(tok: Any) -> int:
     return int(pad) if pad is not None else 0
 
 
-def write(prompts: list[Prompt], results: list[Generated], tok: Any, engine: str, as_json: bool,
-          stops: list[str] | None = None) -> None:  # fmt: skip
+def write(
+    prompts: list[Prompt],
+    results: list[Generated],
+    tok: Any,
+    engine: str,
+    as_json: bool,
+    stops: list[str] | None = None,
+) -> None:
     """Each prompt's completion: as text (several prompts: each under a ``== prompt i ==`` line), or one
     JSON object per prompt (``index``, ``prompt``, ``completion``, ``tokens``, ``new_tokens``, ``stop``:
     ``eos`` (an end-of-sequence or end-of-turn id) | ``stop`` (a ``--stop`` text) | ``length``, ``engine``);
@@ -380,8 +362,19 @@ def write(prompts: list[Prompt], results: list[Generated], tok: Any, engine: str
         text = cut if cut is not None else tok.decode(r.tokens, skip_special_tokens=True)
         reasons[r.stop] = reasons.get(r.stop, 0) + 1
         if as_json:
-            print(json.dumps({"index": i, "prompt": p.text, "completion": text, "tokens": r.tokens,
-                              "new_tokens": len(r.tokens), "stop": r.stop, "engine": engine}))  # fmt: skip
+            print(
+                json.dumps(
+                    {
+                        "index": i,
+                        "prompt": p.text,
+                        "completion": text,
+                        "tokens": r.tokens,
+                        "new_tokens": len(r.tokens),
+                        "stop": r.stop,
+                        "engine": engine,
+                    }
+                )
+            )
         else:
             if len(prompts) > 1:
                 print(f"== prompt {i} ==")

@@ -28,12 +28,18 @@ from l2l_cli.problems import Problem
 # global batch (checked as batch.size x dist.nproc). mode.name is checked by state layout (modes sharing
 # one resume each other's checkpoints).
 FIXED = {
-    "model.family": "model shape", "model.num_layers": "model shape", "model.hidden_size": "model shape",
-    "model.num_heads": "model shape", "model.intermediate_size": "model shape",
-    "model.vocab_size": "model shape", "model.seq_len": "model shape", "model.type_vocab_size": "model shape",
-    "optim.name": "optimizer state", "task.name": "task (the data position)",
+    "model.family": "model shape",
+    "model.num_layers": "model shape",
+    "model.hidden_size": "model shape",
+    "model.num_heads": "model shape",
+    "model.intermediate_size": "model shape",
+    "model.vocab_size": "model shape",
+    "model.seq_len": "model shape",
+    "model.type_vocab_size": "model shape",
+    "optim.name": "optimizer state",
+    "task.name": "task (the data position)",
     "trainer.seed": "seed (data order and dropout follow it)",
-}  # fmt: skip
+}
 
 
 class NoSavedConfig(Exception):
@@ -92,8 +98,14 @@ def _check_saved(path: Path, cfg: DictConfig, run_dir: Path) -> None:
     keys: list[str] = []
     if ckpt_cfg is not None:
         mine, theirs = _resolved(cfg), _resolved(ckpt_cfg)
-        keys = [k for k in FIXED if k in mine and k in theirs and mine[k] != theirs[k]
-                and not any(isinstance(v, str) and "${" in v for v in (mine[k], theirs[k]))]  # fmt: skip
+        keys = [
+            k
+            for k in FIXED
+            if k in mine
+            and k in theirs
+            and mine[k] != theirs[k]
+            and not any(isinstance(v, str) and "${" in v for v in (mine[k], theirs[k]))
+        ]
     sum_path = path.with_name(CONFIG_SUM)
     edited = (
         sum_path.is_file() and sum_path.read_text().strip() != hashlib.sha256(path.read_bytes()).hexdigest()

@@ -84,8 +84,12 @@ class DirLock:
 
     def _refusal(self, e: OSError) -> LockError:
         if e.errno == errno.ELOOP:
-            return LockError(self.key, self.path, f"{self.path / LOCK_NAME} is a symbolic link; l2l does not "
-                             "write through one (remove it, or use another directory)")  # fmt: skip
+            return LockError(
+                self.key,
+                self.path,
+                f"{self.path / LOCK_NAME} is a symbolic link; l2l does not "
+                "write through one (remove it, or use another directory)",
+            )
         return LockError(
             self.key, self.path, f"{self.path} cannot be written ({e.strerror}); use a writable directory"
         )

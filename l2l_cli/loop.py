@@ -26,9 +26,8 @@ from l2l_cli.rundir import Logger, RunFiles
 from l2l_cli.runfiles import BACKGROUND_PHASES, OTHER, MetricsRow, Summary, read_jsonl
 
 log = logging.getLogger("l2l")
-LOWER_IS_BETTER = frozenset(
-    {"loss", "perplexity"}
-)  # eval metrics where smaller is better (trainer.save_best)
+# eval metrics where smaller is better (trainer.save_best)
+LOWER_IS_BETTER = frozenset({"loss", "perplexity"})
 
 
 class TrainingError(Exception):
@@ -88,10 +87,19 @@ class Trainer:
     parts it works with: the data, where the run's files and logs go, the ranks (``ctx``), the stop flag."""
 
     def __init__(
-        self, settings: TrainerSettings, *, runner: Runner, stream: TrainStream, data: TaskData,
-        evaluate: Evaluate, files: RunFiles, loggers: list[Logger], summary: Summary, ctx: DistContext,
+        self,
+        settings: TrainerSettings,
+        *,
+        runner: Runner,
+        stream: TrainStream,
+        data: TaskData,
+        evaluate: Evaluate,
+        files: RunFiles,
+        loggers: list[Logger],
+        summary: Summary,
+        ctx: DistContext,
         stop: StopFlag | None = None,
-    ):  # fmt: skip
+    ):
         self.settings = settings
         self.runner, self.stream, self.data = runner, stream, data
         self.evaluate_fn, self.files, self.loggers, self.summary = evaluate, files, loggers, summary
@@ -200,10 +208,10 @@ class Trainer:
         t0 = time.perf_counter()
         step = self.runner.step_count
         knobs = self.settings
+        state = self.state()
         path = ckpt.save(
-            self.ckpt_root, step, self.runner, knobs.ident, self.state(), knobs.keep_checkpoints,
-            knobs.config_yaml,
-        )  # fmt: skip
+            self.ckpt_root, step, self.runner, knobs.ident, state, knobs.keep_checkpoints, knobs.config_yaml
+        )
         self.last_saved = step
         self.note(f"saved checkpoint step {step} to {path} in {time.perf_counter() - t0:.2f} s")
         return path
@@ -310,17 +318,27 @@ class Trainer:
                 self.phase_sum[k] = self.phase_sum.get(k, 0.0) + v
         if step % knobs.log_every == 0 or step == knobs.steps or report.skipped:
             row = MetricsRow(
-                step=step, loss=report.loss, lr=report.lr, samples_per_s=sps, step_time_s=report.step_time_s,
-                device_peak_bytes=meter.peak_bytes, device_bytes=meter.current_bytes, skipped=report.skipped,
-                grad_norm=report.grad_norm, loss_scale=report.loss_scale, phases=report.phases,
-                tokens_per_s=tps, extra={**self.data.spec.step_metrics(report.loss), **report.extra},
-            )  # fmt: skip
+                step=step,
+                loss=report.loss,
+                lr=report.lr,
+                samples_per_s=sps,
+                step_time_s=report.step_time_s,
+                device_peak_bytes=meter.peak_bytes,
+                device_bytes=meter.current_bytes,
+                skipped=report.skipped,
+                grad_norm=report.grad_norm,
+                loss_scale=report.loss_scale,
+                phases=report.phases,
+                tokens_per_s=tps,
+                extra={**self.data.spec.step_metrics(report.loss), **report.extra},
+            )
             for logger in self.loggers:
                 logger.log_step(row)
         if self.bad_in_row >= knobs.max_bad_steps:
             raise TrainingError(
                 f"non-finite loss or gradients at step {step}: {self.bad_in_row} steps in a row skipped "
-                f"(trainer.max_bad_steps={knobs.max_bad_steps}); lower optim.lr, check the data, or use precision=fp32"
+                f"(trainer.max_bad_steps={knobs.max_bad_steps}); lower optim.lr, check the data, or use "
+                "precision=fp32"
             )
 
     def interrupt(self, step: int, during: str = "") -> NoReturn:
@@ -426,6 +444,6 @@ class Trainer:
 
 
 def base_dir(data: TaskData) -> str | None:
-    """The folder the run's tokenizer came from (a pretrained checkpoint's own, with its generation config)."""
+    """The run's tokenizer's folder (a pretrained checkpoint's own, with its generation config)."""
     ref = getattr(data.tokenizer, "name_or_path", None)
     return ref if ref and Path(ref).expanduser().is_dir() else None

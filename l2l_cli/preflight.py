@@ -28,19 +28,25 @@ MAX_SWEEP_JOBS = 512
 
 
 def preflight(
-    overrides: list[str], multirun: bool, warn: list[str] | None = None, *, resume: Path | None = None,
-    info: dict[str, Any] | None = None, check_space: bool = True,
-) -> list[Problem]:  # fmt: skip
+    overrides: list[str],
+    multirun: bool,
+    warn: list[str] | None = None,
+    *,
+    resume: Path | None = None,
+    info: dict[str, Any] | None = None,
+    check_space: bool = True,
+) -> list[Problem]:
     """All problems with an ``l2l train`` command line (empty: safe to start).
 
-    In a sweep, a job whose own combination is invalid (say mode=baseline with micro-batches) does not
-    stop the others: it is listed in ``warn`` and will end as a failed job. Problems every job shares
-    (unknown keys, options, types), or a sweep with no valid job, are errors. ``resume``: the run being
-    resumed; the config checked is its own with these overrides on top (l2l_cli/inherit.py). ``info``
-    receives ``multirun``, ``jobs``, the sweep's ``dir`` (one run: its ``run_dir``), the jobs' ``pretrained`` references and, for one
-    valid job, its composed ``cfg`` (without the ``hydra`` node: what ``compose`` returns, so a caller such
-    as ``l2l plan`` need not compose it again). ``check_space``: whether the disk EPS's directory here can hold
-    the state (``l2l plan`` asks about the machine its ``hardware.*`` keys describe, not this one).
+    In a sweep, a job whose own combination is invalid (say mode=baseline with micro-batches) does not stop
+    the others: it is listed in ``warn`` and will end as a failed job. Problems every job shares (unknown
+    keys, options, types), or a sweep with no valid job, are errors. ``resume``: the run being resumed; the
+    config checked is its own with these overrides on top (l2l_cli/inherit.py). ``info`` receives
+    ``multirun``, ``jobs``, the sweep's ``dir`` (one run: its ``run_dir``), the jobs' ``pretrained``
+    references and, for one valid job, its composed ``cfg`` (without the ``hydra`` node: what ``compose``
+    returns, so a caller such as ``l2l plan`` need not compose it again). ``check_space``: whether the disk
+    EPS's directory here can hold the state (``l2l plan`` asks about the machine its ``hardware.*`` keys
+    describe, not this one).
     """
     problems, parsed = check_overrides(overrides)
     if problems:
@@ -122,7 +128,8 @@ def _lr_advice(cfg: Any, job: list[str]) -> str | None:
     ):
         return None
     return (
-        f"optim.lr={lr:g} is task={cfg.task.name}'s fine-tuning rate, but the model starts from random weights "
+        f"optim.lr={lr:g} is task={cfg.task.name}'s fine-tuning rate, but the model starts from random "
+        "weights "
         f"(no model.pretrained): {cfg.model.name} from scratch trains at model.lr={own:g}; set "
         f"model.pretrained=<checkpoint> to fine-tune, or optim.lr=<rate> to keep this one and silence this"
     )

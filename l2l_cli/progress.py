@@ -25,7 +25,8 @@ console = Console(stderr=False, highlight=False)
 
 
 class RunProgress:
-    """Step, loss, samples/s and device memory, live. ``style``: rich | plain | none | auto (rich on a TTY)."""
+    """Step, loss, samples/s and device memory, live. ``style``: rich | plain | none | auto (rich on a
+    TTY)."""
 
     def __init__(self, style: str, total: int, title: str, enabled: bool = True):
         if style == "auto":
@@ -66,7 +67,8 @@ class RunProgress:
         elif self.style == "plain" and (step % self.every == 0 or step == self.total or step == 1):
             now = time.perf_counter()
             console.print(
-                f"step {step}/{self.total}  loss {loss:.4f}  {samples_per_s:.1f} samples/s  device {mem}{note}",
+                f"step {step}/{self.total}  loss {loss:.4f}  {samples_per_s:.1f} samples/s  device "
+                f"{mem}{note}",
                 soft_wrap=True,
             )
             self._last_print = now
@@ -146,7 +148,8 @@ def summary_table(summary: Summary) -> Table:
         rows.append(
             (
                 "disk EPS",
-                f"{fmt_bytes(disk['read_bytes'])} read, {fmt_bytes(disk['write_bytes'])} written{per} ({gbps}); "
+                f"{fmt_bytes(disk['read_bytes'])} read, {fmt_bytes(disk['write_bytes'])} written{per} "
+                f"({gbps}); "
                 f"{'-' if hidden is None else f'{100 * hidden:.0f}%'} of it hidden behind compute; "
                 f"{disk['host_cache_layers']} layers in RAM",
             )
@@ -154,10 +157,15 @@ def summary_table(summary: Summary) -> Table:
     pipe = summary.sections.get("pipeline")
     if pipe and pipe.get("bubble_measured") is not None:  # layered-GA §4: measured vs appendix C
         rows.append(
-            ("pipeline", f"{pipe['data_parallel']} x {pipe['pipeline']} ranks, {pipe['placement']} "
-             f"{pipe['schedule']}: bubble {pipe['bubble_measured']:.1%} (predicted {pipe['bubble_predicted']:.1%} "
-             f"counting the schedule's actions and messages, {pipe['bubble_predicted_paper']:.1%} the paper's)")
-        )  # fmt: skip
+            (
+                "pipeline",
+                f"{pipe['data_parallel']} x {pipe['pipeline']} ranks, {pipe['placement']} "
+                f"{pipe['schedule']}: bubble {pipe['bubble_measured']:.1%} (predicted "
+                f"{pipe['bubble_predicted']:.1%} "
+                f"counting the schedule's actions and messages, {pipe['bubble_predicted_paper']:.1%} the "
+                "paper's)",
+            )
+        )
     for name, value in summary.eval.items():
         rows.append((f"eval {name}", f"{value:.4f}"))
     rows.append(("run dir", summary.run_dir))

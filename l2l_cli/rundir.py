@@ -17,8 +17,16 @@ from l2l_cli.runfiles import MetricsRow, write_json
 log = logging.getLogger("l2l")
 
 # what a run leaves in its directory: a directory holding any of them belongs to that run
-RUN_MARKERS = (".hydra", "metrics.jsonl", "eval.jsonl", "summary.json", "memory.json", "checkpoints", "final",
-               "train.log")  # fmt: skip
+RUN_MARKERS = (
+    ".hydra",
+    "metrics.jsonl",
+    "eval.jsonl",
+    "summary.json",
+    "memory.json",
+    "checkpoints",
+    "final",
+    "train.log",
+)
 
 
 def run_markers(path: Path) -> list[str]:
@@ -73,7 +81,8 @@ class RunFiles:
             if record.get("step", 0) <= step:
                 keep.append(ln)
         if torn:
-            msg = f"{path}: dropped {len(torn)} line(s) that are not whole records (line {', '.join(map(str, torn))})"
+            lines = ", ".join(map(str, torn))
+            msg = f"{path}: dropped {len(torn)} line(s) that are not whole records (line {lines})"
             log.warning("%s", msg)
             print(f"l2l: warning: {msg}", file=sys.stderr, flush=True)
         self.write_text(name, "".join(f"{ln}\n" for ln in keep))
@@ -113,8 +122,19 @@ class JsonlLogger:
 
 # ---- experiment loggers (``logger=csv|tensorboard|wandb|none``, several as a list) ---------------------
 
-METRIC_COLUMNS = ("step", "loss", "lr", "samples_per_s", "tokens_per_s", "step_time_s", "device_peak_bytes",
-                  "device_bytes", "skipped", "grad_norm", "loss_scale")  # fmt: skip
+METRIC_COLUMNS = (
+    "step",
+    "loss",
+    "lr",
+    "samples_per_s",
+    "tokens_per_s",
+    "step_time_s",
+    "device_peak_bytes",
+    "device_bytes",
+    "skipped",
+    "grad_norm",
+    "loss_scale",
+)
 
 
 def installed(module: str) -> bool:
@@ -181,8 +201,10 @@ class TextLogger:
         if row.skipped:
             self.log.warning(
                 "step %d skipped: non-finite loss or gradients (loss %s, loss scale %s); no update applied",
-                row.step, row.loss, row.loss_scale,
-            )  # fmt: skip
+                row.step,
+                row.loss,
+                row.loss_scale,
+            )
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
         return None  # the trainer logs each evaluation with its duration
@@ -338,9 +360,13 @@ class WandbLogger:
 
             config = OmegaConf.to_container(self.cfg, resolve=True) if self.cfg is not None else {}
             self._run = wandb.init(
-                project=os.environ.get("WANDB_PROJECT", "l2l"), name=self.files.dir.name, dir=str(self.files.dir),
-                config=config, resume="allow", id=run_id(self.files.dir),
-            )  # fmt: skip
+                project=os.environ.get("WANDB_PROJECT", "l2l"),
+                name=self.files.dir.name,
+                dir=str(self.files.dir),
+                config=config,
+                resume="allow",
+                id=run_id(self.files.dir),
+            )
         return self._run
 
     def log_step(self, row: MetricsRow) -> None:

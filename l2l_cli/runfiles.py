@@ -209,9 +209,12 @@ class MemoryReport:
 
         ranks = obj.get("ranks")
         return cls(
-            part(DeviceMemory, "device"), part(HostMemory, "host"), part(Transfer, "transfer"),
-            ranks if isinstance(ranks, list) else None, int(obj.get("schema_version", 1)),
-        )  # fmt: skip
+            part(DeviceMemory, "device"),
+            part(HostMemory, "host"),
+            part(Transfer, "transfer"),
+            ranks if isinstance(ranks, list) else None,
+            int(obj.get("schema_version", 1)),
+        )
 
 
 @dataclass

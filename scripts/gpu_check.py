@@ -26,11 +26,26 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 # BERT-base on synthetic data: big enough that a GPU's numbers mean something, 20 steps in seconds
-MODEL = ["model=bert-base", "task=synthetic", "task.num_train=2048", "task.num_eval=64", "task.max_seq_len=128",
-         "task.pad_to_max=true", "batch.size=32", "batch.ubatch_size=8", "trainer.progress=none"]  # fmt: skip
+MODEL = [
+    "model=bert-base",
+    "task=synthetic",
+    "task.num_train=2048",
+    "task.num_eval=64",
+    "task.max_seq_len=128",
+    "task.pad_to_max=true",
+    "batch.size=32",
+    "batch.ubatch_size=8",
+    "trainer.progress=none",
+]
 # (the baseline runs the minibatch whole: its micro-batch is the batch, MODEL[-2] replaced)
-DECODER = ["model=llama-tiny", "task=lm", "task.max_seq_len=64", "batch.size=16", "batch.ubatch_size=4",
-           "trainer.progress=none"]  # fmt: skip
+DECODER = [
+    "model=llama-tiny",
+    "task=lm",
+    "task.max_seq_len=64",
+    "batch.size=16",
+    "batch.ubatch_size=4",
+    "trainer.progress=none",
+]
 MODES = ("baseline", "baseline_ag", "l2l", "l2l_p")
 PRECISIONS = {"baseline": ("fp32", "amp"), "baseline_ag": ("fp32", "amp")}  # cmp: the EPS modes only
 PIPE = ["dist.nproc=2", "dist.pipeline=2", "hardware=measure"]
@@ -50,8 +65,16 @@ class Case:
 
     def train_argv(self, run: Path, steps: int) -> list[str]:
         save = [f"trainer.save_every={max(1, steps // 2)}"] if self.kill else []
-        return [sys.executable, "-m", "l2l_cli", "train", *self.overrides, f"trainer.max_steps={steps}", *save,
-                f"hydra.run.dir={run}"]  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "l2l_cli",
+            "train",
+            *self.overrides,
+            f"trainer.max_steps={steps}",
+            *save,
+            f"hydra.run.dir={run}",
+        ]
 
 
 def cases() -> list[Case]:
@@ -68,12 +91,17 @@ def cases() -> list[Case]:
     out.append(Case("2gpu data parallel l2l", [*MODEL, "mode=l2l", "precision=cmp", "dist.nproc=2"], gpus=2))
     out.append(Case("2gpu pipeline baseline_ag", [*MODEL, "mode=baseline_ag", *PIPE], gpus=2))
     out.append(Case("2gpu pipeline l2l stages", [*MODEL, "mode=l2l", "precision=cmp", *PIPE], gpus=2))
-    out.append(Case("2gpu data parallel kill+resume", [*MODEL, "mode=baseline_ag", "dist.nproc=2"], gpus=2,
-                    kill=True))  # fmt: skip
-    out.append(Case("2gpu pipeline baseline_ag kill+resume", [*MODEL, "mode=baseline_ag", *PIPE], gpus=2,
-                    kill=True))  # fmt: skip
-    out.append(Case("2gpu pipeline l2l kill+resume", [*MODEL, "mode=l2l", "precision=cmp", *PIPE], gpus=2,
-                    kill=True))  # fmt: skip
+    out.append(
+        Case(
+            "2gpu data parallel kill+resume", [*MODEL, "mode=baseline_ag", "dist.nproc=2"], gpus=2, kill=True
+        )
+    )
+    out.append(
+        Case("2gpu pipeline baseline_ag kill+resume", [*MODEL, "mode=baseline_ag", *PIPE], gpus=2, kill=True)
+    )
+    out.append(
+        Case("2gpu pipeline l2l kill+resume", [*MODEL, "mode=l2l", "precision=cmp", *PIPE], gpus=2, kill=True)
+    )
     return out
 
 
@@ -94,8 +122,15 @@ def run_case(case: Case, root: Path, steps: int) -> dict:
     t0 = time.perf_counter()
     argv = case.train_argv(run, steps)
     if case.kill:
-        p = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             text=True, start_new_session=True)  # fmt: skip
+        p = subprocess.Popen(
+            argv,
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         deadline = time.time() + 900
         while p.poll() is None and _logged(run) < steps // 2 + 1 and time.time() < deadline:
             time.sleep(0.2)
@@ -111,15 +146,34 @@ def run_case(case: Case, root: Path, steps: int) -> dict:
     if r.returncode != 0:
         return {"ok": False, "why": f"exit {r.returncode}: {_tail(r.stderr)}"}
     summary = json.loads((run / "summary.json").read_text())
-    out = {"ok": summary.get("status") == "ok", "samples_per_s": summary.get("samples_per_s"),
-           "device_peak_bytes": summary.get("device_peak_bytes"), "device": summary.get("device")}  # fmt: skip
+    out = {
+        "ok": summary.get("status") == "ok",
+        "samples_per_s": summary.get("samples_per_s"),
+        "device_peak_bytes": summary.get("device_peak_bytes"),
+        "device": summary.get("device"),
+    }
     if case.kill:
         out["resumed_from"] = (summary.get("resumed_from") or {}).get("step")
         out["ok"] = out["ok"] and out["resumed_from"] is not None
     if case.generate:
-        g = subprocess.run([sys.executable, "-m", "l2l_cli", "generate", str(run), "--prompt", "The",
-                            "--max-new-tokens", "8"], cwd=REPO, env=env, capture_output=True, text=True,
-                           timeout=600)  # fmt: skip
+        g = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "l2l_cli",
+                "generate",
+                str(run),
+                "--prompt",
+                "The",
+                "--max-new-tokens",
+                "8",
+            ],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         out["generate"] = (
             g.stdout.strip()[:80] if g.returncode == 0 else f"exit {g.returncode}: {_tail(g.stderr)}"
         )
@@ -137,8 +191,10 @@ def line(case: Case) -> str:
     sps, peak = r.get("samples_per_s"), r.get("device_peak_bytes")
     extra = f", resumed from step {r['resumed_from']}" if "resumed_from" in r else ""
     extra += f", generated {r['generate']!r}" if "generate" in r else ""
-    return (f"gpu_check: {case.name}: ok {sps or 0:.1f} samples/s, device peak {(peak or 0) / 2**30:.2f} GiB "
-            f"({r['wall_s']} s){extra}")  # fmt: skip
+    return (
+        f"gpu_check: {case.name}: ok {sps or 0:.1f} samples/s, device peak {(peak or 0) / 2**30:.2f} GiB "
+        f"({r['wall_s']} s){extra}"
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -150,8 +206,7 @@ def main(argv: list[str]) -> int:
     all_cases = cases()
     if a.dry_run:
         for c in all_cases:
-            print(f"{c.name} [{c.gpus} gpu{'s' if c.gpus > 1 else ''}]: l2l train "
-                  f"{shlex.join(c.overrides)}")  # fmt: skip
+            print(f"{c.name} [{c.gpus} gpu{'s' if c.gpus > 1 else ''}]: l2l train {shlex.join(c.overrides)}")
         return 0
     import torch
 
@@ -173,8 +228,10 @@ def main(argv: list[str]) -> int:
         print(line(c), flush=True)
     (root / "cases.json").write_text(json.dumps({c.name: c.result for c in all_cases}, indent=1) + "\n")
     failed = [c.name for c in all_cases if not c.result.get("ok") and not c.result.get("skipped")]
-    print(f"gpu_check: {len(all_cases) - len(failed)} of {len(all_cases)} cases ok or skipped; "
-          f"{'failed: ' + ', '.join(failed) if failed else 'none failed'}")  # fmt: skip
+    print(
+        f"gpu_check: {len(all_cases) - len(failed)} of {len(all_cases)} cases ok or skipped; "
+        f"{'failed: ' + ', '.join(failed) if failed else 'none failed'}"
+    )
     return 1 if failed else 0
 
 

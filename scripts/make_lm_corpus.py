@@ -44,15 +44,18 @@ def main() -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=VOCAB,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
-    )  # fmt: skip
+    )
     tok.train_from_iterator(docs, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, unk_token=EOS)
     fast.model_max_length = 1 << 30
     fast.save_pretrained(str(OUT / "tokenizer"))
     print(
-        f"{len(docs)} documents -> {OUT / 'rte_premises.txt'}; tokenizer ({len(fast)} ids) -> {OUT / 'tokenizer'}"
+        f"{len(docs)} documents -> {OUT / 'rte_premises.txt'}; tokenizer ({len(fast)} ids) -> "
+        f"{OUT / 'tokenizer'}"
     )
 
 

@@ -21,12 +21,24 @@ import sys
 
 # what `l2l train|eval|predict|generate|export|report|plan` import on their way (the server pays them once)
 PRELOAD = [
-    "l2l_cli.cli", "l2l_cli.compose", "l2l_cli.preflight", "l2l_cli.launch", "l2l_cli.train", "l2l_cli.checkpoint",
-    "l2l_cli.session", "l2l_cli.data.metrics", "l2l_cli.evaluate", "l2l_cli.generate", "l2l_cli.export",
-    "l2l_cli.report", "l2l_cli.plan.cli", "transformers.models.bert.modeling_bert",
-    "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
+    "l2l_cli.cli",
+    "l2l_cli.compose",
+    "l2l_cli.preflight",
+    "l2l_cli.launch",
+    "l2l_cli.train",
+    "l2l_cli.checkpoint",
+    "l2l_cli.session",
+    "l2l_cli.data.metrics",
+    "l2l_cli.evaluate",
+    "l2l_cli.generate",
+    "l2l_cli.export",
+    "l2l_cli.report",
+    "l2l_cli.plan.cli",
+    "transformers.models.bert.modeling_bert",
+    "transformers.models.gpt2.modeling_gpt2",
+    "transformers.models.llama.modeling_llama",
     "torch.utils.tensorboard",
-]  # fmt: skip
+]
 
 
 def _child(req: dict, ctl: tuple[int, int]) -> None:

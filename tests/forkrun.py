@@ -3,11 +3,11 @@ forked from one fresh interpreter so the imports are paid once.
 
     python -m tests.forkrun JOBS.json RESULTS.json
 
-JOBS.json: a list of {"overrides": [...], "run_dir": str, "crash": "<event>:<n>" (the disk EPS kills its
-own process there; see l2l_cli.engine.tiers.disk.format), "kill_after_steps": n (SIGKILL from outside once
-n steps are logged, after "kill_delay_s"), "fault": "<ENOSPC|EIO>:<path part>@n" (that write refused)}. RESULTS.json: per job {"signal", "exit", "maxrss_bytes"} (the
-child's peak RSS, from wait4). The parent only imports: no torch op runs before a fork.
-"""
+JOBS.json: a list of {"overrides": [...], "run_dir": str, "crash": "<event>:<n>" (the disk EPS kills its own
+process there; see l2l_cli.engine.tiers.disk.format), "kill_after_steps": n (SIGKILL from outside once n steps
+are logged, after "kill_delay_s"), "fault": "<ENOSPC|EIO>:<path part>@n" (that write refused)}. RESULTS.json:
+per job {"signal", "exit", "maxrss_bytes"} (the child's peak RSS, from wait4). The parent only imports: no
+torch op runs before a fork."""
 
 from __future__ import annotations
 

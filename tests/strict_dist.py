@@ -168,9 +168,19 @@ class _Moves(TorchFunctionMode):
 # ---- the strict process groups --------------------------------------------------------------------
 
 _COLLECTIVES = (
-    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-    "gather", "scatter", "isend", "irecv", "send", "recv",
-)  # fmt: skip
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "gather",
+    "scatter",
+    "isend",
+    "irecv",
+    "send",
+    "recv",
+)
 # torch pickles objects into tensors on the device the *real* backend wants (gloo here: the host), and
 # moves them to the GPU itself on NCCL: their inner collectives are not checked
 _OBJECTS = ("all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list")
@@ -233,8 +243,12 @@ class StrictDist:
                 self._batched.on = False
 
         # the product's view of the backend: torch's internals keep asking c10d (gloo's, the real one)
-        mine = {"init_process_group": init_process_group, "new_group": new_group, "get_backend": get_backend,
-                "batch_isend_irecv": batch_isend_irecv}  # fmt: skip
+        mine = {
+            "init_process_group": init_process_group,
+            "new_group": new_group,
+            "get_backend": get_backend,
+            "batch_isend_irecv": batch_isend_irecv,
+        }
         for name, fn in mine.items():
             setattr(dist, name, fn)
         for name in _OBJECTS:
@@ -281,9 +295,14 @@ class StrictDist:
                     if kind == "any":
                         continue
                     if (backend == "nccl") != (kind == DEV):
+                        why = (
+                            "NCCL moves device tensors only"
+                            if backend == "nccl"
+                            else "gloo moves host tensors"
+                        )
                         raise StrictDistError(
                             f"{name}: a {kind} tensor {tuple(t.shape)} {t.dtype} on a group declared "
-                            f"{backend} ({'NCCL moves device tensors only' if backend == 'nccl' else 'gloo moves host tensors'})"
+                            f"{backend} ({why})"
                         )
                     self.counts[f"{backend} {name} {kind}"] += 1
             return fn(*args, **kwargs)

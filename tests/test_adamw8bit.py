@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from l2l_cli.config.validate import validate
 from l2l_cli.engine import adamw8bit as a8
 from l2l_cli.engine.optim import OPTIMIZERS
-from l2l_cli.plan import estimate as est
+from l2l_cli.plan.knobs import Setup
+from l2l_cli.plan.memory import memory
 from l2l_cli.plan.shapes import ModelShape
 from l2l_cli.progress import summary_text
 from l2l_cli.runfiles import Summary
@@ -216,7 +217,7 @@ def test_the_planner_counts_adamw8bits_bytes_per_parameter() -> None:
     shape = ModelShape.bert(24, 1024, 16, 4096)
     P = shape.total_params
     for mode, where in (("l2l", "host"), ("baseline", "device")):
-        s = est.Setup(mode, "device" if mode == "l2l" else None, True, "fp32", 128, 8, 8)
-        fp32 = est.memory(shape, s)[where]["training_state"]
-        q8 = est.memory(shape, s.but(optim="adamw8bit"))[where]["training_state"]
+        s = Setup(mode, "device" if mode == "l2l" else None, True, "fp32", 128, 8, 8)
+        fp32 = memory(shape, s)[where]["training_state"]
+        q8 = memory(shape, s.but(optim="adamw8bit"))[where]["training_state"]
         assert fp32 == 16 * P and q8 == pytest.approx((10 + 8 / 256) * P)

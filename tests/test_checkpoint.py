@@ -280,8 +280,10 @@ def test_resume_latest_finds_runs_outside_outputs(tmp_path, monkeypatch) -> None
         os.utime(manifest, (1e9 - age * 100, 1e9 - age * 100))
     monkeypatch.chdir(tmp_path)  # no outputs/ here
     newer = str((runs / "newer").resolve())
-    for argv in (["trainer.resume=latest", f"hydra.run.dir={runs / 'older'}"],
-                 [f"trainer.resume=latest:{runs}"]):  # fmt: skip
+    for argv in (
+        ["trainer.resume=latest", f"hydra.run.dir={runs / 'older'}"],
+        [f"trainer.resume=latest:{runs}"],
+    ):
         out, found = _resolve_resume(argv, multirun=False)
         assert (
             str(found) == newer

@@ -5,9 +5,14 @@ seconds-per-step result in any comment or docstring of ``l2l_cli/``."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import re
 import tokenize
+from pathlib import Path
+from typing import Any
+
+import pytest
 
 from tests.util import REPO
 
@@ -46,3 +51,57 @@ def test_code_comments_carry_no_measurement_history() -> None:
                     if pattern.search(part):
                         found.append(f"{path.relative_to(REPO)}:{line + n}: {what}: {part.strip()[:100]}")
     assert not found, "history belongs in docs/benchmarks.md:\n" + "\n".join(found)
+
+
+# ---- the layout (issue 41, item 5): ruff format owns it; scripts/fmt_check.py checks what ruff does not
+
+OTHER_AREAS = [  # cleaned on their own branches in parallel; the lead drops this list after merging
+    "engine/tiers",
+    "engine/relay.py",
+    "engine/device.py",
+    "engine/frozen.py",
+    "engine/frozen_disk.py",
+    "models",
+    "session.py",
+    "parallel/pipeline",
+    "config",
+    "cli.py",
+    "launch.py",
+    "data",
+]
+
+
+def _fmt_check() -> Any:
+    spec = importlib.util.spec_from_file_location("fmt_check", REPO / "scripts" / "fmt_check.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fmt_check_finds_a_bare_skip_an_ignored_reason_and_a_long_line(tmp_path: Path) -> None:
+    fc = _fmt_check()
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "a = [1,  2]  # fmt: skip\n"
+        "b = [1,  2]  # fmt: skip (aligned table)\n"
+        "c = [1,  2]  # fmt: skip  # aligned table: the columns line up\n"
+        f"d = '{'x' * 120}'\n"
+        "e = '# fmt: skip'\n"
+    )
+    found = fc.check([probe], limit=110)
+    assert [f.split(":")[1] for f in found] == ["1", "2", "4"], found
+    assert "without a reason" in found[0] and "ruff ignores" in found[1] and "> 110" in found[2]
+
+
+def test_l2l_cli_outside_the_other_areas_has_no_bare_skip_nor_a_long_line() -> None:
+    """Every ``# fmt: skip`` in l2l_cli/ says why (``# fmt: skip  # <why>``), and no line is over the
+    configured length, in the modules this branch cleaned (the other areas are cleaned in parallel)."""
+    fc = _fmt_check()
+    found = fc.check([REPO / "l2l_cli"], exclude=[REPO / "l2l_cli" / p for p in OTHER_AREAS])
+    assert found == [], "\n".join(found)
+
+
+@pytest.mark.xfail(reason="issue 41: the other areas are cleaned on their own branches; global after merging")
+def test_l2l_cli_has_no_bare_skip_nor_a_long_line() -> None:
+    assert _fmt_check().check([REPO / "l2l_cli"]) == []

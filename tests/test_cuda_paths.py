@@ -62,10 +62,14 @@ def test_flat_adamw_state_lives_on_the_parameters_device() -> None:
     with FakeTensorMode(allow_non_fake_inputs=True):
         w, g, m, v = (torch.zeros(8, device="cuda") for _ in range(4))
         runs = [
-            (name, w.narrow(0, a, b - a), g.narrow(0, a, b - a),
-             {"exp_avg": m.narrow(0, a, b - a), "exp_avg_sq": v.narrow(0, a, b - a)})
+            (
+                name,
+                w.narrow(0, a, b - a),
+                g.narrow(0, a, b - a),
+                {"exp_avg": m.narrow(0, a, b - a), "exp_avg_sq": v.narrow(0, a, b - a)},
+            )
             for name, a, b in (("decay", 0, 6), ("bias", 6, 8))
-        ]  # fmt: skip
+        ]
         opt = bind_flat(runs, o)
         devices = {(k, t.device.type) for st in opt.state.values() for k, t in st.items()}
     assert devices == {("step", "cuda"), ("exp_avg", "cuda"), ("exp_avg_sq", "cuda")}
@@ -123,8 +127,15 @@ def test_the_last_stage_declares_the_shape_its_evaluation_returns(
         pipeline_runner, "TimedStage", lambda *a, **k: declared.append(tuple(k["output_args"].shape))
     )
     monkeypatch.setattr(pipeline_runner, "ScheduleLoopedBFS", lambda *a, **k: None)
-    fake = SimpleNamespace(spec=spec, plan=SimpleNamespace(num_stages=2), acc=SimpleNamespace(device=torch.device("cpu")),
-                           pp_group=None, dist=SimpleNamespace(backend="gloo"), _grads_ready=None, _loss=None)  # fmt: skip
+    fake = SimpleNamespace(
+        spec=spec,
+        plan=SimpleNamespace(num_stages=2),
+        acc=SimpleNamespace(device=torch.device("cpu")),
+        pp_group=None,
+        dist=SimpleNamespace(backend="gloo"),
+        _grads_ready=None,
+        _loss=None,
+    )
     fake._meta = lambda shape, dtype, grad: pipeline_runner.PipelineRunner._meta(fake, shape, dtype, grad)
     rows, seq = 3, 5
     pipeline_runner.PipelineRunner._build(fake, {1: nn.Identity()}, rows, seq, False, Timeline(), None)  # type: ignore[arg-type]
@@ -203,11 +214,29 @@ def test_selective_bytes_count_every_matmul_output_even_where_an_address_is_reus
 
 # ---- the product on two ranks under the strict shim: every group as on two GPUs -------------------------
 
-STRICT = ["trainer.max_steps=2", "trainer.save_every=2", "task.num_train=64", "task.num_eval=8",
-          "trainer.progress=none", "dist.nproc=2"]  # fmt: skip
-LLAMA = ["model=llama-tiny", "task=lm", "model.num_layers=2", "model.hidden_size=32", "model.num_heads=4",
-         "model.num_kv_heads=2", "model.intermediate_size=64", "model.dropout=0.0", "task.max_seq_len=16",
-         "task.max_eval_samples=8", "batch.size=4", "batch.ubatch_size=2", "model.vocab_size=2048"]  # fmt: skip
+STRICT = [
+    "trainer.max_steps=2",
+    "trainer.save_every=2",
+    "task.num_train=64",
+    "task.num_eval=8",
+    "trainer.progress=none",
+    "dist.nproc=2",
+]
+LLAMA = [
+    "model=llama-tiny",
+    "task=lm",
+    "model.num_layers=2",
+    "model.hidden_size=32",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.intermediate_size=64",
+    "model.dropout=0.0",
+    "task.max_seq_len=16",
+    "task.max_eval_samples=8",
+    "batch.size=4",
+    "batch.ubatch_size=2",
+    "model.vocab_size=2048",
+]
 PIPE2 = ["dist.pipeline=2", "model.num_layers=4"]
 
 
@@ -251,8 +280,14 @@ def test_a_decoder_on_two_pipeline_stages_trains_evaluates_and_resumes_as_on_two
     first = strict_train(tmp_path / "pipe", *LLAMA, *PIPE2, "mode=baseline_ag", "hardware=measure")
     assert _checked(first, "nccl", "device") > 0 and _checked(first, "gloo", "host") > 0
     assert json.loads((tmp_path / "pipe" / "summary.json").read_text())["eval"]["loss"] > 0
-    resumed = strict_train(tmp_path / "resumed", *LLAMA, *PIPE2, "mode=baseline_ag", "trainer.max_steps=3",
-                           f"trainer.resume={tmp_path / 'pipe'}")  # fmt: skip
+    resumed = strict_train(
+        tmp_path / "resumed",
+        *LLAMA,
+        *PIPE2,
+        "mode=baseline_ag",
+        "trainer.max_steps=3",
+        f"trainer.resume={tmp_path / 'pipe'}",
+    )
     assert _checked(resumed, "nccl", "device") > 0
     summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
     assert summary["resumed_from"]["step"] == 2
@@ -296,15 +331,27 @@ def test_gpu_check_without_a_gpu_exits_0_saying_so(tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: gpu_check.sh would run every case")
     out = tmp_path / "gpu_check.json"
-    r = subprocess.run(["bash", "scripts/gpu_check.sh", str(out)], cwd=REPO, capture_output=True, text=True,
-                       env={**os.environ, "PYTHON": sys.executable}, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": sys.executable},
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines() == [
         f"gpu_check: no CUDA device (torch {torch.__version__}): nothing to check"
     ]
     assert json.loads(out.read_text())["cuda"] is False
-    r = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run"], cwd=REPO, capture_output=True, text=True,
-                       env={**os.environ, "PYTHON": sys.executable}, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--dry-run"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": sys.executable},
+        timeout=120,
+    )
     assert r.returncode == 0 and all(": l2l train " in ln for ln in r.stdout.strip().splitlines()), r.stderr
 
 

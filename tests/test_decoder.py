@@ -36,10 +36,16 @@ def write_checkpoint(kind: str, root: Path, **sizes: object) -> Path:
         model = GPT2LMHeadModel(cfg)
     else:
         cfg = LlamaConfig(
-            num_hidden_layers=3, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=64, vocab_size=2048, max_position_embeddings=64, tie_word_embeddings=False,
+            num_hidden_layers=3,
+            hidden_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            vocab_size=2048,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
             **sizes,
-        )  # fmt: skip
+        )
         model = LlamaForCausalLM(cfg)
     path = root / kind
     model.save_pretrained(path)
@@ -184,9 +190,15 @@ def test_stash_cpu_device_peak_flat_in_depth_for_a_decoder() -> None:
     peaks = []
     for layers in (2, 8, 32):
         cfg = tiny_cfg(
-            *LM, "model.family=gpt2", f"model.num_layers={layers}", "model.vocab_size=2048", "model.seq_len=64",
-            "model.layer_norm_eps=1e-5", "mode=l2l_stash_cpu", "task.pad_to_max=true",
-        )  # fmt: skip
+            *LM,
+            "model.family=gpt2",
+            f"model.num_layers={layers}",
+            "model.vocab_size=2048",
+            "model.seq_len=64",
+            "model.layer_norm_eps=1e-5",
+            "mode=l2l_stash_cpu",
+            "task.pad_to_max=true",
+        )
         data = data or load_task(cfg.task, cfg.model)
         peaks.append(train(cfg, steps=2, data=data)["peak"])
     assert max(peaks) <= 1.05 * min(peaks), peaks
@@ -259,8 +271,15 @@ def test_decoder_two_ranks_equal_one_process_with_the_global_batch(tmp_path: Pat
 
     from tests.util import TINY
 
-    common = ["-m", "mode=baseline_ag,l2l_p", *TINY, *GPT2_TINY, "trainer.max_steps=3", "trainer.save_final=true",
-              "task.max_eval_samples=8"]  # fmt: skip
+    common = [
+        "-m",
+        "mode=baseline_ag,l2l_p",
+        *TINY,
+        *GPT2_TINY,
+        "trainer.max_steps=3",
+        "trainer.save_final=true",
+        "task.max_eval_samples=8",
+    ]
     for name, extra in (("one", ["batch.size=8"]), ("two", ["dist.nproc=2", "batch.size=4"])):
         r = l2l("train", *common, *extra, f"hydra.sweep.dir={tmp_path / name}", timeout=900)
         assert r.returncode == 0, r.stderr[-3000:]
@@ -278,10 +297,24 @@ def test_an_untied_decoder_pipelines_like_one_process_and_a_tied_one_is_refused(
 
     from safetensors.torch import load_file
 
-    common = ["model=llama-tiny", "task=lm", "model.num_layers=2", "model.hidden_size=32", "model.num_heads=4",
-              "model.num_kv_heads=2", "model.intermediate_size=64", "model.dropout=0.0", "task.max_seq_len=16",
-              "task.max_eval_samples=8", "batch.size=4", "batch.ubatch_size=2", "trainer.max_steps=2",
-              "trainer.save_final=true", "trainer.progress=none", "mode=baseline_ag"]  # fmt: skip
+    common = [
+        "model=llama-tiny",
+        "task=lm",
+        "model.num_layers=2",
+        "model.hidden_size=32",
+        "model.num_heads=4",
+        "model.num_kv_heads=2",
+        "model.intermediate_size=64",
+        "model.dropout=0.0",
+        "task.max_seq_len=16",
+        "task.max_eval_samples=8",
+        "batch.size=4",
+        "batch.ubatch_size=2",
+        "trainer.max_steps=2",
+        "trainer.save_final=true",
+        "trainer.progress=none",
+        "mode=baseline_ag",
+    ]
     for name, extra in (("one", []), ("pipe", ["dist.nproc=2", "dist.pipeline=2"])):
         r = l2l("train", *common, *extra, f"hydra.run.dir={tmp_path / name}", timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
@@ -289,10 +322,20 @@ def test_an_untied_decoder_pipelines_like_one_process_and_a_tied_one_is_refused(
     assert pipe["pipeline"]["pipeline"] == 2 and pipe["eval"]["loss"] == pytest.approx(
         one["eval"]["loss"], rel=1e-5
     )
-    assert_same_weights(load_file(tmp_path / "pipe/final/model.safetensors"),
-                        load_file(tmp_path / "one/final/model.safetensors"), rtol=1e-4)  # fmt: skip
-    r = l2l("train", *GPT2_TINY, "task=lm", "dist.nproc=2", "dist.pipeline=2", "mode=baseline_ag",
-            f"hydra.run.dir={tmp_path / 'tied'}")  # fmt: skip
+    assert_same_weights(
+        load_file(tmp_path / "pipe/final/model.safetensors"),
+        load_file(tmp_path / "one/final/model.safetensors"),
+        rtol=1e-4,
+    )
+    r = l2l(
+        "train",
+        *GPT2_TINY,
+        "task=lm",
+        "dist.nproc=2",
+        "dist.pipeline=2",
+        "mode=baseline_ag",
+        f"hydra.run.dir={tmp_path / 'tied'}",
+    )
     assert r.returncode == 2 and "dist.pipeline: the model's LM head is tied" in r.stderr
     assert not (tmp_path / "tied" / "summary.json").exists()
 
@@ -306,8 +349,16 @@ def test_mistral_and_qwen2_checkpoints_load_through_the_llama_family(tmp_path: P
     from l2l_cli.data.batches import Batch
     from l2l_cli.models import LayeredModel, make_spec
 
-    sizes = dict(num_hidden_layers=3, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=64, vocab_size=300, max_position_embeddings=64, sliding_window=4)  # fmt: skip
+    sizes = dict(
+        num_hidden_layers=3,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=300,
+        max_position_embeddings=64,
+        sliding_window=4,
+    )
     if kind == "mistral":
         cfg = MistralConfig(**sizes)
     else:

@@ -54,8 +54,15 @@ def test_killing_one_rank_ends_the_job_with_a_clear_error(tmp_path) -> None:
 
 
 def test_two_rank_resume_is_exact(tmp_path) -> None:
-    args = ["mode=l2l", "dist.nproc=2", "batch.size=4", *DP[:-1], "trainer.max_steps=4", "trainer.save_every=2",
-            "trainer.keep_checkpoints=3"]  # fmt: skip
+    args = [
+        "mode=l2l",
+        "dist.nproc=2",
+        "batch.size=4",
+        *DP[:-1],
+        "trainer.max_steps=4",
+        "trainer.save_every=2",
+        "trainer.keep_checkpoints=3",
+    ]
     full, cut = tmp_path / "full", tmp_path / "cut"
     r = l2l("train", *args, f"hydra.run.dir={full}", timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -70,18 +77,43 @@ def test_two_rank_resume_is_exact(tmp_path) -> None:
 
 # ---- several machines: torchrun --nnodes 2, each node its own torchrun on this machine -------------------
 
-NODES = [*TINY, "model.num_layers=4", "task.num_train=128", "task.num_eval=16", "batch.size=4", "trainer.max_steps=3",
-         "trainer.save_every=2", "trainer.save_final=true", "mode=baseline_ag", "dist.pipeline=2"]  # fmt: skip
+NODES = [
+    *TINY,
+    "model.num_layers=4",
+    "task.num_train=128",
+    "task.num_eval=16",
+    "batch.size=4",
+    "trainer.max_steps=3",
+    "trainer.save_every=2",
+    "trainer.save_final=true",
+    "mode=baseline_ag",
+    "dist.pipeline=2",
+]
 
 
 def _nodes(run: Path, *args: str, port: int) -> list[subprocess.Popen]:
     """Two nodes of two ranks (2 data x 2 pipeline), each its own torchrun, meeting at one c10d endpoint;
     every node is given the run dir; the world size comes from torchrun (no dist.nproc)."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", f"l2l-{port}"]  # fmt: skip
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"localhost:{port}",
+        "--rdzv-id",
+        f"l2l-{port}",
+    ]
     cmd = [*torchrun, "-m", "l2l_cli", "train", *args, f"hydra.run.dir={run}"]
-    return [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            for _ in range(2)]  # fmt: skip
+    return [
+        subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
 
 
 @pytest.mark.slow
@@ -115,8 +147,14 @@ def test_two_torchrun_nodes_equal_nproc_4_resume_and_end_together_when_one_dies(
     resumed = _final(nodes)
     assert all(torch.equal(resumed[k], b[k]) for k in b)
     # a node dies: the other ends, non-zero, within dist.timeout_s
-    long = [*NODES[:-5], "trainer.max_steps=100000", "task.num_train=4096", "mode=baseline_ag", "dist.pipeline=2",
-            "dist.timeout_s=60"]  # fmt: skip
+    long = [
+        *NODES[:-5],
+        "trainer.max_steps=100000",
+        "task.num_train=4096",
+        "mode=baseline_ag",
+        "dist.pipeline=2",
+        "dist.timeout_s=60",
+    ]
     dead = tmp_path / "dead"
     procs = _nodes(dead, *long, port=free_port())
     deadline = time.time() + 300

@@ -57,9 +57,12 @@ def test_docs_site_builds_strict(tmp_path: Path) -> None:
     if mkdocs is None:
         pytest.skip("mkdocs not installed (pip install -e .[dev])")
     r = subprocess.run(
-        [mkdocs, "build", "--strict", "-d", str(tmp_path / "site")], cwd=REPO, capture_output=True, text=True,
+        [mkdocs, "build", "--strict", "-d", str(tmp_path / "site")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
         env={"NO_MKDOCS_2_WARNING": "1", "PATH": str(Path(sys.executable).parent)},
-    )  # fmt: skip
+    )
     assert r.returncode == 0, r.stderr[-3000:]
 
 
@@ -86,14 +89,27 @@ def sandbox(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         [sys.executable, str(REPO / "examples/make_tiny_chat.py"), str(box / "chat-demo")], check=True
     )
     runs = {
-        "clf": ["task=csv", f"task.files={box}/reviews.csv", "task.text_fields=[review]",
-                "task.label_field=sentiment", "model=bert-tiny", "batch.size=8", "batch.ubatch_size=4", "task.max_seq_len=16"],
+        "clf": [
+            "task=csv",
+            f"task.files={box}/reviews.csv",
+            "task.text_fields=[review]",
+            "task.label_field=sentiment",
+            "model=bert-tiny",
+            "batch.size=8",
+            "batch.ubatch_size=4",
+            "task.max_seq_len=16",
+        ],
         "gpt2": ["task=lm", "model=gpt2-tiny", "batch.size=4", "batch.ubatch_size=2", "task.max_seq_len=32"],
-        "chat-demo/run": ["task=chat", f"model.pretrained={box}/chat-demo/model",
-                          f"task.files={box}/chat-demo/chat.jsonl", "task.max_seq_len=64", "batch.size=8",
-                          "batch.ubatch_size=4"],
+        "chat-demo/run": [
+            "task=chat",
+            f"model.pretrained={box}/chat-demo/model",
+            f"task.files={box}/chat-demo/chat.jsonl",
+            "task.max_seq_len=64",
+            "batch.size=8",
+            "batch.ubatch_size=4",
+        ],
         "disk": ["mode=l2l_p", "eps.tier=disk", "batch.size=8", "batch.ubatch_size=4"],
-    }  # fmt: skip
+    }
     for name, overrides in runs.items():
         r = l2l("train", *overrides, *TINY, "trainer.save_final=true", f"hydra.run.dir={box / name}", cwd=box)
         assert r.returncode == 0, r.stderr[-2000:]
@@ -144,9 +160,7 @@ def _train_problems(argv: list[str], cwd: str) -> list[str]:
 EXAMPLES = [(page, c) for page in PAGES for c in commands(page)]
 
 
-@pytest.mark.parametrize(
-    ("page", "command"), EXAMPLES, ids=[f"{p.name}:{c[:60]}" for p, c in EXAMPLES]
-)  # fmt: skip
+@pytest.mark.parametrize(("page", "command"), EXAMPLES, ids=[f"{p.name}:{c[:60]}" for p, c in EXAMPLES])
 def test_every_documented_command_runs(
     page: Path, command: str, sandbox: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

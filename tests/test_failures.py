@@ -55,10 +55,22 @@ main(sys.argv[1:])
 def test_an_internal_failure_is_one_line_with_the_traceback_in_train_log(tmp_path) -> None:
     run = tmp_path / "run"
     r = subprocess.run(
-        [sys.executable, "-c", BOOM, "train", *TINY, "trainer.max_steps=4", "task.num_train=64", "task.num_eval=16",
-         f"hydra.run.dir={run}"],
-        capture_output=True, text=True, cwd=REPO, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            BOOM,
+            "train",
+            *TINY,
+            "trainer.max_steps=4",
+            "task.num_train=64",
+            "task.num_eval=16",
+            f"hydra.run.dir={run}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
     assert r.returncode == 1
     (line,) = r.stderr.strip().splitlines()
     assert line == f"l2l: error: RuntimeError: boom at step 2 (traceback in {run}/train.log)"

@@ -30,11 +30,26 @@ ODD = [
 ]
 NON_FINITE = ["nan", "inf", "-inf", "1e400"]  # invalid for every numeric key (ints: wrong type)
 OUT_OF_RANGE = [
-    "model.num_layers=0", "model.num_layers=10000000", "model.hidden_size=-8", "model.num_heads=0",
-    "model.dropout=1.0", "batch.size=0", "batch.ubatch_size=-2", "optim.lr=0", "optim.lr=-1e-3", "optim.beta2=1.0",
-    "task.max_seq_len=2", "sim.memory_gb=0", "sim.link_gbps=-1", "trainer.max_steps=-5", "trainer.log_every=0",
-    "dist.nproc=0", "dist.nproc=100000", "precision.init_scale=-1", "plan.max_transfer_overhead=1.5",
-]  # fmt: skip
+    "model.num_layers=0",
+    "model.num_layers=10000000",
+    "model.hidden_size=-8",
+    "model.num_heads=0",
+    "model.dropout=1.0",
+    "batch.size=0",
+    "batch.ubatch_size=-2",
+    "optim.lr=0",
+    "optim.lr=-1e-3",
+    "optim.beta2=1.0",
+    "task.max_seq_len=2",
+    "sim.memory_gb=0",
+    "sim.link_gbps=-1",
+    "trainer.max_steps=-5",
+    "trainer.log_every=0",
+    "dist.nproc=0",
+    "dist.nproc=100000",
+    "precision.init_scale=-1",
+    "plan.max_transfer_overhead=1.5",
+]
 
 
 def schema_keys(node: object = L2LConfig, prefix: str = "") -> list[tuple[str, type]]:
@@ -143,8 +158,17 @@ FUZZ_BASE = [
     "trainer.progress=none",
 ]
 # keys whose valid values would make a run slow or spawn processes: only invalid values are drawn for them
-COSTLY = {"trainer.max_steps", "trainer.epochs", "task.num_train", "task.num_eval", "dist.nproc",
-          "plan.measure_repeats", "task.max_train_samples", "task.max_eval_samples", "trainer.save_every"}  # fmt: skip
+COSTLY = {
+    "trainer.max_steps",
+    "trainer.epochs",
+    "task.num_train",
+    "task.num_eval",
+    "dist.nproc",
+    "plan.measure_repeats",
+    "task.max_train_samples",
+    "task.max_eval_samples",
+    "trainer.save_every",
+}
 ODD_PATHS = ["../../etc/passwd", "~/nope/ünï", "/dev/null", "", " ", "a\tb", "/proc/self", "x" * 300, "C:\\x"]
 UNICODE = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
 
@@ -160,18 +184,43 @@ def _value(key: str, kind: type) -> st.SearchStrategy[str]:
 
 OVERRIDE = st.one_of(
     st.sampled_from(NUMBERS).flatmap(lambda k: _value(k, float).map(lambda v: f"{k}={v}")),
-    st.sampled_from(STRINGS).flatmap(lambda k: st.one_of(st.sampled_from(ODD), UNICODE).map(lambda v: f"{k}={v}")),
-    st.sampled_from(["task.data_dir", "eps.path", "model.pretrained", "task.files", "trainer.resume"]).flatmap(
-        lambda k: st.sampled_from(ODD_PATHS).map(lambda v: f"{k}={v}")
+    st.sampled_from(STRINGS).flatmap(
+        lambda k: st.one_of(st.sampled_from(ODD), UNICODE).map(lambda v: f"{k}={v}")
     ),
-    st.sampled_from(["foo", "model.foo", "+batch.ubatch", "+x.y", "optim.adamw.lr", "~model"]).map(lambda k: f"{k}=1"),
-    st.sampled_from([
-        "mode=baseline", "mode=baseline_ag", "mode=l2l", "mode=l2l_p", "mode=l2l_stash_cpu", "precision=cmp",
-        "precision=amp", "precision=mixed", "optim=lamb", "task=lm", "model=gpt2-tiny", "model=llama-tiny",
-        "eps.tier=disk", "device=sim", "optim.clip=layer", "batch.ubatch_size=8", "mode.stash=cpu", "model=ünï",
-        "mode=../x", "task=", "dist.pipeline=2", "trainer.realtime_ckpt=true", "logger=[csv,csv]",
-    ]),
-)  # fmt: skip
+    st.sampled_from(
+        ["task.data_dir", "eps.path", "model.pretrained", "task.files", "trainer.resume"]
+    ).flatmap(lambda k: st.sampled_from(ODD_PATHS).map(lambda v: f"{k}={v}")),
+    st.sampled_from(["foo", "model.foo", "+batch.ubatch", "+x.y", "optim.adamw.lr", "~model"]).map(
+        lambda k: f"{k}=1"
+    ),
+    st.sampled_from(
+        [
+            "mode=baseline",
+            "mode=baseline_ag",
+            "mode=l2l",
+            "mode=l2l_p",
+            "mode=l2l_stash_cpu",
+            "precision=cmp",
+            "precision=amp",
+            "precision=mixed",
+            "optim=lamb",
+            "task=lm",
+            "model=gpt2-tiny",
+            "model=llama-tiny",
+            "eps.tier=disk",
+            "device=sim",
+            "optim.clip=layer",
+            "batch.ubatch_size=8",
+            "mode.stash=cpu",
+            "model=ünï",
+            "mode=../x",
+            "task=",
+            "dist.pipeline=2",
+            "trainer.realtime_ckpt=true",
+            "logger=[csv,csv]",
+        ]
+    ),
+)
 
 
 def check_outcome(overrides: list[str], run_dir) -> str | None:
@@ -204,8 +253,13 @@ def check_outcome(overrides: list[str], run_dir) -> str | None:
 def fuzz_command_lines(tmp_path_factory, examples: int) -> None:
     seen: list[str] = []
 
-    @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(st.lists(OVERRIDE, min_size=1, max_size=4))
     def case(drawn: list[str]) -> None:
         run_dir = tmp_path_factory.mktemp("fuzz") / "run"
@@ -282,8 +336,16 @@ KIND_ARGS = {
     "lm": (".jsonl", ["task=lm", "model=gpt2-tiny"]),
     "chat": (".jsonl", ["task=chat", "model=gpt2-tiny"]),
 }
-DATA_BASE = ["trainer.max_steps=1", "trainer.progress=none", "task.max_seq_len=16", "batch.size=4",
-             "batch.ubatch_size=2", "task.max_eval_samples=4", "logger=none", "trainer.eval_every=0"]  # fmt: skip
+DATA_BASE = [
+    "trainer.max_steps=1",
+    "trainer.progress=none",
+    "task.max_seq_len=16",
+    "batch.size=4",
+    "batch.ubatch_size=2",
+    "task.max_eval_samples=4",
+    "logger=none",
+    "trainer.eval_every=0",
+]
 DATA_CASES = [(kind, m) for kind in KIND_ARGS for m in MUTATIONS]
 
 

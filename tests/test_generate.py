@@ -16,13 +16,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from l2l_cli import generate
+from l2l_cli import generate, prompts
 from l2l_cli.train import run_job
 from tests.util import tiny_cfg
 
-LM = ["task=lm", "task.max_seq_len=16", "batch.size=8", "batch.ubatch_size=2", "model.vocab_size=2048",
-      "model.num_layers=2", "model.init_std=0.2", "trainer.max_steps=2", "trainer.save_every=2",
-      "trainer.save_final=true", "task.max_eval_samples=8"]  # fmt: skip
+LM = [
+    "task=lm",
+    "task.max_seq_len=16",
+    "batch.size=8",
+    "batch.ubatch_size=2",
+    "model.vocab_size=2048",
+    "model.num_layers=2",
+    "model.init_std=0.2",
+    "trainer.max_steps=2",
+    "trainer.save_every=2",
+    "trainer.save_final=true",
+    "task.max_eval_samples=8",
+]
 RUNS = {"gpt2": ["model=gpt2-tiny", "mode=l2l"], "llama": ["model=llama-tiny", "mode=l2l_p"]}
 PROMPTS = ["Once upon a time there was a", "The cat", "Hello"]  # three lengths: the layered batch is padded
 
@@ -56,8 +66,14 @@ def hf_greedy(model_dir: Path, prompt: str, n: int) -> list[int]:
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     x = torch.tensor([tok(prompt)["input_ids"]])
-    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)  # fmt: skip
+    out = model.generate(
+        x,
+        attention_mask=torch.ones_like(x),
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.eos_token_id,
+    )
     return out[0, x.shape[1] :].tolist()
 
 
@@ -102,7 +118,7 @@ def test_disk_tier_generates_the_tokens_of_ram_with_the_caches_in_files(
     assert tokens(disk) == tokens(ram)
     # blocks 1..2: keys and values of 3 prompts x kv heads x (the longest prompt + 8 positions) x head_dim
     c = json.loads((run / "final" / "config.json").read_text())
-    width = max(len(p) for p in generate.encode(_tok(run), [generate.Prompt(t) for t in PROMPTS], False, ""))
+    width = max(len(p) for p in prompts.encode(_tok(run), [prompts.Prompt(t) for t in PROMPTS], False, ""))
     head_dim = c["hidden_size"] // c["num_attention_heads"]
     assert seen == {
         f"kv_{i}.bin": 2 * 3 * c["num_key_value_heads"] * (width + 8) * head_dim * 4 for i in (1, 2)
@@ -139,8 +155,10 @@ def test_chat_renders_the_tokenizers_template(runs: dict[str, Path], capsys, tmp
     chat = tmp_path / "chat"
     shutil.copytree(run / "final", chat)
     tok = AutoTokenizer.from_pretrained(chat)
-    tok.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
-                         "{% if add_generation_prompt %}<assistant>{% endif %}")  # fmt: skip
+    tok.chat_template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
     tok.save_pretrained(chat)
     out = gen(
         capsys, str(run), "--checkpoint", str(chat), "--prompt", "hi there", "--chat", "--max-new-tokens", "6"
@@ -149,8 +167,13 @@ def test_chat_renders_the_tokenizers_template(runs: dict[str, Path], capsys, tmp
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(chat).eval()
-    ref = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                         max_new_tokens=6, do_sample=False, pad_token_id=tok.eos_token_id)  # fmt: skip
+    ref = model.generate(
+        torch.tensor([ids]),
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        max_new_tokens=6,
+        do_sample=False,
+        pad_token_id=tok.eos_token_id,
+    )
     assert out[0]["tokens"] == ref[0, len(ids) :].tolist()
 
 
@@ -201,9 +224,19 @@ def test_qwen2_with_a_sliding_window_generates_layer_by_layer_as_transformers(tm
 
     from l2l_cli.data.lm import BUNDLED_TOKENIZER
 
-    cfg = Qwen2Config(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=64, vocab_size=2048, max_position_embeddings=64, sliding_window=4,
-                      use_sliding_window=True, max_window_layers=1, initializer_range=0.2)  # fmt: skip
+    cfg = Qwen2Config(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=2048,
+        max_position_embeddings=64,
+        sliding_window=4,
+        use_sliding_window=True,
+        max_window_layers=1,
+        initializer_range=0.2,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "qwen2")
     AutoTokenizer.from_pretrained(BUNDLED_TOKENIZER).save_pretrained(tmp_path / "qwen2")
@@ -211,8 +244,18 @@ def test_qwen2_with_a_sliding_window_generates_layer_by_layer_as_transformers(tm
     overrides = [
         o for o in LM if not o.startswith(("model.vocab_size", "model.num_layers", "model.init_std"))
     ]
-    assert run_job(tiny_cfg(*overrides, f"model.pretrained={tmp_path / 'qwen2'}", "trainer.max_steps=1",
-                            "trainer.save_every=1"), run) == "ok"  # fmt: skip
+    assert (
+        run_job(
+            tiny_cfg(
+                *overrides,
+                f"model.pretrained={tmp_path / 'qwen2'}",
+                "trainer.max_steps=1",
+                "trainer.save_every=1",
+            ),
+            run,
+        )
+        == "ok"
+    )
     capsys.readouterr()  # (the run's summary table)
     (tmp_path / "p.txt").write_text("\n".join(PROMPTS) + "\n")
     argv = [str(run), "--input", str(tmp_path / "p.txt"), "--max-new-tokens", "12"]

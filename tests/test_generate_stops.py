@@ -18,11 +18,22 @@ from tests.util import REPO, l2l
 @pytest.fixture(scope="module")
 def chat_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     box = tmp_path_factory.mktemp("stops")
-    subprocess.run([sys.executable, str(REPO / "examples/make_tiny_chat.py"), str(box)], check=True,
-                   capture_output=True)  # fmt: skip
-    r = l2l("train", "task=chat", f"model.pretrained={box / 'model'}", f"task.files={box / 'chat.jsonl'}",
-            "task.max_seq_len=64", "batch.size=8", "batch.ubatch_size=4", "optim.lr=3e-3", "trainer.max_steps=3",
-            "trainer.save_final=true", f"hydra.run.dir={box / 'run'}")  # fmt: skip
+    subprocess.run(
+        [sys.executable, str(REPO / "examples/make_tiny_chat.py"), str(box)], check=True, capture_output=True
+    )
+    r = l2l(
+        "train",
+        "task=chat",
+        f"model.pretrained={box / 'model'}",
+        f"task.files={box / 'chat.jsonl'}",
+        "task.max_seq_len=64",
+        "batch.size=8",
+        "batch.ubatch_size=4",
+        "optim.lr=3e-3",
+        "trainer.max_steps=3",
+        "trainer.save_final=true",
+        f"hydra.run.dir={box / 'run'}",
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     return box
 
@@ -74,8 +85,18 @@ def test_a_chat_final_dir_generates_alone_as_l2l_generate_does(chat_run: Path) -
     with torch.no_grad():
         seq = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8, do_sample=False)
     assert seq[0, x.shape[1] :].tolist() == ours["tokens"]
-    r = l2l("generate", str(chat_run / "run"), "--chat", "--prompt", prompt, "--json", "--max-new-tokens", "8",
-            "--stop", tok.decode(ours["tokens"][1:2]).strip() or "x")  # fmt: skip
+    r = l2l(
+        "generate",
+        str(chat_run / "run"),
+        "--chat",
+        "--prompt",
+        prompt,
+        "--json",
+        "--max-new-tokens",
+        "8",
+        "--stop",
+        tok.decode(ours["tokens"][1:2]).strip() or "x",
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     cut = json.loads(r.stdout.splitlines()[-1])
     if len(ours["tokens"]) > 1 and tok.decode(ours["tokens"][1:2]).strip():

@@ -20,9 +20,15 @@ pytestmark = [
 CUDA = ["device=cuda"]
 # big enough that a layer's copy takes as long as some of its compute, small enough for any GPU
 WIDE = [
-    "model.num_layers=6", "model.hidden_size=1024", "model.num_heads=16", "model.intermediate_size=4096",
-    "model.vocab_size=30522", "task.max_seq_len=128", "task.pad_to_max=true", "batch.size=32",
-]  # fmt: skip
+    "model.num_layers=6",
+    "model.hidden_size=1024",
+    "model.num_heads=16",
+    "model.intermediate_size=4096",
+    "model.vocab_size=30522",
+    "task.max_seq_len=128",
+    "task.pad_to_max=true",
+    "batch.size=32",
+]
 
 
 @pytest.fixture(autouse=True)

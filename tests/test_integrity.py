@@ -67,14 +67,25 @@ def test_final_files_take_the_umask_mode(tmp_path: Path) -> None:
     finally:
         os.umask(old)
     assert {p.name: p.stat().st_mode & 0o777 for p in final.iterdir()} == {
-        "config.json": 0o644, "model.safetensors": 0o644, ckpt.DIR_CHECKSUMS: 0o644,
-    }  # fmt: skip
+        "config.json": 0o644,
+        "model.safetensors": 0o644,
+        ckpt.DIR_CHECKSUMS: 0o644,
+    }
 
 
 def test_a_full_disk_while_writing_final_is_one_line_and_leaves_no_half_final(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    r = l2l("train", *TINY, "trainer.max_steps=2", "trainer.save_every=0", "trainer.save_final=true",
-            "task.num_train=64", "task.num_eval=8", f"hydra.run.dir={run}", env={"L2L_FAULT_ENOSPC": "tmp-final"})  # fmt: skip
+    r = l2l(
+        "train",
+        *TINY,
+        "trainer.max_steps=2",
+        "trainer.save_every=0",
+        "trainer.save_final=true",
+        "task.num_train=64",
+        "task.num_eval=8",
+        f"hydra.run.dir={run}",
+        env={"L2L_FAULT_ENOSPC": "tmp-final"},
+    )
     # (torch 2.13 with torchao prints two deprecation warnings of its own on a failed run's exit path)
     lines = [ln for ln in r.stderr.strip().splitlines() if "torch/utils/_pytree.py" not in ln]
     assert r.returncode == 1 and len(lines) == 1, r.stderr[-2000:]
@@ -134,21 +145,45 @@ def test_a_template_text_is_not_taken_for_a_path() -> None:
 
 LATIN = "café au lait\n".encode("latin-1")
 BAD_FILES = {  # name -> (bytes, task kind overrides, what the line says)
-    "broken.jsonl": (b'{"text": "a b", "label": 1}\n{"text": "c d", "label": 0}\n{"text": "e", oops}\n',
-                     ["task=json"], "line 3: not valid JSON"),
+    "broken.jsonl": (
+        b'{"text": "a b", "label": 1}\n{"text": "c d", "label": 0}\n{"text": "e", oops}\n',
+        ["task=json"],
+        "line 3: not valid JSON",
+    ),
     "latin.csv": (b"text,label\nhello,1\n" + LATIN, ["task=csv"], "line 3: not UTF-8 text"),
-    "bool.jsonl": (b'{"text": "a", "label": true}\n{"text": "b", "label": false}\n', ["task=json"],
-                   "line 1: label is true (a boolean)"),
-    "list.jsonl": (b'{"text": "a", "label": 1}\n{"text": "b", "label": [0]}\n', ["task=json"],
-                   "line 2: label is [0] (a list)"),
-    "dict_text.jsonl": (b'{"text": {"a": 1}, "label": 1}\n', ["task=json"], "line 1: text is an object, not text"),
+    "bool.jsonl": (
+        b'{"text": "a", "label": true}\n{"text": "b", "label": false}\n',
+        ["task=json"],
+        "line 1: label is true (a boolean)",
+    ),
+    "list.jsonl": (
+        b'{"text": "a", "label": 1}\n{"text": "b", "label": [0]}\n',
+        ["task=json"],
+        "line 2: label is [0] (a list)",
+    ),
+    "dict_text.jsonl": (
+        b'{"text": {"a": 1}, "label": 1}\n',
+        ["task=json"],
+        "line 1: text is an object, not text",
+    ),
     "empty.txt": (b"", ["task=lm", "model=gpt2-tiny"], ": empty (no text)"),
     "latin.txt": (b"plain\n" + LATIN, ["task=lm", "model=gpt2-tiny"], "line 2: not UTF-8 text"),
-    "lm.jsonl": (b'{"text": "a b c"}\n{"text": "d e f"\n', ["task=lm", "model=gpt2-tiny"], "line 2: not valid JSON"),
-    "number.jsonl": (b'{"text": "a b c"}\n{"text": 5}\n', ["task=lm", "model=gpt2-tiny"], "line 2: text is a number"),
-    "chat.jsonl": (b'{"messages": []}\n[1, 2]\n', ["task=chat", "model=gpt2-tiny", "task.chat_template={tmpl}"],
-                   "line 2: a list, not a JSON object"),
-}  # fmt: skip
+    "lm.jsonl": (
+        b'{"text": "a b c"}\n{"text": "d e f"\n',
+        ["task=lm", "model=gpt2-tiny"],
+        "line 2: not valid JSON",
+    ),
+    "number.jsonl": (
+        b'{"text": "a b c"}\n{"text": 5}\n',
+        ["task=lm", "model=gpt2-tiny"],
+        "line 2: text is a number",
+    ),
+    "chat.jsonl": (
+        b'{"messages": []}\n[1, 2]\n',
+        ["task=chat", "model=gpt2-tiny", "task.chat_template={tmpl}"],
+        "line 2: a list, not a JSON object",
+    ),
+}
 
 
 def write_bad(tmp_path: Path, name: str) -> tuple[Path, list[str], str]:

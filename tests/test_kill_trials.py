@@ -29,12 +29,20 @@ RUNNERS = {
     "dp2": ["mode=l2l_p", "dist.nproc=2"],
     "pipeline2": ["mode=baseline_ag", "dist.nproc=2", "dist.pipeline=2", "model.num_layers=4"],
 }
-# the default suite's trial: the EPS on its disk tier (the host tier and the device-resident state: test_signals'
-# SIGKILLs, test_disk_tier's kills at each write; every runner: -m slow)
+# the default suite's trial: the EPS on its disk tier (the host tier and the device-resident state:
+# test_signals' SIGKILLs, test_disk_tier's kills at each write; every runner: -m slow)
 DEFAULT = ["disk"]
 STEPS = 16
-COMMON = [*TINY, f"trainer.max_steps={STEPS}", "trainer.save_every=1", "trainer.keep_checkpoints=1",
-          "trainer.save_final=true", "task.num_train=256", "task.num_eval=16", "logger=none"]  # fmt: skip
+COMMON = [
+    *TINY,
+    f"trainer.max_steps={STEPS}",
+    "trainer.save_every=1",
+    "trainer.keep_checkpoints=1",
+    "trainer.save_final=true",
+    "task.num_train=256",
+    "task.num_eval=16",
+    "logger=none",
+]
 
 
 @cache
@@ -55,8 +63,11 @@ def kill_and_resume(runner: str, seed: int, tmp: Path, ref_root: Path) -> None:
     run = tmp / f"{runner}-{seed}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "l2l_cli", "train", *COMMON, *RUNNERS[runner], f"hydra.run.dir={run}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO, start_new_session=True,
-    )  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=REPO,
+        start_new_session=True,
+    )
     deadline = time.time() + 240
     while not _first_checkpoint(run) and proc.poll() is None:
         assert time.time() < deadline, "no checkpoint in time"

@@ -151,10 +151,16 @@ def test_l2l_p_hides_the_update_behind_backward() -> None:
     time excludes the trailing update of the embeddings (the compute thread's, ahead of the next forward),
     and the test fails when the background update is made synchronous (run inline, or waited for)."""
     shape = [
-        "model.num_layers=8", "model.hidden_size=256", "model.num_heads=4", "model.intermediate_size=1024",
-        "task.max_seq_len=32", "task.pad_to_max=true", "batch.size=16", "batch.ubatch_size=4",
+        "model.num_layers=8",
+        "model.hidden_size=256",
+        "model.num_heads=4",
+        "model.intermediate_size=1024",
+        "task.max_seq_len=32",
+        "task.pad_to_max=true",
+        "batch.size=16",
+        "batch.ubatch_size=4",
         "optim.max_grad_norm=100",  # no clipping: nothing to redo
-    ]  # fmt: skip
+    ]
     cfg = tiny_cfg("mode=l2l_p", *shape)
     with built(cfg) as runner:
         it = batches(cfg)

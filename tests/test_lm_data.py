@@ -118,10 +118,18 @@ def test_offline_smoke_run_through_the_cli(tmp_path: Path) -> None:
     """``l2l train task=lm model=gpt2-tiny``, shrunk: loss and perplexity, tokens/s, an HF export."""
     run = tmp_path / "run"
     r = l2l(
-        "train", "task=lm", "model=gpt2-tiny", "trainer.max_steps=3", "batch.size=4", "batch.ubatch_size=2",
-        "task.max_seq_len=32", "task.max_eval_samples=8", "trainer.save_final=true", "trainer.progress=plain",
+        "train",
+        "task=lm",
+        "model=gpt2-tiny",
+        "trainer.max_steps=3",
+        "batch.size=4",
+        "batch.ubatch_size=2",
+        "task.max_seq_len=32",
+        "task.max_eval_samples=8",
+        "trainer.save_final=true",
+        "trainer.progress=plain",
         f"hydra.run.dir={run}",
-    )  # fmt: skip
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["config"]["task"] == "lm" and summary["config"]["family"] == "gpt2"

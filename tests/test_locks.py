@@ -73,10 +73,20 @@ def test_a_second_run_into_a_live_runs_dir_is_refused_and_writes_nothing_there(t
 
     run = tmp_path / "run"
     live = subprocess.Popen(
-        [sys.executable, "-m", "l2l_cli", "train", *TINY, "trainer.max_steps=100000", "task.num_train=256",
-         f"hydra.run.dir={run}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "l2l_cli",
+            "train",
+            *TINY,
+            "trainer.max_steps=100000",
+            "task.num_train=256",
+            f"hydra.run.dir={run}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=REPO,
+    )
     try:
         deadline = time.time() + 120
         while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text()):

@@ -120,11 +120,24 @@ def test_every_mode_and_ubatch_size_trains_the_transformers_weights(
 
 def _cli(chat: tuple[Path, Path], out: Path, *overrides: str) -> dict[str, torch.Tensor]:
     model, files = chat
-    args = [f"model.pretrained={model}", f"task.files=[{files}]", "task.max_eval_samples=4",
-            f"trainer.max_steps={STEPS}", "trainer.save_final=true", f"hydra.run.dir={out}"]  # fmt: skip
+    args = [
+        f"model.pretrained={model}",
+        f"task.files=[{files}]",
+        "task.max_eval_samples=4",
+        f"trainer.max_steps={STEPS}",
+        "trainer.save_final=true",
+        f"hydra.run.dir={out}",
+    ]
     cfg = cfg_of(chat)  # the in-process runs' config, as command-line overrides
-    base = ["task=chat", "task.max_seq_len=48", "model.dropout=0.0", "trainer.progress=none", "optim.lr=1e-3",
-            f"model.num_layers={cfg.model.num_layers}", *LOSS]  # fmt: skip
+    base = [
+        "task=chat",
+        "task.max_seq_len=48",
+        "model.dropout=0.0",
+        "trainer.progress=none",
+        "optim.lr=1e-3",
+        f"model.num_layers={cfg.model.num_layers}",
+        *LOSS,
+    ]
     r = l2l("train", *base, *args, *overrides, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return load_file(out / "final" / "model.safetensors")
@@ -147,9 +160,13 @@ RANKS = [
 
 @pytest.mark.parametrize(("how", "mode", "overrides"), RANKS)
 def test_two_ranks_train_the_transformers_weights(
-    chat: tuple[Path, Path], ref: dict[str, torch.Tensor], tmp_path: Path, how: str, mode: str,
+    chat: tuple[Path, Path],
+    ref: dict[str, torch.Tensor],
+    tmp_path: Path,
+    how: str,
+    mode: str,
     overrides: tuple[str, ...],
-) -> None:  # fmt: skip
+) -> None:
     """2-rank data parallel (each rank 2 of the 4 rows, one per micro-batch) and the 2-rank pipeline."""
     got = _cli(chat, tmp_path, f"mode={mode}", *overrides)
     assert_close_relative(got, ref, f"{how} {mode}")

@@ -77,9 +77,16 @@ def test_baseline_grows_with_weights_grads_optimizer_and_activations() -> None:
 @pytest.mark.parametrize(("mode", "status"), [("baseline_ag", "oom"), ("l2l_stash_cpu", "ok")])
 def test_sim_budget_baseline_ooms_while_l2l_stash_cpu_trains(tmp_path, mode: str, status: str) -> None:
     cfg = tiny_cfg(
-        f"mode={mode}", "model.num_layers=48", "model.hidden_size=64", "model.intermediate_size=256",
-        "device=sim", "sim.memory_gb=0.01", "trainer.max_steps=2", "task.num_train=64", "task.num_eval=16",
-    )  # fmt: skip
+        f"mode={mode}",
+        "model.num_layers=48",
+        "model.hidden_size=64",
+        "model.intermediate_size=256",
+        "device=sim",
+        "sim.memory_gb=0.01",
+        "trainer.max_steps=2",
+        "task.num_train=64",
+        "task.num_eval=16",
+    )
     assert run_job(cfg, tmp_path) == status
     summary = json.loads((tmp_path / "summary.json").read_text())
     memory = json.loads((tmp_path / "memory.json").read_text())

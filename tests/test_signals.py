@@ -24,8 +24,12 @@ LONG = [*TINY, "trainer.max_steps=100000", "task.num_train=256", "task.num_eval=
 def _start(run: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "l2l_cli", "train", *LONG, *args, f"hydra.run.dir={run}"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
 
 
 def _logged_steps(run: Path) -> list[int]:
@@ -59,15 +63,28 @@ def test_sigterm_stops_at_a_step_boundary_saves_and_says_how_to_resume(tmp_path)
     assert summary["samples_per_s"] > 0 and "0.0 samples/s" not in out  # nor 0.0 samples/s
     _, manifest = ckpt.latest_valid(tmp_path)
     assert manifest["step"] == stopped == _logged_steps(tmp_path)[-1]
-    r = l2l("train", *TINY, "mode=l2l", f"trainer.max_steps={stopped + 2}", "task.num_train=256", "task.num_eval=16",
-            f"trainer.resume={tmp_path}")  # fmt: skip
+    r = l2l(
+        "train",
+        *TINY,
+        "mode=l2l",
+        f"trainer.max_steps={stopped + 2}",
+        "task.num_train=256",
+        "task.num_eval=16",
+        f"trainer.resume={tmp_path}",
+    )
     assert r.returncode == 0, r.stderr
     assert _logged_steps(tmp_path) == list(range(1, stopped + 3))
 
 
 def test_a_second_signal_exits_at_once(tmp_path) -> None:
-    proc = _start(tmp_path, "mode=baseline_ag", "model.num_layers=24", "model.hidden_size=256", "model.num_heads=4",
-                  "model.intermediate_size=1024")  # fmt: skip
+    proc = _start(
+        tmp_path,
+        "mode=baseline_ag",
+        "model.num_layers=24",
+        "model.hidden_size=256",
+        "model.num_heads=4",
+        "model.intermediate_size=1024",
+    )
     _wait_steps(tmp_path, 1)
     proc.send_signal(signal.SIGINT)
     time.sleep(0.05)
@@ -90,8 +107,13 @@ def test_sigkill_at_a_random_moment_loses_at_most_the_step_in_flight(tmp_path, t
     done = _logged_steps(tmp_path)[-1]
     _, manifest = ckpt.latest_valid(tmp_path)  # the latest checkpoint always loads
     assert manifest["step"] >= done - 1, (manifest["step"], done)
-    cfg = tiny_cfg(f"mode={mode}", f"trainer.max_steps={manifest['step'] + 2}", "task.num_train=256",
-                   "task.num_eval=16", f"trainer.resume={tmp_path}")  # fmt: skip
+    cfg = tiny_cfg(
+        f"mode={mode}",
+        f"trainer.max_steps={manifest['step'] + 2}",
+        "task.num_train=256",
+        "task.num_eval=16",
+        f"trainer.resume={tmp_path}",
+    )
     assert run_job(cfg, tmp_path) == "ok"  # and training continues from it
 
 
@@ -106,8 +128,15 @@ def test_sigkill_without_realtime_resumes_from_the_last_full_checkpoint(tmp_path
 
 
 def test_non_finite_steps_are_skipped_then_stop_with_the_step(tmp_path) -> None:
-    cfg = tiny_cfg("mode=l2l", "optim.lr=1e30", "optim.warmup_ratio=0", "trainer.max_steps=50", "trainer.max_bad_steps=3",
-                   "task.num_train=256", "task.num_eval=16")  # fmt: skip
+    cfg = tiny_cfg(
+        "mode=l2l",
+        "optim.lr=1e30",
+        "optim.warmup_ratio=0",
+        "trainer.max_steps=50",
+        "trainer.max_bad_steps=3",
+        "task.num_train=256",
+        "task.num_eval=16",
+    )
     assert run_job(cfg, tmp_path) == "error"
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert (
@@ -119,8 +148,16 @@ def test_non_finite_steps_are_skipped_then_stop_with_the_step(tmp_path) -> None:
 
 
 def test_cmp_overflow_skips_are_counted_not_fatal(tmp_path) -> None:
-    cfg = tiny_cfg("mode=l2l", "precision=cmp", "precision.init_scale=1e38", "precision.dtype=bf16",
-                   "trainer.max_steps=8", "trainer.max_bad_steps=2", "task.num_train=256", "task.num_eval=16")  # fmt: skip
+    cfg = tiny_cfg(
+        "mode=l2l",
+        "precision=cmp",
+        "precision.init_scale=1e38",
+        "precision.dtype=bf16",
+        "trainer.max_steps=8",
+        "trainer.max_bad_steps=2",
+        "task.num_train=256",
+        "task.num_eval=16",
+    )
     assert run_job(cfg, tmp_path) == "ok"
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["skipped_steps"] >= 1 and summary["status"] == "ok"
@@ -130,10 +167,25 @@ def test_sigterm_during_the_final_evaluation_stops_it_at_the_next_batch(tmp_path
     """20000 dev examples in batches of 4 would take minutes; a SIGTERM while they run ends the evaluation
     at its next batch, with a checkpoint of the finished training and summary.json saying what happened."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "l2l_cli", "train", *TINY, "trainer.max_steps=2", "task.num_train=64",
-         "task.num_eval=20000", "batch.eval_size=4", "mode=l2l", f"hydra.run.dir={tmp_path}"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "l2l_cli",
+            "train",
+            *TINY,
+            "trainer.max_steps=2",
+            "task.num_train=64",
+            "task.num_eval=20000",
+            "batch.eval_size=4",
+            "mode=l2l",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     log = tmp_path / "train.log"
     deadline = time.time() + 180
     while not (log.exists() and "evaluating at step 2" in log.read_text()):
@@ -159,11 +211,29 @@ def test_a_stop_during_evaluation_on_one_rank_stops_every_rank_together(tmp_path
     import re
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "l2l_cli", "train", *TINY, "dist.nproc=2", "batch.size=4", "trainer.max_steps=6",
-         "trainer.eval_every=2", "task.num_train=64", "task.num_eval=20000", "batch.eval_size=4", "mode=l2l",
-         "dist.timeout_s=90", f"hydra.run.dir={tmp_path}"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "l2l_cli",
+            "train",
+            *TINY,
+            "dist.nproc=2",
+            "batch.size=4",
+            "trainer.max_steps=6",
+            "trainer.eval_every=2",
+            "task.num_train=64",
+            "task.num_eval=20000",
+            "batch.eval_size=4",
+            "mode=l2l",
+            "dist.timeout_s=90",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         log = tmp_path / "train.log"
         deadline = time.time() + 240
@@ -189,9 +259,14 @@ def test_ctrl_c_in_the_first_second_is_one_line(tmp_path) -> None:
     """Issue 40 item 9c: Ctrl-C while ``l2l train`` still imports and composes printed a 63-line
     KeyboardInterrupt traceback; it is one line and exit code 130, with no run dir."""
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "l2l_cli", "train", f"hydra.run.dir={run}"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "l2l_cli", "train", f"hydra.run.dir={run}"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     time.sleep(0.4)  # the interpreter is up, the command line not yet composed
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)

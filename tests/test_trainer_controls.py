@@ -17,9 +17,16 @@ TINY = ["model=bert-tiny", "task.num_train=64", "task.num_eval=32", "batch.size=
 def _settings(schedule: str, warmup: int) -> OptimSettings:
     cfg = OptimConfig(lr=1.0, schedule=schedule, warmup_steps=warmup)
     return OptimSettings(
-        cfg.name, cfg.lr, cfg.weight_decay, cfg.beta1, cfg.beta2, cfg.eps, cfg.warmup_ratio, cfg.warmup_steps,
+        cfg.name,
+        cfg.lr,
+        cfg.weight_decay,
+        cfg.beta1,
+        cfg.beta2,
+        cfg.eps,
+        cfg.warmup_ratio,
+        cfg.warmup_steps,
         cfg.schedule,
-    )  # fmt: skip
+    )
 
 
 def test_cosine_schedule_warms_up_then_follows_half_a_cosine_to_zero() -> None:
@@ -34,8 +41,15 @@ def test_cosine_schedule_warms_up_then_follows_half_a_cosine_to_zero() -> None:
 
 
 def test_a_run_logs_the_cosine_rates(tmp_path: Path) -> None:
-    r = l2l("train", *TINY, "optim.schedule=cosine", "optim.warmup_steps=1", "optim.lr=1e-3",
-            "trainer.max_steps=5", f"hydra.run.dir={tmp_path}")  # fmt: skip
+    r = l2l(
+        "train",
+        *TINY,
+        "optim.schedule=cosine",
+        "optim.warmup_steps=1",
+        "optim.lr=1e-3",
+        "trainer.max_steps=5",
+        f"hydra.run.dir={tmp_path}",
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     o = _settings("cosine", warmup=1)
@@ -45,9 +59,18 @@ def test_a_run_logs_the_cosine_rates(tmp_path: Path) -> None:
 def test_best_checkpoint_and_early_stopping(tmp_path: Path) -> None:
     """With a rate too small to change the predictions, accuracy never improves on the first evaluation: the
     run keeps best/ from step 1 and stops after ``patience`` evaluations without improvement."""
-    r = l2l("train", *TINY, "optim.lr=1e-12", "optim.schedule=constant", "optim.warmup_steps=0",
-            "trainer.max_steps=20", "trainer.eval_every=1", "trainer.save_best=accuracy",
-            "trainer.early_stopping_patience=2", f"hydra.run.dir={tmp_path}")  # fmt: skip
+    r = l2l(
+        "train",
+        *TINY,
+        "optim.lr=1e-12",
+        "optim.schedule=constant",
+        "optim.warmup_steps=0",
+        "trainer.max_steps=20",
+        "trainer.eval_every=1",
+        "trainer.save_best=accuracy",
+        "trainer.early_stopping_patience=2",
+        f"hydra.run.dir={tmp_path}",
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "ok"
@@ -81,9 +104,18 @@ def test_a_classifier_final_dir_is_self_contained_for_transformers_pipeline(tmp_
     rows = ["text,label"] + [f"{w} film {i},{w}" for i in range(32) for w in ("great", "awful")]
     (tmp_path / "train.csv").write_text("\n".join(rows) + "\n")
     run = tmp_path / "run"
-    r = l2l("train", "task=csv", f"task.files={tmp_path / 'train.csv'}", "model=bert-tiny", "batch.size=8",
-            "batch.ubatch_size=8", "task.max_seq_len=16", "trainer.max_steps=8", "trainer.save_final=true",
-            f"hydra.run.dir={run}")  # fmt: skip
+    r = l2l(
+        "train",
+        "task=csv",
+        f"task.files={tmp_path / 'train.csv'}",
+        "model=bert-tiny",
+        "batch.size=8",
+        "batch.ubatch_size=8",
+        "task.max_seq_len=16",
+        "trainer.max_steps=8",
+        "trainer.save_final=true",
+        f"hydra.run.dir={run}",
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert (run / "final" / "tokenizer.json").is_file() or (run / "final" / "vocab.txt").is_file()
     texts = ["great film 3", "awful film 7", "great film 30", "awful film 1"]
@@ -140,11 +172,17 @@ def test_a_fine_tuning_rate_on_random_weights_is_announced(tmp_path: Path, minil
 
 def test_a_chat_run_from_a_missing_checkpoint_is_one_config_line(tmp_path: Path) -> None:
     """Issue 40 item 1: task=chat names model.pretrained in one line, exit 2, as task=csv and task=lm do."""
-    (tmp_path / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}, '
-                                         '{"role": "assistant", "content": "hello"}]}\n')  # fmt: skip
+    (tmp_path / "chat.jsonl").write_text(
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
+    )
     for task in ("chat", "lm"):
-        r = l2l("train", f"task={task}", f"model.pretrained={tmp_path / 'nowhere'}",
-                f"task.files={tmp_path / 'chat.jsonl'}", f"hydra.run.dir={tmp_path / task}")  # fmt: skip
+        r = l2l(
+            "train",
+            f"task={task}",
+            f"model.pretrained={tmp_path / 'nowhere'}",
+            f"task.files={tmp_path / 'chat.jsonl'}",
+            f"hydra.run.dir={tmp_path / task}",
+        )
         assert r.returncode == 2, r.stderr[-2000:]
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("l2l: config error: model.pretrained: "), lines

@@ -8,10 +8,17 @@ import statistics
 from tests.util import tiny_cfg, train
 
 SHAPE = [
-    "mode=l2l", "device=sim", "sim.link_gbps=0.05", "model.num_layers=4", "model.hidden_size=128",
-    "model.num_heads=4", "model.intermediate_size=512", "task.pad_to_max=true", "task.max_seq_len=32",
+    "mode=l2l",
+    "device=sim",
+    "sim.link_gbps=0.05",
+    "model.num_layers=4",
+    "model.hidden_size=128",
+    "model.num_heads=4",
+    "model.intermediate_size=512",
+    "task.pad_to_max=true",
+    "task.max_seq_len=32",
     "batch.ubatch_size=4",
-]  # fmt: skip
+]
 
 
 def exposed_transfer(num_ubatches: int, *extra: str) -> tuple[float, float]:

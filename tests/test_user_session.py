@@ -18,10 +18,19 @@ from tests.util import l2l
 
 # bert-tiny on a small synthetic task: 4 steps, an evaluation and a checkpoint every 2, final/ at the end
 FINISHED = [
-    "model=bert-tiny", "task.num_train=96", "task.num_eval=40", "task.max_seq_len=16", "batch.size=16",
-    "batch.ubatch_size=8", "trainer.max_steps=4", "trainer.eval_every=2", "trainer.save_every=2",
-    "trainer.keep_checkpoints=5", "trainer.save_final=true", "trainer.progress=plain",
-]  # fmt: skip
+    "model=bert-tiny",
+    "task.num_train=96",
+    "task.num_eval=40",
+    "task.max_seq_len=16",
+    "batch.size=16",
+    "batch.ubatch_size=8",
+    "trainer.max_steps=4",
+    "trainer.eval_every=2",
+    "trainer.save_every=2",
+    "trainer.keep_checkpoints=5",
+    "trainer.save_final=true",
+    "trainer.progress=plain",
+]
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +93,19 @@ def test_resume_inherits_the_runs_settings_and_logs_every_save(finished, tmp_pat
 def test_train_log_carries_the_header_saves_evals_and_summary(finished) -> None:
     run, stdout = finished
     log = (run / "train.log").read_text()
-    for text in ("run ", "  mode      l2l (fp32", "  model     bert-tiny: 2 layers", "  task      synthetic",
-                 "saved checkpoint step 2", "eval at step 2: accuracy", "eval at step 4: accuracy",
-                 "saved final/", "run ended: ok", "l2l run: ok", "eval accuracy"):  # fmt: skip
+    for text in (
+        "run ",
+        "  mode      l2l (fp32",
+        "  model     bert-tiny: 2 layers",
+        "  task      synthetic",
+        "saved checkpoint step 2",
+        "eval at step 2: accuracy",
+        "eval at step 4: accuracy",
+        "saved final/",
+        "run ended: ok",
+        "l2l run: ok",
+        "eval accuracy",
+    ):
         assert text in log, text
     # (mode.recompute=auto, l2l's default, names its choice in the header)
     assert stdout.startswith("l2l · bert-tiny (4.4M params) · synthetic")
@@ -172,8 +191,12 @@ def test_own_csv_data_from_a_pretrained_run_then_predict(finished, minilm, tmp_p
     final = finished[0] / "final"
     _write_reviews(tmp_path / "train.csv", 64, seed=1)
     _write_reviews(tmp_path / "dev.csv", 24, seed=2)
-    data = [f"task.files={tmp_path / 'train.csv'}", f"task.dev_files={tmp_path / 'dev.csv'}",
-            "task.text_fields=[review]", "task.label_field=sentiment"]  # fmt: skip
+    data = [
+        f"task.files={tmp_path / 'train.csv'}",
+        f"task.dev_files={tmp_path / 'dev.csv'}",
+        "task.text_fields=[review]",
+        "task.label_field=sentiment",
+    ]
     bad = preflight(["task=csv", *data[:2], "task.text_fields=[text]", "task.label_field=stars"], False)
     assert [p.key for p in bad] == [
         "task.text_fields",
@@ -183,9 +206,20 @@ def test_own_csv_data_from_a_pretrained_run_then_predict(finished, minilm, tmp_p
     ]
     assert "train.csv has no column text; its columns: id, review, sentiment" in bad[0].message
     run = tmp_path / "csv-run"
-    r = l2l("train", "task=csv", *data, f"model.pretrained={final}", f"task.tokenizer={minilm}", "task.max_seq_len=16",
-            "batch.size=16", "batch.ubatch_size=8", "trainer.max_steps=3", "trainer.save_final=true",
-            "trainer.progress=plain", f"hydra.run.dir={run}")  # fmt: skip
+    r = l2l(
+        "train",
+        "task=csv",
+        *data,
+        f"model.pretrained={final}",
+        f"task.tokenizer={minilm}",
+        "task.max_seq_len=16",
+        "batch.size=16",
+        "batch.ubatch_size=8",
+        "trainer.max_steps=3",
+        "trainer.save_final=true",
+        "trainer.progress=plain",
+        f"hydra.run.dir={run}",
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(
         f"l2l · pretrained {final} (4.4M params) · csv"

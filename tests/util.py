@@ -51,8 +51,14 @@ def bert_spec(
     num_layers: int, hidden: int, heads: int, intermediate: int, num_labels: int = 2, **sizes: Any
 ) -> ModelSpec:
     """A BERT spec of these sizes, the rest from the schema's defaults (``model.*``)."""
-    m = replace(ModelConfig(), num_layers=num_layers, hidden_size=hidden, num_heads=heads,
-                intermediate_size=intermediate, **sizes)  # fmt: skip
+    m = replace(
+        ModelConfig(),
+        num_layers=num_layers,
+        hidden_size=hidden,
+        num_heads=heads,
+        intermediate_size=intermediate,
+        **sizes,
+    )
     return FAMILIES["bert"].from_config(m, num_labels)
 
 
@@ -125,9 +131,13 @@ def l2l(
     if not fresh and env is None and os.environ.get("L2L_TEST_FRESH") != "1":
         return _SERVER.run(list(args), timeout, cwd or REPO, full_env)
     return subprocess.run(
-        [sys.executable, "-m", "l2l_cli", *args], capture_output=True, text=True, timeout=timeout,
-        cwd=cwd or REPO, env=full_env,
-    )  # fmt: skip
+        [sys.executable, "-m", "l2l_cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd or REPO,
+        env=full_env,
+    )
 
 
 class _CliServer:
@@ -158,9 +168,12 @@ class _CliServer:
     def _start(self) -> subprocess.Popen:
         if self.proc is None or self.proc.poll() is not None:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.cliserver"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )  # fmt: skip
+                [sys.executable, "-m", "tests.cliserver"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                cwd=REPO,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
             self.buf = b""
             assert (self._line() or {}).get("ready"), "tests.cliserver did not start"
         return self.proc
@@ -201,11 +214,23 @@ def kill_rank_1_mid_run(run_dir: Path, *overrides: str) -> None:
     import time
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "l2l_cli", "train", *overrides, "trainer.max_steps=100000", "task.num_train=256",
-         "dist.timeout_s=30", f"hydra.run.dir={run_dir}"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        [
+            sys.executable,
+            "-m",
+            "l2l_cli",
+            "train",
+            *overrides,
+            "trainer.max_steps=100000",
+            "task.num_train=256",
+            "dist.timeout_s=30",
+            f"hydra.run.dir={run_dir}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+    )
     try:
         deadline = time.time() + 120
         metrics = run_dir / "metrics.jsonl"

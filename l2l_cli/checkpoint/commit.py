@@ -55,9 +55,14 @@ def _put(tmp: Path, name: str, data: bytes | Written) -> dict[str, Any]:
 
 
 def save(
-    root: Path, step: int, runner: Any, ident: dict[str, Any], trainer_state: dict[str, Any], keep: int,
+    root: Path,
+    step: int,
+    runner: Any,
+    ident: dict[str, Any],
+    trainer_state: dict[str, Any],
+    keep: int,
     config_yaml: str,
-) -> Path:  # fmt: skip
+) -> Path:
     """A full checkpoint of ``runner`` after ``step`` steps, under ``root`` (``<run dir>/checkpoints``).
     Crash-consistent whoever wrote its files: nothing is a checkpoint before the manifest is in place."""
     root.mkdir(parents=True, exist_ok=True)

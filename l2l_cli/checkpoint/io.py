@@ -22,8 +22,16 @@ from l2l_cli.engine.tiers.disk.format import ALIGN, AlignedBuffer, DiskIo
 from l2l_cli.problems import writing
 
 CHUNK = 32 << 20  # the streaming writer's staging buffer, bytes
-_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-              torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}  # fmt: skip
+_ST_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 _staging = threading.local()
 
 
@@ -54,8 +62,8 @@ def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, An
     """Stream tensors into a safetensors file without building it in memory; returns its manifest
     entry (size, crc32).
 
-    Why not ``write_bytes(st_save(...))``: on this class of machine a buffered write costs ~3 ms of
-    kernel CPU per MB (page-cache copies), which a background writer steals from training. Here each
+    Why not ``write_bytes(st_save(...))``: a buffered write spends kernel CPU on page-cache copies, which
+    a background writer steals from training (docs/benchmarks.md has the measurement). Here each
     32 MiB chunk is copied into a page-aligned staging buffer and written with O_DIRECT (DMA, almost
     no CPU); the header is padded with spaces (allowed by the format) so the data starts block-aligned.
     Where O_DIRECT is refused (tmpfs, some network filesystems) the same loop uses ordinary writes."""

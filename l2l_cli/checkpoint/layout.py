@@ -1,5 +1,6 @@
 """The module layout: weights and optimizer moments by Hugging Face name (``ModeSpec.state_layout``
-``module-v1``), every runner's that is not the EPS's (the EPS writes one file per layer: engine/eps_files.py)."""
+``module-v1``), every runner's that is not the EPS's (the EPS writes one file per layer:
+engine/eps_files.py)."""
 
 from __future__ import annotations
 

@@ -77,7 +77,8 @@ def check_identity(ckpt: Path, manifest: dict[str, Any], want: dict[str, Any]) -
         raise CheckpointError(f"{ckpt} is for another model shape: {'; '.join(diff)}")
     if manifest.get("state_layout") != want["state_layout"]:
         raise CheckpointError(
-            f"{ckpt} holds mode={manifest.get('mode')}'s state layout ({manifest.get('state_layout')}); this run is "
+            f"{ckpt} holds mode={manifest.get('mode')}'s state layout ({manifest.get('state_layout')}); "
+            "this run is "
             f"mode={want['mode']} ({want['state_layout']}): resume with a mode of the same family"
         )
     if manifest.get("optimizer") != want["optimizer"]:

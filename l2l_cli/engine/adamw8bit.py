@@ -11,11 +11,11 @@ vectorized torch ops over the whole flat buffer, chunk by chunk, never a Python 
 blocks, and FP32 temporaries of one chunk only.
 
 Why our own and not torchao's ``AdamW8bit``: torchao 0.18's works on CPU with torch 2.13, but compiles a
-kernel per parameter shape with ``torch.compile`` on the first step (over a minute for one flat buffer on a
-2-core CPU), keeps tensors of fewer than 4096 elements or not a multiple of the block in FP32, needs the
-learning rate as a tensor, and creates its state lazily as a tensor subclass. The EPS binds its optimizer
-to views of flat per-layer buffers that it checkpoints, undoes and shards as plain tensors, so it needs
-the codes and absmaxes as such; the quantizer is a few lines of torch.
+kernel per parameter shape with ``torch.compile`` on the first step (minutes on a small CPU:
+docs/benchmarks.md), keeps tensors of fewer than 4096 elements or not a multiple of the block in FP32, needs
+the learning rate as a tensor, and creates its state lazily as a tensor subclass. The EPS binds its optimizer
+to views of flat per-layer buffers that it checkpoints, undoes and shards as plain tensors, so it needs the
+codes and absmaxes as such; the quantizer is a few lines of torch.
 """
 
 from __future__ import annotations
@@ -138,9 +138,17 @@ class AdamW8bit(torch.optim.Optimizer):
                 self._update(p.view(-1), p.grad.view(-1), st, lr, b1, b2, eps, wd, t)
 
     def _update(
-        self, w: torch.Tensor, g: torch.Tensor, st: dict[str, torch.Tensor], lr: float, b1: float, b2: float,
-        eps: float, wd: float, t: float,
-    ) -> None:  # fmt: skip
+        self,
+        w: torch.Tensor,
+        g: torch.Tensor,
+        st: dict[str, torch.Tensor],
+        lr: float,
+        b1: float,
+        b2: float,
+        eps: float,
+        wd: float,
+        t: float,
+    ) -> None:
         signed, unsigned = self.maps(w.device)
         step_size = lr / (1 - b1**t)
         bc2_sqrt = math.sqrt(1 - b2**t)

@@ -53,7 +53,8 @@ class Sampling:
         return out
 
     def hf_kwargs(self) -> dict[str, Any]:
-        """The same choice as ``transformers.GenerationConfig`` fields (top-k 0: off; unset, generate would keep the top 50)."""
+        """The same choice as ``transformers.GenerationConfig`` fields (top-k 0: off; unset, generate
+        would keep the top 50)."""
         if self.greedy:
             return {"do_sample": False}
         return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
@@ -161,14 +162,22 @@ class Generated:
 class LayeredDecoder:
     """Generation through an EPS and its relay (see the module docstring)."""
 
-    def __init__(self, spec: DecoderSpec, eps: EagerParamServer, relay: Relay, acc: Accelerator,
-                 precision: Precision):  # fmt: skip
+    def __init__(
+        self, spec: DecoderSpec, eps: EagerParamServer, relay: Relay, acc: Accelerator, precision: Precision
+    ):
         self.spec, self.eps, self.relay, self.acc, self.precision = spec, eps, relay, acc, precision
         self.head = spec.num_layers + 1
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: Sampling, eos: set[int], pad_id: int,
-                 limits: list[int], kv: KVStore) -> list[Generated]:  # fmt: skip
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: Sampling,
+        eos: set[int],
+        pad_id: int,
+        limits: list[int],
+        kv: KVStore,
+    ) -> list[Generated]:
         """New tokens for every prompt (at most ``limits[i]`` for prompt i), all prompts together:
         left-padded into one batch, each layer loaded once per position for all of them."""
         dev = self.acc.device
@@ -210,8 +219,9 @@ class LayeredDecoder:
             self.relay.train(True)
         return [Generated(t, "eos" if t and t[-1] in eos else "length") for t in out]
 
-    def _forward(self, ids_BQ: torch.Tensor, pos_BQ: torch.Tensor, valid_BK: torch.Tensor,
-                 kv: KVStore) -> torch.Tensor:  # fmt: skip
+    def _forward(
+        self, ids_BQ: torch.Tensor, pos_BQ: torch.Tensor, valid_BK: torch.Tensor, kv: KVStore
+    ) -> torch.Tensor:
         """Logits of the last new position: every layer in turn, each block with its cache."""
         spec, dtype = self.spec, self.precision.device_dtype
         side = self._side(pos_BQ, valid_BK, dtype)

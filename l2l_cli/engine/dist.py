@@ -33,9 +33,8 @@ class DistContext:
     data_rank: int = 0  # which shard of each global minibatch this rank reads
     data_world: int = 1  # how many shards a global minibatch has (the data-parallel degree)
     eval_ranks: tuple[int, ...] = (0,)  # the ranks that run ``predict`` together; rank 0 keeps the metrics
-    backend: str = (
-        "gloo"  # the default group's backend (dist.backend, ``auto`` resolved): device tensors' groups
-    )
+    # the default group's backend (dist.backend, ``auto`` resolved): device tensors' groups
+    backend: str = "gloo"
     host_group: Any = None  # gloo group for the main thread's host collectives (None: the default group)
 
     @property
@@ -104,8 +103,9 @@ def from_env(cfg: Any) -> DistContext:
     # NCCL refuses host tensors; the EPS thread's group is not shared (collectives on one group from two
     # threads would interleave differently on each rank)
     host = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
-    return DistContext(rank, world, local_rank, eps_group, data_rank=rank, data_world=world, backend=backend,
-                       host_group=host)  # fmt: skip
+    return DistContext(
+        rank, world, local_rank, eps_group, data_rank=rank, data_world=world, backend=backend, host_group=host
+    )
 
 
 def shutdown(ctx: DistContext) -> None:

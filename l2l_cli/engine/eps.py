@@ -60,10 +60,17 @@ class EagerParamServer:
     reduction and update, Alg. 3's update after the backward, and the CPU activation stash."""
 
     def __init__(
-        self, spec: ModelSpec, optim: OptimSettings, acc: Accelerator, device_dtype: torch.dtype, seed: int,
-        dist: DistContext | None = None, eager_reduce: bool = True, tier: TierSettings | None = None,
+        self,
+        spec: ModelSpec,
+        optim: OptimSettings,
+        acc: Accelerator,
+        device_dtype: torch.dtype,
+        seed: int,
+        dist: DistContext | None = None,
+        eager_reduce: bool = True,
+        tier: TierSettings | None = None,
         timer: PhaseTimer | None = None,
-    ):  # fmt: skip
+    ):
         self.spec, self.acc = spec, acc
         self.dist = dist or DistContext()
         # the EPS's own thread: reduces (and, for L2L-p, updates) each layer while the device computes
@@ -77,7 +84,7 @@ class EagerParamServer:
         trainable = {k: spec.trainable_names(k) for k in KINDS} if lora else None  # type: ignore[attr-defined]
         self.layouts = {
             k: FlatLayout(spec.new_layer(k, "meta"), only=trainable[k] if trainable else None) for k in KINDS
-        }  # fmt: skip
+        }
         # where the layers' buffers live: host RAM, or files with a few layers cached (eps.tier)
         self.tier = make_tier(tier or TierSettings(), spec, self.layouts, acc, device_dtype, optim, timer)
         # a tied LM head: its tensor lives once, in the pre layer's master (see engine/tied.py); with
@@ -86,7 +93,7 @@ class EagerParamServer:
         if not lora:
             self.layouts = {
                 k: FlatLayout(spec.new_layer(k, "meta"), skip=tied if k == POST else ()) for k in KINDS
-            }  # fmt: skip
+            }
         self.ties = TiedWeights(spec, self.layouts[PRE], acc, device_dtype) if tied else None
         self.base: FrozenBase | None = None
         self.frozen_layouts: dict[str, FlatLayout] = {}

@@ -1,5 +1,6 @@
 """The EPS's state as files: its own checkpoint (one file per layer: w, m, v, step, and the optimizer's other
-state, 8-bit AdamW's m_absmax and v_absmax; the same for full and real-time checkpoints) and the model's weights in Hugging Face names, in and out.
+state, 8-bit AdamW's m_absmax and v_absmax; the same for full and real-time checkpoints) and the model's
+weights in Hugging Face names, in and out.
 
 Apart from the EPS because it is I/O, not training: it reads the layers through their tier (a disk tier
 pins each layer while it is read or written) and never touches the EPS's thread or its updates.

@@ -71,9 +71,14 @@ class LayerState:
     extra: Mapping[str, torch.Tensor] = MappingProxyType({})
 
     def __init__(
-        self, index: int, kind: str, layout: FlatLayout, acc: Accelerator, send_dtype: torch.dtype,
+        self,
+        index: int,
+        kind: str,
+        layout: FlatLayout,
+        acc: Accelerator,
+        send_dtype: torch.dtype,
         optim: OptimSettings,
-    ):  # fmt: skip
+    ):
         n = layout.numel
         self.index, self.kind, self.layout = index, kind, layout
         self.w = acc.host_empty(n)  # FP32 master
@@ -155,10 +160,21 @@ class LayerState:
                 if grad_mult is not None:
                     g.mul_(grad_mult)
                 adamw(
-                    [w], [g], [m], [v], [], [step.clone()], fused=True, amsgrad=False, beta1=group["betas"][0],
-                    beta2=group["betas"][1], lr=lr, weight_decay=decay if lo < self.layout.n_decay else 0.0,
-                    eps=group["eps"], maximize=False,
-                )  # fmt: skip
+                    [w],
+                    [g],
+                    [m],
+                    [v],
+                    [],
+                    [step.clone()],
+                    fused=True,
+                    amsgrad=False,
+                    beta1=group["betas"][0],
+                    beta2=group["betas"][1],
+                    lr=lr,
+                    weight_decay=decay if lo < self.layout.n_decay else 0.0,
+                    eps=group["eps"],
+                    maximize=False,
+                )
                 self.w_send[lo:hi].view(-1, width).index_copy_(0, idx, w.to(self.w_send.dtype))
 
     def make_send_copy(self, acc: Accelerator) -> None:

@@ -71,11 +71,17 @@ class Precision:
 
 
 def make_precision(
-    name: str, acc: Accelerator, *, dtype: str = "auto", loss_scale: str = "dynamic", init_scale: float = 65536.0,
+    name: str,
+    acc: Accelerator,
+    *,
+    dtype: str = "auto",
+    loss_scale: str = "dynamic",
+    init_scale: float = 65536.0,
     growth_interval: int = 2000,
-) -> Precision:  # fmt: skip
-    """The policy for ``name`` (fp32 | amp | cmp: precision.name as the mode runs it). ``dtype``: the half
-    type (auto: the accelerator's); loss scaling is dynamic for fp16, and for CMP, whose gradients are half."""
+) -> Precision:
+    """The policy for ``name`` (fp32 | amp | cmp: precision.name as the mode runs it). ``dtype``: the
+    half type (auto: the accelerator's); loss scaling is dynamic for fp16, and for CMP, whose gradients
+    are half."""
     half = {"auto": acc.half_dtype, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     dynamic = loss_scale == "dynamic" and (half == torch.float16 or name == "cmp")
     if name == "fp32":

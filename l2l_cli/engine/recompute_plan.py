@@ -74,9 +74,14 @@ class RecomputePlan:
 
 
 def choose(
-    settings: RecomputeSettings, depth: int, per_ubatch: LayerBytes, num_ubatches: int, room: float | None,
-    *, stash_on_device: bool,
-) -> RecomputePlan:  # fmt: skip
+    settings: RecomputeSettings,
+    depth: int,
+    per_ubatch: LayerBytes,
+    num_ubatches: int,
+    room: float | None,
+    *,
+    stash_on_device: bool,
+) -> RecomputePlan:
     """The plan: ``room`` is the device bytes left once ``full``'s needs are met (None: unknown, auto
     keeps nothing). A kept or selective block costs its saved bytes for every micro-batch, less the
     input the device stash would have held anyway. ``auto`` prefers (1) every block kept, (2) selective

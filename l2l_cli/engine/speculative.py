@@ -135,9 +135,16 @@ class Speculation:
             redo = updated if float(factor) < 1.0 else []
             for i in sorted(held + redo):  # forward order: the next forward needs layer 1 first
                 self.worker.submit(
-                    self.worker.timed, self._redo, i, lr, factor, i in redo, 1.0 / scale, landed.get(i),
+                    self.worker.timed,
+                    self._redo,
+                    i,
+                    lr,
+                    factor,
+                    i in redo,
+                    1.0 / scale,
+                    landed.get(i),
                     layer=i,
-                )  # fmt: skip
+                )
             if redo:
                 total = float(torch.linalg.vector_norm(norms))
                 self._count_rollback(
@@ -154,9 +161,14 @@ class Speculation:
         return True, float(torch.linalg.vector_norm(norms))
 
     def _redo(
-        self, i: int, lr: float, factor: torch.Tensor, rollback: bool, inv: float,
+        self,
+        i: int,
+        lr: float,
+        factor: torch.Tensor,
+        rollback: bool,
+        inv: float,
         landed: torch.Tensor | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Layer i with the step's clipping factor, as Alg. 3 applies it (g·(coef·inv)): undo its
         speculative update first (its gradient then already carries the unscaling, exactly when ``inv`` is
         a power of two; else ``landed``, the gradient as it landed, is put back and unscaled with the

@@ -33,7 +33,22 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "MODES", "DeviceResident", "ModeSpec", "Runner", "RunnerArgs", "RunnerBase", "StepReport", "StepSettings",
-    "effective_precision", "find_mode", "get_mode", "method_label", "mode_names", "register_mode", "run_clip",
-    "run_precision", "run_stash", "unregister_mode",
-]  # fmt: skip
+    "MODES",
+    "DeviceResident",
+    "ModeSpec",
+    "Runner",
+    "RunnerArgs",
+    "RunnerBase",
+    "StepReport",
+    "StepSettings",
+    "effective_precision",
+    "find_mode",
+    "get_mode",
+    "method_label",
+    "mode_names",
+    "register_mode",
+    "run_clip",
+    "run_precision",
+    "run_stash",
+    "unregister_mode",
+]

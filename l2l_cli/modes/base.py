@@ -169,7 +169,8 @@ def ubatch_seed(seed: int, step: int, layer: int, ubatch: int) -> int:
 
 
 def _metered(fn: Any, kind: str) -> Any:
-    """``fn(self, batch, ...)`` inside a meter window keyed by the batch's shape (see ``MemoryMeter.window``)."""
+    """``fn(self, batch, ...)`` inside a meter window keyed by the batch's shape (see
+    ``MemoryMeter.window``)."""
 
     @functools.wraps(fn)
     def run(self: Any, batch: Batch, *args: Any, **kw: Any) -> Any:
@@ -231,9 +232,14 @@ class RunnerBase:
     def finish(self, loss: torch.Tensor, samples: int, t0: float, lr: float, **kw: Any) -> StepReport:
         self.step_count += 1
         return StepReport(
-            loss=float(loss), samples=samples, step_time_s=time.perf_counter() - t0, phases=self.timer.pop(),
-            lr=lr, loss_scale=self.precision.scaler.scale, **kw,
-        )  # fmt: skip
+            loss=float(loss),
+            samples=samples,
+            step_time_s=time.perf_counter() - t0,
+            phases=self.timer.pop(),
+            lr=lr,
+            loss_scale=self.precision.scaler.scale,
+            **kw,
+        )
 
     def host_parts(self) -> dict[str, int]:
         return {}

@@ -1,7 +1,8 @@
 """The mode registry: one :class:`ModeSpec` per execution algorithm, registered by the mode's own file.
 
 Validation, runner dispatch, checkpoints, the progress header, ``l2l report`` and ``l2l plan`` read the
-spec, never the mode's name, so a new algorithm is one file: its runner and a ``register_mode(ModeSpec(...))``.
+spec, never the mode's name, so a new algorithm is one file: its runner and a
+``register_mode(ModeSpec(...))``.
 """
 
 from __future__ import annotations
@@ -33,9 +34,8 @@ class ModeSpec:
     clip_note: str = ""  # why a clip rule missing from ``clips`` is refused
     microbatches: bool = True  # False: the whole minibatch at once (Alg. 1), ubatch = batch
     stash: tuple[str, ...] = ()  # mode.stash options (the first is the default); () = no stash
-    recompute: bool = (
-        False  # reads mode.recompute / keep_layers / activation_budget_gb (layer-wise recompute)
-    )
+    # reads mode.recompute / keep_layers / activation_budget_gb (layer-wise recompute)
+    recompute: bool = False
     host_state: str | None = None  # "eps": the training state lives in the eager param-server
     undo_log: bool = False  # keeps each layer's pre-update state until the step is known finite (L2L-p)
     overlapped_update: bool = False  # the host update of layer l+1 runs during layer l's backward

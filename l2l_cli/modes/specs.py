@@ -69,7 +69,8 @@ BASELINE_AG = register_mode(
         runner=_baseline_ag_runner,
         description="Alg. 2: each micro-batch through the whole model on the device, gradients accumulated",
         precision_note="cmp keeps the FP32 master in the eager param-server, which only the L2L modes have",
-        pipeline_stage=True,  # Alg. 2 per stage: the pipeline's micro-batches accumulate each stage's gradient
+        # Alg. 2 per stage: the pipeline's micro-batches accumulate each stage's gradient
+        pipeline_stage=True,
     )
 )
 
@@ -86,7 +87,8 @@ L2L = register_mode(
         label="l2l",
         runner=_l2l_runner,
         decodes=True,
-        description="Alg. 3: layers relayed from the eager param-server, every micro-batch through layer l first",
+        description="Alg. 3: layers relayed from the eager param-server, every micro-batch through layer l "
+        "first",
         precisions=L2L_PRECISIONS,
         stash=("device", "cpu"),
         recompute=True,
@@ -123,6 +125,7 @@ L2L_P = register_mode(
         overlapped_update=True,
         distribute="eps",
         state_layout="eps-flat-v1",
-        pipeline_stage=True,  # dist.pipeline > 1: the verdict on the pipeline's norms (pipeline/l2l_stages.py)
+        # dist.pipeline > 1: the verdict on the pipeline's norms (pipeline/l2l_stages.py)
+        pipeline_stage=True,
     )
 )

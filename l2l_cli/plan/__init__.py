@@ -5,7 +5,10 @@
   arithmetic intensities, 3d-parallel configurations).
 - ``shapes`` / ``hardware`` / ``measure``: what the config's model costs, and the machine's rates (from
   ``conf/hardware``, or timed here with ``hardware=measure``).
-- ``estimate`` / ``planner``: the plan of one config; ``render`` and ``cli``: the command.
+- ``knobs`` / ``memory`` / ``steptime``: one config's setup, its bytes by part and its seconds by phase;
+  ``estimate`` / ``views`` / ``planner``: the plan of one config built from them; ``render`` and ``cli``: the
+  command.
+- ``candidates`` / ``search``: layered-GA §5's search space, costed as arrays, and the search over it.
 """
 
 

@@ -33,14 +33,24 @@ class Budget:
     @property
     def label(self) -> str:
         if self.tokens:
-            n = next(((self.tokens / k, u) for u, k in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3))
-                      if self.tokens >= k), (self.tokens, ""))  # fmt: skip
+            n = next(
+                (
+                    (self.tokens / k, u)
+                    for u, k in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3))
+                    if self.tokens >= k
+                ),
+                (self.tokens, ""),
+            )
             return f"{n[0]:.3g}{n[1]} tokens ({self.source})"
         return f"{self.steps:,} steps of batch {self.batch} ({self.source})"
 
     def summary(self, seq: int) -> dict[str, Any]:
-        return {"source": self.source, "tokens": self.tokens or self.samples(seq) * seq,
-                "samples": self.samples(seq), "label": self.label}  # fmt: skip
+        return {
+            "source": self.source,
+            "tokens": self.tokens or self.samples(seq) * seq,
+            "samples": self.samples(seq),
+            "label": self.label,
+        }
 
 
 def global_batch(cfg: Any) -> int:

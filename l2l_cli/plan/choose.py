@@ -8,9 +8,11 @@ from typing import Any
 
 from l2l_cli.plan import scaling as ga
 from l2l_cli.plan.budget import budget_of
+from l2l_cli.plan.candidates import DAY, MIXES, Bounds, Target
+from l2l_cli.plan.ga_view import transformer_of
 from l2l_cli.plan.hardware import gpus_per_node, half_tflops
 from l2l_cli.plan.scaling import GA_BASELINE, GA_IMPROVED, GA_PARTITIONED, METHODS
-from l2l_cli.plan.search import DAY, MIXES, Bounds, Found, Target, search
+from l2l_cli.plan.search import Found, search
 
 # overrides the command sets itself (the rest of the user's are passed through)
 _OWN = (
@@ -57,7 +59,7 @@ def target_for(cfg: Any) -> tuple[Target, Any]:
     from l2l_cli.plan.planner import model_shape
 
     shape, _ = model_shape(cfg)
-    m = ga.transformer_of(shape, int(cfg.model.seq_len))
+    m = transformer_of(shape, int(cfg.model.seq_len))
     b_c = ga.x_critical_batch_size(int(cfg.model.x)) if cfg.model.x is not None else m.critical_batch_size
     return Target(m, b_c, links_for(cfg)), shape
 
@@ -136,37 +138,53 @@ def command(
 
 
 def setup_of(f: Found, seq: int) -> Any:
-    """The ``est.Setup`` the row's command runs (its mode, precision, batch per rank and ranks), for l2l's own
+    """The ``Setup`` the row's command runs (its mode, precision, batch per rank and ranks), for l2l's own
     memory model; None where no command runs it."""
-    from l2l_cli.plan import estimate as est
+    from l2l_cli.plan.knobs import Setup
 
     c = f.config
     batch = c.b_mu * c.n_mu
     if f.method == GA_IMPROVED and c.n_l == 1:
-        return est.Setup("l2l", "device", True, "cmp", seq, batch, c.b_mu, c.n_gpu)
+        return Setup("l2l", "device", True, "cmp", seq, batch, c.b_mu, c.n_gpu)
     modular = f.method != GA_BASELINE
-    return est.Setup("baseline_ag", None, True, "amp", seq, batch, c.b_mu, c.n_gpu, pipeline=c.n_l,
-                     placement="modular" if modular else "contiguous",
-                     schedule="breadth_first" if modular else "1f1b",
-                     partition_state=modular and c.n_l > 1 and c.n_b > 1)  # fmt: skip
+    return Setup(
+        "baseline_ag",
+        None,
+        True,
+        "amp",
+        seq,
+        batch,
+        c.b_mu,
+        c.n_gpu,
+        pipeline=c.n_l,
+        placement="modular" if modular else "contiguous",
+        schedule="breadth_first" if modular else "1f1b",
+        partition_state=modular and c.n_l > 1 and c.n_b > 1,
+    )
 
 
 def l2l_fits(f: Found, shape: Any, seq: int, hw: Any) -> str:
-    """Why l2l's own memory model (``plan/estimate.py``) says the row's command does not fit the machine
+    """Why l2l's own memory model (``plan/memory.py``) says the row's command does not fit the machine
     asked about ('' when it fits): a rank's device memory, and a node's host memory, which its ranks share
     (each l2l rank's EPS holds the whole state: l2l does not partition it across data-parallel ranks)."""
-    from l2l_cli.plan import estimate as est
     from l2l_cli.plan.hardware import gpus_per_node
+    from l2l_cli.plan.memory import memory
 
     s = setup_of(f, seq).but(reserved=hw.device_reserved_gb * ga.GiB, att_half=hw.attention_bytes_half)
-    mem = est.memory(shape, s)
+    mem = memory(shape, s)
     dev, host = sum(mem["device"].values()), sum(mem["host"].values())
     on_node = max(1, min(s.nproc, gpus_per_node(hw)))
     if dev > hw.device_memory_gb * ga.GiB:
-        return f"l2l's {s.mode} needs {dev / ga.GiB:,.1f} GiB per GPU > hardware.device_memory_gb={hw.device_memory_gb:g}"
+        return (
+            f"l2l's {s.mode} needs {dev / ga.GiB:,.1f} GiB per GPU > "
+            f"hardware.device_memory_gb={hw.device_memory_gb:g}"
+        )
     if on_node * host > hw.host_memory_gb * ga.GiB:
-        return (f"{on_node} ranks on a node, each EPS holding the whole state: {on_node * host / ga.GiB:,.0f} GiB "
-                f"host memory > hardware.host_memory_gb={hw.host_memory_gb:g} (per node)")  # fmt: skip
+        return (
+            f"{on_node} ranks on a node, each EPS holding the whole state: {on_node * host / ga.GiB:,.0f} "
+            "GiB "
+            f"host memory > hardware.host_memory_gb={hw.host_memory_gb:g} (per node)"
+        )
     return ""
 
 
@@ -243,8 +261,10 @@ def search_plan(cfg: Any, overrides: list[str]) -> dict[str, Any]:
         },
         "budget": budget.label,
         "budget_samples": b.samples,
-        "rate": f"{t.links.rate / 1e12:.4g} TFLOP/s = {t.links.mfu:.0%} of {t.links.peak_flops / 1e12:.4g} peak "
-        f"(hardware.mfu)",
+        "rate": (
+            f"{t.links.rate / 1e12:.4g} TFLOP/s = {t.links.mfu:.0%} of {t.links.peak_flops / 1e12:.4g} peak "
+            "(hardware.mfu)"
+        ),
         "bounds": {
             "max_gpus": b.max_gpus,
             "max_days": b.max_days,

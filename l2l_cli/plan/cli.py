@@ -29,8 +29,8 @@ usage: l2l plan [group=option] [key=value ...] [--json] [--compare RUN_DIR | --s
   --json              print the plan as one JSON object on stdout
   --compare RUN_DIR   predicted vs measured per phase for a finished run (its overrides, then these)
   --search            layered-GA §5: the fastest configuration per method and parallelism mix that fits
-                      (plan.parallelism, plan.method, plan.max_gpus, plan.max_days, plan.network, plan.node_size),
-                      with the l2l train / torchrun command for the ones l2l can run
+                      (plan.parallelism, plan.method, plan.max_gpus, plan.max_days, plan.network,
+                      plan.node_size), with the l2l train / torchrun command for the ones l2l can run
   --scaling           layered-GA §7: sweep the X[x] family (1e9..1e16 parameters), write figure4/5/8 (.png,
                       .svg), scaling.csv and scaling.json into --out DIR (default outputs/layered_ga_scaling),
                       report the limits; recipe=layered_ga_scaling sets the paper's machine and bounds
@@ -77,8 +77,14 @@ def _jsonable(obj: Any) -> Any:
 
 def parse(argv: list[str]) -> tuple[dict[str, Any], list[str], list[str]]:
     """(flags, overrides, errors)."""
-    flags: dict[str, Any] = {"json": False, "compare": None, "help": False, "search": False, "scaling": False,
-                             "out": None}  # fmt: skip
+    flags: dict[str, Any] = {
+        "json": False,
+        "compare": None,
+        "help": False,
+        "search": False,
+        "scaling": False,
+        "out": None,
+    }
     overrides, errors = [], []
     it = iter(argv)
     for a in it:
@@ -100,7 +106,8 @@ def parse(argv: list[str]) -> tuple[dict[str, Any], list[str], list[str]]:
             flags["out"] = value
         elif a.startswith("-"):
             errors.append(
-                f"unknown option {a}; allowed: --json, --compare RUN_DIR, --search, --scaling, --out DIR, --help"
+                f"unknown option {a}; allowed: --json, --compare RUN_DIR, --search, --scaling, --out DIR, "
+                "--help"
             )
         else:
             overrides.append(a)
@@ -142,7 +149,8 @@ def main(argv: list[str]) -> int:
     if info.get("jobs", 1) > 1:  # a training recipe's sweep (hydra.sweeper.params): plan one config of it
         return _fail(
             [
-                f"config error: recipe: a sweep of {info['jobs']} jobs (run it with l2l train); l2l plan takes "
+                f"config error: recipe: a sweep of {info['jobs']} jobs (run it with l2l train); l2l plan "
+                "takes "
                 "one config: give one value for each swept key"
             ]
         )
@@ -178,7 +186,8 @@ def _search_or_scaling(cfg: Any, overrides: list[str], flags: dict[str, Any]) ->
     if cfg.hardware.measured:
         return _fail(
             [
-                "config error: hardware=measure: --search and --scaling need a GPU preset (hardware=a100-80g, ...)"
+                "config error: hardware=measure: --search and --scaling need a GPU preset "
+                "(hardware=a100-80g, ...)"
             ]
         )
     if cfg.peft.name != "none":
@@ -204,7 +213,7 @@ def _search_or_scaling(cfg: Any, overrides: list[str], flags: dict[str, Any]) ->
     if flags["json"]:
         print(json.dumps(_jsonable(out)))
         return 0
-    from l2l_cli.plan.render import render_scaling, render_search
+    from l2l_cli.plan.render_search import render_scaling, render_search
 
     (render_search if flags["search"] else render_scaling)(out, _console())
     return 0

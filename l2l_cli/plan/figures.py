@@ -23,13 +23,13 @@ from typing import Any
 import numpy as np
 
 from l2l_cli.plan import scaling as ga
+from l2l_cli.plan.candidates import DAY, MEMORY_KEYS, PAIRS, Bounds, Target
 from l2l_cli.plan.scaling import GA_IMPROVED, GA_NO_PARTITION, METHODS, GiB
-from l2l_cli.plan.search import DAY, MEMORY_KEYS, PAIRS, Bounds, Found, Target, fastest
+from l2l_cli.plan.search import Found, fastest
 
 MONTH_DAYS, YEAR_DAYS = 365.25 / 12, 365.25
-DEFAULT_OUT = (
-    "outputs/layered_ga_scaling"  # --out's default: where recipes/layered_ga_scaling.yaml's report looks
-)
+# --out's default: where recipes/layered_ga_scaling.yaml's report looks
+DEFAULT_OUT = "outputs/layered_ga_scaling"
 SUMMARY = "scaling.json"  # the sweep's summary (the --json object) beside the figures: `l2l report` reads it
 FIGURES = {  # name -> what differs from the base machine
     "figure4": {"node_size": 16, "network": "infiniband"},
@@ -37,9 +37,29 @@ FIGURES = {  # name -> what differs from the base machine
     "figure8": {"node_size": 16, "network": "ethernet"},
 }
 LABELS = {"baseline": "3d Baseline", "partitioned": "2d Partitioned", "improved": "3d Improved"}
-CSV_FIELDS = ("figure", "network", "node_size", "method", "parallelism", "x", "params", "critical_batch", "b",
-              "b_mu", "n_mu", "n_b", "n_l", "n_a", "n_gpu", "offload", "efficiency", "days",
-              *(f"{k}_gb" for k in MEMORY_KEYS), "fits_device", "binding")  # fmt: skip
+CSV_FIELDS = (
+    "figure",
+    "network",
+    "node_size",
+    "method",
+    "parallelism",
+    "x",
+    "params",
+    "critical_batch",
+    "b",
+    "b_mu",
+    "n_mu",
+    "n_b",
+    "n_l",
+    "n_a",
+    "n_gpu",
+    "offload",
+    "efficiency",
+    "days",
+    *(f"{k}_gb" for k in MEMORY_KEYS),
+    "fits_device",
+    "binding",
+)
 
 
 # The paper's analysis: free degrees, no head bound (module doc)
@@ -120,8 +140,12 @@ def _last_true(xs: list[int], test: Any) -> int | None:
     return lo
 
 
-def limits(rows: list[tuple[int, str, Found | None]], links: ga.Links, bounds: Bounds | None = None,
-           method: str = "improved") -> dict:  # fmt: skip
+def limits(
+    rows: list[tuple[int, str, Found | None]],
+    links: ga.Links,
+    bounds: Bounds | None = None,
+    method: str = "improved",
+) -> dict:
     """§7, for the improved method: the largest X[x] with a configuration that fits the device (its
     non-offloadable memory), the largest with a configuration that needs no offload (above it offload is
     required), and the
@@ -166,13 +190,36 @@ def csv_rows(
         if f is None:
             continue
         r = f.row()
-        out.append({
-            "figure": name, "network": network, "node_size": links.node_size, "method": method,
-            "parallelism": f.mix, "x": x, "params": ga.x_family(x).p, "critical_batch": ga.x_critical_batch_size(x),
-            **{k: r[k] for k in ("b", "b_mu", "n_mu", "n_b", "n_l", "n_a", "n_gpu", "offload", "efficiency", "days")},
-            **{f"{k}_gb": r["memory"][k] for k in MEMORY_KEYS}, "fits_device": not f.over_memory,
-            "binding": r["binding"],
-        })  # fmt: skip
+        out.append(
+            {
+                "figure": name,
+                "network": network,
+                "node_size": links.node_size,
+                "method": method,
+                "parallelism": f.mix,
+                "x": x,
+                "params": ga.x_family(x).p,
+                "critical_batch": ga.x_critical_batch_size(x),
+                **{
+                    k: r[k]
+                    for k in (
+                        "b",
+                        "b_mu",
+                        "n_mu",
+                        "n_b",
+                        "n_l",
+                        "n_a",
+                        "n_gpu",
+                        "offload",
+                        "efficiency",
+                        "days",
+                    )
+                },
+                **{f"{k}_gb": r["memory"][k] for k in MEMORY_KEYS},
+                "fits_device": not f.over_memory,
+                "binding": r["binding"],
+            }
+        )
     return out
 
 
@@ -205,13 +252,25 @@ def no_partition(
     the training time at a minimal memory cost")."""
     b = bounds or PAPER
     mixes = tuple(mix for mix, m in PAIRS if m == GA_IMPROVED)
-    return [(x, GA_NO_PARTITION, fastest(Target(ga.x_family(x), ga.x_critical_batch_size(x), links), b,
-                                         GA_NO_PARTITION, mixes)) for x in xs]  # fmt: skip
+    return [
+        (
+            x,
+            GA_NO_PARTITION,
+            fastest(Target(ga.x_family(x), ga.x_critical_batch_size(x), links), b, GA_NO_PARTITION, mixes),
+        )
+        for x in xs
+    ]
 
 
-def draw(path: Path, rows: list[tuple[int, str, Found | None]], memory_gib: float, title: str,
-         compare: list[tuple[int, str, Found | None]] | None = None, compare_label: str = "",
-         extra: list[tuple[int, str, Found | None]] | None = None) -> list[str]:  # fmt: skip
+def draw(
+    path: Path,
+    rows: list[tuple[int, str, Found | None]],
+    memory_gib: float,
+    title: str,
+    compare: list[tuple[int, str, Found | None]] | None = None,
+    compare_label: str = "",
+    extra: list[tuple[int, str, Found | None]] | None = None,
+) -> list[str]:
     """The paper's three panels: non-offloadable and offloadable memory per GPU, training time; log axes, one
     line per method, the device memory, 1 TB offload, one-month and one-year lines."""
     import matplotlib
@@ -236,13 +295,24 @@ def draw(path: Path, rows: list[tuple[int, str, Found | None]], memory_gib: floa
             if compare:
                 cp = [(p, v) for p, v, _ in curve(compare, method, value, top)]
                 if cp:
-                    ax.plot(*zip(*cp), color=colors[method], ls=":", lw=1,
-                            label=compare_label if method == "improved" else None)  # fmt: skip
+                    ax.plot(
+                        *zip(*cp),
+                        color=colors[method],
+                        ls=":",
+                        lw=1,
+                        label=compare_label if method == "improved" else None,
+                    )
         if extra:
             pts = curve(extra, GA_NO_PARTITION, value, top)
             if pts:
-                ax.plot([p for p, _, _ in pts], [v for _, v, _ in pts], color="black", ls=":", lw=1.2,
-                        label="No partition")  # fmt: skip
+                ax.plot(
+                    [p for p, _, _ in pts],
+                    [v for _, v, _ in pts],
+                    color="black",
+                    ls=":",
+                    lw=1.2,
+                    label="No partition",
+                )
         if "time" in ylabel:
             ax.axhline(MONTH_DAYS, color="gray", ls="-.", lw=1, label="One month")
             ax.axhline(YEAR_DAYS, color="black", ls="-.", lw=1, label="One year")
@@ -252,8 +322,14 @@ def draw(path: Path, rows: list[tuple[int, str, Found | None]], memory_gib: floa
                 ax.axhline(1024, color="purple", ls="-.", lw=1, label="1 TB (offload)")
         if beyond:
             ax.plot([], [], color="gray", ls="--", lw=1, label=f"dashed: nothing fits {memory_gib:g} GB")
-        ax.plot([], [], ls="none", label=f"curves end above {top:g}" + (" GB" if "GB" in ylabel else " days")
-                + (" (offload capped at 1 TB)" if "Offloadable" in ylabel else ""))  # fmt: skip
+        ax.plot(
+            [],
+            [],
+            ls="none",
+            label=f"curves end above {top:g}"
+            + (" GB" if "GB" in ylabel else " days")
+            + (" (offload capped at 1 TB)" if "Offloadable" in ylabel else ""),
+        )
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("Parameters")
@@ -271,7 +347,8 @@ def draw(path: Path, rows: list[tuple[int, str, Found | None]], memory_gib: floa
 
 
 def scaling_plan(cfg: Any, out: Path) -> dict[str, Any]:
-    """Sweep, write the figures, scaling.csv and scaling.json into ``out``, and return the limits (``--scaling``)."""
+    """Sweep, write the figures, scaling.csv and scaling.json into ``out``, and return the limits
+    (``--scaling``)."""
     from l2l_cli.plan.choose import links_for
 
     # the paper's machine for its figures: each GPU may offload up to the 1 TB line (not the tool's
@@ -290,23 +367,37 @@ def scaling_plan(cfg: Any, out: Path) -> dict[str, Any]:
     titles = {
         "figure4": f"Figure 4: fastest configuration per method, {hw.name}, InfiniBand, 16 GPUs per node",
         "figure5": f"Figure 5: the same without the node-size limit on tensor parallelism ({hw.name})",
-        "figure8": f"Figure 8: over Ethernet ({hw.ethernet_gbps:g} GB/s per GPU); dotted: InfiniBand, black: No "
-        f"partition ({hw.name})",
+        "figure8": (
+            f"Figure 8: over Ethernet ({hw.ethernet_gbps:g} GB/s per GPU); dotted: InfiniBand, black: No "
+            f"partition ({hw.name})"
+        ),
     }
     eth = replace(base, node_size=FIGURES["figure8"]["node_size"], network_gbps=hw.ethernet_gbps)
     unpartitioned = no_partition(eth, xs, bounds)
     for name in FIGURES:
         cmp_rows = results["figure4"] if name == "figure8" else None
-        files += draw(out / name, results[name], base.device_memory_gib, titles[name], cmp_rows, "InfiniBand",
-                      unpartitioned if name == "figure8" else None)  # fmt: skip
+        files += draw(
+            out / name,
+            results[name],
+            base.device_memory_gib,
+            titles[name],
+            cmp_rows,
+            "InfiniBand",
+            unpartitioned if name == "figure8" else None,
+        )
     with (out / "scaling.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         w.writeheader()
         w.writerows(table)
     files.append("scaling.csv")
-    links4 = {n: replace(base, node_size=FIGURES[n]["node_size"],
-                         network_gbps=hw.network_gbps if FIGURES[n]["network"] == "infiniband" else hw.ethernet_gbps)
-              for n in FIGURES}  # fmt: skip
+    links4 = {
+        n: replace(
+            base,
+            node_size=FIGURES[n]["node_size"],
+            network_gbps=hw.network_gbps if FIGURES[n]["network"] == "infiniband" else hw.ethernet_gbps,
+        )
+        for n in FIGURES
+    }
     lim = limits(results["figure4"], links4["figure4"], bounds)
     files.append(SUMMARY)
     out_obj = {

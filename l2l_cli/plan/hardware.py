@@ -85,7 +85,8 @@ class Rates:
     def rate_label(self) -> str:
         """The compute rate every view uses, and where it comes from."""
         src = "measured" if self.measured is not None else "hardware.mfu"
-        return f"{self.device_flops / 1e12:.3g} TFLOP/s = {self.mfu:.0%} of {self.peak_flops / 1e12:.4g} peak ({src})"
+        peak = self.peak_flops / 1e12
+        return f"{self.device_flops / 1e12:.3g} TFLOP/s = {self.mfu:.0%} of {peak:.4g} peak ({src})"
 
     def disk_time(self, read_bytes: float, write_bytes: float) -> float:
         """The disk EPS tier's I/O: reads and writes share one disk. They run on their own queues (read-ahead,
@@ -195,9 +196,11 @@ def resolve(cfg: Any, shape: ModelShape) -> Rates:
             rates = replace(
                 rates, p2p_latency=latency, p2p_bytes_per_s=bw, pipe_action=action, pipe_wake=wake
             )
-            notes.append(f"pipeline messages measured between two gloo processes: {latency * 1e6:.0f} µs, "
-                         f"{bw / GB:.2f} GB/s; a schedule action {action * 1e6:.0f} µs beyond compute, a message "
-                         f"{wake * 1e6:.0f} µs later while its sender computes")  # fmt: skip
+            notes.append(
+                f"pipeline messages measured between two gloo processes: {latency * 1e6:.0f} µs, "
+                f"{bw / GB:.2f} GB/s; a schedule action {action * 1e6:.0f} µs beyond compute, a message "
+                f"{wake * 1e6:.0f} µs later while its sender computes"
+            )
         if measured.disk is not None:
             d = measured.disk
             rates = replace(

@@ -58,9 +58,11 @@ def _median_s(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> 
 
 
 def _fwd_bwd(
-    run: Callable[[bool], torch.Tensor], grad_of: Callable[[torch.Tensor], torch.Tensor], repeats: int,
+    run: Callable[[bool], torch.Tensor],
+    grad_of: Callable[[torch.Tensor], torch.Tensor],
+    repeats: int,
     sync: Callable[[], None],
-) -> tuple[float, float, float]:  # fmt: skip
+) -> tuple[float, float, float]:
     """(forward without autograd, forward with autograd, backward) medians of one layer call."""
     with torch.no_grad():
         f = _median_s(lambda: run(False), repeats, sync)
@@ -342,7 +344,12 @@ def measure_exchange(nbytes: float, repeats: int = 7) -> tuple[float, float, flo
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_exchange_rank, args=(f"{tmp}/store", sizes, repeats, out), nprocs=2, join=True,
-                           start_method="spawn")  # fmt: skip
+        mp.start_processes(
+            _exchange_rank,
+            args=(f"{tmp}/store", sizes, repeats, out),
+            nprocs=2,
+            join=True,
+            start_method="spawn",
+        )
         small, big, action, wake = out.get()
     return small, 2.0 * sizes[1] / max(big - small, 1e-9), action, wake

@@ -222,9 +222,15 @@ def peft_shape(spec: Any, cfg_peft: Any) -> PeftShape:
     post = split[POST]
     split[POST] = LayerSplit(post.trainable, post.frozen, post.stored, post.slot, tied_stored, post.largest)
     return PeftShape(
-        lora.r, lora.target_modules, lora.base_dtype, lora.base_source, spec.num_layers,
-        split[PRE], split[BLOCK], split[POST],
-    )  # fmt: skip
+        lora.r,
+        lora.target_modules,
+        lora.base_dtype,
+        lora.base_source,
+        spec.num_layers,
+        split[PRE],
+        split[BLOCK],
+        split[POST],
+    )
 
 
 def _linear(m: Any) -> bool:

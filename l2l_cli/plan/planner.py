@@ -5,11 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from l2l_cli.plan import PlanError, scaling
+from l2l_cli.plan import PlanError, scaling, views
 from l2l_cli.plan import estimate as est
 from l2l_cli.plan.budget import budget_of
+from l2l_cli.plan.ga_view import for_config
 from l2l_cli.plan.hardware import Rates, resolve
+from l2l_cli.plan.knobs import Setup
 from l2l_cli.plan.shapes import ModelShape
+from l2l_cli.plan.steptime import Phase
 
 
 def model_shape(cfg: Any) -> tuple[ModelShape, list[str]]:
@@ -67,7 +70,7 @@ def links_of(rates: Rates, cfg: Any) -> scaling.Links:
     )
 
 
-def _phases(phases: dict[str, est.Phase]) -> tuple[dict[str, float], dict[str, float]]:
+def _phases(phases: dict[str, Phase]) -> tuple[dict[str, float], dict[str, float]]:
     exposed = {k: p.exposed for k, p in phases.items()}
     hidden = {k: p.hidden for k, p in phases.items()}
     return exposed, hidden
@@ -77,10 +80,10 @@ def make_plan(cfg: Any, rates: Rates | None = None) -> dict[str, Any]:
     """The plan for a composed (and validated) config. ``rates`` overrides the hardware (tests, reuse)."""
     shape, notes = model_shape(cfg)
     rates = rates or resolve(cfg, shape)
-    s = est.Setup.from_cfg(cfg)
+    s = Setup.from_cfg(cfg)
     r = est.evaluate(shape, s, rates)
     exposed, hidden = _phases(r["phases"])
-    ga = scaling.for_config(cfg, shape, links_of(rates, cfg))
+    ga = for_config(cfg, shape, links_of(rates, cfg))
     if cfg.model.x is not None:
         ga["critical_batch_size"] = scaling.x_critical_batch_size(int(cfg.model.x))  # Table B.1's form
         ga["batch_vs_critical"] = ga["batch"] / ga["critical_batch_size"]
@@ -131,7 +134,7 @@ def make_plan(cfg: Any, rates: Rates | None = None) -> dict[str, Any]:
         },
         "eps_tier": est.eps_tier(shape, s, rates),
         "fits": r["fits"],
-        "verdict": est.verdict(shape, s, rates, r),
+        "verdict": views.verdict(shape, s, rates, r),
         "step_time_s": {"total": r["step_time_s"], **exposed},
         "hidden_s": hidden,
         "samples_per_s": r["samples_per_s"],
@@ -141,8 +144,8 @@ def make_plan(cfg: Any, rates: Rates | None = None) -> dict[str, Any]:
         "equations": est.equations(shape, s, rates),
         "critical_batch_size": ga["critical_batch_size"],
         "layered_ga": ga,
-        "pipeline": est.pipeline_view(shape, s, rates),
-        "peft": est.peft_view(shape, s, rates, r),
-        "recompute": est.recompute_choices(shape, s, rates, cfg.mode.recompute, cfg.mode.keep_layers),
+        "pipeline": views.pipeline_view(shape, s, rates),
+        "peft": views.peft_view(shape, s, rates, r),
+        "recompute": views.recompute_choices(shape, s, rates, cfg.mode.recompute, cfg.mode.keep_layers),
         "notes": notes + list(rates.notes),
     }

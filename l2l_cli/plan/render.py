@@ -33,7 +33,7 @@ PART_NAMES = {
 }
 
 
-def _with(hw: dict[str, Any]) -> str:
+def overrides_note(hw: dict[str, Any]) -> str:
     """The preset's name is not the whole machine when hardware.* keys override it: say which."""
     keys = hw.get("overrides") or []
     return f" (with {', '.join(keys)})" if keys else ""
@@ -57,7 +57,7 @@ def fmt_n(n: float) -> str:
     return f"{n:.3g}"
 
 
-def _table(title: str, *cols: str, **kw: Any) -> Table:
+def new_table(title: str, *cols: str, **kw: Any) -> Table:
     """A table whose cells wrap (fold) rather than end in "…": a number is never cut short."""
     t = Table(title=title, title_justify="left", title_style="bold", **kw)
     for i, c in enumerate(cols):
@@ -68,7 +68,8 @@ def _table(title: str, *cols: str, **kw: Any) -> Table:
 def render(plan: dict[str, Any], console: Console) -> None:
     c, hw = plan["config"], plan["hardware"]
     head = (
-        f"[bold]{c['model']}[/] ({fmt_n(plan['params']['total'])} parameters) · {c['method']} · {c['precision']} · "
+        f"[bold]{c['model']}[/] ({fmt_n(plan['params']['total'])} parameters) · {c['method']} · "
+        f"{c['precision']} · "
         f"seq {c['seq_len']} · batch {c['batch_size']} = {c['num_ubatches']} × ubatch {c['ubatch_size']}"
         + (f" × {c['nproc']} processes" if c["nproc"] > 1 else "")
         + (
@@ -77,12 +78,13 @@ def render(plan: dict[str, Any], console: Console) -> None:
             else ""
         )
         + (
-            f" · LoRA r={plan['peft']['r']}, base {plan['peft']['base_dtype']} on {plan['peft']['base_source']}, "
+            f" · LoRA r={plan['peft']['r']}, base {plan['peft']['base_dtype']} on "
+            f"{plan['peft']['base_source']}, "
             f"{plan['config']['optimizer']}"
             if plan.get("peft")
             else ""
         )
-        + f"\nhardware [bold]{hw['name']}[/]{_with(hw)}: {hw['rate']}, "
+        + f"\nhardware [bold]{hw['name']}[/]{overrides_note(hw)}: {hw['rate']}, "
         f"{hw['device_memory_gib']:.3g} GiB device, link {hw['h2d_gbps']:.3g} GB/s, "
         f"host update {hw['host_gflops']:.3g} GFLOP/s"
     )
@@ -95,7 +97,7 @@ def render(plan: dict[str, Any], console: Console) -> None:
     console.print(Panel(Group(*lines), title="l2l plan", title_align="left", expand=False))
 
     p = plan["params"]
-    t = _table("Parameters", "layer", "parameters")
+    t = new_table("Parameters", "layer", "parameters")
     t.add_row("embeddings", fmt_n(p["embeddings"]))
     t.add_row(f"{c['num_layers']} blocks × {fmt_n(p['per_block'])}", fmt_n(p["blocks"]))
     t.add_row(f"head ({p.get('head_parts', 'pooler, classifier')})", fmt_n(p["head"]))
@@ -104,7 +106,7 @@ def render(plan: dict[str, Any], console: Console) -> None:
 
     m = plan["memory_bytes"]
     tiers = ["device", "host"] + (["disk"] if m.get("disk", {}).get("total") else [])
-    t = _table(
+    t = new_table(
         "Memory at the step's peak",
         "part",
         "device",
@@ -119,8 +121,12 @@ def render(plan: dict[str, Any], console: Console) -> None:
     t.add_row("[bold]total", *(f"[bold]{fmt_bytes(m[x]['total'])}" for x in tiers))
     if m["host"].get("ranks_on_node", 1) > 1:
         n = m["host"]["ranks_on_node"]
-        t.add_row(f"host per node: {n} ranks share it", "", fmt_bytes(m["host"]["node_total"]),
-                  *([""] if "disk" in tiers else []))  # fmt: skip
+        t.add_row(
+            f"host per node: {n} ranks share it",
+            "",
+            fmt_bytes(m["host"]["node_total"]),
+            *([""] if "disk" in tiers else []),
+        )
     budgets = [fmt_bytes(m[x]["budget"]) for x in tiers]
     budgets[1] += " per node"  # the second column, host memory: its ranks share a node's
     t.add_row("budget", *budgets)
@@ -130,7 +136,7 @@ def render(plan: dict[str, Any], console: Console) -> None:
         render_peft(plan["peft"], console)
 
     st, hid = plan["step_time_s"], plan["hidden_s"]
-    t = _table("Step time by phase", "phase", "exposed", "hidden (overlapped)")
+    t = new_table("Step time by phase", "phase", "exposed", "hidden (overlapped)")
     for k in ("forward", "recompute", "backward", "transfer", "optimizer", "reduce", "disk_wait", "bubble"):
         if st[k] or hid[k]:
             t.add_row(k, fmt_s(st[k]), fmt_s(hid[k]) if hid[k] else "-")
@@ -142,7 +148,7 @@ def render(plan: dict[str, Any], console: Console) -> None:
         render_pipeline(plan["pipeline"], console)
 
     r = plan["recommendation"]
-    t = _table("Recommendation", "", "")
+    t = new_table("Recommendation", "", "")
     if r["num_ubatches_min"] is not None:
         t.add_row(
             f"#ubatches for L2L transfer ≤ {r['max_transfer_overhead']:.0%} (v2 eq. 4)",
@@ -175,33 +181,54 @@ def render(plan: dict[str, Any], console: Console) -> None:
         )
     console.print(t)
 
-    t = _table(
+    t = new_table(
         "All modes at this batch", "method", "ubatch × n", "device", "host", "fits", "step", "samples/s"
     )
     for row in plan["modes"]:
         style = "bold" if row["configured"] else ""
         t.add_row(
-            row["method"], f"{row['ubatch_size']} × {row['num_ubatches']}", fmt_bytes(row["device_bytes"]),
-            fmt_bytes(row["host_bytes"]) if row["host_bytes"] else "-", "yes" if row["fits"] else "[red]no",
-            fmt_s(row["step_time_s"]), f"{row['samples_per_s']:.4g}", style=style,
-        )  # fmt: skip
+            row["method"],
+            f"{row['ubatch_size']} × {row['num_ubatches']}",
+            fmt_bytes(row["device_bytes"]),
+            fmt_bytes(row["host_bytes"]) if row["host_bytes"] else "-",
+            "yes" if row["fits"] else "[red]no",
+            fmt_s(row["step_time_s"]),
+            f"{row['samples_per_s']:.4g}",
+            style=style,
+        )
     console.print(t)
 
     if plan.get("recompute"):
         render_recompute(plan["recompute"], console)
 
     ga = plan["layered_ga"]
-    t = _table(
-        f"Layered-GA view (d_s={ga['d_s']}, p={fmt_n(ga['params'])}): critical batch {plan['critical_batch_size']:.4g}, "
+    t = new_table(
+        f"Layered-GA view (d_s={ga['d_s']}, p={fmt_n(ga['params'])}): critical batch "
+        f"{plan['critical_batch_size']:.4g}, "
         f"batch {ga['batch']} = {ga['batch_vs_critical']:.2g}× critical; memory in GiB per device",
-        "method", "GPUs", "state", "ckpt", "buffers", "acts", "on-dev", "eff", "time",
-    )  # fmt: skip
+        "method",
+        "GPUs",
+        "state",
+        "ckpt",
+        "buffers",
+        "acts",
+        "on-dev",
+        "eff",
+        "time",
+    )
     for row in ga["methods"]:
         mb = {k: f"{v / GiB:.3g}" for k, v in row["memory_bytes"].items()}
         t.add_row(
-            row["method"], str(row["config"]["n_gpu"]), mb["state"], mb["checkpoints"], mb["buffers"],
-            mb["activations"], mb["non_offloadable"], f"{row['efficiency']:.2f}", fmt_s(row["train_time_s"]),
-        )  # fmt: skip
+            row["method"],
+            str(row["config"]["n_gpu"]),
+            mb["state"],
+            mb["checkpoints"],
+            mb["buffers"],
+            mb["activations"],
+            mb["non_offloadable"],
+            f"{row['efficiency']:.2f}",
+            fmt_s(row["train_time_s"]),
+        )
     console.print(t)
     console.print(
         f"[dim]  (ckpt = activation checkpoints; state and ckpt can be offloaded, on-dev cannot; time = "
@@ -214,26 +241,61 @@ def render(plan: dict[str, Any], console: Console) -> None:
 def render_peft(pe: dict[str, Any], console: Console) -> None:
     """peft=lora: bytes per parameter where each part lives, and which term bounds the step."""
     targets = ",".join(pe["target_modules"])
-    t = _table(
+    t = new_table(
         f"LoRA (peft=lora, r={pe['r']} on {targets}): bytes per parameter",
-        "part", "parameters", "B/param", "in", "bytes", "set by",
-    )  # fmt: skip
+        "part",
+        "parameters",
+        "B/param",
+        "in",
+        "bytes",
+        "set by",
+    )
     disk = pe["base_on_disk"]
-    t.add_row(f"frozen base, {pe['base_dtype']}", fmt_n(pe["frozen_params"]), f"{pe['base_bytes_per_param']:.3g}",
-              "disk" if disk else "RAM", fmt_bytes(pe["base_bytes"]), "peft.base_dtype")  # fmt: skip
+    t.add_row(
+        f"frozen base, {pe['base_dtype']}",
+        fmt_n(pe["frozen_params"]),
+        f"{pe['base_bytes_per_param']:.3g}",
+        "disk" if disk else "RAM",
+        fmt_bytes(pe["base_bytes"]),
+        "peft.base_dtype",
+    )
     if disk:
-        t.add_row("  read ahead (3 layers at most)", "", "0", "RAM", fmt_bytes(pe["base_readahead_bytes"]),
-                  "peft.base_source")  # fmt: skip
-    t.add_row("  a relay slot: one layer, dequantized", fmt_n(pe["slot_params"]),
-              f"{pe['device_layer_bytes_per_param']:.3g}", "device", fmt_bytes(pe["device_slot_bytes"]), "precision")  # fmt: skip
-    t.add_row(f"adapters' state ({pe['optimizer']})", fmt_n(pe["trainable_params"]),
-              f"{pe['state_bytes_per_trainable_param']:.3g}", "RAM", fmt_bytes(pe["adapter_state_bytes"]), "optim, peft.r")  # fmt: skip
-    t.add_row("[bold]host state per model parameter", fmt_n(pe["total_params"]),
-              f"[bold]{pe['host_bytes_per_param']:.3g}", "RAM", "", "summary.json")  # fmt: skip
+        t.add_row(
+            "  read ahead (3 layers at most)",
+            "",
+            "0",
+            "RAM",
+            fmt_bytes(pe["base_readahead_bytes"]),
+            "peft.base_source",
+        )
+    t.add_row(
+        "  a relay slot: one layer, dequantized",
+        fmt_n(pe["slot_params"]),
+        f"{pe['device_layer_bytes_per_param']:.3g}",
+        "device",
+        fmt_bytes(pe["device_slot_bytes"]),
+        "precision",
+    )
+    t.add_row(
+        f"adapters' state ({pe['optimizer']})",
+        fmt_n(pe["trainable_params"]),
+        f"{pe['state_bytes_per_trainable_param']:.3g}",
+        "RAM",
+        fmt_bytes(pe["adapter_state_bytes"]),
+        "optim, peft.r",
+    )
+    t.add_row(
+        "[bold]host state per model parameter",
+        fmt_n(pe["total_params"]),
+        f"[bold]{pe['host_bytes_per_param']:.3g}",
+        "RAM",
+        "",
+        "summary.json",
+    )
     console.print(t)
     terms = pe["step_terms_s"]
     read = pe["base_bytes_read_per_step"]
-    t = _table(
+    t = new_table(
         "LoRA step terms (each layer's base is loaded twice a step: for the forward, and for the backward's "
         "recompute + backward)",
         "term",
@@ -254,47 +316,70 @@ def render_peft(pe: dict[str, Any], console: Console) -> None:
 
 def render_recompute(rc: dict[str, Any], console: Console) -> None:
     """mode.recompute / keep_layers: each choice's device memory and step, and auto's pick."""
-    t = _table(
-        f"Recompute choices (mode.recompute, mode.keep_layers; room beyond full: {fmt_bytes(max(0.0, rc['room_bytes']))})",
-        "choice", "device", "fits", "step", "samples/s",
-    )  # fmt: skip
+    t = new_table(
+        "Recompute choices (mode.recompute, mode.keep_layers; room beyond full: "
+        f"{fmt_bytes(max(0.0, rc['room_bytes']))})",
+        "choice",
+        "device",
+        "fits",
+        "step",
+        "samples/s",
+    )
     rows = [(f"{r['policy']}, keep {r['kept_layers']}", r, "") for r in rc["choices"]]
     if rc["configured"] is not None:
         rows.append(("configured", rc["configured"], "bold"))
     rows.append((f"auto picks: {rc['auto']['policy']}, keep {rc['auto']['kept_layers']}", rc["auto"], "bold"))
     for name, r, style in rows:
         t.add_row(
-            name, fmt_bytes(r["device_bytes"]), "yes" if r["fits"] else "[red]no", fmt_s(r["step_time_s"]),
-            f"{r['samples_per_s']:.4g}", style=style,
-        )  # fmt: skip
+            name,
+            fmt_bytes(r["device_bytes"]),
+            "yes" if r["fits"] else "[red]no",
+            fmt_s(r["step_time_s"]),
+            f"{r['samples_per_s']:.4g}",
+            style=style,
+        )
     console.print(t)
 
 
 def render_pipeline(p: dict[str, Any], console: Console) -> None:
     """The pipeline's predicted bubble (layered-GA appendix C, §4) and step time, for this (N, P) and the
     other placements and schedules."""
-    t = _table(
-        f"Pipeline bubble at {p['num_ubatches']} ubatches (layered-GA appendix C, §4): o = (P-1)/n_mu/(stages per "
+    t = new_table(
+        f"Pipeline bubble at {p['num_ubatches']} ubatches (layered-GA appendix C, §4): o = "
+        "(P-1)/n_mu/(stages per "
         "rank), the share of the pipeline's time o/(1+o) (paper: messages free); the model runs each rank's "
-        f"schedule actions (read off the schedule) in dependency order, each action {fmt_s(p['action_s'])}, each "
+        f"schedule actions (read off the schedule) in dependency order, each action {fmt_s(p['action_s'])}, "
+        "each "
         f"of its 2(S-1)n_mu/P exchanges {fmt_s(p['exchange_s'])} (latency + bytes over the link), a message "
         f"{fmt_s(p['wake_s'])} later where its sender computes",
-        "placement", "schedule", "stages/rank", "bubble (paper)", "actions", "messages", "bubble", "step",
+        "placement",
+        "schedule",
+        "stages/rank",
+        "bubble (paper)",
+        "actions",
+        "messages",
+        "bubble",
+        "step",
         "samples/s",
-    )  # fmt: skip
+    )
     for row in p["alternatives"]:
         t.add_row(
-            row["placement"], row["schedule"], str(row["stages_per_rank"]), f"{row['bubble_predicted_paper']:.1%}",
-            str(row["actions_per_rank"]), f"{row['messages_per_rank']:.3g}", f"{row['bubble_predicted']:.1%}",
+            row["placement"],
+            row["schedule"],
+            str(row["stages_per_rank"]),
+            f"{row['bubble_predicted_paper']:.1%}",
+            str(row["actions_per_rank"]),
+            f"{row['messages_per_rank']:.3g}",
+            f"{row['bubble_predicted']:.1%}",
             fmt_s(row["step_time_s"]),
             f"{row['samples_per_s']:.4g}",
             style="bold" if row["configured"] else "",
-        )  # fmt: skip
+        )
     console.print(t)
 
 
 def render_compare(cmp: dict[str, Any], console: Console) -> None:
-    t = _table(
+    t = new_table(
         f"Predicted vs measured: {cmp['run_dir']}", "phase", "predicted", "measured", "measured / predicted"
     )
     for k, row in cmp["phases"].items():
@@ -321,87 +406,3 @@ def _tier_needed(name: str) -> str:
     if name not in TIERS:
         return "none fits"
     return f"{name} (eps.tier={name})" if TIERS[name].on_disk else name
-
-
-def fmt_days(d: float | None) -> str:
-    """Table 6.1's time column: days below a year, years above."""
-    if d is None:
-        return "-"
-    return f"{d:.3g} d" if d < 365 else f"{d / 365:.3g} y"
-
-
-def fmt_time(days: float | None) -> str:
-    """A training time: hours below a day, days below a year, years above."""
-    if days is None:
-        return "-"
-    return f"{days * 24:.3g} h" if days < 1 else fmt_days(days)
-
-
-def render_search(out: dict[str, Any], console: Console) -> None:
-    """``l2l plan --search``: Table 6.1's columns, Table 6.2's memory, what binds each row, the commands."""
-    hw, bd = out["hardware"], out["bounds"]
-    head = (
-        f"[bold]{out['model']}[/] ({fmt_n(out['params'])} parameters in the layers; d_l {out['shape']['d_l']}, "
-        f"d_m {out['shape']['d_m']}, heads {out['shape']['d_a']}, d_s {out['shape']['d_s']}) · critical batch "
-        f"{out['critical_batch_size']:.4g} · budget {out['budget']}\n"
-        f"[bold]{hw['name']}[/]{_with(hw)}: {out['rate']}, {hw['memory_gb']:g} GB, {hw['network']} "
-        f"{hw['network_gbps']:g} GB/s, tensor link {hw['tensor_link_gbps']:g} GB/s × {hw['node_size'] or 'any'} GPUs, "
-        f"CPU-GPU {hw['offload_gbps']:g} GB/s · objective: {out['objective']}"
-        + (f" · max {bd['max_gpus']} GPUs" if bd["max_gpus"] else "")
-        + (f" · max {bd['max_days']:g} days" if bd["max_days"] else "")
-    )
-    console.print(
-        Panel(
-            Text.from_markup(head),
-            title="l2l plan --search (layered-GA §5)",
-            title_align="left",
-            expand=False,
-        )
-    )
-    t = _table(f"Fastest configuration per method for {out['model']}, {out['budget']} (Table 6.1's columns; "
-               "l2l ✗: the paper's, l2l cannot run it)", "parallelism", "method", "offload", "b", "b_mu",
-               "n_mu", "n_gpu", "n_b", "n_l", "n_a", "efficiency", "time", "l2l")  # fmt: skip
-    for r in out["search"]:
-        t.add_row(r["parallelism"], r["method"], "✓" if r["offload"] else "✗", str(r["b"]), str(r["b_mu"]),
-                  str(r["n_mu"]), str(r["n_gpu"]), str(r["n_b"]), str(r["n_l"]), str(r["n_a"]),
-                  f"{r['efficiency']:.2f}", fmt_time(r["days"]), "✓" if r["l2l_runs"] else "✗",
-                  style="" if r["l2l_runs"] else "dim")  # fmt: skip
-    console.print(t)
-    t = _table(f"Memory per GPU, GB (Table 6.2's columns), {out['model']}", "parallelism", "method", "state",
-               "checkpoint", "buffers",
-               "activations", "offloadable", "non-offloadable")  # fmt: skip
-    for r in out["search"]:
-        mem = r["memory"]
-        t.add_row(r["parallelism"], r["method"], *(f"{mem[k]:.3g}" for k in ("state", "checkpoint", "buffers",
-                  "activations", "offloadable", "non_offloadable")))  # fmt: skip
-    console.print(t)
-    for r in out["search"]:
-        console.print(f"[bold]{r['parallelism']} / {r['method']}[/]: {r['binding']}")
-        if r["command"]:
-            console.print(f"  [green]{r['command']}", soft_wrap=True)
-    for line in out["not_found"] + out["notes"]:
-        console.print(f"[dim]note: {line}")
-    if out["best"]:
-        b = out["best"]
-        console.print(
-            f"[bold]best (l2l runs it): {b['parallelism']} / {b['method']}, {b['n_gpu']} GPUs, "
-            f"{fmt_time(b['days'])} for {out['budget']}"
-        )
-        console.print(f"  [green]{b['command']}", soft_wrap=True)
-    else:
-        console.print("[bold]best: none of these rows is one l2l runs (see the notes)")
-
-
-def render_scaling(out: dict[str, Any], console: Console) -> None:
-    """``l2l plan --scaling``: where the files went and §7's limits."""
-    lim = out["limits"]
-    t = _table(f"Layered-GA §7 limits, improved method ({out['hardware']}, Figure 4)", "limit", "parameters")
-    names = {"fits_80gb_params": f"largest model whose non-offloadable memory fits {out['memory_gb']:g} GB",
-             "offload_above_params": "offload needed above", "one_month_params": "largest trained in one month",
-             "one_year_params": "largest trained in one year"}  # fmt: skip
-    for k, label in names.items():
-        t.add_row(label, fmt_n(lim[k]) if lim[k] else "-")
-    console.print(t)
-    for k, v in out.get("extra", {}).items():
-        console.print(f"{k}: {v}")
-    console.print(f"wrote {', '.join(out['files'])} into {out['out']}")

@@ -30,7 +30,8 @@ def plan_problems(cfg: Any) -> list[Problem]:
         p.append(
             Problem(
                 "plan.pipeline_parallel",
-                f"got {nl}; a pipeline stage needs at least one layer: must be <= model.num_layers={m.num_layers}",
+                f"got {nl}; a pipeline stage needs at least one layer: must be <= "
+                f"model.num_layers={m.num_layers}",
             )
         )
     budget = [k for k in ("tokens", "steps") if getattr(plan, k)]
@@ -46,9 +47,22 @@ def plan_problems(cfg: Any) -> list[Problem]:
         positive(p, "hardware.device_tflops_half", hw.device_tflops_half)
     if hw.gpus_per_node is not None:
         at_least(p, "hardware.gpus_per_node", hw.gpus_per_node, 1)
-    for k in ("device_tflops", "device_peak_tflops", "backward_factor", "device_memory_gbps",
-              "device_memory_gb", "device_optim_gflops", "host_gflops", "host_memory_gb", "h2d_gbps",
-              "network_gbps", "offload_gbps", "disk_read_gbps", "disk_write_gbps", "disk_free_gb"):  # fmt: skip
+    for k in (
+        "device_tflops",
+        "device_peak_tflops",
+        "backward_factor",
+        "device_memory_gbps",
+        "device_memory_gb",
+        "device_optim_gflops",
+        "host_gflops",
+        "host_memory_gb",
+        "h2d_gbps",
+        "network_gbps",
+        "offload_gbps",
+        "disk_read_gbps",
+        "disk_write_gbps",
+        "disk_free_gb",
+    ):
         positive(p, f"hardware.{k}", getattr(hw, k))
     for k in ("pipe_action_us", "pipe_wake_us"):
         if getattr(hw, k) < 0:
@@ -65,8 +79,8 @@ def plan_problems(cfg: Any) -> list[Problem]:
 def search_problems(cfg: Any) -> list[Problem]:
     """The keys of ``l2l plan --search`` / ``--scaling`` (layered-GA §5's bounds)."""
     from l2l_cli.config.schema import PLAN_NETWORKS
+    from l2l_cli.plan.candidates import MIXES
     from l2l_cli.plan.scaling import METHODS
-    from l2l_cli.plan.search import MIXES
 
     p: list[Problem] = []
     plan, hw = cfg.plan, cfg.hardware

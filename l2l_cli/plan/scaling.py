@@ -160,9 +160,8 @@ class Links:
     # (§5: "an additional bottleneck in the PCI-express connection which is shared between CPU and
     # InfiniBand transfers"). 0: no such shared link.
     pcie_gbps: float = 63.0
-    node_size: int = (
-        16  # GPUs one tensor link joins; tensor parallelism beyond it uses the network (0: no limit)
-    )
+    # GPUs one tensor link joins; tensor parallelism beyond it uses the network (0: no limit)
+    node_size: int = 16
     # The share of peak_flops a training step achieves (hardware.mfu): the paper computes at peak × each
     # configuration's efficiency, i.e. 1.0; l2l plan's own questions use the hardware's published figure.
     mfu: float = 1.0
@@ -288,19 +287,39 @@ def transfers(
     data_on, pipe_on = n_b > 1, n_l > 1
     # PCIe: offload plus the network transfers that overlap it
     over_net = np.asarray(thr_p) == net  # a pipeline inside a node does not cross the GPU's PCIe link
-    inv = (1.0 / nu_o + np.where(data_on & ov_d, 1.0 / nu_d, 0.0)
-           + np.where(pipe_on & ov_p & over_net, 1.0 / nu_p, 0.0))  # fmt: skip
+    inv = (
+        1.0 / nu_o
+        + np.where(data_on & ov_d, 1.0 / nu_d, 0.0)
+        + np.where(pipe_on & ov_p & over_net, 1.0 / nu_p, 0.0)
+    )
     pcie_thr = links.threshold(links.pcie_gbps)
     return {
         "data": {"eq": eq_d, "value": nu_d, "threshold": net, "overlapped": ov_d, "active": data_on},
-        "pipeline": {"eq": 11 if method in MODULAR else 10, "value": nu_p, "threshold": thr_p,
-                     "overlapped": ov_p, "active": pipe_on},
+        "pipeline": {
+            "eq": 11 if method in MODULAR else 10,
+            "value": nu_p,
+            "threshold": thr_p,
+            "overlapped": ov_p,
+            "active": pipe_on,
+        },
         "tensor": {"eq": 12, "value": nu_a, "threshold": thr_a, "overlapped": np.False_, "active": n_a > 1},
-        "offload": {"eq": 13, "value": nu_o, "threshold": links.threshold(links.offload_gbps),
-                    "overlapped": np.True_, "active": offload, "state": nu_s, "checkpoints": nu_c},
-        "pcie": {"eq": None, "value": 1.0 / inv, "threshold": pcie_thr, "overlapped": np.True_,
-                 "active": offload & (data_on | pipe_on) & (links.pcie_gbps > 0)},
-    }  # fmt: skip
+        "offload": {
+            "eq": 13,
+            "value": nu_o,
+            "threshold": links.threshold(links.offload_gbps),
+            "overlapped": np.True_,
+            "active": offload,
+            "state": nu_s,
+            "checkpoints": nu_c,
+        },
+        "pcie": {
+            "eq": None,
+            "value": 1.0 / inv,
+            "threshold": pcie_thr,
+            "overlapped": np.True_,
+            "active": offload & (data_on | pipe_on) & (links.pcie_gbps > 0),
+        },
+    }
 
 
 def ratios(t: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -391,47 +410,4 @@ def analyze(
         "intensities": eff["intensities"],
         "train_time_s": time_s,
         "steps": steps if samples is None else samples / c.b,
-    }
-
-
-def transformer_of(shape: Any, d_s: int) -> Transformer:
-    """The paper's transformer for a model of the tool: its depth, width, heads and sequence, with n_I
-    set so that p_l = (4 + 2·n_I)·d_m² + (9 + n_I)·d_m is the block's exact parameter count (n_I = 4 for
-    BERT and GPT-2; a SwiGLU block's three MLP matrices count as 1.5·d_I/d_m)."""
-    d = shape.hidden
-    n_i = (shape.block_params - 4 * d * d - 9 * d) / (2 * d * d + d)
-    return Transformer(shape.num_layers, d, shape.heads, int(d_s), n_i)
-
-
-def for_config(cfg: Any, shape: Any, links: Links) -> dict[str, Any]:
-    """The layered-GA analysis of the config: d_s = model.seq_len (the model's context, as the paper's
-    X[x] and BERT rows use), b = batch.size × n_b (plan.data_parallel, or the config's data-parallel ranks),
-    n_l = plan.pipeline_parallel or dist.pipeline, b_mu = batch.ubatch_size, trained on the
-    config's budget (``plan/budget.py``) in samples of d_s, as ``--search`` trains it."""
-    from l2l_cli.plan.budget import budget_of
-
-    m = transformer_of(shape, int(cfg.model.seq_len))
-    # the config's own ranks (dist.nproc over dist.pipeline) where plan.* does not say more
-    pipe = max(1, int(cfg.dist.pipeline))
-    nb = max(cfg.plan.data_parallel, int(cfg.dist.nproc) // pipe)
-    nl, na = max(cfg.plan.pipeline_parallel, pipe), cfg.plan.tensor_parallel
-    b, bmu = cfg.batch.size * nb, cfg.batch.ubatch_size
-    budget = budget_of(cfg)
-    samples = budget.tokens / m.d_s if budget.tokens else float(budget.steps * b)
-    rows = []
-    for method in METHODS:
-        c = Parallel(method, b, bmu, cfg.batch.size // bmu, nb, nl, na)
-        rows.append(analyze(m, c, links, samples=samples))
-    return {
-        "budget": budget.label,
-        "rate_tflops": links.rate / 1e12,
-        "mfu": links.mfu,
-        "d_s": m.d_s,
-        "params": m.p,
-        "params_per_layer": m.p_l,
-        "critical_batch_size": m.critical_batch_size,
-        "batch": b,
-        "batch_vs_critical": b / m.critical_batch_size,
-        "flops_per_batch": batch_flops(b, m.d_s, m.p),
-        "methods": rows,
     }

@@ -69,8 +69,14 @@ class ModelShape:
         from l2l_cli.config import ModelConfig
         from l2l_cli.models import FAMILIES
 
-        m = replace(ModelConfig(), num_layers=num_layers, hidden_size=hidden, num_heads=heads,
-                    intermediate_size=intermediate, **sizes)  # fmt: skip
+        m = replace(
+            ModelConfig(),
+            num_layers=num_layers,
+            hidden_size=hidden,
+            num_heads=heads,
+            intermediate_size=intermediate,
+            **sizes,
+        )
         return cls(FAMILIES["bert"].from_config(m, 2))
 
     @property

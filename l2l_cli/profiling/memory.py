@@ -9,14 +9,14 @@ runs outside the meter (other threads, or inside :meth:`paused`), so it is exclu
 Every allocation carries a *part* label (weights, activations, stash, ...), and the breakdown at the
 moment of the peak is kept.
 
-The meter runs in *windows* the runners own (``window(key)``: building the runner, each training step,
-each evaluation batch; ``RunnerBase`` opens one around every ``step`` and ``predict``), so the data
-loader's batch collation, checkpoint serialisation and other host work between them are never counted.
-Buffers the runners allocate themselves (the relay's slots, the baselines' weights, gradients and
-optimizer state) are counted at their allocation points as well. Sampled (``profile.memory_sample``, the
-default on ``device=cpu``), the per-op dispatch, which costs ~10 us per op, runs only in windows that can
-set a new peak: the first two of each kind and any batch shape no metered window's shape covers (a step
-with the same shapes allocates the same tensors in the same order); other windows run at full speed.
+The meter runs in *windows* the runners own (``window(key)``: building the runner, each training step, each
+evaluation batch; ``RunnerBase`` opens one around every ``step`` and ``predict``), so the data loader's batch
+collation, checkpoint serialisation and other host work between them are never counted. Buffers the runners
+allocate themselves (the relay's slots, the baselines' weights, gradients and optimizer state) are counted at
+their allocation points as well. Sampled (``profile.memory_sample``, the default on ``device=cpu``), the
+per-op dispatch, which costs microseconds per op, runs only in windows that can set a new peak: the first two
+of each kind and any batch shape no metered window's shape covers (a step with the same shapes allocates the
+same tensors in the same order); other windows run at full speed.
 """
 
 from __future__ import annotations

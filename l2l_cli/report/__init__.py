@@ -5,11 +5,11 @@
     l2l report outputs/l2l_v2_table3 outputs/l2l_v2_table4   # folders of sweeps, together
     l2l report outputs/layered_ga_scaling                    # what `l2l plan --scaling` wrote
 
-Prints a table (rich) and writes report.md, report.csv and plots (PNG and SVG). Runs that ran out of device memory
-are OOM rows and failed runs show their error, as the papers' tables do. Folders that ``l2l plan --scaling``
-wrote (scaling.json beside figure4/5/8 and scaling.csv) get a section of report.md that links their figures
-and gives layered-GA §7's limits, also in limits.csv. The report itself only fails (exit code 2) on bad
-input: a path that does not exist, or a folder with neither runs nor scaling outputs.
+Prints a table (rich) and writes report.md, report.csv and plots (PNG and SVG). Runs that ran out of device
+memory are OOM rows and failed runs show their error, as the papers' tables do. Folders that ``l2l plan
+--scaling`` wrote (scaling.json beside figure4/5/8 and scaling.csv) get a section of report.md that links
+their figures and gives layered-GA §7's limits, also in limits.csv. The report itself only fails (exit code 2)
+on bad input: a path that does not exist, or a folder with neither runs nor scaling outputs.
 """
 
 from __future__ import annotations
@@ -148,8 +148,14 @@ def print_tables(report: Report) -> None:
     t = Table(title=f"l2l report: {len(report.runs)} runs", header_style="bold", title_justify="left")
     for c in cols:  # headers whole (a narrow terminal shortens cells, not names); notes and run names fold
         fold = c.header in ("NOTE", "RUN")
-        t.add_column(c.header, justify="right" if c.numeric else "left", no_wrap=not fold, min_width=len(c.header),
-                     overflow="fold" if fold else "ellipsis", max_width=70 if fold else None)  # fmt: skip
+        t.add_column(
+            c.header,
+            justify="right" if c.numeric else "left",
+            no_wrap=not fold,
+            min_width=len(c.header),
+            overflow="fold" if fold else "ellipsis",
+            max_width=70 if fold else None,
+        )
     for r, cells in zip(report.runs, rows(report.runs, cols), strict=True):
         t.add_row(*cells, style=None if r.ok else "red")
     show(t)

@@ -1,5 +1,6 @@
-"""Plots (PNG at 200 dpi, and SVG beside each) of a set of runs: the papers' sweeps (memory and throughput against depth, #ubatches, ubatch
-size and batch size), the time breakdown per phase (L2L v1 Figure 6), and loss and eval curves.
+"""Plots (PNG at 200 dpi, and SVG beside each) of a set of runs: the papers' sweeps (memory and throughput
+against depth, #ubatches, ubatch size and batch size), the time breakdown per phase (L2L v1 Figure 6), and
+loss and eval curves.
 
 A plot is drawn only when the runs hold what it shows (a sweep axis that varies within a series, a
 breakdown, logged steps), so a report of one run is not padded with empty figures. Titles name what all
@@ -25,10 +26,19 @@ from l2l_cli.report.table import breakdown_columns, memory_unit
 
 # how a run is named in legends: the fields that differ between the runs of the report
 LABEL_FIELDS = (
-    ("method", "{}"), ("precision", "{}"), ("ubatch_size", "ub{}"), ("num_ubatches", "x{}"),
-    ("batch_size", "b{}"), ("num_layers", "L{}"), ("hidden_size", "H{}"), ("seq_len", "S{}"), ("model", "{}"),
-    ("task", "{}"), ("placement", "{}"), ("schedule", "{}"),
-)  # fmt: skip
+    ("method", "{}"),
+    ("precision", "{}"),
+    ("ubatch_size", "ub{}"),
+    ("num_ubatches", "x{}"),
+    ("batch_size", "b{}"),
+    ("num_layers", "L{}"),
+    ("hidden_size", "H{}"),
+    ("seq_len", "S{}"),
+    ("model", "{}"),
+    ("task", "{}"),
+    ("placement", "{}"),
+    ("schedule", "{}"),
+)
 CONTEXT_FIELDS = ("model", "task", "method")  # in the titles when every run shares them
 DPI = 200
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
@@ -42,9 +52,15 @@ SWEEPS = {
     "batch_size": ("DEVICE BATCH SIZE", "vs_batch_size.png", {"batch_size", "ubatch_size", "num_ubatches"}),
 }
 PHASE_COLORS = {
-    "forward": "#4c72b0", "recompute": "#8172b3", "backward": "#55a868", "optimizer": "#c44e52",
-    "transfer": "#dd8452", "reduce": "#937860", "bubble": "#da8bc3", "other": "#b0b0b0",
-}  # fmt: skip
+    "forward": "#4c72b0",
+    "recompute": "#8172b3",
+    "backward": "#55a868",
+    "optimizer": "#c44e52",
+    "transfer": "#dd8452",
+    "reduce": "#937860",
+    "bubble": "#da8bc3",
+    "other": "#b0b0b0",
+}
 
 
 def varying(runs: list[Run]) -> list[str]:
@@ -92,10 +108,14 @@ def style(i: int, points: int = 0) -> dict[str, Any]:
     so a curve that coincides with another (L2L and its baseline, say) stays visible under it."""
     every = max(1, points // 12)
     return {
-        "color": f"C{i % 10}", "marker": MARKERS[i % len(MARKERS)], "linestyle": LINESTYLES[i % len(LINESTYLES)],
-        "markevery": (i % every, every), "markersize": max(4.0, 9.0 - 1.2 * i),
-        "linewidth": max(1.0, 2.8 - 0.45 * i), "fillstyle": "none" if i % 2 else "full",
-    }  # fmt: skip
+        "color": f"C{i % 10}",
+        "marker": MARKERS[i % len(MARKERS)],
+        "linestyle": LINESTYLES[i % len(LINESTYLES)],
+        "markevery": (i % every, every),
+        "markersize": max(4.0, 9.0 - 1.2 * i),
+        "linewidth": max(1.0, 2.8 - 0.45 * i),
+        "fillstyle": "none" if i % 2 else "full",
+    }
 
 
 def write_plots(runs: list[Run], out: Path) -> list[tuple[str, str]]:
@@ -174,8 +194,14 @@ def sweep_plot(runs: list[Run], axis: str, out: Path) -> tuple[str, str] | None:
                 for r in ooms:
                     y = (r.budget_bytes or r.peak_bytes or 0) / div
                     ax.plot([r.get(axis)], [y], "x", color=color, markersize=11, markeredgewidth=2.5)
-                    ax.annotate("OOM", (r.get(axis), y), textcoords="offset points", xytext=(4, 6),
-                                color=color, fontsize=8)  # fmt: skip
+                    ax.annotate(
+                        "OOM",
+                        (r.get(axis), y),
+                        textcoords="offset points",
+                        xytext=(4, 6),
+                        color=color,
+                        fontsize=8,
+                    )
         if is_memory and len(budgets) == 1:
             ax.axhline(next(iter(budgets)) / div, color="gray", ls="--", lw=1, label="device budget")
         _x_axis(ax, [r.get(axis) for r in runs if r.get(axis) is not None], name)
@@ -205,8 +231,15 @@ def pipeline_plot(runs: list[Run], out: Path) -> tuple[str, str] | None:
     bubble, speed = axes[0]
     for i, (series, members) in enumerate(groups.items()):
         color = f"C{i % 10}"
-        pts = sorted((r.pipeline["num_ubatches"], r.pipeline["bubble_measured"], r.pipeline["bubble_predicted"],
-                      r.throughput) for r in members)  # fmt: skip
+        pts = sorted(
+            (
+                r.pipeline["num_ubatches"],
+                r.pipeline["bubble_measured"],
+                r.pipeline["bubble_predicted"],
+                r.throughput,
+            )
+            for r in members
+        )
         xs = [x for x, *_ in pts]
         bubble.plot(xs, [100 * m for _, m, _, _ in pts], "o-", color=color, label=f"{series} measured")
         bubble.plot(

@@ -1,5 +1,5 @@
-"""What ``l2l plan --scaling`` wrote (layered-GA §7 and §8.3), as the report shows it: the figures, linked, and
-the limits read off them.
+"""What ``l2l plan --scaling`` wrote (layered-GA §7 and §8.3), as the report shows it: the figures, linked,
+and the limits read off them.
 
 A scaling output directory holds ``scaling.json`` (the ``--json`` object: the limits per figure and the
 Ethernet slowdown of X160) beside figure4/5/8 (.png, .svg) and ``scaling.csv``. ``l2l report`` finds such
@@ -102,8 +102,11 @@ def fmt_params(v: float | None) -> str:
 def limit_rows(s: Scaling) -> tuple[list[str], list[list[str]]]:
     """The limits as a table: one row per limit, one column per figure."""
     memory = s.summary.get("memory_gb")
-    header = ["limit (improved method)", *(CAPTIONS[f].split(":")[0] for f in FIGURES),
-              "paper (Figure 4 / Figure 5)"]  # fmt: skip
+    header = [
+        "limit (improved method)",
+        *(CAPTIONS[f].split(":")[0] for f in FIGURES),
+        "paper (Figure 4 / Figure 5)",
+    ]
     body = []
     for key, label in LIMITS.items():
         if key == "fits_80gb_params" and isinstance(memory, int | float):
@@ -128,8 +131,11 @@ def markdown(scalings: list[Scaling], out: Path, md_table: Any) -> list[str]:
         ]
         slow = sm.get("ethernet_slowdown_x160")
         if isinstance(slow, int | float):
-            parts += [f"X160 over Ethernet (§8.3): {slow:+.0%} training time against InfiniBand (paper: \"about "
-                      f"4%\").", ""]  # fmt: skip
+            parts += [
+                f'X160 over Ethernet (§8.3): {slow:+.0%} training time against InfiniBand (paper: "about '
+                f'4%").',
+                "",
+            ]
         files = s.files()
         for fig in FIGURES:
             if f"{fig}.png" in files:
@@ -155,7 +161,13 @@ def write_limits(path: Path, scalings: list[Scaling]) -> None:
                 if not lim:
                     continue
                 slow = s.summary.get("ethernet_slowdown_x160") if fig == "figure8" else None
-                row = {"scaling_dir": s.name, "figure": fig, "hardware": s.summary.get("hardware"),
-                       "memory_gb": s.summary.get("memory_gb"), "sizes": s.summary.get("sizes"),
-                       **{k: lim.get(k) for k in LIMITS}, "ethernet_slowdown_x160": slow}  # fmt: skip
+                row = {
+                    "scaling_dir": s.name,
+                    "figure": fig,
+                    "hardware": s.summary.get("hardware"),
+                    "memory_gb": s.summary.get("memory_gb"),
+                    "sizes": s.summary.get("sizes"),
+                    **{k: lim.get(k) for k in LIMITS},
+                    "ethernet_slowdown_x160": slow,
+                }
                 w.writerow({k: "" if v is None else v for k, v in row.items()})
