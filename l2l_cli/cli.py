@@ -6,22 +6,27 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from l2l_cli.config.overrides import CommandLine
     from l2l_cli.locks import DirLock
 
 USAGE = """\
 usage: l2l <command> [args]
 
 commands:
-  train    train or fine-tune (Hydra app: l2l train [group=option] [key=value] [-m for sweeps]; --help lists all)
+  train    train or fine-tune (Hydra app: l2l train [group=option] [key=value] [-m for sweeps];
+           --help lists all)
   eval     evaluate a run's final/ or a checkpoint (l2l eval <run dir> [task=...] [--checkpoint DIR] [--json])
   predict  predictions of a trained run as JSON lines (l2l predict <run dir> --input FILE [--output FILE])
-  generate sample from a trained decoder (l2l generate <run dir> --prompt TEXT | --input FILE [--max-new-tokens N]
-           [--temperature T --top-p P --seed S] [--chat] [--layered] [--checkpoint PATH|latest] [--json])
-  export   a run's weights as a Hugging Face model (l2l export <run dir> [--merge] [--out DIR] [--checkpoint DIR]);
+  generate sample from a trained decoder (l2l generate <run dir> --prompt TEXT | --input FILE
+           [--max-new-tokens N] [--temperature T --top-p P --seed S] [--chat] [--layered]
+           [--checkpoint PATH|latest] [--json])
+  export   a run's weights as a Hugging Face model (l2l export <run dir> [--merge] [--out DIR]
+           [--checkpoint DIR]);
            --merge: a LoRA run's base with its adapter merged in
   report   tables and plots from run directories (l2l report outputs/...)
   plan     analytic memory and time estimates for a config (l2l plan [overrides] [--json])
@@ -76,7 +81,9 @@ def train_help() -> str:
 
 
 def train(argv: list[str]) -> int:
-    from l2l_cli.compose import setup
+    from l2l_cli.compose import setup  # (Hydra's pieces: imported by l2l train only, not l2l --help)
+    from l2l_cli.config.overrides import CommandLine
+    from l2l_cli.config.settings import forget_valid
     from l2l_cli.locks import LockError
     from l2l_cli.preflight import preflight
 
@@ -89,27 +96,31 @@ def train(argv: list[str]) -> int:
         return 0
     sweep: dict[str, Any] = {}
     claim: DirLock | None = None
+    line = CommandLine(list(argv))
+    forget_valid()  # the session skips validating only what this command's preflight validated
     if not any(a in _HYDRA_INFO or a.startswith("--cfg") for a in argv):
         multirun = "-m" in argv or "--multirun" in argv
         unknown_flags = [a for a in argv if a.startswith("-") and a not in ("-m", "--multirun")]
         if unknown_flags:
             return _fail(
-                f"unknown option {unknown_flags[0]}; allowed: -m/--multirun, --help, --version, --cfg job, --info"
+                f"unknown option {unknown_flags[0]}; allowed: -m/--multirun, --help, --version, "
+                "--cfg job, --info"
             )
         try:
-            argv, resume = _resolve_resume(argv, multirun)
-            argv = _torchrun_world(argv)
+            resume = resolve_resume(line, multirun)
+            torchrun_world(line)
         except ValueError as e:
             return _fail(f"config error: {e}")
-        overrides = [a for a in argv if not a.startswith("-")]
         try:  # a live run's disk EPS: named by its holder first, whatever else its folder would say
-            _check_eps_free(argv)
+            _check_eps_free(line)
         except LockError as e:
             return _fail(f"config error: {e}")
         warnings: list[str] = []
-        problems = preflight(overrides, multirun, warnings, resume=resume, info=sweep)
+        problems = preflight(line.overrides(), multirun, warnings, resume=resume, info=sweep)
         if not problems:  # a hub checkpoint that cannot be fetched: refused before any run dir exists
-            from l2l_cli.models import check_hub
+            from l2l_cli.models import (
+                check_hub,  # (the model registry: only for a command line that is valid)
+            )
 
             for ref, family in sweep.get("pretrained", {}).items():
                 problems += check_hub(ref, family)
@@ -117,77 +128,72 @@ def train(argv: list[str]) -> int:
             return _fail([f"config error: {p}" for p in problems])
         for w in warnings:
             print(f"l2l: warning: {w}", file=sys.stderr)
-        pin = sweep.get("multirun") and sweep.get("dir")
-        if pin and not any(a.startswith("hydra.sweep.dir=") for a in argv):  # pin it: ${now:} resolved once
-            argv = [*argv, f"hydra.sweep.dir={_quote(str(sweep['dir']))}"]
+        if sweep.get("multirun") and sweep.get("dir") and not line.has("hydra.sweep.dir"):
+            line.set("hydra.sweep.dir", str(sweep["dir"]))  # pin it: ${now:} resolved once
         try:
-            argv, claim = _claim_run_dir(argv, resume, sweep)
+            claim = _claim_run_dir(line, resume, sweep)
         except LockError as e:
             return _fail(f"config error: {e}")
         if sweep.get("multirun") and sweep.get("dir"):
             print(f"l2l: sweep of {sweep['jobs']} jobs into {sweep['dir']}/", flush=True)
-    rank = int(os.environ.get("RANK", "0"))
-    if rank > 0 and "WORLD_SIZE" in os.environ:  # under torchrun: rank 0 owns the run dir
-        given = [a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")]
-        if given:  # every node was given it: the other ranks log there, as under dist.nproc
-            log = f"{given[-1].strip(chr(39))}/train-rank{rank}.log"
-            argv = [
-                *argv,
-                "hydra.output_subdir=null",
-                f"hydra.job_logging.handlers.file.filename={_quote(log)}",
-            ]
-        else:  # each node would name its own timestamped dir: the others' logs stay out of rank 0's
-            import tempfile
-
-            argv = [
-                *argv,
-                "hydra.output_subdir=null",
-                f"hydra.run.dir={tempfile.gettempdir()}/l2l-rank{rank}-{os.getpid()}",
-            ]
+    rank_logs(line)
     _STATUSES.clear()
     try:
-        _run_hydra(["l2l-train", *argv])
+        _run_hydra(["l2l-train", *line.args])
     finally:
         if claim is not None:
             claim.release()
     if not _STATUSES:
         return 0  # --cfg and friends
     if len(_STATUSES) == 1 and not sweep.get("multirun"):
-        from l2l_cli.train import exit_code
+        from l2l_cli.train import exit_code  # (imports torch: only once a run has run)
 
         return exit_code(_STATUSES[0])
     order = ["ok", "oom", "config", "error", *sorted(set(_STATUSES) - {"ok", "oom", "config", "error"})]
     names = {"config": "bad config", "error": "failed"}
     done = ", ".join(f"{_STATUSES.count(s)} {names.get(s, s)}" for s in order if s in _STATUSES)
-    print(f"l2l: sweep done ({done}) in {sweep.get('dir', 'the sweep dir')}/; tables and plots: "
-          f"l2l report {sweep.get('dir', '<sweep dir>')}", flush=True)  # fmt: skip
+    print(
+        f"l2l: sweep done ({done}) in {sweep.get('dir', 'the sweep dir')}/; tables and plots: "
+        f"l2l report {sweep.get('dir', '<sweep dir>')}",
+        flush=True,
+    )
     return 0 if all(s in ("ok", "oom") for s in _STATUSES) else 1
 
 
-def _given(argv: list[str], key: str) -> str | None:
-    """The value the command line gives ``key`` (the last one, unquoted as Hydra reads it), or None."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    given = [a for a in argv if a.startswith(f"{key}=")]
-    return str(OverridesParser.create().parse_override(given[-1]).value()) if given else None
+def _under_torchrun_rank() -> int:
+    """This process's rank under torchrun (0 when not under torchrun)."""
+    return int(os.environ.get("RANK", "0")) if "WORLD_SIZE" in os.environ else 0
 
 
-def _check_eps_free(argv: list[str]) -> None:
+def rank_logs(line: CommandLine) -> None:
+    """Under torchrun rank 0 owns the run dir; another rank writes only its log: into the run dir given to
+    every node (as under ``dist.nproc``), else into a folder of its own (each node would name its own
+    timestamped dir, and the others' logs stay out of rank 0's)."""
+    rank = _under_torchrun_rank()
+    if rank == 0:
+        return
+    line.set("hydra.output_subdir", None)
+    given = line.text("hydra.run.dir")
+    if given is not None:
+        line.set("hydra.job_logging.handlers.file.filename", f"{given}/train-rank{rank}.log")
+    else:
+        line.set("hydra.run.dir", f"{tempfile.gettempdir()}/l2l-rank{rank}-{os.getpid()}")
+
+
+def _check_eps_free(line: CommandLine) -> None:
     """Raise :class:`~l2l_cli.locks.DirectoryInUse` when the command line's ``eps.path`` is held by a
     live run (its own checks would otherwise advise a resume of a folder another run is writing)."""
     from l2l_cli.locks import check_free
 
     try:
-        eps = _given(argv, "eps.path")
+        eps = line.text("eps.path")
     except Exception:  # an override that does not parse: preflight says so
         return
-    if eps and eps not in ("null", "None"):
+    if eps and eps != "None":
         check_free(Path(eps).expanduser(), "eps.path")
 
 
-def _claim_run_dir(
-    argv: list[str], resume: Path | None, info: dict[str, Any]
-) -> tuple[list[str], DirLock | None]:
+def _claim_run_dir(line: CommandLine, resume: Path | None, info: dict[str, Any]) -> DirLock | None:
     """A start owns the directory it writes before Hydra writes anything there (``.hydra/``, train.log):
     its run dir (a sweep: the sweep dir) is locked here and held until the run ends, so a second start
     into a live run is refused with the holder's pid, and a fresh start into a directory that already
@@ -197,12 +203,12 @@ def _claim_run_dir(
     from l2l_cli.locks import DirLock, LockError, check_free
     from l2l_cli.rundir import run_markers
 
-    if int(os.environ.get("RANK", "0")) > 0 and "WORLD_SIZE" in os.environ:
-        return argv, None
+    if _under_torchrun_rank() > 0:
+        return None
     if info.get("multirun"):
-        given = _given(argv, "hydra.sweep.dir") or info.get("dir")
+        given = line.text("hydra.sweep.dir") or info.get("dir")
         if not given:
-            return argv, None
+            return None
         path, key = Path(given), "hydra.sweep.dir"
         info["dir"] = given
         taken = []
@@ -210,22 +216,26 @@ def _claim_run_dir(
             taken = ["multirun.yaml"] if (path / "multirun.yaml").exists() else []
             taken += [f"{c.name}/" for c in sorted(path.iterdir()) if c.is_dir() and run_markers(c)]
     else:
-        given = _given(argv, "hydra.run.dir")
+        given = line.text("hydra.run.dir")
         if given is None:
             if not info.get("run_dir"):
-                return argv, None
+                return None
             given = str(info["run_dir"])
-            argv = [*argv, f"hydra.run.dir={_quote(given)}"]  # pin it: ${now:} resolved once
+            line.set("hydra.run.dir", given)  # pin it: ${now:} resolved once
         path = Path(given)
         own = resume is not None and path.resolve() == resume.resolve()
         key = "trainer.resume" if own else "hydra.run.dir"
         taken = [] if own or not path.is_dir() else run_markers(path)
     check_free(path, key)
     if taken:
-        raise LockError(key, path, f"{path} holds a run already ({', '.join(taken[:3])}); continue it with "
-                        f"trainer.resume={path}, or choose a new directory")  # fmt: skip
+        raise LockError(
+            key,
+            path,
+            f"{path} holds a run already ({', '.join(taken[:3])}); continue it with "
+            f"trainer.resume={path}, or choose a new directory",
+        )
     _CLAIMED.append((path, path.exists()))
-    return argv, DirLock(path, key).acquire()
+    return DirLock(path, key).acquire()
 
 
 # the run dirs this process claimed, and whether each existed before: a Ctrl-C before the run starts
@@ -241,85 +251,91 @@ def _interrupted_early(cmd: str) -> str:
     for path, existed in _CLAIMED:
         left = run_markers(path) if path.is_dir() else []
         if left:
-            return (f"l2l: {cmd} interrupted before its first step; {path} holds only its config and log "
-                    f"({', '.join(left)}): delete it, or choose another hydra.run.dir")  # fmt: skip
+            return (
+                f"l2l: {cmd} interrupted before its first step; {path} holds only its config and log "
+                f"({', '.join(left)}): delete it, or choose another hydra.run.dir"
+            )
         (path / LOCK_NAME).unlink(missing_ok=True)
         if not existed and path.is_dir() and not any(path.iterdir()):
             path.rmdir()
     return f"l2l: {cmd} interrupted before it started (nothing written)"
 
 
-def _torchrun_world(argv: list[str]) -> list[str]:
+def torchrun_world(line: CommandLine) -> None:
     """Under torchrun the world size is torchrun's (``--nnodes`` x ``--nproc-per-node``): ``dist.nproc``
     follows it (given, it must agree), so every rule that reads it sees the ranks really started."""
     if "WORLD_SIZE" not in os.environ:
-        return argv
+        return
     world = int(os.environ["WORLD_SIZE"])
-    given = [a.split("=", 1)[1] for a in argv if a.startswith("dist.nproc=")]
-    if not given:
-        return [*argv, f"dist.nproc={world}"]
-    if given[-1] != str(world):
-        raise ValueError(f"dist.nproc: got {given[-1]}, but torchrun started {world} ranks; allowed: {world}, "
-                         "or leave it out under torchrun")  # fmt: skip
-    return argv
+    if not line.has("dist.nproc"):
+        line.set("dist.nproc", world)
+        return
+    given = line.text("dist.nproc")
+    if given != str(world):
+        raise ValueError(
+            f"dist.nproc: got {given}, but torchrun started {world} ranks; allowed: {world}, "
+            "or leave it out under torchrun"
+        )
 
 
-def _quote(value: str) -> str:
-    """A Hydra override value: bare when it is a plain path, else single-quoted."""
-    import re
-
-    if re.fullmatch(r"[\w./-]+", value):
-        return value
-    return "'" + value.replace("'", "\\'") + "'"
-
-
-def latest_root(value: str, argv: list[str]) -> Path:
+def latest_root(value: str, line: CommandLine | list[str]) -> Path:
     """Where ``trainer.resume=latest`` looks for runs (every folder below, at any depth): the folder after
     ``latest:`` (``trainer.resume=latest:/scratch/runs``); else, with ``hydra.run.dir=<dir>`` on the command
     line, the folder holding ``<dir>`` (runs kept beside each other outside outputs/); else ``outputs/``."""
     if value.startswith("latest:") and value[len("latest:") :]:
         return Path(value[len("latest:") :]).expanduser()
-    given = [a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")]
-    if given and "${" not in given[-1]:
-        return Path(given[-1].strip("'\"")).expanduser().parent
+    from l2l_cli.config.overrides import CommandLine
+
+    line = line if isinstance(line, CommandLine) else CommandLine(list(line))
+    given = line.text("hydra.run.dir")
+    if given and "${" not in given:
+        return Path(given).expanduser().parent
     return Path("outputs")
 
 
-def _resolve_resume(argv: list[str], multirun: bool) -> tuple[list[str], Path | None]:
+def resolve_resume(line: CommandLine, multirun: bool) -> Path | None:
     """``trainer.resume=<run dir>|latest`` continues that run in its own directory, with its own config
     (l2l_cli/inherit.py): the run dir is resolved once here (``latest``: the run with the newest
     checkpoint under :func:`latest_root`) and becomes Hydra's run dir; Hydra writes no .hydra/ into it (the
-    session records the config once the checkpoint has loaded), so a refused resume leaves the run as it was."""
-    out = list(argv)
-    for k, arg in enumerate(argv):
-        if not arg.startswith("trainer.resume="):
-            continue
-        from l2l_cli.checkpoint import CheckpointError  # (imports torch: only when a run is resumed)
-        from l2l_cli.inherit import find_latest_run
+    session records the config once the checkpoint has loaded), so a refused resume leaves the run as it
+    was. Returns the run dir (None: not a resume); ``line`` then names it in both keys."""
+    if not line.has("trainer.resume"):
+        return None
+    value = line.text("trainer.resume")
+    if value is None or value in ("", "None"):
+        return None
+    if multirun:
+        raise ValueError("resumes one run; it cannot be combined with -m (a sweep)")
+    from l2l_cli.checkpoint import CheckpointError  # (imports torch: only when a run is resumed)
+    from l2l_cli.inherit import find_latest_run
 
-        value = arg.split("=", 1)[1]
-        if value in ("", "null", "None"):
-            return out, None
-        if multirun:
-            raise ValueError("resumes one run; it cannot be combined with -m (a sweep)")
-        try:
-            latest = value == "latest" or value.startswith("latest:")
-            run_dir = find_latest_run(latest_root(value, argv)) if latest else Path(value)
-        except CheckpointError as e:
-            raise ValueError("trainer.resume: " + str(e).removeprefix("trainer.resume=latest: ")) from e
-        if not run_dir.is_dir():
-            raise ValueError(
-                f"trainer.resume: {value} is not a run directory; allowed: a run dir, 'latest' or 'latest:<folder>'"
-            )
-        run_dir = run_dir.resolve()
-        out[k] = f"trainer.resume={_quote(str(run_dir))}"
-        if latest:  # the run found continues in its own directory, whatever hydra.run.dir pointed at
-            out = [a for a in out if not a.startswith("hydra.run.dir=")]
-        if not any(a.startswith("hydra.run.dir=") for a in out):
-            out.append(f"hydra.run.dir={_quote(str(run_dir))}")
-        out.append("hydra.output_subdir=null")
-        return out, run_dir
-    return out, None
+    try:
+        latest = value == "latest" or value.startswith("latest:")
+        run_dir = find_latest_run(latest_root(value, line)) if latest else Path(value)
+    except CheckpointError as e:
+        raise ValueError("trainer.resume: " + str(e).removeprefix("trainer.resume=latest: ")) from e
+    if not run_dir.is_dir():
+        raise ValueError(
+            f"trainer.resume: {value} is not a run directory; allowed: a run dir, 'latest' or "
+            "'latest:<folder>'"
+        )
+    run_dir = run_dir.resolve()
+    line.set("trainer.resume", str(run_dir))
+    if latest:  # the run found continues in its own directory, whatever hydra.run.dir pointed at
+        line.drop("hydra.run.dir")
+    if not line.has("hydra.run.dir"):
+        line.set("hydra.run.dir", str(run_dir))
+    line.set("hydra.output_subdir", None)
+    return run_dir
+
+
+def _resolve_resume(argv: list[str], multirun: bool) -> tuple[list[str], Path | None]:
+    """:func:`resolve_resume` on a list of arguments: (the arguments after it, the run dir or None)."""
+    from l2l_cli.config.overrides import CommandLine
+
+    line = CommandLine(list(argv))
+    resume = resolve_resume(line, multirun)
+    return line.args, resume
 
 
 def _run_hydra(argv: list[str]) -> None:
@@ -393,7 +409,8 @@ def _dispatch(cmd: str, rest: list[str]) -> int:
         code = plan_main(rest)
     else:
         code = _fail(
-            f"unknown command {cmd!r}; allowed: train, eval, predict, generate, export, report, plan (l2l --help)"
+            f"unknown command {cmd!r}; allowed: train, eval, predict, generate, export, report, plan "
+            "(l2l --help)"
         )
     return code
 

@@ -15,28 +15,37 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from l2l_cli.compose import compose, setup
+from l2l_cli.config.settings import mark_validated, validated_before
+from l2l_cli.data.synthetic import synthetic
+from l2l_cli.data.tasks import TASKS, TaskData
+from l2l_cli.engine.dist import failure_message, launch
+from l2l_cli.inherit import changed, inherit, saved_config
 from l2l_cli.rundir import RunFiles
 from l2l_cli.runfiles import Summary, read_json
+from l2l_cli.session import build
 from l2l_cli.train import exit_code, run_dir_of, run_job
 
 
 def run_task(cfg: DictConfig) -> str:
     """Run the job for the composed ``cfg``; returns its status (ok | oom | error | config). A resume
-    runs with the resumed run's own config, this command line's keys on top (l2l_cli/inherit.py)."""
+    runs with the resumed run's own config, this command line's keys on top (l2l_cli/inherit.py). A
+    config with the values ``l2l train``'s preflight validated is marked so, and is not validated again."""
     run_dir = run_dir_of(cfg)
     if cfg.trainer.resume:
-        from hydra.core.hydra_config import HydraConfig
-
-        from l2l_cli.inherit import changed, inherit, saved_config
-
         saved = saved_config(Path(cfg.trainer.resume))
         cfg = inherit(saved, list(HydraConfig.get().overrides.task))
         for key, (old, new) in changed(saved, cfg).items():
             logging.getLogger("l2l").info("resume: %s=%s (was %s)", key, new, old)
+    validated = validated_before(cfg)
+    if validated:
+        mark_validated(cfg)
     if cfg.dist.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        return launch_ranks(cfg, run_dir)
+        return launch_ranks(cfg, run_dir, validated)
     if "WORLD_SIZE" in os.environ:  # a rank under torchrun
         watch_agent()
     return run_job(cfg, run_dir)
@@ -57,14 +66,14 @@ def watch_agent(interval_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="l2l-agent-watch", daemon=True).start()
 
 
-def launch_ranks(cfg: DictConfig, run_dir: Path) -> str:
-    from l2l_cli.engine.dist import failure_message, launch
-
+def launch_ranks(cfg: DictConfig, run_dir: Path, validated: bool = False) -> str:
+    """``dist.nproc`` ranks of this job through the elastic launcher; rank 0's status (``validated``: the
+    config was validated here, so the ranks do not validate it again)."""
     for name in ("torch.distributed.elastic", "torch.multiprocessing"):  # their tracebacks go to train.log
         logging.getLogger(name).setLevel(logging.CRITICAL)
     cfg_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     try:
-        results = launch(cfg.dist.nproc, _rank_main, (cfg_yaml, str(run_dir)))
+        results = launch(cfg.dist.nproc, _rank_main, (cfg_yaml, str(run_dir), validated))
         return results[0]
     except Exception as e:  # ChildFailedError (a rank died or failed), or the launcher itself
         msg = failure_message(e)
@@ -85,10 +94,8 @@ def launch_ranks(cfg: DictConfig, run_dir: Path) -> str:
         return "error"
 
 
-def _rank_main(cfg_yaml: str, run_dir: str) -> str:
+def _rank_main(cfg_yaml: str, run_dir: str, validated: bool = False) -> str:
     """Entry point of each rank spawned by the elastic launcher."""
-    from l2l_cli.compose import setup
-
     setup()
     rank = int(os.environ.get("RANK", "0"))
     log_file = Path(run_dir) / ("train.log" if rank == 0 else f"train-rank{rank}.log")
@@ -98,13 +105,13 @@ def _rank_main(cfg_yaml: str, run_dir: str) -> str:
         format=f"[%(asctime)s][rank {rank}][%(name)s][%(levelname)s] %(message)s",
     )
     if "OMP_NUM_THREADS" not in os.environ:  # ranks share the cores: oversubscribed OpenMP threads crawl
-        import torch
-
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     logging.getLogger("l2l").info("rank %d of %s, pid %d", rank, os.environ.get("WORLD_SIZE"), os.getpid())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent turns the user's Ctrl-C into one SIGTERM
     watch_agent()
     cfg = OmegaConf.create(cfg_yaml)
+    if validated:  # the launching process validated these values before it started the ranks
+        mark_validated(cfg)
     status = run_job(cfg, Path(run_dir), handle_sigint=False)
     if status != "ok":
         # a failed rank must not leave the others waiting in a collective: exit non-zero, the agent
@@ -123,19 +130,10 @@ def run_jobs(
     run directory that gets a checkpoint after its steps (a later job's ``trainer.resume=<dir>`` goes on
     from it). Returns, per rank, one dict per job: losses, step times and the reports' extras, and on rank
     0 every weight by Hugging Face name and the mode's summary sections."""
-    from l2l_cli.engine.dist import launch
-
     return launch(nproc, _jobs_main, (jobs, steps, save or {}))
 
 
 def _jobs_main(jobs: list[list[str]], steps: int, save: dict[int, str]) -> list[dict]:
-    import torch
-
-    from l2l_cli.compose import compose, setup
-    from l2l_cli.data.synthetic import synthetic
-    from l2l_cli.data.tasks import TASKS, TaskData
-    from l2l_cli.session import build
-
     setup()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     out = []
@@ -155,14 +153,18 @@ def _jobs_main(jobs: list[list[str]], steps: int, save: dict[int, str]) -> list[
             s.runner.collect()
             sections = s.runner.sections()
             rank0 = s.dist.rank == 0
-            out.append({
-                "losses": [r.loss for r in reports],
-                "extra": [r.extra for r in reports],
-                "step_time_s": [r.step_time_s for r in reports],
-                "samples": [r.samples * s.dist.data_world for r in reports],
-                "weights": {n: t.detach().float().clone() for n, t in s.runner.hf_tensors()} if rank0 else None,
-                "sections": sections if rank0 else None,
-                "peak": s.runner.acc.meter.peak_bytes,  # this rank's device peak, and its parts
-                "parts": dict(s.runner.acc.meter.peak_parts),
-            })  # fmt: skip
+            out.append(
+                {
+                    "losses": [r.loss for r in reports],
+                    "extra": [r.extra for r in reports],
+                    "step_time_s": [r.step_time_s for r in reports],
+                    "samples": [r.samples * s.dist.data_world for r in reports],
+                    "weights": {n: t.detach().float().clone() for n, t in s.runner.hf_tensors()}
+                    if rank0
+                    else None,
+                    "sections": sections if rank0 else None,
+                    "peak": s.runner.acc.meter.peak_bytes,  # this rank's device peak, and its parts
+                    "parts": dict(s.runner.acc.meter.peak_parts),
+                }
+            )
     return out

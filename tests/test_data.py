@@ -5,8 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from omegaconf import DictConfig
 from scipy.stats import pearsonr, spearmanr
 
+from l2l_cli.config.schema import TaskConfig
+from l2l_cli.config.settings import typed
 from l2l_cli.data.batches import TrainStream
 from l2l_cli.data.loading import load_task
 from l2l_cli.data.metrics import compute
@@ -173,17 +176,17 @@ def test_user_files_json_lines_arrays_labels_and_holdout(tmp_path) -> None:
     base = ["task=json", f"task.files={tmp_path / 'train.jsonl'}", "task.text_fields=[q,a]"]
     cfg = compose([*base, f"task.dev_files={tmp_path / 'dev.json'}", "task.label_field=grade"])
     assert validate(cfg) == []
-    spec, train, dev = files.load(cfg.task)
+    spec, train, dev = files.load(_task(cfg))
     assert spec.label_names == ("1", "2", "10") and spec.metrics == ("accuracy",) and len(dev) == 6
     assert (train[0].text_a, train[0].text_b, train[0].label) == ("question 0", "answer 0", 2)  # grade 10
-    spec, train, dev = files.load(compose([*base, "task.label_field=score"]).task)  # no dev file: held out
+    spec, train, dev = files.load(_task(compose([*base, "task.label_field=score"])))  # no dev file: held out
     assert (
         spec.is_regression and spec.metrics == ("pearson", "spearmanr") and (len(train), len(dev)) == (27, 3)
     )
     assert sorted(d.label for d in [*train, *dev]) == [i / 7 for i in range(30)]
     assert [d.label for d in dev] != [27 / 7, 28 / 7, 29 / 7]  # a seeded shuffle, not the file's tail
     # integers are classes unless told otherwise
-    assert files.load(compose([*base, "task.label_field=grade", "task.regression=true"]).task)[
+    assert files.load(_task(compose([*base, "task.label_field=grade", "task.regression=true"])))[
         0
     ].is_regression
     problems = [str(p) for p in validate(compose([*base, "task.text_fields=[q,b]", "task.label_field=mark"]))]
@@ -195,7 +198,7 @@ def test_user_files_json_lines_arrays_labels_and_holdout(tmp_path) -> None:
     (tmp_path / "dev.json").write_text(json.dumps([{**rows[0], "grade": 7}]))
     cfg = compose([*base, f"task.dev_files={tmp_path / 'dev.json'}", "task.label_field=grade"])
     with pytest.raises(ConfigError, match=r"label 7 is not among the training file's labels \(1, 2, 10\)"):
-        files.load(cfg.task)
+        files.load(_task(cfg))
 
 
 def test_a_held_out_dev_split_is_shuffled_and_stratified(tmp_path, caplog) -> None:
@@ -212,18 +215,18 @@ def test_a_held_out_dev_split_is_shuffled_and_stratified(tmp_path, caplog) -> No
     (tmp_path / "sorted.csv").write_text("\n".join(rows) + "\n")
     cfg = compose(["task=csv", f"task.files={tmp_path / 'sorted.csv'}"])
     with caplog.at_level(logging.INFO, logger="l2l"):
-        spec, train, dev = files.load(cfg.task)
+        spec, train, dev = files.load(_task(cfg))
     assert (len(train), len(dev)) == (72, 8)
     assert sorted(spec.label_names[d.label] for d in dev) == ["neg"] * 4 + ["pos"] * 4
     assert "dev split: 8 of 80 examples held out" in caplog.text and "neg 4, pos 4" in caplog.text
-    assert [d.text_a for d in files.load(cfg.task)[2]] == [d.text_a for d in dev]  # one split per file
+    assert [d.text_a for d in files.load(_task(cfg))[2]] == [d.text_a for d in dev]  # one split per file
     rows = (
         ["text,label"] + [f"good text {i},pos" for i in range(40)] + [f"bad text {i},neg" for i in range(3)]
     )
     (tmp_path / "rare.csv").write_text("\n".join(rows) + "\n")
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="l2l"):
-        files.load(compose(["task=csv", f"task.files={tmp_path / 'rare.csv'}"]).task)
+        files.load(_task(compose(["task=csv", f"task.files={tmp_path / 'rare.csv'}"])))
     assert "the dev split holds one label only" in caplog.text
 
 
@@ -239,5 +242,10 @@ def test_one_text_field_may_be_given_as_a_name(tmp_path) -> None:
     one = compose(["task=csv", f"task.files={tmp_path / 'a.csv'}", "task.text_fields=sentence"])
     listed = compose(["task=csv", f"task.files={tmp_path / 'a.csv'}", "task.text_fields=[sentence]"])
     assert validate(one) == []
-    got, want = files.load(one.task), files.load(listed.task)
+    got, want = files.load(_task(one)), files.load(_task(listed))
     assert [e.text_a for e in got[1]] == [e.text_a for e in want[1]] and got[1][0].text_b is None
+
+
+def _task(cfg: DictConfig) -> TaskConfig:
+    """The composed config's ``task`` as the file kind reads it: typed (what ``load_task`` hands it)."""
+    return typed(cfg.task, TaskConfig)

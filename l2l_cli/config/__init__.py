@@ -19,6 +19,17 @@ from l2l_cli.config.schema import (
 )
 
 __all__ = [
-    "BatchConfig", "DistConfig", "EpsConfig", "HardwareConfig", "L2LConfig", "ModeConfig", "ModelConfig",
-    "OptimConfig", "PrecisionConfig", "TaskConfig", "TrainerConfig", "register", "to_container",
-]  # fmt: skip
+    "BatchConfig",
+    "DistConfig",
+    "EpsConfig",
+    "HardwareConfig",
+    "L2LConfig",
+    "ModeConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "PrecisionConfig",
+    "TaskConfig",
+    "TrainerConfig",
+    "register",
+    "to_container",
+]

@@ -115,13 +115,15 @@ def render(groups: dict[str, list[str]], descriptions: dict[str, dict[str, str]]
         "",
         "Examples:",
         "  l2l train",
-        "  l2l train task=rte task.data_dir=../shared/data/glue/RTE mode=baseline_ag batch.size=32 batch.ubatch_size=8",
+        "  l2l train task=rte task.data_dir=../shared/data/glue/RTE mode=baseline_ag batch.size=32 "
+        "batch.ubatch_size=8",
         "  l2l train task=csv task.files=train.csv task.dev_files=dev.csv task.text_fields=[review]",
         "  l2l train mode=l2l_stash_cpu precision=cmp device=sim sim.memory_gb=2 sim.link_gbps=16",
         "  l2l train -m mode=baseline_ag,l2l batch.ubatch_size=4,8",
         "  l2l train trainer.resume=latest trainer.max_steps=500     # continue a run with its own config",
         "",
-        "Outputs go to a run dir under outputs/: metrics.jsonl, metrics.csv, tensorboard/, eval.jsonl, memory.json,",
+        "Outputs go to a run dir under outputs/: metrics.jsonl, metrics.csv, tensorboard/, eval.jsonl, "
+        "memory.json,",
         "summary.json, train.log, checkpoints/ (see README). Hydra's own help: l2l train --hydra-help",
     ]
     return "\n".join(parts) + "\n"

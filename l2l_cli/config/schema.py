@@ -310,7 +310,8 @@ class PlanConfig:
     tokens: float = 0.0  # the training budget in tokens (a fine-tune: 100e6); 0: plan.steps or train_steps
     steps: int = 0  # the training budget in optimizer steps of the configured batch; 0: unset
     measure_repeats: int = 5  # hardware=measure: timed repetitions per primitive (the median is used)
-    network: str = "infiniband"  # --search/--scaling: infiniband (hardware.network_gbps) | ethernet (hardware.ethernet_gbps)
+    # --search/--scaling: infiniband (hardware.network_gbps) | ethernet (hardware.ethernet_gbps)
+    network: str = "infiniband"
     parallelism: str = "all"  # --search: all | none | data | data+pipe | data+tensor | 3d
     method: str = "all"  # --search: all | baseline | partitioned | improved (layered-GA §5)
     max_gpus: int = 0  # --search: at most this many GPUs (0: no limit)

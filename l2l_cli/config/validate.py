@@ -1,61 +1,39 @@
-"""Validation of the composed config: one function per group, each returning its problems; ``validate``
-runs them all and reports every problem at once, each one line naming the key and what is allowed.
-
-Mode- and family-specific rules come from the registries (a mode's stash options, precisions, clipping
-rules and its own ``validate``; the families a checkpoint may be), never from a list of names here.
-"""
+"""Validation of the composed config: every group's check (:mod:`l2l_cli.config.checks`, then
+:mod:`l2l_cli.config.placement`, registered in that order), after the values every group shares (finite
+numbers, sizes that are not typos); every problem at once, each one line naming the key and what is
+allowed."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from l2l_cli.config.schema import (
-    CLIP,
-    DEVICES,
-    DIST_BACKENDS,
-    HALF_DTYPES,
-    LOSS_SCALE,
-    PIPE_SCHEDULES,
-    PLACEMENTS,
-    PRECISIONS,
-    PROGRESS,
-    SCALES,
-    SCHEDULES,
-    ModelConfig,
-)
-from l2l_cli.data.loading import task_problems
-from l2l_cli.data.tasks import LM, TASKS
-from l2l_cli.engine.optim import OPTIMIZERS
-from l2l_cli.engine.tiers import TIERS, TierKind
-from l2l_cli.models import (
-    FAMILIES,
-    UnsupportedModel,
-    check_pretrained,
-    family_names,
-    family_of,
-    make_spec,
-)
-from l2l_cli.modes import MODES, run_clip
-from l2l_cli.parallel import PARALLEL, parallel_for
-from l2l_cli.plan.rules import plan_problems
-from l2l_cli.problems import ConfigError, Problem, at_least, divisors, fmt_bytes, one_of, positive  # noqa: F401
-from l2l_cli.rundir import logger_problems
+from l2l_cli.config.checks import CHECKS, Config
+from l2l_cli.config.placement import eps_space  # (its import registers its groups after checks.py's)
+from l2l_cli.config.settings import is_marked, remember_valid
+from l2l_cli.engine.tiers import TIERS
+from l2l_cli.problems import Problem
 
 # Sizes beyond these are typos, not models: refuse them before a run tries to allocate them.
 LIMITS = {
-    "model.num_layers": 100_000, "model.hidden_size": 65_536, "model.num_heads": 4_096,
-    "model.intermediate_size": 1_048_576, "model.vocab_size": 10_000_000, "model.seq_len": 1_048_576,
-    "model.type_vocab_size": 1_024, "task.max_seq_len": 1_048_576, "batch.size": 1_048_576,
-    "batch.ubatch_size": 1_048_576, "dist.nproc": 4_096, "trainer.epochs": 1_000_000,
-}  # fmt: skip
+    "model.num_layers": 100_000,
+    "model.hidden_size": 65_536,
+    "model.num_heads": 4_096,
+    "model.intermediate_size": 1_048_576,
+    "model.vocab_size": 10_000_000,
+    "model.seq_len": 1_048_576,
+    "model.type_vocab_size": 1_024,
+    "task.max_seq_len": 1_048_576,
+    "batch.size": 1_048_576,
+    "batch.ubatch_size": 1_048_576,
+    "dist.nproc": 4_096,
+    "trainer.epochs": 1_000_000,
+}
 
 
-def _select(cfg: Any, key: str) -> Any:
+def _select(cfg: Config, key: str) -> Any:
     if isinstance(cfg, DictConfig):
         return OmegaConf.select(cfg, key)
     for part in key.split("."):
@@ -63,7 +41,7 @@ def _select(cfg: Any, key: str) -> Any:
     return cfg
 
 
-def _limits(cfg: Any) -> list[Problem]:
+def _limits(cfg: Config) -> list[Problem]:
     p = []
     for key, hi in LIMITS.items():
         value = _select(cfg, key)
@@ -86,388 +64,16 @@ def _finite(cfg: Any, prefix: str = "") -> list[Problem]:
     return p
 
 
-# ---- the mode's view of the config (resolved through the registry) --------------------------------
-
-
-def _mode(cfg: Any) -> Any:
-    return MODES.get(cfg.mode.name)
-
-
-# ---- one check per group -------------------------------------------------------------------------
-
-Check = Callable[[Any, bool], list[Problem]]
-CHECKS: list[tuple[str, Check]] = []
-
-
-def check(group: str) -> Callable[[Check], Check]:
-    """Register ``fn(cfg, check_files) -> problems`` as the validation of ``group``."""
-
-    def deco(fn: Check) -> Check:
-        CHECKS.append((group, fn))
-        return fn
-
-    return deco
-
-
-@check("model")
-def _model(cfg: Any, check_files: bool) -> list[Problem]:
-    p: list[Problem] = []
-    m = cfg.model
-    one_of(p, "model.family", m.family, family_names())
-    if m.x is not None:
-        at_least(p, "model.x", m.x, 2)
-        if m.x % 2:
-            p.append(Problem("model.x", f"got {m.x}; X[x] needs an even x (heads = x/2)"))
-    for k in ("num_layers", "hidden_size", "num_heads", "intermediate_size", "vocab_size", "seq_len"):
-        at_least(p, f"model.{k}", getattr(m, k), 1)
-    at_least(p, "model.type_vocab_size", m.type_vocab_size, 1)
-    if m.hidden_size >= 1 and m.num_heads >= 1 and m.hidden_size % m.num_heads:
-        p.append(
-            Problem(
-                "model.num_heads",
-                f"{m.num_heads} heads do not divide model.hidden_size={m.hidden_size}; "
-                f"allowed: a divisor of {m.hidden_size} ({divisors(m.hidden_size)})",
-            )
-        )
-    if not (0.0 <= m.dropout < 1.0):
-        p.append(Problem("model.dropout", f"got {m.dropout}; must be in [0, 1)"))
-    family = family_of(m)
-    if m.pretrained is None:  # keys of another family: the run would ignore them
-        defaults = ModelConfig()
-        for f in FAMILIES.values():
-            for key in f.keys:
-                if f is not family and getattr(m, key) != getattr(defaults, key):
-                    p.append(
-                        Problem(
-                            f"model.{key}",
-                            f"applies to model.family={f.name}, not {m.family}; leave it unset",
-                        )
-                    )
-    if family is not None and family.validate is not None:
-        p.extend(family.validate(m))
-    positive(p, "model.rope_theta", m.rope_theta)
-    positive(p, "model.init_std", m.init_std)
-    if m.pretrained is not None and check_files:
-        p.extend(check_pretrained(m.pretrained, m.family))
-    return p
-
-
-@check("mode")
-def _mode_group(cfg: Any, check_files: bool) -> list[Problem]:
-    p: list[Problem] = []
-    mode = cfg.mode
-    spec = MODES.get(mode.name)
-    if spec is None:
-        return [Problem("mode.name", f"got {mode.name!r}; allowed: {', '.join(MODES)}")]
-    if spec.stash:
-        if mode.stash is not None:
-            one_of(p, "mode.stash", mode.stash, spec.stash)
-    elif mode.stash is not None:
-        with_stash = ", ".join(m.name for m in MODES.values() if m.stash)
-        p.append(Problem("mode.stash", f"applies to the L2L modes ({with_stash}), not mode={mode.name}"))
-    if not spec.recompute:
-        with_rc = ", ".join(m.name for m in MODES.values() if m.recompute)
-        for key, unset in (("recompute", "full"), ("keep_layers", None), ("activation_budget_gb", None)):
-            if mode.get(key, unset) != unset:
-                p.append(
-                    Problem(f"mode.{key}", f"applies to the L2L modes ({with_rc}), not mode={mode.name}")
-                )
-    if spec.validate is not None:
-        p.extend(spec.validate(cfg))
-    return p
-
-
-@check("precision")
-def _precision(cfg: Any, check_files: bool) -> list[Problem]:
-    p: list[Problem] = []
-    prec = cfg.precision
-    one_of(p, "precision.name", prec.name, PRECISIONS)
-    one_of(p, "precision.dtype", prec.dtype, HALF_DTYPES)
-    one_of(p, "precision.loss_scale", prec.loss_scale, LOSS_SCALE)
-    positive(p, "precision.init_scale", prec.init_scale)
-    at_least(p, "precision.growth_interval", prec.growth_interval, 1)
-    spec = _mode(cfg)
-    if spec is not None and prec.name in PRECISIONS and prec.name not in spec.precisions:
-        note = (
-            f"{spec.precision_note} (mode={spec.name})"
-            if spec.precision_note
-            else f"not with mode={spec.name}"
-        )
-        p.append(Problem("precision", f"{note}; allowed for mode={spec.name}: {', '.join(spec.precisions)}"))
-    return p
-
-
-@check("task")
-def _task(cfg: Any, check_files: bool) -> list[Problem]:
-    """The keys every task reads, then its kind's own rules (data/: glue, synthetic, lm, files), then
-    whether the model family trains this kind of task."""
-    p: list[Problem] = []
-    task, m = cfg.task, cfg.model
-    one_of(p, "task.name", task.name, tuple(TASKS))
-    at_least(p, "task.max_seq_len", task.max_seq_len, 4)
-    if task.max_seq_len > m.seq_len and m.pretrained is None:
-        p.append(Problem("task.max_seq_len", f"got {task.max_seq_len}; must be <= model.seq_len={m.seq_len}"))
-    for k in ("max_train_samples", "max_eval_samples"):
-        v = getattr(task, k)
-        if v is not None and v < 1:
-            p.append(Problem(f"task.{k}", f"got {v}; must be >= 1 or unset"))
-    at_least(p, "task.num_train", task.num_train, 1)
-    at_least(p, "task.num_eval", task.num_eval, 1)
-    if task.name not in TASKS:
-        return p
-    p.extend(task_problems(cfg, check_files))
-    family, spec = family_of(m), TASKS[task.name]
-    if family is not None and spec.objective != family.objective:
-        if family.objective == LM:
-            why = f"model family {family.name} is a decoder language model: it trains task=lm"
-        else:
-            decoders = ", ".join(f.name for f in FAMILIES.values() if f.objective == LM)
-            why = f"task={task.name} needs a decoder (model.family={decoders}, or a decoder checkpoint); {family.name} classifies"
-        p.append(Problem("task.name", f"got {task.name!r}; {why}"))
-    return p
-
-
-@check("optim")
-def _optim(cfg: Any, check_files: bool) -> list[Problem]:
-    p: list[Problem] = []
-    opt = cfg.optim
-    one_of(p, "optim.name", opt.name, tuple(OPTIMIZERS))
-    one_of(p, "optim.schedule", opt.schedule, SCHEDULES)
-    one_of(p, "optim.clip", opt.clip, CLIP)
-    positive(p, "optim.lr", opt.lr)
-    if opt.weight_decay < 0:
-        p.append(Problem("optim.weight_decay", f"got {opt.weight_decay}; must be >= 0"))
-    for k in ("beta1", "beta2"):
-        v = getattr(opt, k)
-        if not (0.0 <= v < 1.0):
-            p.append(Problem(f"optim.{k}", f"got {v}; must be in [0, 1)"))
-    positive(p, "optim.eps", opt.eps)
-    if not (0.0 <= opt.warmup_ratio <= 1.0):
-        p.append(Problem("optim.warmup_ratio", f"got {opt.warmup_ratio}; must be in [0, 1]"))
-    if opt.warmup_steps is not None and opt.warmup_steps < 0:
-        p.append(Problem("optim.warmup_steps", f"got {opt.warmup_steps}; must be >= 0 or unset"))
-    positive(p, "optim.max_grad_norm", opt.max_grad_norm)
-    kind, tier = OPTIMIZERS.get(opt.name), TIERS.get(cfg.eps.tier)
-    if kind is not None and not kind.fp32_moments:  # 8-bit moments: only where the state is flat tensors
-        if tier is not None and tier.on_disk:
-            p.append(Problem("optim.name", f"{opt.name} is not available with eps.tier={tier.name} yet "
-                             "(its layer files hold FP32 moments); use eps.tier=host, or optim=adamw"))  # fmt: skip
-        if cfg.dist.pipeline > 1:
-            p.append(Problem("optim.name", f"{opt.name} is not available with dist.pipeline > 1 yet "
-                             "(a stage keeps FP32 moments); use dist.pipeline=1, or optim=adamw"))  # fmt: skip
-    spec = _mode(cfg)
-    if spec is not None and opt.clip in CLIP and run_clip(cfg) not in spec.clips:
-        why = spec.clip_note or f"{opt.clip} is not available with mode={spec.name}"
-        p.append(Problem("optim.clip", f"{why}; allowed: {', '.join(spec.clips)}"))
-    return p
-
-
-@check("batch")
-def _batch(cfg: Any, check_files: bool) -> list[Problem]:
-    p: list[Problem] = []
-    b = cfg.batch
-    at_least(p, "batch.size", b.size, 1)
-    at_least(p, "batch.ubatch_size", b.ubatch_size, 1)
-    spec = _mode(cfg)
-    if b.size >= 1 and b.ubatch_size >= 1:
-        if b.size % b.ubatch_size:
-            p.append(
-                Problem(
-                    "batch.ubatch_size",
-                    f"{b.ubatch_size} does not divide batch.size={b.size}; allowed: a divisor of "
-                    f"{b.size} ({divisors(b.size)})",
-                )
-            )
-        elif spec is not None and not spec.microbatches and b.ubatch_size != b.size:
-            p.append(
-                Problem(
-                    "batch.ubatch_size",
-                    f"mode={spec.name} runs the whole minibatch at once, so "
-                    f"batch.ubatch_size must equal batch.size={b.size}; use mode=baseline_ag for micro-batches",
-                )
-            )
-    if b.eval_size is not None and b.eval_size < 1:
-        p.append(Problem("batch.eval_size", f"got {b.eval_size}; must be >= 1 or unset"))
-    return p
-
-
-@check("trainer")
-def _trainer(cfg: Any, check_files: bool) -> list[Problem]:
-    p: list[Problem] = []
-    tr = cfg.trainer
-    if tr.max_steps == 0 or tr.max_steps < -1:
-        p.append(Problem("trainer.max_steps", f"got {tr.max_steps}; must be >= 1, or -1 for trainer.epochs"))
-    at_least(p, "trainer.epochs", tr.epochs, 1)
-    for k in ("eval_every", "save_every", "seed"):
-        at_least(p, f"trainer.{k}", getattr(tr, k), 0)
-    at_least(p, "trainer.log_every", tr.log_every, 1)
-    at_least(p, "trainer.max_bad_steps", tr.max_bad_steps, 1)
-    at_least(p, "trainer.keep_checkpoints", tr.keep_checkpoints, 1)
-    one_of(p, "trainer.progress", tr.progress, PROGRESS)
-    spec = _mode(cfg)
-    if tr.realtime_ckpt and spec is not None and not spec.realtime_ckpt:
-        with_eps = ", ".join(m.name for m in MODES.values() if m.realtime_ckpt)
-        p.append(
-            Problem(
-                "trainer.realtime_ckpt",
-                f"needs an L2L mode ({with_eps}): the EPS writes each layer as it is updated",
-            )
-        )
-    if tr.resume is not None and check_files:
-        p.extend(check_resume(tr.resume))
-    p.extend(_best_rules(cfg))
-    return p
-
-
-def _best_rules(cfg: Any) -> list[Problem]:
-    """``trainer.save_best`` names a metric the task's evaluation reports; early stopping needs it and
-    evaluations during training."""
-    p: list[Problem] = []
-    tr = cfg.trainer
-    at_least(p, "trainer.early_stopping_patience", tr.early_stopping_patience, 0)
-    spec = TASKS.get(cfg.task.name)
-    if tr.save_best is not None and tr.save_best != "auto" and spec is not None:
-        allowed = set(spec.metrics) | (
-            {"accuracy", "f1", "pearson", "spearmanr"} if spec.file_format else set()
-        )
-        if tr.save_best not in allowed:
-            p.append(
-                Problem(
-                    "trainer.save_best", f"got {tr.save_best!r}; allowed: auto, {', '.join(sorted(allowed))}"
-                )
-            )
-    if tr.early_stopping_patience:
-        if tr.save_best is None:
-            p.append(
-                Problem("trainer.early_stopping_patience", "needs trainer.save_best (the metric to watch)")
-            )
-        if not tr.eval_every:
-            p.append(
-                Problem(
-                    "trainer.early_stopping_patience",
-                    "needs trainer.eval_every > 0 (evaluations during training)",
-                )
-            )
-    return p
-
-
-@check("device")
-def _device(cfg: Any, check_files: bool) -> list[Problem]:
-    p: list[Problem] = []
-    one_of(p, "device", cfg.device, DEVICES)
-    one_of(p, "scale", cfg.scale, SCALES)
-    if cfg.device == "cuda":
-        from l2l_cli.engine.device import cuda_available
-
-        if not cuda_available():
-            p.append(
-                Problem("device", "cuda requested but no CUDA device is available; allowed: auto, cpu, sim")
-            )
-    positive(p, "sim.memory_gb", cfg.sim.memory_gb)
-    positive(p, "sim.link_gbps", cfg.sim.link_gbps)
-    return p
-
-
-@check("logger")
-def _logger(cfg: Any, check_files: bool) -> list[Problem]:
-    return [Problem("logger", msg) for msg in logger_problems(_select(cfg, "logger"))]
-
-
-@check("dist")
-def _dist(cfg: Any, check_files: bool) -> list[Problem]:
-    p: list[Problem] = []
-    d = cfg.dist
-    at_least(p, "dist.nproc", d.nproc, 1)
-    one_of(p, "dist.backend", d.backend, DIST_BACKENDS)
-    positive(p, "dist.timeout_s", d.timeout_s)
-    at_least(p, "dist.pipeline", d.pipeline, 1)
-    at_least(p, "dist.layers_per_stage", d.layers_per_stage, 1)
-    one_of(p, "dist.placement", d.placement, PLACEMENTS)
-    one_of(p, "dist.schedule", d.schedule, PIPE_SCHEDULES)
-    if not p:  # the strategies' cross-field rules (pipeline: P divides nproc, #ubatches >= P, ...)
-        for strategy in PARALLEL.values():
-            p.extend(strategy.validate(cfg))
-    spec = _mode(cfg)
-    if not cfg.dist.eager_reduce and spec is not None and spec.distribute != "eps":
-        with_eps = ", ".join(m.name for m in MODES.values() if m.distribute == "eps")
-        p.append(
-            Problem(
-                "dist.eager_reduce",
-                f"applies to the modes whose EPS reduces layer by layer ({with_eps}); mode={spec.name} "
-                f"reduces with DDP during backward",
-            )
-        )
-    return p
-
-
-@check("eps")
-def _eps(cfg: Any, check_files: bool) -> list[Problem]:
-    """The EPS's storage tier: every tier's keys, the selected tier's own rules (its ``TierKind``) and the
-    one that needs the mode registry; with ``check_files``, whether the tier's directory can hold the
-    model's state (the session checks its exact directory again once the run dir exists)."""
-
-    p: list[Problem] = []
-    e = cfg.eps
-    one_of(p, "eps.tier", e.tier, tuple(TIERS))
-    for kind in TIERS.values():
-        p.extend(kind.check_keys(cfg))
-    tier = TIERS.get(e.tier)
-    if tier is None:
-        return p
-    spec = _mode(cfg)
-    if tier.eps_modes_only is not None and spec is not None and spec.host_state != "eps":
-        with_eps = ", ".join(m.name for m in MODES.values() if m.host_state == "eps")
-        p.append(
-            Problem(
-                "eps.tier",
-                f"{tier.eps_modes_only}; mode={spec.name} keeps its state on the device (modes with an EPS: "
-                f"{with_eps})",
-            )
-        )
-    p.extend(tier.validate(cfg, check_files))
-    return p
-
-
-@check("peft")
-def _peft(cfg: Any, check_files: bool) -> list[Problem]:
-    """``peft.*``: its values (models/lora.py), then what they need of the rest: a pipeline refuses
-    adapters for now; a low-bit or disk base lives beside an EPS (the relay dequantizes it); the target
-    modules must be the model's."""
-    from l2l_cli.models import lora
-
-    p = lora.key_problems(cfg.peft)
-    if cfg.peft.name == "none" or p:
-        return p
-    if parallel_for(cfg) is not None:
-        p.append(Problem("peft.name", "adapters do not run in the pipeline yet (dist.pipeline > 1); use "
-                                      "data parallel (dist.nproc) with dist.pipeline=1"))  # fmt: skip
-    spec = _mode(cfg)
-    if spec is not None and spec.host_state != "eps":
-        with_eps = ", ".join(m.name for m in MODES.values() if m.host_state == "eps")
-        if cfg.peft.base_dtype != "fp32":
-            p.append(Problem("peft.base_dtype", f"a low-precision base is streamed by the relay of the modes with "
-                                                f"an EPS ({with_eps}); mode={spec.name} keeps the base on the device in fp32"))  # fmt: skip
-        if lora.on_disk(cfg.peft.base_source):
-            p.append(Problem("peft.base_source", f"disk streams the base layer by layer in the modes with an EPS "
-                                                 f"({with_eps}), not mode={spec.name}"))  # fmt: skip
-    if cfg.task.name in TASKS and not (cfg.model.pretrained and not check_files):
-        try:
-            model = make_spec(cfg.model, TASKS[cfg.task.name].num_labels)
-        except (UnsupportedModel, OSError, ValueError, KeyError):
-            return p  # the model's own check says why
-        p.extend(lora.problems(model, lora.LoraSettings.from_cfg(cfg.peft)))
-    return p
-
-
-@check("plan")
-def _plan(cfg: Any, check_files: bool) -> list[Problem]:
-    return plan_problems(cfg)
-
-
-def validate(cfg: Any, *, check_files: bool = True, check_space: bool = True) -> list[Problem]:
+def validate(cfg: Config, *, check_files: bool = True, check_space: bool = True) -> list[Problem]:
     """Cross-field rules of the composed config. Returns every problem found (empty when valid).
     ``check_space``: with ``check_files``, whether the EPS tier's directory on this machine can hold the
-    model's state (``l2l plan`` asks about another machine: its ``hardware.disk_free_gb`` answers that)."""
+    model's state (``l2l plan`` asks about another machine: its ``hardware.disk_free_gb`` answers that).
+
+    A config marked validated (:func:`~l2l_cli.config.settings.mark_validated`: the CLI's preflight checked
+    these exact values, files included, in this process) is not checked again: no problems. A config that
+    passes in full is remembered (:func:`~l2l_cli.config.settings.validated_before`)."""
+    if is_marked(cfg):
+        return []
     problems = _finite(cfg) + _limits(cfg)
     eps_ok = True
     for group, fn in CHECKS:
@@ -476,28 +82,10 @@ def validate(cfg: Any, *, check_files: bool = True, check_space: bool = True) ->
         problems.extend(found)
     tier = TIERS.get(cfg.eps.tier)
     if check_files and check_space and eps_ok and tier is not None:
-        problems.extend(_eps_space(cfg, tier))
+        problems.extend(eps_space(cfg, tier))
     # a checkpoint that cannot be had is one fact, though the model, the tokenizer and the data all read it
     first = next((p for p in problems if p.key == "model.pretrained"), None)
-    return [p for p in problems if p.key != "model.pretrained" or p is first]
-
-
-# ---- files the config points at -------------------------------------------------------------------
-
-
-def _eps_space(cfg: Any, tier: TierKind) -> list[Problem]:
-    if tier.check_space is None or cfg.task.name not in TASKS:
-        return []
-    try:
-        spec = make_spec(cfg.model, TASKS[cfg.task.name].num_labels)
-    except (UnsupportedModel, OSError, ValueError, KeyError):
-        return []  # the model's own check says why
-    return tier.check_space(cfg, spec)
-
-
-def check_resume(ref: str) -> list[Problem]:
-    if ref == "latest":
-        return []
-    if not Path(ref).is_dir():
-        return [Problem("trainer.resume", f"{ref} is not a run directory; allowed: a run dir or 'latest'")]
-    return []
+    problems = [p for p in problems if p.key != "model.pretrained" or p is first]
+    if not problems and check_files and check_space:
+        remember_valid(cfg)
+    return problems

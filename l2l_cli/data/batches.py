@@ -83,9 +83,10 @@ class Encoded:
 class TrainStream:
     """Minibatches for training: seeded shuffle per epoch, length bucketing, drop-last.
 
-    A *global* minibatch holds ``batch_size * world`` samples; rank r takes rows [r*batch_size, (r+1)*batch_size)
-    and every rank pads to the global minibatch's longest row, so N ranks with batch b see exactly the
-    tensors one process with batch N*b sees (the data-parallel equivalence tests rely on this).
+    A *global* minibatch holds ``batch_size * world`` samples; rank r takes rows
+    [r*batch_size, (r+1)*batch_size) and every rank pads to the global minibatch's longest row, so N ranks
+    with batch b see exactly the tensors one process with batch N*b sees (the data-parallel equivalence
+    tests rely on this).
     """
 
     BUCKET = 32  # global minibatches per length-sorting bucket

@@ -28,348 +28,32 @@ import hashlib
 import json
 import logging
 import os
-import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from l2l_cli.config.schema import SHAREGPT_ROLES
+from l2l_cli.config.schema import ModelConfig, TaskConfig
 from l2l_cli.data import sources
-from l2l_cli.data.lm import cache_root, dataset_key, file_key, load_tokenizer, tokenizer_fingerprint
-from l2l_cli.data.lm import tokenizer_ref as lm_tokenizer_ref
+from l2l_cli.data.chat_render import Encoder, make_encoder, template_problem
+from l2l_cli.data.chat_render import template_tokenizer as template_tokenizer  # l2l generate's import
+from l2l_cli.data.chat_rows import ROLES, Fields, detect, messages_of
+from l2l_cli.data.lm import cache_root, dataset_key, file_key, tokenizer_fingerprint
 from l2l_cli.data.rows import IGNORE, Encoded, RowMaker, Rows, StreamedTrain, pack_examples
 from l2l_cli.data.sources import RowStream, as_list, listed_files
-from l2l_cli.data.tasks import TaskData, TaskKind, TaskSpec
-from l2l_cli.data.templates import NamedTemplate, end_of_turn_text, named
+from l2l_cli.data.tasks import TaskData, TaskKind, TaskSettings, TaskSpec
+from l2l_cli.data.templates import named
 from l2l_cli.problems import ConfigError, Problem
 
 log = logging.getLogger(__name__)
 
 FORMATS = ("auto", "messages", "instruction", "prompt_completion")
 TRAIN_ON = ("assistant", "all")
-ROLES = ("system", "user", "assistant", "tool")
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 CACHE_VERSION = 2  # 2: an answer's span ends at its end-of-turn token
 STREAM_CHECK_ROWS = 16  # a streamed dataset: rows checked before the run starts
 STREAM_DEV_ROWS = 64  # a streamed dataset without a dev source: its first rows (default) are the dev split
-
-
-def bad(key: str, where: str, msg: str) -> ConfigError:
-    return ConfigError([Problem(key, f"{where}: {msg}")])
-
-
-# ---- the three shapes, as messages -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Fields:
-    """``task.fields``: which keys hold the turns, a turn's speaker and its text, and what each speaker
-    name means (ShareGPT's ``conversations`` of ``{from, value}``, ``human``/``gpt``, by default)."""
-
-    messages: str | None = None
-    role: str | None = None
-    content: str | None = None
-    roles: tuple[tuple[str, str], ...] = tuple(SHAREGPT_ROLES.items())
-
-    @staticmethod
-    def of(task: Any) -> Fields:
-        f = getattr(task, "fields", None)
-        if f is None:
-            return Fields()
-        return Fields(
-            f.messages, f.role, f.content, tuple((str(k), str(v)) for k, v in dict(f.roles).items())
-        )
-
-    def turns_key(self, columns: list[str]) -> str | None:
-        """The field holding the turns: ``task.fields.messages``, else ``messages``, else ``conversations``."""
-        if self.messages:
-            return self.messages
-        return next((k for k in ("messages", "conversations") if k in columns), None)
-
-    def key(self) -> dict[str, Any]:
-        return {"messages": self.messages, "role": self.role, "content": self.content, "roles": self.roles}
-
-
-def detect(fields: list[str], where: str, keys: Fields = Fields()) -> str:
-    """The shape of rows with these fields (``task.format=auto``)."""
-    if keys.messages and keys.messages not in fields:
-        raise ConfigError([Problem("task.fields.messages", f"{where} has no '{keys.messages}' field (its "
-                                   f"fields: {', '.join(fields)})")])  # fmt: skip
-    if keys.turns_key(fields):
-        return "messages"
-    if "instruction" in fields and "output" in fields:
-        return "instruction"
-    if "prompt" in fields and "completion" in fields:
-        return "prompt_completion"
-    raise ConfigError([Problem("task.format", f"{where} has no 'messages' field (nor ShareGPT's "
-                               "'conversations'), nor instruction/output, nor prompt/completion (its fields: "
-                               f"{', '.join(fields)}); set task.format or task.fields.messages")])  # fmt: skip
-
-
-def text_of(row: dict[str, Any], field: str, where: str, optional: bool = False) -> str:
-    value = row.get(field)
-    if value is None and optional:
-        return ""
-    if not isinstance(value, str):
-        raise bad("task.format", where, f"'{field}' is {'missing' if value is None else type(value).__name__}; "
-                  "expected text")  # fmt: skip
-    return value
-
-
-def turns(
-    value: Any, field: str, where: str, keys: Fields = Fields(), line: str | None = None
-) -> list[dict[str, str]]:
-    """A list of {role, content} messages, checked (roles known, contents text). A turn may name its
-    speaker and text by other keys (``task.fields.role``/``content``; unset: ``role``/``content``, else
-    ShareGPT's ``from``/``value``), its speaker by another name (``task.fields.roles``: human -> user...);
-    what those mappings miss is refused naming the key, the file and its line (``line``)."""
-    if value is None:
-        raise bad("task.format", where, f"no '{field}'")
-    if not isinstance(value, list) or not value:
-        raise bad("task.format", where, f"'{field}' must be a non-empty list of {{role, content}} messages")
-    roles = dict(keys.roles)
-    out = []
-    for j, m in enumerate(value):
-        if not isinstance(m, dict):
-            raise bad("task.format", where, f"{field}[{j}] is not a {{role, content}} object")
-        m = {k: v for k, v in m.items() if v is not None}  # (a column file's rows share every turn's keys)
-        rk = keys.role or ("role" if "role" in m or "from" not in m else "from")
-        sharegpt = rk == "from" and "content" not in m
-        ck = keys.content or ("value" if sharegpt or ("value" in m and "content" not in m) else "content")
-        mapped = rk != "role" or ck != "content"
-        here = line or where
-        if mapped and rk not in m:
-            raise bad("task.fields.role", here, f"{field}[{j}] has no '{rk}' key (its keys: {', '.join(m)})")
-        if mapped and ck not in m:
-            raise bad(
-                "task.fields.content", here, f"{field}[{j}] has no '{ck}' key (its keys: {', '.join(m)})"
-            )
-        role, content = m.get(rk), m.get(ck)
-        role = roles.get(role, role) if isinstance(role, str) else role
-        if role not in ROLES:
-            if mapped:
-                raise bad("task.fields.roles", here, f"{field}[{j}].{rk} {role!r} is not mapped to a role "
-                          f"(mapped: {', '.join(f'{a}->{b}' for a, b in keys.roles)}); set "
-                          f"+task.fields.roles.{role}=<{'|'.join(ROLES)}>")  # fmt: skip
-            raise bad(
-                "task.format", where, f"{field}[{j}].role {role!r} is unknown; allowed: {', '.join(ROLES)}"
-            )
-        if not isinstance(content, str):
-            key, at = ("task.fields.content", here) if mapped else ("task.format", where)
-            raise bad(key, at, f"{field}[{j}].{ck} is {type(content).__name__}; expected text")
-        out.append({"role": role, "content": content})
-    return out
-
-
-def messages_of(
-    row: dict[str, Any], fmt: str, where: str, keys: Fields = Fields(), line: str | None = None
-) -> list[dict[str, str]]:
-    """A row of any shape as the conversation it stands for (``line``: where the row is, for the
-    ``task.fields`` mapping's errors)."""
-    if fmt == "messages":
-        field = keys.turns_key(list(row)) or "messages"
-        if keys.messages and row.get(field) is None:
-            raise bad(
-                "task.fields.messages", line or where, f"no '{field}' field (its fields: {', '.join(row)})"
-            )
-        return turns(row.get(field), field, where, keys, line)
-    if fmt == "instruction":
-        user = text_of(row, "instruction", where)
-        extra = text_of(row, "input", where, optional=True)
-        if extra:
-            user = f"{user}\n\n{extra}"
-        return [
-            {"role": "user", "content": user},
-            {"role": "assistant", "content": text_of(row, "output", where)},
-        ]
-    prompt, completion = row.get("prompt"), row.get("completion")
-    head = turns(prompt, "prompt", where) if isinstance(prompt, list) else [
-        {"role": "user", "content": text_of(row, "prompt", where)}]  # fmt: skip
-    tail = turns(completion, "completion", where) if isinstance(completion, list) else [
-        {"role": "assistant", "content": text_of(row, "completion", where)}]  # fmt: skip
-    return head + tail
-
-
-# ---- rendering and the assistant mask ------------------------------------------------------------------
-
-
-@dataclass
-class Encoder:
-    """Renders and tokenizes conversations: (ids, labels) with labels IGNORE outside what is trained."""
-
-    tok: Any
-    template: str
-    train_on: str
-    max_len: int
-    truncated: int = 0  # examples cut at max_len
-    examples: int = 0
-    end_of_turn: str | None = None  # the text that closes an answer: its span ends there (not after it)
-    fields: Fields = Fields()  # task.fields: the rows' keys
-
-    @property
-    def tagged(self) -> bool:
-        """The template marks the assistant's tokens itself ({% generation %} blocks)."""
-        return re.search(r"{%-?\s*generation\s*-?%}", self.template) is not None
-
-    def render(self, messages: list[dict[str, str]], **kw: Any) -> str:
-        return self.tok.apply_chat_template(messages, chat_template=self.template, tokenize=False, **kw)
-
-    def encode(self, messages: list[dict[str, str]], where: str) -> Encoded:
-        if not any(m["role"] == "assistant" for m in messages):
-            raise bad("task.format", where, "no assistant message (nothing to train on)")
-        try:
-            ids, mask = self.tagged_mask(messages) if self.tagged else self.prefix_mask(messages, where)
-        except ConfigError:
-            raise
-        except Exception as e:  # a template error (raise_exception, a missing variable)
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise bad("task.chat_template", where, f"rendering failed: {first[:200]}") from e
-        self.examples += 1
-        if len(ids) > self.max_len:
-            self.truncated += 1
-            ids, mask = ids[: self.max_len], mask[: self.max_len]
-        if self.train_on == "all":
-            mask = [True] * len(ids)
-        if not any(mask[1:]):  # position 0 predicts nothing: a trained token needs one before it
-            raise bad("task.max_seq_len", where, f"no assistant token left after truncation to {self.max_len} "
-                      "tokens (an empty answer, or a prompt as long as the limit)")  # fmt: skip
-        return list(ids), [t if m else IGNORE for t, m in zip(ids, mask)]
-
-    def tagged_mask(self, messages: list[dict[str, str]]) -> tuple[list[int], list[bool]]:
-        out = self.tok.apply_chat_template(messages, chat_template=self.template, tokenize=True,
-                                           return_dict=True, return_assistant_tokens_mask=True)  # fmt: skip
-        return list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
-
-    def prefix_mask(self, messages: list[dict[str, str]], where: str) -> tuple[list[int], list[bool]]:
-        text = self.render(messages)
-        spans = []
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            before = self.render(messages[:i], add_generation_prompt=True) if i else ""
-            upto = self.render(messages[: i + 1])
-            if not (upto.startswith(before) and text.startswith(upto)):
-                raise bad("task.chat_template", where, f"the template does not render messages[:{i + 1}] as a "
-                          "prefix of the conversation, so the answers cannot be located; use a template with "
-                          "{% generation %} blocks")  # fmt: skip
-            end = len(upto)
-            if self.end_of_turn:  # the answer is its content and the end-of-turn token, not what follows
-                at = upto.rfind(self.end_of_turn, len(before))
-                end = at + len(self.end_of_turn) if at >= 0 else end
-            spans.append((len(before), end))
-        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
-        mask = [any(a <= s < b for a, b in spans) for s, _ in enc["offset_mapping"]]
-        return list(enc["input_ids"]), mask
-
-
-TEMPLATE_SUFFIXES = (".jinja", ".jinja2", ".j2", ".txt")
-
-
-def template_problem(value: Any) -> Problem | None:
-    """``task.chat_template`` that names a file (a template suffix or a path separator, and no Jinja
-    ``{``) which is not there: a misspelled path, never to be trained on as the template's text."""
-    text = str(value or "")
-    if not text or "{" in text or "\n" in text or len(text) >= 4096:
-        return None
-    looks_like_path = (
-        text.lower().endswith(TEMPLATE_SUFFIXES) or "/" in text or os.sep in text or text[0] == "~"
-    )
-    path = Path(text).expanduser()
-    if looks_like_path and not path.is_file():
-        return Problem("task.chat_template", f"{text}: no such file (a template file ending in "
-                       f"{', '.join(TEMPLATE_SUFFIXES)}, or the Jinja template itself)")  # fmt: skip
-    return None
-
-
-def chat_template(task: Any, tok: Any, ref: str) -> str:
-    """``task.chat_template`` (a name, the template, or a file holding it), else the tokenizer's."""
-    value = task.chat_template
-    if value:
-        known = named(value)
-        if known is not None:
-            return known.template
-        problem = template_problem(value)
-        if problem is not None:
-            raise ConfigError([problem])
-        path = Path(str(value)).expanduser()
-        return path.read_text() if len(str(value)) < 4096 and path.is_file() else str(value)
-    template = getattr(tok, "chat_template", None)
-    if isinstance(template, dict):  # several named templates: the default one
-        template = template.get("default")
-    if not template:
-        raise ConfigError([Problem("task.chat_template", f"unset, and the tokenizer {ref} has no chat template; "
-                                   "set task.chat_template=chatml|llama3|<a Jinja template or a file holding one>")])  # fmt: skip
-    return str(template)
-
-
-def model_vocab(model: Any) -> int | None:
-    """How many token ids the model's embedding has (a checkpoint's config.json, else model.vocab_size)."""
-    if not model.pretrained:
-        return int(model.vocab_size)
-    from l2l_cli.models import PretrainedUnavailable, resolve_pretrained
-
-    try:
-        config = json.loads(
-            (resolve_pretrained(model.pretrained, config_only=True) / "config.json").read_text()
-        )
-    except (PretrainedUnavailable, OSError, ValueError):
-        return None  # model.pretrained's own check says why
-    vocab = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
-    return int(vocab) if vocab else None
-
-
-def add_template_tokens(tok: Any, template: NamedTemplate, vocab: int | None, ref: str) -> None:
-    """Make each special token a named template is written in one token of ``tok``: one the tokenizer
-    has as a word is marked special (its id kept); one it lacks is added past its ids, which must still
-    index the model's embedding (a checkpoint's spare rows, or a larger model.vocab_size), else one
-    config error: a token split into pieces would teach the model neither where a turn ends nor when to
-    stop."""
-    have = tok.get_vocab()
-    missing = [t for t in template.specials if t not in have]
-    if missing and vocab is not None and len(tok) + len(missing) > vocab:
-        raise ConfigError([Problem("task.chat_template", f"{template.name} is written in the special tokens "
-                                   f"{', '.join(missing)}, which the tokenizer {ref} lacks, and the model's "
-                                   f"{vocab} token ids leave no room to add them (the tokenizer has {len(tok)}); "
-                                   "use a tokenizer that has them, a larger model.vocab_size, or a Jinja "
-                                   "template in the tokenizer's own tokens")])  # fmt: skip
-    added = set(getattr(tok, "added_tokens_encoder", {}))
-    new = [t for t in template.specials if t not in added]
-    if new:
-        tok.add_tokens(new, special_tokens=True)
-
-
-def template_tokenizer(task: Any, model: Any) -> tuple[Any, str, str]:
-    """(the run's tokenizer with the chat template it trains with, its ref, the template): a named
-    template's special tokens added where the tokenizer lacks them, so the export (final/) and
-    ``l2l generate`` tokenize as training did."""
-    ref, chosen_by = lm_tokenizer_ref(task, model)
-    tok = load_tokenizer(ref, "task.tokenizer" if chosen_by == "task.tokenizer" else "model.pretrained")
-    template = chat_template(task, tok, ref)
-    known = named(task.chat_template)
-    if known is not None:
-        add_template_tokens(tok, known, model_vocab(model), ref)
-    tok.chat_template = template  # the export (final/) carries the template it was trained with
-    return tok, ref, template
-
-
-def make_encoder(task: Any, model: Any) -> tuple[Encoder, str]:
-    tok, ref, template = template_tokenizer(task, model)
-    if not getattr(tok, "is_fast", False):
-        raise ConfigError([Problem("task.tokenizer", f"{ref} is not a fast tokenizer (task=chat needs its "
-                                   "character offsets to find the answers)")])  # fmt: skip
-    eot = end_of_turn_text(template)
-    if eot is None:  # the tokenizer's own template: the special token it closes a turn with, if any
-        from l2l_cli.engine.stops import end_of_turn
-
-        ids = sorted(end_of_turn(tok))
-        eot = tok.convert_ids_to_tokens(ids[0]) if ids else None
-    enc = Encoder(
-        tok, template, task.train_on, int(task.max_seq_len), end_of_turn=eot, fields=Fields.of(task)
-    )
-    return enc, ref
 
 
 # ---- splits ---------------------------------------------------------------------------------------------
@@ -412,13 +96,16 @@ def encode_rows(
     return out
 
 
-def read_split(task: Any, enc: Encoder, key: str, split: str | None, cache: Path) -> list[Encoded] | None:
+def read_split(
+    task: TaskConfig, enc: Encoder, key: str, split: str | None, cache: Path
+) -> list[Encoded] | None:
     """The examples of task.files / task.dev_files (``key``) or of the dataset's ``split``."""
     if task.dataset:
         if split is None:
             return None
-        return encode_rows(sources.open_dataset(task, split, cache, False), enc, task.format,
-                           f"{task.dataset}:{split}")  # fmt: skip
+        return encode_rows(
+            sources.open_dataset(task, split, cache, False), enc, task.format, f"{task.dataset}:{split}"
+        )
     paths = [Path(f).expanduser() for f in as_list(getattr(task, key))]
     if not paths:
         return None
@@ -430,17 +117,32 @@ def read_split(task: Any, enc: Encoder, key: str, split: str | None, cache: Path
     return out
 
 
-def cache_key(task: Any, enc: Encoder) -> str:
+def cache_key(task: TaskConfig, enc: Encoder) -> str:
     if task.dataset:
         data: Any = dataset_key(task)
     else:
-        data = [file_key([Path(f).expanduser() for f in as_list(task.files)]),
-                file_key([Path(f).expanduser() for f in as_list(task.dev_files)])]  # fmt: skip
-    return hashlib.sha256(json.dumps({
-        "v": CACHE_VERSION, "data": data, "tokenizer": tokenizer_fingerprint(enc.tok), "template": enc.template,
-        "format": task.format, "train_on": task.train_on, "seq": enc.max_len, "packing": bool(task.packing),
-        "dev_fraction": float(task.dev_fraction), "fields": enc.fields.key(),
-    }, sort_keys=True, default=str).encode()).hexdigest()[:24]  # fmt: skip
+        data = [
+            file_key([Path(f).expanduser() for f in as_list(task.files)]),
+            file_key([Path(f).expanduser() for f in as_list(task.dev_files)]),
+        ]
+    return hashlib.sha256(
+        json.dumps(
+            {
+                "v": CACHE_VERSION,
+                "data": data,
+                "tokenizer": tokenizer_fingerprint(enc.tok),
+                "template": enc.template,
+                "format": task.format,
+                "train_on": task.train_on,
+                "seq": enc.max_len,
+                "packing": bool(task.packing),
+                "dev_fraction": float(task.dev_fraction),
+                "fields": enc.fields.key(),
+            },
+            sort_keys=True,
+            default=str,
+        ).encode()
+    ).hexdigest()[:24]
 
 
 def save_rows(path: Path, splits: dict[str, Rows], stats: dict[str, int]) -> None:
@@ -467,7 +169,7 @@ def load_rows(path: Path) -> tuple[dict[str, Rows], dict[str, int]]:
         return out, json.loads(str(z["stats"]))
 
 
-def prepare(task: Any, model: Any) -> tuple[Rows, Rows, dict[str, int], Encoder, str]:
+def prepare(task: TaskConfig, model: ModelConfig) -> tuple[Rows, Rows, dict[str, int], Encoder, str]:
     """(train rows, dev rows, truncation stats, encoder, tokenizer ref) of an in-memory chat dataset,
     from the cache when it has them."""
     enc, ref = make_encoder(task, model)
@@ -482,12 +184,23 @@ def prepare(task: Any, model: Any) -> tuple[Rows, Rows, dict[str, int], Encoder,
         n_dev = max(1, round(task.dev_fraction * len(train))) if len(train) > 1 else 0
         train, dev = train[: len(train) - n_dev], train[len(train) - n_dev :]
     if not train or not dev:
-        raise ConfigError([Problem("task.files" if not task.dataset else "task.dataset",
-                                   f"{len(train)} train and {len(dev)} dev examples; both splits need one")])  # fmt: skip
+        raise ConfigError(
+            [
+                Problem(
+                    "task.files" if not task.dataset else "task.dataset",
+                    f"{len(train)} train and {len(dev)} dev examples; both splits need one",
+                )
+            ]
+        )
     seq, packing = enc.max_len, bool(task.packing)
     tr, dv = Rows(pack_examples(train, seq, packing)), Rows(pack_examples(dev, seq, packing))
-    stats = {"examples": enc.examples, "truncated": enc.truncated, "train_rows": len(tr), "dev_rows": len(dv),
-             "answer_tokens": int(sum((r[1] != IGNORE).sum() for r in tr.rows))}  # fmt: skip
+    stats = {
+        "examples": enc.examples,
+        "truncated": enc.truncated,
+        "train_rows": len(tr),
+        "dev_rows": len(dv),
+        "answer_tokens": int(sum((r[1] != IGNORE).sum() for r in tr.rows)),
+    }
     save_rows(cached, {"train": tr, "dev": dv}, stats)
     return tr, dv, stats, enc, ref
 
@@ -507,7 +220,7 @@ def stream_encoder(enc: Encoder, fmt: str, name: str) -> Callable[[int, dict[str
     return encode
 
 
-def open_stream(task: Any, key: str, split: str) -> tuple[RowStream, str]:
+def open_stream(task: TaskConfig, key: str, split: str) -> tuple[RowStream, str]:
     if task.dataset:
         return RowStream(lambda: sources.open_dataset(task, split, cache_root() / "datasets", True)), (
             f"{task.dataset}:{split}"
@@ -518,7 +231,9 @@ def open_stream(task: Any, key: str, split: str) -> tuple[RowStream, str]:
     ), ",".join(p.name for p in paths)
 
 
-def streamed(task: Any, model: Any, limit: int | None = None) -> tuple[Any, Rows, Encoder, str]:
+def streamed(
+    task: TaskConfig, model: ModelConfig, limit: int | None = None
+) -> tuple[Any, Rows, Encoder, str]:
     """(a factory of the training stream, the dev rows, encoder, tokenizer ref) of a streamed dataset.
     Without a dev source, the stream's first rows are the dev split and training starts after them."""
     enc, ref = make_encoder(task, model)
@@ -538,7 +253,7 @@ def streamed(task: Any, model: Any, limit: int | None = None) -> tuple[Any, Rows
 # ---- the kind ----------------------------------------------------------------------------------------------
 
 
-def load(spec: TaskSpec, task: Any, model: Any, train_split: bool) -> TaskData:
+def load(spec: TaskSpec, task: TaskConfig, model: ModelConfig, train_split: bool) -> TaskData:
     if task.streaming:
         maker, dev, enc, ref = streamed(task, model)
         source = f"chat:stream:{sources.describe(task)}"
@@ -550,16 +265,29 @@ def load(spec: TaskSpec, task: Any, model: Any, train_split: bool) -> TaskData:
         return TaskData(spec, Rows([]), dev, source, enc.tok, stream=stream)
     train, dev, stats, enc, ref = prepare(task, model)
     source = f"chat:{sources.describe(task)}"
-    log.info("task chat: %s rendered by %s: %d examples (%d cut at task.max_seq_len=%d), %d train and %d dev "
-             "rows, %d answer tokens", source, ref, stats["examples"], stats["truncated"], enc.max_len,
-             stats["train_rows"], stats["dev_rows"], stats["answer_tokens"])  # fmt: skip
+    log.info(
+        "task chat: %s rendered by %s: %d examples (%d cut at task.max_seq_len=%d), %d train and %d dev "
+        "rows, %d answer tokens",
+        source,
+        ref,
+        stats["examples"],
+        stats["truncated"],
+        enc.max_len,
+        stats["train_rows"],
+        stats["dev_rows"],
+        stats["answer_tokens"],
+    )
     if stats["truncated"]:
-        log.warning("task chat: %d of %d examples were longer than task.max_seq_len=%d tokens and were cut",
-                    stats["truncated"], stats["examples"], enc.max_len)  # fmt: skip
+        log.warning(
+            "task chat: %d of %d examples were longer than task.max_seq_len=%d tokens and were cut",
+            stats["truncated"],
+            stats["examples"],
+            enc.max_len,
+        )
     return TaskData(spec, train if train_split else Rows([]), dev, source, enc.tok, stats=stats)
 
 
-def validate(cfg: Any, check_files: bool) -> list[Problem]:
+def validate(cfg: TaskSettings, check_files: bool) -> list[Problem]:
     """The keys, then (``check_files``) the data itself: rendered whole (a streamed dataset: its first
     rows), so bad data is refused before a run dir exists."""
     task, p = cfg.task, []
@@ -590,7 +318,7 @@ def validate(cfg: Any, check_files: bool) -> list[Problem]:
     return p
 
 
-def source_problems(cfg: Any, suffixes: tuple[str, ...], check_files: bool) -> list[Problem]:
+def source_problems(cfg: TaskSettings, suffixes: tuple[str, ...], check_files: bool) -> list[Problem]:
     """task.files / task.dev_files (chat's formats) or task.dataset, and the dataset keys."""
     task, p = cfg.task, []
     files, problem = listed_files(task, "files")
@@ -604,8 +332,12 @@ def source_problems(cfg: Any, suffixes: tuple[str, ...], check_files: bool) -> l
         for f in names:
             suffix = Path(f).suffix.lower()
             if suffix not in suffixes:
-                p.append(Problem(f"task.{key}", f"{f}: unsupported format {suffix or '(none)'}; allowed: "
-                                 f"{', '.join(suffixes)}"))  # fmt: skip
+                p.append(
+                    Problem(
+                        f"task.{key}",
+                        f"{f}: unsupported format {suffix or '(none)'}; allowed: {', '.join(suffixes)}",
+                    )
+                )
             elif check_files and not Path(f).expanduser().is_file():
                 p.append(Problem(f"task.{key}", f"{f} is not a file"))
     if not (0.0 <= task.dev_fraction < 1.0):
@@ -614,7 +346,22 @@ def source_problems(cfg: Any, suffixes: tuple[str, ...], check_files: bool) -> l
 
 
 KIND = TaskKind(
-    "chat", load, validate,
-    keys=("files", "dev_files", "dev_fraction", "format", "chat_template", "fields", "train_on", "packing", "dataset",
-          "dataset_config", "split", "dev_split", "streaming"),
-)  # fmt: skip
+    "chat",
+    load,
+    validate,
+    keys=(
+        "files",
+        "dev_files",
+        "dev_fraction",
+        "format",
+        "chat_template",
+        "fields",
+        "train_on",
+        "packing",
+        "dataset",
+        "dataset_config",
+        "split",
+        "dev_split",
+        "streaming",
+    ),
+)

@@ -4,8 +4,9 @@ Files: CSV (``.csv``, comma) or TSV (``.tsv``, tab, quoting off as GLUE's), each
 (one object per line) or a JSON array of objects. ``task.text_fields`` names one or two text columns (a
 sentence, or a pair), ``task.label_field`` the target. Classification labels are the distinct values of the
 training file, sorted (numbers numerically); ``task.regression`` unset means regression exactly when every
-label is a number and not all are integers. ``task.files`` (and ``task.dev_files``) is a path or a list of them,
-read in order; without ``task.dev_files`` a seeded, stratified 10% of the training examples is the dev split.
+label is a number and not all are integers. ``task.files`` (and ``task.dev_files``) is a path or a list of
+them, read in order; without ``task.dev_files`` a seeded, stratified 10% of the training examples is the
+dev split.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from l2l_cli.config.schema import ModelConfig, TaskConfig
 from l2l_cli.data.sources import as_list, data_error, json_records, kind_of, listed_files, text_lines
-from l2l_cli.data.tasks import Example, TaskData, TaskKind, TaskSpec
+from l2l_cli.data.tasks import Example, TaskData, TaskKind, TaskSettings, TaskSpec
 from l2l_cli.data.tokenize import encode_splits
 from l2l_cli.problems import ConfigError, Problem
 
@@ -69,7 +71,7 @@ def columns(path: Path, fmt: str, key: str = "task.files") -> list[str]:
         )
 
 
-def check_columns(task: Any) -> list[Problem]:
+def check_columns(task: TaskConfig) -> list[Problem]:
     """Problems with ``task.files``, ``task.text_fields`` and ``task.label_field`` (before any work)."""
     fmt = task.name
     p: list[Problem] = []
@@ -133,12 +135,14 @@ def _number(v: Any) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def split_files(task: Any, split: str) -> list[str]:
+def split_files(task: TaskConfig, split: str) -> list[str]:
     """The files of a split: ``task.files`` (train) or ``task.dev_files`` (dev), a path or a list."""
     return as_list(task.files if split == "train" else task.dev_files)
 
 
-def _examples(paths: list[Path], task: Any, split: str) -> tuple[list[tuple[str, str | None]], list[Any]]:
+def _examples(
+    paths: list[Path], task: TaskConfig, split: str
+) -> tuple[list[tuple[str, str | None]], list[Any]]:
     texts: list[tuple[str, str | None]] = []
     labels: list[Any] = []
     for path in paths:
@@ -147,7 +151,9 @@ def _examples(paths: list[Path], task: Any, split: str) -> tuple[list[tuple[str,
     return texts, labels
 
 
-def _file_examples(path: Path, task: Any, split: str) -> tuple[list[tuple[str, str | None]], list[Any]]:
+def _file_examples(
+    path: Path, task: TaskConfig, split: str
+) -> tuple[list[tuple[str, str | None]], list[Any]]:
     fields, label = as_list(task.text_fields), task.label_field
     texts, labels = [], []
     key = SPLITS[split]
@@ -163,8 +169,13 @@ def _file_examples(path: Path, task: Any, split: str) -> tuple[list[tuple[str, s
             if isinstance(value, bool) or not isinstance(
                 value, str | int | float
             ):  # JSON true/false, a list, an object: no class name
-                raise data_error(key, path, n, f"{label} is {json.dumps(value)[:40]} ({kind_of(value)}); "
-                                 "a label is a string or a number")  # fmt: skip
+                raise data_error(
+                    key,
+                    path,
+                    n,
+                    f"{label} is {json.dumps(value)[:40]} ({kind_of(value)}); "
+                    "a label is a string or a number",
+                )
             texts.append((str(raw[0]), str(raw[1]) if len(raw) > 1 else None))
             labels.append(value)
     except (OSError, UnicodeDecodeError, ValueError) as e:
@@ -174,7 +185,7 @@ def _file_examples(path: Path, task: Any, split: str) -> tuple[list[tuple[str, s
     return texts, labels
 
 
-def label_space(task: Any, labels: list[Any]) -> tuple[bool, tuple[str, ...] | None]:
+def label_space(task: TaskConfig, labels: list[Any]) -> tuple[bool, tuple[str, ...] | None]:
     """(regression, label names) from the training labels (see the module docstring)."""
     numbers = [_number(v) for v in labels]
     numeric = all(x is not None for x in numbers)
@@ -209,7 +220,7 @@ def _key(v: Any) -> tuple[int, Any, str]:
     return (1, str(v), str(v))
 
 
-def load(task: Any) -> tuple[TaskSpec, list[Example], list[Example]]:
+def load(task: TaskConfig) -> tuple[TaskSpec, list[Example], list[Example]]:
     """The task's spec and its train and dev examples (labels as ids, or floats for regression)."""
     train_paths = [Path(f).expanduser() for f in split_files(task, "train")]
     texts, raw = _examples(train_paths, task, "train")
@@ -244,7 +255,7 @@ def load(task: Any) -> tuple[TaskSpec, list[Example], list[Example]]:
     return spec, convert(texts, raw, "train"), convert(dev_texts, dev_raw, "dev")
 
 
-def hold_out(raw: list[Any], task: Any, paths: list[Path]) -> tuple[list[int], list[int]]:
+def hold_out(raw: list[Any], task: TaskConfig, paths: list[Path]) -> tuple[list[int], list[int]]:
     """(train, dev) indices of a dev split held out of the training examples: ``HOLDOUT`` of each label's
     examples (all examples for regression), picked by a seeded shuffle (the same split for every run, eval
     and predict of these files, whatever ``trainer.seed``), so a file sorted by label still gives a dev set
@@ -264,14 +275,23 @@ def hold_out(raw: list[Any], task: Any, paths: list[Path]) -> tuple[list[int], l
         keep += idx[k:]
     if not held or not keep:
         where = ", ".join(map(str, paths))
-        raise ConfigError([Problem("task.dev_files", f"{where}: too few examples to hold out a dev split; "
-                                   "set task.dev_files")])  # fmt: skip
+        raise ConfigError(
+            [
+                Problem(
+                    "task.dev_files", f"{where}: too few examples to hold out a dev split; set task.dev_files"
+                )
+            ]
+        )
     keep.sort()
     held.sort()
     counts = {} if regression else {n: sum(1 for i in held if _key(raw[i])[2] == n) for n in sorted(groups)}
     shown = ", ".join(f"{n} {c}" for n, c in counts.items() if c)
-    log.info("dev split: %d of %d examples held out of task.files (seeded, stratified by label%s)",
-             len(held), len(raw), f": {shown}" if shown else "")  # fmt: skip
+    log.info(
+        "dev split: %d of %d examples held out of task.files (seeded, stratified by label%s)",
+        len(held),
+        len(raw),
+        f": {shown}" if shown else "",
+    )
     if len([c for c in counts.values() if c]) == 1:
         log.warning(
             "the dev split holds one label only (%s): its accuracy says little; set task.dev_files", shown
@@ -282,19 +302,20 @@ def hold_out(raw: list[Any], task: Any, paths: list[Path]) -> tuple[list[int], l
 def user_spec(name: str, label_names: tuple[str, ...] | None) -> TaskSpec:
     """The TaskSpec of a user task: accuracy (and F1 for two classes), or Pearson/Spearman for regression."""
     if label_names is None:
-        return TaskSpec(name, "-", (), (), None, ("pearson", "spearmanr"), "spearmanr", file_format=name,
-                        kind="files")  # fmt: skip
+        return TaskSpec(
+            name, "-", (), (), None, ("pearson", "spearmanr"), "spearmanr", file_format=name, kind="files"
+        )
     metrics = ("accuracy", "f1") if len(label_names) == 2 else ("accuracy",)
     return TaskSpec(name, "-", (), (), label_names, metrics, "accuracy", file_format=name, kind="files")
 
 
-def load_kind(spec: TaskSpec, task_cfg: Any, model_cfg: Any, train_split: bool) -> TaskData:
+def load_kind(spec: TaskSpec, task_cfg: TaskConfig, model_cfg: ModelConfig, train_split: bool) -> TaskData:
     spec, raw_train, raw_dev = load(task_cfg)
     source = f"{spec.file_format}:{','.join(split_files(task_cfg, 'train'))}"
     return encode_splits(spec, raw_train, raw_dev, source, task_cfg, model_cfg, train_split)
 
 
-def validate(cfg: Any, check_files: bool) -> list[Problem]:
+def validate(cfg: TaskSettings, check_files: bool) -> list[Problem]:
     """task.files / dev_files name readable files with the columns task.text_fields and task.label_field."""
     task, p = cfg.task, []
     if task.data_dir is not None:

@@ -6,12 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from l2l_cli.data.tasks import TASKS, Example, TaskData, TaskKind, TaskSpec
+from l2l_cli.config.schema import ModelConfig, TaskConfig
+from l2l_cli.data.tasks import TASKS, Example, TaskData, TaskKind, TaskSettings, TaskSpec
 from l2l_cli.data.tokenize import encode_splits
 from l2l_cli.problems import ConfigError, Problem
 
 
-def load(spec: TaskSpec, task_cfg: Any, model_cfg: Any, train_split: bool) -> TaskData:
+def load(spec: TaskSpec, task_cfg: TaskConfig, model_cfg: ModelConfig, train_split: bool) -> TaskData:
     if task_cfg.data_dir is not None:
         root = Path(task_cfg.data_dir).expanduser()
         raw_train, raw_dev = spec.read_tsv(root / "train.tsv"), spec.read_tsv(root / spec.dev_file)
@@ -29,10 +30,18 @@ def _from_hub(spec: TaskSpec) -> tuple[list[Example], list[Example]]:
         ds = datasets.load_dataset("nyu-mll/glue", spec.name)
     except Exception as e:  # network, auth, missing dataset: say what to do instead
         first = str(e).splitlines()[0] if str(e) else ""
-        raise ConfigError([Problem("task.data_dir", (
-            f"unset, and GLUE {spec.name} cannot be loaded from the hub ({type(e).__name__}: {first}); "
-            f"point task.data_dir at a local GLUE {spec.glue_dir}/ folder (train.tsv, {spec.dev_file})"
-        ))]) from e  # fmt: skip
+        raise ConfigError(
+            [
+                Problem(
+                    "task.data_dir",
+                    (
+                        f"unset, and GLUE {spec.name} cannot be loaded from the hub "
+                        f"({type(e).__name__}: {first}); point task.data_dir at a local GLUE "
+                        f"{spec.glue_dir}/ folder (train.tsv, {spec.dev_file})"
+                    ),
+                )
+            ]
+        ) from e
 
     def convert(split: Any) -> list[Example]:
         cols = spec.hub
@@ -42,7 +51,7 @@ def _from_hub(spec: TaskSpec) -> tuple[list[Example], list[Example]]:
     return convert(ds["train"]), convert(ds[spec.hub_dev_split])
 
 
-def validate(cfg: Any, check_files: bool) -> list[Problem]:
+def validate(cfg: TaskSettings, check_files: bool) -> list[Problem]:
     """task.data_dir: a folder in the GLUE layout with the task's columns (checked with ``check_files``)."""
     return TASKS[cfg.task.name].check_source(cfg.task.data_dir) if check_files else []
 

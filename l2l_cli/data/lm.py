@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from l2l_cli.config.schema import ModelConfig, TaskConfig
 from l2l_cli.data.batches import Batch
 from l2l_cli.data.rows import RowMaker, Rows, StreamedTrain
 from l2l_cli.data.sources import (
@@ -38,7 +39,8 @@ from l2l_cli.data.sources import (
     open_dataset,
     open_files,
 )
-from l2l_cli.data.tasks import TaskData, TaskKind, TaskSpec
+from l2l_cli.data.tasks import TaskData, TaskKind, TaskSettings, TaskSpec
+from l2l_cli.models import PretrainedUnavailable, resolve_pretrained
 from l2l_cli.problems import ConfigError, Problem
 
 log = logging.getLogger(__name__)
@@ -105,11 +107,9 @@ def has_tokenizer(path: Path) -> bool:
     return any((path / f).is_file() for f in TOKENIZER_FILES)
 
 
-def tokenizer_ref(task_cfg: Any, model_cfg: Any) -> tuple[str, str]:
+def tokenizer_ref(task_cfg: TaskConfig, model_cfg: ModelConfig) -> tuple[str, str]:
     """(where the tokenizer comes from, the key that chose it): ``task.tokenizer``, else the checkpoint's
     (``model.pretrained``), else the bundled byte-level BPE."""
-    from l2l_cli.models import PretrainedUnavailable, resolve_pretrained
-
     if task_cfg.tokenizer:
         return str(task_cfg.tokenizer), "task.tokenizer"
     if model_cfg.pretrained:
@@ -118,10 +118,15 @@ def tokenizer_ref(task_cfg: Any, model_cfg: Any) -> tuple[str, str]:
         except PretrainedUnavailable as e:
             raise ConfigError([Problem("model.pretrained", str(e))]) from e
         if not has_tokenizer(root):
-            raise ConfigError([Problem(
-                "task.tokenizer", f"unset, and model.pretrained={model_cfg.pretrained} has no tokenizer files "
-                f"({', '.join(TOKENIZER_FILES[:3])}); set task.tokenizer=<a tokenizer dir or hub id>",
-            )])  # fmt: skip
+            raise ConfigError(
+                [
+                    Problem(
+                        "task.tokenizer",
+                        f"unset, and model.pretrained={model_cfg.pretrained} has no tokenizer files "
+                        f"({', '.join(TOKENIZER_FILES[:3])}); set task.tokenizer=<a tokenizer dir or hub id>",
+                    )
+                ]
+            )
         return str(root), "model.pretrained"
     return str(BUNDLED_TOKENIZER), "bundled"
 
@@ -158,9 +163,14 @@ def documents(path: Path, text_field: str, cache_dir: Path, key: str = "task.fil
     ds = open_files([path], cache_dir, key=key, text_field=text_field)
     column = "text" if fmt == "text" else text_field
     if column not in ds.column_names:
-        raise ConfigError([Problem(
-            "task.text_field", f"{path} has no field {column!r}; its fields: {', '.join(ds.column_names)}"
-        )])  # fmt: skip
+        raise ConfigError(
+            [
+                Problem(
+                    "task.text_field",
+                    f"{path} has no field {column!r}; its fields: {', '.join(ds.column_names)}",
+                )
+            ]
+        )
     for rows in ds.iter(batch_size=CHUNK):
         yield [t for t in rows[column] if isinstance(t, str) and t.strip()]
 
@@ -194,7 +204,7 @@ def file_key(paths: list[Path]) -> list[Any]:
     return out
 
 
-def dataset_key(task_cfg: Any) -> list[Any]:
+def dataset_key(task_cfg: TaskConfig) -> list[Any]:
     """``task.dataset``'s part of a rendered-data cache key: its id, config and splits and, for a local
     folder (or file), every file's size and mtime, so that an edited local dataset is read again rather
     than its stale rendering reused."""
@@ -207,14 +217,20 @@ def dataset_key(task_cfg: Any) -> list[Any]:
     return key
 
 
-def dataset_stream(task_cfg: Any, split: str, tok: Any, cache_dir: Path) -> np.ndarray:
+def dataset_stream(task_cfg: TaskConfig, split: str, tok: Any, cache_dir: Path) -> np.ndarray:
     """The tokens of a dataset split (``task.dataset``) read whole, documents followed by EOS."""
     ds = open_dataset(task_cfg, split, cache_dir, False)
     field = task_cfg.text_field
     if field not in ds.column_names:
-        raise ConfigError([Problem(
-            "task.text_field", f"{task_cfg.dataset}:{split} has no field {field!r}; its fields: {', '.join(ds.column_names)}"
-        )])  # fmt: skip
+        raise ConfigError(
+            [
+                Problem(
+                    "task.text_field",
+                    f"{task_cfg.dataset}:{split} has no field {field!r}; "
+                    f"its fields: {', '.join(ds.column_names)}",
+                )
+            ]
+        )
     eos, parts = tok.eos_token_id, []
     for rows in ds.iter(batch_size=CHUNK):
         docs = [t for t in rows[field] if isinstance(t, str) and t.strip()]
@@ -223,7 +239,7 @@ def dataset_stream(task_cfg: Any, split: str, tok: Any, cache_dir: Path) -> np.n
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
 
 
-def load_lm(task_cfg: Any, model_cfg: Any) -> tuple[Packed, Packed, str, Any]:
+def load_lm(task_cfg: TaskConfig, model_cfg: ModelConfig) -> tuple[Packed, Packed, str, Any]:
     """(train blocks, dev blocks, source, tokenizer) of ``task=lm``, from the cache when it has them."""
     ref, chosen_by = tokenizer_ref(task_cfg, model_cfg)
     tok = load_tokenizer(ref, "task.tokenizer" if chosen_by == "task.tokenizer" else "model.pretrained")
@@ -232,11 +248,21 @@ def load_lm(task_cfg: Any, model_cfg: Any) -> tuple[Packed, Packed, str, Any]:
     dev_files = [Path(f).expanduser() for f in as_list(task_cfg.dev_files)]
     seq = int(task_cfg.max_seq_len)
     data = dataset_key(task_cfg) if hub else []
-    key = hashlib.sha256(json.dumps({
-        "v": CACHE_VERSION, "files": file_key(files), "dev_files": file_key(dev_files),
-        "text_field": task_cfg.text_field, "tokenizer": tokenizer_fingerprint(tok), "seq": seq,
-        "dev_fraction": float(task_cfg.dev_fraction), **({"dataset": data} if hub else {}),
-    }, sort_keys=True).encode()).hexdigest()[:24]  # fmt: skip
+    key = hashlib.sha256(
+        json.dumps(
+            {
+                "v": CACHE_VERSION,
+                "files": file_key(files),
+                "dev_files": file_key(dev_files),
+                "text_field": task_cfg.text_field,
+                "tokenizer": tokenizer_fingerprint(tok),
+                "seq": seq,
+                "dev_fraction": float(task_cfg.dev_fraction),
+                **({"dataset": data} if hub else {}),
+            },
+            sort_keys=True,
+        ).encode()
+    ).hexdigest()[:24]
     root = cache_root() / "lm"
     cached = root / f"{key}.npz"
     names = describe(task_cfg) if hub else ",".join(p.name for p in files)
@@ -262,18 +288,29 @@ def load_lm(task_cfg: Any, model_cfg: Any) -> tuple[Packed, Packed, str, Any]:
             n_dev = max(1, round(task_cfg.dev_fraction * len(blocks))) if len(blocks) > 1 else 0
             train, dev = blocks[: len(blocks) - n_dev], blocks[len(blocks) - n_dev :]
         if len(train) < 1 or len(dev) < 1:
-            raise ConfigError([Problem(
-                "task.files", f"{names}: {len(train)} train and {len(dev)} dev block(s) of task.max_seq_len={seq} "
-                f"tokens after packing; add text or lower task.max_seq_len",
-            )])  # fmt: skip
+            raise ConfigError(
+                [
+                    Problem(
+                        "task.files",
+                        f"{names}: {len(train)} train and {len(dev)} dev block(s) of task.max_seq_len={seq} "
+                        f"tokens after packing; add text or lower task.max_seq_len",
+                    )
+                ]
+            )
         root.mkdir(parents=True, exist_ok=True)
         tmp = root / f".{key}.{os.getpid()}.npz"
         np.savez(tmp, train=train, dev=dev)
         os.replace(tmp, cached)  # atomic: data-parallel ranks may pack at the same time
     log.info(
         "task lm: %s tokenized by %s (%s, %d ids): %d train and %d dev blocks of %d tokens",
-        source, ref, chosen_by, len(tok), len(train), len(dev), seq,
-    )  # fmt: skip
+        source,
+        ref,
+        chosen_by,
+        len(tok),
+        len(train),
+        len(dev),
+        seq,
+    )
     return Packed(train), Packed(dev), source, tok
 
 
@@ -293,7 +330,9 @@ def save_tokenizer(tok: Any, out_dir: Path) -> None:
         config.write_text(json.dumps(c, indent=2, sort_keys=True) + "\n")
 
 
-def streamed(task_cfg: Any, model_cfg: Any, dev_rows: int | None = None) -> tuple[RowMaker, Rows, str, Any]:
+def streamed(
+    task_cfg: TaskConfig, model_cfg: ModelConfig, dev_rows: int | None = None
+) -> tuple[RowMaker, Rows, str, Any]:
     """(the train stream's row maker, the dev blocks, source, tokenizer) of a streamed ``task=lm``: the
     documents tokenized as they are read and cut into blocks of ``task.max_seq_len`` (EOS between them).
     The dev split: ``task.dev_split`` / ``task.dev_files`` (its first blocks), else the stream's first
@@ -304,8 +343,13 @@ def streamed(task_cfg: Any, model_cfg: Any, dev_rows: int | None = None) -> tupl
 
     def encode(index: int, row: dict[str, Any]) -> tuple[list[int], list[int]] | None:
         if field not in row:
-            raise ConfigError([Problem("task.text_field", f"row {index} has no field {field!r}; its fields: "
-                                       f"{', '.join(row)}")])  # fmt: skip
+            raise ConfigError(
+                [
+                    Problem(
+                        "task.text_field", f"row {index} has no field {field!r}; its fields: {', '.join(row)}"
+                    )
+                ]
+            )
         text = row[field]
         if not isinstance(text, str) or not text.strip():
             return None
@@ -328,7 +372,7 @@ def streamed(task_cfg: Any, model_cfg: Any, dev_rows: int | None = None) -> tupl
     return train, dev, f"lm:stream:{describe(task_cfg) if task_cfg.dataset else 'files'}", tok
 
 
-def load(spec: TaskSpec, task_cfg: Any, model_cfg: Any, train_split: bool) -> TaskData:
+def load(spec: TaskSpec, task_cfg: TaskConfig, model_cfg: ModelConfig, train_split: bool) -> TaskData:
     if task_cfg.streaming:
         maker, dev, source, tok = streamed(task_cfg, model_cfg)
 
@@ -343,7 +387,7 @@ def load(spec: TaskSpec, task_cfg: Any, model_cfg: Any, train_split: bool) -> Ta
     return TaskData(spec, train.subset(task_cfg.max_train_samples if train_split else 0), dev, source, tok)
 
 
-def validate(cfg: Any, check_files: bool) -> list[Problem]:
+def validate(cfg: TaskSettings, check_files: bool) -> list[Problem]:
     """task.files / dev_files (readable text files of a known format), dev_fraction and text_field."""
     task, p = cfg.task, []
     if task.data_dir is not None:
@@ -387,7 +431,18 @@ def validate(cfg: Any, check_files: bool) -> list[Problem]:
 
 
 KIND = TaskKind(
-    "lm", load, validate,
-    keys=("files", "dev_files", "text_field", "dev_fraction", "dataset", "dataset_config", "split", "dev_split",
-          "streaming"),
-)  # fmt: skip
+    "lm",
+    load,
+    validate,
+    keys=(
+        "files",
+        "dev_files",
+        "text_field",
+        "dev_fraction",
+        "dataset",
+        "dataset_config",
+        "split",
+        "dev_split",
+        "streaming",
+    ),
+)

@@ -97,8 +97,13 @@ class RowMaker:
     skip the row (an empty document). ``state()`` is where it stands after the last row: the stream's
     position and the tokens read but not yet placed in a row."""
 
-    def __init__(self, source: RowStream, encode: Callable[[int, dict[str, Any]], Encoded | None],
-                 seq_len: int, how: str):  # fmt: skip
+    def __init__(
+        self,
+        source: RowStream,
+        encode: Callable[[int, dict[str, Any]], Encoded | None],
+        seq_len: int,
+        how: str,
+    ):
         self.source, self.encode, self.seq_len, self.how = source, encode, seq_len, how
         self.carry: Encoded = ([], [])
 
@@ -144,8 +149,15 @@ class StreamedTrain:
 
     steps_per_epoch = 0  # a stream has no epochs: trainer.max_steps sets the run's length
 
-    def __init__(self, maker: RowMaker, batch_size: int, *, world: int = 1, rank: int = 0,
-                 pad_to_max: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        maker: RowMaker,
+        batch_size: int,
+        *,
+        world: int = 1,
+        rank: int = 0,
+        pad_to_max: int | None = None,
+    ):
         self.maker, self.batch_size, self.world, self.rank = maker, batch_size, world, rank
         self.global_batch, self.pad_to_max = batch_size * world, pad_to_max
         self._position = maker.state()

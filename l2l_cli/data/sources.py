@@ -13,10 +13,18 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from l2l_cli.config.schema import TaskConfig
+from l2l_cli.data.tasks import TaskSettings
 from l2l_cli.problems import ConfigError, Problem
 
-FILE_FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json",
-                ".parquet": "parquet"}  # fmt: skip
+FILE_FORMATS = {
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+}
 
 
 def as_list(value: Any) -> list[str]:
@@ -28,7 +36,7 @@ def as_list(value: Any) -> list[str]:
     return [str(v) for v in value]
 
 
-def listed_files(task: Any, key: str) -> tuple[list[str], Problem | None]:
+def listed_files(task: TaskConfig, key: str) -> tuple[list[str], Problem | None]:
     """``task.files`` / ``task.dev_files`` as a list of paths, or the problem with its shape."""
     value = getattr(task, key)
     if value is None:
@@ -56,8 +64,13 @@ def text_lines(path: Path, key: str) -> Iterator[tuple[int, str]]:
             try:
                 yield n, raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise data_error(key, path, n, f"not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
-                                 f"{e.start + 1}); save the file as UTF-8") from None  # fmt: skip
+                raise data_error(
+                    key,
+                    path,
+                    n,
+                    f"not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
+                    f"{e.start + 1}); save the file as UTF-8",
+                ) from None
 
 
 def kind_of(value: Any) -> str:
@@ -139,7 +152,7 @@ def check_file(path: Path, key: str, text_field: str | None = None) -> None:
         raise data_error(key, path, None, f"cannot be read ({e.strerror})") from None
 
 
-def dataset_problems(cfg: Any) -> list[Problem]:
+def dataset_problems(cfg: TaskSettings) -> list[Problem]:
     """The dataset keys (task=lm and chat): task.dataset or task.files, the keys that only a dataset
     reads, and a stream's fixed length."""
     task, p = cfg.task, []
@@ -152,8 +165,13 @@ def dataset_problems(cfg: Any) -> list[Problem]:
     if not task.split:
         p.append(Problem("task.split", "must name the dataset's training split (e.g. train)"))
     if task.streaming and cfg.trainer.max_steps < 1:
-        p.append(Problem("trainer.max_steps", f"got {cfg.trainer.max_steps}; task.streaming=true needs a fixed "
-                         "number of steps (a stream has no epochs)"))  # fmt: skip
+        p.append(
+            Problem(
+                "trainer.max_steps",
+                f"got {cfg.trainer.max_steps}; task.streaming=true needs a fixed "
+                "number of steps (a stream has no epochs)",
+            )
+        )
     return p
 
 
@@ -166,9 +184,12 @@ def quiet_datasets() -> Any:
 
 
 def open_files(
-    paths: list[Path], cache_dir: Path, streaming: bool = False, key: str = "task.files",
+    paths: list[Path],
+    cache_dir: Path,
+    streaming: bool = False,
+    key: str = "task.files",
     text_field: str | None = None,
-) -> Any:  # fmt: skip
+) -> Any:
     """The rows of local files (one format, in order) through ``datasets``' loader for it; each file is
     checked first (:func:`check_file`), and what ``datasets`` still refuses (columns whose type changes
     between rows, say) is one line naming ``key`` and the files."""
@@ -196,7 +217,7 @@ def root_cause(e: BaseException) -> str:
     return text[:200]
 
 
-def open_dataset(task: Any, split: str, cache_dir: Path, streaming: bool) -> Any:
+def open_dataset(task: TaskConfig, split: str, cache_dir: Path, streaming: bool) -> Any:
     """``datasets.load_dataset(task.dataset, task.dataset_config, split=split, streaming=...)``; a failure
     (offline, a typo, no such split) is bad input naming ``task.dataset``."""
     datasets = quiet_datasets()
@@ -207,12 +228,18 @@ def open_dataset(task: Any, split: str, cache_dir: Path, streaming: bool) -> Any
         return datasets.load_dataset(str(task.dataset), task.dataset_config, **kw)
     except Exception as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ConfigError([Problem(
-            "task.dataset", f"cannot load {task.dataset} (config {task.dataset_config}, split {split}): {first[:200]}"
-        )]) from e  # fmt: skip
+        raise ConfigError(
+            [
+                Problem(
+                    "task.dataset",
+                    f"cannot load {task.dataset} (config {task.dataset_config}, split {split}): "
+                    f"{first[:200]}",
+                )
+            ]
+        ) from e
 
 
-def describe(task: Any) -> str:
+def describe(task: TaskConfig) -> str:
     """The data's name for logs and the summary's data_source."""
     if task.dataset:
         cfg = f"/{task.dataset_config}" if task.dataset_config else ""

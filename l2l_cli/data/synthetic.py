@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import random
-from typing import Any
 
+from l2l_cli.config.schema import ModelConfig, TaskConfig
 from l2l_cli.data.batches import Encoded
-from l2l_cli.data.tasks import TaskData, TaskKind, TaskSpec
+from l2l_cli.data.tasks import TaskData, TaskKind, TaskSettings, TaskSpec
 from l2l_cli.data.tokenize import CLS, SEP
 from l2l_cli.problems import Problem
 
@@ -34,14 +34,14 @@ def synthetic(n: int, max_len: int, vocab_size: int = 30522, *, seed: int) -> En
     return Encoded(ids, [[0] * len(x) for x in ids], labels, regression=False)
 
 
-def load(spec: TaskSpec, task_cfg: Any, model_cfg: Any, train_split: bool) -> TaskData:
+def load(spec: TaskSpec, task_cfg: TaskConfig, model_cfg: ModelConfig, train_split: bool) -> TaskData:
     n_train = task_cfg.num_train if train_split else 0
     train = synthetic(n_train, task_cfg.max_seq_len, model_cfg.vocab_size, seed=1234)
     dev = synthetic(task_cfg.num_eval, task_cfg.max_seq_len, model_cfg.vocab_size, seed=4321)
     return TaskData(spec, train, dev, "synthetic")
 
 
-def validate(cfg: Any, check_files: bool) -> list[Problem]:
+def validate(cfg: TaskSettings, check_files: bool) -> list[Problem]:
     task, p = cfg.task, []
     if task.max_seq_len < SYNTHETIC_MIN_LEN:
         p.append(

@@ -1,10 +1,11 @@
 """Task registry: the nine GLUE tasks, the built-in synthetic task, ``lm`` (causal language modelling on
-the user's text files), ``chat`` (conversations, the loss on the answers) and ``csv``/``json`` (the user's labelled files).
+the user's text files), ``chat`` (conversations, the loss on the answers) and ``csv``/``json`` (the user's
+labelled files).
 
 A task (:class:`TaskSpec`) knows its labels and official metrics, and names its *kind*: the family of
 tasks that share where examples come from and which ``task.*`` keys they read (:class:`TaskKind`: ``glue``
-in :mod:`~l2l_cli.data.glue`, ``synthetic``, ``lm``, ``chat``, ``files``; each kind's file holds its loader and
-its own rules, and :mod:`~l2l_cli.data.loading` lists them). Parsing follows the GLUE TSV layout with
+in :mod:`~l2l_cli.data.glue`, ``synthetic``, ``lm``, ``chat``, ``files``; each kind's file holds its loader
+and its own rules, and :mod:`~l2l_cli.data.loading` lists them). Parsing follows the GLUE TSV layout with
 quoting off, as the transformers GLUE processors do (several files contain unbalanced quotes).
 """
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from l2l_cli.config.schema import ModelConfig, TaskConfig, TrainerConfig
 from l2l_cli.problems import Problem
 
 csv.field_size_limit(1 << 24)
@@ -164,17 +166,27 @@ class TaskData:
 
 
 @dataclass(frozen=True)
+class TaskSettings:
+    """What a task kind's checks read, typed: ``task.*``, ``model.*`` (its tokenizer and vocabulary) and
+    ``trainer.*`` (a stream's fixed length)."""
+
+    task: TaskConfig
+    model: ModelConfig
+    trainer: TrainerConfig
+
+
+@dataclass(frozen=True)
 class TaskKind:
     """A family of tasks: where their examples come from and which ``task.*`` keys they read.
 
     ``keys``: the task keys only this kind reads; set under a task of another kind they are refused (the
-    run would ignore them). ``validate(cfg, check_files)`` checks those keys (and the files they name,
+    run would ignore them). ``validate(settings, check_files)`` checks those keys (and the files they name,
     with ``check_files``); ``load(spec, task.*, model.*, train_split)`` reads and tokenizes the splits.
     """
 
     name: str
-    load: Callable[[TaskSpec, Any, Any, bool], TaskData]
-    validate: Callable[[Any, bool], list[Problem]]
+    load: Callable[[TaskSpec, TaskConfig, ModelConfig, bool], TaskData]
+    validate: Callable[[TaskSettings, bool], list[Problem]]
     keys: tuple[str, ...] = ()
 
 
@@ -183,33 +195,94 @@ _BIN = ("0", "1")
 TASKS: dict[str, TaskSpec] = {
     t.name: t
     for t in (
-        TaskSpec("cola", "CoLA", ("sentence", "label"), (3, 1), ("unacceptable", "acceptable"), ("mcc",), "mcc"),
-        TaskSpec("sst2", "SST-2", ("sentence", "label"), ("sentence", "label"), ("negative", "positive"),
-                 ("accuracy",), "accuracy"),
-        TaskSpec("mrpc", "MRPC", ("sentence1", "sentence2", "label"), ("#1 String", "#2 String", "Quality"),
-                 ("not_equivalent", "equivalent"), ("accuracy", "f1"), "f1"),
-        TaskSpec("qqp", "QQP", ("question1", "question2", "label"), ("question1", "question2", "is_duplicate"),
-                 ("not_duplicate", "duplicate"), ("accuracy", "f1"), "f1"),
-        TaskSpec("stsb", "STS-B", ("sentence1", "sentence2", "label"), ("sentence1", "sentence2", "score"),
-                 None, ("pearson", "spearmanr"), "spearmanr"),
-        TaskSpec("mnli", "MNLI", ("premise", "hypothesis", "label"), ("sentence1", "sentence2", "gold_label"),
-                 ("entailment", "neutral", "contradiction"), ("accuracy",), "accuracy",
-                 dev_file="dev_matched.tsv", hub_dev_split="validation_matched",
-                 tsv_label_map={"entailment": 0, "neutral": 1, "contradiction": 2}),
-        TaskSpec("qnli", "QNLI", ("question", "sentence", "label"), ("question", "sentence", "label"),
-                 ("entailment", "not_entailment"), ("accuracy",), "accuracy",
-                 tsv_label_map={"entailment": 0, "not_entailment": 1}),
-        TaskSpec("rte", "RTE", ("sentence1", "sentence2", "label"), ("sentence1", "sentence2", "label"),
-                 ("entailment", "not_entailment"), ("accuracy",), "accuracy",
-                 tsv_label_map={"entailment": 0, "not_entailment": 1}),
-        TaskSpec("wnli", "WNLI", ("sentence1", "sentence2", "label"), ("sentence1", "sentence2", "label"),
-                 ("not_entailment", "entailment"), ("accuracy",), "accuracy"),
+        TaskSpec(
+            "cola", "CoLA", ("sentence", "label"), (3, 1), ("unacceptable", "acceptable"), ("mcc",), "mcc"
+        ),
+        TaskSpec(
+            "sst2",
+            "SST-2",
+            ("sentence", "label"),
+            ("sentence", "label"),
+            ("negative", "positive"),
+            ("accuracy",),
+            "accuracy",
+        ),
+        TaskSpec(
+            "mrpc",
+            "MRPC",
+            ("sentence1", "sentence2", "label"),
+            ("#1 String", "#2 String", "Quality"),
+            ("not_equivalent", "equivalent"),
+            ("accuracy", "f1"),
+            "f1",
+        ),
+        TaskSpec(
+            "qqp",
+            "QQP",
+            ("question1", "question2", "label"),
+            ("question1", "question2", "is_duplicate"),
+            ("not_duplicate", "duplicate"),
+            ("accuracy", "f1"),
+            "f1",
+        ),
+        TaskSpec(
+            "stsb",
+            "STS-B",
+            ("sentence1", "sentence2", "label"),
+            ("sentence1", "sentence2", "score"),
+            None,
+            ("pearson", "spearmanr"),
+            "spearmanr",
+        ),
+        TaskSpec(
+            "mnli",
+            "MNLI",
+            ("premise", "hypothesis", "label"),
+            ("sentence1", "sentence2", "gold_label"),
+            ("entailment", "neutral", "contradiction"),
+            ("accuracy",),
+            "accuracy",
+            dev_file="dev_matched.tsv",
+            hub_dev_split="validation_matched",
+            tsv_label_map={"entailment": 0, "neutral": 1, "contradiction": 2},
+        ),
+        TaskSpec(
+            "qnli",
+            "QNLI",
+            ("question", "sentence", "label"),
+            ("question", "sentence", "label"),
+            ("entailment", "not_entailment"),
+            ("accuracy",),
+            "accuracy",
+            tsv_label_map={"entailment": 0, "not_entailment": 1},
+        ),
+        TaskSpec(
+            "rte",
+            "RTE",
+            ("sentence1", "sentence2", "label"),
+            ("sentence1", "sentence2", "label"),
+            ("entailment", "not_entailment"),
+            ("accuracy",),
+            "accuracy",
+            tsv_label_map={"entailment": 0, "not_entailment": 1},
+        ),
+        TaskSpec(
+            "wnli",
+            "WNLI",
+            ("sentence1", "sentence2", "label"),
+            ("sentence1", "sentence2", "label"),
+            ("not_entailment", "entailment"),
+            ("accuracy",),
+            "accuracy",
+        ),
         TaskSpec("synthetic", "-", (), (), ("b_more", "a_more"), ("accuracy",), "accuracy", kind="synthetic"),
         TaskSpec("lm", "-", (), (), None, ("loss", "perplexity"), "perplexity", objective=LM, kind="lm"),
         # conversations / instructions, the loss on the answers (data/chat.py)
         TaskSpec("chat", "-", (), (), None, ("loss", "perplexity"), "perplexity", objective=LM, kind="chat"),
         # the user's files: labels (and whether it is a regression) come from the data when it loads
         TaskSpec("csv", "-", (), (), ("0", "1"), ("accuracy",), "accuracy", file_format="csv", kind="files"),
-        TaskSpec("json", "-", (), (), ("0", "1"), ("accuracy",), "accuracy", file_format="json", kind="files"),
+        TaskSpec(
+            "json", "-", (), (), ("0", "1"), ("accuracy",), "accuracy", file_format="json", kind="files"
+        ),
     )
-}  # fmt: skip
+}

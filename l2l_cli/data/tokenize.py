@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from l2l_cli.config.schema import ModelConfig, TaskConfig
 from l2l_cli.data.batches import Encoded
 from l2l_cli.data.tasks import Example, TaskData, TaskSpec
 from l2l_cli.problems import ConfigError, Problem
@@ -61,9 +62,14 @@ def tokenize_counted(
 
 
 def encode_splits(
-    spec: TaskSpec, raw_train: list[Example], raw_dev: list[Example], source: str, task_cfg: Any,
-    model_cfg: Any, train_split: bool,
-) -> TaskData:  # fmt: skip
+    spec: TaskSpec,
+    raw_train: list[Example],
+    raw_dev: list[Example],
+    source: str,
+    task_cfg: TaskConfig,
+    model_cfg: ModelConfig,
+    train_split: bool,
+) -> TaskData:
     """Both splits tokenized, cut to task.max_train_samples / max_eval_samples (``train_split`` False: an
     empty train split, for evaluation and prediction)."""
     raw_train = raw_train[: task_cfg.max_train_samples] if train_split else []
@@ -73,6 +79,11 @@ def encode_splits(
     dev, cut_dev = tokenize_counted(tok, raw_dev, task_cfg.max_seq_len, spec.is_regression)
     stats = {"examples": len(raw_train) + len(raw_dev), "truncated": cut_train + cut_dev}
     if stats["truncated"]:  # reported in train.log and the summary's data section, as task=chat's
-        log.warning("task %s: %d of %d examples were longer than task.max_seq_len=%d tokens and were cut",
-                    spec.name, stats["truncated"], stats["examples"], task_cfg.max_seq_len)  # fmt: skip
+        log.warning(
+            "task %s: %d of %d examples were longer than task.max_seq_len=%d tokens and were cut",
+            spec.name,
+            stats["truncated"],
+            stats["examples"],
+            task_cfg.max_seq_len,
+        )
     return TaskData(spec, train, dev, source, tokenizer=tok, stats=stats)  # the tokenizer goes with final/

@@ -33,14 +33,16 @@ __all__ = [
     "ModelFamily",
     "ModelSpec",
     "PretrainedUnavailable",
-    "UnsupportedModel", "check_hub", "check_pretrained",
+    "UnsupportedModel",
+    "check_hub",
+    "check_pretrained",
     "family_for_dir",
     "family_names",
     "family_of",
     "make_spec",
     "register_family",
     "resolve_pretrained",
-]  # fmt: skip
+]
 
 
 def __getattr__(name: str) -> Any:

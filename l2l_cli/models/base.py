@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from l2l_cli.data.tasks import TaskSpec
+
 PRE, BLOCK, POST = "pre", "block", "post"
 
 
@@ -138,7 +140,7 @@ class ModelSpec(ABC):
 
     @abstractmethod
     def save_hf(
-        self, out_dir: Path, named_tensors: Iterable[tuple[str, torch.Tensor]], task: Any = None
+        self, out_dir: Path, named_tensors: Iterable[tuple[str, torch.Tensor]], task: TaskSpec | None = None
     ) -> None:
         """Write a Hugging Face model directory of the trained weights."""
 
@@ -170,6 +172,12 @@ class ModelSpec(ABC):
         return pre + self.num_layers * block + post
 
     @abstractmethod
-    def evaluate(self, predict: Callable[[Any], torch.Tensor], dev: Any, task: Any, batch_size: int,
-                 pad_to: int | None) -> dict[str, float]:  # fmt: skip
+    def evaluate(
+        self,
+        predict: Callable[[Any], torch.Tensor],
+        dev: Any,
+        task: TaskSpec,
+        batch_size: int,
+        pad_to: int | None,
+    ) -> dict[str, float]:
         """The task's metrics of the head's predictions on the dev split."""

@@ -3,6 +3,9 @@ BERT modules, so a HF checkpoint (``bert-large-uncased``, a local directory) loa
 fine-tuned result saves back as a ``BertForSequenceClassification`` directory.
 
 pre = ``BertEmbeddings``; block = ``BertLayer``; post = pooler, dropout, classifier and the task loss.
+
+Imports of torch, ``transformers`` and the layer modules sit in the functions that build, run or save a
+layer, so importing the family (``l2l plan``, the config's checks) imports no torch.
 """
 
 from __future__ import annotations
@@ -13,12 +16,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from l2l_cli.config.schema import ModelConfig
+from l2l_cli.data.batches import eval_batches
 from l2l_cli.models.base import BLOCK, PRE, ModelSpec
 from l2l_cli.models.registry import ModelFamily, register_family
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
+
+    from l2l_cli.data.tasks import TaskSpec
 
 
 @dataclass(frozen=True)
@@ -151,7 +158,7 @@ class BertSpec(ModelSpec):
         return "bert." + name if name.startswith("pooler.") else name  # classifier.* as is
 
     def save_hf(
-        self, out_dir: Path, named_tensors: Iterable[tuple[str, torch.Tensor]], task: Any = None
+        self, out_dir: Path, named_tensors: Iterable[tuple[str, torch.Tensor]], task: TaskSpec | None = None
     ) -> None:
         """Write ``config.json`` + ``model.safetensors`` that ``BertForSequenceClassification`` loads."""
         import torch
@@ -168,8 +175,16 @@ class BertSpec(ModelSpec):
         save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
     def identity(self) -> dict[str, Any]:
-        keep = ("num_layers", "hidden_size", "num_heads", "intermediate_size", "vocab_size", "seq_len",
-                "type_vocab_size", "num_labels")  # fmt: skip
+        keep = (
+            "num_layers",
+            "hidden_size",
+            "num_heads",
+            "intermediate_size",
+            "vocab_size",
+            "seq_len",
+            "type_vocab_size",
+            "num_labels",
+        )
         return {k: v for k, v in asdict(self).items() if k in keep}
 
     # ---- planner and evaluation ------------------------------------------------------------------
@@ -187,12 +202,17 @@ class BertSpec(ModelSpec):
     def head_flops(self, seq: int) -> float:  # the pooler reads the first token only
         return 2.0 * (self.hidden_size * self.hidden_size + self.hidden_size * self.num_labels)
 
-    def evaluate(self, predict: Callable[[Any], torch.Tensor], dev: Any, task: Any, batch_size: int,
-                 pad_to: int | None) -> dict[str, float]:  # fmt: skip
+    def evaluate(
+        self,
+        predict: Callable[[Any], torch.Tensor],
+        dev: Any,
+        task: TaskSpec,
+        batch_size: int,
+        pad_to: int | None,
+    ) -> dict[str, float]:
         """The task's GLUE metrics: argmax of the logits (classification) or the score (regression)."""
         import numpy as np
 
-        from l2l_cli.data.batches import eval_batches
         from l2l_cli.data.metrics import compute
 
         preds = np.zeros(len(dev), dtype=np.float64 if task.is_regression else np.int64)
@@ -206,24 +226,40 @@ def layer_seed(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index * 7_919 + 17) % (2**63)
 
 
-def from_config(m: Any, num_labels: int) -> BertSpec:
+def from_config(m: ModelConfig, num_labels: int) -> BertSpec:
     """The spec from the ``model.*`` keys."""
     return BertSpec(
-        m.num_layers, m.hidden_size, m.num_heads, m.intermediate_size, m.vocab_size, m.seq_len,
-        m.type_vocab_size, m.dropout, m.layer_norm_eps, m.init_std, num_labels,
-    )  # fmt: skip
+        m.num_layers,
+        m.hidden_size,
+        m.num_heads,
+        m.intermediate_size,
+        m.vocab_size,
+        m.seq_len,
+        m.type_vocab_size,
+        m.dropout,
+        m.layer_norm_eps,
+        m.init_std,
+        num_labels,
+    )
 
 
-def from_hf_dir(path: Path, m: Any, num_labels: int) -> BertSpec:
+def from_hf_dir(path: Path, m: ModelConfig, num_labels: int) -> BertSpec:
     """The spec from a checkpoint's ``config.json``; ``model.dropout`` still applies (fine-tuning), and a
     size the file leaves out takes the schema's default (``model.*``)."""
     c = json.loads((Path(path) / "config.json").read_text())
     return BertSpec(
-        c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"], c["intermediate_size"],
-        c.get("vocab_size", m.vocab_size), c.get("max_position_embeddings", m.seq_len),
-        c.get("type_vocab_size", m.type_vocab_size), m.dropout, c.get("layer_norm_eps", m.layer_norm_eps),
-        c.get("initializer_range", m.init_std), num_labels,
-    )  # fmt: skip
+        c["num_hidden_layers"],
+        c["hidden_size"],
+        c["num_attention_heads"],
+        c["intermediate_size"],
+        c.get("vocab_size", m.vocab_size),
+        c.get("max_position_embeddings", m.seq_len),
+        c.get("type_vocab_size", m.type_vocab_size),
+        m.dropout,
+        c.get("layer_norm_eps", m.layer_norm_eps),
+        c.get("initializer_range", m.init_std),
+        num_labels,
+    )
 
 
 register_family(

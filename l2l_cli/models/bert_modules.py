@@ -3,16 +3,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class Head(nn.Module):
     """post: BERT pooler, dropout, classifier, and the task loss (cross-entropy, or MSE for regression)."""
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: PretrainedConfig):
         from transformers.models.bert.modeling_bert import BertPooler
 
         super().__init__()

@@ -5,6 +5,9 @@ pre = the token embeddings (and GPT-2's learned positions); block = ``transforme
 side inputs; post = the final norm, the LM head and the next-token loss. A tied LM head (GPT-2, Llama-3.2-1B)
 is one tensor used by pre and post (``tied_params``). The trained model saves as a Hugging Face directory
 that ``AutoModelForCausalLM.from_pretrained`` loads.
+
+Imports of torch, ``transformers`` and the layer modules sit in the functions that build, run or save a
+layer, so importing the family (``l2l plan``, the config's checks) imports no torch.
 """
 
 from __future__ import annotations
@@ -18,12 +21,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from l2l_cli.data.batches import eval_batches
 from l2l_cli.models.base import BLOCK, POST, PRE, ModelSpec
 from l2l_cli.models.bert import layer_seed
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
+    from transformers import PretrainedConfig
+
+    from l2l_cli.data.tasks import TaskSpec
 
 
 @dataclass(frozen=True)
@@ -64,13 +71,13 @@ class DecoderSpec(ModelSpec):
         """The ``architectures`` entry of an exported config.json (``GPT2LMHeadModel``, ...)."""
 
     @abstractmethod
-    def new_pre(self, cfg: Any) -> nn.Module: ...
+    def new_pre(self, cfg: PretrainedConfig) -> nn.Module: ...
 
     @abstractmethod
-    def new_block(self, cfg: Any) -> nn.Module: ...
+    def new_block(self, cfg: PretrainedConfig) -> nn.Module: ...
 
     @abstractmethod
-    def new_norm(self, cfg: Any) -> nn.Module: ...
+    def new_norm(self, cfg: PretrainedConfig) -> nn.Module: ...
 
     @abstractmethod
     def run_block(self, layer: nn.Module, index: int, x: torch.Tensor, side: DecoderSide) -> torch.Tensor: ...
@@ -203,7 +210,7 @@ class DecoderSpec(ModelSpec):
         return name if name.startswith("lm_head.") else self.base_prefix + name
 
     def save_hf(
-        self, out_dir: Path, named_tensors: Iterable[tuple[str, torch.Tensor]], task: Any = None
+        self, out_dir: Path, named_tensors: Iterable[tuple[str, torch.Tensor]], task: TaskSpec | None = None
     ) -> None:
         """Write ``config.json`` + ``model.safetensors`` that ``AutoModelForCausalLM`` loads; a tied head
         is saved once (as the embedding) and tied again by ``tie_word_embeddings`` on load."""
@@ -242,10 +249,15 @@ class DecoderSpec(ModelSpec):
         and attention's two s×s products."""
         return 2.0 * seq * self.param_counts()[1] + 4.0 * seq * seq * self.hidden_size
 
-    def evaluate(self, predict: Callable[[Any], torch.Tensor], dev: Any, task: Any, batch_size: int,
-                 pad_to: int | None) -> dict[str, float]:  # fmt: skip
+    def evaluate(
+        self,
+        predict: Callable[[Any], torch.Tensor],
+        dev: Any,
+        task: TaskSpec,
+        batch_size: int,
+        pad_to: int | None,
+    ) -> dict[str, float]:
         """Mean next-token loss over the dev tokens, and its perplexity (exp of it)."""
-        from l2l_cli.data.batches import eval_batches
         from l2l_cli.models.decoder_modules import LOGITS_BUDGET, token_nll
 
         seq = max(1, dev.seq_len)

@@ -5,10 +5,14 @@ or runs a layer, so that reading a family (``l2l plan``) needs no torch."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 
 IGNORE = -100  # label of a position without a next-token target (padding)
 LOSS_CHUNK = 1 << 22  # training: the loss over chunks of at most this many logits (16 MiB in fp32)
@@ -132,7 +136,7 @@ def causal_mask(attention_mask_BS: torch.Tensor, window: int | None) -> torch.Te
 class GPT2Embeddings(nn.Module):
     """pre: ``wte(ids) + wpe(positions)``, then dropout, as ``GPT2Model.forward`` begins."""
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: PretrainedConfig):
         super().__init__()
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
@@ -149,7 +153,7 @@ class GPT2Embeddings(nn.Module):
 class TokenEmbedding(nn.Module):
     """pre: ``embed_tokens(ids)`` (Llama adds no positions here: they are rotary, inside attention)."""
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: PretrainedConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, cfg.pad_token_id)
 

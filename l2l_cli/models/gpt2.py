@@ -4,6 +4,9 @@ the trained model saves back as a ``GPT2LMHeadModel`` directory.
 
 pre = token + position embeddings and dropout (``GPT2Model``'s first lines); block = ``GPT2Block``;
 post = ``ln_f`` and the LM head (its weight the token embedding's when tied).
+
+Imports of torch, ``transformers`` and the layer modules sit in the functions that build, run or save a
+layer, so importing the family (``l2l plan``, the config's checks) imports no torch.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from l2l_cli.config.schema import ModelConfig
 from l2l_cli.data.tasks import LM
 from l2l_cli.models.decoder import DecoderSide, DecoderSpec, config_dict
 from l2l_cli.models.registry import ModelFamily, UnsupportedModel, register_family
@@ -21,6 +25,7 @@ from l2l_cli.models.registry import ModelFamily, UnsupportedModel, register_fami
 if TYPE_CHECKING:
     import torch
     from torch import nn
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)
@@ -60,17 +65,17 @@ class GPT2Spec(DecoderSpec):
     def causal_lm_class(self) -> str:
         return "GPT2LMHeadModel"
 
-    def new_pre(self, cfg: Any) -> nn.Module:
+    def new_pre(self, cfg: PretrainedConfig) -> nn.Module:
         from l2l_cli.models.decoder_modules import GPT2Embeddings
 
         return GPT2Embeddings(cfg)
 
-    def new_block(self, cfg: Any) -> nn.Module:
+    def new_block(self, cfg: PretrainedConfig) -> nn.Module:
         from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
         return GPT2Block(cfg, layer_idx=0)
 
-    def new_norm(self, cfg: Any) -> nn.Module:
+    def new_norm(self, cfg: PretrainedConfig) -> nn.Module:
         from torch import nn
 
         return nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
@@ -101,39 +106,70 @@ def _config(spec: GPT2Spec) -> Any:
     d = spec.dropout
     # random init: the token ids come with the tokenizer (set on export), not GPT-2's 50256
     ids = {} if spec.hf_json else {"bos_token_id": None, "eos_token_id": None}
-    cfg = GPT2Config.from_dict({
-        **config_dict(spec.hf_json), "n_layer": spec.num_layers, "n_embd": spec.hidden_size,
-        "n_head": spec.num_heads, "n_inner": spec.intermediate_size, "vocab_size": spec.vocab_size,
-        "n_positions": spec.seq_len, "layer_norm_epsilon": spec.layer_norm_eps,
-        "initializer_range": spec.init_std, "resid_pdrop": d, "embd_pdrop": d, "attn_pdrop": d,
-        "tie_word_embeddings": spec.tie_word_embeddings, "use_cache": False, **ids,
-    })  # fmt: skip
+    cfg = GPT2Config.from_dict(
+        {
+            **config_dict(spec.hf_json),
+            "n_layer": spec.num_layers,
+            "n_embd": spec.hidden_size,
+            "n_head": spec.num_heads,
+            "n_inner": spec.intermediate_size,
+            "vocab_size": spec.vocab_size,
+            "n_positions": spec.seq_len,
+            "layer_norm_epsilon": spec.layer_norm_eps,
+            "initializer_range": spec.init_std,
+            "resid_pdrop": d,
+            "embd_pdrop": d,
+            "attn_pdrop": d,
+            "tie_word_embeddings": spec.tie_word_embeddings,
+            "use_cache": False,
+            **ids,
+        }
+    )
     cfg._attn_implementation = "sdpa"
     return cfg
 
 
-def from_config(m: Any, num_labels: int) -> GPT2Spec:
+def from_config(m: ModelConfig, num_labels: int) -> GPT2Spec:
     """The spec from the ``model.*`` keys (random init)."""
     return GPT2Spec(
-        m.num_layers, m.hidden_size, m.num_heads, m.intermediate_size, m.vocab_size, m.seq_len, m.dropout,
-        m.layer_norm_eps, m.init_std, bool(m.tie_word_embeddings), "",
-    )  # fmt: skip
+        m.num_layers,
+        m.hidden_size,
+        m.num_heads,
+        m.intermediate_size,
+        m.vocab_size,
+        m.seq_len,
+        m.dropout,
+        m.layer_norm_eps,
+        m.init_std,
+        bool(m.tie_word_embeddings),
+        "",
+    )
 
 
-def from_hf_dir(path: Path, m: Any, num_labels: int) -> GPT2Spec:
+def from_hf_dir(path: Path, m: ModelConfig, num_labels: int) -> GPT2Spec:
     """The spec from a checkpoint's ``config.json``; ``model.dropout`` still applies (fine-tuning)."""
     raw = (Path(path) / "config.json").read_text()
     c = json.loads(raw)
-    for key, why in (("add_cross_attention", "cross-attention blocks"),
-                     ("scale_attn_by_inverse_layer_idx", "per-layer attention scaling")):  # fmt: skip
+    for key, why in (
+        ("add_cross_attention", "cross-attention blocks"),
+        ("scale_attn_by_inverse_layer_idx", "per-layer attention scaling"),
+    ):
         if c.get(key):
             raise UnsupportedModel(f"{path}: {key}=true ({why}) is not supported by the gpt2 family")
     h = c["n_embd"]
     return GPT2Spec(
-        c["n_layer"], h, c["n_head"], c.get("n_inner") or 4 * h, c["vocab_size"], c.get("n_positions", 1024),
-        m.dropout, c.get("layer_norm_epsilon", 1e-5), c.get("initializer_range", 0.02),
-        bool(c.get("tie_word_embeddings", True)), raw,
-    )  # fmt: skip
+        c["n_layer"],
+        h,
+        c["n_head"],
+        c.get("n_inner") or 4 * h,
+        c["vocab_size"],
+        c.get("n_positions", 1024),
+        m.dropout,
+        c.get("layer_norm_epsilon", 1e-5),
+        c.get("initializer_range", 0.02),
+        bool(c.get("tie_word_embeddings", True)),
+        raw,
+    )
 
 
 register_family(

@@ -5,6 +5,9 @@ checkpoints load unchanged and the trained model saves back as a ``*ForCausalLM`
 
 pre = the token embedding; block = the decoder layer, given the rotary (cos, sin) and the causal (or
 sliding-window) mask as side inputs; post = the final RMSNorm and the LM head (tied or not).
+
+Imports of torch, ``transformers`` and the layer modules sit in the functions that build, run or save a
+layer, so importing the family (``l2l plan``, the config's checks) imports no torch.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from l2l_cli.config.schema import ModelConfig
 from l2l_cli.data.tasks import LM
 from l2l_cli.models.decoder import DecoderSide, DecoderSpec, config_dict
 from l2l_cli.models.registry import ModelFamily, UnsupportedModel, register_family
@@ -24,6 +28,7 @@ from l2l_cli.problems import Problem, divisors
 if TYPE_CHECKING:
     import torch
     from torch import nn
+    from transformers import PretrainedConfig
 
 # model_type -> the class-name prefix of its transformers modules (modeling_<type>.<Prefix>DecoderLayer)
 PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
@@ -75,15 +80,15 @@ class LlamaSpec(DecoderSpec):
     def causal_lm_class(self) -> str:
         return PREFIX[self.model_type] + "ForCausalLM"
 
-    def new_pre(self, cfg: Any) -> nn.Module:
+    def new_pre(self, cfg: PretrainedConfig) -> nn.Module:
         from l2l_cli.models.decoder_modules import TokenEmbedding
 
         return TokenEmbedding(cfg)
 
-    def new_block(self, cfg: Any) -> nn.Module:
+    def new_block(self, cfg: PretrainedConfig) -> nn.Module:
         return self.module("DecoderLayer")(cfg, layer_idx=0)
 
-    def new_norm(self, cfg: Any) -> nn.Module:
+    def new_norm(self, cfg: PretrainedConfig) -> nn.Module:
         return self.module("RMSNorm")(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
     def rope(self, ub: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,16 +124,26 @@ def _config(spec: LlamaSpec) -> Any:
     from transformers import AutoConfig
 
     fields = {
-        **config_dict(spec.hf_json), "num_hidden_layers": spec.num_layers, "hidden_size": spec.hidden_size,
-        "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
-        "intermediate_size": spec.intermediate_size, "vocab_size": spec.vocab_size,
-        "max_position_embeddings": spec.seq_len, "rms_norm_eps": spec.layer_norm_eps,
-        "initializer_range": spec.init_std, "attention_dropout": spec.dropout,
-        "tie_word_embeddings": spec.tie_word_embeddings, "use_cache": False,
-    }  # fmt: skip
+        **config_dict(spec.hf_json),
+        "num_hidden_layers": spec.num_layers,
+        "hidden_size": spec.hidden_size,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "intermediate_size": spec.intermediate_size,
+        "vocab_size": spec.vocab_size,
+        "max_position_embeddings": spec.seq_len,
+        "rms_norm_eps": spec.layer_norm_eps,
+        "initializer_range": spec.init_std,
+        "attention_dropout": spec.dropout,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "use_cache": False,
+    }
     if not spec.hf_json:  # random init: rotary base from model.rope_theta; token ids come with the tokenizer
-        fields.update(rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta}, bos_token_id=None,
-                      eos_token_id=None)  # fmt: skip
+        fields.update(
+            rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
+            bos_token_id=None,
+            eos_token_id=None,
+        )
     fields.pop("model_type", None)
     cfg = AutoConfig.for_model(spec.model_type, **fields)
     cfg._attn_implementation = "sdpa"
@@ -155,16 +170,27 @@ def _window(spec: LlamaSpec) -> tuple[int | None, frozenset[int]]:
     return (int(window), sliding) if sliding else (None, frozenset())
 
 
-def from_config(m: Any, num_labels: int) -> LlamaSpec:
+def from_config(m: ModelConfig, num_labels: int) -> LlamaSpec:
     """The spec from the ``model.*`` keys (random init)."""
     return LlamaSpec(
-        "llama", m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads or m.num_heads, m.intermediate_size,
-        m.vocab_size, m.seq_len, m.dropout, m.layer_norm_eps, m.init_std, m.rope_theta,
-        bool(m.tie_word_embeddings), "",
-    )  # fmt: skip
+        "llama",
+        m.num_layers,
+        m.hidden_size,
+        m.num_heads,
+        m.num_kv_heads or m.num_heads,
+        m.intermediate_size,
+        m.vocab_size,
+        m.seq_len,
+        m.dropout,
+        m.layer_norm_eps,
+        m.init_std,
+        m.rope_theta,
+        bool(m.tie_word_embeddings),
+        "",
+    )
 
 
-def from_hf_dir(path: Path, m: Any, num_labels: int) -> LlamaSpec:
+def from_hf_dir(path: Path, m: ModelConfig, num_labels: int) -> LlamaSpec:
     """The spec from a checkpoint's ``config.json`` (llama, mistral or qwen2); ``model.dropout`` still
     applies to attention (fine-tuning)."""
     from transformers import AutoConfig
@@ -177,13 +203,24 @@ def from_hf_dir(path: Path, m: Any, num_labels: int) -> LlamaSpec:
     c = AutoConfig.for_model(model_type, **fields)  # the type's own defaults for what the file leaves out
     rope_theta = float((c.rope_parameters or {}).get("rope_theta", 10000.0))
     return LlamaSpec(
-        model_type, c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
-        c.intermediate_size, c.vocab_size, c.max_position_embeddings, m.dropout, c.rms_norm_eps,
-        c.initializer_range, rope_theta, bool(c.tie_word_embeddings), raw,
-    )  # fmt: skip
+        model_type,
+        c.num_hidden_layers,
+        c.hidden_size,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.intermediate_size,
+        c.vocab_size,
+        c.max_position_embeddings,
+        m.dropout,
+        c.rms_norm_eps,
+        c.initializer_range,
+        rope_theta,
+        bool(c.tie_word_embeddings),
+        raw,
+    )
 
 
-def validate(m: Any) -> list[Problem]:
+def validate(m: ModelConfig) -> list[Problem]:
     """model.num_kv_heads (grouped-query attention) must divide model.num_heads."""
     if m.num_kv_heads is not None and (m.num_kv_heads < 1 or m.num_heads % m.num_kv_heads):
         return [
@@ -199,7 +236,9 @@ register_family(
     ModelFamily(
         name="llama",
         model_types=tuple(PREFIX),
-        description="Llama-architecture decoder: RMSNorm, rotary, SwiGLU, GQA (HF LlamaForCausalLM; Mistral, Qwen2)",
+        description=(
+            "Llama-architecture decoder: RMSNorm, rotary, SwiGLU, GQA (HF LlamaForCausalLM; Mistral, Qwen2)"
+        ),
         from_config=from_config,
         from_hf_dir=from_hf_dir,
         objective=LM,

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from l2l_cli.config.schema import ModelConfig
+from l2l_cli.config.settings import typed
 from l2l_cli.data.tasks import CLASSIFY
 from l2l_cli.models.base import ModelSpec
 from l2l_cli.problems import Problem
@@ -25,15 +27,15 @@ class ModelFamily:
     name: str  # model.family
     model_types: tuple[str, ...]  # the config.json model_type values it loads
     description: str
-    from_config: Callable[[Any, int], ModelSpec]  # (model.* keys, num_labels) -> spec
-    from_hf_dir: Callable[[Path, Any, int], ModelSpec]  # (HF dir, model.* keys, num_labels) -> spec
+    from_config: Callable[[ModelConfig, int], ModelSpec]  # (model.* keys, num_labels) -> spec
+    from_hf_dir: Callable[[Path, ModelConfig, int], ModelSpec]  # (HF dir, model.* keys, num_labels) -> spec
     objective: str = CLASSIFY  # the tasks it trains: CLASSIFY (GLUE, synthetic, files) | LM (task=lm)
     # model.* keys only this family reads (set for another family they are refused: the run would ignore
     # them), and its own rules on the model.* keys; both run by config/validate.py
     keys: tuple[str, ...] = ()
-    validate: Callable[[Any], list[Problem]] | None = None
+    validate: Callable[[ModelConfig], list[Problem]] | None = None
     # whether a model built from these model.* keys ties its LM head to its token embedding
-    tied_head: Callable[[Any], bool] = lambda m: False
+    tied_head: Callable[[ModelConfig], bool] = lambda m: False
 
 
 FAMILIES: dict[str, ModelFamily] = {}
@@ -78,9 +80,10 @@ def family_for_dir(path: Path, ref: str, default: str = "bert") -> ModelFamily:
     )
 
 
-def family_of(model_cfg: Any) -> ModelFamily | None:
+def family_of(model_cfg: ModelConfig | Any) -> ModelFamily | None:
     """The run's family: a local checkpoint's (config.json model_type), else ``model.family``'s; None when
-    it cannot be known offline (a hub id) or is invalid (reported by the model's check)."""
+    it cannot be known offline (a hub id) or is invalid (reported by the model's check). ``model_cfg``:
+    the ``model`` node, composed or typed."""
     if model_cfg.pretrained is not None:
         path = Path(model_cfg.pretrained).expanduser()
         if not (path / "config.json").is_file():
@@ -117,9 +120,11 @@ def resolve_pretrained(ref: str, config_only: bool = False) -> Path:
         ) from e
 
 
-def make_spec(model_cfg: Any, num_labels: int) -> ModelSpec:
+def make_spec(model_cfg: ModelConfig | Any, num_labels: int) -> ModelSpec:
     """The run's model: from the checkpoint's config.json with ``model.pretrained``, else from ``model.*``
-    of the family ``model.family``."""
+    of the family ``model.family``. ``model_cfg``: the ``model`` node, composed or typed; the family
+    gets it typed."""
+    model_cfg = typed(model_cfg, ModelConfig)
     if model_cfg.pretrained:
         path = resolve_pretrained(model_cfg.pretrained)
         family = family_for_dir(path, model_cfg.pretrained, model_cfg.family)
