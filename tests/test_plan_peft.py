@@ -23,8 +23,15 @@ from l2l_cli.plan.planner import make_plan, model_shape
 from l2l_cli.plan.render import fmt_s
 
 GiB = 2**30
-ACCEPT = ["model=llama-70b", "task=lm", "peft=lora", "peft.base_dtype=nf4", "peft.base_source=disk",
-          "hardware.device_memory_gb=24", "hardware.host_memory_gb=64"]  # fmt: skip
+ACCEPT = [
+    "model=llama-70b",
+    "task=lm",
+    "peft=lora",
+    "peft.base_dtype=nf4",
+    "peft.base_source=disk",
+    "hardware.device_memory_gb=24",
+    "hardware.host_memory_gb=64",
+]
 TINY_LM = [
     "model=llama-tiny",
     "task=lm",
@@ -64,8 +71,11 @@ def test_70b_nf4_from_disk_fits_a_24gb_gpu_and_64gb_of_ram(capsys) -> None:
     out = capsys.readouterr().out
     assert "✓ fits" in out and "LoRA r=8, base nf4 on disk, adamw" in out and "bound by:" in out
     assert f"step {fmt_s(p['step_time_s']['total'])}, bound by {pe['bound']}" in out
-    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]] for line in out.splitlines()
-            if line.startswith("│") and line.count("│") == 7}  # fmt: skip
+    rows = {
+        line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+        for line in out.splitlines()
+        if line.startswith("│") and line.count("│") == 7
+    }
     assert rows["frozen base, nf4"][1:3] == [f"{pe['base_bytes_per_param']:.3g}", "disk"]
     assert rows["read ahead (3 layers at most)"][1:3] == ["0", "RAM"]
     assert rows["adapters' state (adamw)"][1:3] == ["16", "RAM"]
@@ -178,9 +188,9 @@ def test_read_ahead_is_the_disk_readers() -> None:
 
 
 def test_host_bytes_per_param_match_a_tiny_run(tmp_path: Path) -> None:
-    """A tiny Llama LoRA run (``l2l train``'s job: NF4 base in RAM, adamw8bit) reports the host bytes the plan predicts: the run's
-    ``host_bytes_per_param`` (per model parameter), ``peft.host_bytes_per_param`` (per trainable + frozen),
-    the base's bytes in RAM and the bytes loaded toward the device per step. Tolerance 1e-6 relative: both
+    """A tiny Llama LoRA run (``l2l train``'s job: NF4 base in RAM, adamw8bit) reports the host bytes the
+    plan predicts: the run's ``host_bytes_per_param`` (per model parameter), ``peft.host_bytes_per_param``
+    (per trainable + frozen), the base's bytes in RAM and the bytes loaded toward the device per step. Tolerance 1e-6 relative: both
     sides count the bytes of the same tensors (nothing measured), so only float rounding may differ."""
     args = [*TINY_LM, "peft=lora", "peft.base_dtype=nf4", "optim=adamw8bit"]
     p = make_plan(compose(args))["peft"]
