@@ -189,17 +189,24 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--skip-host", action="store_true", help="skip the base_source=host bf16 run")
+    ap.add_argument("--only-host", action="store_true", help="only the base_source=host bf16 run")
+    ap.add_argument(
+        "--recompute",
+        default="full",
+        help="mode.recompute (default full, the papers' algorithm: auto keeps every block's activations "
+        "when the device has room, and a CPU device's room is host RAM, so RssAnon would grow with depth)",
+    )
     a = ap.parse_args()
     a.dir.mkdir(parents=True, exist_ok=True)
     results: dict = {"disk_read_gbps": disk_rate(a.dir)}
-    for n in a.layers:
+    for n in [] if a.only_host else a.layers:
         ckpt = write_checkpoint(a.dir, n, a.hidden, a.intermediate, a.heads, a.vocab)
         results[f"nf4_disk_{n}"] = train(
             ckpt,
             a.dir / f"run-nf4-disk-{n}",
             a.steps,
             a.seq,
-            ["peft.base_dtype=nf4", "peft.base_source=disk"],
+            ["peft.base_dtype=nf4", "peft.base_source=disk", f"mode.recompute={a.recompute}"],
         )
         print(json.dumps({f"nf4_disk_{n}": results[f"nf4_disk_{n}"]}), flush=True)
     if not a.skip_host:
@@ -210,9 +217,18 @@ def main() -> None:
             a.dir / f"run-bf16-host-{n}",
             a.steps,
             a.seq,
-            ["peft.base_dtype=bf16", "peft.base_source=host"],
+            ["peft.base_dtype=bf16", "peft.base_source=host", f"mode.recompute={a.recompute}"],
         )
+    results["cpu_flags"] = cpu_flags()
     print(json.dumps(results, indent=2))
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's vector flags that set its matmul and dequantize speed (/proc/cpuinfo)."""
+    want = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "fma", "f16c")
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
+    return [f for f in want if f in flags]
 
 
 if __name__ == "__main__":

@@ -497,3 +497,50 @@ def test_lora_in_low_precision_follows_fp32(precision: str) -> None:
     assert cos > 0.9, cos
     for k, v in got["before"].items():  # the base stays what it was
         assert torch.equal(v, got["after"][k]), k
+
+
+def _depth_run(layers: int, recompute: str) -> tuple[dict[str, int], dict[str, int], int]:
+    """(the device meter's peak parts, the host parts, a block's trained elements) of 2 steps of an NF4
+    base on disk, ``layers`` deep."""
+    from l2l_cli.models.base import BLOCK
+
+    cfg = tiny_cfg(
+        *FAMILY["llama"],
+        *R8,
+        "mode=l2l",
+        "peft.base_dtype=nf4",
+        "peft.base_source=disk",
+        f"model.num_layers={layers}",
+        f"mode.recompute={recompute}",
+    )
+    with built(cfg) as runner:
+        for b in lm_batches(cfg, n=2):
+            runner.step(b)
+        block = runner.spec.new_layer(BLOCK, "meta").named_parameters()
+        trained = sum(p.numel() for n, p in block if runner.spec.trainable(n))
+        return dict(runner.acc.meter.peak_parts), runner.host_parts(), trained
+
+
+def test_an_nf4_base_on_disk_keeps_memory_flat_in_depth() -> None:
+    """4 vs 8 blocks, the papers' full recompute: the device's layer slots, activations and workspace are
+    the same bytes, the host holds none of the base, and what grows is what L2L keeps per layer by design:
+    the stash (each block's input) and the adapters' own state (master, gradient, moments), by exactly their
+    per-layer bytes."""
+    dev4, host4, trained = _depth_run(4, "full")
+    dev8, host8, _ = _depth_run(8, "full")
+    assert host4.get("frozen_base", 0) == host8.get("frozen_base", 0) == 0
+    for part in ("layer_slots", "activations", "workspace"):
+        assert dev8[part] == dev4[part], (part, dev4, dev8)
+    assert dev8["stash"] == 2 * dev4["stash"]  # one input per block: 4 -> 8
+    for part, b in (("master", 4), ("grads", 4), ("optimizer_state", 8)):  # fp32; AdamW's two moments
+        assert host8[part] - host4[part] == 4 * b * trained > 0, part
+
+
+@pytest.mark.slow
+def test_kept_graphs_are_what_grows_with_depth() -> None:
+    """With every block's graph kept (``mode.recompute=none``: what ``auto`` picks when the device has
+    room, and a CPU device's room is host RAM) the activations grow with depth: the growth the 7B-shaped
+    benchmark saw under ``auto`` (docs/adapters.md)."""
+    kept4, _, _ = _depth_run(4, "none")
+    kept8, _, _ = _depth_run(8, "none")
+    assert kept8["activations"] > 1.5 * kept4["activations"]
