@@ -77,7 +77,7 @@ def _nf4_encode(t: torch.Tensor) -> dict[str, torch.Tensor]:
     """torchao's NF4 of ``t`` flattened (``NF4Tensor.from_tensor``'s parts, bit for bit), padded to whole
     scaler blocks with a repeat of its own values (zeros would add all-zero blocks to the scales'
     statistics). The scales are torchao's own; the codes are :func:`_nf4_codes`, torchao's nearest-code rule
-    computed without its 16-fold temporary (seconds, not minutes, for a 7B layer on a CPU)."""
+    computed without its 16-fold temporary (docs/adapters.md gives the time it saves)."""
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
 
     flat = t.flatten()
@@ -142,7 +142,7 @@ def _nf4_codes(flat: torch.Tensor, nf4: torch.Tensor) -> torch.Tensor:
     """The packed 4-bit codes of ``flat`` (whole blocks): each element divided by its block's absmax, then
     the index of the nearest code exactly as torchao's ``quantize_tensor_nearest`` picks it (index 0 for
     NaN, an all-zero block), by one search in :func:`_nf4_thresholds` instead of its 16-fold temporary
-    (seconds, not minutes, for a 7B layer on a CPU); two codes a byte, the first in the high nibble."""
+    (docs/adapters.md); two codes a byte, the first in the high nibble."""
     bounds = _nf4_thresholds(nf4)
     out = torch.empty(flat.numel() // 2, dtype=torch.uint8, device=flat.device)
     for s in range(0, flat.numel(), _CHUNK):
