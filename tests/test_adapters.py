@@ -26,10 +26,15 @@ def l2l(*args: str, **kw: Any) -> Any:
 
 R8 = ["peft=lora", "peft.r=8", "peft.dropout=0.0", "optim.schedule=constant", "optim.warmup_steps=0"]
 FAMILY = {
-    "llama": ["model=llama-tiny", *TINY, "task=lm", "peft.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"],
+    "llama": [
+        "model=llama-tiny",
+        *TINY,
+        "task=lm",
+        "peft.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]",
+    ],
     "gpt2": ["model=gpt2-tiny", *TINY, "task=lm", "peft.target_modules=[c_attn,c_proj,c_fc]"],
     "bert": [*TINY, "peft.target_modules=[query,key,value,dense]", "peft.modules_to_save=[classifier]"],
-}  # fmt: skip
+}
 
 
 def lm_batches(cfg: Any, n: int = 3, seed: int = 5) -> list[Batch]:
@@ -63,8 +68,8 @@ def hf_reference(cfg: Any, spec: Any, tmp: Path, batches: list[Batch]) -> dict[s
     else:
         hf = AutoModelForCausalLM.from_pretrained(tmp / "base")
     conf = adapter_config(spec, lora_of(spec))
-    model = get_peft_model(hf, LoraConfig(**{k: v for k, v in conf.items() if k in ("r", "lora_alpha",
-                           "lora_dropout", "target_modules", "modules_to_save", "fan_in_fan_out", "bias")}))  # fmt: skip
+    keys = ("r", "lora_alpha", "lora_dropout", "target_modules", "modules_to_save", "fan_in_fan_out", "bias")
+    model = get_peft_model(hf, LoraConfig(**{k: v for k, v in conf.items() if k in keys}))
     init = LayeredModel(spec, seed=seed).hf_state_dict(trainable_only=True)
     result = set_peft_model_state_dict(model, {peft_key(n): t for n, t in init.items()})
     assert not [k for k in result.unexpected_keys if "lora" in k]
@@ -75,8 +80,11 @@ def hf_reference(cfg: Any, spec: Any, tmp: Path, batches: list[Batch]) -> dict[s
     for batch in batches:
         opt.zero_grad()
         if spec.family == "bert":
-            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                           token_type_ids=batch.token_type_ids).logits  # fmt: skip
+            logits = model(
+                input_ids=batch.input_ids,
+                attention_mask=batch.attention_mask,
+                token_type_ids=batch.token_type_ids,
+            ).logits
             loss = torch.nn.functional.cross_entropy(logits, batch.labels)
         else:
             loss = model(input_ids=batch.input_ids, labels=batch.labels).loss
@@ -111,8 +119,13 @@ def run_lora(family: str, *overrides: str, steps: int = 3) -> dict[str, Any]:
         losses = [runner.step(b).loss for b in lm_batches(cfg)[:steps]]
         after = base_tensors(runner)
         adapter = {peft_key(n): t.detach().float().clone() for n, t in runner.hf_tensors()}
-        return {"losses": losses, "adapter": adapter, "before": before, "after": after,
-                "host": runner.host_parts()}  # fmt: skip
+        return {
+            "losses": losses,
+            "adapter": adapter,
+            "before": before,
+            "after": after,
+            "host": runner.host_parts(),
+        }
 
 
 @pytest.mark.parametrize(
@@ -235,8 +248,18 @@ def test_saved_adapter_and_merged_model_give_the_runs_logits(family: str, mode: 
     torch.testing.assert_close(merged, theirs, rtol=1e-5, atol=1e-5)
 
 
-CLI = ["model=llama-tiny", "task=lm", "peft=lora", "batch.size=4", "batch.ubatch_size=2", "task.max_seq_len=32",
-       "task.num_eval=16", "trainer.progress=none", "optim.schedule=constant", "logger=none"]  # fmt: skip
+CLI = [
+    "model=llama-tiny",
+    "task=lm",
+    "peft=lora",
+    "batch.size=4",
+    "batch.ubatch_size=2",
+    "task.max_seq_len=32",
+    "task.num_eval=16",
+    "trainer.progress=none",
+    "optim.schedule=constant",
+    "logger=none",
+]
 
 
 @pytest.mark.slow
@@ -341,11 +364,21 @@ def test_low_bit_base_of_a_real_checkpoint_evaluates_within_2_percent_of_bf16(
 
     def eval_loss(base_dtype: str) -> float:
         cfg = tiny_cfg(
-            "task=mrpc", f"task.data_dir={glue / 'MRPC'}", f"model.pretrained={minilm}", "peft=lora",
-            f"peft.base_dtype={base_dtype}", "peft.target_modules=[query,value]", "peft.modules_to_save=[classifier]",
-            "mode=l2l", "batch.size=16", "batch.ubatch_size=8", "task.max_seq_len=64", "task.max_train_samples=128",
-            "task.max_eval_samples=64", "optim.lr=1e-3",
-        )  # fmt: skip
+            "task=mrpc",
+            f"task.data_dir={glue / 'MRPC'}",
+            f"model.pretrained={minilm}",
+            "peft=lora",
+            f"peft.base_dtype={base_dtype}",
+            "peft.target_modules=[query,value]",
+            "peft.modules_to_save=[classifier]",
+            "mode=l2l",
+            "batch.size=16",
+            "batch.ubatch_size=8",
+            "task.max_seq_len=64",
+            "task.max_train_samples=128",
+            "task.max_eval_samples=64",
+            "optim.lr=1e-3",
+        )
         data = load_task(cfg.task, cfg.model)
         with built(cfg, total_steps=6, data=data) as runner:
             it = TrainStream(data.train, 16, seed=0).batches()
@@ -380,8 +413,13 @@ def test_nf4_is_torchaos_bit_for_bit_on_ties_zeros_and_codes() -> None:
         flat[1024:1039], flat[1039] = -mids, -1.0
         flat[2048:2063], flat[2063] = torch.nextafter(mids, codes[1:]), 1.0
         q = NF4Tensor.from_tensor(flat, 64, 256)
-        ref = {"data": q.quantized_data, "scalers": q.quantized_scalers, "factor": q.quantization_factor,
-               "mean": q.scaler_mean.reshape(1), "nf4": q.nf4}  # fmt: skip
+        ref = {
+            "data": q.quantized_data,
+            "scalers": q.quantized_scalers,
+            "factor": q.quantization_factor,
+            "mean": q.scaler_mean.reshape(1),
+            "nf4": q.nf4,
+        }
         got = _nf4_encode(flat)
         for k, v in ref.items():
             assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
@@ -459,3 +497,50 @@ def test_lora_in_low_precision_follows_fp32(precision: str) -> None:
     assert cos > 0.9, cos
     for k, v in got["before"].items():  # the base stays what it was
         assert torch.equal(v, got["after"][k]), k
+
+
+def _depth_run(layers: int, recompute: str) -> tuple[dict[str, int], dict[str, int], int]:
+    """(the device meter's peak parts, the host parts, a block's trained elements) of 2 steps of an NF4
+    base on disk, ``layers`` deep."""
+    from l2l_cli.models.base import BLOCK
+
+    cfg = tiny_cfg(
+        *FAMILY["llama"],
+        *R8,
+        "mode=l2l",
+        "peft.base_dtype=nf4",
+        "peft.base_source=disk",
+        f"model.num_layers={layers}",
+        f"mode.recompute={recompute}",
+    )
+    with built(cfg) as runner:
+        for b in lm_batches(cfg, n=2):
+            runner.step(b)
+        block = runner.spec.new_layer(BLOCK, "meta").named_parameters()
+        trained = sum(p.numel() for n, p in block if runner.spec.trainable(n))
+        return dict(runner.acc.meter.peak_parts), runner.host_parts(), trained
+
+
+def test_an_nf4_base_on_disk_keeps_memory_flat_in_depth() -> None:
+    """4 vs 8 blocks, the papers' full recompute: the device's layer slots, activations and workspace are
+    the same bytes, the host holds none of the base, and what grows is what L2L keeps per layer by design:
+    the stash (each block's input) and the adapters' own state (master, gradient, moments), by exactly their
+    per-layer bytes."""
+    dev4, host4, trained = _depth_run(4, "full")
+    dev8, host8, _ = _depth_run(8, "full")
+    assert host4.get("frozen_base", 0) == host8.get("frozen_base", 0) == 0
+    for part in ("layer_slots", "activations", "workspace"):
+        assert dev8[part] == dev4[part], (part, dev4, dev8)
+    assert dev8["stash"] == 2 * dev4["stash"]  # one input per block: 4 -> 8
+    for part, b in (("master", 4), ("grads", 4), ("optimizer_state", 8)):  # fp32; AdamW's two moments
+        assert host8[part] - host4[part] == 4 * b * trained > 0, part
+
+
+@pytest.mark.slow
+def test_kept_graphs_are_what_grows_with_depth() -> None:
+    """With every block's graph kept (``mode.recompute=none``: what ``auto`` picks when the device has
+    room, and a CPU device's room is host RAM) the activations grow with depth: the growth the 7B-shaped
+    benchmark saw under ``auto`` (docs/adapters.md)."""
+    kept4, _, _ = _depth_run(4, "none")
+    kept8, _, _ = _depth_run(8, "none")
+    assert kept8["activations"] > 1.5 * kept4["activations"]

@@ -77,7 +77,7 @@ def _nf4_encode(t: torch.Tensor) -> dict[str, torch.Tensor]:
     """torchao's NF4 of ``t`` flattened (``NF4Tensor.from_tensor``'s parts, bit for bit), padded to whole
     scaler blocks with a repeat of its own values (zeros would add all-zero blocks to the scales'
     statistics). The scales are torchao's own; the codes are :func:`_nf4_codes`, torchao's nearest-code rule
-    computed without its 16-fold temporary (seconds, not minutes, for a 7B layer on a CPU)."""
+    computed without its 16-fold temporary (docs/adapters.md gives the time it saves)."""
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
 
     flat = t.flatten()
@@ -87,15 +87,34 @@ def _nf4_encode(t: torch.Tensor) -> dict[str, torch.Tensor]:
         flat = torch.cat([flat, flat.repeat(pad // flat.numel() + 1)[:pad]])
     scalers, factor, mean = NF4Tensor.double_quantize_scalers(flat, NF4_BLOCK, NF4_SCALER_BLOCK)
     nf4 = torch.tensor(NF4_CODES, dtype=flat.dtype, device=flat.device)
-    return {"data": _nf4_codes(flat, nf4), "scalers": scalers, "factor": factor, "mean": mean.reshape(1),
-            "nf4": nf4}  # fmt: skip
+    return {
+        "data": _nf4_codes(flat, nf4),
+        "scalers": scalers,
+        "factor": factor,
+        "mean": mean.reshape(1),
+        "nf4": nf4,
+    }
 
 
 # torchao's NF4 code book (``NF4Tensor.from_tensor``'s), ascending
 NF4_CODES = (
-    -1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0, 0.0796, 0.1609, 0.2461, 0.3379, 0.4407,
-    0.5626, 0.7230, 1.0,
-)  # fmt: skip
+    -1.0,
+    -0.6962,
+    -0.5251,
+    -0.3949,
+    -0.2844,
+    -0.1848,
+    -0.0911,
+    0.0,
+    0.0796,
+    0.1609,
+    0.2461,
+    0.3379,
+    0.4407,
+    0.5626,
+    0.7230,
+    1.0,
+)  # fmt: skip (a table of 16 codes: one a line would take 18 lines)
 _CHUNK = 1 << 20  # elements per chunk of the code / decode loops (bounds their temporaries)
 
 
@@ -123,7 +142,7 @@ def _nf4_codes(flat: torch.Tensor, nf4: torch.Tensor) -> torch.Tensor:
     """The packed 4-bit codes of ``flat`` (whole blocks): each element divided by its block's absmax, then
     the index of the nearest code exactly as torchao's ``quantize_tensor_nearest`` picks it (index 0 for
     NaN, an all-zero block), by one search in :func:`_nf4_thresholds` instead of its 16-fold temporary
-    (seconds, not minutes, for a 7B layer on a CPU); two codes a byte, the first in the high nibble."""
+    (docs/adapters.md); two codes a byte, the first in the high nibble."""
     bounds = _nf4_thresholds(nf4)
     out = torch.empty(flat.numel() // 2, dtype=torch.uint8, device=flat.device)
     for s in range(0, flat.numel(), _CHUNK):
@@ -171,9 +190,13 @@ class FrozenBase:
     builds it, replaced from a checkpoint (``load_hf``), dequantized into a device slot (``load``)."""
 
     def __init__(
-        self, spec: ModelSpec, layouts: dict[str, FlatLayout], lora: LoraSettings, root: Path | None = None,
+        self,
+        spec: ModelSpec,
+        layouts: dict[str, FlatLayout],
+        lora: LoraSettings,
+        root: Path | None = None,
         seed: int | None = None,
-    ):  # fmt: skip
+    ):
         """``root``: where a base on disk (``lora.base_on_disk``) keeps its layer files (None: a temporary
         folder). ``seed``: the model's; with ``lora.base_from_checkpoint`` a layer is stored when the
         checkpoint's tensors arrive (``load_hf``), and one they never reach is built from the seed, as

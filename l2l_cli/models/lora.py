@@ -11,18 +11,20 @@ tensor its checkpoint name, and :func:`peft_key` an adapter tensor its name in `
 
 Why ``peft``: its modules are what a PEFT user trains and loads (``PeftModel.from_pretrained``), so the
 forward, the scaling and the saved layout are the ecosystem's own, not a re-implementation. This file
-imports no torch at module level (the config's checks read :class:`LoraSettings`).
+imports no torch at module level; the ``peft.*`` settings and their rules are in ``lora_settings.py``.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from l2l_cli.models.base import BLOCK, POST, PRE, ModelSpec
+from l2l_cli.models.lora_settings import ALL_LINEAR, LoraSettings, listed, settings_dict
+from l2l_cli.models.lora_settings import key_problems as key_problems  # re-exported: config/validate.py
+from l2l_cli.models.lora_settings import on_disk as on_disk  # re-exported: session.py, config/validate.py
 from l2l_cli.problems import Problem
 
 if TYPE_CHECKING:
@@ -30,61 +32,9 @@ if TYPE_CHECKING:
     from torch import nn
 
 ADAPTER = "default"  # PEFT's adapter name inside the modules (dropped in the saved file's keys)
-ALL_LINEAR = "all-linear"
-LOW_BIT = ("int8", "nf4")
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
-
-
-@dataclass(frozen=True)
-class LoraSettings:
-    """``peft.*`` as the model and the EPS take them."""
-
-    r: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: tuple[str, ...] | str = ALL_LINEAR  # module names, or "all-linear"
-    modules_to_save: tuple[str, ...] = ()
-    base_dtype: str = "fp32"
-    base_source: str = "host"
-    # the run loads a checkpoint (model.pretrained) over the built base: the frozen base is stored from
-    # the checkpoint's tensors, not first from the seeded init it replaces (engine/frozen.py)
-    base_from_checkpoint: bool = False
-
-    @classmethod
-    def from_cfg(cls, p: Any, base_from_checkpoint: bool = False) -> LoraSettings:
-        return cls(
-            int(p.r), float(p.alpha), float(p.dropout), names_of(p.target_modules),
-            names_of(p.modules_to_save) or (), str(p.base_dtype), str(p.base_source), base_from_checkpoint,
-        )  # fmt: skip
-
-    @property
-    def low_bit(self) -> bool:
-        return self.base_dtype in LOW_BIT
-
-    @property
-    def base_on_disk(self) -> bool:
-        return on_disk(self.base_source)
-
-
-def on_disk(source: str) -> bool:
-    """``peft.base_source`` reads the frozen base from files (its second value, ``disk``)."""
-    from l2l_cli.config.schema import BASE_SOURCES
-
-    return source == BASE_SOURCES[1]
-
-
-def names_of(value: Any) -> tuple[str, ...] | str:
-    """``peft.target_modules`` / ``modules_to_save`` as given: a list, a comma-separated string, or
-    ``all-linear``; empty / unset -> ()."""
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        if value.strip() == ALL_LINEAR:
-            return ALL_LINEAR
-        return tuple(s.strip() for s in value.split(",") if s.strip())
-    return tuple(str(v).strip() for v in value)
 
 
 def lora_of(spec: ModelSpec) -> LoraSettings | None:
@@ -176,9 +126,13 @@ class LoraSpecMixin:
         names = targets(self, kind, lora)  # type: ignore[arg-type]
         if names:
             conf = LoraConfig(
-                r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=names,
-                fan_in_fan_out=self.family == "gpt2", bias="none",
-            )  # fmt: skip
+                r=lora.r,
+                lora_alpha=lora.alpha,
+                lora_dropout=lora.dropout,
+                target_modules=names,
+                fan_in_fan_out=self.family == "gpt2",
+                bias="none",
+            )
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 layer = inject_adapter_in_model(conf, layer, adapter_name=ADAPTER)
@@ -228,8 +182,12 @@ class LoraSpecMixin:
     def identity(self) -> dict[str, Any]:
         ident = dict(self._base.identity(self))
         lo = self.lora
-        ident["peft"] = {"r": lo.r, "alpha": lo.alpha, "target_modules": list(_listed(lo.target_modules)),
-                         "modules_to_save": list(lo.modules_to_save)}  # fmt: skip
+        ident["peft"] = {
+            "r": lo.r,
+            "alpha": lo.alpha,
+            "target_modules": list(listed(lo.target_modules)),
+            "modules_to_save": list(lo.modules_to_save),
+        }
         return ident
 
     def save_hf(
@@ -238,10 +196,6 @@ class LoraSpecMixin:
         """final/ of a LoRA run: the adapter in PEFT's layout (``adapter_config.json``,
         ``adapter_model.safetensors``), which ``PeftModel.from_pretrained(base, dir)`` loads."""
         save_adapter(self, out_dir, named_tensors)  # type: ignore[arg-type]
-
-
-def _listed(v: tuple[str, ...] | str) -> tuple[str, ...]:
-    return (v,) if isinstance(v, str) else v
 
 
 _CLASSES: dict[type, type] = {}
@@ -294,10 +248,15 @@ def adapter_config(spec: ModelSpec, lora: LoraSettings) -> dict[str, Any]:
     else:
         names = list(lora.target_modules)
     conf = LoraConfig(
-        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=names,
-        modules_to_save=list(lora.modules_to_save) or None, fan_in_fan_out=spec.family == "gpt2",
-        bias="none", task_type="CAUSAL_LM" if spec.family != "bert" else None,
-    )  # fmt: skip
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=names,
+        modules_to_save=list(lora.modules_to_save) or None,
+        fan_in_fan_out=spec.family == "gpt2",
+        bias="none",
+        task_type="CAUSAL_LM" if spec.family != "bert" else None,
+    )
     d = conf.to_dict()
     for k, v in list(d.items()):
         if isinstance(v, set):
@@ -380,18 +339,11 @@ def summary_section(spec: ModelSpec, host_parts: dict[str, int] | None) -> dict[
         base = host_parts.get("frozen_base", 0)
         state = sum(v for k, v in host_parts.items() if k not in ("frozen_base", "cpu_stash"))
         out.update(
-            adapter_host_bytes=state, base_host_bytes=base,
+            adapter_host_bytes=state,
+            base_host_bytes=base,
             host_bytes_per_param=(state + base) / max(1, trainable + frozen),
-        )  # fmt: skip
+        )
     return out
-
-
-def settings_dict(lora: LoraSettings) -> dict[str, Any]:
-    d = asdict(lora)
-    d.pop("base_from_checkpoint")
-    d["target_modules"] = list(_listed(lora.target_modules))
-    d["modules_to_save"] = list(lora.modules_to_save)
-    return d
 
 
 # ---- merging ----------------------------------------------------------------------------------------
@@ -415,41 +367,3 @@ def merged_tensors(
             if ".lora_A." in n or ".lora_B." in n or (spec.kind(i) == POST and n in tied):
                 continue
             yield spec.hf_name(i, n), p.detach().to(torch.float32)
-
-
-# ---- the peft.* keys' own rules -------------------------------------------------------------------------
-
-
-def key_problems(p: Any) -> list[Problem]:
-    """``peft.*`` values (the config's checker adds the rules that involve the mode and the model)."""
-    from l2l_cli.config.schema import BASE_DTYPES, BASE_SOURCES, PEFT_METHODS
-    from l2l_cli.problems import one_of
-
-    out: list[Problem] = []
-    one_of(out, "peft.name", p.name, PEFT_METHODS)
-    one_of(out, "peft.base_dtype", p.base_dtype, BASE_DTYPES)
-    one_of(out, "peft.base_source", p.base_source, BASE_SOURCES)
-    if p.name == "none":
-        return out
-    if not isinstance(p.r, int) or p.r < 1:
-        out.append(Problem("peft.r", f"got {p.r}; must be an integer >= 1"))
-    if not p.alpha > 0:
-        out.append(Problem("peft.alpha", f"got {p.alpha}; must be > 0"))
-    if not (0.0 <= p.dropout < 1.0):
-        out.append(Problem("peft.dropout", f"got {p.dropout}; must be in [0, 1)"))
-    if p.base_dtype == "nf4":
-        why = nf4_unavailable()
-        if why:
-            out.append(
-                Problem("peft.base_dtype", f"nf4 needs torchao's NF4 tensor (pip install torchao): {why}")
-            )
-    return out
-
-
-def nf4_unavailable() -> str | None:
-    """Why torchao's NF4 cannot be used here (None: it can)."""
-    try:
-        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4  # noqa: F401
-    except Exception as e:  # an absent or broken install: the run cannot quantize
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
-    return None
