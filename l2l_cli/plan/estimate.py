@@ -15,6 +15,7 @@ from typing import Any
 from l2l_cli.engine.optim import OPTIMIZERS
 from l2l_cli.engine.recompute_plan import MARGIN, SELECTIVE_SHARE, LayerBytes, RecomputeSettings, choose
 from l2l_cli.engine.tiers import TIERS
+from l2l_cli.engine.tiers.disk.layout import cache_slots
 from l2l_cli.modes import MODES, ModeSpec, find_mode, run_clip, run_precision, run_stash
 from l2l_cli.plan import costmodel as cm
 from l2l_cli.plan.diskqueue import Disk, Use, exposed_wait
@@ -188,7 +189,7 @@ def memory(shape: ModelShape, s: Setup) -> dict[str, dict[str, float]]:
         # one layer's working set for one micro-batch, plus every micro-batch's layer output / gradient
         dev["working_activations"] = ub * working + mb * A
         if s.disk:
-            # k cache slots sized for the model's k largest layers (w, m, v, g and the half send copy); the
+            # k cache slots (w, m, v, g and the half send copy, layout.cache_slots); the
             # state and L2L-p's undo (the slot an update does not overwrite) are in the layer files
             k = min(s.cache_layers, N + 2)
             per_param = FP32_STATE + (2.0 if s.precision == "cmp" else 0.0)
@@ -199,7 +200,13 @@ def memory(shape: ModelShape, s: Setup) -> dict[str, dict[str, float]]:
                 largest = sorted(
                     [shape.pre_params, *[shape.block_params] * N, shape.post_params], reverse=True
                 )
-            host["eps_cache"] = per_param * k * largest[0]  # every slot sized for the largest layer
+            # the tier's own rule: dedicated slots for layers larger than a block, shared block-sized ones
+            numels = (
+                [L_state] * (N + 2)
+                if pe
+                else [shape.pre_params, *[shape.block_params] * N, shape.post_params]
+            )
+            host["eps_cache"] = per_param * sum(n for n, _ in cache_slots([int(x) for x in numels], k))
             # the gradients waiting for the clipping verdict (or their update): eps.grad_ram_layers buffers,
             # at most the largest layers' gradients, whatever the depth; the others wait on disk (an applied
             # one kept for a redo in kept_grads.eps, sparse: at most 4 bytes per parameter)
