@@ -29,7 +29,7 @@ def _bytes(slots: list[tuple[int, int | None]]) -> int:
 def test_the_slot_rule_dedicates_the_large_layers_and_never_takes_more_than_uniform_slots() -> None:
     pre, block, post = 68000, 8500, 64
     gpt2 = [pre, *[block] * 20, post]
-    assert cache_slots(gpt2, 4) == [(pre, 0), (block, None), (block, None), (block, None)]
+    assert cache_slots(gpt2, 4) == [(pre, 0), *[(block, None)] * 4]
     # few slots: at least SHARED_MIN shared ones beside the dedicated one (3 slots for k=2)
     assert cache_slots(gpt2, 2) == [(pre, 0), *[(block, None)] * SHARED_MIN]
     # no layer larger than a block: uniform slots
@@ -77,7 +77,7 @@ def test_a_tied_heads_pin_of_the_embeddings_is_served_while_blocks_hold_every_sh
     """The pin sequence that starved slots sized per layer: the blocks' gradients hold every block-sized
     slot, the head's pin waits for one, and the embeddings' pin (the tied tensors) must still be served
     at once: its slot is its own, so no block (and not the waiting head) can be in it."""
-    cfg = cfg_for(gpt2, "mode=l2l", "eps.tier=disk", "eps.host_cache_layers=4")
+    cfg = cfg_for(gpt2, "mode=l2l", "eps.tier=disk", "eps.host_cache_layers=3")
     with built(cfg, data=lm_data(gpt2)) as runner:
         tier = runner.eps.tier
         n = len(tier.store.files)

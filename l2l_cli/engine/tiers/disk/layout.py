@@ -72,7 +72,9 @@ def cache_slots(numels: list[int], k: int) -> list[tuple[int, int | None]]:
 
     - a *block* is the most common layer size (the transformer block; of sizes equally common, the
       largest). Each layer larger than a block (embeddings, an untied head) gets a dedicated slot of its
-      own size; the others share ``max(k - dedicated, SHARED_MIN)`` slots of a block's size.
+      own size; the others share ``max(k, SHARED_MIN)`` slots of a block's size (no more than there are
+      such layers): as many as uniform slots would give the blocks, so the blocks' reads stay as they were
+      (a layer stays cached from its backward to its update) and the large layers are never evicted.
     - Why no pin waits forever: a pin waits for a slot only while every slot it may take is pinned. A
       large layer's pin takes its own slot, which no other layer pins, so it waits only for that slot's
       read, device copies and write-back, which finish on their own. A shared slot is pinned by (a) the
@@ -84,8 +86,8 @@ def cache_slots(numels: list[int], k: int) -> list[tuple[int, int | None]]:
       shared slot except the relay's tied pin, at most one at a time; with ``SHARED_MIN`` = 2 shared slots
       a free one is always reached once (b) and (c) release theirs. Slots sized per layer without owners
       broke this: a block in the embeddings' slot starved the tied head's pin of the embeddings.
-    - When the dedicated slots and ``SHARED_MIN`` block slots would take more than ``k`` slots of the
-      largest layer (few slots, several large layers), ``k`` uniform slots of the largest layer are used
+    - When the dedicated and shared slots would take more bytes than ``k`` slots of the largest layer
+      (a large layer not much larger than a block), ``k`` uniform slots of the largest layer are used
       instead (any layer may take any slot: the same argument with one class of slot)."""
     n = len(numels)
     k = max(0, min(k, n))
@@ -100,7 +102,7 @@ def cache_slots(numels: list[int], k: int) -> list[tuple[int, int | None]]:
     large = [(x, i) for i, x in enumerate(numels) if x > block]
     if not large:
         return uniform
-    shared = max(k - len(large), SHARED_MIN)
+    shared = min(max(k, SHARED_MIN), n - len(large))
     sized: list[tuple[int, int | None]] = [*((x, i) for x, i in large), *[(block, None)] * shared]
     if sum(aligned(4 * x) for x, _ in sized) >= sum(aligned(4 * x) for x, _ in uniform):
         return uniform
