@@ -31,9 +31,18 @@ from tests.util import REPO, TINY, tiny_cfg, train
 STEPS = 4
 # 5 layers, 3 of them in RAM, no RAM for gradients and clipping certain: every step writes layer files
 # (updates), parks gradients on disk and writes the commit record
-COMMON = [*TINY, "mode=l2l", "eps.tier=disk", f"trainer.max_steps={STEPS}", "trainer.save_final=true",
-          "task.num_train=256", "task.num_eval=16", "eps.host_cache_layers=3", "eps.grad_ram_gb=0",
-          "optim.max_grad_norm=1e-9"]  # fmt: skip
+COMMON = [
+    *TINY,
+    "mode=l2l",
+    "eps.tier=disk",
+    f"trainer.max_steps={STEPS}",
+    "trainer.save_final=true",
+    "task.num_train=256",
+    "task.num_eval=16",
+    "eps.host_cache_layers=3",
+    "eps.grad_ram_gb=0",
+    "optim.max_grad_norm=1e-9",
+]
 
 
 def _run(run: Path, *extra: str) -> str:
@@ -357,12 +366,21 @@ def _killed_runs(root: Path, ref_root: Path, seeds: list[int]) -> dict[int, dict
     """Each seed's first run, faulted and killed, in processes forked from one helper (tests.forkrun)."""
     trials = {seed: _trial(seed, root / f"trial{seed}", ref_root) for seed in seeds}
     jobs = [
-        {"overrides": [*COMMON, *t["extra"]], "run_dir": str(root / f"trial{seed}"), "fault": t["fault"], **t["kill"]}
+        {
+            "overrides": [*COMMON, *t["extra"]],
+            "run_dir": str(root / f"trial{seed}"),
+            "fault": t["fault"],
+            **t["kill"],
+        }
         for seed, t in trials.items()
-    ]  # fmt: skip
+    ]
     (root / "jobs.json").write_text(json.dumps(jobs))
-    subprocess.run([sys.executable, "-m", "tests.forkrun", str(root / "jobs.json"), str(root / "results.json")],
-                   cwd=REPO, check=True, timeout=900)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "tests.forkrun", str(root / "jobs.json"), str(root / "results.json")],
+        cwd=REPO,
+        check=True,
+        timeout=900,
+    )
     for t, result in zip(trials.values(), json.loads((root / "results.json").read_text())):
         t["result"] = result
     return trials

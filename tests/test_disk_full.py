@@ -13,8 +13,14 @@ from safetensors.torch import load_file
 
 from tests.util import TINY, l2l
 
-COMMON = [*TINY, "trainer.max_steps=6", "trainer.save_every=1", "trainer.save_final=true", "task.num_train=256",
-          "task.num_eval=16"]  # fmt: skip
+COMMON = [
+    *TINY,
+    "trainer.max_steps=6",
+    "trainer.save_every=1",
+    "trainer.save_final=true",
+    "task.num_train=256",
+    "task.num_eval=16",
+]
 # what fills the disk -> (the fault, the run's overrides); one reference: the disk tier's weights equal the
 # host tier's bit for bit (tests/test_disk_tier.py), and L2L-p's equal L2L's (tests/test_l2l_p.py)
 CASES = {

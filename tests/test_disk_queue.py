@@ -24,10 +24,15 @@ def _step(rnd: random.Random, n: int) -> list[Use]:
     updates and writes back."""
     fwd = [Use(rnd.uniform(0.1, 1.0), rnd.uniform(0.0, 2.0)) for _ in range(n)]
     bwd = [
-        Use(rnd.uniform(0.1, 2.0), rnd.uniform(0.0, 2.0), rnd.uniform(0.0, 3.0), rnd.uniform(0.0, 0.5),
-            rnd.uniform(0.0, 3.0))
+        Use(
+            rnd.uniform(0.1, 2.0),
+            rnd.uniform(0.0, 2.0),
+            rnd.uniform(0.0, 3.0),
+            rnd.uniform(0.0, 0.5),
+            rnd.uniform(0.0, 3.0),
+        )
         for _ in range(n)
-    ]  # fmt: skip
+    ]
     return fwd + bwd
 
 

@@ -50,8 +50,9 @@ def test_disk_tier_weights_equal_the_host_tier_bit_for_bit(mode: str, optim: str
 
 
 def test_l2l_p_rollback_restores_from_the_disk_slot_the_update_did_not_overwrite() -> None:
-    """CMP with a huge initial loss scale overflows in the first step: L2L-p has already updated layers when it finds out,
-    and the disk tier's undo is the pre-update slot on disk (no RAM copy); the result equals the host's."""
+    """CMP with a huge initial loss scale overflows in the first step: L2L-p has already updated layers
+    when it finds out, and the disk tier's undo is the pre-update slot on disk (no RAM copy); the result
+    equals the host's."""
     # per-layer clipping: under global clipping the disk tier holds every update for the norm (no speculation)
     over = (
         "mode=l2l_p",
@@ -67,9 +68,14 @@ def test_l2l_p_rollback_restores_from_the_disk_slot_the_update_did_not_overwrite
 
 
 @pytest.mark.parametrize(
-    "mode,ram", [("l2l", 8), ("l2l", 0), pytest.param("l2l_p", 8, marks=pytest.mark.slow),
-                 pytest.param("l2l_p", 0, marks=pytest.mark.slow)],
-)  # fmt: skip
+    "mode,ram",
+    [
+        ("l2l", 8),
+        ("l2l", 0),
+        pytest.param("l2l_p", 8, marks=pytest.mark.slow),
+        pytest.param("l2l_p", 0, marks=pytest.mark.slow),
+    ],
+)
 def test_a_clipped_step_rolls_back_to_the_disk_slot_and_redoes_from_the_kept_gradients(
     mode: str, ram: int
 ) -> None:
@@ -81,7 +87,8 @@ def test_a_clipped_step_rolls_back_to_the_disk_slot_and_redoes_from_the_kept_gra
     host's."""
     over = (f"mode={mode}", "optim.max_grad_norm=0.24")
     ref = _host(*over)
-    cfg = tiny_cfg(*over, "eps.tier=disk", f"eps.grad_ram_layers={ram}")
+    # (2 shared cache slots for 4 layers: slots are reused before the verdict, kept gradients go to disk)
+    cfg = tiny_cfg(*over, "eps.tier=disk", f"eps.grad_ram_layers={ram}", "eps.host_cache_layers=2")
     with built(cfg, 10) as runner:
         it = batches(cfg)
         reports = [runner.step(next(it)) for _ in range(3)]
@@ -98,8 +105,9 @@ def test_a_clipped_step_rolls_back_to_the_disk_slot_and_redoes_from_the_kept_gra
 def test_bytes_per_parameter_and_step_are_counted_by_use_and_stay_within_28() -> None:
     """With 3 of 7 layers in RAM and no clipping that step: the forward reads the weights (4 B/param), the
     backward the weights and moments (12, serving the update), the update writes them (12): <= 28, plus
-    the padding of each part to 4 KiB; a gradient kept for a redo beyond the RAM pool adds a 4-byte write. With no RAM for gradients and clipping certain, every update waits
-    for the norm: its gradient is parked on disk and the layer is read again (more bytes than without)."""
+    the padding of each part to 4 KiB; a gradient kept for a redo beyond the RAM pool adds at most a
+    4-byte write. With no RAM for gradients and clipping certain, every update waits for the norm: its
+    gradient is parked on disk and the layer is read again (more bytes than without)."""
 
     def per_param(*over: str) -> dict[str, Any]:
         cfg = tiny_cfg("model.num_layers=5", "eps.tier=disk", *over)
@@ -128,7 +136,7 @@ def test_bytes_per_parameter_and_step_are_counted_by_use_and_stay_within_28() ->
     kept = per_param("mode=l2l", "optim.max_grad_norm=1e9", "eps.grad_ram_layers=0")
     assert 0 < kept["write_park"] <= 4 * kept["pad"] and kept["read_grad"] == 0, kept
     assert kept["total"] <= 32 * kept["pad"], kept
-    parked = per_param("mode=l2l", "optim.max_grad_norm=1e-9", "eps.grad_ram_gb=0")
+    parked = per_param("mode=l2l", "optim.max_grad_norm=1e-9", "eps.grad_ram_gb=0", "eps.host_cache_layers=2")
     assert parked["write_park"] > 1 and parked["read_grad"] > 1 and parked["total"] > got["total"], (
         parked,
         got,
@@ -146,8 +154,12 @@ def test_reads_are_issued_ahead_from_the_last_steps_trace_and_ram_holds_k_layers
     issued before the layers are asked for. With no RAM for gradients (eps.grad_ram_gb=0), L2L and L2L-p
     under global clipping park theirs on disk (a speculative update could not be redone); with per-layer
     clipping, or the RAM pool, none is parked on disk."""
-    cases = (("l2l eps.grad_ram_gb=0", True), ("l2l_p optim.clip=global eps.grad_ram_gb=0", True),
-             ("l2l_p optim.clip=layer eps.grad_ram_gb=0", False), ("l2l eps.grad_ram_layers=8", False))  # fmt: skip
+    cases = (
+        ("l2l eps.grad_ram_gb=0", True),
+        ("l2l_p optim.clip=global eps.grad_ram_gb=0", True),
+        ("l2l_p optim.clip=layer eps.grad_ram_gb=0", False),
+        ("l2l eps.grad_ram_layers=8", False),
+    )
     for mode, parks in cases:
         cfg = tiny_cfg(*f"mode={mode}".split(), "eps.tier=disk", "eps.host_cache_layers=2")
         with built(cfg) as runner:
@@ -163,7 +175,9 @@ def test_reads_are_issued_ahead_from_the_last_steps_trace_and_ram_holds_k_layers
         assert last["disk_reads_ahead"] > 0, last
         assert (s["gradients_parked"] > 0) == parks, s
         assert "master" not in parts and parts["eps_cache"] == sum(sl.nbytes for sl in tier.slots)
-        assert len(tier.slots) == 2
+        # the embeddings' own slot and 2 shared block-sized ones (layout.cache_slots), less than 2 of theirs
+        assert [sl.owner for sl in tier.slots] == [0, None, None]
+        assert sum(sl.numel for sl in tier.slots) < 2 * tier.slots[0].numel
 
 
 # ---- bad input: refused before any work, one line each -------------------------------------------
@@ -195,8 +209,16 @@ def test_too_little_free_space_is_refused_with_what_it_needs(tmp_path: Path) -> 
         "model.num_heads=16",
         "model.intermediate_size=16384",
     ]
-    r = l2l("train", *TINY, *big, "eps.tier=disk", "task.num_train=16", "task.num_eval=16",
-            f"eps.path={tmp_path / 'eps'}", f"hydra.run.dir={tmp_path}")  # fmt: skip
+    r = l2l(
+        "train",
+        *TINY,
+        *big,
+        "eps.tier=disk",
+        "task.num_train=16",
+        "task.num_eval=16",
+        f"eps.path={tmp_path / 'eps'}",
+        f"hydra.run.dir={tmp_path}",
+    )
     assert r.returncode == 2, r.stdout + r.stderr
     line = next(x for x in r.stderr.splitlines() if "eps.path" in x)
     spec = bert_spec(2000, 4096, 16, 16384, vocab_size=512)
@@ -282,8 +304,16 @@ KILLS = [
 
 
 def _overrides(mode: str, *extra: str) -> list[str]:
-    return [*TINY, f"mode={mode}", "eps.tier=disk", f"trainer.max_steps={STEPS}", "trainer.save_final=true",
-            "task.num_train=256", "task.num_eval=16", *extra]  # fmt: skip
+    return [
+        *TINY,
+        f"mode={mode}",
+        "eps.tier=disk",
+        f"trainer.max_steps={STEPS}",
+        "trainer.save_final=true",
+        "task.num_train=256",
+        "task.num_eval=16",
+        *extra,
+    ]
 
 
 @functools.cache
@@ -306,8 +336,12 @@ def killed(tmp_path_factory: Any) -> tuple[Path, list[dict[str, Any]]]:
         for k, (mode, how) in enumerate(KILLS)
     ]
     (root / "jobs.json").write_text(json.dumps(jobs))
-    subprocess.run([sys.executable, "-m", "tests.forkrun", str(root / "jobs.json"), str(root / "results.json")],
-                   cwd=REPO, check=True, timeout=600)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "tests.forkrun", str(root / "jobs.json"), str(root / "results.json")],
+        cwd=REPO,
+        check=True,
+        timeout=600,
+    )
     return root, json.loads((root / "results.json").read_text())
 
 
@@ -342,21 +376,44 @@ def test_sigkill_at_any_point_resumes_to_the_uninterrupted_weights(killed: Any, 
 
 # ---- acceptance 2: host RSS flat in depth with the disk tier, linear with the host tier ------------
 
-RSS_MODEL = ["model.hidden_size=256", "model.num_heads=4", "model.intermediate_size=1024", "model.vocab_size=512",
-             "model.dropout=0.0", "task.max_seq_len=16", "batch.size=2", "batch.ubatch_size=2", "trainer.max_steps=1",
-             "task.num_train=16", "task.num_eval=4", "trainer.progress=none", "mode=l2l_p", "optim.clip=layer"]  # fmt: skip
+RSS_MODEL = [
+    "model.hidden_size=256",
+    "model.num_heads=4",
+    "model.intermediate_size=1024",
+    "model.vocab_size=512",
+    "model.dropout=0.0",
+    "task.max_seq_len=16",
+    "batch.size=2",
+    "batch.ubatch_size=2",
+    "trainer.max_steps=1",
+    "task.num_train=16",
+    "task.num_eval=4",
+    "trainer.progress=none",
+    "mode=l2l_p",
+    "optim.clip=layer",
+]
 
 
 def test_host_rss_of_the_disk_tier_stays_flat_as_depth_doubles(tmp_path: Path) -> None:
     """Peak RSS measured (wait4's ru_maxrss of each run's own process), depth 8 and 16: the host tier's grows
     by what its EPS holds for the 8 more layers (weights, gradients, moments and L2L-p's undo copies: 28
-    bytes per parameter, under per-layer clipping: every layer updates speculatively); the disk tier's, with 2 layers in RAM, stays within 10%."""
+    bytes per parameter, under per-layer clipping: every layer updates speculatively); the disk tier's,
+    with 2 layers in RAM, stays within 10%."""
     runs = [(tier, depth) for tier in ("host", "disk") for depth in (8, 16)]
-    jobs = [{"overrides": [*RSS_MODEL, f"model.num_layers={d}", f"eps.tier={t}"], "run_dir": str(tmp_path / f"{t}{d}")}
-            for t, d in runs]  # fmt: skip
+    jobs = [
+        {
+            "overrides": [*RSS_MODEL, f"model.num_layers={d}", f"eps.tier={t}"],
+            "run_dir": str(tmp_path / f"{t}{d}"),
+        }
+        for t, d in runs
+    ]
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    subprocess.run([sys.executable, "-m", "tests.forkrun", str(tmp_path / "jobs.json"), str(tmp_path / "res.json")],
-                   cwd=REPO, check=True, timeout=600)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "tests.forkrun", str(tmp_path / "jobs.json"), str(tmp_path / "res.json")],
+        cwd=REPO,
+        check=True,
+        timeout=600,
+    )
     res = dict(zip(runs, json.loads((tmp_path / "res.json").read_text())))
     assert all(r["exit"] == 0 for r in res.values()), res
     rss = {k: r["maxrss_bytes"] for k, r in res.items()}
@@ -380,8 +437,14 @@ def test_the_disk_tiers_resident_bytes_do_not_grow_with_depth() -> None:
     peaks: dict[tuple[str, int], int] = {}
     for norm in ("1e9", "1e-9"):
         for depth in (4, 8):
-            cfg = tiny_cfg("mode=l2l", f"model.num_layers={depth}", f"optim.max_grad_norm={norm}", "eps.tier=disk",
-                           "eps.host_cache_layers=2", "eps.grad_ram_layers=2")  # fmt: skip
+            cfg = tiny_cfg(
+                "mode=l2l",
+                f"model.num_layers={depth}",
+                f"optim.max_grad_norm={norm}",
+                "eps.tier=disk",
+                "eps.host_cache_layers=2",
+                "eps.grad_ram_layers=2",
+            )
             with built(cfg) as runner:
                 runner.step(next(batches(cfg)))  # (the first step reaches the peak: buffers are reused after)
                 s = runner.eps.tier.summary()
@@ -403,10 +466,10 @@ def test_the_disk_tiers_resident_bytes_do_not_grow_with_depth() -> None:
 
 @pytest.mark.parametrize("cache", [2, 3])
 def test_cache_slots_and_gradient_buffers_are_sized_for_the_layers_they_hold(cache: int) -> None:
-    """Every cache slot is sized for the largest layer (any layer may take any slot, so no set of pins waits
-    on a slot that only a larger layer fits: slots sized per layer deadlocked a tied head), while the
-    pool's buffers are those of the layers whose gradients they hold (within the 2 largest layers'
-    gradients); the weights stay equal to the host tier's bit for bit."""
+    """The embeddings (larger than a block) have a slot of their own, the other layers share block-sized
+    ones (layout.cache_slots: no pin waits forever), while the pool's buffers are those of the layers
+    whose gradients they hold (within the 2 largest layers' gradients); the weights stay equal to the host
+    tier's bit for bit."""
     from l2l_cli.engine.tiers.disk.pool import pool_bound
 
     over = ("mode=l2l", "optim.max_grad_norm=1e9", "model.num_layers=4")
@@ -423,7 +486,7 @@ def test_cache_slots_and_gradient_buffers_are_sized_for_the_layers_they_hold(cac
         pool = (tier.pool.nbytes, [b.numel() for b in tier.pool.bufs])
     pre, block = numels[0], numels[1]
     assert pre > 2 * block > 2 * numels[-1], numels
-    assert slots == [pre] * cache, slots
+    assert slots == [pre, *[block] * max(cache, 2)], slots  # (the embeddings' own, and the shared ones)
     assert s["resident_bytes_bound"] == cache_bytes + pool_bound(numels, 2)
     assert s["gradients_parked_in_ram"] > 0 and 0 < pool[0] <= pool_bound(numels, 2), (s, pool)
     assert all(n < pre for n in pool[1]), (
@@ -453,8 +516,17 @@ def test_the_gradient_pool_gives_each_layer_a_buffer_of_its_size_within_its_boun
     assert GradPool(4 * 16384 * 2, 8, [16384, 4096]).capacity == 2  # within eps.grad_ram_gb and the layers
 
 
-BERT_BASE_RSS = ["model=bert-base", "task=synthetic", "batch.size=4", "batch.ubatch_size=2", "trainer.max_steps=1",
-                 "mode=l2l", "eps.host_cache_layers=2", "task.max_eval_samples=4", "trainer.progress=none"]  # fmt: skip
+BERT_BASE_RSS = [
+    "model=bert-base",
+    "task=synthetic",
+    "batch.size=4",
+    "batch.ubatch_size=2",
+    "trainer.max_steps=1",
+    "mode=l2l",
+    "eps.host_cache_layers=2",
+    "task.max_eval_samples=4",
+    "trainer.progress=none",
+]
 
 
 @pytest.mark.slow
@@ -463,11 +535,20 @@ def test_bert_base_disk_tier_rss_at_32_layers_is_within_10_percent_of_16(tmp_pat
     tier's peak RSS at 32 layers is at most 1.10x its peak at 16, its ``resident_bytes_peak`` the same,
     while the host tier's RSS grows by the 16 more layers' state (about 16 bytes per parameter)."""
     runs = [(tier, depth) for tier in ("disk", "host") for depth in (16, 32)]
-    jobs = [{"overrides": [*BERT_BASE_RSS, f"model.num_layers={d}", f"eps.tier={t}"], "run_dir": str(tmp_path / f"{t}{d}")}
-            for t, d in runs]  # fmt: skip
+    jobs = [
+        {
+            "overrides": [*BERT_BASE_RSS, f"model.num_layers={d}", f"eps.tier={t}"],
+            "run_dir": str(tmp_path / f"{t}{d}"),
+        }
+        for t, d in runs
+    ]
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    subprocess.run([sys.executable, "-m", "tests.forkrun", str(tmp_path / "jobs.json"), str(tmp_path / "res.json")],
-                   cwd=REPO, check=True, timeout=1800)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "tests.forkrun", str(tmp_path / "jobs.json"), str(tmp_path / "res.json")],
+        cwd=REPO,
+        check=True,
+        timeout=1800,
+    )
     res = dict(zip(runs, json.loads((tmp_path / "res.json").read_text())))
     assert all(r["exit"] == 0 for r in res.values()), res
     rss = {k: r["maxrss_bytes"] for k, r in res.items()}
@@ -490,9 +571,9 @@ def test_a_disk_tier_runs_full_checkpoint_resumes_on_the_host_tier(tmp_path: Pat
         "task.num_train=256",
         "task.num_eval=16",
         "trainer.save_final=true",
-        "optim.schedule=constant",
+        "optim.schedule=constant",  # (the same lr whatever max_steps)
         "optim.warmup_ratio=0",
-    ]  # fmt: skip  (the same lr whatever max_steps)
+    ]
     assert run_job(compose([*base, "trainer.max_steps=4"]), tmp_path / "host") == "ok"
     disk_run = tmp_path / "disk"
     assert (
@@ -532,8 +613,8 @@ def test_plan_says_which_tier_a_model_needs_and_predicts_the_disk_tier() -> None
     assert disk["eps_files"] == 24 * params and disk["eps_kept_grads"] == 4 * params
     emb, block = on_disk["params"]["embeddings"], on_disk["params"]["per_block"]  # the largest layers
     assert emb > block > on_disk["params"]["head"]
-    # 4 cache slots, each sized for the largest layer (the embeddings)
-    assert on_disk["memory_bytes"]["host"]["parts"]["eps_cache"] == 16 * 4 * emb
+    # the embeddings' own slot and 4 shared ones of a block's size (as the tier sizes them)
+    assert on_disk["memory_bytes"]["host"]["parts"]["eps_cache"] == 16 * (emb + 4 * block)
     # eps.grad_ram_layers (2) buffers, at most the 2 largest layers' gradients, whatever the depth
     assert on_disk["memory_bytes"]["host"]["parts"]["eps_grad_pool"] == 4 * (emb + block)
     deep = _plan("hardware.host_memory_gb=2", "eps.tier=disk", "model.num_layers=48")
@@ -561,9 +642,17 @@ def test_a_home_relative_eps_path_lands_in_home_not_in_a_folder_named_tilde(tmp_
     home.mkdir()
     work.mkdir()
     r = l2l(
-        "train", *TINY, "mode=l2l", "eps.tier=disk", "eps.path='~/state'", "trainer.max_steps=1",
-        "task.num_train=32", f"hydra.run.dir={tmp_path / 'run'}", cwd=work, env={"HOME": str(home)},
-    )  # fmt: skip
+        "train",
+        *TINY,
+        "mode=l2l",
+        "eps.tier=disk",
+        "eps.path='~/state'",
+        "trainer.max_steps=1",
+        "task.num_train=32",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        cwd=work,
+        env={"HOME": str(home)},
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert (home / "state" / "commit.json").is_file()
     assert not (work / "~").exists() and not (tmp_path / "run" / "~").exists()
@@ -647,7 +736,8 @@ def test_disk_tier_under_cmp_equals_the_host_tier_bit_for_bit(dtype: str, tmp_pa
 def test_the_master_splits_into_bf16_hi_and_lo_planes_and_joins_back_exactly() -> None:
     """Format 2's planes over every bf16 pattern (±0, subnormals, the largest finite values, ±inf) times low
     halves at and around the rounding tie (0x7FFF, 0x8000, 0x8001) and random ones: hi is torch's own bf16
-    rounding, the join gives the FP32 bits back, and v (where a tie's missing bit waits) is unchanged after."""
+    rounding, the join gives the FP32 bits back, and v (where a tie's missing bit waits) is unchanged
+    after."""
     gen = torch.Generator().manual_seed(0)
     hi_bits = torch.arange(0, 1 << 16, dtype=torch.int64)
     lows = torch.tensor([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFE, 0xFFFF], dtype=torch.int64)

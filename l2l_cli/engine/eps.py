@@ -85,8 +85,6 @@ class EagerParamServer:
         self.layouts = {
             k: FlatLayout(spec.new_layer(k, "meta"), only=trainable[k] if trainable else None) for k in KINDS
         }
-        # where the layers' buffers live: host RAM, or files with a few layers cached (eps.tier)
-        self.tier = make_tier(tier or TierSettings(), spec, self.layouts, acc, device_dtype, optim, timer)
         # a tied LM head: its tensor lives once, in the pre layer's master (see engine/tied.py); with
         # adapters it is a frozen base tensor, kept once by the frozen base
         tied = spec.tied_params() if not lora else {}
@@ -95,6 +93,9 @@ class EagerParamServer:
                 k: FlatLayout(spec.new_layer(k, "meta"), skip=tied if k == POST else ()) for k in KINDS
             }
         self.ties = TiedWeights(spec, self.layouts[PRE], acc, device_dtype) if tied else None
+        # where the layers' buffers live: host RAM, or files with a few layers cached (eps.tier); built from
+        # the layouts the layers use (a tied head's tensor is the pre layer's: not in the post layer's file)
+        self.tier = make_tier(tier or TierSettings(), spec, self.layouts, acc, device_dtype, optim, timer)
         self.base: FrozenBase | None = None
         self.frozen_layouts: dict[str, FlatLayout] = {}
         if lora and trainable is not None:

@@ -69,9 +69,14 @@ class Tier(Protocol):
     def root(self) -> Path | None: ...  # the directory of its files (None: it keeps none)
 
     def new_layer(
-        self, index: int, kind: str, layout: FlatLayout, acc: Accelerator, send_dtype: torch.dtype,
+        self,
+        index: int,
+        kind: str,
+        layout: FlatLayout,
+        acc: Accelerator,
+        send_dtype: torch.dtype,
         optim: OptimSettings,
-    ) -> LayerState: ...  # fmt: skip
+    ) -> LayerState: ...
 
     def pin(self, i: int, parts: str = "w", *, fresh: bool = False) -> None: ...
 
@@ -145,9 +150,14 @@ def register_tier(kind: TierKind) -> TierKind:
 
 
 def make_tier(
-    settings: TierSettings, spec: ModelSpec, layouts: dict[str, FlatLayout], acc: Accelerator,
-    send_dtype: torch.dtype, optim: OptimSettings, timer: PhaseTimer | None = None,
-) -> Tier:  # fmt: skip
+    settings: TierSettings,
+    spec: ModelSpec,
+    layouts: dict[str, FlatLayout],
+    acc: Accelerator,
+    send_dtype: torch.dtype,
+    optim: OptimSettings,
+    timer: PhaseTimer | None = None,
+) -> Tier:
     """The tier ``settings.tier`` names (``timer``: where the compute thread's waits for a disk tier are
     charged, as ``disk_wait``)."""
     return TIERS[settings.tier].build(settings, spec, layouts, acc, send_dtype, optim, timer)

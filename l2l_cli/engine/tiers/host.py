@@ -29,9 +29,14 @@ class HostTier:
     root: Path | None = None  # it keeps no files
 
     def new_layer(
-        self, index: int, kind: str, layout: FlatLayout, acc: Accelerator, send_dtype: torch.dtype,
+        self,
+        index: int,
+        kind: str,
+        layout: FlatLayout,
+        acc: Accelerator,
+        send_dtype: torch.dtype,
         optim: OptimSettings,
-    ) -> LayerState:  # fmt: skip
+    ) -> LayerState:
         from l2l_cli.engine.layer_state import LayerState
 
         return LayerState(index, kind, layout, acc, send_dtype, optim)
@@ -75,9 +80,14 @@ class HostTier:
 
 
 def _build(
-    settings: TierSettings, spec: ModelSpec, layouts: dict[str, FlatLayout], acc: Accelerator,
-    send_dtype: torch.dtype, optim: OptimSettings, timer: PhaseTimer | None = None,
-) -> HostTier:  # fmt: skip
+    settings: TierSettings,
+    spec: ModelSpec,
+    layouts: dict[str, FlatLayout],
+    acc: Accelerator,
+    send_dtype: torch.dtype,
+    optim: OptimSettings,
+    timer: PhaseTimer | None = None,
+) -> HostTier:
     return HostTier()
 
 

@@ -27,11 +27,17 @@ def _build(*args: Any) -> Any:
 
 DISK = register_tier(
     TierKind(
-        "disk", _build, dir_name=rules.DIR, eps_modes_only=rules.EPS_MODES_ONLY, check_keys=rules.check_keys,
-        validate=rules.validate, check_space=rules.check_space, check_start=rules.check_start,
+        "disk",
+        _build,
+        dir_name=rules.DIR,
+        eps_modes_only=rules.EPS_MODES_ONLY,
+        check_keys=rules.check_keys,
+        validate=rules.validate,
+        check_space=rules.check_space,
+        check_start=rules.check_start,
         committed=rules.committed,
     )
-)  # fmt: skip
+)
 
 
 def __getattr__(name: str) -> Any:
@@ -58,6 +64,14 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "COMMIT", "DISK", "DiskLayer", "DiskTier", "check_eps_path", "disk_bytes", "eps_dir_guess",
-    "layer_file_bytes", "measure_disk", "probe_direct",
-]  # fmt: skip
+    "COMMIT",
+    "DISK",
+    "DiskLayer",
+    "DiskTier",
+    "check_eps_path",
+    "disk_bytes",
+    "eps_dir_guess",
+    "layer_file_bytes",
+    "measure_disk",
+    "probe_direct",
+]

@@ -1,9 +1,9 @@
 """The disk tier's host cache: ``eps.host_cache_layers`` page-aligned slots, each holding one layer's state
 while it is in use, and the choice of which slot to reuse for the next layer.
 
-A slot holds a layer of at most its own size (:func:`slot_numels` sizes slots for given layers). The tier
-sizes every slot for the model's largest layer: slots sized per layer let a small layer pinned in the one
-large slot starve a large layer (a tied head, which pins the embeddings while it loads, deadlocked)."""
+Slots are *dedicated* (one layer larger than a block, the embeddings say, and only it) or *shared* (any
+layer that fits, sized for a block): :func:`~.layout.cache_slots` is the rule and its argument that no pin
+waits forever."""
 
 from __future__ import annotations
 
@@ -16,11 +16,7 @@ from l2l_cli.engine.flat import FlatLayout
 from l2l_cli.engine.layer_state import bind_optimizer
 from l2l_cli.engine.optim import OptimSettings
 from l2l_cli.engine.tiers.disk.format import AlignedBuffer, aligned
-
-
-def slot_numels(numels: list[int], k: int) -> list[int]:
-    """The cache's slot sizes (elements) for layers of ``numels``: the ``k`` largest, largest first."""
-    return sorted(numels, reverse=True)[: max(0, min(k, len(numels)))]
+from l2l_cli.engine.tiers.disk.layout import cache_slots
 
 
 class CacheSlot:
@@ -29,10 +25,17 @@ class CacheSlot:
     runs on the cached copy in place)."""
 
     def __init__(
-        self, n_max: int, layouts: dict[str, FlatLayout], acc: Accelerator, send_dtype: torch.dtype,
-        optim: OptimSettings, split: bool = False,
-    ):  # fmt: skip
+        self,
+        n_max: int,
+        layouts: dict[str, FlatLayout],
+        acc: Accelerator,
+        send_dtype: torch.dtype,
+        optim: OptimSettings,
+        split: bool = False,
+        owner: int | None = None,
+    ):
         self.numel = n_max  # the largest layer this slot can hold
+        self.owner = owner  # the one layer a dedicated slot holds (None: shared)
         self.split = split  # format 2: the send copy is the file's hi plane, ``lo`` its lo plane
         self.part_bytes = aligned(4 * n_max)
         self.buf = AlignedBuffer(4 * self.part_bytes, acc)
@@ -62,6 +65,9 @@ class CacheSlot:
         self.copies: list[CopyHandle] = []  # device copies still reading from this slot
         self.writing: Future | None = None  # the write-back of the layer's last update
         self.g_dirty = False  # g holds a gradient that is on no disk yet (parked on eviction)
+        # g holds the gradient a speculative update consumed, kept for a redo until the step's verdict
+        # (written to kept_grads.eps only if the slot is reused before the verdict)
+        self.g_kept = False
         self.used = 0
 
     def mv(self, part: str, nbytes: int) -> memoryview:
@@ -90,11 +96,20 @@ class SlotCache:
     """The slots, which layer each holds, and which one to reuse (the tier's lock guards all of it)."""
 
     def __init__(
-        self, k: int, numels: list[int], layouts: dict[str, FlatLayout], acc: Accelerator,
-        send_dtype: torch.dtype, optim: OptimSettings, split: bool = False,
-    ):  # fmt: skip
-        """``k`` slots for layers of ``numels`` elements (each layer's), sized by :func:`slot_numels`."""
-        self.slots = [CacheSlot(n, layouts, acc, send_dtype, optim, split) for n in slot_numels(numels, k)]
+        self,
+        k: int,
+        numels: list[int],
+        layouts: dict[str, FlatLayout],
+        acc: Accelerator,
+        send_dtype: torch.dtype,
+        optim: OptimSettings,
+        split: bool = False,
+    ):
+        """Slots for ``k`` = ``eps.host_cache_layers`` and layers of ``numels`` elements (each layer's), by
+        :func:`~.layout.cache_slots`."""
+        self.slots = [
+            CacheSlot(n, layouts, acc, send_dtype, optim, split, owner) for n, owner in cache_slots(numels, k)
+        ]
         self._clock = 0
 
     def __len__(self) -> int:
@@ -106,7 +121,7 @@ class SlotCache:
                 return s
         return None
 
-    def must(self, i: int) -> CacheSlot:
+    def bound_slot(self, i: int) -> CacheSlot:
         s = self.slot_of(i)
         if s is None:
             raise RuntimeError(f"layer {i} is not in the host cache")
@@ -118,13 +133,21 @@ class SlotCache:
         self._clock += 1
         s.used = self._clock
 
-    def victim(self, avoid: set[int], later: dict[int, int], numel: int = 0) -> CacheSlot | None:
-        """An unpinned slot to reuse for a layer of ``numel`` elements, among those large enough: empty,
+    def may_hold(self, s: CacheSlot, i: int, numel: int) -> bool:
+        """Whether slot ``s`` may hold layer i (of ``numel`` elements): its dedicated slot, or a shared one
+        large enough."""
+        return s.owner == i if s.owner is not None else s.numel >= numel
+
+    def victim(self, avoid: set[int], later: dict[int, int], i: int, numel: int) -> CacheSlot | None:
+        """An unpinned slot to reuse for layer i of ``numel`` elements, among those it may take (its own
+        dedicated slot, or a shared one large enough): empty,
         else one nobody will use soon (least recently used, clean before one whose gradient must be parked,
         one whose write-back is done first), else the one needed last; of two alike, the smaller (a larger
         slot stays for the larger layers only it can hold)."""
         free = [
-            s for s in self.slots if s.pins == 0 and not s.busy and s.layer not in avoid and s.numel >= numel
+            s
+            for s in self.slots
+            if s.pins == 0 and not s.busy and s.layer not in avoid and self.may_hold(s, i, numel)
         ]
         if not free:
             return None
@@ -136,7 +159,7 @@ class SlotCache:
             if s.layer is None:
                 return (0, s.numel, writing, 0.0)
             if s.layer not in later:
-                return (1 + int(s.g_dirty), s.numel, writing, float(s.used))
+                return (1 + int(s.g_dirty or s.g_kept), s.numel, writing, float(s.used))
             return (3, writing, -float(later[s.layer]), s.numel)
 
         return min(free, key=cost)

@@ -257,8 +257,16 @@ class LayerFile:
     def header(self) -> bytes:
         fmt = FORMAT_SPLIT if self.split else FORMAT
         dtype = "bfloat16+int16" if self.split else "float32"
-        meta = {"format": fmt, "index": self.index, "kind": self.kind, "numel": self.numel, "dtype": dtype,
-                "part_bytes": self.part_bytes, "slots": 2, "parts": list(self.parts)}  # fmt: skip
+        meta = {
+            "format": fmt,
+            "index": self.index,
+            "kind": self.kind,
+            "numel": self.numel,
+            "dtype": dtype,
+            "part_bytes": self.part_bytes,
+            "slots": 2,
+            "parts": list(self.parts),
+        }
         text = MAGIC + json.dumps(meta).encode() + b"\n"
         return text + b" " * (ALIGN - len(text))
 
@@ -284,7 +292,10 @@ class LayerFile:
         except OSError as e:
             return f"{self.path.name}: {e.strerror or e}"
         if head != self.header():
-            return f"{self.path.name} does not hold layer {self.index} of this model ({self.kind}, {self.numel} parameters)"
+            return (
+                f"{self.path.name} does not hold layer {self.index} of this model ({self.kind}, "
+                f"{self.numel} parameters)"
+            )
         return None
 
 

@@ -59,3 +59,51 @@ def disk_bytes(spec: ModelSpec) -> int:
     """What the disk tier needs on disk for ``spec``: 24 bytes per parameter (two versions of w, m, v)."""
     pre, block, post = spec.param_counts()
     return layer_file_bytes(pre) + spec.num_layers * layer_file_bytes(block) + layer_file_bytes(post)
+
+
+SHARED_MIN = 2  # shared slots at least: one per thread that pins (the relay's, the EPS's), see cache_slots
+
+
+def cache_slots(numels: list[int], k: int) -> list[tuple[int, int | None]]:
+    """The host cache's slots for layers of ``numels`` elements and ``k`` = ``eps.host_cache_layers``: a
+    list of (elements, owner), owner the one layer a *dedicated* slot holds, or None for a *shared* slot
+    (any layer that fits). The rule cannot deadlock, and it takes no more bytes than ``k`` slots of the
+    largest layer:
+
+    - a *block* is the most common layer size (the transformer block; of sizes equally common, the
+      largest). Each layer larger than a block (embeddings, an untied head) gets a dedicated slot of its
+      own size; the others share ``max(k, SHARED_MIN)`` slots of a block's size (no more than there are
+      such layers): as many as uniform slots would give the blocks, so the blocks' reads stay as they were
+      (a layer stays cached from its backward to its update) and the large layers are never evicted.
+    - Why no pin waits forever: a pin waits for a slot only while every slot it may take is pinned. A
+      large layer's pin takes its own slot, which no other layer pins, so it waits only for that slot's
+      read, device copies and write-back, which finish on their own. A shared slot is pinned by (a) the
+      relay, one layer at a time, except the tied head, which holds the post layer while it pins the pre
+      layer: a large layer (its own slot) or, if the pre layer is no larger than a block, a second shared
+      slot; (b) the EPS thread, one layer at a time (an update in the backward pins the layer whose
+      gradient pin it holds: no second slot); (c) gradient pins handed from the relay to the EPS's jobs,
+      which release them without pinning another layer. So no holder of a shared slot waits for another
+      shared slot except the relay's tied pin, at most one at a time; with ``SHARED_MIN`` = 2 shared slots
+      a free one is always reached once (b) and (c) release theirs. Slots sized per layer without owners
+      broke this: a block in the embeddings' slot starved the tied head's pin of the embeddings.
+    - When the dedicated and shared slots would take more bytes than ``k`` slots of the largest layer
+      (a large layer not much larger than a block), ``k`` uniform slots of the largest layer are used
+      instead (any layer may take any slot: the same argument with one class of slot)."""
+    n = len(numels)
+    k = max(0, min(k, n))
+    if not numels or k == 0:
+        return []
+    largest = max(numels)
+    uniform: list[tuple[int, int | None]] = [(largest, None)] * k
+    counts: dict[int, int] = {}
+    for x in numels:
+        counts[x] = counts.get(x, 0) + 1
+    block = max(counts, key=lambda x: (counts[x], x))
+    large = [(x, i) for i, x in enumerate(numels) if x > block]
+    if not large:
+        return uniform
+    shared = min(max(k, SHARED_MIN), n - len(large))
+    sized: list[tuple[int, int | None]] = [*((x, i) for x, i in large), *[(block, None)] * shared]
+    if sum(aligned(4 * x) for x, _ in sized) >= sum(aligned(4 * x) for x, _ in uniform):
+        return uniform
+    return sized

@@ -1,5 +1,5 @@
-"""The disk tier's gradient pool: gradients kept in RAM instead of on disk, for at most ``eps.grad_ram_layers``
-layers at a time (and within ``eps.grad_ram_gb``), whatever the model's depth.
+"""The disk tier's gradient pool: gradients kept in RAM instead of on disk, for at most
+``eps.grad_ram_layers`` layers at a time (and within ``eps.grad_ram_gb``), whatever the model's depth.
 
 Two kinds of gradient wait for something: one *parked* until its layer's update (a layer held back for the
 global clipping factor), and one a speculative update has consumed but a rollback would need again (the
@@ -28,7 +28,8 @@ def pool_bound(numels: list[int], capacity: int) -> int:
 
 
 class GradPool:
-    """At most ``capacity`` FP32 gradient buffers in RAM, each for one layer at a time, ``bound`` bytes in all."""
+    """At most ``capacity`` FP32 gradient buffers in RAM, each for one layer at a time, ``bound`` bytes in
+    all."""
 
     def __init__(self, budget: int, layers: int, numels: list[int]):
         numel = max(numels, default=1)
@@ -75,7 +76,8 @@ class GradPool:
             self.owner.pop(i, None)
 
     def drop(self, i: int) -> None:
-        """(Holding the lock.) Layer i's gradient is applied or replaced: whatever the pool held of it is free."""
+        """(Holding the lock.) Layer i's gradient is applied or replaced: whatever the pool held of it is
+        free."""
         self.live.discard(i)
         self.kept.discard(i)
         self.owner.pop(i, None)
@@ -91,7 +93,8 @@ class GradPool:
         return i in self.owner
 
     def put(self, i: int, g: torch.Tensor) -> None:
-        """Copy layer i's gradient in (a buffer reserved; the caller marks it ``live``/``kept`` under the lock)."""
+        """Copy layer i's gradient in (a buffer reserved; the caller marks it ``live``/``kept`` under the
+        lock)."""
         self.bufs[self.owner[i]][: g.numel()].copy_(g)
 
     def get(self, i: int, g: torch.Tensor) -> None:

@@ -37,9 +37,8 @@ class _Job:
     layer: int
     parts: frozenset[str]
     demand: Demand | None = None
-    evict: tuple[int | None, list[CopyHandle], Future | None, bool] | None = (
-        None  # (layer, copies, write, park)
-    )
+    # (layer, copies, write, park, the kept gradient's write to kept_grads.eps)
+    evict: tuple[int | None, list[CopyHandle], Future | None, bool, Future | None] | None = None
     writing: Future | None = None  # the slot's write still in flight (the same layer's): read after it
 
 
@@ -47,9 +46,14 @@ class Reader:
     """The reader thread and the demands it serves (all of its state is guarded by the tier's lock)."""
 
     def __init__(
-        self, cache: SlotCache, plan: ReadAhead, store: LayerStore, writer: WriteBehind,
-        cv: threading.Condition, counts: IoCounts,
-    ):  # fmt: skip
+        self,
+        cache: SlotCache,
+        plan: ReadAhead,
+        store: LayerStore,
+        writer: WriteBehind,
+        cv: threading.Condition,
+        counts: IoCounts,
+    ):
         self.cache, self.plan, self.store, self.writer = cache, plan, store, writer
         self.cv, self.counts = cv, counts
         self.demands: list[Demand] = []
@@ -91,12 +95,18 @@ class Reader:
                     d.error, d.done = RuntimeError("the disk EPS's reader thread has ended"), True
 
     def _bind(self, s: CacheSlot, i: int, parts: frozenset[str], demand: Demand | None) -> _Job:
-        """(Holding the lock.) Slot ``s`` for layer i from now on: its previous layer is evicted by the job."""
+        """(Holding the lock.) Slot ``s`` for layer i from now on: its previous layer is evicted by the
+        job."""
         assert s.pins == 0 and not s.busy, f"the slot of layer {s.layer} rebound while in use"
         assert self.cache.slot_of(i) is None, f"layer {i} bound to a second slot"
         old = s.layer
-        evict = (old, s.copies, s.writing, s.g_dirty and old is not None)
-        s.layer, s.valid, s.copies, s.writing, s.g_dirty = i, set(), [], None, False
+        keeping = None
+        if s.g_kept and old is not None:  # reused before the verdict: the kept gradient to kept_grads.eps
+            keeping = self.writer.keep(s, old)
+            self.store.kept_on_disk[old] = True
+            self.store.kept.writes[old] = keeping
+        evict = (old, s.copies, s.writing, s.g_dirty and old is not None, keeping)
+        s.layer, s.valid, s.copies, s.writing, s.g_dirty, s.g_kept = i, set(), [], None, False, False
         s.busy = True
         return _Job(s, i, parts, demand, evict)
 
@@ -110,11 +120,11 @@ class Reader:
                     continue
                 missing = frozenset() if d.fresh else s.missing(d.need)
                 if not missing:
-                    self._grant(d, s)
+                    self._serve_pin(d, s)
                     continue
                 s.busy = True
                 return _Job(s, d.layer, missing, d, writing=s.writing)
-            v = self.cache.victim(set(), later, self.store.files[d.layer].numel)
+            v = self.cache.victim(set(), later, d.layer, self.store.files[d.layer].numel)
             if v is None:
                 continue  # every slot pinned: wait for an unpin
             return self._bind(v, d.layer, frozenset() if d.fresh else d.need, d)
@@ -128,13 +138,13 @@ class Reader:
                     return _Job(s, j, missing, writing=s.writing)
                 continue
             avoid, after = {x for x, _ in want[: k + 1]}, {x: p for x, p in later.items() if p > k}
-            v = self.cache.victim(avoid, after, self.store.files[j].numel)
+            v = self.cache.victim(avoid, after, j, self.store.files[j].numel)
             if v is None:
-                return None
+                continue  # (no shared slot for a later one either; a later layer's own slot may be free)
             return self._bind(v, j, parts, None)
         return None
 
-    def _grant(self, d: Demand, s: CacheSlot) -> None:
+    def _serve_pin(self, d: Demand, s: CacheSlot) -> None:
         """(Holding the lock.) Serve ``d`` with ``s`` and wake its waiter: a grant can come from the check
         of the demands right after a job ended, when the waiter woken by that job's end has already found
         its demand not served and waits again."""
@@ -194,7 +204,7 @@ class Reader:
                 else:
                     s.valid |= set(job.parts)
                     if job.demand is not None:
-                        self._grant(job.demand, s)
+                        self._serve_pin(job.demand, s)
                 self.cv.notify_all()
 
     def _run(self, job: _Job) -> None:
@@ -202,12 +212,14 @@ class Reader:
         is on no disk yet), then read the wanted parts of the new one."""
         s, i = job.slot, job.layer
         if job.evict is not None:
-            old, copies, writing, park = job.evict
+            old, copies, writing, park, keeping = job.evict
             for h in copies:
                 while not h.done():
                     time.sleep(5e-5)
             if writing is not None:
                 self.writer.result(writing)
+            if keeping is not None:
+                keeping.result()
             if park and old is not None:
                 with self.cv:
                     parking = self.writer.park(s, old)

@@ -24,8 +24,8 @@ EPS_MODES_ONLY = "disk moves the eager param-server's state to disk"
 
 
 def check_keys(cfg: Any) -> list[Problem]:
-    """``eps.host_cache_layers``, ``eps.grad_ram_gb``, ``eps.grad_ram_layers`` and ``eps.path``, whichever tier
-    is selected."""
+    """``eps.host_cache_layers``, ``eps.grad_ram_gb``, ``eps.grad_ram_layers`` and ``eps.path``, whichever
+    tier is selected."""
     p: list[Problem] = []
     e = cfg.eps
     at_least(p, "eps.host_cache_layers", e.host_cache_layers, 2, " (the layer in use and the one read ahead)")
@@ -41,10 +41,15 @@ def validate(cfg: Any, check_files: bool) -> list[Problem]:
     :func:`check_space`, once the config knows the model)."""
     p: list[Problem] = []
     if cfg.dist.nproc > 1 and cfg.dist.pipeline > 1:  # L2L stages: each rank would hold its layers
-        p.append(Problem("eps.tier", "disk runs in one process (dist.nproc=1): a pipeline's ranks would each "
-                         "commit their layers' files after every step, and a crash between two ranks' commits "
-                         "leaves no step that every rank can resume from (a pipeline-wide commit record is not "
-                         "built); use eps.tier=host with dist.pipeline > 1"))  # fmt: skip
+        p.append(
+            Problem(
+                "eps.tier",
+                "disk runs in one process (dist.nproc=1): a pipeline's ranks would each "
+                "commit their layers' files after every step, and a crash between two ranks' commits "
+                "leaves no step that every rank can resume from (a pipeline-wide commit record is not "
+                "built); use eps.tier=host with dist.pipeline > 1",
+            )
+        )
     elif cfg.dist.nproc > 1:
         p.append(
             Problem("eps.tier", "disk runs in one process (dist.nproc=1): every rank would keep its own copy")

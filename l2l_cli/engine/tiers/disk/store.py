@@ -45,9 +45,14 @@ class LayerStore:
     ``latest``, ``committed``, ``parked`` and ``grad_live`` are guarded by the tier's lock ``cv``."""
 
     def __init__(
-        self, settings: TierSettings, spec: ModelSpec, layouts: dict[str, FlatLayout], cv: threading.Condition,
-        counts: IoCounts, split: bool = False,
-    ):  # fmt: skip
+        self,
+        settings: TierSettings,
+        spec: ModelSpec,
+        layouts: dict[str, FlatLayout],
+        cv: threading.Condition,
+        counts: IoCounts,
+        split: bool = False,
+    ):
         self._tmp = None if settings.path else tempfile.mkdtemp(prefix="l2l-eps-")
         self.root = Path(settings.path or self._tmp or ".")
         self.root.mkdir(parents=True, exist_ok=True)
@@ -85,8 +90,8 @@ class LayerStore:
     def create(self) -> None:
         if (self.root / COMMIT).exists():
             raise CheckpointError(
-                f"{self.root} already holds a disk EPS; continue it with trainer.resume=<its run dir>, or set "
-                f"eps.path to an empty directory"
+                f"{self.root} already holds a disk EPS; continue it with trainer.resume=<its run dir>, "
+                f"or set eps.path to an empty directory"
             )
         for f in self.files:
             f.create()
@@ -115,8 +120,9 @@ class LayerStore:
             )
         if fmt == FORMAT_SPLIT and not self.can_split:
             raise CheckpointError(
-                f"{path}: a disk EPS in format {FORMAT_SPLIT} (bf16 CMP: the master as bf16 + 16-bit planes); "
-                f"resume it with precision=cmp precision.dtype=bf16, or set eps.path to an empty directory"
+                f"{path}: a disk EPS in format {FORMAT_SPLIT} (bf16 CMP: the master as bf16 + 16-bit "
+                f"planes); resume it with precision=cmp precision.dtype=bf16, or set eps.path to an empty "
+                f"directory"
             )
         self.split = fmt == FORMAT_SPLIT  # a format-1 directory is read as it is (FP32 weights)
         self.files = [LayerFile(self.root, f.index, f.kind, f.numel, self.split) for f in self.files]
@@ -166,7 +172,7 @@ class LayerStore:
             if p in "mv" and self.latest[i] is None:
                 s.f32[p].zero_()
             if p == "g":
-                self.grad_live[i], self.parked[i], s.g_dirty = True, False, False
+                self.grad_live[i], self.parked[i], s.g_dirty, s.g_kept = True, False, False, False
                 self.kept_on_disk[i] = False
                 self.pool.drop(i)
         s.valid |= set(parts)

@@ -48,9 +48,15 @@ class DiskTier:
     update_in_backward = True  # each layer's update while the backward's read of it is still in RAM
 
     def __init__(
-        self, settings: TierSettings, spec: ModelSpec, layouts: dict[str, FlatLayout], acc: Accelerator,
-        send_dtype: torch.dtype, optim: OptimSettings, timer: PhaseTimer | None = None,
-    ):  # fmt: skip
+        self,
+        settings: TierSettings,
+        spec: ModelSpec,
+        layouts: dict[str, FlatLayout],
+        acc: Accelerator,
+        send_dtype: torch.dtype,
+        optim: OptimSettings,
+        timer: PhaseTimer | None = None,
+    ):
         self.settings, self.acc, self.timer = settings, acc, timer
         self.cv = threading.Condition()  # one lock for every part's state
         self.counts = IoCounts()
@@ -66,9 +72,9 @@ class DiskTier:
         n = len(self.store)
         with acc.meter.paused():
             k = min(settings.cache_layers, n)  # more slots than layers would never be used
-            # every slot sized for the largest layer: any layer may take any slot, so no set of pins can
-            # wait on a slot only a larger layer fits (slots sized per layer deadlocked a tied head)
-            numels = [max(f.numel for f in self.store.files)] * n
+            # dedicated slots for the layers larger than a block, shared ones for the rest
+            # (layout.cache_slots)
+            numels = [f.numel for f in self.store.files]
             self.cache = SlotCache(k, numels, layouts, acc, send_dtype, optim, self.store.split)
         self.plan = ReadAhead(n, k, threading.get_ident())
         self.resident_peak = self.cache.nbytes
@@ -91,9 +97,14 @@ class DiskTier:
         return self.store.latest
 
     def new_layer(
-        self, index: int, kind: str, layout: FlatLayout, acc: Accelerator, send_dtype: torch.dtype,
+        self,
+        index: int,
+        kind: str,
+        layout: FlatLayout,
+        acc: Accelerator,
+        send_dtype: torch.dtype,
         optim: OptimSettings,
-    ) -> DiskLayer:  # fmt: skip
+    ) -> DiskLayer:
         st = DiskLayer(self, index, kind, layout)
         if self.record is not None:
             st.opt_step = float(self.record["layers"][index]["step"])
@@ -111,7 +122,8 @@ class DiskTier:
         return self.cache.slot_of(i)
 
     def pin(self, i: int, parts: str = "w", *, fresh: bool = False) -> None:
-        """Layer i's ``parts`` in RAM until ``unpin`` (``fresh``: the caller overwrites them; nothing is read)."""
+        """Layer i's ``parts`` in RAM until ``unpin`` (``fresh``: the caller overwrites them; nothing is
+        read)."""
         if self.store.split and parts == "w" and not fresh:
             parts = "h"  # the relay sends the device the hi plane (format 2): 2 bytes per parameter read
         self._pin(i, frozenset(parts), fresh, "relay" if not fresh else None)
@@ -119,7 +131,7 @@ class DiskTier:
     def unpin(self, i: int, after: CopyHandle | None = None) -> None:
         """Done with layer i (``after``: a copy still reading from its buffers; the slot waits for it)."""
         with self.cv:
-            s = self.cache.must(i)
+            s = self.cache.bound_slot(i)
             s.pins -= 1
             if after is not None and not after.done():
                 s.copies.append(after)
@@ -156,7 +168,10 @@ class DiskTier:
             if s is None or s.pins <= 0:
                 return
             numel = st.files[i].numel
-            waits = st.grad_live[i] and not st.parked[i] and len(self.cache) < len(st)
+            # a layer whose slot no other layer takes (its own, or a cache that holds every layer) keeps
+            # its gradient there; any other writes it out (or to the pool) before its slot is reused
+            reused = s.owner is None and len(self.cache) < len(st)
+            waits = st.grad_live[i] and not st.parked[i] and reused
             to_ram = waits and self.pool.reserve(i, numel)
         self._note_resident()
         if to_ram:  # (still pinned: nobody reuses the slot while the gradient is copied out)
@@ -168,7 +183,7 @@ class DiskTier:
                     self.pool.live.add(i)
                     st.parked[i] = True  # (in RAM: a read of it copies it back)
                     self.counts.step.parks_ram += 1
-                elif len(self.cache) < len(st):
+                elif reused:
                     s.writing = self.writer.park(s, i)  # FIFO: after any earlier write
                     st.parked[i] = True  # a read of it waits for the slot's write (eviction does)
                 else:
@@ -275,7 +290,7 @@ class DiskTier:
                 st.opt_step = st.undo_step
                 return
         with self.holding(i, STATE):
-            s = self.cache.must(i)
+            s = self.cache.bound_slot(i)
             if s.writing is not None:
                 self._wait(functools.partial(self.writer.result, s.writing))
             f = self.store.files[i]
@@ -305,6 +320,9 @@ class DiskTier:
             if i in self.pool.kept:
                 self.pool.kept.discard(i)
                 self.pool.live.add(i)
+            s = self.cache.slot_of(i)
+            if s is not None and s.g_kept:  # still in its slot: a parked gradient there (on eviction: disk)
+                s.g_kept, s.g_dirty = False, True
             self.store.parked[i], self.store.grad_live[i] = True, True
             st.kept_grad = False
 
@@ -317,8 +335,8 @@ class DiskTier:
 
     def keep_grad(self, i: int, g: torch.Tensor) -> None:
         """(Layer i pinned, its update done, its write-back not yet queued.) Keep its gradient, as the update
-        left it, until the verdict: in the pool if it reserved a buffer, else written to ``kept_grads.eps``
-        behind the compute (queued before the slot's write-back, which the slot's next use waits for)."""
+        left it, until the verdict: in the pool if it reserved a buffer, else in its cache slot (``g_kept``),
+        written to ``kept_grads.eps`` only if the reader reuses the slot before the verdict."""
         with self.cv:
             in_ram = self.pool.holds(i)
         if in_ram:
@@ -328,9 +346,7 @@ class DiskTier:
                 self.pool.kept.add(i)
                 self.counts.step.parks_ram += 1
             else:
-                s = self.cache.must(i)
-                s.writing = self.store.kept.writes[i] = self.writer.keep(s, i)
-                self.store.kept_on_disk[i] = True
+                self.cache.bound_slot(i).g_kept = True
         self._note_resident()
 
     def commit(self, step: int, trainer_state: dict[str, Any], ident: dict[str, Any] | None = None) -> None:
@@ -364,16 +380,23 @@ class DiskTier:
             self.pool.end_step()
             for layer in self.layers.values():
                 layer.kept_grad = False
+            for s in self.cache.slots:  # a kept gradient no redo used is no gradient any more
+                if s.g_kept:
+                    s.g_kept = False
+                    s.valid.discard("g")
             st_ = self.store  # (one rolled back by a skipped step stays parked where it is until replaced)
             st_.kept_on_disk = [k and p for k, p in zip(st_.kept_on_disk, st_.parked)]
             st_.kept.writes = {i: w for i, w in st_.kept.writes.items() if st_.kept_on_disk[i]}
         timer.add("disk_read", st.read_s)
         timer.add("disk_write", st.write_s)
         return {
-            "disk_read_bytes": float(st.read_bytes), "disk_write_bytes": float(st.write_bytes),
-            "disk_reads_ahead": float(st.ahead), "disk_reads_on_demand": float(st.demand),
-            "disk_cache_hits": float(st.hits), "disk_cache_misses": float(st.misses),
-        }  # fmt: skip
+            "disk_read_bytes": float(st.read_bytes),
+            "disk_write_bytes": float(st.write_bytes),
+            "disk_reads_ahead": float(st.ahead),
+            "disk_reads_on_demand": float(st.demand),
+            "disk_cache_hits": float(st.hits),
+            "disk_cache_misses": float(st.misses),
+        }
 
     def summary(self) -> dict[str, Any]:
         """summary.json's ``eps_disk``: where, how much, how fast, and how much of it compute hid (once
@@ -406,7 +429,7 @@ class DiskTier:
             "gradients_parked_in_ram": t.parks_ram,
             "grad_pool_bytes": self.pool.nbytes,
             "grad_ram_layers": self.pool.capacity,
-            # the tier's RAM (cache slots and pool buffers): its peak, and the bound it keeps whatever the depth
+            # the tier's RAM (cache slots and pool buffers): its peak, and the bound it keeps at any depth
             "resident_bytes_peak": max(self.resident_peak, self.cache.nbytes + self.pool.nbytes),
             "resident_bytes_bound": self.resident_bound,
             "hidden_share": max(0.0, min(1.0, 1.0 - t.wait_s / io_s)) if io_s else None,

@@ -116,7 +116,8 @@ class WriteBehind:
         st.sums[i][target].clear()  # (known again once the write is done)
         st.pool.live.discard(i)
         st.pool.release(i)  # (a gradient kept for a redo stays until the verdict)
-        s.valid.discard("g")  # applied: what is left in g is no gradient to keep
+        if not s.g_kept:
+            s.valid.discard("g")  # applied: what is left in g is no gradient to keep
         c = self.counts.setup if setup else self.counts.step  # bytes when queued: the step that wrote them
         nbytes = sum(f.nbytes(p) for p in parts)
         c.write_bytes += nbytes
@@ -197,9 +198,10 @@ class WriteBehind:
             self.counts.step.write_s += time.perf_counter() - t0
 
     def keep(self, s: CacheSlot, i: int) -> Future:
-        """(Holding the lock.) Queue layer i's applied gradient for ``kept_grads.eps``, where a redo of its
-        speculative update finds it (:mod:`.spill`); the slot's next write-back queues after it."""
-        assert s.layer == i and s.pins > 0, f"layer {i}'s gradient kept from a slot not pinned for it"
+        """(Holding the lock.) Queue layer i's applied gradient, kept in slot ``s`` (``g_kept``), for
+        ``kept_grads.eps``, where a redo of its speculative update finds it (:mod:`.spill`): the reader
+        evicting the slot before the step's verdict queues it (and waits for it before reusing the slot)."""
+        assert s.layer == i and s.g_kept, f"layer {i}'s gradient kept from a slot not keeping it"
         nbytes = self.store.files[i].part_bytes
         self.counts.step.write_bytes += nbytes
         self.counts.step.write_park += nbytes
@@ -222,9 +224,12 @@ class WriteBehind:
             self.counts.step.write_s += time.perf_counter() - t0
 
     def commit(
-        self, step: int, trainer_state: dict[str, Any], ident: dict[str, Any] | None,
+        self,
+        step: int,
+        trainer_state: dict[str, Any],
+        ident: dict[str, Any] | None,
         layers: dict[int, _Stepped],
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Make the state after ``step`` the one a restart finds: once the writes queued so far are on
         disk, ``commit.json`` is replaced atomically (write, fsync, rename, fsync the directory). A write
         that has failed since the last commit raises here, before anything names its slot."""
@@ -236,8 +241,14 @@ class WriteBehind:
             slots = list(st.latest)
             entries = [{"slot": slots[i], "step": layers[i].opt_step} for i in range(len(st.files))]
             writes = list(self._jobs)  # every write queued before this record (not yet known to succeed)
-            record = {"format": FORMAT_SPLIT if st.split else FORMAT, "step": step, "created": time.time(),
-                      **(ident or {}), "layers": entries, "trainer": trainer_state}  # fmt: skip
+            record = {
+                "format": FORMAT_SPLIT if st.split else FORMAT,
+                "step": step,
+                "created": time.time(),
+                **(ident or {}),
+                "layers": entries,
+                "trainer": trainer_state,
+            }
             self._submit(self._write_record, record, slots, writes)
             self.recorded = slots
             self.commits += 1
