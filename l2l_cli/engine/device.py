@@ -417,9 +417,14 @@ class CudaAccelerator(Accelerator):
 
 
 def make_accelerator(
-    kind: str, *, local_rank: int = 0, sim_memory_gb: float = 16.0, sim_link_gbps: float = 16.0,
-    measure_memory: bool = True, sample_memory: bool = True,
-) -> Accelerator:  # fmt: skip
+    kind: str,
+    *,
+    local_rank: int = 0,
+    sim_memory_gb: float = 16.0,
+    sim_link_gbps: float = 16.0,
+    measure_memory: bool = True,
+    sample_memory: bool = True,
+) -> Accelerator:
     """The accelerator for ``device=kind`` (auto = CUDA when present, else the CPU). ``measure_memory``
     (profile.memory) turns the CPU's storage meter on, ``sample_memory`` (profile.memory_sample) lets it
     skip the op-by-op count in steps that repeat a metered one; the simulator always meters every op (it
