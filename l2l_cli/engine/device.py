@@ -286,6 +286,12 @@ class Accelerator:
         """Whether moving a batch to this device must copy it (a CPU device tier owns its inputs)."""
         return True
 
+    @property
+    def copies_inline(self) -> bool:
+        """Whether a copy has finished when ``copy`` returns (the CPU's engines): a buffer copied out is free
+        at once, so the relay needs no second gradient buffer for one leaving while the next is computed."""
+        return type(self.d2h) is CopyEngine
+
     def host_empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A host-tier buffer (not device memory): pinned where that speeds up copies."""
         with self.meter.paused():

@@ -3,7 +3,9 @@
 The slots share one flat weight buffer and one flat gradient buffer on the device (and one for a frozen
 base), each allocated once: a layer loads at one end of a buffer and the next layer at the other end, so
 a buffer needs the largest sum of two layers next to each other in the layer order, not twice the largest
-layer (a GPT-2's tied head and its embeddings are never neighbours: the blocks lie between them). Each end
+layer (a GPT-2's tied head and its embeddings are never neighbours: the blocks lie between them). Where
+copies are done inline (a CPU device, whose "device" buffers are RAM) a gradient has left before the next
+is computed, so the gradient buffer is one layer's, the largest. Each end
 has one reusable module per layer type whose parameters are views of that end. Loading layer l is a single
 host->device copy of the EPS's send buffer; while layer l computes at one end, layer l+1 is copied to the
 other (prefetch), so with enough micro-batches per layer the copy is hidden (L2L v2 eqs. 4-6). A pair of
@@ -61,7 +63,10 @@ class Slot:
         # graph's backward: ``Relay.hold``)
         self.w_of = {k: relay.w[s] for k, s in self.spans.items()}
         self.w_in_of = {k: relay.w_in[s] for k, s in self.spans.items()}
-        self.g_of = {k: relay.g[s] for k, s in self.spans.items()}
+        # gradients copied out inline (a CPU device): one buffer from the start serves both ends
+        self.g_of = {
+            k: relay.g[s if relay.two_grads else slice(0, relay.numel[k])] for k, s in self.spans.items()
+        }
         # a frozen base (peft=lora): its weights, dequantized from the EPS's low-bit copy, without gradient
         self.fw_in_of: dict[str, torch.Tensor] = {}
         self.base_layer: int | None = None  # whose frozen base the slot holds (it never changes)
@@ -127,7 +132,11 @@ class Relay:
         nf = pair_numel([self.frozen_numel[k] for k in order], prefetch)
         self.w = acc.empty(n, dtype, part="layer_slots")
         self.w_in = self.w.data
-        self.g = acc.empty(n, dtype, part="layer_slots")
+        # a gradient leaving for the host while the next layer's is computed needs its own elements, unless
+        # the copy is done at once (a CPU device): then one layer's gradient at a time
+        self.two_grads = prefetch and not acc.copies_inline
+        most = max((self.numel[k] for k in order), default=0)
+        self.g = acc.empty(n if self.two_grads else most, dtype, part="layer_slots")
         self.fw = acc.empty(nf, dtype, part="layer_slots") if nf else None
         self.slots = [Slot(self, end, spec, eps, dtype) for end in range(2 if prefetch else 1)]
         self.current: Slot | None = None
@@ -243,7 +252,9 @@ class Relay:
                 # the previous occupant's gradient has left (a stream wait on CUDA)
                 slot.grads_out.wait_device()
                 other = self._other(slot)
-                if other is not None and self._overlap(kind, other.grads_kind, frozen=False):
+                if other is not None and (
+                    not self.two_grads or self._overlap(kind, other.grads_kind, frozen=False)
+                ):
                     other.grads_out.wait_device()  # so has the other end's, where the two meet
             slot.g_of[kind].zero_()
         return slot.shells[self.spec.kind(i)]
