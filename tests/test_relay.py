@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from l2l_cli.data.batches import TrainStream
-from l2l_cli.engine.relay import pair_numel
+from l2l_cli.engine.relay import aligned, pair_numel
 from l2l_cli.models import POST, PRE
 from l2l_cli.session import build
 from tests.test_decoder import cfg_for, lm_data, write_checkpoint
@@ -35,25 +35,28 @@ def test_pair_numel_is_the_largest_neighbouring_pair_or_the_largest_layer() -> N
 def test_the_relay_holds_the_largest_pair_of_neighbours_and_never_waits_in_training(
     gpt2: Path, mode: str, device: str
 ) -> None:
-    """The weight buffer is 4 B x (the embeddings + a block), and so is the gradient buffer where copies
-    run beside the compute (the simulator, CUDA); on a CPU device, whose copies are inline, the gradient
-    buffer is the largest layer's: less than the two full slots of the largest layer before; the meter counts exactly them; no load in a
-    training step waits for the layer computing (each is a neighbour's); and each
-    slot's module computes with its layer's weights as the EPS sends them."""
+    """The weight buffer is 4 B x (the embeddings + a block), each end 256 B-aligned, and so is the
+    gradient buffer where copies run beside the compute (the simulator, CUDA); on a CPU device, whose
+    copies are inline, the gradient buffer is the largest layer's: less than the two full slots of the
+    largest layer before. The meter counts exactly them; no load in a training step waits for the layer
+    computing (each is a neighbour's); each slot's module computes with its layer's weights as the EPS
+    sends them."""
     cfg = cfg_for(gpt2, f"mode={mode}", "optim.clip=none", f"device={device}")
     data = lm_data(gpt2)
     with build(cfg, data=data) as s:
         runner = s.runner
         relay, eps = runner.relay, runner.eps  # type: ignore[union-attr]
         sizes = [eps.device_numel(st.kind) for st in eps.layers]
-        pair = max(a + b for a, b in pairwise(sizes))
+        pair = max(aligned(a) + aligned(b) for a, b in pairwise(sizes))  # each end starts 256 B-aligned
         # the embeddings and the first block, or the last block and the head with the tied tensor
-        assert pair == max(sizes[0] + sizes[1], sizes[-2] + sizes[-1]) < 2 * max(sizes)
+        assert pair == max(aligned(sizes[0]) + aligned(sizes[1]), aligned(sizes[-2]) + aligned(sizes[-1]))
+        assert pair < 2 * max(sizes)
         assert relay.device_bytes == 4 * pair + 4 * (max(sizes) if device == "cpu" else pair)
         assert relay.device_bytes < 2 * 2 * 4 * max(sizes)  # two slots of the largest layer, weights + grads
         it = TrainStream(data.train, cfg.batch.size, seed=0).batches()
         runner.step(next(it))  # type: ignore[union-attr]
         assert relay.waits == 0 and relay.loads > 0
+        assert {(s.w.data_ptr() - relay.w.data_ptr()) % 256 for s in relay.slots} == {0}  # as the buffer
         for _ in range(2):
             runner.step(next(it))  # type: ignore[union-attr]
         # a later step's first load is the embeddings' new version beside their old one, which the

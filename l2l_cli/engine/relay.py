@@ -32,6 +32,12 @@ from l2l_cli.models.base import BLOCK, POST, PRE, ModelSpec
 from l2l_cli.profiling.timers import PhaseTimer
 
 KINDS = (PRE, BLOCK, POST)
+ALIGN = 64  # elements: a layer at either end of a buffer starts 256 B-aligned (fp32), as a fresh buffer does
+
+
+def aligned(n: int) -> int:
+    """``n`` elements rounded up to ``ALIGN``: the room a layer takes at an end of a relay buffer."""
+    return -(-n // ALIGN) * ALIGN
 
 
 def pair_numel(numels: Sequence[int], prefetch: bool) -> int:
@@ -54,7 +60,8 @@ class Slot:
         acc = relay.acc
 
         def span(n: int, total: int) -> slice:
-            return slice(0, n) if end == 0 else slice(total - n, total)
+            start = 0 if end == 0 else total - aligned(n)
+            return slice(start, start + n)
 
         self.end = end
         self.spans = {k: span(relay.numel[k], relay.w.numel()) for k in KINDS}
@@ -128,8 +135,8 @@ class Relay:
         order = [st.kind for st in eps.layers]  # the layers in the order a forward visits them
         self.numel = {k: eps.device_numel(k) for k in KINDS}
         self.frozen_numel = {k: eps.frozen_layouts[k].numel if k in eps.frozen_layouts else 0 for k in KINDS}
-        n = pair_numel([self.numel[k] for k in order], prefetch)
-        nf = pair_numel([self.frozen_numel[k] for k in order], prefetch)
+        n = pair_numel([aligned(self.numel[k]) for k in order], prefetch)
+        nf = pair_numel([aligned(self.frozen_numel[k]) for k in order], prefetch)
         self.w = acc.empty(n, dtype, part="layer_slots")
         self.w_in = self.w.data
         # a gradient leaving for the host while the next layer's is computed needs its own elements, unless
@@ -151,11 +158,10 @@ class Relay:
 
     def _overlap(self, a: str, b: str, frozen: bool = True) -> bool:
         """Whether a layer of kind ``a`` at one end and one of kind ``b`` at the other share elements."""
-        if self.numel[a] + self.numel[b] > self.w.numel():
+        if aligned(self.numel[a]) + aligned(self.numel[b]) > self.w.numel():
             return True
-        return (
-            frozen and self.fw is not None and self.frozen_numel[a] + self.frozen_numel[b] > self.fw.numel()
-        )
+        fa, fb = aligned(self.frozen_numel[a]), aligned(self.frozen_numel[b])
+        return frozen and self.fw is not None and fa + fb > self.fw.numel()
 
     def _other(self, slot: Slot) -> Slot | None:
         return next((s for s in self.slots if s is not slot), None)
