@@ -1,21 +1,20 @@
-"""Issue 16's closing benchmark: L2L steps of a model whose FP32 training state (16 bytes per parameter) does
-not fit in this machine's RAM, with the EPS on disk (eps.tier=disk, eps.host_cache_layers layers in RAM).
+"""L2L steps with the EPS on disk (eps.tier=disk, eps.host_cache_layers layers in RAM): the model's training
+state against this machine's RAM, the run's peak RSS and where it goes (``rss_breakdown``), the disk
+bandwidth the tier achieved against a sequential measurement of the same disk (``dd`` with O_DIRECT, and
+the tier's own I/O path), and the share of the disk I/O hidden behind compute.
 
-Prints the model's training state against the machine's RAM, the peak RSS of the run, the disk bandwidth
-the tier achieved against a dd-style sequential measurement of the same disk (``dd`` with O_DIRECT, and
-the tier's own I/O path writing random data), and the share of the disk I/O hidden behind compute.
-
-The real run (alone on the machine: ~60 GB of disk, ~70 GB of I/O per step; ~2.45 B parameters, 39 GB of
-FP32 state = 1.5x a 24 GiB machine):
+A model whose FP32 state (16 B per parameter) is 1.5x a 24 GiB machine's RAM (~60 GB of disk):
     python benchmarks/disk_tier.py --layers 30 --hidden 2560 --steps 3 --path outputs/disk-tier-bench
 A check that it runs (seconds):
     python benchmarks/disk_tier.py --tiny
 
-Issue 26 (alone on the machine): the disk tier against the host tier on the 1.07 B-parameter model, bytes per
-parameter and step by use, disk step / host step, and the planner's predicted disk step (hardware=measure,
-the disk's rates measured here) against the measured one:
+With ``--compare-host`` the host tier runs the same steps first, in a child process (it needs the whole
+state in RAM: ~18.7 GiB at 1.075 B parameters), and the benchmark prints disk step / host step as the
+ratio of the median steps after the first, beside the disk's rates measured in the same run, and the
+planner's predicted disk step (hardware=measure, those rates) against the measured one:
     python benchmarks/disk_tier.py --compare-host --layers 20 --hidden 2048 --batch 2 --ubatch 1 --steps 4
     (add --cmp for precision=cmp; --tiny --compare-host checks that it runs)
+Runs of its size belong alone on the machine (``flock /tmp/l2l-heavy.lock`` on a shared one).
 """
 
 from __future__ import annotations
@@ -59,6 +58,72 @@ def vm_hwm() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def proc_kib(field: str, path: str = "/proc/self/status") -> int:
+    """A ``kB`` field of a /proc file (VmRSS, VmHWM in status; Anonymous in smaps_rollup), bytes."""
+    for line in Path(path).read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def rss_breakdown(session: Any, base_rss: int, peak: int) -> dict[str, int]:
+    """Where the process's RSS goes, by owner, in bytes: the tensors each part of the run owns (counted
+    from the objects, not sampled), torch and Python as measured before the build, and glibc's heap.
+    ``other`` is the peak less the parts: the threads' stacks and allocator arenas, pages freed but not
+    returned, and what no part counts."""
+    runner = session.runner
+    tier = runner.eps.tier.summary()
+    parts = {
+        "python_torch_baseline": base_rss,
+        "tier_cache_and_pool": int(tier.get("resident_bytes_peak", 0)),
+        "relay_device_slots": int(runner.relay.device_bytes),
+    }
+    host = runner.eps.host_parts()  # the EPS's RAM outside the tier's cache (tied gradient, stash, ...)
+    parts["eps_host_outside_tier"] = sum(
+        v for k, v in host.items() if k not in ("eps_cache", "eps_grad_pool")
+    )
+    dev = runner.acc.meter.peak_parts
+    for k in ("activations", "stash", "workspace"):
+        if dev.get(k):
+            parts[f"device_{k}_peak"] = int(dev[k])
+    heap = glibc_heap()
+    if heap:
+        parts["glibc_free_in_arenas_at_end"] = heap["fordblks"]
+    parts["other"] = peak - sum(v for k, v in parts.items() if not k.startswith("glibc"))
+    return parts
+
+
+def glibc_heap() -> dict[str, int] | None:
+    """glibc's ``mallinfo2``: heap bytes in use (uordblks), free but kept (fordblks), mmapped (hblkhd)."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [
+            (n, ctypes.c_size_t)
+            for n in (
+                "arena",
+                "ordblks",
+                "smblks",
+                "hblks",
+                "hblkhd",
+                "usmblks",
+                "fsmblks",
+                "uordblks",
+                "fordblks",
+                "keepcost",
+            )
+        ]
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        fn = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = MallInfo2
+    m = fn()
+    return {n: int(getattr(m, n)) for n, _ in MallInfo2._fields_}
+
+
 def dd(root: Path, nbytes: int) -> dict[str, float] | None:
     """``dd`` with O_DIRECT: sequential write (then fdatasync) and read of ``nbytes`` in 64 MiB blocks."""
     if shutil.which("dd") is None:
@@ -67,9 +132,20 @@ def dd(root: Path, nbytes: int) -> dict[str, float] | None:
     out: dict[str, float] = {}
     try:
         for kind, cmd in (
-            ("write", ["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={count}", "oflag=direct", "conv=fdatasync"]),
+            (
+                "write",
+                [
+                    "dd",
+                    "if=/dev/zero",
+                    f"of={path}",
+                    "bs=64M",
+                    f"count={count}",
+                    "oflag=direct",
+                    "conv=fdatasync",
+                ],
+            ),
             ("read", ["dd", f"if={path}", "of=/dev/null", "bs=64M", "iflag=direct"]),
-        ):  # fmt: skip
+        ):
             r = subprocess.run(cmd, capture_output=True, text=True, check=True)
             m = re.search(r"^(\d+) bytes.* copied, ([\d.]+) s", r.stderr, re.M)
             if m:
@@ -98,6 +174,11 @@ def host_child(a: argparse.Namespace, overrides: list[str], out: Path) -> None:
     out.write_text(json.dumps({"step_times_s": times, "peak_rss_bytes": vm_hwm()}))
 
 
+def steady_median(times: list[float]) -> float:
+    """The median step time, the first step (warm-up: no read-ahead plan yet) left out when there are more."""
+    return statistics.median(times[1:] or times)
+
+
 def run_host_first(a: argparse.Namespace) -> dict[str, Any] | None:
     """The host tier in a child process (this script with ``--host-only``), before the disk run starts."""
     out = Path(a.path).resolve() / ".host-run.json"
@@ -109,17 +190,20 @@ def run_host_first(a: argparse.Namespace) -> dict[str, Any] | None:
         return None
     res = json.loads(out.read_text())
     out.unlink()
-    times = res["step_times_s"]
-    res["host_step_s"] = statistics.mean(times[1:] or times)
-    print(f"host tier: {res['host_step_s']:.3g} s per steady step, peak RSS {res['peak_rss_bytes'] / GiB:.2f} GiB "
-          "(its own process, ended before the disk run)", flush=True)  # fmt: skip
+    res["host_step_s"] = steady_median(res["step_times_s"])
+    print(
+        f"host tier: {res['host_step_s']:.3g} s median step after the first, peak RSS "
+        f"{res['peak_rss_bytes'] / GiB:.2f} GiB (its own process, ended before the disk run)",
+        flush=True,
+    )
     return res
 
 
 def compare_host(
     overrides: list[str], host: dict[str, Any] | None, disk_step_s: float, rates: dict[str, Any]
 ) -> dict[str, Any]:
-    """Disk step / host step, and the planner's disk step from bytes and this disk's measured rates."""
+    """Disk step / host step (medians after the first step), beside this disk's rates measured in the same
+    run, and the planner's disk step from bytes and those rates."""
     from dataclasses import replace
 
     from l2l_cli.plan.hardware import resolve
@@ -133,7 +217,12 @@ def compare_host(
             host_peak_rss_bytes=host["peak_rss_bytes"],
             disk_over_host=disk_step_s / host_s,
         )
-        print(f"disk step / host step: {disk_step_s:.3g} s / {host_s:.3g} s = {disk_step_s / host_s:.2f}x")
+        print(
+            f"disk step / host step (medians after step 1): {disk_step_s:.3g} s / {host_s:.3g} s = "
+            f"{disk_step_s / host_s:.2f}x, on a disk measured in this run at "
+            + ", ".join(f"{k.removesuffix('_gbps')} {v:.2f}" for k, v in rates.items())
+            + " GB/s"
+        )
     try:
         # hardware=measure times the compute here; the disk's rates are this benchmark's own measurement of it
         # (hardware=measure's would replace hardware.disk_* overrides with its one block's)
@@ -146,12 +235,18 @@ def compare_host(
         }
         plan = make_plan(cfg, replace(measured, **disk))
         pred = plan["step_time_s"]["total"]
-        print("planner's step by phase (exposed s): "
-              + ", ".join(f"{k} {v:.3g}" for k, v in plan["step_time_s"].items() if v))  # fmt: skip
-        out.update(predicted_disk_step_s=pred, predicted_over_measured=pred / disk_step_s,
-                   predicted_phases_s=plan["step_time_s"], planner_disk_rates_gbps={k: v / GB for k, v in disk.items()})  # fmt: skip
-        print(f"planner (hardware=measure, this disk's rates): disk step {pred:.3g} s predicted, "
-              f"{disk_step_s:.3g} s measured ({100 * (pred / disk_step_s - 1):+.0f}%)")  # fmt: skip
+        phases = ", ".join(f"{k} {v:.3g}" for k, v in plan["step_time_s"].items() if v)
+        print(f"planner's step by phase (exposed s): {phases}")
+        out.update(
+            predicted_disk_step_s=pred,
+            predicted_over_measured=pred / disk_step_s,
+            predicted_phases_s=plan["step_time_s"],
+            planner_disk_rates_gbps={k: v / GB for k, v in disk.items()},
+        )
+        print(
+            f"planner (hardware=measure, this disk's rates): disk step {pred:.3g} s predicted, "
+            f"{disk_step_s:.3g} s measured ({100 * (pred / disk_step_s - 1):+.0f}%)"
+        )
     except Exception as e:  # the comparison above stands without the planner's
         print(f"planner: no prediction ({type(e).__name__}: {e})")
     return out
@@ -173,8 +268,8 @@ def main() -> int:
     ap.add_argument(
         "--max-grad-norm",
         type=float,
-        help="optim.max_grad_norm (default 1.0: this synthetic model's "
-        "norm exceeds it every step, so every update waits for the norm; raise it for steps that do not clip)",
+        help="optim.max_grad_norm (default 1.0: this synthetic model's norm exceeds it every step, so every "
+        "update waits for the norm; raise it for steps that do not clip)",
     )
     ap.add_argument("--cmp", action="store_true", help="precision=cmp (bf16 on the device)")
     ap.add_argument("--compare-host", action="store_true", help="also run the host tier; print the ratios")
@@ -188,6 +283,7 @@ def main() -> int:
     )
     ap.add_argument("--host-only", help=argparse.SUPPRESS)  # (the host tier's child process: results here)
     a = ap.parse_args()
+    base_rss = proc_kib("VmRSS")  # torch and Python imported, nothing built yet
     if a.tiny:
         a.layers, a.hidden, a.vocab, a.seq, a.batch, a.ubatch, a.dd_gib = 2, 64, 512, 16, 4, 2, 1 / 16
     heads = a.heads or max(1, a.hidden // 64)
@@ -195,14 +291,26 @@ def main() -> int:
     root = Path(a.path).resolve()
     eps_dir = root / "eps"
     overrides = [
-        f"mode={a.mode}", f"model.num_layers={a.layers}", f"model.hidden_size={a.hidden}", f"model.num_heads={heads}",
-        f"model.intermediate_size={inter}", f"model.vocab_size={a.vocab}", "model.dropout=0.0",
-        f"model.seq_len={max(512, a.seq)}", f"task.max_seq_len={a.seq}", "task.pad_to_max=true",
-        f"batch.size={a.batch}", f"batch.ubatch_size={a.ubatch}", "trainer.progress=none",
-        f"trainer.max_steps={a.steps}", "eps.tier=disk", f"eps.path={eps_dir}", f"eps.host_cache_layers={a.cache_layers}",
+        f"mode={a.mode}",
+        f"model.num_layers={a.layers}",
+        f"model.hidden_size={a.hidden}",
+        f"model.num_heads={heads}",
+        f"model.intermediate_size={inter}",
+        f"model.vocab_size={a.vocab}",
+        "model.dropout=0.0",
+        f"model.seq_len={max(512, a.seq)}",
+        f"task.max_seq_len={a.seq}",
+        "task.pad_to_max=true",
+        f"batch.size={a.batch}",
+        f"batch.ubatch_size={a.ubatch}",
+        "trainer.progress=none",
+        f"trainer.max_steps={a.steps}",
+        "eps.tier=disk",
+        f"eps.path={eps_dir}",
+        f"eps.host_cache_layers={a.cache_layers}",
         *(["precision=cmp", "precision.dtype=bf16"] if a.cmp else []),
         *([f"optim.max_grad_norm={a.max_grad_norm}"] if a.max_grad_norm else []),
-    ]  # fmt: skip
+    ]
     if a.host_only:
         host_child(a, overrides, Path(a.host_only))
         return 0
@@ -212,10 +320,12 @@ def main() -> int:
     params, ram = spec.total_params, ram_bytes()
     state, need = 16 * params, disk_bytes(spec)
     print(
-        f"model: {a.layers} x hidden {a.hidden} (intermediate {inter}), {params / 1e9:.3f} B parameters, mode {a.mode}"
+        f"model: {a.layers} x hidden {a.hidden} (intermediate {inter}), {params / 1e9:.3f} B parameters, "
+        f"mode {a.mode}"
     )
     print(
-        f"FP32 training state (16 B/param): {state / GB:.1f} GB = {state / ram:.2f}x this machine's RAM ({ram / GiB:.1f} GiB)"
+        f"FP32 training state (16 B/param): {state / GB:.1f} GB = {state / ram:.2f}x this machine's RAM "
+        f"({ram / GiB:.1f} GiB)"
     )
     if state < 1.5 * ram and not a.tiny:
         print("  (below the issue's 1.5x RAM: raise --layers or --hidden for the closing number)")
@@ -232,9 +342,12 @@ def main() -> int:
 
     ref = {"tier_path": measure_disk(root, int(a.dd_gib * GiB)), "dd": dd(root, int(a.dd_gib * GiB))}
     seq = ref["tier_path"]
-    print(f"sequential, this disk: the tier's I/O path {seq['write_gbps']:.2f} GB/s write, {seq['read_gbps']:.2f} GB/s "
-          f"read, {seq['mixed_gbps']:.2f} GB/s both at once ({'O_DIRECT' if seq['direct_io'] else 'buffered'})"
-          + (f"; dd oflag/iflag=direct {ref['dd']['write_gbps']:.2f} / {ref['dd']['read_gbps']:.2f}" if ref["dd"] else ""))  # fmt: skip
+    dd_rates = f"; dd oflag/iflag=direct {ref['dd']['write_gbps']:.2f} / {ref['dd']['read_gbps']:.2f}"
+    print(
+        f"sequential, this disk: the tier's I/O path {seq['write_gbps']:.2f} GB/s write, "
+        f"{seq['read_gbps']:.2f} GB/s read, {seq['mixed_gbps']:.2f} GB/s both at once "
+        f"({'O_DIRECT' if seq['direct_io'] else 'buffered'})" + (dd_rates if ref["dd"] else "")
+    )
 
     data = synthetic(max(64, a.batch * (a.steps + 1)), a.seq, a.vocab, seed=1)
     task = TaskData(TASKS["synthetic"], data, data, "synthetic")
@@ -273,21 +386,32 @@ def main() -> int:
             ph, ex = r.phases, r.extra
             io_s = ph.get("disk_read", 0.0) + ph.get("disk_write", 0.0)
             row = {
-                "step": step, "step_time_s": r.step_time_s, "loss": r.loss,
-                "read_gb": ex["disk_read_bytes"] / GB, "write_gb": ex["disk_write_bytes"] / GB,
-                "disk_read_s": ph.get("disk_read", 0.0), "disk_write_s": ph.get("disk_write", 0.0),
+                "step": step,
+                "step_time_s": r.step_time_s,
+                "loss": r.loss,
+                "read_gb": ex["disk_read_bytes"] / GB,
+                "write_gb": ex["disk_write_bytes"] / GB,
+                "disk_read_s": ph.get("disk_read", 0.0),
+                "disk_write_s": ph.get("disk_write", 0.0),
                 "disk_wait_s": ph.get("disk_wait", 0.0),
                 "hidden_share": max(0.0, 1 - ph.get("disk_wait", 0.0) / io_s) if io_s else None,
-                "grad_norm": r.grad_norm, "clipped": clipped(r.grad_norm), "phases": ph,
+                "grad_norm": r.grad_norm,
+                "clipped": clipped(r.grad_norm),
+                "phases": ph,
                 "checksum_s": checksum_s[0],
-            }  # fmt: skip
+            }
             rows.append(row)
-            print(f"step {step}: {r.step_time_s:.3g} s, read {row['read_gb']:.3g} GB in {row['disk_read_s']:.3g} s, "
-                  f"wrote {row['write_gb']:.3g} GB in {row['disk_write_s']:.3g} s, waited {row['disk_wait_s']:.3g} s "
-                  f"(I/O hidden {100 * (row['hidden_share'] or 0):.0f}%), loss {r.loss:.4f}, grad norm {r.grad_norm:.3g}"
-                  + (" (clipped: its updates wait for the norm)" if row["clipped"] else ""))  # fmt: skip
+            print(
+                f"step {step}: {r.step_time_s:.3g} s, "
+                f"read {row['read_gb']:.3g} GB in {row['disk_read_s']:.3g} s, "
+                f"wrote {row['write_gb']:.3g} GB in {row['disk_write_s']:.3g} s, "
+                f"waited {row['disk_wait_s']:.3g} s (I/O hidden {100 * (row['hidden_share'] or 0):.0f}%), "
+                f"loss {r.loss:.4f}, grad norm {r.grad_norm:.3g}"
+                + (" (clipped: its updates wait for the norm)" if row["clipped"] else "")
+            )
         total = tier.summary()
-    peak = vm_hwm()
+        peak = vm_hwm()
+        rss = rss_breakdown(session, base_rss, peak)
     steady = rows[1:] or rows
     read_b = sum(r["read_gb"] for r in steady) * GB
     write_b = sum(r["write_gb"] for r in steady) * GB
@@ -295,12 +419,22 @@ def main() -> int:
     write_s = sum(r["disk_write_s"] for r in steady)
     wait_s = sum(r["disk_wait_s"] for r in steady)
     step_s = statistics.mean(r["step_time_s"] for r in steady)
+    median_s = steady_median([r["step_time_s"] for r in rows])
     sum_s = statistics.mean(r["checksum_s"] for r in steady)
     result = {
-        "params": params, "state_bytes": state, "ram_bytes": ram, "state_over_ram": state / ram,
-        "peak_rss_bytes": peak, "disk_bytes": need, "sequential": ref, "steps": rows, "tier": total,
+        "params": params,
+        "state_bytes": state,
+        "ram_bytes": ram,
+        "state_over_ram": state / ram,
+        "peak_rss_bytes": peak,
+        "rss_breakdown_bytes": rss,
+        "disk_bytes": need,
+        "sequential": ref,
+        "steps": rows,
+        "tier": total,
         "steady": {
             "step_time_s": step_s,
+            "median_step_s": median_s,
             "read_gbps": read_b / read_s / GB if read_s else None,
             "write_gbps": write_b / write_s / GB if write_s else None,
             "io_gbps_over_step": (read_b + write_b) / (step_s * len(steady)) / GB,
@@ -308,22 +442,32 @@ def main() -> int:
             "checksum_s": sum_s,
             "checksums": not a.no_checksums,
         },
-    }  # fmt: skip
+    }
     st = result["steady"]
     print("---")
     print(f"peak RSS {peak / GiB:.2f} GiB for {state / GB:.3g} GB of training state ({state / ram:.2f}x RAM)")
-    print(f"disk tier, steady steps: read {st['read_gbps'] or 0:.2f} GB/s, write {st['write_gbps'] or 0:.2f} GB/s "
-          f"(sequential: {seq['read_gbps']:.2f} / {seq['write_gbps']:.2f}); "
-          f"{st['io_gbps_over_step']:.2f} GB/s of I/O per second of step")  # fmt: skip
+    for k, v in rss.items():
+        print(f"  {k:<28} {v / GiB:6.3f} GiB")
     print(
-        f"I/O hidden behind compute: {100 * (st['hidden_share'] or 0):.0f}% (1 - disk_wait / (disk_read + disk_write))"
+        f"disk tier, steady steps: read {st['read_gbps'] or 0:.2f} GB/s, "
+        f"write {st['write_gbps'] or 0:.2f} GB/s "
+        f"(sequential: {seq['read_gbps']:.2f} / {seq['write_gbps']:.2f}); "
+        f"{st['io_gbps_over_step']:.2f} GB/s of I/O per second of step"
     )
-    print(f"checksums {'off' if a.no_checksums else 'on'}: {sum_s:.3g} s of checksumming per step "
-          f"(background threads) = {100 * sum_s / step_s:.2f}% of the {step_s:.3g} s step")  # fmt: skip
+    print(
+        f"I/O hidden behind compute: {100 * (st['hidden_share'] or 0):.0f}% "
+        "(1 - disk_wait / (disk_read + disk_write))"
+    )
+    print(
+        f"checksums {'off' if a.no_checksums else 'on'}: {sum_s:.3g} s of checksumming per step "
+        f"(background threads) = {100 * sum_s / step_s:.2f}% of the {step_s:.3g} s step"
+    )
     per = total["bytes_per_param_step"]
-    print(f"disk I/O per parameter and step: {total['read_bytes_per_param_step']:.2f} B read + "
-          f"{total['write_bytes_per_param_step']:.2f} B written = "
-          f"{total['read_bytes_per_param_step'] + total['write_bytes_per_param_step']:.2f} B/param/step")  # fmt: skip
+    print(
+        f"disk I/O per parameter and step: {total['read_bytes_per_param_step']:.2f} B read + "
+        f"{total['write_bytes_per_param_step']:.2f} B written = "
+        f"{total['read_bytes_per_param_step'] + total['write_bytes_per_param_step']:.2f} B/param/step"
+    )
     for k, v in per.items():
         what = (READS if k.startswith("read_") else WRITES)[k.split("_", 1)[1]]
         print(f"  {k:<13} {v:6.2f} B  {what}")
@@ -331,7 +475,8 @@ def main() -> int:
         rates = {
             k: seq[k.removeprefix("disk_")] for k in ("disk_read_gbps", "disk_write_gbps", "disk_mixed_gbps")
         }
-        result["compare"] = compare_host(overrides, host, step_s, rates)
+        rates.update({f"dd_direct_{k}": v for k, v in (ref["dd"] or {}).items()})
+        result["compare"] = compare_host(overrides, host, median_s, rates)
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1, default=str))
     if not a.keep:

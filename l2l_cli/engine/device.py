@@ -286,6 +286,12 @@ class Accelerator:
         """Whether moving a batch to this device must copy it (a CPU device tier owns its inputs)."""
         return True
 
+    @property
+    def copies_inline(self) -> bool:
+        """Whether a copy has finished when ``copy`` returns (the CPU's engines): a buffer copied out is free
+        at once, so the relay needs no second gradient buffer for one leaving while the next is computed."""
+        return type(self.d2h) is CopyEngine
+
     def host_empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A host-tier buffer (not device memory): pinned where that speeds up copies."""
         with self.meter.paused():
@@ -417,9 +423,14 @@ class CudaAccelerator(Accelerator):
 
 
 def make_accelerator(
-    kind: str, *, local_rank: int = 0, sim_memory_gb: float = 16.0, sim_link_gbps: float = 16.0,
-    measure_memory: bool = True, sample_memory: bool = True,
-) -> Accelerator:  # fmt: skip
+    kind: str,
+    *,
+    local_rank: int = 0,
+    sim_memory_gb: float = 16.0,
+    sim_link_gbps: float = 16.0,
+    measure_memory: bool = True,
+    sample_memory: bool = True,
+) -> Accelerator:
     """The accelerator for ``device=kind`` (auto = CUDA when present, else the CPU). ``measure_memory``
     (profile.memory) turns the CPU's storage meter on, ``sample_memory`` (profile.memory_sample) lets it
     skip the op-by-op count in steps that repeat a metered one; the simulator always meters every op (it

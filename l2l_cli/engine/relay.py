@@ -1,17 +1,26 @@
 """The relay: device slots that hold the executing layer and the next one, fed from the EPS.
 
-Each slot is one flat weight buffer and one flat gradient buffer on the device, sized for the largest
-layer, plus one reusable module per layer type whose parameters are views of the slot. Loading layer
-l into a slot is a single host->device copy of the EPS's send buffer; while layer l computes from one
-slot, layer l+1 is copied into the other (prefetch), so with enough micro-batches per layer the copy is
-hidden (L2L v2 eqs. 4-6). A slot remembers which layer and which version of it it holds, so a layer used
-twice in a row (the last block around the turn into backward) is not copied again. A tied LM head's tensor
-is the pre layer's: the post layer's slot gets it from the pre layer's copy, and gives its gradient back
-separately (engine/tied.py).
+The slots share one flat weight buffer and one flat gradient buffer on the device (and one for a frozen
+base), each allocated once: a layer loads at one end of a buffer and the next layer at the other end, so
+a buffer needs the largest sum of two layers next to each other in the layer order, not twice the largest
+layer (a GPT-2's tied head and its embeddings are never neighbours: the blocks lie between them). Where
+copies are done inline (a CPU device, whose "device" buffers are RAM) a gradient has left before the next
+is computed, so the gradient buffer is one layer's, the largest. Each end
+has one reusable module per layer type whose parameters are views of that end. Loading layer l is a single
+host->device copy of the EPS's send buffer; while layer l computes at one end, layer l+1 is copied to the
+other (prefetch), so with enough micro-batches per layer the copy is hidden (L2L v2 eqs. 4-6). A pair of
+layers that are not neighbours may not fit beside each other (the head, then the embeddings of the next
+evaluation batch): that load waits until the layer computing now is done and overwrites it, never a layer in
+use. An end remembers which layer and which version of it it holds, so a layer used twice in a row (the last
+block around the turn into backward) is not copied again. A tied LM head's tensor is the pre layer's: the
+post layer's slot gets it from the pre layer's copy, and gives its gradient back separately
+(engine/tied.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -22,57 +31,140 @@ from l2l_cli.engine.eps import EagerParamServer
 from l2l_cli.models.base import BLOCK, POST, PRE, ModelSpec
 from l2l_cli.profiling.timers import PhaseTimer
 
+KINDS = (PRE, BLOCK, POST)
+ALIGN = 64  # elements: a layer at either end of a buffer starts 256 B-aligned (fp32), as a fresh buffer does
+
+
+def aligned(n: int) -> int:
+    """``n`` elements rounded up to ``ALIGN``: the room a layer takes at an end of a relay buffer."""
+    return -(-n // ALIGN) * ALIGN
+
+
+def pair_numel(numels: Sequence[int], prefetch: bool) -> int:
+    """Elements a relay buffer needs for layers of ``numels`` elements in this order: the largest layer
+    (one slot), or with prefetch the largest sum of two neighbours (forward and backward visit the same
+    neighbours), at least the largest layer."""
+    if not numels:
+        return 0
+    most = max(numels)
+    if not prefetch:
+        return most
+    return max([most, *(a + b for a, b in pairwise(numels))])
+
 
 class Slot:
-    def __init__(self, acc: Accelerator, spec: ModelSpec, eps: EagerParamServer, dtype: torch.dtype):
-        n = eps.max_layer_numel
-        self.w = acc.empty(n, dtype, part="layer_slots")
-        # what copies write into: the same storage under a version counter of its own, so reloading a
-        # layer does not invalidate a kept graph's saved weights (the layer is back in its slot before
-        # that graph's backward: ``Relay.hold``)
-        self.w_in = self.w.data
-        self.g = acc.empty(n, dtype, part="layer_slots")
+    """One end of the relay's buffers: per layer kind, the views a layer of that kind occupies (from the
+    buffer's start at end 0, ending at the buffer's end at end 1) and a module bound to them."""
+
+    def __init__(self, relay: Relay, end: int, spec: ModelSpec, eps: EagerParamServer, dtype: torch.dtype):
+        acc = relay.acc
+
+        def span(n: int, total: int) -> slice:
+            start = 0 if end == 0 else total - aligned(n)
+            return slice(start, start + n)
+
+        self.end = end
+        self.spans = {k: span(relay.numel[k], relay.w.numel()) for k in KINDS}
+        # copies write through ``w_in``: the same storage under a version counter of its own, so reloading a
+        # layer does not invalidate a kept graph's saved weights (the layer is back in its slot before that
+        # graph's backward: ``Relay.hold``)
+        self.w_of = {k: relay.w[s] for k, s in self.spans.items()}
+        self.w_in_of = {k: relay.w_in[s] for k, s in self.spans.items()}
+        # gradients copied out inline (a CPU device): one buffer from the start serves both ends
+        self.g_of = {
+            k: relay.g[s if relay.two_grads else slice(0, relay.numel[k])] for k, s in self.spans.items()
+        }
         # a frozen base (peft=lora): its weights, dequantized from the EPS's low-bit copy, without gradient
-        nf = eps.max_frozen_numel
-        self.fw = acc.empty(nf, dtype, part="layer_slots") if nf else None
-        self.fw_in = self.fw.data if self.fw is not None else None
+        self.fw_in_of: dict[str, torch.Tensor] = {}
         self.base_layer: int | None = None  # whose frozen base the slot holds (it never changes)
         self.shells: dict[str, nn.Module] = {}
         with acc.meter.part("layer_slots"):
-            for kind in (PRE, BLOCK, POST):
+            for kind in KINDS:
                 layout = eps.layouts[kind]
                 shell = spec.new_layer(kind, device="meta")
-                layout.bind(shell, self.w[: layout.numel], self.g[: layout.numel])
-                if self.fw is not None:
+                w, g = self.w_of[kind], self.g_of[kind]
+                layout.bind(shell, w[: layout.numel], g[: layout.numel])
+                if relay.fw is not None:
                     frozen = eps.frozen_layouts[kind]
-                    frozen.bind(shell, self.fw[: frozen.numel])
+                    fw = relay.fw[span(frozen.numel, relay.fw.numel())]
+                    frozen.bind(shell, fw)
+                    self.fw_in_of[kind] = fw.data
                 if kind == POST and eps.ties is not None:  # the tied tensors, after the post layer's own
-                    tied = slice(layout.numel, eps.device_numel(POST))
-                    eps.ties.layout.bind(shell, self.w[tied], self.g[tied])
+                    eps.ties.layout.bind(shell, w[layout.numel :], g[layout.numel :])
                 self.shells[kind] = spec.materialize(shell, acc.device).to(dtype)
+        self.kind = PRE if relay.numel[PRE] >= relay.numel[POST] else POST  # its views' kind (the occupant's)
         self.layer: int | None = None
         self.version: Any = -1
         self.loaded: CopyHandle = DONE  # host->device copy of the weights
         self.grads_out: CopyHandle = DONE  # device->host copy of the gradient
+        self.grads_kind = self.kind  # the kind of the layer whose gradient ``grads_out`` reads
         self.released: Any = None  # CUDA event: compute finished with this slot's previous layer
+
+    @property
+    def w(self) -> torch.Tensor:
+        """The weights of the layer it holds (or last held)."""
+        return self.w_of[self.kind]
+
+    @property
+    def g(self) -> torch.Tensor:
+        """The gradient buffer of the layer it holds (or last held)."""
+        return self.g_of[self.kind]
+
+    def forget(self) -> None:
+        """Its layer was overwritten (in part) by one loaded at the other end."""
+        self.layer, self.version, self.base_layer = None, -1, None
 
 
 class Relay:
     """``acquire(l, prefetch=next)`` returns the module that runs layer l, and starts copying ``next``."""
 
     def __init__(
-        self, acc: Accelerator, spec: ModelSpec, eps: EagerParamServer, dtype: torch.dtype, prefetch: bool,
+        self,
+        acc: Accelerator,
+        spec: ModelSpec,
+        eps: EagerParamServer,
+        dtype: torch.dtype,
+        prefetch: bool,
         timer: PhaseTimer,
-    ):  # fmt: skip
+    ):
         self.acc, self.spec, self.eps, self.timer = acc, spec, eps, timer
         # the EPS's parts the relay works with: the thread that may still be updating a layer, the tier
         # that holds its buffers
         self.worker, self.tier = eps.worker, eps.tier
         self.prefetch = prefetch
-        self.slots = [Slot(acc, spec, eps, dtype) for _ in range(2 if prefetch else 1)]
+        order = [st.kind for st in eps.layers]  # the layers in the order a forward visits them
+        self.numel = {k: eps.device_numel(k) for k in KINDS}
+        self.frozen_numel = {k: eps.frozen_layouts[k].numel if k in eps.frozen_layouts else 0 for k in KINDS}
+        n = pair_numel([aligned(self.numel[k]) for k in order], prefetch)
+        nf = pair_numel([aligned(self.frozen_numel[k]) for k in order], prefetch)
+        self.w = acc.empty(n, dtype, part="layer_slots")
+        self.w_in = self.w.data
+        # a gradient leaving for the host while the next layer's is computed needs its own elements, unless
+        # the copy is done at once (a CPU device): then one layer's gradient at a time
+        self.two_grads = prefetch and not acc.copies_inline
+        most = max((self.numel[k] for k in order), default=0)
+        self.g = acc.empty(n if self.two_grads else most, dtype, part="layer_slots")
+        self.fw = acc.empty(nf, dtype, part="layer_slots") if nf else None
+        self.slots = [Slot(self, end, spec, eps, dtype) for end in range(2 if prefetch else 1)]
         self.current: Slot | None = None
         self.loads = 0  # layers copied to the device (for tests and reports)
+        self.waits = 0  # loads that waited for the layer computing now (it did not fit beside it)
         self.homes: dict[int, Slot] = {}  # layers whose forward graph is kept -> the slot it references
+
+    @property
+    def device_bytes(self) -> int:
+        """The relay's device buffers: weights, gradients and a frozen base, for every slot together."""
+        return sum(t.nbytes for t in (self.w, self.g, self.fw) if t is not None)
+
+    def _overlap(self, a: str, b: str, frozen: bool = True) -> bool:
+        """Whether a layer of kind ``a`` at one end and one of kind ``b`` at the other share elements."""
+        if aligned(self.numel[a]) + aligned(self.numel[b]) > self.w.numel():
+            return True
+        fa, fb = aligned(self.frozen_numel[a]), aligned(self.frozen_numel[b])
+        return frozen and self.fw is not None and fa + fb > self.fw.numel()
+
+    def _other(self, slot: Slot) -> Slot | None:
+        return next((s for s in self.slots if s is not slot), None)
 
     def hold(self, i: int) -> None:
         """Layer i (current) keeps its forward's autograd graph until its backward: that graph references
@@ -99,7 +191,9 @@ class Relay:
     def _load(self, i: int, block: bool = True) -> Slot | None:
         """Start copying layer i into a slot other than the one computing now. A layer the EPS is still
         updating (L2L-p: a rolled-back layer redone behind the forward) is waited for, or with ``block``
-        False left for later (a prefetch must not stall the compute it should overlap)."""
+        False left for later (a prefetch must not stall the compute it should overlap); so is a layer that
+        would overwrite part of the one computing now (two layers that are not neighbours: a blocking load
+        runs after that layer is released, ``acquire``)."""
         if not self.worker.wait_device(i, block=False):
             if not block:
                 return None
@@ -116,21 +210,29 @@ class Relay:
         else:
             slot = next((s for s in self.slots if s is not self.current), self.slots[0])
         st = self.eps[i]
+        after = slot.released  # the slot's previous layer is done with
+        other = self._other(slot)
+        if other is not None and other.layer is not None and self._overlap(st.kind, other.kind):
+            if other is self.current:
+                if not block:
+                    return None
+                after = other.released  # released by ``acquire`` just now: the latest compute
+                self.waits += 1
+            other.forget()
         n = st.layout.numel
+        w_in = slot.w_in_of[st.kind]
         self.tier.pin(i, "w")  # the disk tier: layer i's weights in RAM (read ahead, usually)
-        slot.loaded = self.acc.h2d.copy(slot.w_in[:n], st.send, after=slot.released)
+        slot.loaded = self.acc.h2d.copy(w_in[:n], st.send, after=after)
         if self.eps.ties is not None and st.kind == POST:
-            tied = slot.w_in[n : self.eps.device_numel(POST)]
             self.tier.pin(0, "w")  # the tied tensors are the pre layer's
-            ties = self.eps.ties.load(self.acc, tied, self.eps[0].send, slot.released)
+            ties = self.eps.ties.load(self.acc, w_in[n:], self.eps[0].send, after)
             self.tier.unpin(0, after=AllOf(*ties))
             slot.loaded = AllOf(slot.loaded, *ties)
         self.tier.unpin(i, after=slot.loaded)
+        slot.kind = st.kind
         if self.eps.base is not None and slot.base_layer != i:
-            assert slot.fw_in is not None
             slot.base_layer = None
-            n_frozen = self.eps.frozen_layouts[st.kind].numel
-            self.eps.base.load(i, slot.fw_in[:n_frozen])  # copied low-bit, dequantized on the device
+            self.eps.base.load(i, slot.fw_in_of[st.kind])  # copied low-bit, dequantized on the device
             slot.base_layer = i
         slot.layer, slot.version = i, self._version(i)
         self.loads += 1
@@ -138,7 +240,7 @@ class Relay:
 
     def acquire(self, i: int, *, prefetch: int | None = None, grads: bool = False) -> nn.Module:
         """The module for layer i, its weights on the device. ``grads``: its gradient buffer is zeroed for a
-        backward pass (after the previous occupant's gradient has left for the host)."""
+        backward pass (after the gradients that buffer shares elements with have left for the host)."""
         if self.current is not None:
             self.current.released = self.acc.record_event()
         self.acc.meter.mark()
@@ -151,10 +253,16 @@ class Relay:
             with self.timer("transfer"):
                 self._load(prefetch, block=False)
         if grads:
-            n = self.eps.device_numel(self.spec.kind(i))
+            kind = self.spec.kind(i)
             with self.timer("transfer"):
-                slot.grads_out.wait_device()  # the previous occupant's gradient has left (a stream wait on CUDA)
-            slot.g[:n].zero_()
+                # the previous occupant's gradient has left (a stream wait on CUDA)
+                slot.grads_out.wait_device()
+                other = self._other(slot)
+                if other is not None and (
+                    not self.two_grads or self._overlap(kind, other.grads_kind, frozen=False)
+                ):
+                    other.grads_out.wait_device()  # so has the other end's, where the two meet
+            slot.g_of[kind].zero_()
         return slot.shells[self.spec.kind(i)]
 
     def send_grads(self, i: int) -> None:
@@ -167,11 +275,13 @@ class Relay:
             with self.timer("optimizer"):  # its host buffers are still being written (L2L-p)
                 self.worker.wait_host(i)
         slot.released = self.acc.record_event()
+        g = slot.g_of[st.kind]
+        slot.grads_kind = st.kind
         with self.timer("transfer"):  # inline on a CPU device; queued on CUDA and the simulator
             self.tier.pin(i, "g", fresh=True)  # a host buffer for it (released by the EPS's job)
-            slot.grads_out = st.grad_in = self.acc.d2h.copy(st.recv, slot.g[:n], after=slot.released)
+            slot.grads_out = st.grad_in = self.acc.d2h.copy(st.recv, g[:n], after=slot.released)
             if self.eps.ties is not None and st.kind == POST:
-                tied = slot.g[n : self.eps.device_numel(POST)]
+                tied = g[n:]
                 slot.grads_out = AllOf(st.grad_in, self.eps.ties.send_grads(self.acc, tied, slot.released))
 
     def train(self, mode: bool) -> None:
