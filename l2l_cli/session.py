@@ -20,18 +20,17 @@ from l2l_cli.checkpoint import CheckpointError, identity
 from l2l_cli.config.validate import validate
 from l2l_cli.data.batches import TrainStream
 from l2l_cli.data.loading import load_task
-from l2l_cli.data.tasks import LM, TaskData
+from l2l_cli.data.tasks import TaskData
 from l2l_cli.dev_eval import DevEvaluator
 from l2l_cli.engine.device import Accelerator, make_accelerator
 from l2l_cli.engine.dist import DistContext
 from l2l_cli.engine.dist import from_env as dist_from_env
 from l2l_cli.engine.optim import OptimSettings
 from l2l_cli.engine.precision import Precision, make_precision
-from l2l_cli.engine.recompute import RecomputeSettings
 from l2l_cli.engine.tiers import TIERS, TierSettings
 from l2l_cli.inherit import record_config_sum
 from l2l_cli.locks import DirLock, LockError, held
-from l2l_cli.loop import StopFlag, Trainer, TrainerSettings
+from l2l_cli.loop import StopFlag, Trainer
 from l2l_cli.models import ModelSpec, PretrainedUnavailable, UnsupportedModel, make_spec
 from l2l_cli.models.hf import load_adapter, load_exported, load_pretrained
 from l2l_cli.modes import (
@@ -39,119 +38,39 @@ from l2l_cli.modes import (
     ModeSpec,
     Runner,
     RunnerArgs,
-    StepSettings,
-    run_clip,
     run_precision,
-    run_stash,
 )
 from l2l_cli.parallel import ParallelSpec, parallel_for
 from l2l_cli.problems import ConfigError, Problem
 from l2l_cli.run_header import run_header, run_title
+from l2l_cli.run_settings import (
+    check_vocab,
+    eps_tier,
+    run_config,
+    step_settings,
+    total_steps,
+    trainer_settings,
+)
 from l2l_cli.rundir import JsonlLogger, Logger, RunFiles, make_loggers
-from l2l_cli.runfiles import RunConfig, Summary
+from l2l_cli.runfiles import Summary
 
 log = logging.getLogger("l2l")
-
-
-def total_steps(cfg: Any, stream: TrainStream) -> int:
-    return cfg.trainer.max_steps if cfg.trainer.max_steps > 0 else cfg.trainer.epochs * stream.steps_per_epoch
-
-
-def step_settings(cfg: Any, steps: int) -> StepSettings:
-    """The config's execution keys as the mode runs them (auto clipping and the default stash resolved)."""
-    return StepSettings(
-        num_ubatches=cfg.batch.size // cfg.batch.ubatch_size, ubatch_size=cfg.batch.ubatch_size,
-        seed=cfg.trainer.seed, total_steps=steps, clip=run_clip(cfg), max_grad_norm=cfg.optim.max_grad_norm,
-        stash=run_stash(cfg), prefetch=bool(cfg.mode.prefetch), eager_reduce=bool(cfg.dist.eager_reduce),
-        sync_timers=bool(cfg.profile.sync_timers), recompute=recompute_settings(cfg),
-    )  # fmt: skip
-
-
-def recompute_settings(cfg: Any) -> RecomputeSettings:
-    """``mode.recompute`` / ``keep_layers`` / ``activation_budget_gb`` for the L2L runners."""
-    m, budget = cfg.mode, cfg.mode.activation_budget_gb
-    keep = m.keep_layers if m.keep_layers in (None, "auto") else int(m.keep_layers)
-    return RecomputeSettings(
-        policy=m.recompute, keep_layers=keep, budget_bytes=None if budget is None else budget * 2**30,
-        seq_len=cfg.task.max_seq_len,
-    )  # fmt: skip
-
-
-def trainer_settings(cfg: Any, steps: int, ident: dict[str, Any], title: str) -> TrainerSettings:
-    """``trainer.*`` as the loop runs it, with the run's length, the identity its checkpoints carry, the
-    resolved config they record, and the progress header."""
-    tr = cfg.trainer
-    return TrainerSettings(
-        steps=steps, ident=ident, config_yaml=OmegaConf.to_yaml(cfg, resolve=True), save_every=tr.save_every,
-        keep_checkpoints=tr.keep_checkpoints, realtime_ckpt=tr.realtime_ckpt, save_final=tr.save_final,
-        eval_every=tr.eval_every, log_every=tr.log_every, max_bad_steps=tr.max_bad_steps,
-        progress=tr.progress, title=title, save_best=tr.save_best, patience=tr.early_stopping_patience,
-    )  # fmt: skip
-
-
-def eps_tier(cfg: Any, run_dir: Path | None) -> TierSettings:
-    """``eps.*`` resolved: a disk EPS lives in ``eps.path`` (``~`` expanded, as validation reads it), else
-    in the run's ``eps/`` folder (a resumed run's own: the disk state is that run's checkpoint), else in a
-    temporary folder (no run dir)."""
-    e = cfg.eps
-    path = str(Path(e.path).expanduser()) if e.path else None
-    resume = cfg.trainer.resume
-    folder = TIERS[e.tier].dir_name
-    if folder is not None and path is None:
-        if resume and resume != "latest":
-            path = str(Path(resume).expanduser() / folder)
-        elif run_dir is not None:
-            path = str(run_dir / folder)
-    if path is None and run_dir is not None and cfg.peft.name != "none":
-        from l2l_cli.models.lora import on_disk
-
-        if on_disk(cfg.peft.base_source):  # a frozen base on disk keeps its layer files in the run's eps/
-            path = str(run_dir / "eps")
-    grad_ram = int(e.grad_ram_gb * 1e9)
-    return TierSettings(
-        e.tier, path, e.host_cache_layers, resume=bool(resume), grad_ram_bytes=grad_ram,
-        grad_ram_layers=e.grad_ram_layers,
-        clip_global=run_clip(cfg) == "global" and bool(cfg.optim.max_grad_norm),
-    )  # fmt: skip
-
-
-def check_vocab(data: TaskData, spec: ModelSpec, cfg: Any) -> None:
-    """A language model's tokenizer ids must index its embedding (a bundled 2048-id BPE fits any decoder)."""
-    if data.tokenizer is None or data.spec.objective != LM or len(data.tokenizer) <= spec.vocab_size:
-        return
-    key = "model.pretrained" if cfg.model.pretrained else "model.vocab_size"
-    raise ConfigError(
-        [Problem(key, f"the model has {spec.vocab_size} token ids, the tokenizer ({data.source}) "
-                      f"{len(data.tokenizer)}; use a model.vocab_size >= {len(data.tokenizer)} or set task.tokenizer")]
-    )  # fmt: skip
-
-
-def run_config(cfg: Any, mode: ModeSpec, spec: ModelSpec, data: TaskData, world: int) -> RunConfig:
-    """The summary's ``config`` block: what the run was, in the papers' terms (``world``: the data-parallel
-    degree, how many minibatches of ``batch.size`` make a global one)."""
-    stash = run_stash(cfg)
-    return RunConfig(
-        method=mode.method(stash), mode=mode.name, stash=stash, precision=run_precision(cfg),
-        model=cfg.model.name if not cfg.model.pretrained else f"pretrained:{cfg.model.pretrained}",
-        family=spec.family, num_layers=spec.num_layers, hidden_size=spec.hidden_size,
-        ubatch_size=cfg.batch.ubatch_size, num_ubatches=cfg.batch.size // cfg.batch.ubatch_size,
-        batch_size=cfg.batch.size, global_batch_size=cfg.batch.size * world, seq_len=cfg.task.max_seq_len,
-        task=cfg.task.name, data_source=data.source, train_samples=len(data.train), optimizer=cfg.optim.name,
-        clip=run_clip(cfg), device=cfg.device,
-        sim_memory_gb=cfg.sim.memory_gb if cfg.device == "sim" else None,
-        sim_link_gbps=cfg.sim.link_gbps if cfg.device == "sim" else None,
-        eps_tier=cfg.eps.tier if mode.host_state == "eps" else None,
-    )  # fmt: skip
 
 
 class Session:
     """One run's parts. ``open()`` builds them (``build(cfg)`` does it for you); ``close()`` releases them."""
 
     def __init__(
-        self, cfg: DictConfig, run_dir: Path | None = None, *, data: TaskData | None = None,
-        stop: StopFlag | None = None, write_files: bool | None = None, train: bool = True,
+        self,
+        cfg: DictConfig,
+        run_dir: Path | None = None,
+        *,
+        data: TaskData | None = None,
+        stop: StopFlag | None = None,
+        write_files: bool | None = None,
+        train: bool = True,
         weights: Path | None = None,
-    ):  # fmt: skip
+    ):
         self.cfg, self.stop = cfg, stop
         self.train, self.weights = train, weights  # train False: evaluation only (no stream, no trainer)
         self.dist = DistContext()
@@ -268,8 +187,15 @@ class Session:
             eps = Path(self.tier.path)
             if self.run_dir is not None and eps.resolve() == Path(self.run_dir).resolve():
                 self.locked_out = True
-                raise ConfigError([Problem("eps.path", f"{eps} is this run's own directory; leave eps.path "
-                                           "unset (the run's eps/ folder) or name a folder of its own")])  # fmt: skip
+                raise ConfigError(
+                    [
+                        Problem(
+                            "eps.path",
+                            f"{eps} is this run's own directory; leave eps.path "
+                            "unset (the run's eps/ folder) or name a folder of its own",
+                        )
+                    ]
+                )
             wanted.append(("eps.path", eps))
         for key, path in wanted:
             if held(path) is not None:  # l2l train took it before Hydra wrote there: this run's already
@@ -292,9 +218,13 @@ class Session:
             )
         elif self.train:
             self.stream = TrainStream(
-                self.data.train, cfg.batch.size, seed=cfg.trainer.seed, world=self.dist.data_world,
-                rank=self.dist.data_rank, pad_to_max=pad_to_max,
-            )  # fmt: skip
+                self.data.train,
+                cfg.batch.size,
+                seed=cfg.trainer.seed,
+                world=self.dist.data_world,
+                rank=self.dist.data_rank,
+                pad_to_max=pad_to_max,
+            )
         if self.data.stats:
             self.summary.sections["data"] = dict(self.data.stats)
         self.steps = total_steps(cfg, self.stream) if self.stream is not None else 1
@@ -305,10 +235,13 @@ class Session:
         cfg = self.cfg
         assert self.mode is not None and self.model is not None and self.data is not None
         self.acc = make_accelerator(
-            cfg.device, local_rank=self.dist.local_rank, sim_memory_gb=cfg.sim.memory_gb,
-            sim_link_gbps=cfg.sim.link_gbps, measure_memory=cfg.profile.memory,
+            cfg.device,
+            local_rank=self.dist.local_rank,
+            sim_memory_gb=cfg.sim.memory_gb,
+            sim_link_gbps=cfg.sim.link_gbps,
+            measure_memory=cfg.profile.memory,
             sample_memory=cfg.profile.memory_sample,
-        )  # fmt: skip
+        )
         self.summary.device = self.acc.describe()
         self.summary.world_size = self.dist.world
         self.summary.config = run_config(cfg, self.mode, self.model, self.data, self.dist.data_world)
@@ -320,9 +253,13 @@ class Session:
         p = self.cfg.precision
         assert self.acc is not None
         self.precision = make_precision(
-            run_precision(self.cfg), self.acc, dtype=p.dtype, loss_scale=p.loss_scale,
-            init_scale=p.init_scale, growth_interval=p.growth_interval,
-        )  # fmt: skip
+            run_precision(self.cfg),
+            self.acc,
+            dtype=p.dtype,
+            loss_scale=p.loss_scale,
+            init_scale=p.init_scale,
+            growth_interval=p.growth_interval,
+        )
 
     def _make_runner(self) -> None:
         """The mode's runner (wrapped in the parallel strategy's, if any), from typed arguments only; what
@@ -330,9 +267,15 @@ class Session:
         assert self.model is not None and self.acc is not None and self.precision is not None
         assert self.mode is not None
         args = RunnerArgs(
-            self.model, self.acc, self.precision, step_settings(self.cfg, self.steps),
-            OptimSettings.from_cfg(self.cfg.optim), self.dist, self.tier, self.parallel_settings,
-        )  # fmt: skip
+            self.model,
+            self.acc,
+            self.precision,
+            step_settings(self.cfg, self.steps),
+            OptimSettings.from_cfg(self.cfg.optim),
+            self.dist,
+            self.tier,
+            self.parallel_settings,
+        )
         with self.acc.meter.window():
             self.runner = self.parallel.runner(args, self.mode) if self.parallel else self.mode.runner(args)
 
@@ -386,9 +329,16 @@ class Session:
         ident = identity(self.model, self.mode, self.cfg.optim.name)
         self.trainer = Trainer(
             trainer_settings(self.cfg, self.steps, ident, title),
-            runner=self.runner, stream=self.stream, data=self.data, evaluate=self.evaluator, files=self.files,
-            loggers=self.loggers, summary=self.summary, ctx=self.dist, stop=self.stop,
-        )  # fmt: skip
+            runner=self.runner,
+            stream=self.stream,
+            data=self.data,
+            evaluate=self.evaluator,
+            files=self.files,
+            loggers=self.loggers,
+            summary=self.summary,
+            ctx=self.dist,
+            stop=self.stop,
+        )
 
     def _load_start_state(self) -> None:
         """Where training starts: a resumed run's checkpoint (its trainer state too), or pretrained

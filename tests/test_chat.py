@@ -108,8 +108,10 @@ def conversation(i: int) -> list[dict[str, str]]:
 
     msgs = [{"role": "system", "content": text(3)}] if i % 3 == 0 else []
     for _ in range(1 + i % 2):
-        msgs += [{"role": "user", "content": text(int(rng.integers(3, 8)))},
-                 {"role": "assistant", "content": text(int(rng.integers(2, 7)))}]  # fmt: skip
+        msgs += [
+            {"role": "user", "content": text(int(rng.integers(3, 8)))},
+            {"role": "assistant", "content": text(int(rng.integers(2, 7)))},
+        ]
     return msgs
 
 
@@ -121,8 +123,14 @@ def write_tokenizer(path: Path, template: str | None = CHATML) -> Path:
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator([" ".join(WORDS)], trainers.WordLevelTrainer(special_tokens=SPECIAL))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<s>",
-                                   eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>"])  # fmt: skip
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
     if template is not None:
         fast.chat_template = template
     fast.save_pretrained(path)
@@ -133,8 +141,15 @@ def write_model(kind: str, root: Path) -> Path:
     """A tiny random ``kind`` (llama | qwen2) causal LM with the chat tokenizer, as a HF directory."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-    sizes = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=64, vocab_size=128, max_position_embeddings=128)  # fmt: skip
+    sizes = dict(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=128,
+        max_position_embeddings=128,
+    )
     cfg = LlamaConfig(**sizes, tie_word_embeddings=False) if kind == "llama" else Qwen2Config(**sizes)
     torch.manual_seed(0)
     path = root / kind
@@ -160,8 +175,15 @@ def models(root: Path) -> dict[str, Path]:
     return {kind: write_model(kind, root) for kind in ("llama", "qwen2")}
 
 
-CHAT = ["task=chat", "task.max_seq_len=48", "batch.size=4", "batch.ubatch_size=2", "model.dropout=0.0",
-        "trainer.progress=none", "optim.lr=1e-3"]  # fmt: skip
+CHAT = [
+    "task=chat",
+    "task.max_seq_len=48",
+    "batch.size=4",
+    "batch.ubatch_size=2",
+    "model.dropout=0.0",
+    "trainer.progress=none",
+    "optim.lr=1e-3",
+]
 
 
 def chat_cfg(model: Path, files: Path, *overrides: str) -> DictConfig:
@@ -194,8 +216,12 @@ def test_only_the_answers_carry_labels(models: dict[str, Path], root: Path) -> N
     other = chat_data(models["llama"], root / "chat.jsonl", f"task.tokenizer={tagged}")
     (root / "chatml.jinja").write_text(CHATML)  # task.chat_template: a file, over a template-less tokenizer
     plain = write_tokenizer(root / "plain", None)
-    given = chat_data(models["llama"], root / "chat.jsonl", f"task.tokenizer={plain}",
-                      f"task.chat_template={root / 'chatml.jinja'}")  # fmt: skip
+    given = chat_data(
+        models["llama"],
+        root / "chat.jsonl",
+        f"task.tokenizer={plain}",
+        f"task.chat_template={root / 'chatml.jinja'}",
+    )
     for o in (other, given):
         assert len(o.train) == len(data.train)
         for a, b in zip(data.train.rows + data.dev.rows, o.train.rows + o.dev.rows):
@@ -206,8 +232,13 @@ def test_instruction_and_prompt_completion_shapes_equal_messages(
     models: dict[str, Path], tmp_path: Path
 ) -> None:
     """The same conversations written in the three shapes give the same tokens and masks."""
-    convs = [[{"role": "user", "content": " ".join(WORDS[i : i + 4])},
-              {"role": "assistant", "content": " ".join(WORDS[i + 5 : i + 8])}] for i in range(12)]  # fmt: skip
+    convs = [
+        [
+            {"role": "user", "content": " ".join(WORDS[i : i + 4])},
+            {"role": "assistant", "content": " ".join(WORDS[i + 5 : i + 8])},
+        ]
+        for i in range(12)
+    ]
     shapes = {
         "messages": [{"messages": c} for c in convs],
         "instruction": [
@@ -326,8 +357,9 @@ MODES = [("llama", "l2l_p", True)] + [
 
 
 @pytest.mark.parametrize(("kind", "mode", "packing"), MODES)
-def test_chat_fine_tuning_matches_baseline_ag(models: dict[str, Path], root: Path, kind: str, mode: str,
-                                              packing: bool) -> None:  # fmt: skip
+def test_chat_fine_tuning_matches_baseline_ag(
+    models: dict[str, Path], root: Path, kind: str, mode: str, packing: bool
+) -> None:
     """3 steps of task=chat from the checkpoint: L2L's weights are baseline_ag's (padded and packed rows)."""
     extra = ("task.packing=true", "task.max_seq_len=96") if packing else ()
     data = chat_data(models[kind], root / "chat.jsonl", *extra)
@@ -369,14 +401,27 @@ def test_bad_data_is_one_line_naming_the_key_and_the_example(models: dict[str, P
 
     good = conversation(1)
     cases = {
-        "no_messages": ([{"messages": good}, {"turns": good}], [], r"task.format: no_messages.jsonl example 1: no 'messages'"),
-        "role": ([{"messages": good}, {"messages": [{"role": "bot", "content": "hi"}, *good]}], [],
-                 r"task.format: role.jsonl example 1: messages\[0\].role 'bot' is unknown; allowed: system, user"),
-        "cut": ([{"messages": good}, {"messages": [{"role": "user", "content": " ".join(WORDS)}, good[1]]}],
-                ["task.max_seq_len=24"], r"task.max_seq_len: cut.jsonl example 1: no assistant token left after truncation"),
-        "no_template": ([{"messages": good}] * 4, [f"task.tokenizer={write_tokenizer(tmp_path / 'plain', None)}"],
-                        r"task.chat_template: unset, and the tokenizer .*plain has no chat template"),
-    }  # fmt: skip
+        "no_messages": (
+            [{"messages": good}, {"turns": good}],
+            [],
+            r"task.format: no_messages.jsonl example 1: no 'messages'",
+        ),
+        "role": (
+            [{"messages": good}, {"messages": [{"role": "bot", "content": "hi"}, *good]}],
+            [],
+            r"task.format: role.jsonl example 1: messages\[0\].role 'bot' is unknown; allowed: system, user",
+        ),
+        "cut": (
+            [{"messages": good}, {"messages": [{"role": "user", "content": " ".join(WORDS)}, good[1]]}],
+            ["task.max_seq_len=24"],
+            r"task.max_seq_len: cut.jsonl example 1: no assistant token left after truncation",
+        ),
+        "no_template": (
+            [{"messages": good}] * 4,
+            [f"task.tokenizer={write_tokenizer(tmp_path / 'plain', None)}"],
+            r"task.chat_template: unset, and the tokenizer .*plain has no chat template",
+        ),
+    }
     for name, (rows, extra, want) in cases.items():
         path = write_jsonl(tmp_path / f"{name}.jsonl", rows)
         problems = [str(p) for p in validate(chat_cfg(models["llama"], path, *extra))]
@@ -391,8 +436,13 @@ def test_bad_data_through_the_cli_leaves_no_run_dir(models: dict[str, Path], tmp
         tmp_path / "role.jsonl", [{"messages": good}, {"messages": [{"role": "bot", "content": "hi"}, *good]}]
     )
     run = tmp_path / "run"
-    r = l2l("train", *CHAT, f"model.pretrained={models['llama']}", f"task.files=[{tmp_path / 'role.jsonl'}]",
-            f"hydra.run.dir={run}")  # fmt: skip
+    r = l2l(
+        "train",
+        *CHAT,
+        f"model.pretrained={models['llama']}",
+        f"task.files=[{tmp_path / 'role.jsonl'}]",
+        f"hydra.run.dir={run}",
+    )
     lines = [ln for ln in (r.stdout + r.stderr).splitlines() if "task.format" in ln]
     assert r.returncode == 2 and len(lines) == 1 and "example 1" in lines[0], r.stdout + r.stderr
     assert "Traceback" not in r.stdout + r.stderr and not run.exists()
@@ -401,8 +451,15 @@ def test_bad_data_through_the_cli_leaves_no_run_dir(models: dict[str, Path], tmp
 # ---- streaming ---------------------------------------------------------------------------------------
 
 
-STREAM = ["trainer.max_steps=4", "trainer.save_every=2", "trainer.keep_checkpoints=5", "optim.warmup_steps=1",
-          "task.streaming=true", "task.max_eval_samples=4", "logger=csv"]  # fmt: skip
+STREAM = [
+    "trainer.max_steps=4",
+    "trainer.save_every=2",
+    "trainer.keep_checkpoints=5",
+    "optim.warmup_steps=1",
+    "task.streaming=true",
+    "task.max_eval_samples=4",
+    "logger=csv",
+]
 
 
 def _weights(step_dir: Path) -> dict:
@@ -440,8 +497,16 @@ def test_streamed_chat_dataset_resumes_exactly(models: dict[str, Path], root: Pa
     (folder / "part-1.jsonl").write_text("".join(lines[20:]))
 
     def cfg_of(*more: str) -> DictConfig:
-        return tiny_cfg(*CHAT, f"model.pretrained={models['llama']}", f"task.dataset={folder}", "task.packing=true",
-                        "task.max_seq_len=96", "mode=l2l_p", *STREAM, *more)  # fmt: skip
+        return tiny_cfg(
+            *CHAT,
+            f"model.pretrained={models['llama']}",
+            f"task.dataset={folder}",
+            "task.packing=true",
+            "task.max_seq_len=96",
+            "mode=l2l_p",
+            *STREAM,
+            *more,
+        )
 
     resume_matches(cfg_of, tmp_path)
 
@@ -459,16 +524,27 @@ def test_streamed_lm_dataset_resumes_exactly(tmp_path: Path) -> None:
     pq.write_table(pa.table({"text": docs}), folder / "train.parquet")
 
     def cfg_of(*more: str) -> DictConfig:
-        return tiny_cfg("task=lm", "model=gpt2-tiny", "model.num_layers=2", "model.vocab_size=2048",
-                        "task.max_seq_len=16", "batch.size=4", "batch.ubatch_size=2", "mode=l2l",
-                        f"task.dataset={folder}", *STREAM, *more)  # fmt: skip
+        return tiny_cfg(
+            "task=lm",
+            "model=gpt2-tiny",
+            "model.num_layers=2",
+            "model.vocab_size=2048",
+            "task.max_seq_len=16",
+            "batch.size=4",
+            "batch.ubatch_size=2",
+            "mode=l2l",
+            f"task.dataset={folder}",
+            *STREAM,
+            *more,
+        )
 
     resume_matches(cfg_of, tmp_path)
 
 
 @pytest.mark.slow
-def test_streamed_run_killed_and_resumed_equals_an_uninterrupted_one(models: dict[str, Path], root: Path,
-                                                                      tmp_path: Path) -> None:  # fmt: skip
+def test_streamed_run_killed_and_resumed_equals_an_uninterrupted_one(
+    models: dict[str, Path], root: Path, tmp_path: Path
+) -> None:
     """``l2l train`` on a streamed local dataset, SIGKILLed after a checkpoint, then ``trainer.resume``:
     its last checkpoint equals an uninterrupted run's, bitwise."""
     import signal
@@ -481,14 +557,27 @@ def test_streamed_run_killed_and_resumed_equals_an_uninterrupted_one(models: dic
     folder = tmp_path / "ds"
     folder.mkdir()
     (folder / "train.jsonl").write_text((root / "chat.jsonl").read_text())
-    args = [*CHAT, f"model.pretrained={models['qwen2']}", f"task.dataset={folder}", "task.streaming=true",
-            "trainer.max_steps=12", "trainer.save_every=2", "trainer.keep_checkpoints=2", "task.max_eval_samples=2",
-            "optim.warmup_steps=1", "mode=l2l"]  # fmt: skip
+    args = [
+        *CHAT,
+        f"model.pretrained={models['qwen2']}",
+        f"task.dataset={folder}",
+        "task.streaming=true",
+        "trainer.max_steps=12",
+        "trainer.save_every=2",
+        "trainer.keep_checkpoints=2",
+        "task.max_eval_samples=2",
+        "optim.warmup_steps=1",
+        "mode=l2l",
+    ]
     full, cut = tmp_path / "full", tmp_path / "cut"
     r = l2l("train", *args, f"hydra.run.dir={full}")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    proc = subprocess.Popen([sys.executable, "-m", "l2l_cli", "train", *args, f"hydra.run.dir={cut}"], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "l2l_cli", "train", *args, f"hydra.run.dir={cut}"],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 120
     while time.time() < deadline and not (cut / "checkpoints" / "step_4").is_dir():
         time.sleep(0.05)

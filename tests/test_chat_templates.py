@@ -24,8 +24,15 @@ def write_llama(path: Path, vocab: int, template: str | None = None) -> Path:
     """A tiny random Llama with ``vocab`` token ids and the word-level test tokenizer (no chat template)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    cfg = LlamaConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, num_key_value_heads=1,
-                      intermediate_size=32, vocab_size=vocab, max_position_embeddings=128)  # fmt: skip
+    cfg = LlamaConfig(
+        num_hidden_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=32,
+        vocab_size=vocab,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     write_tokenizer(path, template)
@@ -50,8 +57,10 @@ def rows(d) -> list[tuple]:
     return [tuple(map(tuple, r)) for r in d.train.rows + d.dev.rows]
 
 
-@pytest.mark.parametrize(("name", "eot", "head"), [("chatml", "<|im_end|>", "<|im_start|>"),
-                                                   ("llama3", "<|eot_id|>", "<|start_header_id|>")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "eot", "head"),
+    [("chatml", "<|im_end|>", "<|im_start|>"), ("llama3", "<|eot_id|>", "<|start_header_id|>")],
+)
 def test_a_named_template_trains_each_answer_up_to_its_end_of_turn_token(
     box: Path, name: str, eot: str, head: str
 ) -> None:
@@ -79,28 +88,54 @@ def test_a_named_template_the_model_has_no_room_for_is_one_config_error(box: Pat
 
     size = len(AutoTokenizer.from_pretrained(box / "roomy"))
     full = write_llama(box / "full", size)
-    cfg = tiny_cfg(*CHAT, f"model.pretrained={full}", f"task.files=[{box / 'chat.jsonl'}]",
-                   "task.chat_template=llama3")  # fmt: skip
+    cfg = tiny_cfg(
+        *CHAT, f"model.pretrained={full}", f"task.files=[{box / 'chat.jsonl'}]", "task.chat_template=llama3"
+    )
     problems = [str(p) for p in validate(cfg)]
     assert len(problems) == 1, problems
-    assert re.match(r"task.chat_template: llama3 is written in the special tokens <\|start_header_id\|>, "
-                    rf"<\|end_header_id\|>, <\|eot_id\|>, which the tokenizer .* the model's {size} token ids "
-                    "leave no room", problems[0])  # fmt: skip
+    assert re.match(
+        r"task.chat_template: llama3 is written in the special tokens <\|start_header_id\|>, "
+        rf"<\|end_header_id\|>, <\|eot_id\|>, which the tokenizer .* the model's {size} token ids "
+        "leave no room",
+        problems[0],
+    )
 
 
 def test_sharegpt_rows_are_detected_and_any_keys_map_onto_messages(box: Path, tmp_path: Path) -> None:
     speaker = {"system": "system", "user": "human", "assistant": "gpt"}
     convs = [conversation(i) for i in range(12)]
-    share = write_jsonl(tmp_path / "share.jsonl", [
-        {"conversations": [{"from": speaker[m["role"]], "value": m["content"]} for m in c]} for c in convs])  # fmt: skip
-    custom = write_jsonl(tmp_path / "custom.jsonl", [
-        {"dialog": [{"who": {"system": "sys", "user": "me", "assistant": "bot"}[m["role"]], "text": m["content"]}
-                    for m in c]} for c in convs])  # fmt: skip
+    share = write_jsonl(
+        tmp_path / "share.jsonl",
+        [{"conversations": [{"from": speaker[m["role"]], "value": m["content"]} for m in c]} for c in convs],
+    )
+    custom = write_jsonl(
+        tmp_path / "custom.jsonl",
+        [
+            {
+                "dialog": [
+                    {
+                        "who": {"system": "sys", "user": "me", "assistant": "bot"}[m["role"]],
+                        "text": m["content"],
+                    }
+                    for m in c
+                ]
+            }
+            for c in convs
+        ],
+    )
     want = rows(data(box / "roomy", box / "chat.jsonl", "task.chat_template=chatml"))
     assert rows(data(box / "roomy", share, "task.chat_template=chatml")) == want
-    mapped = data(box / "roomy", custom, "task.chat_template=chatml", "task.fields.messages=dialog",
-                  "task.fields.role=who", "task.fields.content=text", "+task.fields.roles.sys=system",
-                  "+task.fields.roles.me=user", "+task.fields.roles.bot=assistant")  # fmt: skip
+    mapped = data(
+        box / "roomy",
+        custom,
+        "task.chat_template=chatml",
+        "task.fields.messages=dialog",
+        "task.fields.role=who",
+        "task.fields.content=text",
+        "+task.fields.roles.sys=system",
+        "+task.fields.roles.me=user",
+        "+task.fields.roles.bot=assistant",
+    )
     assert rows(mapped) == want
 
 
@@ -111,24 +146,47 @@ def test_a_mapping_that_misses_names_the_key_the_file_and_its_line(box: Path, tm
     no_value = {"conversations": [{"from": "human", "text": "hi"}, {"from": "gpt", "value": "hello"}]}
     bot = {"conversations": [{"from": "human", "value": "hi"}, {"from": "bot", "value": "hello"}]}
     cases = {
-        "messages": ([good, good, {"turns": good["conversations"]}], ["task.fields.messages=conversations"],
-                     r"task.fields.messages: messages.jsonl line 4: no 'conversations' field"),
-        "content": ([good, no_value], [], r"task.fields.content: content.jsonl line 3: conversations\[0\] "
-                    r"has no 'value' key \(its keys: from, text\)"),
-        "roles": ([good, good, bot], [], r"task.fields.roles: roles.jsonl line 4: conversations\[1\].from "
-                  r"'bot' is not mapped to a role .* set \+task.fields.roles.bot=<system\|user\|assistant\|tool>"),
-        "column": ([good] * 3, ["task.fields.messages=dialog"],
-                   r"task.fields.messages: column.jsonl line 2 has no 'dialog' field \(its fields: conversations\)"),
-    }  # fmt: skip
+        "messages": (
+            [good, good, {"turns": good["conversations"]}],
+            ["task.fields.messages=conversations"],
+            r"task.fields.messages: messages.jsonl line 4: no 'conversations' field",
+        ),
+        "content": (
+            [good, no_value],
+            [],
+            r"task.fields.content: content.jsonl line 3: conversations\[0\] "
+            r"has no 'value' key \(its keys: from, text\)",
+        ),
+        "roles": (
+            [good, good, bot],
+            [],
+            r"task.fields.roles: roles.jsonl line 4: conversations\[1\].from "
+            r"'bot' is not mapped to a role .* set \+task.fields.roles.bot=<system\|user\|assistant\|tool>",
+        ),
+        "column": (
+            [good] * 3,
+            ["task.fields.messages=dialog"],
+            r"task.fields.messages: column.jsonl line 2 has no 'dialog' field \(its fields: conversations\)",
+        ),
+    }
     for name, (lines, extra, want) in cases.items():
         path = tmp_path / f"{name}.jsonl"
         path.write_text("\n" + "".join(json.dumps(r) + "\n" for r in lines))  # a blank first line
-        cfg = tiny_cfg(*CHAT, f"model.pretrained={box / 'roomy'}", f"task.files=[{path}]",
-                       "task.chat_template=chatml", *extra)  # fmt: skip
+        cfg = tiny_cfg(
+            *CHAT,
+            f"model.pretrained={box / 'roomy'}",
+            f"task.files=[{path}]",
+            "task.chat_template=chatml",
+            *extra,
+        )
         problems = [str(p) for p in validate(cfg)]
         assert len(problems) == 1 and re.match(want, problems[0]), (name, problems)
-    bad_role = tiny_cfg(*CHAT, f"model.pretrained={box / 'roomy'}", f"task.files=[{box / 'chat.jsonl'}]",
-                        "+task.fields.roles.bot=robot")  # fmt: skip
+    bad_role = tiny_cfg(
+        *CHAT,
+        f"model.pretrained={box / 'roomy'}",
+        f"task.files=[{box / 'chat.jsonl'}]",
+        "+task.fields.roles.bot=robot",
+    )
     assert [str(p) for p in validate(bad_role, check_files=False)] == [
         "task.fields.roles.bot: got 'robot'; allowed: system, user, assistant, tool"
     ]
@@ -141,8 +199,12 @@ def test_generate_from_a_step_checkpoint_uses_the_named_template(box: Path, tmp_
     from l2l_cli.engine.stops import end_of_turn
     from l2l_cli.generate import tokenizer_for
 
-    cfg = tiny_cfg(*CHAT, f"model.pretrained={box / 'roomy'}", f"task.files=[{box / 'chat.jsonl'}]",
-                   "task.chat_template=llama3")  # fmt: skip
+    cfg = tiny_cfg(
+        *CHAT,
+        f"model.pretrained={box / 'roomy'}",
+        f"task.files=[{box / 'chat.jsonl'}]",
+        "task.chat_template=llama3",
+    )
     tok, _ = tokenizer_for(cfg, tmp_path)
     assert tok.chat_template == LLAMA3.template
     assert end_of_turn(tok) == {tok.convert_tokens_to_ids("<|eot_id|>")} != {tok.unk_token_id}

@@ -1,4 +1,5 @@
-"""The real command line, as a user runs it: run directories, real GLUE data, pretrained checkpoints, sweeps."""
+"""The real command line, as a user runs it: run directories, real GLUE data, pretrained checkpoints,
+sweeps."""
 
 from __future__ import annotations
 
@@ -44,9 +45,17 @@ def test_default_run_writes_the_run_dir_contract(tmp_path) -> None:
 
 def test_rte_from_glue_files_with_baseline_ag(glue, tmp_path) -> None:
     r = l2l(
-        "train", "task=rte", f"task.data_dir={glue / 'RTE'}", "model=bert-tiny", "mode=baseline_ag",
-        "batch.size=32", "batch.ubatch_size=8", "trainer.max_steps=3", "trainer.save_final=true", f"hydra.run.dir={tmp_path}",
-    )  # fmt: skip
+        "train",
+        "task=rte",
+        f"task.data_dir={glue / 'RTE'}",
+        "model=bert-tiny",
+        "mode=baseline_ag",
+        "batch.size=32",
+        "batch.ubatch_size=8",
+        "trainer.max_steps=3",
+        "trainer.save_final=true",
+        f"hydra.run.dir={tmp_path}",
+    )
     assert r.returncode == 0, r.stderr
     _, _, summary = read(tmp_path)
     assert summary["config"]["data_source"].startswith("tsv:") and 0.3 < summary["eval"]["accuracy"] < 0.7
@@ -61,10 +70,18 @@ def test_rte_from_glue_files_with_baseline_ag(glue, tmp_path) -> None:
 
 def test_mrpc_with_l2l_from_pretrained_minilm(glue, minilm, tmp_path) -> None:
     r = l2l(
-        "train", "task=mrpc", f"task.data_dir={glue / 'MRPC'}", "mode=l2l", f"model.pretrained={minilm}",
-        "batch.size=16", "batch.ubatch_size=8", "trainer.max_steps=2", "task.max_train_samples=64",
-        "task.max_eval_samples=64", f"hydra.run.dir={tmp_path}",
-    )  # fmt: skip
+        "train",
+        "task=mrpc",
+        f"task.data_dir={glue / 'MRPC'}",
+        "mode=l2l",
+        f"model.pretrained={minilm}",
+        "batch.size=16",
+        "batch.ubatch_size=8",
+        "trainer.max_steps=2",
+        "task.max_train_samples=64",
+        "task.max_eval_samples=64",
+        f"hydra.run.dir={tmp_path}",
+    )
     assert r.returncode == 0, r.stderr
     _, _, summary = read(tmp_path)
     assert set(summary["eval"]) == {"accuracy", "f1"}
@@ -77,8 +94,18 @@ def test_mrpc_with_l2l_from_pretrained_minilm(glue, minilm, tmp_path) -> None:
 
 
 def test_sweep_runs_every_job_and_a_failed_job_does_not_stop_the_others(tmp_path) -> None:
-    r = l2l("train", "-m", "mode=baseline,baseline_ag", "batch.ubatch_size=4,8", "batch.size=8", *TINY[:5],
-            "trainer.max_steps=2", "trainer.progress=none", "logger=none", cwd=tmp_path)  # fmt: skip
+    r = l2l(
+        "train",
+        "-m",
+        "mode=baseline,baseline_ag",
+        "batch.ubatch_size=4,8",
+        "batch.size=8",
+        *TINY[:5],
+        "trainer.max_steps=2",
+        "trainer.progress=none",
+        "logger=none",
+        cwd=tmp_path,
+    )
     assert r.returncode == 1  # one job could not run
     assert "will fail" in r.stderr
     # the sweep says where it writes, at the start and at the end (its ${now:} resolved once, for both)
@@ -155,8 +182,11 @@ def test_installed_wheel_finds_its_config(tmp_path) -> None:
     import sys
 
     wheel_dir, site = tmp_path / "wheel", tmp_path / "site"
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheel_dir), str(REPO)],
-                       capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheel_dir), str(REPO)],
+        capture_output=True,
+        text=True,
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot build a wheel here: {r.stderr[-300:]}")
     (wheel,) = wheel_dir.glob("l2l-*.whl")

@@ -12,8 +12,6 @@ import tokenize
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from tests.util import REPO
 
 HISTORY = [
@@ -55,21 +53,6 @@ def test_code_comments_carry_no_measurement_history() -> None:
 
 # ---- the layout (issue 41, item 5): ruff format owns it; scripts/fmt_check.py checks what ruff does not
 
-OTHER_AREAS = [  # cleaned on their own branches in parallel; the lead drops this list after merging
-    "engine/tiers",
-    "engine/relay.py",
-    "engine/device.py",
-    "engine/frozen.py",
-    "engine/frozen_disk.py",
-    "models",
-    "session.py",
-    "parallel/pipeline",
-    "config",
-    "cli.py",
-    "launch.py",
-    "data",
-]
-
 
 def _fmt_check() -> Any:
     spec = importlib.util.spec_from_file_location("fmt_check", REPO / "scripts" / "fmt_check.py")
@@ -94,14 +77,9 @@ def test_fmt_check_finds_a_bare_skip_an_ignored_reason_and_a_long_line(tmp_path:
     assert "without a reason" in found[0] and "ruff ignores" in found[1] and "> 110" in found[2]
 
 
-def test_l2l_cli_outside_the_other_areas_has_no_bare_skip_nor_a_long_line() -> None:
-    """Every ``# fmt: skip`` in l2l_cli/ says why (``# fmt: skip  # <why>``), and no line is over the
-    configured length, in the modules this branch cleaned (the other areas are cleaned in parallel)."""
+def test_the_tree_has_no_bare_skip_nor_a_long_line() -> None:
+    """Every ``# fmt: skip`` says why (``# fmt: skip  # <why>``: the only form ruff honours with a reason),
+    and no line is over the configured length, in the package, the tests, the benchmarks and the scripts."""
     fc = _fmt_check()
-    found = fc.check([REPO / "l2l_cli"], exclude=[REPO / "l2l_cli" / p for p in OTHER_AREAS])
+    found = fc.check([REPO / d for d in ("l2l_cli", "tests", "benchmarks", "scripts")])
     assert found == [], "\n".join(found)
-
-
-@pytest.mark.xfail(reason="issue 41: the other areas are cleaned on their own branches; global after merging")
-def test_l2l_cli_has_no_bare_skip_nor_a_long_line() -> None:
-    assert _fmt_check().check([REPO / "l2l_cli"]) == []

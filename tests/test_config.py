@@ -240,8 +240,16 @@ def test_bert_large_width_trains_at_its_default_rate_and_diverges_at_1e_3() -> N
     the old global default, 1e-3, sends it above 3 (the issue's 0.69 -> 6.4 at full depth)."""
     from tests.util import batches, built
 
-    shape = ["model=bert-large", "model.num_layers=2", "model.vocab_size=512", "task.max_seq_len=32",
-             "batch.size=16", "batch.ubatch_size=16", "mode=baseline_ag", "task.num_train=512"]  # fmt: skip
+    shape = [
+        "model=bert-large",
+        "model.num_layers=2",
+        "model.vocab_size=512",
+        "task.max_seq_len=32",
+        "batch.size=16",
+        "batch.ubatch_size=16",
+        "mode=baseline_ag",
+        "task.num_train=512",
+    ]
 
     def worst(*extra: str) -> float:
         cfg = compose([*shape, *extra])

@@ -790,7 +790,7 @@ def test_a_format_1_directory_is_read_as_it_is_and_a_format_2_one_refused_withou
     (tmp_path / "commit.json").write_text(json.dumps(record))
     again = store(resume=True, split=True)
     again.adopt()
-    assert again.adopted and not again.split and not any(f.split for f in again.files)
+    assert again.resumed and not again.split and not any(f.split for f in again.files)
     (tmp_path / "commit.json").write_text(json.dumps({**record, "format": 2}))
     with pytest.raises(CheckpointError, match=r"resume it with precision=cmp precision\.dtype=bf16"):
         store(resume=True, split=False).adopt()

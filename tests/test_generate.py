@@ -3,7 +3,7 @@
 disk tier): the same greedy tokens as ``transformers`` on the exported model, the same seeded samples in
 both engines, and bad input refused in one line.
 
-The models are initialized with ``model.init_std=0.2`` so that greedy decoding does not settle on one
+The models are initialized with ``model.init_std=0.2`` so that greedy decoding does not finish_updates on one
 repeated token after two steps (a test of equal tokens must see varied ones).
 """
 

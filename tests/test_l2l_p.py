@@ -97,7 +97,7 @@ def test_a_skipped_step_leaves_every_layer_as_it_was() -> None:
 
         runner.relay.send_grads = poisoned
         assert runner.step(next(batches(cfg))).skipped
-        runner.settle()
+        runner.finish_updates()
         for st, (w, m, v) in zip(runner.eps.layers, before):
             assert torch.equal(st.w, w) and torch.equal(st.m, m) and torch.equal(st.v, v)
         assert runner.eps.host_parts()["undo_log"] > 0  # the upper layers were updated, then undone
@@ -127,7 +127,7 @@ def test_trailing_update_reaches_the_rows_the_next_batch_reads_first() -> None:
         assert torch.equal(table(st.send)[unread], table(send0)[unread])  # the others: not yet
         preview = st.send.clone()
         gate.set()
-        runner.settle()
+        runner.finish_updates()
         assert torch.equal(table(st.w)[read], table(preview)[read])  # the early rows were the final ones
         assert torch.equal(st.send, st.w) and not torch.equal(st.w, w0)
         # every parameter the forward reads, not only the word rows: positions 0..S-1, the token types,

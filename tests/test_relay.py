@@ -64,7 +64,7 @@ def test_the_relay_holds_the_largest_pair_of_neighbours_and_never_waits_in_train
         # comes first); no other load waits
         assert relay.waits == 2
         assert runner.acc.meter.peak_parts["layer_slots"] == relay.device_bytes  # type: ignore[union-attr]
-        runner.settle()  # type: ignore[union-attr]
+        runner.finish_updates()  # type: ignore[union-attr]
         for slot in relay.slots:
             if slot.layer is not None and slot.version == relay._version(slot.layer):
                 st = eps[slot.layer]
@@ -83,7 +83,7 @@ def test_a_layer_that_does_not_fit_beside_the_one_computing_waits_and_the_head_i
         runner = s.runner
         relay, eps = runner.relay, runner.eps  # type: ignore[union-attr]
         runner.step(next(TrainStream(data.train, cfg.batch.size, seed=0).batches()))  # type: ignore[union-attr]
-        runner.settle()  # type: ignore[union-attr]
+        runner.finish_updates()  # type: ignore[union-attr]
         head = len(eps) - 1
         assert eps[head].kind == POST and eps[0].kind == PRE
         relay.acquire(head - 1)

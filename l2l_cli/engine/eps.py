@@ -110,11 +110,11 @@ class EagerParamServer:
             for i in range(spec.num_all_layers):
                 kind = spec.kind(i)
                 st = self.tier.new_layer(i, kind, self.layouts[kind], acc, device_dtype, optim)
-                if not self.tier.adopted or self.base is not None:  # (a disk tier continuing a run has its
+                if not self.tier.resumed or self.base is not None:  # (a disk tier continuing a run has its
                     layer = spec.build_layer(i, seed)  # state already) one layer's module at a time
                     if self.base is not None:
                         self.base.put(i, layer)
-                if not self.tier.adopted:
+                if not self.tier.resumed:
                     with self.tier.holding(i, "wmv", fresh=True, dirty=True):
                         st.layout.pack(layer, st.w)
                         st.refresh_send()
@@ -154,7 +154,7 @@ class EagerParamServer:
         """Wait for layer i's gradient to land, then sum it over the data-parallel ranks."""
         st = self.layers[i]
         st.grad_in.wait()
-        st.land_grad()
+        st.receive_grad()
         if i == 0 and self.ties is not None:  # a tied LM head: add the head's use before anything reads g
             self.ties.add_into(st.g)
         if self.dist.enabled:

@@ -98,23 +98,9 @@ def _nf4_encode(t: torch.Tensor) -> dict[str, torch.Tensor]:
 
 # torchao's NF4 code book (``NF4Tensor.from_tensor``'s), ascending
 NF4_CODES = (
-    -1.0,
-    -0.6962,
-    -0.5251,
-    -0.3949,
-    -0.2844,
-    -0.1848,
-    -0.0911,
-    0.0,
-    0.0796,
-    0.1609,
-    0.2461,
-    0.3379,
-    0.4407,
-    0.5626,
-    0.7230,
-    1.0,
-)  # fmt: skip (a table of 16 codes: one a line would take 18 lines)
+    -1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0,
+    0.0796, 0.1609, 0.2461, 0.3379, 0.4407, 0.5626, 0.7230, 1.0,
+)  # fmt: skip  # a table of 16 codes, 8 a line
 _CHUNK = 1 << 20  # elements per chunk of the code / decode loops (bounds their temporaries)
 
 

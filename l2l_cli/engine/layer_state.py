@@ -118,7 +118,7 @@ class LayerState:
         """Where the device's gradient lands: the FP32 gradient, or its half receive buffer under CMP."""
         return self.g if self.g_recv is None else self.g_recv
 
-    def land_grad(self) -> None:
+    def receive_grad(self) -> None:
         """The gradient has arrived: widen a half one to FP32 (on the host, off the device)."""
         if self.g_recv is not None:
             self.g.copy_(self.g_recv)

@@ -149,7 +149,7 @@ class Relay:
         self.current: Slot | None = None
         self.loads = 0  # layers copied to the device (for tests and reports)
         self.waits = 0  # loads that waited for the layer computing now (it did not fit beside it)
-        self.homes: dict[int, Slot] = {}  # layers whose forward graph is kept -> the slot it references
+        self.graph_slots: dict[int, Slot] = {}  # layers whose forward graph is kept -> the slot it references
 
     @property
     def device_bytes(self) -> int:
@@ -166,14 +166,15 @@ class Relay:
     def _other(self, slot: Slot) -> Slot | None:
         return next((s for s in self.slots if s is not slot), None)
 
-    def hold(self, i: int) -> None:
+    def keep_graph(self, i: int) -> None:
         """Layer i (current) keeps its forward's autograd graph until its backward: that graph references
-        this slot's parameters, so layer i is reloaded into this slot, not another, until ``let_go(i)``."""
+        this slot's parameters, so layer i is reloaded into this slot, not another, until
+        ``release_graph(i)``."""
         assert self.current is not None and self.current.layer == i
-        self.homes[i] = self.current
+        self.graph_slots[i] = self.current
 
-    def let_go(self, i: int) -> None:
-        self.homes.pop(i, None)
+    def release_graph(self, i: int) -> None:
+        self.graph_slots.pop(i, None)
 
     def _version(self, i: int) -> Any:
         """What a slot's copy of layer i depends on: its own master, and the pre layer's for a tied head."""
@@ -202,11 +203,11 @@ class Relay:
         slot = self._holding(i)
         if slot is not None:
             return slot
-        home = self.homes.get(i)
-        if home is not None:  # a kept graph's layer goes back to the slot its forward ran in
-            if home is self.current and not block:
+        kept_slot = self.graph_slots.get(i)
+        if kept_slot is not None:  # a kept graph's layer goes back to the slot its forward ran in
+            if kept_slot is self.current and not block:
                 return None  # not into the slot computing now; the blocking load follows its release
-            slot = home
+            slot = kept_slot
         else:
             slot = next((s for s in self.slots if s is not self.current), self.slots[0])
         st = self.eps[i]

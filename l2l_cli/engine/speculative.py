@@ -23,7 +23,7 @@ import torch
 from l2l_cli.engine.eps import EagerParamServer, grad_mult
 from l2l_cli.engine.optim import clip_coefficients
 from l2l_cli.engine.precision import LossScaler
-from l2l_cli.engine.trailing import TrailingUpdate, settle
+from l2l_cli.engine.trailing import TrailingUpdate, finish_updates
 
 
 class Speculation:
@@ -40,11 +40,11 @@ class Speculation:
         # back once global clipping was certain
         self._bad = False
         self._updated: list[int] = []
-        self._held: list[int] = []
+        self._deferred: list[int] = []
         self._norms: dict[int, torch.Tensor] = {}
-        # the gradients as they landed, of the layers updated speculatively while the unscaling is not a
+        # the gradients as they arrived, of the layers updated speculatively while the unscaling is not a
         # power of two (the update scales the gradient in place, inexactly: a redo starts from these)
-        self._landed: dict[int, torch.Tensor] = {}
+        self._received: dict[int, torch.Tensor] = {}
         self.rollbacks = 0  # steps whose speculative updates were undone (clipping, or a non-finite gradient)
         self.rollback_layers = 0
         self.last_rollback: str | None = None  # why the last step rolled back (None: it did not)
@@ -81,7 +81,7 @@ class Speculation:
                 # made now would be undone; wait for the factor instead. So does a layer whose tier
                 # cannot keep the gradient the update consumes (a redo needs it; the disk tier keeps it
                 # in RAM or on disk, its undo is the file's other slot, the state before the update)
-                self._held.append(i)
+                self._deferred.append(i)
                 return
             mult = None if inv == 1.0 else inv  # as if the factor were 1; checked in finish
         else:
@@ -90,7 +90,7 @@ class Speculation:
         with self.worker.work():
             st.save_undo(eps.acc)
             if clip == "global" and not _power_of_two(inv):
-                self._landed[i] = st.g.clone()
+                self._received[i] = st.g.clone()
             eps.update_layer(i, lr, mult)
         self._updated.append(i)
 
@@ -110,7 +110,7 @@ class Speculation:
     def _judge(self, scaler: LossScaler, last: tuple[int, float, str, float]) -> tuple[bool, float]:
         eps = self.eps
         i0, lr, clip, max_norm = last
-        settle(eps, self.trailing)  # (the update behind this step's forward is in)
+        finish_updates(eps, self.trailing)  # (the update behind this step's forward is in)
         eps.reduce(i0)
         scale = scaler.scale * eps.dist.world
         self._norms[i0] = torch.linalg.vector_norm(eps.layers[i0].g) / scale
@@ -118,9 +118,9 @@ class Speculation:
         where = list(range(len(norms)))
         if self.combine is not None:  # (a pipeline rank: every rank's norms, one verdict for all)
             norms, where = self.combine(norms)
-        bad, updated, held = self._bad or not bool(torch.isfinite(norms).all()), self._updated, self._held
-        landed = self._landed
-        self._bad, self._updated, self._held, self._norms, self._landed = False, [], [], {}, {}
+        bad, updated, held = self._bad or not bool(torch.isfinite(norms).all()), self._updated, self._deferred
+        received = self._received
+        self._bad, self._updated, self._deferred, self._norms, self._received = False, [], [], {}, {}
         self.last_rollback = None
         scaler.update(bad)
         if bad:
@@ -142,7 +142,7 @@ class Speculation:
                     factor,
                     i in redo,
                     1.0 / scale,
-                    landed.get(i),
+                    received.get(i),
                     layer=i,
                 )
             if redo:
@@ -152,7 +152,7 @@ class Speculation:
                 )
         mult = grad_mult(scale, None if coefs is None else coefs[where[i0]])
         if self.trailing is not None and eps.elementwise and not eps.checkpoints_each_step:
-            self.trailing.hold(i0, lr, mult)
+            self.trailing.defer(i0, lr, mult)
         else:
             with self.worker.work():
                 eps.update_layer(i0, lr, mult)
@@ -167,18 +167,18 @@ class Speculation:
         factor: torch.Tensor,
         rollback: bool,
         inv: float,
-        landed: torch.Tensor | None = None,
+        received: torch.Tensor | None = None,
     ) -> None:
         """Layer i with the step's clipping factor, as Alg. 3 applies it (g·(coef·inv)): undo its
         speculative update first (its gradient then already carries the unscaling, exactly when ``inv`` is
-        a power of two; else ``landed``, the gradient as it landed, is put back and unscaled with the
+        a power of two; else ``received``, the gradient as it arrived, is put back and unscaled with the
         factor), or update it for the first time (it was held back)."""
         eps = self.eps
         with self.worker.work():
             if rollback:
                 eps.restore_layer(i, announce=False)
-                if landed is not None:
-                    eps.layers[i].g.copy_(landed)
+                if received is not None:
+                    eps.layers[i].g.copy_(received)
                     eps.update_layer(i, lr, factor * inv)
                 else:
                     eps.update_layer(i, lr, factor)

@@ -8,7 +8,7 @@ state on the EPS thread behind the forward. AdamW is elementwise, so the early r
 bit for bit (see ``LayerState.preview_rows``).
 
 Built by a runner whose schedule holds the trailing update (L2L-p), beside the EPS it updates; the EPS does
-not know it, so the runner's ``settle`` applies a held update before it waits for the EPS thread.
+not know it, so the runner's ``finish_updates`` applies a held update before it waits for the EPS thread.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class TrailingUpdate:
         self.pending: tuple[int, float, torch.Tensor | float | None] | None = None  # decided, not applied
         self._stale: set[int] = set()  # layers whose device copy may hold rows updated after it was loaded
 
-    def hold(self, i: int, lr: float, mult: torch.Tensor | float | None) -> None:
+    def defer(self, i: int, lr: float, mult: torch.Tensor | float | None) -> None:
         """Layer i's update, decided: applied when the next step starts (``start_step``) or ``apply``."""
         self.pending = (i, lr, mult)
 
@@ -36,8 +36,8 @@ class TrailingUpdate:
         """A step begins with ``batch``: the last step's held trailing update goes first to the rows this
         batch reads (written to the layer's send copy on the compute thread: the forward needs them now),
         then, whole, to the layer's state on the EPS thread, behind the forward pass. The device never reads
-        the other rows in this step; everything else that reads the layer waits for it (``settle``, the
-        layer's next gradient)."""
+        the other rows in this step; everything else that reads the layer waits for it
+        (``finish_updates``, the layer's next gradient)."""
         if self.pending is None:
             return
         eps = self.eps
@@ -59,7 +59,7 @@ class TrailingUpdate:
     def _update_behind(self, i: int, lr: float, mult: torch.Tensor | float | None) -> None:
         with self.worker.work(trailing=True):
             # the master only: the device may be copying the send copy (the rows previewed for this
-            # step) right now; the send copy is rewritten when the layer is settled (``settled``)
+            # step) right now; the send copy is rewritten when the layer is settled (``refresh_stale``)
             self.eps.update_master(i, lr, mult)
 
     def apply(self) -> None:
@@ -70,7 +70,7 @@ class TrailingUpdate:
             with self.worker.work():
                 self.eps.update_layer(i, lr, mult)
 
-    def settled(self) -> None:
+    def refresh_stale(self) -> None:
         """Every update is in (the EPS has waited for its thread) and no device copy is being made: the
         send copy of a layer updated behind the forward gets all its rows, and a device copy loaded
         before (it held only the previewed rows) is stale now. Called at the end of every step (a step
@@ -83,11 +83,11 @@ class TrailingUpdate:
         self._stale.clear()
 
 
-def settle(eps: EagerParamServer, trailing: TrailingUpdate | None) -> None:
+def finish_updates(eps: EagerParamServer, trailing: TrailingUpdate | None) -> None:
     """Finish every update of ``eps`` in flight (held by ``trailing``, partial, or on the EPS thread) before
     anything outside the step reads it: evaluation, checkpoints, exported weights, a step's verdict."""
     if trailing is not None:
         trailing.apply()  # a held update no step has started: apply it whole, first
     eps.worker.wait_all()
     if trailing is not None:
-        trailing.settled()  # the update behind the forward is in: refresh its send copy
+        trailing.refresh_stale()  # the update behind the forward is in: refresh its send copy

@@ -35,7 +35,7 @@ from l2l_cli.engine.recompute import (
 from l2l_cli.engine.relay import Relay
 from l2l_cli.engine.speculative import Speculation
 from l2l_cli.engine.stash import CpuStash, DeviceStash
-from l2l_cli.engine.trailing import TrailingUpdate, settle
+from l2l_cli.engine.trailing import TrailingUpdate, finish_updates
 from l2l_cli.models.decoder import DecoderSpec
 from l2l_cli.models.lora import lora_of, summary_section
 from l2l_cli.modes.base import DurableState, LayerFiles, RunnerArgs, RunnerBase, StepReport
@@ -102,7 +102,9 @@ class L2LRunner(RunnerBase):
                 self.trailing.start_step(minibatch)
         ubatches, masks = self.split(minibatch)
         x = self.forward_pass(ubatches, masks)  # Alg. 3: for l in layers: for u in ubatches: forward
-        g, loss = self.turn(x, ubatches, div)  # the head: forward and backward per micro-batch
+        g, loss = self.head_forward_backward(
+            x, ubatches, div
+        )  # the head: forward and backward per micro-batch
         for i in reversed(range(self.head)):  # Alg. 3: for l in reversed(layers): for u in ubatches
             if self.speculation is not None:  # Alg. 4, Process 2 (the EPS thread): w_{l+1} = optimizer(...)
                 self.speculation.update_async(i + 1, lr, scaler, clip, max_norm)
@@ -119,10 +121,10 @@ class L2LRunner(RunnerBase):
         extra = self.background()
         return self.finish(loss, len(minibatch), t0, lr, skipped=not applied, grad_norm=norm, extra=extra)
 
-    def settle(self) -> None:
+    def finish_updates(self) -> None:
         """Finish every update in flight (held, partial or in the background) before anything outside the
         step reads the EPS: evaluation, checkpoints, exported weights."""
-        settle(self.eps, self.trailing)
+        finish_updates(self.eps, self.trailing)
 
     # ---- the pieces of Algorithms 3 and 4 -----------------------------------------------------------
 
@@ -136,12 +138,12 @@ class L2LRunner(RunnerBase):
         block's output per micro-batch."""
         x: list[Any] = [None] * len(ubatches)
         self.graphs.clear()  # nothing from a step that did not finish (an out-of-memory) is reused
-        self.relay.homes.clear()
+        self.relay.graph_slots.clear()
         for i in range(self.head):
             layer = self.relay.acquire(i, prefetch=i + 1)
             graph = self.recompute.graph(i)
             if graph is not None:
-                self.relay.hold(i)
+                self.relay.keep_graph(i)
             for u, ub in enumerate(ubatches):
                 if graph is not None:
                     self.seed_dropout(i, u)
@@ -170,7 +172,7 @@ class L2LRunner(RunnerBase):
         self.graphs[i, u] = (x_in, y)
         return y.detach()
 
-    def turn(
+    def head_forward_backward(
         self, x: list[torch.Tensor], ubatches: list[Batch], div: list[float]
     ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The head runs forward and backward per micro-batch right away (nothing to recompute): gives
@@ -178,7 +180,7 @@ class L2LRunner(RunnerBase):
         micro-batch's loss divisor (``loss_divisors``)."""
         head = self.head
         layer = self.relay.acquire(head, prefetch=head - 1, grads=True)
-        g, loss = head_turn(self, layer, head, x, ubatches, div)
+        g, loss = run_head(self, layer, head, x, ubatches, div)
         self.relay.send_grads(head)
         return g, loss
 
@@ -222,7 +224,7 @@ class L2LRunner(RunnerBase):
                 torch.autograd.backward(y, g[u])
             g[u] = x_in.grad
         self.relay.send_grads(i)
-        self.relay.let_go(i)
+        self.relay.release_graph(i)
 
     def plan_recompute(self) -> RecomputePlan:
         """``mode.recompute`` / ``mode.keep_layers`` resolved: today's full recompute as is, or one block's
@@ -294,7 +296,7 @@ class L2LRunner(RunnerBase):
     @torch.no_grad()
     def predict(self, batch: Batch) -> torch.Tensor:
         """Logits, layer by layer over the micro-batches (no stash, no gradients)."""
-        self.settle()  # every update in flight is in before the weights are read
+        self.finish_updates()  # every update in flight is in before the weights are read
         ub_size = self.settings.ubatch_size
         ubatches = self.to_device(batch).split(max(1, -(-len(batch) // ub_size)))
         masks = [self.spec.side_inputs(ub, self.precision.device_dtype) for ub in ubatches]
@@ -318,31 +320,31 @@ class L2LRunner(RunnerBase):
     def decoder(self) -> LayeredDecoder:
         """Generation layer by layer through this runner's EPS and relay (``l2l generate``)."""
         assert isinstance(self.spec, DecoderSpec), "generation needs a decoder"
-        self.settle()  # (a held update is applied: the decoder reads the EPS's layers as they are)
+        self.finish_updates()  # (a held update is applied: the decoder reads the EPS's layers as they are)
         return LayeredDecoder(self.spec, self.eps, self.relay, self.acc, self.precision)
 
     def load_hf(self, tensors: Any) -> list[str]:
-        self.settle()
+        self.finish_updates()
         return self.eps.load_hf(tensors)
 
     def hf_tensors(self) -> Any:
-        self.settle()
+        self.finish_updates()
         return self.eps.files.hf_tensors()
 
     def full_layers(self) -> Any:
         """(index, a CPU module of the layer: frozen base and trained tensors) per layer (``l2l export``)."""
-        self.settle()
+        self.finish_updates()
         return self.eps.full_layers()
 
     def host_parts(self) -> dict[str, int]:
         return self.eps.host_parts()
 
     def state_files(self) -> Any:
-        self.settle()
+        self.finish_updates()
         return self.eps.files.state_files()
 
     def load_state(self, ckpt: Any, manifest: dict[str, Any]) -> None:
-        self.settle()
+        self.finish_updates()
         self.eps.files.load_state(ckpt, manifest)
 
     # ---- the EPS's checkpoints (real-time files; the disk tier's commits) --------------------------------
@@ -359,12 +361,12 @@ class L2LRunner(RunnerBase):
 
     def close(self) -> None:
         try:
-            self.settle()
+            self.finish_updates()
         finally:
             self.eps.close()
 
 
-def head_turn(
+def run_head(
     r: RunnerBase, layer: nn.Module, head: int, x: list[Any], ubatches: list[Batch], div: list[float]
 ) -> tuple[list[Any], torch.Tensor]:
     """The head's forward and backward per micro-batch (``head``: its index in the model, for the dropout

@@ -63,7 +63,7 @@ class Tier(Protocol):
     def update_in_backward(self) -> bool: ...  # L2L updates each layer right after its backward (see EPS)
 
     @property
-    def adopted(self) -> bool: ...  # it started from state found on disk (the EPS builds no initial weights)
+    def resumed(self) -> bool: ...  # it started from state found on disk (the EPS builds no initial weights)
 
     @property
     def root(self) -> Path | None: ...  # the directory of its files (None: it keeps none)

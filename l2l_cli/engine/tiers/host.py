@@ -25,7 +25,7 @@ class HostTier:
 
     durable = False  # its state is not a checkpoint by itself
     update_in_backward = False  # every layer stays in RAM: L2L updates after the whole backward (Alg. 3)
-    adopted = False  # it never starts from state found on disk
+    resumed = False  # it never starts from state found on disk
     root: Path | None = None  # it keeps no files
 
     def new_layer(

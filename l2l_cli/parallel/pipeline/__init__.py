@@ -31,8 +31,8 @@ if TYPE_CHECKING:
     from l2l_cli.modes.registry import ModeSpec
 
 
-# The runners import torch.distributed.pipelining (slow to import): only a pipeline rank pays it, not every `l2l`
-# command that registers the strategy (plan, report, validation, a one-process run).
+# The runners import torch.distributed.pipelining (slow to import): only a pipeline rank pays it, not
+# every `l2l` command that registers the strategy (plan, report, validation, a one-process run).
 def stage_runner(args: RunnerArgs, mode: ModeSpec) -> RunnerBase:
     """A pipeline rank's runner (L2L stages or torch's schedules: see ``l2l_stages.stage_runner``)."""
     from l2l_cli.parallel.pipeline.l2l_stages import stage_runner as make

@@ -43,9 +43,9 @@ from l2l_cli.engine.optim import clip_coefficients
 from l2l_cli.engine.relay import Relay
 from l2l_cli.engine.speculative import Speculation
 from l2l_cli.engine.stash import CpuStash, DeviceStash
-from l2l_cli.engine.trailing import TrailingUpdate, settle
+from l2l_cli.engine.trailing import TrailingUpdate, finish_updates
 from l2l_cli.modes.base import RunnerArgs, RunnerBase, StepReport
-from l2l_cli.modes.l2l import head_turn
+from l2l_cli.modes.l2l import run_head
 from l2l_cli.modes.registry import ModeSpec, update_schedule
 from l2l_cli.parallel.pipeline.bubble import StageTimes, bubble_section, layer_flops, pipeline_section
 from l2l_cli.parallel.pipeline.calibrate import link_costs
@@ -153,7 +153,7 @@ class L2LStagesRunner(RunnerBase):
         g: list[Any] = [None] * len(ubatches)
         loss = torch.zeros((), device=self.acc.device)
         if self.head in self.local:
-            g, loss = self.turn(x, ubatches, div)
+            g, loss = self.head_forward_backward(x, ubatches, div)
         self.backward_pass(g, ubatches, masks, shape)
         self.messages.wait_sends()
         dist.barrier(group=self.pp_host)
@@ -200,16 +200,18 @@ class L2LStagesRunner(RunnerBase):
                         x[u] = None
         return x
 
-    def turn(self, x: list[Any], ubatches: list[Batch], div: list[float]) -> tuple[list[Any], torch.Tensor]:
+    def head_forward_backward(
+        self, x: list[Any], ubatches: list[Batch], div: list[float]
+    ) -> tuple[list[Any], torch.Tensor]:
         """The head: forward and backward per micro-batch (nothing to recompute), as L2L's turn."""
         j = self.local[self.head]
         layer = self.relay.acquire(j, prefetch=j - 1, grads=True)
-        g, loss = head_turn(self, layer, self.head, x, ubatches, div)
+        g, loss = run_head(self, layer, self.head, x, ubatches, div)
         self.relay.send_grads(j)
-        self.landed(j)
+        self.on_grads_ready(j)
         return g, loss
 
-    def landed(self, j: int) -> None:
+    def on_grads_ready(self, j: int) -> None:
         """Local layer j's gradient has left the device: L2L reduces it in the background (the update waits
         for the step's end); L2L-p reduces and updates it, speculatively (Alg. 4's Process 2), while the
         device runs the layers below; except local layer 0, the rank's last, whose update trails."""
@@ -251,7 +253,7 @@ class L2LStagesRunner(RunnerBase):
                         self.messages.send(g[u], s, u, backward=True)  # down to the previous stage's rank
                         g[u] = None
                 self.relay.send_grads(j)
-                self.landed(j)  # reduced over the pipelines as it lands (and, L2L-p, updated)
+                self.on_grads_ready(j)  # reduced over the pipelines as it lands (and, L2L-p, updated)
 
     def _pipeline_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The minibatch's mean loss (unscaled: the turn sums the losses before scaling), from the last
@@ -291,16 +293,16 @@ class L2LStagesRunner(RunnerBase):
                     eps.update_layer(j, lr, eps.grad_mult(scaler, None if coefs is None else coefs[i]))
         return finite, float(torch.linalg.vector_norm(norms))
 
-    def settle(self) -> None:
+    def finish_updates(self) -> None:
         """Every update in flight is in (a held trailing update applied) before anything reads the EPS."""
-        settle(self.eps, self.trailing)
+        finish_updates(self.eps, self.trailing)
 
     # ---- evaluation: forward only through the first pipeline ---------------------------------------
 
     @torch.no_grad()
     def predict(self, batch: Batch) -> torch.Tensor:
         """Logits of a batch (one micro-batch), layer by layer through the pipeline; every rank gets them."""
-        self.settle()
+        self.finish_updates()
         b = self.to_device(batch)
         mask = self.spec.side_inputs(b, self.precision.device_dtype)
         shape = (len(b), b.seq_len, self.spec.hidden_size)
@@ -333,7 +335,7 @@ class L2LStagesRunner(RunnerBase):
 
     def collect(self) -> None:
         """Collective: rank 0 gets every stage's weights by Hugging Face name (the final model)."""
-        self.settle()
+        self.finish_updates()
         mine = {name: t.detach().cpu().clone() for name, t in self.eps.files.hf_tensors()}
         self._full = None
         if self.dp_rank != 0:
@@ -345,11 +347,11 @@ class L2LStagesRunner(RunnerBase):
     def hf_tensors(self) -> Any:
         if self._full is not None:
             return iter(self._full.items())
-        self.settle()
+        self.finish_updates()
         return self.eps.files.hf_tensors()
 
     def load_hf(self, tensors: Any) -> list[str]:
-        self.settle()
+        self.finish_updates()
         return self.eps.load_hf(tensors)
 
     def host_parts(self) -> dict[str, int]:
@@ -365,7 +367,7 @@ class L2LStagesRunner(RunnerBase):
         self._shards = None
         if self.dp_rank != 0:
             return
-        self.settle()
+        self.finish_updates()
         files = self.eps.files.state_files()
         P, rank = self.pipe.pipeline, self.dist.rank
         self._shards = write_layer_files(files, root, step, self.pp_rank, P, rank, self.pp_host)
@@ -380,7 +382,7 @@ class L2LStagesRunner(RunnerBase):
     def load_state(self, ckpt_dir: Any, manifest: dict[str, Any]) -> None:
         """This rank's layers from any checkpoint of the EPS layout: one process's, or a pipeline's of any
         placement (each file is one of the model's layers)."""
-        self.settle()
+        self.finish_updates()
         self.eps.files.load_state(ckpt_dir, manifest)
 
     def rank_stats(self) -> dict[str, Any]:
@@ -416,7 +418,7 @@ class L2LStagesRunner(RunnerBase):
 
     def close(self) -> None:
         try:
-            self.settle()
+            self.finish_updates()
         finally:
             self.eps.close()
 

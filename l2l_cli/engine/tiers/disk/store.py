@@ -59,7 +59,7 @@ class LayerStore:
         self.cv, self.counts = cv, counts
         n = spec.num_all_layers
         kinds = [spec.kind(i) for i in range(n)]
-        # format 2 (the master in bf16 hi / lo planes) where the device computes in bf16; a run adopted from
+        # format 2 (the master in bf16 hi / lo planes) where the device computes in bf16; a run resumed from
         # a format-1 directory keeps format 1 (``adopt``)
         self.split, self.can_split = split, split
         self.files = [LayerFile(self.root, i, kinds[i], layouts[kinds[i]].numel, split) for i in range(n)]
@@ -79,7 +79,7 @@ class LayerStore:
         # speculatively applied gradients kept for a redo that the pool has no room for (``kept_on_disk``)
         self.kept = KeptGrads(self.root, [f.part_bytes for f in self.files])
         self.kept_on_disk = [False] * n
-        self.adopted = False
+        self.resumed = False
         self.record: dict[str, Any] | None = None
 
     def __len__(self) -> int:
@@ -96,7 +96,7 @@ class LayerStore:
         for f in self.files:
             f.create()
 
-    def adopt(self) -> None:
+    def load_committed(self) -> None:
         """Continue from the state ``commit.json`` names (``trainer.resume``), checking every file first."""
         path = self.root / COMMIT
         if not path.is_file():
@@ -137,7 +137,7 @@ class LayerStore:
             sums = e.get("sums") if isinstance(e.get("sums"), dict) else {}
             self.sums[i][self.latest[i]].update({p: int(str(h), 16) for p, h in sums.items()})
         self.committed = list(self.latest)
-        self.record, self.adopted = rec, True
+        self.record, self.resumed = rec, True
 
     # ---- where a layer's parts are --------------------------------------------------------------------
 

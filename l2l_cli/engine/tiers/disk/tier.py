@@ -68,7 +68,7 @@ class DiskTier:
         self.params = spec.total_params
         self.root = self.store.root
         if settings.resume:
-            self.store.adopt()  # (its format decides the cache's: a format-1 directory stays FP32)
+            self.store.load_committed()  # (its format decides the cache's: a format-1 directory stays FP32)
         n = len(self.store)
         with acc.meter.paused():
             k = min(settings.cache_layers, n)  # more slots than layers would never be used
@@ -80,9 +80,9 @@ class DiskTier:
         self.resident_peak = self.cache.nbytes
         self.layers: dict[int, DiskLayer] = {}
         self._main = threading.get_ident()
-        if not self.store.adopted:
+        if not self.store.resumed:
             self.store.create()
-        self.adopted = self.store.adopted
+        self.resumed = self.store.resumed
         self.record = self.store.record
         self.writer = WriteBehind(self.store, self.cv, self.counts)
         self.reader = Reader(self.cache, self.plan, self.store, self.writer, self.cv, self.counts)
@@ -112,7 +112,7 @@ class DiskTier:
         return st
 
     def resume_point(self) -> dict[str, Any] | None:
-        """The adopted commit record, if it holds a trainer state to resume with."""
+        """The commit record the tier resumed from, if it holds a trainer state to resume with."""
         rec = self.record
         return rec if rec is not None and isinstance(rec.get("trainer"), dict) else None
 
