@@ -187,7 +187,7 @@ def tokenizer_for(cfg: DictConfig, weights: Path) -> tuple[Any, str]:
     if has_tokenizer(weights):
         return load_tokenizer(str(weights), "--checkpoint"), str(weights)
     if cfg.task.get("chat_template"):  # a step checkpoint: the template the run trained with
-        from l2l_cli.data.chat import template_tokenizer
+        from l2l_cli.data.chat_render import template_tokenizer
 
         tok, ref, _ = template_tokenizer(cfg.task, cfg.model)
         return tok, ref

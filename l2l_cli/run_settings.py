@@ -88,7 +88,7 @@ def eps_tier(cfg: Any, run_dir: Path | None) -> TierSettings:
         elif run_dir is not None:
             path = str(run_dir / folder)
     if path is None and run_dir is not None and cfg.peft.name != "none":
-        from l2l_cli.models.lora import on_disk
+        from l2l_cli.models.lora_settings import on_disk
 
         if on_disk(cfg.peft.base_source):  # a frozen base on disk keeps its layer files in the run's eps/
             path = str(run_dir / "eps")

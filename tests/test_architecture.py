@@ -189,6 +189,21 @@ def test_no_module_of_the_package_is_over_450_lines() -> None:
     assert big == {}, f"modules over {MAX_LINES} lines: {big}"
 
 
+def test_no_module_re_exports_a_name_it_does_not_use() -> None:
+    """A split module leaves no re-export behind (``from x import name as name``): callers import a name
+    from the module that defines it, so a reader finds it in one hop."""
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                found += [
+                    f"{path.relative_to(PACKAGE)}:{node.lineno}: {a.name}"
+                    for a in node.names
+                    if a.asname == a.name
+                ]
+    assert found == [], "\n".join(found)
+
+
 RETIRED_NAMES = {  # the house's old verbs -> the field's words (issue 41, item 5; ARCHITECTURE.md "Names")
     "settle": "finish_updates",
     "turn": "head_forward_backward",

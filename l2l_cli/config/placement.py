@@ -17,6 +17,7 @@ from l2l_cli.engine.tiers import TIERS, TierKind
 from l2l_cli.models import (
     UnsupportedModel,
     lora,
+    lora_settings,
     make_spec,
 )
 from l2l_cli.modes import MODES
@@ -108,7 +109,7 @@ def _peft(cfg: Config, check_files: bool) -> list[Problem]:
     """``peft.*``: its values (models/lora.py), then what they need of the rest: a pipeline refuses
     adapters for now; a low-bit or disk base lives beside an EPS (the relay dequantizes it); the target
     modules must be the model's."""
-    p = lora.key_problems(cfg.peft)
+    p = lora_settings.key_problems(cfg.peft)
     if cfg.peft.name == "none" or p:
         return p
     if parallel_for(cfg) is not None:
@@ -130,7 +131,7 @@ def _peft(cfg: Config, check_files: bool) -> list[Problem]:
                     f"an EPS ({with_eps}); mode={spec.name} keeps the base on the device in fp32",
                 )
             )
-        if lora.on_disk(cfg.peft.base_source):
+        if lora_settings.on_disk(cfg.peft.base_source):
             p.append(
                 Problem(
                     "peft.base_source",

@@ -37,7 +37,6 @@ import numpy as np
 from l2l_cli.config.schema import ModelConfig, TaskConfig
 from l2l_cli.data import sources
 from l2l_cli.data.chat_render import Encoder, make_encoder, template_problem
-from l2l_cli.data.chat_render import template_tokenizer as template_tokenizer  # l2l generate's import
 from l2l_cli.data.chat_rows import ROLES, Fields, detect, messages_of
 from l2l_cli.data.lm import cache_root, dataset_key, file_key, tokenizer_fingerprint
 from l2l_cli.data.rows import IGNORE, Encoded, RowMaker, Rows, StreamedTrain, pack_examples

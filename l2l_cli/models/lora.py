@@ -23,8 +23,6 @@ from typing import TYPE_CHECKING, Any
 
 from l2l_cli.models.base import BLOCK, POST, PRE, ModelSpec
 from l2l_cli.models.lora_settings import ALL_LINEAR, LoraSettings, listed, settings_dict
-from l2l_cli.models.lora_settings import key_problems as key_problems  # re-exported: config/validate.py
-from l2l_cli.models.lora_settings import on_disk as on_disk  # re-exported: session.py, config/validate.py
 from l2l_cli.problems import Problem
 
 if TYPE_CHECKING:
