@@ -43,7 +43,8 @@ def _assert_identical(got: dict[str, Any], ref: dict[str, Any]) -> None:
 @pytest.mark.parametrize("mode", ["l2l", "l2l_p"])
 def test_disk_tier_weights_equal_the_host_tier_bit_for_bit(mode: str, optim: str) -> None:
     ref = _host(f"mode={mode}", f"optim={optim}")
-    got = train(tiny_cfg(f"mode={mode}", f"optim={optim}", "eps.tier=disk"))
+    # two shared cache slots for the tiny model's two blocks and its embeddings' own: layers are read back
+    got = train(tiny_cfg(f"mode={mode}", f"optim={optim}", "eps.tier=disk", "eps.host_cache_layers=2"))
     _assert_identical(got, ref)
     assert all(r.extra["disk_read_bytes"] > 0 and r.extra["disk_write_bytes"] > 0 for r in got["reports"])
     assert all("disk_read" in r.phases and "disk_write" in r.phases for r in got["reports"])
@@ -294,7 +295,7 @@ CMP_BF16 = ["precision=cmp", "precision.dtype=bf16"]
 # into place, and a kill from outside at a random time
 KILLS = [
     ("l2l", {"crash": "write:8"}),
-    ("l2l", {"crash": "park:4", "extra": ["eps.grad_ram_gb=0"]}),
+    ("l2l", {"crash": "park:4", "extra": ["eps.grad_ram_gb=0", "eps.host_cache_layers=2"]}),
     ("l2l_p", {"crash": "write:13"}),
     ("l2l_p", {"crash": "commit:3"}),
     ("l2l_p", {"kill_after_steps": 2, "kill_delay_s": 0.13}),
@@ -789,11 +790,11 @@ def test_a_format_1_directory_is_read_as_it_is_and_a_format_2_one_refused_withou
     record = {"format": 1, "step": 1, "layers": [{"slot": 0, "step": 1.0}] * len(old)}
     (tmp_path / "commit.json").write_text(json.dumps(record))
     again = store(resume=True, split=True)
-    again.adopt()
+    again.load_committed()
     assert again.resumed and not again.split and not any(f.split for f in again.files)
     (tmp_path / "commit.json").write_text(json.dumps({**record, "format": 2}))
     with pytest.raises(CheckpointError, match=r"resume it with precision=cmp precision\.dtype=bf16"):
-        store(resume=True, split=False).adopt()
+        store(resume=True, split=False).load_committed()
     (tmp_path / "commit.json").write_text(json.dumps({**record, "format": 7}))
     with pytest.raises(CheckpointError, match="format 7"):
-        store(resume=True, split=True).adopt()
+        store(resume=True, split=True).load_committed()
