@@ -64,7 +64,8 @@ class Slot:
             return slice(start, start + n)
 
         self.end = end
-        self.spans = {k: span(relay.numel[k], relay.w.numel()) for k in KINDS}
+        # the kinds this relay loads (a pipeline rank may hold no pre or post layer): only they fit the buffer
+        self.spans = {k: span(relay.numel[k], relay.w.numel()) for k in relay.kinds}
         # copies write through ``w_in``: the same storage under a version counter of its own, so reloading a
         # layer does not invalidate a kept graph's saved weights (the layer is back in its slot before that
         # graph's backward: ``Relay.hold``)
@@ -79,7 +80,7 @@ class Slot:
         self.base_layer: int | None = None  # whose frozen base the slot holds (it never changes)
         self.shells: dict[str, nn.Module] = {}
         with acc.meter.part("layer_slots"):
-            for kind in KINDS:
+            for kind in relay.kinds:
                 layout = eps.layouts[kind]
                 shell = spec.new_layer(kind, device="meta")
                 w, g = self.w_of[kind], self.g_of[kind]
@@ -92,7 +93,9 @@ class Slot:
                 if kind == POST and eps.ties is not None:  # the tied tensors, after the post layer's own
                     eps.ties.layout.bind(shell, w[layout.numel :], g[layout.numel :])
                 self.shells[kind] = spec.materialize(shell, acc.device).to(dtype)
-        self.kind = PRE if relay.numel[PRE] >= relay.numel[POST] else POST  # its views' kind (the occupant's)
+        # its views' kind (the occupant's) until a layer loads: the larger end layer it loads, else a block
+        ends = [k for k in (PRE, POST) if k in relay.kinds] or relay.kinds
+        self.kind = max(ends, key=lambda k: relay.numel[k])
         self.layer: int | None = None
         self.version: Any = -1
         self.loaded: CopyHandle = DONE  # host->device copy of the weights
@@ -133,6 +136,7 @@ class Relay:
         self.worker, self.tier = eps.worker, eps.tier
         self.prefetch = prefetch
         order = [st.kind for st in eps.layers]  # the layers in the order a forward visits them
+        self.kinds = [k for k in KINDS if k in order]
         self.numel = {k: eps.device_numel(k) for k in KINDS}
         self.frozen_numel = {k: eps.frozen_layouts[k].numel if k in eps.frozen_layouts else 0 for k in KINDS}
         n = pair_numel([aligned(self.numel[k]) for k in order], prefetch)
