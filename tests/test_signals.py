@@ -266,6 +266,9 @@ def test_ctrl_c_in_the_first_second_is_one_line(tmp_path) -> None:
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        # as from a terminal: a suite started in the background (``cmd &``) ignores SIGINT, and a child
+        # inherits that, so Python would install no KeyboardInterrupt handler and the Ctrl-C would be lost
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     time.sleep(0.4)  # the interpreter is up, the command line not yet composed
     proc.send_signal(signal.SIGINT)
