@@ -2,10 +2,12 @@
 and the 2-rank pipeline (baseline_ag and L2L stages, ``hardware=measure``), a kill and a resume of each
 kind, and ``l2l generate``; one line per case with samples/s and the device peak.
 
-    python scripts/gpu_check.py [--out outputs/gpu_check] [--steps 20] [--dry-run]
+    python scripts/gpu_check.py [--out outputs/gpu_check] [--steps 20] [--jobs 1] [--only NAME] [--dry-run]
 
 ``--dry-run`` prints each case's command line and runs nothing (no GPU needed). Without a CUDA device the
 check says so and exits 0; with one GPU the 2-GPU cases are skipped, each saying why. Exit 1: a case failed.
+``--jobs N`` runs N one-GPU cases at once (a short device lease checks more; their samples/s then share the
+card and the host's cores, so compare throughput only from ``--jobs 1``).
 Each case is what a user types: ``python -m l2l_cli train <overrides>`` (device=auto picks CUDA, and
 dist.backend=auto NCCL between the GPUs).
 """
@@ -20,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -86,7 +89,13 @@ def cases() -> list[Case]:
     out.append(Case("1gpu l2l disk tier", [*MODEL, "mode=l2l", "precision=cmp", "eps.tier=disk"]))
     out.append(Case("1gpu baseline_ag kill+resume", [*MODEL, "mode=baseline_ag", "precision=amp"], kill=True))
     out.append(Case("1gpu l2l_p kill+resume", [*MODEL, "mode=l2l_p", "precision=cmp"], kill=True))
-    out.append(Case("1gpu decoder l2l + generate", [*DECODER, "mode=l2l", "precision=cmp"], generate=True))
+    decoder = [
+        *DECODER,
+        "mode=l2l",
+        "precision=cmp",
+        "trainer.save_final=true",
+    ]  # final/: what generate reads
+    out.append(Case("1gpu decoder l2l + generate", decoder, generate=True))
     out.append(Case("2gpu data parallel baseline_ag", [*MODEL, "mode=baseline_ag", "dist.nproc=2"], gpus=2))
     out.append(Case("2gpu data parallel l2l", [*MODEL, "mode=l2l", "precision=cmp", "dist.nproc=2"], gpus=2))
     out.append(Case("2gpu pipeline baseline_ag", [*MODEL, "mode=baseline_ag", *PIPE], gpus=2))
@@ -143,6 +152,8 @@ def run_case(case: Case, root: Path, steps: int) -> dict:
         p.wait()
         argv = [sys.executable, "-m", "l2l_cli", "train", f"trainer.resume={run}"]  # on, in its own dir
     r = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "gpu_check.stderr").write_text(r.stderr)  # the whole story of a failed case, beside its run
     if r.returncode != 0:
         return {"ok": False, "why": f"exit {r.returncode}: {_tail(r.stderr)}"}
     summary = json.loads((run / "summary.json").read_text())
@@ -178,6 +189,8 @@ def run_case(case: Case, root: Path, steps: int) -> dict:
             g.stdout.strip()[:80] if g.returncode == 0 else f"exit {g.returncode}: {_tail(g.stderr)}"
         )
         out["ok"] = out["ok"] and g.returncode == 0
+        if g.returncode != 0:
+            out["why"] = f"l2l generate: {out['generate']}"
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     return out
 
@@ -201,9 +214,11 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="gpu_check.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(REPO / "outputs" / "gpu_check"), help="run dirs and cases.json")
     ap.add_argument("--steps", type=int, default=20, help="training steps per case (20)")
+    ap.add_argument("--jobs", type=int, default=1, help="cases run at once (1: throughput comparable)")
+    ap.add_argument("--only", action="append", default=[], help="run the cases whose name contains this")
     ap.add_argument("--dry-run", action="store_true", help="print each case's command; run nothing")
     a = ap.parse_args(argv)
-    all_cases = cases()
+    all_cases = [c for c in cases() if not a.only or any(o in c.name for o in a.only)]
     if a.dry_run:
         for c in all_cases:
             print(f"{c.name} [{c.gpus} gpu{'s' if c.gpus > 1 else ''}]: l2l train {shlex.join(c.overrides)}")
@@ -217,15 +232,20 @@ def main(argv: list[str]) -> int:
     root = Path(a.out) / time.strftime("%Y%m%d-%H%M%S")
     root.mkdir(parents=True)
     print(f"gpu_check: {gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}; runs in {root}")
-    for c in all_cases:
+
+    def check(c: Case) -> Case:
         if c.gpus > gpus:
             c.result = {"skipped": f"needs {c.gpus} GPUs, this machine has {gpus}"}
-        else:
-            try:
-                c.result = run_case(c, root, a.steps)
-            except Exception as e:  # a case's failure is its line; the others still run
-                c.result = {"ok": False, "why": f"{type(e).__name__}: {e}"}
-        print(line(c), flush=True)
+            return c
+        try:
+            c.result = run_case(c, root, a.steps)
+        except Exception as e:  # a case's failure is its line; the others still run
+            c.result = {"ok": False, "why": f"{type(e).__name__}: {e}"}
+        return c
+
+    with ThreadPoolExecutor(max(1, a.jobs)) as pool:  # each case is its own process: threads only wait
+        for done in as_completed([pool.submit(check, c) for c in all_cases]):
+            print(line(done.result()), flush=True)
     (root / "cases.json").write_text(json.dumps({c.name: c.result for c in all_cases}, indent=1) + "\n")
     failed = [c.name for c in all_cases if not c.result.get("ok") and not c.result.get("skipped")]
     print(

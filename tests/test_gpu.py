@@ -103,7 +103,9 @@ def test_a_step_never_waits_on_the_device_from_the_compute_thread(monkeypatch) -
 
 
 def exposed_transfer(*extra: str) -> float:
-    r = train(tiny_cfg("mode=l2l", *CUDA, *WIDE, *extra), steps=4)
+    # a small vocabulary: the embeddings' copy (no compute of theirs to hide it) would otherwise be a
+    # third of the bytes, and the first layer's load has nothing before it to overlap with
+    r = train(tiny_cfg("mode=l2l", *CUDA, *WIDE, "model.vocab_size=2048", *extra), steps=4)
     return statistics.median(rep.phases.get("transfer", 0.0) for rep in r["reports"][1:])
 
 
@@ -117,10 +119,26 @@ def test_prefetch_on_the_copy_stream_hides_layer_copies() -> None:
 
 
 def test_l2l_p_hides_the_update_on_the_gpu() -> None:
-    r = train(tiny_cfg("mode=l2l_p", *CUDA, *WIDE, "batch.ubatch_size=8", "optim.max_grad_norm=1e9"), steps=4)
-    extras = [rep.extra for rep in r["reports"][1:]]
-    hidden = sum(e["eps_update_s"] for e in extras)
-    assert sum(e["optimizer_wait_s"] for e in extras) < hidden / 3
+    """The host updates layer l+1 while the GPU runs layer l's backward: the update time the step waits
+    for is what that backward cannot cover, not the whole update. The cover is measured in the same run
+    (``profile.sync_timers``: the compute stream's kernel time per phase), so the check holds on any pair of
+    GPU and host; the batch is large enough that backward covers much of the update on a fast GPU too.
+    (The small vocabulary keeps the embeddings' update, which no backward follows, out of the way.)"""
+    cfg = tiny_cfg(
+        "mode=l2l_p",
+        *CUDA,
+        *WIDE,
+        "model.vocab_size=2048",
+        "batch.size=256",
+        "batch.ubatch_size=32",
+        "optim.max_grad_norm=1e9",
+        "profile.sync_timers=true",
+    )
+    reports = train(cfg, steps=4)["reports"][1:]
+    update = sum(r.extra["eps_update_s"] for r in reports)
+    waited = sum(r.extra["optimizer_wait_s"] for r in reports)
+    cover = sum(r.phases.get("backward", 0.0) + r.phases.get("recompute", 0.0) for r in reports)
+    assert waited <= max(0.0, update - cover) + 0.35 * update, (waited, update, cover)
 
 
 def test_cuda_memory_is_constant_in_depth_with_the_cpu_stash_and_parts_add_up() -> None:
@@ -135,6 +153,7 @@ def test_cuda_memory_is_constant_in_depth_with_the_cpu_stash_and_parts_add_up() 
 def test_baseline_memory_parts_name_weights_grads_and_optimizer_state() -> None:
     r = train(tiny_cfg("mode=baseline_ag", *CUDA), steps=2)
     parts = r["parts"]
+    assert "optimizer_state" in parts, parts
     assert (
         parts["weights"] > 0 and parts["grads"] > 0 and parts["optimizer_state"] >= 2 * parts["grads"] * 0.99
     )

@@ -188,3 +188,32 @@ def test_cuda_meter_parts_are_the_owned_tensors_at_the_peak(monkeypatch) -> None
     m.mark()
     assert m.peak_bytes == 6400
     assert m.peak_parts == {"layer_slots": 1000, "stash": 400, "workspace": 5000}
+
+
+def test_cuda_meter_forgets_an_earlier_runs_peak_in_the_same_process() -> None:
+    """The caching allocator's peak is per process: a second run in one process (an ``-m`` sweep, a test
+    session) must not report the first run's peak, nor its own parts as they stood before that peak."""
+    alloc = {"now": 1000, "peak": 9_000_000}  # an earlier run peaked at 9 MB and freed it all
+
+    class Allocator:
+        def allocated(self) -> int:
+            return alloc["now"]
+
+        def max_allocated(self) -> int:
+            return alloc["peak"]
+
+        def reset_peak(self) -> None:
+            alloc.update(peak=alloc["now"])
+
+    m = CudaMeter(torch.device("cuda", 0), Allocator())
+    assert m.peak_bytes == 0
+    weights = torch.empty(100)
+    m.count(weights, "weights")
+    with m.window(("train", (8, 16))):
+        alloc.update(now=1000 + 400, peak=1000 + 400 + 600)
+    moments = torch.empty(200)  # counted after the first peak: a later, higher one includes them
+    m.count(moments, "optimizer_state")
+    with m.window(("train", (8, 16))):
+        alloc.update(now=1000 + 1200, peak=1000 + 1200 + 600)
+    assert m.peak_bytes == 1800
+    assert m.peak_parts == {"weights": 400, "optimizer_state": 800, "workspace": 600}

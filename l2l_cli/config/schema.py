@@ -252,7 +252,7 @@ class ProfileConfig:
     # device=cpu: count op by op only in the steps that can set a new peak (the first two, and each batch
     # shape no metered step covered); false: every op of every step (slower; device=sim always does)
     memory_sample: bool = True
-    sync_timers: bool = False  # CUDA: synchronize at phase boundaries for exact phase times
+    sync_timers: bool = False  # CUDA: wait for the compute stream at phase boundaries (copies still overlap)
 
 
 @dataclass

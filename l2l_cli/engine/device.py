@@ -314,7 +314,9 @@ class Accelerator:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=dtype)
 
-    def synchronize(self) -> None:
+    def wait_compute(self) -> None:
+        """Wait until the calling thread's compute stream has run what it queued (``profile.sync_timers``:
+        a phase's kernels land in that phase). Nothing to wait for off CUDA."""
         return None
 
     def free_bytes(self) -> float | None:
@@ -403,8 +405,10 @@ class CudaAccelerator(Accelerator):
     def host_threads(self) -> int:
         return torch.get_num_threads()  # the GPU computes; the host's cores are the EPS's
 
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
+    def wait_compute(self) -> None:
+        # this thread's stream only: a device-wide synchronize would also wait for the copy streams, so a
+        # phase timer would charge a prefetch to the phase that queued it and no copy would overlap
+        torch.cuda.current_stream(self.device).synchronize()
 
     def free_bytes(self) -> float | None:
         """Free device memory, counting what torch's caching allocator holds but does not use."""

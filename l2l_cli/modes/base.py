@@ -202,7 +202,7 @@ class RunnerBase:
         self.num_ubatches = args.settings.num_ubatches
         self.clip = args.settings.clip
         self.seed = args.settings.seed
-        self.timer = PhaseTimer(args.acc.synchronize if args.settings.sync_timers else None)
+        self.timer = PhaseTimer(args.acc.wait_compute if args.settings.sync_timers else None)
         self.step_count = 0
 
     def seed_dropout(self, layer: int, ubatch: int) -> None:

@@ -309,6 +309,9 @@ class CudaMeter(MemoryMeter):
         self._peak_parts: dict[str, int] = {}
         self._marked_peak = -1
         self._base = allocator.allocated()
+        # the allocator's peak is the process's: a run after another in one process (a sweep, a test
+        # session) would otherwise report the earlier run's peak, and its parts as they stood at build
+        allocator.reset_peak()
 
     def count(self, t: torch.Tensor, part: str | None = None) -> None:
         st = t.untyped_storage()

@@ -12,8 +12,10 @@ class PhaseTimer:
     """``with timer("forward"): ...`` accumulates seconds in ``forward``; a phase entered inside another
     stops the outer clock until it ends, so the phases of a step add up to (at most) its wall time.
 
-    ``sync`` (CUDA with profile.sync_timers) is called at every boundary so kernel time lands in the
-    phase that launched it; without it, asynchronous GPU work is charged to whichever phase waits for it.
+    ``sync`` (CUDA with profile.sync_timers: the compute stream's wait) is called at every boundary so
+    kernel time lands in the phase that launched it; without it, asynchronous GPU work is charged to
+    whichever phase waits for it. Copies on the copy streams are never waited for by ``sync``: a phase
+    is charged only the part of a copy it waits for (the exposed transfer).
     """
 
     def __init__(self, sync: Callable[[], None] | None = None):
