@@ -191,6 +191,7 @@ class LayerStore:
                 s.w_send[: f.numel].copy_(s.f32["w"][: f.numel])
             return
         w = "w" in parts
+        assert w or "v" not in parts, "format 2: v is read with the master (its tie marks are cleared then)"
         need = [
             p for p in f.parts if p in parts or (w and p == "l") or (w and p == "h" and "h" not in s.valid)
         ]

@@ -31,6 +31,7 @@ from l2l_cli.engine.tiers.base import TierSettings
 from l2l_cli.engine.tiers.disk.cache import CacheSlot, SlotCache
 from l2l_cli.engine.tiers.disk.format import STATE
 from l2l_cli.engine.tiers.disk.layer import DiskLayer
+from l2l_cli.engine.tiers.disk.layout import MOMENTS
 from l2l_cli.engine.tiers.disk.readahead import ReadAhead
 from l2l_cli.engine.tiers.disk.reader import Demand, Reader
 from l2l_cli.engine.tiers.disk.stats import IoCounts
@@ -126,13 +127,16 @@ class DiskTier:
         read)."""
         if self.store.split and parts == "w" and not fresh:
             parts = "h"  # the relay sends the device the hi plane (format 2): 2 bytes per parameter read
-        self._pin(i, frozenset(parts), fresh, "relay" if not fresh else None)
+        need = self._needed(parts, fresh)
+        if need & set(MOMENTS):
+            raise ValueError(f"pin({i}, {parts!r}): the moments are pinned for an update, with holding()")
+        self._pin(i, need, fresh, "relay" if not fresh else None)
 
     def unpin(self, i: int, after: CopyHandle | None = None) -> None:
         """Done with layer i (``after``: a copy still reading from its buffers; the slot waits for it)."""
         with self.cv:
             s = self.cache.bound_slot(i)
-            s.pins -= 1
+            self.cache.unpin(s)
             if after is not None and not after.done():
                 s.copies.append(after)
             self.cv.notify_all()
@@ -143,7 +147,8 @@ class DiskTier:
     ) -> Iterator[None]:
         """Layer i's ``parts`` in RAM for the block; ``dirty``: the block changes the state, which is then
         written back (behind the compute) to the slot that does not hold the current version."""
-        s = self._pin(i, frozenset(parts), fresh, "update" if dirty else None)
+        need = self._needed(parts, fresh)
+        s = self._pin(i, need, fresh, "update" if dirty else None)
         ok = False
         try:
             if dirty and s.writing is not None:  # the last write-back still reads these buffers
@@ -154,7 +159,7 @@ class DiskTier:
             with self.cv:
                 if ok and dirty:
                     self.writer.write_back(s, i, setup=fresh and "w" in parts)
-                s.pins -= 1
+                self.cache.unpin(s, need)
                 self.cv.notify_all()
 
     def release_grad(self, i: int) -> None:
@@ -177,7 +182,7 @@ class DiskTier:
         if to_ram:  # (still pinned: nobody reuses the slot while the gradient is copied out)
             self.pool.put(i, s.f32["g"][:numel])
         with self.cv:
-            s.pins -= 1
+            self.cache.unpin(s)
             if st.grad_live[i] and not st.parked[i]:
                 if to_ram:
                     self.pool.live.add(i)
@@ -194,19 +199,22 @@ class DiskTier:
         """A copy that outlives the pin (the slot is reused for other layers)."""
         return t.clone()
 
+    def _needed(self, parts: str | frozenset[str], fresh: bool) -> frozenset[str]:
+        """The parts a pin of ``parts`` holds (read unless ``fresh``): see :meth:`LayerStore.expand`."""
+        need = frozenset(parts)
+        return need if fresh else self.store.expand(need)
+
     def _pin(self, i: int, need: frozenset[str], fresh: bool, stream: str | None) -> CacheSlot:
-        if not fresh:
-            need = self.store.expand(need)
         hit = self._pin_cached(i, need, fresh, stream)
         if hit is not None:
-            return self._settled(hit, fresh)
+            return self._settled(hit, need, fresh)
         d = Demand(i, need, fresh)
         self.reader.ask(d)
         self._wait(lambda: self.reader.wait(d))
         if d.error is not None:
             raise d.error
         assert d.slot is not None
-        return self._settled(d.slot, fresh)
+        return self._settled(d.slot, need, fresh)
 
     def _pin_cached(self, i: int, need: frozenset[str], fresh: bool, stream: str | None) -> CacheSlot | None:
         """Pin layer i if the cache has what is needed (else None: it must be read, or a slot found)."""
@@ -220,16 +228,17 @@ class DiskTier:
             if stream is not None:
                 self.plan.note(stream, i, need)
             s = self.cache.slot_of(i)
-            if s is not None and (not s.missing(need) or (fresh and not s.busy)):
+            moments = not need & set(MOMENTS) or (s is not None and s.mom is not None)
+            if s is not None and moments and (not s.missing(need) or (fresh and not s.busy)):
                 if fresh:
                     self.store.make_fresh(s, i, need - s.valid)
                 self.counts.step.hits += 1
-                self.cache.pin(s)
+                self.cache.pin(s, need)
                 self.cv.notify_all()
                 return s
             return None
 
-    def _settled(self, s: CacheSlot, fresh: bool) -> CacheSlot:
+    def _settled(self, s: CacheSlot, need: frozenset[str], fresh: bool) -> CacheSlot:
         """(``s`` pinned.) A slot about to be overwritten (a new gradient) once its last write (a parked
         gradient) is out; if that write failed, the pin is given back (no slot stays pinned by a pin that
         raised) and the failure raises."""
@@ -239,7 +248,7 @@ class DiskTier:
                 self._wait(functools.partial(self.writer.result, writing))
             except BaseException:
                 with self.cv:
-                    s.pins -= 1
+                    self.cache.unpin(s, need)
                     self.cv.notify_all()
                 raise
         return s
@@ -411,6 +420,7 @@ class DiskTier:
         return {
             "path": str(self.root),
             "host_cache_layers": len(self.cache),
+            "update_buffers": len(self.cache.moms),  # each one layer's moments, for its update
             "direct_io": self.store.io.direct,
             "file_bytes": self.store.file_bytes,
             "read_bytes": t.read_bytes,
