@@ -13,6 +13,7 @@ while the EPS thread waits), so one buffer serves them (:data:`~.layout.UPDATE_B
 from __future__ import annotations
 
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
@@ -147,8 +148,35 @@ class CacheSlot:
         return sum(t.nbytes for t in bufs if t is not None)
 
 
-class SlotCache:
-    """The slots, which layer each holds, and which one to reuse (the tier's lock guards all of it)."""
+@dataclass
+class Eviction:
+    """What a slot held when it was rebound, for the reader to finish before it reads into the slot: the
+    previous layer, the device copies still reading the slot, its last write-back, whether its gradient
+    is on no disk yet (to park), and the write of a kept gradient to ``kept_grads.eps``."""
+
+    layer: int | None
+    copies: list[CopyHandle]
+    writing: Future | None
+    park: bool
+    keeping: Future | None = None
+
+
+class SlotTable:
+    """Every cache slot's state and each transition of it, with its precondition asserted: the only code
+    that changes a :class:`CacheSlot`'s or an :class:`UpdateBuffer`'s fields (the reader, the writer, the
+    tier and the pool call these under the tier's lock). A slot's life:
+
+    - ``bind``: an unpinned, idle slot takes a layer that no slot holds (the previous one is evicted by the
+      reader: its copies, write-back and a gradient to park are handed over in an :class:`Eviction`);
+    - ``begin_read`` / ``end_read`` / ``fail_read``: a reader job owns the slot (``busy``) and adds the parts
+      it read, or unbinds it;
+    - ``pin`` / ``unpin`` / ``copy_after``: users (their moments counted apart); ``attach`` / ``detach``: the
+      update buffer;
+    - ``fresh``: parts a pin overwrites; ``written_back``: an update queued for the disk (the slot's and the
+      update buffer's last write); ``parking``: a gradient queued for the disk; ``hold_grad``: a gradient
+      on no disk yet, parked when the slot is rebound; ``keep_grad`` / ``regrad`` / ``end_step``: a gradient
+      kept for a redo until the verdict;
+    - ``invalidate``: parts no longer current (L2L-p's undo on an unpinned, idle slot)."""
 
     def __init__(
         self,
@@ -186,6 +214,7 @@ class SlotCache:
 
     def pin(self, s: CacheSlot, need: frozenset[str] | set[str] = frozenset()) -> None:
         """One more user of ``s`` (of its parts ``need``), and the most recently used slot now."""
+        assert s.layer is not None, "a pin of a slot that holds no layer"
         assert not (set(need) & set(MOMENTS)) or s.mom is not None, f"layer {s.layer} pinned without moments"
         s.pins += 1
         if set(need) & set(MOMENTS):
@@ -274,6 +303,105 @@ class SlotCache:
             return (3, writing, -float(later[s.layer]), s.numel)
 
         return min(free, key=cost)
+
+    # ---- transitions (holding the lock) -------------------------------------------------------------
+
+    def bind(self, s: CacheSlot, i: int, keeping: Future | None = None) -> Eviction:
+        """Slot ``s`` holds layer i from now on, a reader job owning it (``busy``); what it held is handed
+        back to be evicted (``keeping``: its kept gradient's write, queued by the caller)."""
+        assert s.pins == 0 and not s.busy, f"the slot of layer {s.layer} rebound while in use"
+        assert self.slot_of(i) is None, f"layer {i} bound to a second slot"
+        assert keeping is None or s.g_kept, f"layer {s.layer}'s slot keeps no gradient to write"
+        self.detach(s)  # (its moments, if it held them, are on disk or in the write queued)
+        old = s.layer
+        ev = Eviction(old, s.copies, s.writing, s.g_dirty and old is not None, keeping)
+        s.layer, s.valid, s.copies, s.writing, s.g_dirty, s.g_kept = i, set(), [], None, False, False
+        s.busy = True
+        return ev
+
+    def begin_read(self, s: CacheSlot, i: int) -> None:
+        """A reader job owns slot ``s`` (layer i's) until ``end_read`` / ``fail_read``."""
+        assert s.layer == i and not s.busy, (
+            f"a read of layer {i} into a slot holding {s.layer} (busy {s.busy})"
+        )
+        s.busy = True
+
+    def end_read(self, s: CacheSlot, i: int, parts: frozenset[str] | set[str]) -> None:
+        """The job on slot ``s`` read ``parts`` of layer i: they are current."""
+        assert s.busy and s.layer == i, f"layer {i}'s slot changed during its job"
+        assert not set(parts) & set(MOMENTS) or s.mom is not None, (
+            f"layer {i}'s moments read without a buffer"
+        )
+        s.busy = False
+        s.valid |= set(parts)
+
+    def fail_read(self, s: CacheSlot, i: int) -> None:
+        """The job on slot ``s`` failed: the slot holds no layer."""
+        assert s.busy and s.layer == i, f"layer {i}'s slot changed during its job"
+        s.busy = False
+        self.detach(s)
+        s.layer, s.valid = None, set()
+
+    def copy_after(self, s: CacheSlot, handle: CopyHandle) -> None:
+        """A device copy still reads slot ``s``: its eviction waits for it."""
+        assert s.layer is not None
+        s.copies.append(handle)
+
+    def fresh(self, s: CacheSlot, i: int, parts: frozenset[str] | set[str]) -> None:
+        """Layer i's ``parts`` are about to be overwritten by the pin's holder: current (a new gradient is
+        neither on disk nor kept)."""
+        assert s.layer == i, f"layer {i}'s parts made fresh in a slot holding {s.layer}"
+        assert not set(parts) & set(MOMENTS) or s.mom is not None, (
+            f"layer {i}'s fresh moments without a buffer"
+        )
+        if "g" in parts:
+            s.g_dirty, s.g_kept = False, False
+        s.valid |= set(parts)
+
+    def written_back(self, s: CacheSlot, i: int, fut: Future, parts: str) -> None:
+        """Layer i's update is queued for the disk (``parts`` of it, read by ``fut``): the slot's last write,
+        and the update buffer's if the moments are written; its gradient is applied (no longer one to park),
+        and gone unless kept for a redo."""
+        assert s.layer == i and s.pins > 0, f"layer {i} written back from a slot not pinned for it"
+        s.writing, s.g_dirty = fut, False
+        if not s.g_kept:
+            s.valid.discard("g")  # applied: what is left in g is no gradient to keep
+        if set(parts) & set(MOMENTS):
+            assert s.mom is not None, f"layer {i}'s moments written back without a buffer"
+            s.mom.writing = fut
+
+    def parking(self, s: CacheSlot, i: int, fut: Future) -> None:
+        """Layer i's gradient is queued for the disk from slot ``s`` (after the slot's earlier writes)."""
+        assert s.layer == i, f"layer {i}'s gradient parked from a slot holding {s.layer}"
+        s.writing, s.g_dirty = fut, False
+
+    def hold_grad(self, s: CacheSlot, i: int) -> None:
+        """Layer i's gradient waits in its slot, on no disk: parked if the slot is rebound first."""
+        assert s.layer == i and "g" in s.valid, f"layer {i}'s gradient held in a slot holding {s.layer}"
+        s.g_dirty = True
+
+    def keep_grad(self, s: CacheSlot, i: int) -> None:
+        """(Layer i pinned, updated.) Its gradient stays in the slot for a redo until the verdict."""
+        assert s.layer == i and s.pins > 0, f"layer {i}'s gradient kept in a slot not pinned for it"
+        s.g_kept = True
+
+    def regrad(self, s: CacheSlot, i: int) -> None:
+        """A rollback: layer i's kept gradient is a gradient waiting for its update again."""
+        assert s.layer == i
+        if s.g_kept:
+            s.g_kept, s.g_dirty = False, True
+
+    def end_step(self) -> None:
+        """The step's verdict is in: a kept gradient no redo used is no gradient any more."""
+        for s in self.slots:
+            if s.g_kept:
+                s.g_kept = False
+                s.valid.discard("g")
+
+    def invalidate(self, s: CacheSlot, i: int, parts: frozenset[str] | set[str]) -> None:
+        """Layer i's ``parts`` in slot ``s`` are not its current version any more (nobody uses them)."""
+        assert s.layer == i and s.pins == 0 and not s.busy, f"layer {i}'s slot invalidated while in use"
+        s.valid -= set(parts)
 
     @property
     def nbytes(self) -> int:

@@ -10,8 +10,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from l2l_cli.engine.device import CopyHandle
-from l2l_cli.engine.tiers.disk.cache import CacheSlot, SlotCache, UpdateBuffer
+from l2l_cli.engine.tiers.disk.cache import CacheSlot, Eviction, SlotTable, UpdateBuffer
 from l2l_cli.engine.tiers.disk.format import STATE
 from l2l_cli.engine.tiers.disk.layout import MOMENTS
 from l2l_cli.engine.tiers.disk.readahead import ReadAhead
@@ -38,8 +37,7 @@ class _Job:
     layer: int
     parts: frozenset[str]
     demand: Demand | None = None
-    # (layer, copies, write, park, the kept gradient's write to kept_grads.eps)
-    evict: tuple[int | None, list[CopyHandle], Future | None, bool, Future | None] | None = None
+    evict: Eviction | None = None  # what the slot held before (the job finishes it first)
     writing: Future | None = None  # the slot's write still in flight (the same layer's): read after it
     mom_writing: Future | None = None  # the update buffer taken: the write-back still reading it
 
@@ -53,7 +51,7 @@ class Reader:
 
     def __init__(
         self,
-        cache: SlotCache,
+        cache: SlotTable,
         plan: ReadAhead,
         store: LayerStore,
         writer: WriteBehind,
@@ -103,19 +101,13 @@ class Reader:
     def _bind(self, s: CacheSlot, i: int, parts: frozenset[str], demand: Demand | None) -> _Job:
         """(Holding the lock.) Slot ``s`` for layer i from now on: its previous layer is evicted by the
         job."""
-        assert s.pins == 0 and not s.busy, f"the slot of layer {s.layer} rebound while in use"
-        assert self.cache.slot_of(i) is None, f"layer {i} bound to a second slot"
         old = s.layer
         keeping = None
-        self.cache.detach(s)  # (its moments, if it held them, are on disk or in the write queued)
         if s.g_kept and old is not None:  # reused before the verdict: the kept gradient to kept_grads.eps
             keeping = self.writer.keep(s, old)
             self.store.kept_on_disk[old] = True
             self.store.kept.writes[old] = keeping
-        evict = (old, s.copies, s.writing, s.g_dirty and old is not None, keeping)
-        s.layer, s.valid, s.copies, s.writing, s.g_dirty, s.g_kept = i, set(), [], None, False, False
-        s.busy = True
-        return _Job(s, i, parts, demand, evict)
+        return _Job(s, i, parts, demand, self.cache.bind(s, i, keeping))
 
     def _take_moments(self, s: CacheSlot, parts: frozenset[str], keep: set[int]) -> UpdateBuffer | None:
         """(Holding the lock.) For a job on slot ``s`` that reads or overwrites ``parts``: the update buffer
@@ -137,7 +129,7 @@ class Reader:
     ) -> _Job:
         """(Holding the lock.) A job reading ``parts`` of layer i into its slot ``s``, ``b`` the update
         buffer it takes (read into after the write-back that still reads it)."""
-        s.busy = True
+        self.cache.begin_read(s, i)
         mom_writing = None
         if b is not None:
             self.cache.attach(s, b)
@@ -208,7 +200,9 @@ class Reader:
         its demand not served and waits again."""
         assert s.layer == d.layer and not s.busy, f"layer {d.layer} granted a slot holding {s.layer}"
         if d.fresh:
-            self.store.make_fresh(s, d.layer, d.need - s.valid)
+            new = d.need - s.valid
+            self.store.make_fresh(s, d.layer, new)
+            self.cache.fresh(s, d.layer, new)
         self.cache.pin(s, d.need)
         d.slot, d.done = s, True
         self.demands.remove(d)
@@ -250,18 +244,15 @@ class Reader:
                 err = e
             with self.cv:
                 s = job.slot
-                assert s.busy and s.layer == job.layer, f"layer {job.layer}'s slot changed during its job"
-                s.busy = False
                 if err is not None:
-                    self.cache.detach(s)
-                    s.layer, s.valid = None, set()
+                    self.cache.fail_read(s, job.layer)
                     if job.demand is not None:
                         job.demand.error, job.demand.done = err, True
                         self.demands.remove(job.demand)
                     else:
                         self.failed = err  # read-ahead stops; the next pin raises the error
                 else:
-                    s.valid |= set(job.parts)
+                    self.cache.end_read(s, job.layer, job.parts)
                     if job.demand is not None:
                         self._serve_pin(job.demand, s)
                 self.cv.notify_all()
@@ -271,7 +262,8 @@ class Reader:
         is on no disk yet), then read the wanted parts of the new one."""
         s, i = job.slot, job.layer
         if job.evict is not None:
-            old, copies, writing, park, keeping = job.evict
+            ev = job.evict
+            old, copies, writing, park, keeping = ev.layer, ev.copies, ev.writing, ev.park, ev.keeping
             for h in copies:
                 while not h.done():
                     time.sleep(5e-5)

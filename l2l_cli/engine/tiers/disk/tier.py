@@ -28,7 +28,7 @@ from l2l_cli.engine.device import Accelerator, CopyHandle
 from l2l_cli.engine.flat import FlatLayout
 from l2l_cli.engine.optim import OptimSettings
 from l2l_cli.engine.tiers.base import TierSettings
-from l2l_cli.engine.tiers.disk.cache import CacheSlot, SlotCache
+from l2l_cli.engine.tiers.disk.cache import CacheSlot, SlotTable
 from l2l_cli.engine.tiers.disk.format import STATE
 from l2l_cli.engine.tiers.disk.layer import DiskLayer
 from l2l_cli.engine.tiers.disk.layout import MOMENTS
@@ -76,7 +76,7 @@ class DiskTier:
             # dedicated slots for the layers larger than a block, shared ones for the rest
             # (layout.cache_slots)
             numels = [f.numel for f in self.store.files]
-            self.cache = SlotCache(k, numels, layouts, acc, send_dtype, optim, self.store.split)
+            self.cache = SlotTable(k, numels, layouts, acc, send_dtype, optim, self.store.split)
         self.plan = ReadAhead(n, k, threading.get_ident())
         self.resident_peak = self.cache.nbytes
         self.layers: dict[int, DiskLayer] = {}
@@ -85,7 +85,7 @@ class DiskTier:
             self.store.create()
         self.resumed = self.store.resumed
         self.record = self.store.record
-        self.writer = WriteBehind(self.store, self.cv, self.counts)
+        self.writer = WriteBehind(self.store, self.cv, self.counts, self.cache)
         self.reader = Reader(self.cache, self.plan, self.store, self.writer, self.cv, self.counts)
         self.reader.start()
 
@@ -138,7 +138,7 @@ class DiskTier:
             s = self.cache.bound_slot(i)
             self.cache.unpin(s)
             if after is not None and not after.done():
-                s.copies.append(after)
+                self.cache.copy_after(s, after)
             self.cv.notify_all()
 
     @contextmanager
@@ -185,14 +185,14 @@ class DiskTier:
             self.cache.unpin(s)
             if st.grad_live[i] and not st.parked[i]:
                 if to_ram:
-                    self.pool.live.add(i)
+                    self.pool.hold(i)
                     st.parked[i] = True  # (in RAM: a read of it copies it back)
                     self.counts.step.parks_ram += 1
                 elif reused:
-                    s.writing = self.writer.park(s, i)  # FIFO: after any earlier write
+                    self.cache.parking(s, i, self.writer.park(s, i))  # FIFO: after any earlier write
                     st.parked[i] = True  # a read of it waits for the slot's write (eviction does)
                 else:
-                    s.g_dirty = True
+                    self.cache.hold_grad(s, i)
             self.cv.notify_all()
 
     def export(self, t: torch.Tensor) -> torch.Tensor:
@@ -231,7 +231,9 @@ class DiskTier:
             moments = not need & set(MOMENTS) or (s is not None and s.mom is not None)
             if s is not None and moments and (not s.missing(need) or (fresh and not s.busy)):
                 if fresh:
-                    self.store.make_fresh(s, i, need - s.valid)
+                    new = need - s.valid
+                    self.store.make_fresh(s, i, new)
+                    self.cache.fresh(s, i, new)
                 self.counts.step.hits += 1
                 self.cache.pin(s, need)
                 self.cv.notify_all()
@@ -294,7 +296,7 @@ class DiskTier:
             if s is None or (s.pins == 0 and not s.busy):
                 self.store.latest[i] = undo
                 if s is not None:
-                    s.valid -= {*STATE, "h"}
+                    self.cache.invalidate(s, i, {*STATE, "h"})
                 self._regrad(st)
                 st.opt_step = st.undo_step
                 return
@@ -326,12 +328,10 @@ class DiskTier:
         parked gradient again."""
         i = st.index
         if st.kept_grad:
-            if i in self.pool.kept:
-                self.pool.kept.discard(i)
-                self.pool.live.add(i)
+            self.pool.regrad(i)
             s = self.cache.slot_of(i)
-            if s is not None and s.g_kept:  # still in its slot: a parked gradient there (on eviction: disk)
-                s.g_kept, s.g_dirty = False, True
+            if s is not None:  # still in its slot: a parked gradient there (on eviction: disk)
+                self.cache.regrad(s, i)
             self.store.parked[i], self.store.grad_live[i] = True, True
             st.kept_grad = False
 
@@ -352,10 +352,10 @@ class DiskTier:
             self.pool.put(i, g)
         with self.cv:
             if in_ram:
-                self.pool.kept.add(i)
+                self.pool.keep(i)
                 self.counts.step.parks_ram += 1
             else:
-                self.cache.bound_slot(i).g_kept = True
+                self.cache.keep_grad(self.cache.bound_slot(i), i)
         self._note_resident()
 
     def commit(self, step: int, trainer_state: dict[str, Any], ident: dict[str, Any] | None = None) -> None:
@@ -389,10 +389,7 @@ class DiskTier:
             self.pool.end_step()
             for layer in self.layers.values():
                 layer.kept_grad = False
-            for s in self.cache.slots:  # a kept gradient no redo used is no gradient any more
-                if s.g_kept:
-                    s.g_kept = False
-                    s.valid.discard("g")
+            self.cache.end_step()  # a kept gradient no redo used is no gradient any more
             st_ = self.store  # (one rolled back by a skipped step stays parked where it is until replaced)
             st_.kept_on_disk = [k and p for k, p in zip(st_.kept_on_disk, st_.parked)]
             st_.kept.writes = {i: w for i, w in st_.kept.writes.items() if st_.kept_on_disk[i]}

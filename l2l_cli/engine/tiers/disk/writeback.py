@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
-from l2l_cli.engine.tiers.disk.cache import CacheSlot
+from l2l_cli.engine.tiers.disk.cache import CacheSlot, SlotTable
 from l2l_cli.engine.tiers.disk.format import (
     COMMIT,
     FORMAT,
@@ -31,7 +31,6 @@ from l2l_cli.engine.tiers.disk.format import (
     split_master,
     zeros_digest,
 )
-from l2l_cli.engine.tiers.disk.layout import MOMENTS
 from l2l_cli.engine.tiers.disk.stats import IoCounts
 from l2l_cli.engine.tiers.disk.store import LayerStore
 from l2l_cli.problems import writing
@@ -44,8 +43,8 @@ class _Stepped(Protocol):
 class WriteBehind:
     """The writer thread and the commits it has made."""
 
-    def __init__(self, store: LayerStore, cv: threading.Condition, counts: IoCounts):
-        self.store, self.cv, self.counts = store, cv, counts
+    def __init__(self, store: LayerStore, cv: threading.Condition, counts: IoCounts, cache: SlotTable):
+        self.store, self.cv, self.counts, self.cache = store, cv, counts, cache
         self.commits = 0
         rec = store.record
         self.last_commit_step: int | None = rec.get("step") if rec is not None else None  # durable
@@ -115,12 +114,9 @@ class WriteBehind:
         parts = f.parts  # (format 1, a new file: its moments are zeros already (fallocate), w alone)
         if prev is None and not f.split:
             parts = "w"
-        st.latest[i], st.parked[i], st.grad_live[i], s.g_dirty = target, False, False, False
+        st.latest[i], st.parked[i], st.grad_live[i] = target, False, False
         st.sums[i][target].clear()  # (known again once the write is done)
-        st.pool.live.discard(i)
-        st.pool.release(i)  # (a gradient kept for a redo stays until the verdict)
-        if not s.g_kept:
-            s.valid.discard("g")  # applied: what is left in g is no gradient to keep
+        st.pool.applied(i)  # (a gradient kept for a redo stays until the verdict)
         c = self.counts.setup if setup else self.counts.step  # bytes when queued: the step that wrote them
         nbytes = sum(f.nbytes(p) for p in parts)
         c.write_bytes += nbytes
@@ -133,9 +129,8 @@ class WriteBehind:
             assert s.w_send is not None and s.lo is not None
             n = f.numel
             split = (s.f32["w"][:n], s.w_send[:n], s.lo[:n], s.f32["v"][:n])
-        s.writing = self._submit(self._write, i, target, parts, views, split, setup)
-        if s.mom is not None and set(parts) & set(MOMENTS):
-            s.mom.writing = s.writing
+        fut = self._submit(self._write, i, target, parts, views, split, setup)
+        self.cache.written_back(s, i, fut, parts)
 
     def _writable(self, i: int, target: int) -> None:
         """The one rule a write keeps: never into the slot the durable commit record names for layer i."""
