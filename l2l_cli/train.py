@@ -81,6 +81,10 @@ def run_job(cfg: DictConfig, run_dir: Path, handle_sigint: bool = True) -> str:
         except WriteFailed as e:  # the last background write (a disk EPS's commit) failed
             if summary.status == "ok":
                 summary.status, summary.error = "error", str(e)
+        except CheckpointError as e:  # a background job's refusal (a disk EPS's checksum), or raised again
+            if summary.status == "ok":  # by the job the run already stopped on: the first one stands
+                summary.status, summary.error, summary.exit_code = "error", f"checkpoint: {e}", 2
+                session.problems = [str(e)]
     write_outcome(session, time.perf_counter() - t_start)
     return summary.code
 

@@ -18,7 +18,7 @@ from l2l_cli.compose import compose
 from l2l_cli.config.validate import validate
 from l2l_cli.engine.tiers.disk import disk_bytes
 from l2l_cli.engine.tiers.disk.format import clear_marks, join_master, split_master
-from l2l_cli.engine.tiers.disk.layout import kept_grads_bytes
+from l2l_cli.engine.tiers.disk.layout import aligned, kept_grads_bytes
 from l2l_cli.problems import ConfigError
 from l2l_cli.session import build
 from l2l_cli.train import run_job
@@ -175,7 +175,7 @@ def test_reads_are_issued_ahead_from_the_last_steps_trace_and_ram_holds_k_layers
         last = reports[-1].extra
         assert last["disk_reads_ahead"] > 0, last
         assert (s["gradients_parked"] > 0) == parks, s
-        assert "master" not in parts and parts["eps_cache"] == sum(sl.nbytes for sl in tier.slots)
+        assert "master" not in parts and parts["eps_cache"] == tier.cache.nbytes
         # the embeddings' own slot and 2 shared block-sized ones (layout.cache_slots), less than 2 of theirs
         assert [sl.owner for sl in tier.slots] == [0, None, None]
         assert sum(sl.numel for sl in tier.slots) < 2 * tier.slots[0].numel
@@ -451,9 +451,7 @@ def test_the_disk_tiers_resident_bytes_do_not_grow_with_depth() -> None:
                 s = runner.eps.tier.summary()
             assert s["grad_ram_layers"] == 2 and s["gradients_parked"] > 0, s
             assert s["gradients_parked_in_ram"] > 0, s
-            assert s["grad_pool_bytes"] <= s["resident_bytes_bound"] - sum(
-                sl.nbytes for sl in runner.eps.tier.slots
-            )
+            assert s["grad_pool_bytes"] <= s["resident_bytes_bound"] - runner.eps.tier.cache.nbytes
             assert s["resident_bytes_peak"] <= s["resident_bytes_bound"], s
             peaks[norm, depth] = s["resident_bytes_peak"]
     assert peaks["1e9", 4] == peaks["1e9", 8] and peaks["1e-9", 4] == peaks["1e-9", 8], peaks
@@ -483,7 +481,7 @@ def test_cache_slots_and_gradient_buffers_are_sized_for_the_layers_they_hold(cac
         got = {"losses": [r.loss for r in reports], "weights": weights(runner)}
         numels = [f.numel for f in tier.store.files]
         slots = [sl.numel for sl in tier.slots]
-        cache_bytes = sum(sl.nbytes for sl in tier.slots)
+        cache_bytes = tier.cache.nbytes
         pool = (tier.pool.nbytes, [b.numel() for b in tier.pool.bufs])
     pre, block = numels[0], numels[1]
     assert pre > 2 * block > 2 * numels[-1], numels
@@ -614,8 +612,10 @@ def test_plan_says_which_tier_a_model_needs_and_predicts_the_disk_tier() -> None
     assert disk["eps_files"] == 24 * params and disk["eps_kept_grads"] == 4 * params
     emb, block = on_disk["params"]["embeddings"], on_disk["params"]["per_block"]  # the largest layers
     assert emb > block > on_disk["params"]["head"]
-    # the embeddings' own slot and 4 shared ones of a block's size (as the tier sizes them)
-    assert on_disk["memory_bytes"]["host"]["parts"]["eps_cache"] == 16 * (emb + 4 * block)
+    # the embeddings' own slot and 4 shared ones of a block's size, [w | g] each, and one update buffer
+    # [m | v] of the largest slot's size (as the tier sizes them: layout.cache_bytes)
+    slots = 2 * (aligned(4 * emb) + 4 * aligned(4 * block))
+    assert on_disk["memory_bytes"]["host"]["parts"]["eps_cache"] == slots + 2 * aligned(4 * emb)
     # eps.grad_ram_layers (2) buffers, at most the 2 largest layers' gradients, whatever the depth
     assert on_disk["memory_bytes"]["host"]["parts"]["eps_grad_pool"] == 4 * (emb + block)
     deep = _plan("hardware.host_memory_gb=2", "eps.tier=disk", "model.num_layers=48")

@@ -7,7 +7,7 @@ the tier's own (``engine/tiers/disk``):
 
 - one reader thread reads in the order the layers are used (``readahead.ReadAhead``, ``reader.Reader``),
   into a slot freed by the use ``slots`` uses earlier: once its compute and update are done and its
-  write-back is on disk (``SlotCache.victim``; eviction waits for the slot's write, ``Reader._run``);
+  write-back is on disk (``SlotTable.victim``; eviction waits for the slot's write, ``Reader._run``);
 - the compute uses a layer once its first read is in (the weights); the update (on the EPS thread, one at a
   time) once the compute is done, its late read is in (the moments) and the layer's write of the step before
   is out (``DiskTier.holding``); then its write-back queues on the one writer thread, in order

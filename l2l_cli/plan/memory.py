@@ -4,7 +4,7 @@ breakdown), for one rank and for a pipeline stage.
 
 from __future__ import annotations
 
-from l2l_cli.engine.tiers.disk.layout import cache_slots
+from l2l_cli.engine.tiers.disk.layout import cache_bytes
 from l2l_cli.plan.knobs import DISK_STATE, FP32_STATE, LOW_BIT, Setup, stage_plan
 from l2l_cli.plan.shapes import ModelShape, device_weight_bytes
 
@@ -55,10 +55,10 @@ def memory(shape: ModelShape, s: Setup) -> dict[str, dict[str, float]]:
         # one layer's working set for one micro-batch, plus every micro-batch's layer output / gradient
         dev["working_activations"] = ub * working + mb * A
         if s.disk:
-            # k cache slots (w, m, v, g and the half send copy, layout.cache_slots); the state and
-            # L2L-p's undo (the slot an update does not overwrite) are in the layer files
+            # k cache slots of weights and gradient (and the half send copies), one update buffer of
+            # moments (layout.cache_bytes: what the tier allocates); the state and L2L-p's undo (the slot
+            # an update does not overwrite) are in the layer files
             k = min(s.cache_layers, N + 2)
-            per_param = FP32_STATE + (2.0 if s.precision == "cmp" else 0.0)
             # the trainable layers' sizes, largest first (LoRA: the adapters of each layer)
             if pe:
                 largest = [L_state] * (N + 2)
@@ -72,7 +72,8 @@ def memory(shape: ModelShape, s: Setup) -> dict[str, dict[str, float]]:
                 if pe
                 else [shape.pre_params, *[shape.block_params] * N, shape.post_params]
             )
-            host["eps_cache"] = per_param * sum(n for n, _ in cache_slots([int(x) for x in numels], k))
+            send = 2 if s.precision == "cmp" else 4
+            host["eps_cache"] = float(cache_bytes([int(x) for x in numels], k, send, s.bf16_master_planes))
             # the gradients waiting for the clipping verdict (or their update): eps.grad_ram_layers buffers,
             # at most the largest layers' gradients, whatever the depth; the others wait on disk (an applied
             # one kept for a redo in kept_grads.eps, sparse: at most 4 bytes per parameter)

@@ -49,7 +49,10 @@ class DiskLayer(LayerState):
         return s
 
     def _part(self, p: str) -> torch.Tensor:
-        return self._slot().f32[p][: self.layout.numel]
+        f = self._slot().f32
+        if p not in f:
+            raise RuntimeError(f"layer {self.index}'s {p} is not in RAM (its moments are pinned for updates)")
+        return f[p][: self.layout.numel]
 
     w = property(lambda self: self._part("w"))  # type: ignore[assignment]
     g = property(lambda self: self._part("g"))  # type: ignore[assignment]
@@ -69,7 +72,7 @@ class DiskLayer(LayerState):
     @property  # type: ignore[override]
     def optimizer(self) -> torch.optim.Optimizer:
         """The cache slot's optimizer for this layer's kind, its step count set to this layer's."""
-        opt = self._slot().optimizers[self.kind]
+        opt = self._slot().optimizer(self.kind)
         for state in opt.state.values():
             state["step"].fill_(self.opt_step)
         return opt
@@ -78,7 +81,7 @@ class DiskLayer(LayerState):
         self, lr: float, grad_mult: torch.Tensor | float | None, bump: bool = True, refresh: bool = True
     ) -> None:
         super().update(lr, grad_mult, bump, refresh)
-        opt = self._slot().optimizers[self.kind]
+        opt = self._slot().optimizer(self.kind)
         self.opt_step = float(next(iter(opt.state.values()))["step"])
         if self._keep:  # the gradient as the update left it (unscaled), which a redo multiplies by the factor
             self.tier.keep_grad(self.index, self.g)

@@ -12,6 +12,8 @@ ALIGN = 4096  # O_DIRECT: buffers, offsets and lengths block-aligned
 STATE = "wmv"  # the parts of a layer's state (a slot of a format-1 file holds them, in file order)
 SPLIT = "hlmv"  # a format-2 slot: the master as bf16 hi and 16-bit lo planes, then the moments
 COMMIT = "commit.json"
+MOMENTS = "mv"  # the parts of a layer's state only its update reads: in an update buffer, not its cache slot
+UPDATE_BUFFERS = 1  # update buffers (each one layer's m and v): the updates run one at a time, on one thread
 
 
 def aligned(n: int) -> int:
@@ -107,3 +109,29 @@ def cache_slots(numels: list[int], k: int) -> list[tuple[int, int | None]]:
     if sum(aligned(4 * x) for x, _ in sized) >= sum(aligned(4 * x) for x, _ in uniform):
         return uniform
     return sized
+
+
+def slot_bytes(numel: int, send_bytes: int = 4, split: bool = False) -> int:
+    """Bytes of one cache slot for layers of at most ``numel`` elements: what the forward and backward read
+    and write, the FP32 master and the gradient ([w | g], page-aligned), and under CMP (``send_bytes`` 2)
+    the half send copy and the half gradient the device returns, under bf16 CMP (``split``) the master's
+    lo plane. The moments are no part of it (:func:`update_buffer_bytes`)."""
+    half = send_bytes * numel if send_bytes != 4 else 0
+    return 2 * aligned(4 * numel) + 2 * half + (2 * numel if split else 0)
+
+
+def update_buffer_bytes(numel: int) -> int:
+    """Bytes of one update buffer for layers of at most ``numel`` elements: their FP32 moments [m | v]."""
+    return len(MOMENTS) * aligned(4 * numel)
+
+
+def cache_bytes(numels: list[int], k: int, send_bytes: int = 4, split: bool = False) -> int:
+    """The host cache's bytes for layers of ``numels`` elements and ``k`` = ``eps.host_cache_layers``: the
+    slots of :func:`cache_slots` (weights and gradient, :func:`slot_bytes`) and ``UPDATE_BUFFERS`` buffers
+    of the largest slot's moments. The tier allocates exactly this; ``l2l plan`` predicts it with it."""
+    slots = cache_slots(numels, k)
+    if not slots:
+        return 0
+    largest = max(n for n, _ in slots)
+    own = sum(slot_bytes(n, send_bytes, split) for n, _ in slots)
+    return own + UPDATE_BUFFERS * update_buffer_bytes(largest)

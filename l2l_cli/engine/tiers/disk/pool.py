@@ -82,6 +82,30 @@ class GradPool:
         self.kept.discard(i)
         self.owner.pop(i, None)
 
+    def hold(self, i: int) -> None:
+        """(Holding the lock; its gradient copied in.) Layer i's gradient waits in its buffer until its
+        update (``live``)."""
+        assert i in self.owner and i not in self.kept, f"layer {i}'s gradient held without its buffer"
+        self.live.add(i)
+
+    def keep(self, i: int) -> None:
+        """(Holding the lock; its gradient copied in.) Layer i's applied gradient stays in its buffer for a
+        redo until the verdict (``kept``)."""
+        assert i in self.owner, f"layer {i}'s gradient kept without its buffer"
+        self.kept.add(i)
+
+    def regrad(self, i: int) -> None:
+        """(Holding the lock.) A rollback: layer i's kept gradient waits for its update again."""
+        if i in self.kept:
+            self.kept.discard(i)
+            self.live.add(i)
+
+    def applied(self, i: int) -> None:
+        """(Holding the lock.) Layer i's update is in: its waiting gradient is no longer (a kept one stays
+        until the verdict); its buffer is free unless it keeps one."""
+        self.live.discard(i)
+        self.release(i)
+
     def end_step(self) -> None:
         """(Holding the lock.) The step's verdict is in: no gradient is kept for a redo any more."""
         self.kept.clear()

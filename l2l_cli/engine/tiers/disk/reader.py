@@ -10,9 +10,9 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from l2l_cli.engine.device import CopyHandle
-from l2l_cli.engine.tiers.disk.cache import CacheSlot, SlotCache
+from l2l_cli.engine.tiers.disk.cache import CacheSlot, Eviction, SlotTable, UpdateBuffer
 from l2l_cli.engine.tiers.disk.format import STATE
+from l2l_cli.engine.tiers.disk.layout import MOMENTS
 from l2l_cli.engine.tiers.disk.readahead import ReadAhead
 from l2l_cli.engine.tiers.disk.stats import IoCounts
 from l2l_cli.engine.tiers.disk.store import LayerStore
@@ -37,9 +37,13 @@ class _Job:
     layer: int
     parts: frozenset[str]
     demand: Demand | None = None
-    # (layer, copies, write, park, the kept gradient's write to kept_grads.eps)
-    evict: tuple[int | None, list[CopyHandle], Future | None, bool, Future | None] | None = None
+    evict: Eviction | None = None  # what the slot held before (the job finishes it first)
     writing: Future | None = None  # the slot's write still in flight (the same layer's): read after it
+    mom_writing: Future | None = None  # the update buffer taken: the write-back still reading it
+
+
+class _NoBuffer(Exception):
+    """Every update buffer is in use (a job that needs one waits)."""
 
 
 class Reader:
@@ -47,7 +51,7 @@ class Reader:
 
     def __init__(
         self,
-        cache: SlotCache,
+        cache: SlotTable,
         plan: ReadAhead,
         store: LayerStore,
         writer: WriteBehind,
@@ -97,18 +101,40 @@ class Reader:
     def _bind(self, s: CacheSlot, i: int, parts: frozenset[str], demand: Demand | None) -> _Job:
         """(Holding the lock.) Slot ``s`` for layer i from now on: its previous layer is evicted by the
         job."""
-        assert s.pins == 0 and not s.busy, f"the slot of layer {s.layer} rebound while in use"
-        assert self.cache.slot_of(i) is None, f"layer {i} bound to a second slot"
         old = s.layer
         keeping = None
         if s.g_kept and old is not None:  # reused before the verdict: the kept gradient to kept_grads.eps
             keeping = self.writer.keep(s, old)
             self.store.kept_on_disk[old] = True
             self.store.kept.writes[old] = keeping
-        evict = (old, s.copies, s.writing, s.g_dirty and old is not None, keeping)
-        s.layer, s.valid, s.copies, s.writing, s.g_dirty, s.g_kept = i, set(), [], None, False, False
-        s.busy = True
-        return _Job(s, i, parts, demand, evict)
+        return _Job(s, i, parts, demand, self.cache.bind(s, i, keeping))
+
+    def _take_moments(self, s: CacheSlot, parts: frozenset[str], keep: set[int]) -> UpdateBuffer | None:
+        """(Holding the lock.) For a job on slot ``s`` that reads or overwrites ``parts``: the update buffer
+        it takes for the moments (``s``'s own: None), or raises _NoBuffer when the moments are wanted and
+        every buffer is in use (``keep``: layers whose buffer is not taken, needed sooner)."""
+        if not set(parts) & set(MOMENTS) or s.mom is not None:
+            return None
+        b = self.cache.free_buffer(s, keep)
+        if b is None:
+            raise _NoBuffer
+        return b
+
+    def _without_moments(self, parts: frozenset[str]) -> frozenset[str]:
+        """``parts`` less the moments, and under format 2 less the master too (it is joined with v)."""
+        return parts - set(MOMENTS) - ({"w"} if self.store.split else set())
+
+    def _job(
+        self, s: CacheSlot, i: int, parts: frozenset[str], demand: Demand | None, b: UpdateBuffer | None
+    ) -> _Job:
+        """(Holding the lock.) A job reading ``parts`` of layer i into its slot ``s``, ``b`` the update
+        buffer it takes (read into after the write-back that still reads it)."""
+        self.cache.begin_read(s, i)
+        mom_writing = None
+        if b is not None:
+            self.cache.attach(s, b)
+            mom_writing = b.writing
+        return _Job(s, i, parts, demand, writing=s.writing, mom_writing=mom_writing)
 
     def _next_job(self) -> _Job | None:
         want = self.plan.predicted() if self.failed is None else []
@@ -119,30 +145,54 @@ class Reader:
                 if s.busy:
                     continue
                 missing = frozenset() if d.fresh else s.missing(d.need)
-                if not missing:
+                try:
+                    b = self._take_moments(s, d.need, set())
+                except _NoBuffer:
+                    continue  # every update buffer in use: wait for an unpin
+                if not missing and b is None:
                     self._serve_pin(d, s)
                     continue
-                s.busy = True
-                return _Job(s, d.layer, missing, d, writing=s.writing)
+                return self._job(s, d.layer, missing, d, b)
             v = self.cache.victim(set(), later, d.layer, self.store.files[d.layer].numel)
             if v is None:
                 continue  # every slot pinned: wait for an unpin
-            return self._bind(v, d.layer, frozenset() if d.fresh else d.need, d)
+            if set(d.need) & set(MOMENTS) and v.mom is None and self.cache.free_buffer(v) is None:
+                continue
+            job = self._bind(v, d.layer, frozenset() if d.fresh else d.need, d)
+            return self._with_moments(job, d.need, set())
         for k, (j, parts) in enumerate(want):
             parts = self.store.readable(j, parts)
+            sooner = {x for x, _ in want[:k]}
             s = self.cache.slot_of(j)
             if s is not None:
                 missing = s.missing(parts)
                 if missing and not s.busy:
-                    s.busy = True
-                    return _Job(s, j, missing, writing=s.writing)
+                    try:
+                        b = self._take_moments(s, missing, sooner)
+                    except _NoBuffer:  # the rest now, the moments once a buffer is free
+                        missing = self._without_moments(missing)
+                        b = None
+                    if missing:
+                        return self._job(s, j, missing, None, b)
                 continue
             avoid, after = {x for x, _ in want[: k + 1]}, {x: p for x, p in later.items() if p > k}
             v = self.cache.victim(avoid, after, j, self.store.files[j].numel)
             if v is None:
                 continue  # (no shared slot for a later one either; a later layer's own slot may be free)
-            return self._bind(v, j, parts, None)
+            if set(parts) & set(MOMENTS) and self.cache.free_buffer(v, sooner) is None and v.mom is None:
+                parts = self._without_moments(parts)  # (the moments once a buffer is free)
+            job = self._bind(v, j, parts, None)
+            return self._with_moments(job, parts, sooner)
         return None
+
+    def _with_moments(self, job: _Job, need: frozenset[str], keep: set[int]) -> _Job:
+        """(Holding the lock.) A job of a newly bound slot: the update buffer its moments need, if any."""
+        if set(need) & set(MOMENTS):
+            b = self.cache.free_buffer(job.slot, keep)
+            assert b is not None, "an update buffer checked free was taken"
+            self.cache.attach(job.slot, b)
+            job.mom_writing = b.writing
+        return job
 
     def _serve_pin(self, d: Demand, s: CacheSlot) -> None:
         """(Holding the lock.) Serve ``d`` with ``s`` and wake its waiter: a grant can come from the check
@@ -150,8 +200,10 @@ class Reader:
         its demand not served and waits again."""
         assert s.layer == d.layer and not s.busy, f"layer {d.layer} granted a slot holding {s.layer}"
         if d.fresh:
-            self.store.make_fresh(s, d.layer, d.need - s.valid)
-        self.cache.pin(s)
+            new = d.need - s.valid
+            self.store.make_fresh(s, d.layer, new)
+            self.cache.fresh(s, d.layer, new)
+        self.cache.pin(s, d.need)
         d.slot, d.done = s, True
         self.demands.remove(d)
         self.cv.notify_all()
@@ -192,17 +244,15 @@ class Reader:
                 err = e
             with self.cv:
                 s = job.slot
-                assert s.busy and s.layer == job.layer, f"layer {job.layer}'s slot changed during its job"
-                s.busy = False
                 if err is not None:
-                    s.layer, s.valid = None, set()
+                    self.cache.fail_read(s, job.layer)
                     if job.demand is not None:
                         job.demand.error, job.demand.done = err, True
                         self.demands.remove(job.demand)
                     else:
                         self.failed = err  # read-ahead stops; the next pin raises the error
                 else:
-                    s.valid |= set(job.parts)
+                    self.cache.end_read(s, job.layer, job.parts)
                     if job.demand is not None:
                         self._serve_pin(job.demand, s)
                 self.cv.notify_all()
@@ -212,7 +262,8 @@ class Reader:
         is on no disk yet), then read the wanted parts of the new one."""
         s, i = job.slot, job.layer
         if job.evict is not None:
-            old, copies, writing, park, keeping = job.evict
+            ev = job.evict
+            old, copies, writing, park, keeping = ev.layer, ev.copies, ev.writing, ev.park, ev.keeping
             for h in copies:
                 while not h.done():
                     time.sleep(5e-5)
@@ -228,6 +279,8 @@ class Reader:
                     self.store.parked[old] = True
         if job.writing is not None:  # a read into buffers a write-back still reads would tear both
             self.writer.result(job.writing)
+        if job.mom_writing is not None:  # (the update buffer taken: its last write-back reads it)
+            self.writer.result(job.mom_writing)
         if not job.parts:
             return
         with self.cv:

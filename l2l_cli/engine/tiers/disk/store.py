@@ -166,16 +166,16 @@ class LayerStore:
         return frozenset(out)
 
     def make_fresh(self, s: CacheSlot, i: int, parts: frozenset[str] | set[str]) -> None:
-        """(Holding the lock.) Parts the caller is about to overwrite; a layer never written yet starts from
-        zero moments."""
+        """(Holding the lock.) Parts the caller is about to overwrite (the slot table's ``fresh`` marks them
+        current): a layer never written yet starts from zero moments; a new gradient is live, neither
+        parked nor kept anywhere."""
         for p in parts:
             if p in "mv" and self.latest[i] is None:
                 s.f32[p].zero_()
             if p == "g":
-                self.grad_live[i], self.parked[i], s.g_dirty, s.g_kept = True, False, False, False
+                self.grad_live[i], self.parked[i] = True, False
                 self.kept_on_disk[i] = False
                 self.pool.drop(i)
-        s.valid |= set(parts)
 
     def read_state(self, fd: int, s: CacheSlot, i: int, slot: int, parts: list[str], what: str) -> None:
         """Layer i's ``parts`` (of ``h`` and STATE) from file slot ``slot`` into cache slot ``s``. Format 2:
@@ -191,6 +191,7 @@ class LayerStore:
                 s.w_send[: f.numel].copy_(s.f32["w"][: f.numel])
             return
         w = "w" in parts
+        assert w or "v" not in parts, "format 2: v is read with the master (its tie marks are cleared then)"
         need = [
             p for p in f.parts if p in parts or (w and p == "l") or (w and p == "h" and "h" not in s.valid)
         ]

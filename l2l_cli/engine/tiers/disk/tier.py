@@ -28,9 +28,10 @@ from l2l_cli.engine.device import Accelerator, CopyHandle
 from l2l_cli.engine.flat import FlatLayout
 from l2l_cli.engine.optim import OptimSettings
 from l2l_cli.engine.tiers.base import TierSettings
-from l2l_cli.engine.tiers.disk.cache import CacheSlot, SlotCache
+from l2l_cli.engine.tiers.disk.cache import CacheSlot, SlotTable
 from l2l_cli.engine.tiers.disk.format import STATE
 from l2l_cli.engine.tiers.disk.layer import DiskLayer
+from l2l_cli.engine.tiers.disk.layout import MOMENTS
 from l2l_cli.engine.tiers.disk.readahead import ReadAhead
 from l2l_cli.engine.tiers.disk.reader import Demand, Reader
 from l2l_cli.engine.tiers.disk.stats import IoCounts
@@ -75,7 +76,7 @@ class DiskTier:
             # dedicated slots for the layers larger than a block, shared ones for the rest
             # (layout.cache_slots)
             numels = [f.numel for f in self.store.files]
-            self.cache = SlotCache(k, numels, layouts, acc, send_dtype, optim, self.store.split)
+            self.cache = SlotTable(k, numels, layouts, acc, send_dtype, optim, self.store.split)
         self.plan = ReadAhead(n, k, threading.get_ident())
         self.resident_peak = self.cache.nbytes
         self.layers: dict[int, DiskLayer] = {}
@@ -84,7 +85,7 @@ class DiskTier:
             self.store.create()
         self.resumed = self.store.resumed
         self.record = self.store.record
-        self.writer = WriteBehind(self.store, self.cv, self.counts)
+        self.writer = WriteBehind(self.store, self.cv, self.counts, self.cache)
         self.reader = Reader(self.cache, self.plan, self.store, self.writer, self.cv, self.counts)
         self.reader.start()
 
@@ -126,15 +127,18 @@ class DiskTier:
         read)."""
         if self.store.split and parts == "w" and not fresh:
             parts = "h"  # the relay sends the device the hi plane (format 2): 2 bytes per parameter read
-        self._pin(i, frozenset(parts), fresh, "relay" if not fresh else None)
+        need = self._needed(parts, fresh)
+        if need & set(MOMENTS):
+            raise ValueError(f"pin({i}, {parts!r}): the moments are pinned for an update, with holding()")
+        self._pin(i, need, fresh, "relay" if not fresh else None)
 
     def unpin(self, i: int, after: CopyHandle | None = None) -> None:
         """Done with layer i (``after``: a copy still reading from its buffers; the slot waits for it)."""
         with self.cv:
             s = self.cache.bound_slot(i)
-            s.pins -= 1
+            self.cache.unpin(s)
             if after is not None and not after.done():
-                s.copies.append(after)
+                self.cache.copy_after(s, after)
             self.cv.notify_all()
 
     @contextmanager
@@ -143,7 +147,8 @@ class DiskTier:
     ) -> Iterator[None]:
         """Layer i's ``parts`` in RAM for the block; ``dirty``: the block changes the state, which is then
         written back (behind the compute) to the slot that does not hold the current version."""
-        s = self._pin(i, frozenset(parts), fresh, "update" if dirty else None)
+        need = self._needed(parts, fresh)
+        s = self._pin(i, need, fresh, "update" if dirty else None)
         ok = False
         try:
             if dirty and s.writing is not None:  # the last write-back still reads these buffers
@@ -154,7 +159,7 @@ class DiskTier:
             with self.cv:
                 if ok and dirty:
                     self.writer.write_back(s, i, setup=fresh and "w" in parts)
-                s.pins -= 1
+                self.cache.unpin(s, need)
                 self.cv.notify_all()
 
     def release_grad(self, i: int) -> None:
@@ -177,36 +182,39 @@ class DiskTier:
         if to_ram:  # (still pinned: nobody reuses the slot while the gradient is copied out)
             self.pool.put(i, s.f32["g"][:numel])
         with self.cv:
-            s.pins -= 1
+            self.cache.unpin(s)
             if st.grad_live[i] and not st.parked[i]:
                 if to_ram:
-                    self.pool.live.add(i)
+                    self.pool.hold(i)
                     st.parked[i] = True  # (in RAM: a read of it copies it back)
                     self.counts.step.parks_ram += 1
                 elif reused:
-                    s.writing = self.writer.park(s, i)  # FIFO: after any earlier write
+                    self.cache.parking(s, i, self.writer.park(s, i))  # FIFO: after any earlier write
                     st.parked[i] = True  # a read of it waits for the slot's write (eviction does)
                 else:
-                    s.g_dirty = True
+                    self.cache.hold_grad(s, i)
             self.cv.notify_all()
 
     def export(self, t: torch.Tensor) -> torch.Tensor:
         """A copy that outlives the pin (the slot is reused for other layers)."""
         return t.clone()
 
+    def _needed(self, parts: str | frozenset[str], fresh: bool) -> frozenset[str]:
+        """The parts a pin of ``parts`` holds (read unless ``fresh``): see :meth:`LayerStore.expand`."""
+        need = frozenset(parts)
+        return need if fresh else self.store.expand(need)
+
     def _pin(self, i: int, need: frozenset[str], fresh: bool, stream: str | None) -> CacheSlot:
-        if not fresh:
-            need = self.store.expand(need)
         hit = self._pin_cached(i, need, fresh, stream)
         if hit is not None:
-            return self._settled(hit, fresh)
+            return self._settled(hit, need, fresh)
         d = Demand(i, need, fresh)
         self.reader.ask(d)
         self._wait(lambda: self.reader.wait(d))
         if d.error is not None:
             raise d.error
         assert d.slot is not None
-        return self._settled(d.slot, fresh)
+        return self._settled(d.slot, need, fresh)
 
     def _pin_cached(self, i: int, need: frozenset[str], fresh: bool, stream: str | None) -> CacheSlot | None:
         """Pin layer i if the cache has what is needed (else None: it must be read, or a slot found)."""
@@ -220,16 +228,19 @@ class DiskTier:
             if stream is not None:
                 self.plan.note(stream, i, need)
             s = self.cache.slot_of(i)
-            if s is not None and (not s.missing(need) or (fresh and not s.busy)):
+            moments = not need & set(MOMENTS) or (s is not None and s.mom is not None)
+            if s is not None and moments and (not s.missing(need) or (fresh and not s.busy)):
                 if fresh:
-                    self.store.make_fresh(s, i, need - s.valid)
+                    new = need - s.valid
+                    self.store.make_fresh(s, i, new)
+                    self.cache.fresh(s, i, new)
                 self.counts.step.hits += 1
-                self.cache.pin(s)
+                self.cache.pin(s, need)
                 self.cv.notify_all()
                 return s
             return None
 
-    def _settled(self, s: CacheSlot, fresh: bool) -> CacheSlot:
+    def _settled(self, s: CacheSlot, need: frozenset[str], fresh: bool) -> CacheSlot:
         """(``s`` pinned.) A slot about to be overwritten (a new gradient) once its last write (a parked
         gradient) is out; if that write failed, the pin is given back (no slot stays pinned by a pin that
         raised) and the failure raises."""
@@ -239,7 +250,7 @@ class DiskTier:
                 self._wait(functools.partial(self.writer.result, writing))
             except BaseException:
                 with self.cv:
-                    s.pins -= 1
+                    self.cache.unpin(s, need)
                     self.cv.notify_all()
                 raise
         return s
@@ -285,7 +296,7 @@ class DiskTier:
             if s is None or (s.pins == 0 and not s.busy):
                 self.store.latest[i] = undo
                 if s is not None:
-                    s.valid -= {*STATE, "h"}
+                    self.cache.invalidate(s, i, {*STATE, "h"})
                 self._regrad(st)
                 st.opt_step = st.undo_step
                 return
@@ -317,12 +328,10 @@ class DiskTier:
         parked gradient again."""
         i = st.index
         if st.kept_grad:
-            if i in self.pool.kept:
-                self.pool.kept.discard(i)
-                self.pool.live.add(i)
+            self.pool.regrad(i)
             s = self.cache.slot_of(i)
-            if s is not None and s.g_kept:  # still in its slot: a parked gradient there (on eviction: disk)
-                s.g_kept, s.g_dirty = False, True
+            if s is not None:  # still in its slot: a parked gradient there (on eviction: disk)
+                self.cache.regrad(s, i)
             self.store.parked[i], self.store.grad_live[i] = True, True
             st.kept_grad = False
 
@@ -343,10 +352,10 @@ class DiskTier:
             self.pool.put(i, g)
         with self.cv:
             if in_ram:
-                self.pool.kept.add(i)
+                self.pool.keep(i)
                 self.counts.step.parks_ram += 1
             else:
-                self.cache.bound_slot(i).g_kept = True
+                self.cache.keep_grad(self.cache.bound_slot(i), i)
         self._note_resident()
 
     def commit(self, step: int, trainer_state: dict[str, Any], ident: dict[str, Any] | None = None) -> None:
@@ -380,10 +389,7 @@ class DiskTier:
             self.pool.end_step()
             for layer in self.layers.values():
                 layer.kept_grad = False
-            for s in self.cache.slots:  # a kept gradient no redo used is no gradient any more
-                if s.g_kept:
-                    s.g_kept = False
-                    s.valid.discard("g")
+            self.cache.end_step()  # a kept gradient no redo used is no gradient any more
             st_ = self.store  # (one rolled back by a skipped step stays parked where it is until replaced)
             st_.kept_on_disk = [k and p for k, p in zip(st_.kept_on_disk, st_.parked)]
             st_.kept.writes = {i: w for i, w in st_.kept.writes.items() if st_.kept_on_disk[i]}
@@ -411,6 +417,7 @@ class DiskTier:
         return {
             "path": str(self.root),
             "host_cache_layers": len(self.cache),
+            "update_buffers": len(self.cache.moms),  # each one layer's moments, for its update
             "direct_io": self.store.io.direct,
             "file_bytes": self.store.file_bytes,
             "read_bytes": t.read_bytes,

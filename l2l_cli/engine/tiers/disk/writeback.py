@@ -17,7 +17,9 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
-from l2l_cli.engine.tiers.disk.cache import CacheSlot
+import torch
+
+from l2l_cli.engine.tiers.disk.cache import CacheSlot, SlotTable
 from l2l_cli.engine.tiers.disk.format import (
     COMMIT,
     FORMAT,
@@ -41,8 +43,8 @@ class _Stepped(Protocol):
 class WriteBehind:
     """The writer thread and the commits it has made."""
 
-    def __init__(self, store: LayerStore, cv: threading.Condition, counts: IoCounts):
-        self.store, self.cv, self.counts = store, cv, counts
+    def __init__(self, store: LayerStore, cv: threading.Condition, counts: IoCounts, cache: SlotTable):
+        self.store, self.cv, self.counts, self.cache = store, cv, counts, cache
         self.commits = 0
         rec = store.record
         self.last_commit_step: int | None = rec.get("step") if rec is not None else None  # durable
@@ -112,17 +114,23 @@ class WriteBehind:
         parts = f.parts  # (format 1, a new file: its moments are zeros already (fallocate), w alone)
         if prev is None and not f.split:
             parts = "w"
-        st.latest[i], st.parked[i], st.grad_live[i], s.g_dirty = target, False, False, False
+        st.latest[i], st.parked[i], st.grad_live[i] = target, False, False
         st.sums[i][target].clear()  # (known again once the write is done)
-        st.pool.live.discard(i)
-        st.pool.release(i)  # (a gradient kept for a redo stays until the verdict)
-        if not s.g_kept:
-            s.valid.discard("g")  # applied: what is left in g is no gradient to keep
+        st.pool.applied(i)  # (a gradient kept for a redo stays until the verdict)
         c = self.counts.setup if setup else self.counts.step  # bytes when queued: the step that wrote them
         nbytes = sum(f.nbytes(p) for p in parts)
         c.write_bytes += nbytes
         c.write_state += nbytes
-        s.writing = self._submit(self._write, s, i, target, parts, setup)
+        # the buffers as they are now (the update buffer may pass to another slot before the write runs;
+        # a read into it waits for this write, ``UpdateBuffer.writing``)
+        views = {p: s.mv(p, f.nbytes(p)) for p in parts}
+        split = None
+        if f.split:
+            assert s.w_send is not None and s.lo is not None
+            n = f.numel
+            split = (s.f32["w"][:n], s.w_send[:n], s.lo[:n], s.f32["v"][:n])
+        fut = self._submit(self._write, i, target, parts, views, split, setup)
+        self.cache.written_back(s, i, fut, parts)
 
     def _writable(self, i: int, target: int) -> None:
         """The one rule a write keeps: never into the slot the durable commit record names for layer i."""
@@ -133,22 +141,30 @@ class WriteBehind:
                 f"layer {i}: a write into slot {target}, which the last durable commit record names"
             )
 
-    def _write(self, s: CacheSlot, i: int, target: int, parts: str, setup: bool) -> None:
+    def _write(
+        self,
+        i: int,
+        target: int,
+        parts: str,
+        views: dict[str, memoryview],
+        split: tuple[torch.Tensor, ...] | None,
+        setup: bool,
+    ) -> None:
+        """Layer i's ``parts`` from ``views`` into file slot ``target`` (``split``: the FP32 master, its hi
+        plane, lo plane and v, whose lo plane and tie marks are made here)."""
         f = self.store.files[i]
         io = self.store.io
         self._writable(i, target)
         t0 = time.perf_counter()
         marks = None
-        if f.split:  # the master's lo plane from the cached FP32 master (hi: the send copy already)
-            assert s.w_send is not None and s.lo is not None
-            n = f.numel
-            marks = split_master(s.f32["w"][:n], s.w_send[:n], s.lo[:n], s.f32["v"][:n])
+        if split is not None:  # the master's lo plane from the cached FP32 master (hi: the send copy already)
+            marks = split_master(*split)
         sums = {p: zeros_digest(f.nbytes(p)) for p in f.parts if p not in parts}  # (a new file's zeros)
         with writing(f.path):  # a full disk: named; the committed slot stays as it was
             fd = io.open(f.path)
             try:
                 for k, p in enumerate(parts):
-                    mv = s.mv(p, f.nbytes(p))
+                    mv = views[p]
                     sums[p] = digest(mv)
                     io.write(fd, mv, f.offset(target, p))
                     if k == 0:
@@ -156,8 +172,8 @@ class WriteBehind:
                 io.sync(fd, f.offset(target, parts[0]), sum(f.nbytes(p) for p in parts))
             finally:
                 os.close(fd)
-                if marks is not None:
-                    clear_marks(s.f32["v"][: f.numel], marks)
+                if marks is not None and split is not None:
+                    clear_marks(split[3], marks)
         with self.cv:
             (self.counts.setup if setup else self.counts.step).write_s += time.perf_counter() - t0
             known = self.store.sums[i][target]  # (a gradient parked there before is overwritten now)
