@@ -50,9 +50,9 @@ def test_train_validates_the_config_once(tmp_path, monkeypatch) -> None:
 
 
 def test_eval_validates_the_config_once(tmp_path, monkeypatch, capsys) -> None:
-    """``l2l eval`` (``predict`` and ``generate`` share its entry) validates its config at the entry; the session they build runs
-    on typed settings and does not validate it again (on 416327d each group's check ran twice: the
-    entry's ``run_config``, then the session's own check)."""
+    """``l2l eval`` (``predict`` and ``generate`` share its entry) validates its config at the entry; the
+    session it builds runs on typed settings and does not validate it again (on 416327d each group's check
+    ran twice: the entry's ``run_config``, then the session's own check)."""
     from l2l_cli import evaluate
 
     run_dir = tmp_path / "run"

@@ -93,7 +93,8 @@ def validate(cfg: Config, *, check_files: bool = True, check_space: bool = True)
 
 def require_valid(cfg: Config) -> None:
     """Raise :class:`~l2l_cli.problems.ConfigError` with every problem of ``cfg`` (exit 2, one line each):
-    what a command runs at its entry, before it builds a session (a config marked validated passes at once)."""
+    what a command runs at its entry, before it builds a session (a config marked validated passes at
+    once)."""
     problems = validate(cfg)
     if problems:
         raise ConfigError(problems)
