@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from l2l_cli.checkpoint import CheckpointError, identity
-from l2l_cli.config.validate import validate
+from l2l_cli.config.schema import L2LConfig
+from l2l_cli.config.settings import Config, settings
+from l2l_cli.config.validate import require_valid
 from l2l_cli.data.batches import TrainStream
 from l2l_cli.data.loading import load_task
 from l2l_cli.data.tasks import TaskData
@@ -58,11 +60,16 @@ log = logging.getLogger("l2l")
 
 
 class Session:
-    """One run's parts. ``open()`` builds them (``build(cfg)`` does it for you); ``close()`` releases them."""
+    """One run's parts. ``open()`` builds them (``build(cfg)`` does it for you); ``close()`` releases them.
+
+    A session builds from a validated config and does not validate it again: the command that runs it
+    validates at its entry (``l2l train``'s preflight and :func:`~l2l_cli.train.run_job`, ``l2l
+    eval|predict|generate``'s ``run_config``, :func:`build` for tests and benchmarks). Its parts read the
+    config as typed settings (:attr:`cfg`); :attr:`node` is the config as given, which the run records."""
 
     def __init__(
         self,
-        cfg: DictConfig,
+        cfg: Config,
         run_dir: Path | None = None,
         *,
         data: TaskData | None = None,
@@ -71,7 +78,8 @@ class Session:
         train: bool = True,
         weights: Path | None = None,
     ):
-        self.cfg, self.stop = cfg, stop
+        self.node, self.stop = cfg, stop
+        self._settings: L2LConfig | None = None
         self.train, self.weights = train, weights  # train False: evaluation only (no stream, no trainer)
         self.dist = DistContext()
         self.run_dir = run_dir
@@ -100,14 +108,21 @@ class Session:
         self.locked_out = False  # another live run holds the run dir or the EPS folder: write nothing there
         self._stack = ExitStack()
 
+    @property
+    def cfg(self) -> L2LConfig:
+        """The config as typed settings (resolved, each field of its schema type), read on first use."""
+        if self._settings is None:
+            self._settings = settings(self.node)
+        return self._settings
+
     # ---- building: one step per part, in the order each needs the last ----------------------------------
 
     def open(self) -> Session:
-        """Build the run's parts in order: config check, ranks, data and model, the EPS's storage, the
+        """Build the run's parts in order: the typed settings, ranks, data and model, the EPS's storage, the
         training stream, accelerator, precision, runner; then either the weights to evaluate, or the
         loggers, the trainer and the state it starts from (a resumed checkpoint, pretrained weights)."""
         try:
-            self._check_config()
+            self._read_settings()
             self._lay_out_ranks()
             self._load_data_and_model()
             self._place_eps()
@@ -132,11 +147,9 @@ class Session:
             raise
         return self
 
-    def _check_config(self) -> None:
-        """Every problem of the config at once, before any work (exit 2, one line each)."""
-        problems = validate(self.cfg)
-        if problems:
-            raise ConfigError(problems)
+    def _read_settings(self) -> None:
+        """The validated config as typed settings, before any work (the entry validated it)."""
+        self._settings = settings(self.node)
 
     def _lay_out_ranks(self) -> None:
         """The mode, the parallel strategy beyond plain data parallel (a pipeline) and the ranks: which
@@ -320,7 +333,7 @@ class Session:
 
     def _make_loggers(self) -> None:
         """metrics.jsonl always (rank 0, with a run dir), then the configured ``logger`` backends."""
-        self.loggers = [JsonlLogger(self.files), *make_loggers(self.cfg.logger, self.files, self.cfg)]
+        self.loggers = [JsonlLogger(self.files), *make_loggers(self.cfg.logger, self.files, self.node)]
 
     def _make_trainer(self) -> None:
         """The loop, from its settings (the config's ``trainer.*`` resolved) and the live parts it drives."""
@@ -368,7 +381,7 @@ class Session:
         later resume or ``l2l eval`` inherits it (Hydra does not write .hydra/ for a resume)."""
         hydra_dir = self.files.dir / ".hydra"
         if hydra_dir.is_dir() and self.files.enabled:
-            self.files.write_text(".hydra/config.yaml", OmegaConf.to_yaml(self.cfg))
+            self.files.write_text(".hydra/config.yaml", OmegaConf.to_yaml(self.node))
             record_config_sum(self.files.dir)
 
     # ---- releasing it ------------------------------------------------------------------------------------
@@ -393,7 +406,8 @@ class Session:
         self.close()
 
 
-def build(cfg: DictConfig, run_dir: Path | None = None, **kw: Any) -> Session:
-    """The opened session for ``cfg`` (use it as ``with build(cfg) as s:``). ``run_dir`` None: nothing is
-    written; ``data``: a task's data already loaded (tests, benchmarks)."""
+def build(cfg: Config, run_dir: Path | None = None, **kw: Any) -> Session:
+    """The opened session for ``cfg``, validated first (use it as ``with build(cfg) as s:``): the entry
+    of tests and benchmarks. ``run_dir`` None: nothing is written; ``data``: a task's data already loaded."""
+    require_valid(cfg)
     return Session(cfg, run_dir, **kw).open()

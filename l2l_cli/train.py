@@ -22,6 +22,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from l2l_cli.checkpoint import CheckpointError
+from l2l_cli.config.validate import require_valid
 from l2l_cli.engine.dist import shutdown as dist_shutdown
 from l2l_cli.loop import Interrupted, TrainingError
 from l2l_cli.memory_report import memory_report
@@ -48,6 +49,7 @@ def run_job(cfg: DictConfig, run_dir: Path, handle_sigint: bool = True) -> str:
     session = Session(cfg, run_dir, stop=stop)
     summary = session.summary
     try:
+        require_valid(cfg)  # the entry's check (a config the preflight validated and marked passes at once)
         session.open()
         assert session.trainer is not None
         session.trainer.run()

@@ -49,6 +49,43 @@ def test_train_validates_the_config_once(tmp_path, monkeypatch) -> None:
     assert runs and set(runs.values()) == {1}, runs
 
 
+def test_eval_validates_the_config_once(tmp_path, monkeypatch, capsys) -> None:
+    """``l2l eval`` (``predict`` and ``generate`` share its entry) validates its config at the entry; the
+    session it builds runs on typed settings and does not validate it again (on 416327d each group's check
+    ran twice: the entry's ``run_config``, then the session's own check)."""
+    from l2l_cli import evaluate
+
+    run_dir = tmp_path / "run"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = train(
+            [
+                *TINY,
+                "trainer.max_steps=1",
+                "trainer.progress=none",
+                "trainer.save_final=true",
+                "task.num_train=32",
+                "task.num_eval=16",
+                f"hydra.run.dir={run_dir}",
+            ]
+        )
+    assert code == 0, err.getvalue()
+    runs: dict[str, int] = {}
+
+    def counted(group, fn):
+        def wrapper(cfg, check_files):
+            runs[group] = runs.get(group, 0) + 1
+            return fn(cfg, check_files)
+
+        return wrapper
+
+    monkeypatch.setattr(validate_mod, "CHECKS", [(g, counted(g, fn)) for g, fn in validate_mod.CHECKS])
+    capsys.readouterr()
+    assert evaluate.main("eval", [str(run_dir), "--json"]) == 0, capsys.readouterr().err
+    assert "accuracy" in json.loads(capsys.readouterr().out)["metrics"]
+    assert runs and set(runs.values()) == {1}, runs
+
+
 def test_a_changed_config_is_validated_again() -> None:
     """Only the values the preflight validated skip the second check: a config it did not see (or one it
     saw with problems) is checked in full."""

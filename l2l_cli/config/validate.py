@@ -14,7 +14,7 @@ from l2l_cli.config.checks import CHECKS, Config
 from l2l_cli.config.placement import eps_space  # (its import registers its groups after checks.py's)
 from l2l_cli.config.settings import is_marked, remember_valid
 from l2l_cli.engine.tiers import TIERS
-from l2l_cli.problems import Problem
+from l2l_cli.problems import ConfigError, Problem
 
 # Sizes beyond these are typos, not models: refuse them before a run tries to allocate them.
 LIMITS = {
@@ -89,3 +89,12 @@ def validate(cfg: Config, *, check_files: bool = True, check_space: bool = True)
     if not problems and check_files and check_space:
         remember_valid(cfg)
     return problems
+
+
+def require_valid(cfg: Config) -> None:
+    """Raise :class:`~l2l_cli.problems.ConfigError` with every problem of ``cfg`` (exit 2, one line each):
+    what a command runs at its entry, before it builds a session (a config marked validated passes at
+    once)."""
+    problems = validate(cfg)
+    if problems:
+        raise ConfigError(problems)
