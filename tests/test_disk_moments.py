@@ -129,3 +129,37 @@ def test_an_update_waits_for_the_buffer_its_moments_go_to() -> None:
         got = {"losses": [r.loss for r in reports], "weights": weights(runner)}
     assert seen and all(ok for _, ok in seen), seen
     _identical(got, ref)
+
+
+def test_each_layers_moments_are_read_once_a_step(monkeypatch: Any) -> None:
+    """The read-ahead reads the moments of the next update only (the one buffer would otherwise go to a
+    later update and be taken back by the next one: its moments read twice). From the second step on (the
+    plan is the last step's trace), each layer's moments are read once a step, ahead of its update."""
+    from l2l_cli.engine.tiers.disk import reader
+
+    reads: list[tuple[int, bool]] = []
+    real = reader.Reader._run
+
+    def run(self: Any, job: Any) -> None:
+        if set(job.parts) & set(MOMENTS):
+            reads.append((job.layer, job.demand is None))
+        real(self, job)
+
+    monkeypatch.setattr(reader.Reader, "_run", run)
+    over = (
+        "mode=l2l",
+        "model.num_layers=6",
+        "optim.max_grad_norm=1e4",
+        "batch.size=2",
+        "batch.ubatch_size=1",
+    )
+    cfg = tiny_cfg(*over, "eps.tier=disk", "eps.host_cache_layers=4")
+    with built(cfg) as runner:
+        it = batches(cfg)
+        runner.step(next(it))
+        for _ in range(2):
+            reads.clear()
+            runner.step(next(it))
+            layers = [i for i, _ in reads]
+            assert sorted(layers) == list(range(len(runner.eps.layers))), reads  # once each
+            assert sum(ahead for _, ahead in reads) >= len(layers) - 1, reads  # (read ahead)

@@ -13,6 +13,7 @@ import itertools
 import threading
 from dataclasses import dataclass
 
+MOMENTS = frozenset("mv")  # (layout.MOMENTS: what an update reads beyond the weights)
 Pin = tuple[int, frozenset[str], bool, bool]  # (layer, parts, fresh, on the compute thread)
 
 
@@ -39,6 +40,9 @@ class ReadAhead:
         self._plan: list[Pin] = []
         self._cursor: dict[bool, int | None] = {True: -1, False: -1}
         self._clock = 0
+        self.updates: list[
+            int
+        ] = []  # of the last ``predicted``: the layers whose moments come next, in order
 
     def follow(self, i: int, need: frozenset[str], fresh: bool) -> None:
         """Record this pin in the step's trace and move this thread's place in the last step's trace."""
@@ -97,6 +101,9 @@ class ReadAhead:
         each stream walks the layers in."""
         k = self.n_slots
         want: dict[int, set[str]] = {}
+        updates: list[
+            int
+        ] = []  # the layers whose moments are wanted, in the order of the pins that want them
         if self._plan and self._cursor[True] is not None:
             plan = self._plan
             cur = {m: -1 if c is None else c for m, c in self._cursor.items()}
@@ -110,8 +117,13 @@ class ReadAhead:
                 if j not in want and len(want) == k:
                     break
                 want.setdefault(j, set()).update(() if fresh else parts)
+                if not fresh and parts & MOMENTS and j not in updates:
+                    updates.append(j)
         else:
             for st in sorted(self.streams.values(), key=lambda s: -s.clock):
                 for j in self._walk(st):
                     want.setdefault(j, set()).update(st.parts)
+                    if st.parts & MOMENTS and j not in updates:
+                        updates.append(j)
+        self.updates = updates
         return [(j, frozenset(p)) for j, p in list(want.items())[:k]]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from l2l_cli.engine.tiers.disk.cache import CacheSlot, Eviction, SlotTable, UpdateBuffer
 from l2l_cli.engine.tiers.disk.format import STATE
-from l2l_cli.engine.tiers.disk.layout import MOMENTS
+from l2l_cli.engine.tiers.disk.layout import MOMENTS, UPDATE_BUFFERS
 from l2l_cli.engine.tiers.disk.readahead import ReadAhead
 from l2l_cli.engine.tiers.disk.stats import IoCounts
 from l2l_cli.engine.tiers.disk.store import LayerStore
@@ -160,8 +160,13 @@ class Reader:
                 continue
             job = self._bind(v, d.layer, frozenset() if d.fresh else d.need, d)
             return self._with_moments(job, d.need, set())
+        # only the next updates' moments are read ahead: a later one's would take the buffer the next one
+        # needs, and be read again after it
+        nxt = set(self.plan.updates[:UPDATE_BUFFERS])
         for k, (j, parts) in enumerate(want):
             parts = self.store.readable(j, parts)
+            if j not in nxt:
+                parts = self._without_moments(parts)
             sooner = {x for x, _ in want[:k]}
             s = self.cache.slot_of(j)
             if s is not None:
