@@ -4,6 +4,7 @@ by what they were for (the breakdown ``summary.json`` and ``benchmarks/disk_tier
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 # what a byte read or written was for (IoStats fields ``read_<what>`` / ``write_<what>``)
 READS = {
@@ -88,3 +89,33 @@ class IoCounts:
         if self.train_steps > 1:
             return self.steady, self.train_steps - 1
         return self.train, self.train_steps
+
+    def report(self, params: int) -> dict[str, Any]:
+        """``eps_disk``'s I/O fields: the run's bytes, seconds and rates, what compute hid, and the bytes per
+        parameter per training step (after the first when there are several), in all and by use."""
+        t = self.run()
+        per, steps = self.per_step()
+        io_s = t.read_s + t.write_s
+        per_param = params * steps
+        return {
+            "read_bytes": t.read_bytes,
+            "write_bytes": t.write_bytes,
+            "read_s": t.read_s,
+            "write_s": t.write_s,
+            "read_gbps": t.read_bytes / t.read_s / 1e9 if t.read_s else None,
+            "write_gbps": t.write_bytes / t.write_s / 1e9 if t.write_s else None,
+            "wait_s": t.wait_s,
+            "eps_thread_wait_s": t.eps_wait_s,
+            "reads_ahead": t.ahead,
+            "reads_on_demand": t.demand,
+            "cache_hits": t.hits,
+            "cache_misses": t.misses,
+            "gradients_parked": t.parks,
+            "gradients_parked_in_ram": t.parks_ram,
+            "hidden_share": max(0.0, min(1.0, 1.0 - t.wait_s / io_s)) if io_s else None,
+            "read_bytes_per_param_step": per.read_bytes / per_param if per_param else None,
+            "write_bytes_per_param_step": per.write_bytes / per_param if per_param else None,
+            "bytes_per_param_step": {k: v / per_param for k, v in per.breakdown().items()}
+            if per_param
+            else {},
+        }

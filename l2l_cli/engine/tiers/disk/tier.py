@@ -409,41 +409,19 @@ class DiskTier:
         every queued write and commit record is on disk: a failure raises here)."""
         self.writer.flush()
         with self.cv:
-            t = self.counts.run()
-            per, steps = self.counts.per_step()
-        io_s = t.read_s + t.write_s
-        per_param = self.params * steps
-        b = {k: v / per_param for k, v in per.breakdown().items()} if per_param else {}
+            io = self.counts.report(self.params)
         return {
             "path": str(self.root),
             "host_cache_layers": len(self.cache),
             "update_buffers": len(self.cache.moms),  # each one layer's moments, for its update
             "direct_io": self.store.io.direct,
             "file_bytes": self.store.file_bytes,
-            "read_bytes": t.read_bytes,
-            "write_bytes": t.write_bytes,
-            "read_s": t.read_s,
-            "write_s": t.write_s,
-            "read_gbps": t.read_bytes / t.read_s / 1e9 if t.read_s else None,
-            "write_gbps": t.write_bytes / t.write_s / 1e9 if t.write_s else None,
-            "wait_s": t.wait_s,
-            "eps_thread_wait_s": t.eps_wait_s,
-            "reads_ahead": t.ahead,
-            "reads_on_demand": t.demand,
-            "cache_hits": t.hits,
-            "cache_misses": t.misses,
-            "gradients_parked": t.parks,
-            "gradients_parked_in_ram": t.parks_ram,
+            **io,
             "grad_pool_bytes": self.pool.nbytes,
             "grad_ram_layers": self.pool.capacity,
             # the tier's RAM (cache slots and pool buffers): its peak, and the bound it keeps at any depth
             "resident_bytes_peak": max(self.resident_peak, self.cache.nbytes + self.pool.nbytes),
             "resident_bytes_bound": self.resident_bound,
-            "hidden_share": max(0.0, min(1.0, 1.0 - t.wait_s / io_s)) if io_s else None,
-            # bytes per parameter per training step (after the first, when there are several), and by use
-            "read_bytes_per_param_step": per.read_bytes / per_param if per_param else None,
-            "write_bytes_per_param_step": per.write_bytes / per_param if per_param else None,
-            "bytes_per_param_step": b,
             "commits": self.writer.commits,
             "last_commit_step": self.writer.last_commit_step,
         }
