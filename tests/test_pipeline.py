@@ -2,9 +2,8 @@
 baseline_ag, the measured bubble of the modular pipeline against the contiguous one, resharded resume,
 config errors before any process starts, and a killed rank ending the job.
 
-Ranks are started once and run several configurations in one process group (``run_jobs``): starting
-ranks costs far more than a tiny configuration's steps, so the two equivalence tests share one launch
-(``two_ranks``).
+Ranks are started once and run several configurations in one process group (``run_jobs``): starting ranks
+costs far more than a tiny configuration's steps, so the two equivalence tests share one launch (``two_ranks``).
 """
 
 from __future__ import annotations
