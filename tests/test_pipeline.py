@@ -2,8 +2,8 @@
 baseline_ag, the measured bubble of the modular pipeline against the contiguous one, resharded resume,
 config errors before any process starts, and a killed rank ending the job.
 
-Ranks are started once and run several configurations in one process group (``run_jobs``): starting ranks
-costs far more than a tiny configuration's steps, so the two equivalence tests share one launch (``two_ranks``).
+Ranks are started once per test and run several configurations in one process group (``run_jobs``):
+starting ranks costs far more than a tiny configuration's steps.
 """
 
 from __future__ import annotations
@@ -160,10 +160,9 @@ def _median(results: dict[int, list[dict]], job: int, key: str) -> float:
     return statistics.median(per_step[1:])
 
 
-def _torch_stage_jobs(at2: Path) -> list[list[str]]:
-    """torch's schedules on 2 ranks: modular and contiguous equivalence, a resharded resume of baseline_ag's
-    checkpoint ``at2``, and the bubble study's modular and contiguous runs."""
-    return [
+def test_two_ranks_match_one_process_reshard_on_resume_and_fill_the_modular_pipeline_sooner(tmp_path) -> None:
+    ref3, at2, ref_ckpt = _reference(tmp_path)
+    jobs = [
         [*EQ, *PIPE, *MODULAR],
         [*EQ, *PIPE, *CONTIGUOUS],
         # a baseline_ag checkpoint resumed by a 2-rank modular pipeline (interleaved 1F1B): each rank takes
@@ -172,33 +171,7 @@ def _torch_stage_jobs(at2: Path) -> list[list[str]]:
         [*BUBBLE, *MODULAR, "hardware=measure"],
         [*BUBBLE, *CONTIGUOUS],
     ]
-
-
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Both tests' 2-rank jobs in one launch (starting ranks is the cost; the configs run one after another
-    in one process group, the bubble study's alone as before): torch's schedules, then the L2L stages.
-    ``tmp``: the folder of the references and checkpoints; ``ref3``, ``ref_ckpt``: one process's baseline_ag
-    (:func:`_reference`); ``torch`` and ``l2l``: each rank's results of those jobs, in order."""
-    tmp = tmp_path_factory.mktemp("pipeline")
-    ref3, at2, ref_ckpt = _reference(tmp)
-    torch_jobs = _torch_stage_jobs(at2)
-    save = {1: str(tmp / "pipe"), len(torch_jobs) + L2L_SAVED: str(tmp / "pipe_at2")}
-    every = run_jobs(2, [*torch_jobs, *_l2l_stage_jobs(tmp / "pipe_at2")], steps=3, save=save)
-    n = len(torch_jobs)
-    return {
-        "tmp": tmp,
-        "ref3": ref3,
-        "ref_ckpt": ref_ckpt,
-        "torch": {r: jobs[:n] for r, jobs in every.items()},
-        "l2l": {r: jobs[n:] for r, jobs in every.items()},
-    }
-
-
-def test_two_ranks_match_one_process_reshard_on_resume_and_fill_the_modular_pipeline_sooner(
-    two_ranks,
-) -> None:
-    tmp_path, ref3, ref_ckpt, results = (two_ranks[k] for k in ("tmp", "ref3", "ref_ckpt", "torch"))
+    results = run_jobs(2, jobs, steps=3, save={1: str(tmp_path / "pipe")})
     mod, con, resumed, mod_b, con_b = results[0]
     assert len(resumed["losses"]) == 1  # it went on from step 2
     for job in (mod, con, resumed):
@@ -499,13 +472,13 @@ FLAT = [
 ]
 
 
-L2L_SAVED = 8  # the L2L stages' job whose checkpoint (after 2 steps) the next job resumes
-LR = ["optim.schedule=constant", "optim.warmup_steps=0"]
-
-
-def _l2l_stage_jobs(at2: Path) -> list[list[str]]:
-    """L2L stages on 2 ranks: equivalence (device and CPU stash), the flatness study (8, 16 layers), CMP,
-    L2L-p, and a checkpoint after 2 steps (job ``L2L_SAVED``, into ``at2``) resumed to 3."""
+def test_l2l_stages_equal_one_process_l2l_and_keep_device_memory_flat_in_depth(tmp_path) -> None:
+    """Acceptance 1 and 2: modular breadth-first L2L stages on 2 ranks (device stash and CPU stash, and
+    L2L-p) give one process mode=l2l's weights after 3 clipped steps; with the CPU stash each rank's device
+    peak does not grow from 8 to 16 layers, while baseline_ag stages' does. And their checkpoints: each rank
+    writes its layers' EPS files, a resumed run equals the uninterrupted one, one process resumes them."""
+    ref = train(tiny_cfg(*EQ[len(TINY) :], *CLIP, "mode=l2l"), steps=3, total_steps=3)
+    assert all(r.grad_norm > 0.05 for r in ref["reports"][:2])  # clipping applied
     jobs = [[*EQ, *CLIP, *PIPE[1:], "mode=l2l"], [*EQ, *CLIP, *PIPE[1:], "mode=l2l", "mode.stash=cpu"]]
     for layers in (8, 16):
         for mode in (["mode=l2l", "mode.stash=cpu"], ["mode=baseline_ag"]):
@@ -516,23 +489,13 @@ def _l2l_stage_jobs(at2: Path) -> list[list[str]]:
     jobs.append([*EQ, *CLIP, *PIPE[1:], "mode=l2l_p"])  # the update overlapped, judged on the pipeline's norm
     # checkpoint and resume: 2 steps saved (each rank its layers), resumed to 3, = 3 steps uninterrupted bit
     # for bit (a constant learning rate: the saved run's schedule ends at 2 steps)
+    at2, lr = tmp_path / "pipe_at2", ["optim.schedule=constant", "optim.warmup_steps=0"]
     jobs += [
-        [*EQ, *CLIP, *PIPE[1:], *LR, "mode=l2l_p", "trainer.max_steps=2"],
-        [*EQ, *CLIP, *PIPE[1:], *LR, "mode=l2l_p", f"trainer.resume={at2}"],
-        [*EQ, *CLIP, *PIPE[1:], *LR, "mode=l2l_p"],
+        [*EQ, *CLIP, *PIPE[1:], *lr, "mode=l2l_p", "trainer.max_steps=2"],
+        [*EQ, *CLIP, *PIPE[1:], *lr, "mode=l2l_p", f"trainer.resume={at2}"],
+        [*EQ, *CLIP, *PIPE[1:], *lr, "mode=l2l_p"],
     ]
-    return jobs
-
-
-def test_l2l_stages_equal_one_process_l2l_and_keep_device_memory_flat_in_depth(two_ranks) -> None:
-    """Acceptance 1 and 2: modular breadth-first L2L stages on 2 ranks (device stash and CPU stash, and
-    L2L-p) give one process mode=l2l's weights after 3 clipped steps; with the CPU stash each rank's device
-    peak does not grow from 8 to 16 layers, while baseline_ag stages' does. And their checkpoints: each rank
-    writes its layers' EPS files, a resumed run equals the uninterrupted one, one process resumes them."""
-    ref = train(tiny_cfg(*EQ[len(TINY) :], *CLIP, "mode=l2l"), steps=3, total_steps=3)
-    assert all(r.grad_norm > 0.05 for r in ref["reports"][:2])  # clipping applied
-    tmp_path, results = two_ranks["tmp"], two_ranks["l2l"]
-    at2, lr = tmp_path / "pipe_at2", LR
+    results = run_jobs(2, jobs, steps=3, save={8: str(at2)})
     cmp = train(tiny_cfg(*EQ[len(TINY) :], *CLIP, "mode=l2l", "precision=cmp"), steps=3, total_steps=3)
     assert results[0][6]["losses"] == pytest.approx(cmp["losses"], rel=1e-6)
     assert max(float((results[0][6]["weights"][k] - w).abs().max()) for k, w in cmp["weights"].items()) < 1e-3
