@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.util import REPO, TINY, assert_same_weights, kill_rank_1_mid_run, l2l
+from tests.util import REPO, TINY, assert_same_weights, kill_rank_1_mid_run, l2l, tiny_cfg, train
 
 MODES = ["baseline_ag", "l2l", "l2l_p"]
 DP = [
@@ -31,22 +31,19 @@ def _final(run: Path) -> dict[str, torch.Tensor]:
     return load_file(run / "final" / "model.safetensors")
 
 
-def _sweep(tmp: Path, *args: str) -> subprocess.CompletedProcess:
-    return l2l("train", "-m", f"mode={','.join(MODES)}", *DP, *args, f"hydra.sweep.dir={tmp}", timeout=600)
+def test_two_ranks_equal_one_process_with_the_global_batch() -> None:
+    """Every EPS-less and EPS mode on 2 ranks (each half the global batch), started once and run one
+    config after another in one process group (``run_jobs``), equals one process with the whole batch.
+    The CLI's own 2-rank run (files, gathered memory, the summary) is test_two_rank_resume_is_exact's."""
+    from l2l_cli.launch import run_jobs
 
-
-def test_two_ranks_equal_one_process_with_the_global_batch(tmp_path) -> None:
-    one = _sweep(tmp_path / "one", "batch.size=8", "batch.ubatch_size=2")
-    two = _sweep(tmp_path / "two", "dist.nproc=2", "batch.size=4", "batch.ubatch_size=2")
-    assert one.returncode == 0, one.stderr[-2000:]
-    assert two.returncode == 0, two.stderr[-2000:]
+    shared = [*DP[len(TINY) :], "batch.ubatch_size=2"]
+    results = run_jobs(2, [[*TINY, *shared, f"mode={m}", "batch.size=4"] for m in MODES], steps=3)
     for job, mode in enumerate(MODES):
-        a, b = _final(tmp_path / "one" / str(job)), _final(tmp_path / "two" / str(job))
-        assert_same_weights(a, b, rtol=1e-4)
-        memory = json.loads((tmp_path / "two" / str(job) / "memory.json").read_text())
-        assert [r["rank"] for r in memory["ranks"]] == [0, 1], mode
-        summary = json.loads((tmp_path / "two" / str(job) / "summary.json").read_text())
-        assert summary["world_size"] == 2 and summary["config"]["global_batch_size"] == 8
+        one = train(tiny_cfg(*shared, f"mode={mode}", "batch.size=8"), steps=3, total_steps=3)["weights"]
+        two = results[0][job]
+        assert len(two["losses"]) == 3 and two["samples"] == [8, 8, 8], mode  # the global batch, per step
+        assert_same_weights(two["weights"], one, rtol=1e-4)
 
 
 def test_killing_one_rank_ends_the_job_with_a_clear_error(tmp_path) -> None:
@@ -66,6 +63,10 @@ def test_two_rank_resume_is_exact(tmp_path) -> None:
     full, cut = tmp_path / "full", tmp_path / "cut"
     r = l2l("train", *args, f"hydra.run.dir={full}", timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
+    memory = json.loads((full / "memory.json").read_text())
+    assert [r["rank"] for r in memory["ranks"]] == [0, 1]  # every rank's memory, gathered on rank 0
+    summary = json.loads((full / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["config"]["global_batch_size"] == 16  # 2 x batch.size=8
     shutil.copytree(full, cut)
     shutil.rmtree(cut / "checkpoints" / "step_4")
     r = l2l("train", *args, f"trainer.resume={cut}", timeout=600)

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import subprocess
-import sys
 
 import pytest
 
@@ -18,6 +16,7 @@ from l2l_cli.plan.choose import search_plan
 from l2l_cli.plan.cli import main
 from l2l_cli.plan.hardware import resolve
 from l2l_cli.plan.planner import make_plan, model_shape
+from tests.util import l2l
 
 LLAMA_8 = ["model=llama-7b", "task=lm", "hardware=a100-80g", "plan.max_gpus=8"]
 
@@ -188,15 +187,7 @@ def _run_tiny(command: str, tmp_path, nproc: int) -> None:
         "task.max_eval_samples=4",
         f"hydra.run.dir={tmp_path}/run",
     ]
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    run = subprocess.run(
-        [sys.executable, "-m", "l2l_cli", "train", *out],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=300,
-    )
+    run = l2l("train", *out, cwd=tmp_path, timeout=300)  # from the run's own folder, as a user types it
     assert run.returncode == 0, run.stderr[-2000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 2
