@@ -166,6 +166,8 @@ def test_every_documented_command_runs(
 ) -> None:
     if command.startswith("bash scripts/setup.sh"):
         pytest.skip("the two setup commands are what CI itself runs")
+    if "../shared/data/glue" in command and not GLUE.is_dir():
+        pytest.skip(f"the GLUE files are not beside this checkout ({GLUE})")
     cwd = sandbox[""]
     monkeypatch.chdir(cwd)
     argv = shlex.split(_substitute(command, sandbox))
