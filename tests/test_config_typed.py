@@ -27,9 +27,8 @@ def _hydra() -> None:
     setup()
 
 
-def test_train_validates_the_config_once(tmp_path, monkeypatch) -> None:
-    """The CLI's preflight validates the config; the session that runs those same values does not run
-    every group's check a second time (on 57486fb each ran twice: cli.py, then session.py)."""
+def count_checks(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """How many times each config group's check runs from now on (filled as they run)."""
     runs: dict[str, int] = {}
 
     def counted(group, fn):
@@ -40,6 +39,13 @@ def test_train_validates_the_config_once(tmp_path, monkeypatch) -> None:
         return wrapper
 
     monkeypatch.setattr(validate_mod, "CHECKS", [(g, counted(g, fn)) for g, fn in validate_mod.CHECKS])
+    return runs
+
+
+def test_train_validates_the_config_once(tmp_path, monkeypatch) -> None:
+    """The CLI's preflight validates the config; the session that runs those same values does not run
+    every group's check a second time (on 57486fb each ran twice: cli.py, then session.py)."""
+    runs = count_checks(monkeypatch)
     run_dir = tmp_path / "run"
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
@@ -70,16 +76,7 @@ def test_eval_validates_the_config_once(tmp_path, monkeypatch, capsys) -> None:
             ]
         )
     assert code == 0, err.getvalue()
-    runs: dict[str, int] = {}
-
-    def counted(group, fn):
-        def wrapper(cfg, check_files):
-            runs[group] = runs.get(group, 0) + 1
-            return fn(cfg, check_files)
-
-        return wrapper
-
-    monkeypatch.setattr(validate_mod, "CHECKS", [(g, counted(g, fn)) for g, fn in validate_mod.CHECKS])
+    runs = count_checks(monkeypatch)
     capsys.readouterr()
     assert evaluate.main("eval", [str(run_dir), "--json"]) == 0, capsys.readouterr().err
     assert "accuracy" in json.loads(capsys.readouterr().out)["metrics"]

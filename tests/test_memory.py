@@ -161,22 +161,27 @@ def test_l2l_p_host_work_is_not_device_memory() -> None:
     assert a["peak"] == b["peak"] and a["parts"] == b["parts"]
 
 
+class FakeAllocator:
+    """engine/device.py's CudaAllocator with its counters in ``alloc`` (``now``, ``peak``), set by the test."""
+
+    def __init__(self, alloc: dict[str, int]):
+        self.alloc = alloc
+
+    def allocated(self) -> int:
+        return self.alloc["now"]
+
+    def max_allocated(self) -> int:
+        return self.alloc["peak"]
+
+    def reset_peak(self) -> None:
+        self.alloc.update(peak=self.alloc["now"])
+
+
 def test_cuda_meter_parts_are_the_owned_tensors_at_the_peak(monkeypatch) -> None:
     """CudaMeter's logic with the allocator's counters faked: the parts at the peak are the tensors the
     runner counted as they stood when the peak was marked, the rest of the peak is workspace."""
     alloc = {"now": 1000, "peak": 1000}
-
-    class Allocator:  # engine/device.py's CudaAllocator, its counters faked
-        def allocated(self) -> int:
-            return alloc["now"]
-
-        def max_allocated(self) -> int:
-            return alloc["peak"]
-
-        def reset_peak(self) -> None:
-            alloc.update(peak=alloc["now"])
-
-    m = CudaMeter(torch.device("cuda", 0), Allocator())
+    m = CudaMeter(torch.device("cuda", 0), FakeAllocator(alloc))
     slots = torch.empty(250)  # stands for a device tensor: the meter only reads its storage's size
     m.count(slots, "layer_slots")
     stash = torch.empty(100)
@@ -194,18 +199,7 @@ def test_cuda_meter_forgets_an_earlier_runs_peak_in_the_same_process() -> None:
     """The caching allocator's peak is per process: a second run in one process (an ``-m`` sweep, a test
     session) must not report the first run's peak, nor its own parts as they stood before that peak."""
     alloc = {"now": 1000, "peak": 9_000_000}  # an earlier run peaked at 9 MB and freed it all
-
-    class Allocator:
-        def allocated(self) -> int:
-            return alloc["now"]
-
-        def max_allocated(self) -> int:
-            return alloc["peak"]
-
-        def reset_peak(self) -> None:
-            alloc.update(peak=alloc["now"])
-
-    m = CudaMeter(torch.device("cuda", 0), Allocator())
+    m = CudaMeter(torch.device("cuda", 0), FakeAllocator(alloc))
     assert m.peak_bytes == 0
     weights = torch.empty(100)
     m.count(weights, "weights")
