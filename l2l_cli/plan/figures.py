@@ -37,6 +37,8 @@ FIGURES = {  # name -> what differs from the base machine
     "figure8": {"node_size": 16, "network": "ethernet"},
 }
 LABELS = {"baseline": "3d Baseline", "partitioned": "2d Partitioned", "improved": "3d Improved"}
+# a search row's fields that a figure's CSV row takes as they are
+SEARCH_FIELDS = ("b", "b_mu", "n_mu", "n_b", "n_l", "n_a", "n_gpu", "offload", "efficiency", "days")
 CSV_FIELDS = (
     "figure",
     "network",
@@ -46,16 +48,7 @@ CSV_FIELDS = (
     "x",
     "params",
     "critical_batch",
-    "b",
-    "b_mu",
-    "n_mu",
-    "n_b",
-    "n_l",
-    "n_a",
-    "n_gpu",
-    "offload",
-    "efficiency",
-    "days",
+    *SEARCH_FIELDS,
     *(f"{k}_gb" for k in MEMORY_KEYS),
     "fits_device",
     "binding",
@@ -200,21 +193,7 @@ def csv_rows(
                 "x": x,
                 "params": ga.x_family(x).p,
                 "critical_batch": ga.x_critical_batch_size(x),
-                **{
-                    k: r[k]
-                    for k in (
-                        "b",
-                        "b_mu",
-                        "n_mu",
-                        "n_b",
-                        "n_l",
-                        "n_a",
-                        "n_gpu",
-                        "offload",
-                        "efficiency",
-                        "days",
-                    )
-                },
+                **{k: r[k] for k in SEARCH_FIELDS},
                 **{f"{k}_gb": r["memory"][k] for k in MEMORY_KEYS},
                 "fits_device": not f.over_memory,
                 "binding": r["binding"],
