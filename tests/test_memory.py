@@ -162,7 +162,7 @@ def test_l2l_p_host_work_is_not_device_memory() -> None:
 
 
 class FakeAllocator:
-    """engine/device.py's CudaAllocator with its counters in ``alloc`` (``now``, ``peak``), set by the test."""
+    """engine/device.py's CudaAllocator, its counters in ``alloc`` (``now``, ``peak``), set by the test."""
 
     def __init__(self, alloc: dict[str, int]):
         self.alloc = alloc
