@@ -132,9 +132,9 @@ def test_bytes_per_parameter_and_step_are_counted_by_use_and_stay_within_28() ->
     got = per_param("mode=l2l", "optim.max_grad_norm=1e9", "eps.grad_ram_layers=8")
     assert got["total"] <= 28 * got["pad"], got
     assert got["write_state"] == pytest.approx(12 * got["pad"]) and got["write_park"] == 0, got
-    # no RAM for the gradients kept for a redo: each is written to disk once (4 B; the embeddings' update
-    # comes after the verdict and keeps none), never read (no redo)
-    kept = per_param("mode=l2l", "optim.max_grad_norm=1e9", "eps.grad_ram_layers=0")
+    # no RAM for the gradients kept for a redo (eps.clip_redo=keep): each is written to disk once (4 B; the
+    # embeddings' update comes after the verdict and keeps none), never read (no redo)
+    kept = per_param("mode=l2l", "optim.max_grad_norm=1e9", "eps.grad_ram_layers=0", "eps.clip_redo=keep")
     assert 0 < kept["write_park"] <= 4 * kept["pad"] and kept["read_grad"] == 0, kept
     assert kept["total"] <= 32 * kept["pad"], kept
     parked = per_param("mode=l2l", "optim.max_grad_norm=1e-9", "eps.grad_ram_gb=0", "eps.host_cache_layers=2")

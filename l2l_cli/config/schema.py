@@ -220,6 +220,11 @@ class EpsConfig:
     host_cache_layers: int = 4  # disk: layers in RAM at once (>= 2; 4: the backward's read serves the update)
     grad_ram_gb: float = 8.0  # disk: gradients kept in RAM (parked, or for a rollback) instead of on disk, GB
     grad_ram_layers: int = 2  # disk: at most this many layers' waiting gradients in RAM (beyond: on disk)
+    # disk, global clipping: how a speculative update is redone when the step's norm says clip. keep: each
+    # gradient is kept until the verdict (beyond the RAM pool: written, 4 B/param a step); replay: none is
+    # kept, a clipped step runs again from its start with the factor known; auto: keep while a recent
+    # step's norm came within half of optim.max_grad_norm, else replay
+    clip_redo: str = "auto"
 
 
 @dataclass

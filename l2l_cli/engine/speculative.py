@@ -8,6 +8,13 @@ update is undone; clipping applies -> undone and redone with the right factor. L
 norm so far already exceeds the limit are held back instead (their update would only be undone). This class
 keeps that bookkeeping (the step's norms, the layers updated and held, the rollbacks so far).
 
+A redo needs the gradient each speculative update consumed. Where keeping it costs I/O (the disk tier beyond
+its RAM pool: 4 B per parameter written every step, for a redo most steps never need) ``eps.clip_redo``
+may keep none instead: a step that then turns out to clip is rolled back and *replayed*, its forward and
+backward run again from the same weights, micro-batches and dropout seeds, each layer updated with the
+factor now known (the runner runs the second pass: ``replay_factor``). ``auto`` keeps while a recent step's
+norm came within ``AUTO_NEAR`` of the limit (clipping likely), and replays otherwise.
+
 Built by a runner whose schedule updates in the backward (L2L-p; L2L on a tier that updates in the
 backward), beside the EPS whose layers it updates, with the trailing update (if the schedule holds one) and
 the verdict's norms beyond this EPS (a pipeline rank's) given at construction.
@@ -16,6 +23,7 @@ the verdict's norms beyond this EPS (a pipeline rank's) given at construction.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -24,6 +32,9 @@ from l2l_cli.engine.eps import EagerParamServer, grad_mult
 from l2l_cli.engine.optim import clip_coefficients
 from l2l_cli.engine.precision import LossScaler
 from l2l_cli.engine.trailing import TrailingUpdate, finish_updates
+
+AUTO_NEAR = 0.5  # eps.clip_redo=auto keeps the gradients while a recent norm was >= this x max_grad_norm
+AUTO_STEPS = 8  # ... among this many last steps' norms
 
 
 class Speculation:
@@ -34,6 +45,7 @@ class Speculation:
         eps: EagerParamServer,
         trailing: TrailingUpdate | None = None,
         combine: Callable[[torch.Tensor], tuple[torch.Tensor, list[int]]] | None = None,
+        replay: bool = False,
     ):
         self.eps, self.worker, self.tier, self.trailing = eps, eps.worker, eps.tier, trailing
         # the step's per-layer norms, the layers updated before the verdict (undo log kept), those held
@@ -53,6 +65,25 @@ class Speculation:
         # EPS holds some layers: the clipping factor and the verdict are the whole model's); None: this
         # EPS holds the model
         self.combine = combine
+        # a clipped step with gradients not kept runs again (``replay``: the runner can; a pipeline's stages
+        # cannot, they always keep): ``finish`` sets ``replay_factor`` for that pass, whose own finish clears it
+        self.can_replay = replay
+        self.replay_factor: torch.Tensor | None = None
+        self.replays = 0  # steps run twice
+        self._keep: bool | None = (
+            None  # this step keeps its gradients for a redo (chosen at its first update)
+        )
+        self._unkept: set[int] = set()  # layers updated speculatively whose gradient was not kept
+        self._recent: deque[float] = deque(maxlen=AUTO_STEPS)  # the last steps' global norms (finite ones)
+
+    def keeps(self, max_norm: float) -> bool:
+        """Whether this step keeps each speculative update's gradient for a redo (``eps.clip_redo``): always
+        where keeping is free (the host tier) or a replay is not possible; ``auto``: while a recent step's
+        norm came within ``AUTO_NEAR`` of ``max_norm`` (with no step seen yet, as after a resume: kept)."""
+        how = self.tier.clip_redo if self.can_replay else "keep"
+        if how == "auto":
+            return not self._recent or max(self._recent) >= AUTO_NEAR * max_norm
+        return how == "keep"
 
     def update_async(self, i: int, lr: float, scaler: LossScaler, clip: str, max_norm: float) -> None:
         """Reduce and update layer i in the background (Alg. 4, Process 2), speculatively: with global
@@ -74,22 +105,32 @@ class Speculation:
             self._bad = True
             return
         inv = 1.0 / (scale * eps.dist.world)
-        if clip == "global":
+        known = self.replay_factor
+        if (
+            clip == "global" and known is not None
+        ):  # a replayed step: the factor is known, as for a held layer
+            mult = known * inv if inv != 1.0 else known
+        elif clip == "global":
             norms = torch.stack(list(self._norms.values()))
-            if float(clip_coefficients(norms, clip, max_norm)[0]) < 1.0 or not st.reserve_redo():
+            if self._keep is None:
+                self._keep = self.keeps(max_norm)
+            certain = float(clip_coefficients(norms, clip, max_norm)[0]) < 1.0
+            if certain or (self._keep and not st.reserve_redo()):
                 # the norm so far already exceeds max_grad_norm: clipping is certain, and any update
                 # made now would be undone; wait for the factor instead. So does a layer whose tier
                 # cannot keep the gradient the update consumes (a redo needs it; the disk tier keeps it
                 # in RAM or on disk, its undo is the file's other slot, the state before the update)
                 self._deferred.append(i)
                 return
+            if not self._keep:  # a redo would need this gradient: the step would be replayed instead
+                self._unkept.add(i)
             mult = None if inv == 1.0 else inv  # as if the factor were 1; checked in finish
         else:
             coef = clip_coefficients(norm[None], clip, max_norm)
             mult = (coef[0] * inv) if coef is not None else (None if inv == 1.0 else inv)
         with self.worker.work():
             st.save_undo(eps.acc)
-            if clip == "global" and not _power_of_two(inv):
+            if clip == "global" and known is None and not _power_of_two(inv):
                 self._received[i] = st.g.clone()
             eps.update_layer(i, lr, mult)
         self._updated.append(i)
@@ -119,20 +160,37 @@ class Speculation:
         if self.combine is not None:  # (a pipeline rank: every rank's norms, one verdict for all)
             norms, where = self.combine(norms)
         bad, updated, held = self._bad or not bool(torch.isfinite(norms).all()), self._updated, self._deferred
-        received = self._received
+        received, unkept, known = self._received, self._unkept, self.replay_factor
         self._bad, self._updated, self._deferred, self._norms, self._received = False, [], [], {}, {}
+        self._unkept, self._keep, self.replay_factor = set(), None, None
         self.last_rollback = None
-        scaler.update(bad)
+        total = float(torch.linalg.vector_norm(norms))
         if bad:
+            scaler.update(bad)
             with self.worker.work():
                 for i in updated:
                     eps.restore_layer(i)
             self._count_rollback(updated, "a non-finite gradient")
-            return False, float(torch.linalg.vector_norm(norms))
+            return False, total
         coefs = clip_coefficients(norms, clip, max_norm)
+        if clip == "global" and known is None and float(coefs[0]) < 1.0 and unkept:  # type: ignore[index]
+            # clipping nobody foresaw, with gradients not kept: undo the step's updates and run it again
+            # with the factor known (the runner's second pass; the loss scale stays until its verdict)
+            with self.worker.work():
+                for i in updated:
+                    eps.restore_layer(i)
+            self.replay_factor = coefs[0]  # type: ignore[index]
+            self.replays += 1
+            why = f"global gradient norm {total:.4g} > optim.max_grad_norm {max_norm:g}, gradients not kept"
+            self._count_rollback(updated, f"{why} (eps.clip_redo={self.tier.clip_redo}, step replayed)")
+            return True, total
+        scaler.update(bad)
+        self._recent.append(total)
+        if known is not None:  # (the replayed pass updated every layer with the factor; so is the last)
+            coefs = known.expand_as(norms)
         if clip == "global":
             factor = coefs[0]  # type: ignore[index]
-            redo = updated if float(factor) < 1.0 else []
+            redo = updated if known is None and float(factor) < 1.0 else []
             for i in sorted(held + redo):  # forward order: the next forward needs layer 1 first
                 self.worker.submit(
                     self.worker.timed,
@@ -146,7 +204,6 @@ class Speculation:
                     layer=i,
                 )
             if redo:
-                total = float(torch.linalg.vector_norm(norms))
                 self._count_rollback(
                     redo, f"global gradient norm {total:.4g} > optim.max_grad_norm {max_norm:g}"
                 )

@@ -14,6 +14,7 @@ matmul outputs (engine/recompute.py): less or no recompute, the same numbers.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +45,8 @@ from l2l_cli.modes.registry import ModeSpec, UpdateSchedule, update_schedule
 if TYPE_CHECKING:
     from l2l_cli.checkpoint import RealtimeWriter
 
+log = logging.getLogger("l2l")
+
 
 class L2LRunner(RunnerBase):
     """Alg. 3 (and Alg. 4 with ``mode``'s schedule): the EPS, the relay, the stash, and the update schedule
@@ -69,7 +72,9 @@ class L2LRunner(RunnerBase):
             mode, self.eps.tier.update_in_backward, self.settings.eager_reduce
         )
         self.trailing = TrailingUpdate(self.eps) if self.schedule.trailing else None
-        self.speculation = Speculation(self.eps, self.trailing) if self.schedule.in_backward else None
+        self.speculation = (  # (one process's EPS holds every layer: a clipped step can be replayed)
+            Speculation(self.eps, self.trailing, replay=True) if self.schedule.in_backward else None
+        )
         self.relay = Relay(acc, spec, self.eps, dtype, self.settings.prefetch, self.timer)
         self.stash = (
             CpuStash(acc, self.eps, self.timer)
@@ -101,6 +106,38 @@ class L2LRunner(RunnerBase):
             with self.timer("optimizer"):
                 self.trailing.start_step(minibatch)
         ubatches, masks = self.split(minibatch)
+        loss = self.forward_backward(ubatches, masks, div, lr)
+        replayed = False
+        if self.speculation is not None:  # the verdict on the speculative updates; layer 0's (trailing)
+            with self.timer("optimizer"):
+                applied, norm = self.speculation.finish(scaler, last=(0, lr, clip, max_norm))
+            if self.speculation.replay_factor is not None:  # clipping, no gradient kept (eps.clip_redo):
+                replayed = True  # the same pass again, from the restored weights, with the factor known
+                log.info(
+                    "step %d runs again: global gradient norm %.4g > optim.max_grad_norm %g and its "
+                    "gradients were not kept (eps.clip_redo=%s)",
+                    self.step_count + 1,
+                    norm,
+                    max_norm,
+                    self.eps.tier.clip_redo,
+                )
+                loss = self.forward_backward(ubatches, masks, div, lr)
+                with self.timer("optimizer"):
+                    applied, norm = self.speculation.finish(scaler, last=(0, lr, clip, max_norm))
+        else:  # Alg. 3: for l in layers: w_l = optimizer(w_l, g_l), on the host, once every gradient is in
+            self.eps.reduce_async(0)
+            applied, norm = self.eps.step(lr, scaler, clip, max_norm, self.timer)
+        extra = self.background()
+        if replayed:
+            extra["replayed"] = 1.0
+        return self.finish(loss, len(minibatch), t0, lr, skipped=not applied, grad_norm=norm, extra=extra)
+
+    def forward_backward(
+        self, ubatches: list[Batch], masks: list[torch.Tensor], div: list[float], lr: float
+    ) -> torch.Tensor:
+        """Alg. 3's forward, the head's turn and the per-layer backward, each layer's gradient handed to the
+        EPS as it lands (reduced; under Alg. 4's schedule also updated, speculatively). Returns the loss."""
+        scaler, clip, max_norm = self.precision.scaler, self.clip, self.settings.max_grad_norm
         x = self.forward_pass(ubatches, masks)  # Alg. 3: for l in layers: for u in ubatches: forward
         g, loss = self.head_forward_backward(
             x, ubatches, div
@@ -112,14 +149,7 @@ class L2LRunner(RunnerBase):
                 self.eps.reduce_async(i + 1)
             # ... while Process 1 (the device): for u in ubatches: g_l = backward(g_{l+1})
             self.backward_layer(i, g, ubatches, masks)
-        if self.speculation is not None:  # the verdict on the speculative updates; layer 0's (trailing)
-            with self.timer("optimizer"):
-                applied, norm = self.speculation.finish(scaler, last=(0, lr, clip, max_norm))
-        else:  # Alg. 3: for l in layers: w_l = optimizer(w_l, g_l), on the host, once every gradient is in
-            self.eps.reduce_async(0)
-            applied, norm = self.eps.step(lr, scaler, clip, max_norm, self.timer)
-        extra = self.background()
-        return self.finish(loss, len(minibatch), t0, lr, skipped=not applied, grad_norm=norm, extra=extra)
+        return loss
 
     def finish_updates(self) -> None:
         """Finish every update in flight (held, partial or in the background) before anything outside the
@@ -262,6 +292,9 @@ class L2LRunner(RunnerBase):
         """summary.json's ``optimizer`` section (below) and ``recompute``: the policy, kept layers, the
         bytes they hold for backward."""
         out = {**self.optimizer_section(), "recompute": self.recompute.section()}
+        if self.speculation is not None:  # how a clipped step's speculative updates were redone
+            spec = self.speculation
+            out["speculation"] = {"clip_redo": self.eps.tier.clip_redo, "replayed_steps": spec.replays}
         if lora_of(self.spec) is not None:
             out["peft"] = summary_section(self.spec, self.eps.host_parts())
             base, steps = self.eps.base, max(1, self.step_count)

@@ -51,6 +51,7 @@ class TierSettings:
     grad_ram_bytes: int = 0  # disk: gradients kept in RAM instead of on disk, bytes (eps.grad_ram_gb)
     grad_ram_layers: int = 2  # disk: ... and at most this many layers' of them (eps.grad_ram_layers)
     clip_global: bool = True  # disk: global-norm clipping (gradients kept for its verdict: the space check)
+    clip_redo: str = "auto"  # disk: keep | replay | auto (eps.clip_redo: how a clipped step is redone)
 
 
 class Tier(Protocol):
@@ -61,6 +62,11 @@ class Tier(Protocol):
 
     @property
     def update_in_backward(self) -> bool: ...  # L2L updates each layer right after its backward (see EPS)
+
+    @property
+    def clip_redo(
+        self,
+    ) -> str: ...  # keep | replay | auto: how a clipped step's speculative updates are redone
 
     @property
     def resumed(self) -> bool: ...  # it started from state found on disk (the EPS builds no initial weights)

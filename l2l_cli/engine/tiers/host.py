@@ -25,6 +25,7 @@ class HostTier:
 
     durable = False  # its state is not a checkpoint by itself
     update_in_backward = False  # every layer stays in RAM: L2L updates after the whole backward (Alg. 3)
+    clip_redo = "keep"  # a speculative update's gradient stays in its buffer for a redo: keeping is free
     resumed = False  # it never starts from state found on disk
     root: Path | None = None  # it keeps no files
 

@@ -91,6 +91,7 @@ class CacheSlot:
         self.valid: set[str] = set()  # parts that hold the layer's current values
         self.pins = 0
         self.busy = False  # the reader is evicting from / reading into this slot
+        self.reading: frozenset[str] | None = None  # the parts a busy slot's job reads (None: it evicts)
         self.copies: list[CopyHandle] = []  # device copies still reading from this slot
         self.writing: Future | None = None  # the write-back of the layer's last update
         self.g_dirty = False  # g holds a gradient that is on no disk yet (parked on eviction)
@@ -316,15 +317,22 @@ class SlotTable:
         old = s.layer
         ev = Eviction(old, s.copies, s.writing, s.g_dirty and old is not None, keeping)
         s.layer, s.valid, s.copies, s.writing, s.g_dirty, s.g_kept = i, set(), [], None, False, False
-        s.busy = True
+        s.busy, s.reading = True, None
         return ev
 
-    def begin_read(self, s: CacheSlot, i: int) -> None:
-        """A reader job owns slot ``s`` (layer i's) until ``end_read`` / ``fail_read``."""
+    def begin_read(self, s: CacheSlot, i: int, parts: frozenset[str] = frozenset()) -> None:
+        """A reader job owns slot ``s`` (layer i's) until ``end_read`` / ``fail_read``, reading ``parts``."""
         assert s.layer == i and not s.busy, (
             f"a read of layer {i} into a slot holding {s.layer} (busy {s.busy})"
         )
-        s.busy = True
+        s.busy, s.reading = True, frozenset(parts)
+
+    def beside_read(self, s: CacheSlot, need: frozenset[str] | set[str]) -> bool:
+        """Whether a pin that overwrites ``need`` (a new gradient) may take busy slot ``s`` while its job
+        runs: the job reads only the moments, into the update buffer, not the slot's own ``w | g``, and
+        evicts nothing (the backward's gradient then lands while the update's moments are read)."""
+        r = s.reading
+        return s.busy and r is not None and bool(r) and r <= set(MOMENTS) and set(need) <= {"g"}
 
     def end_read(self, s: CacheSlot, i: int, parts: frozenset[str] | set[str]) -> None:
         """The job on slot ``s`` read ``parts`` of layer i: they are current."""
@@ -332,13 +340,13 @@ class SlotTable:
         assert not set(parts) & set(MOMENTS) or s.mom is not None, (
             f"layer {i}'s moments read without a buffer"
         )
-        s.busy = False
+        s.busy, s.reading = False, None
         s.valid |= set(parts)
 
     def fail_read(self, s: CacheSlot, i: int) -> None:
         """The job on slot ``s`` failed: the slot holds no layer."""
         assert s.busy and s.layer == i, f"layer {i}'s slot changed during its job"
-        s.busy = False
+        s.busy, s.reading = False, None
         self.detach(s)
         s.layer, s.valid = None, set()
 

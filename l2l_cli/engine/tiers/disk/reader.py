@@ -129,7 +129,7 @@ class Reader:
     ) -> _Job:
         """(Holding the lock.) A job reading ``parts`` of layer i into its slot ``s``, ``b`` the update
         buffer it takes (read into after the write-back that still reads it)."""
-        self.cache.begin_read(s, i)
+        self.cache.begin_read(s, i, parts)
         mom_writing = None
         if b is not None:
             self.cache.attach(s, b)

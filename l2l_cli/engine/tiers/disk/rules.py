@@ -14,23 +14,25 @@ from omegaconf import DictConfig, OmegaConf
 
 from l2l_cli.engine.tiers.base import TierSettings
 from l2l_cli.engine.tiers.disk.layout import COMMIT, disk_bytes, kept_grads_bytes
-from l2l_cli.problems import Problem, at_least, fmt_bytes
+from l2l_cli.problems import Problem, at_least, fmt_bytes, one_of
 
 if TYPE_CHECKING:
     from l2l_cli.models.base import ModelSpec
 
 DIR = "eps"  # the run dir's folder for the layer files, unless eps.path says
+CLIP_REDO = ("auto", "keep", "replay")  # eps.clip_redo
 EPS_MODES_ONLY = "disk moves the eager param-server's state to disk"
 
 
 def check_keys(cfg: Any) -> list[Problem]:
-    """``eps.host_cache_layers``, ``eps.grad_ram_gb``, ``eps.grad_ram_layers`` and ``eps.path``, whichever
-    tier is selected."""
+    """``eps.host_cache_layers``, ``eps.grad_ram_gb``, ``eps.grad_ram_layers``, ``eps.clip_redo`` and
+    ``eps.path``, whichever tier is selected."""
     p: list[Problem] = []
     e = cfg.eps
     at_least(p, "eps.host_cache_layers", e.host_cache_layers, 2, " (the layer in use and the one read ahead)")
     at_least(p, "eps.grad_ram_gb", e.grad_ram_gb, 0, " (0: every waiting gradient on disk)")
     at_least(p, "eps.grad_ram_layers", e.grad_ram_layers, 0, " (0: every waiting gradient on disk)")
+    one_of(p, "eps.clip_redo", e.clip_redo, CLIP_REDO)
     if e.path is not None and not str(e.path).strip():
         p.append(Problem("eps.path", "got an empty path; allowed: a directory, or unset for <run dir>/eps"))
     return p

@@ -59,6 +59,8 @@ class DiskTier:
         timer: PhaseTimer | None = None,
     ):
         self.settings, self.acc, self.timer = settings, acc, timer
+        # keeping a gradient for a redo costs a write beyond the RAM pool: eps.clip_redo chooses (Speculation)
+        self.clip_redo = settings.clip_redo
         self.cv = threading.Condition()  # one lock for every part's state
         self.counts = IoCounts()
         # bf16 CMP: the master as bf16 hi / lo planes on disk (format 2), the forward reads hi alone. fp16's
@@ -229,7 +231,8 @@ class DiskTier:
                 self.plan.note(stream, i, need)
             s = self.cache.slot_of(i)
             moments = not need & set(MOMENTS) or (s is not None and s.mom is not None)
-            if s is not None and moments and (not s.missing(need) or (fresh and not s.busy)):
+            free = s is not None and (not s.busy or self.cache.beside_read(s, need))
+            if s is not None and moments and (not s.missing(need) or (fresh and free)):
                 if fresh:
                     new = need - s.valid
                     self.store.make_fresh(s, i, new)
