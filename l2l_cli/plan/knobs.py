@@ -42,6 +42,10 @@ class Setup:
     grad_ram_gb: float = 8.0  # eps.grad_ram_gb (tier=disk): gradients waiting in RAM
     grad_ram_layers: int = 2  # eps.grad_ram_layers (tier=disk): ... for at most this many layers at a time
     clip_global: bool = True  # global clipping: the disk tier keeps each applied gradient until the verdict
+    clip_redo: str = (
+        "auto"  # eps.clip_redo: keep writes those beyond the RAM pool every step (auto: only near
+    )
+    # the limit, counted as never; a replayed step is not in the prediction)
     bf16_master_planes: bool = False  # CMP in bf16 on the disk tier: the forward reads a 2-byte hi plane
     reserved: float = 0.0  # device bytes beyond the tensors: CUDA context, workspaces, allocator reserve
     # bytes per attention score the device's kernel keeps (amp/cmp); None: HF math
@@ -72,6 +76,7 @@ class Setup:
             grad_ram_gb=cfg.eps.grad_ram_gb,
             grad_ram_layers=cfg.eps.grad_ram_layers,
             clip_global=run_clip(cfg) == "global",
+            clip_redo=cfg.eps.clip_redo,
             bf16_master_planes=run_precision(cfg) == "cmp" and cfg.precision.dtype == "bf16",
             **device_terms(cfg),
             optim=cfg.optim.name,

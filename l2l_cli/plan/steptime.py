@@ -168,10 +168,11 @@ def _disk(
     Per parameter: the forward reads the weights (4 bytes; 2 under bf16 CMP, the master's bf16 hi plane);
     the backward reads the weights, then the moments for the update, and writes the new state (12 + 12): L2L
     and L2L-p alike update each layer right after its backward on this tier (the gradient waits in RAM for
-    the clipping verdict), so 28 bytes in all (26 under bf16 CMP). Under global clipping an applied gradient
-    waits for the verdict in RAM for the first ``eps.grad_ram_layers`` layers of the backward, on disk for
-    the others (4 more bytes written; the embeddings' update comes after the verdict). With every layer in
-    the cache only the writes remain (the state is committed every step)."""
+    the clipping verdict), so 28 bytes in all (26 under bf16 CMP). Under global clipping with
+    ``eps.clip_redo=keep`` an applied gradient waits for the verdict in RAM for the first
+    ``eps.grad_ram_layers`` layers of the backward, on disk for the others (4 more bytes written; the
+    embeddings' update comes after the verdict); ``auto`` and ``replay`` keep none in a step that does not
+    clip. With every layer in the cache only the writes remain (the state is committed every step)."""
     n = len(params)
     cached = s.cache_layers >= n  # nothing is ever evicted: no reads after the first step
     r = 0.0 if cached else 1.0
@@ -182,7 +183,8 @@ def _disk(
     # clock already (``win_b[0]``), not beside it
     pool = s.pool_layers(max(params), n)
     # the backward's order is the head first: the pool takes its first layers' gradients
-    kept = [s.clip_global and j > 0 and n - 1 - j >= pool for j in range(n)]
+    keeps = s.clip_global and s.clip_redo == "keep"
+    kept = [keeps and j > 0 and n - 1 - j >= pool for j in range(n)]
     uses += [
         Use(
             win_b[j],
