@@ -464,3 +464,30 @@ def test_random_faults_and_random_kills_resume_bit_identical(
 ) -> None:
     trial = slow_trials[seed]
     _resumes_to_the_reference(trial, Path(trial["run"]), ref_root, monkeypatch, capsys)
+
+
+REPLAY = (*KEPT, "eps.clip_redo=replay")  # a step that clips, with no gradient kept: it runs twice
+
+
+def test_a_fault_in_a_replayed_step_resumes_bit_identical(
+    tmp_path: Path, ref_root: Path, monkeypatch: Any, capsys: Any
+) -> None:
+    """``eps.clip_redo=replay``: a step that clips has its updates undone and runs again (its layers written
+    twice before its commit record; steps 2 and 3 here). The uninterrupted run equals the one that keeps the
+    gradients for the redo bit for bit; a write of the second pass refused stops the run in one line, and
+    resumed it ends bit-identical too."""
+    ref, seq, kinds = _reference_run(str(ref_root), *REPLAY)
+    kept, _, _ = _reference_run(str(ref_root), *KEPT)
+    assert [k for k in kept if not torch.equal(ref[k], kept[k])] == []
+    writes = [[n for n in step if kinds[n - 1] == "layer"] for step in _steps(seq)[1:]]
+    twice = [w for w in writes if len(w) > len({seq[n - 1] for n in w})]
+    assert twice, "no step wrote its layers twice (none was replayed)"
+    layers = twice[0]
+    run = tmp_path / "run"
+    lines = _faulted(monkeypatch, capsys, run, "EIO", f"{run}/eps/@{layers[-1]}", *REPLAY)
+    assert len(lines) == 1 and lines[0].startswith("l2l: error: write failed"), lines
+    status = _run(run, *REPLAY, f"trainer.resume={run}")
+    err = capsys.readouterr().err
+    assert status == "ok", err[-2000:]
+    got = load_file(run / "final" / "model.safetensors")
+    assert [k for k in ref if not torch.equal(got[k], ref[k])] == []

@@ -163,3 +163,43 @@ def test_each_layers_moments_are_read_once_a_step(monkeypatch: Any) -> None:
             layers = [i for i, _ in reads]
             assert sorted(layers) == list(range(len(runner.eps.layers))), reads  # once each
             assert sum(ahead for _, ahead in reads) >= len(layers) - 1, reads  # (read ahead)
+
+
+def test_a_new_gradient_lands_while_its_updates_moments_are_read(monkeypatch: Any) -> None:
+    """The moments are read into the update buffer, not the slot's own ``w | g``: the backward's new
+    gradient for a layer lands in its slot while the read of that layer's moments (for its update) still
+    runs, instead of waiting for it (that wait was most of the compute thread's disk time). Slowed reads
+    of the moments make it happen; the weights equal the host tier's."""
+    from l2l_cli.engine.tiers.disk import reader
+
+    real_run = reader.Reader._run
+
+    def slow_moments(self: Any, job: Any) -> None:
+        if job.parts and set(job.parts) <= set(MOMENTS) and job.evict is None:
+            time.sleep(0.1)
+        real_run(self, job)
+
+    monkeypatch.setattr(reader.Reader, "_run", slow_moments)
+    over = ("mode=l2l", "optim.max_grad_norm=1e9")
+    ref = _run(*over, steps=2)
+    cfg = tiny_cfg(*over, "eps.tier=disk", "eps.host_cache_layers=4")
+    beside: list[int] = []
+    with built(cfg) as runner:
+        tier = runner.eps.tier
+        real_pin = tier._pin_cached
+
+        def pin_cached(i: int, need: frozenset[str], fresh: bool, stream: Any) -> Any:
+            s = real_pin(i, need, fresh, stream)
+            if s is not None and fresh and need == {"g"}:
+                with tier.cv:
+                    if s.busy:  # granted while a job reads into the slot: only the moments', never w | g
+                        assert s.reading and s.reading <= set(MOMENTS), s.reading
+                        beside.append(i)
+            return s
+
+        monkeypatch.setattr(tier, "_pin_cached", pin_cached)
+        it = batches(cfg)
+        reports = [runner.step(next(it)) for _ in range(2)]
+        got = {"losses": [r.loss for r in reports], "weights": weights(runner)}
+    assert beside, "no gradient landed beside a read of the moments"
+    _identical(got, ref)
