@@ -233,7 +233,8 @@ def compare_host(
             for f in ("disk_read", "disk_write", "disk_mixed")
             if f"{f}_gbps" in rates
         }
-        plan = make_plan(cfg, replace(measured, **disk))
+        rates_now = replace(measured, **disk)
+        plan = make_plan(cfg, rates_now)
         pred = plan["step_time_s"]["total"]
         phases = ", ".join(f"{k} {v:.3g}" for k, v in plan["step_time_s"].items() if v)
         print(f"planner's step by phase (exposed s): {phases}")
@@ -247,6 +248,16 @@ def compare_host(
             f"planner (hardware=measure, this disk's rates): disk step {pred:.3g} s predicted, "
             f"{disk_step_s:.3g} s measured ({100 * (pred / disk_step_s - 1):+.0f}%)"
         )
+        if host is not None:  # the same rates for the host tier: is the compute or the disk mispredicted?
+            host_cfg = compose([*[o for o in overrides if not o.startswith("eps.")], "hardware=measure"])
+            pred_host = make_plan(host_cfg, rates_now)["step_time_s"]["total"]
+            host_s = host["host_step_s"]
+            out.update(predicted_host_step_s=pred_host, predicted_disk_over_host=pred / pred_host)
+            print(
+                f"planner, host tier: {pred_host:.3g} s predicted, {host_s:.3g} s measured "
+                f"({100 * (pred_host / host_s - 1):+.0f}%); disk step / host step {pred / pred_host:.2f}x "
+                f"predicted, {disk_step_s / host_s:.2f}x measured"
+            )
     except Exception as e:  # the comparison above stands without the planner's
         print(f"planner: no prediction ({type(e).__name__}: {e})")
     return out
