@@ -39,12 +39,23 @@ def _disk(*over: str, steps: int = 3) -> dict[str, Any]:
         }
 
 
-@pytest.mark.parametrize("mode", ["l2l", "l2l_p"])
-def test_a_clipped_step_with_no_gradient_kept_is_replayed_equal_to_the_host_tier(mode: str) -> None:
+@pytest.mark.parametrize(
+    "mode,extra",
+    [
+        ("l2l", ()),
+        ("l2l_p", ()),
+        ("l2l", ("precision=cmp", "precision.dtype=bf16")),
+        ("l2l_p", ("optim=lamb",)),
+    ],
+    ids=["l2l", "l2l_p", "l2l-cmp-bf16", "l2l_p-lamb"],
+)
+def test_a_clipped_step_with_no_gradient_kept_is_replayed_equal_to_the_host_tier(
+    mode: str, extra: tuple[str, ...]
+) -> None:
     """At max_grad_norm 0.24 the first step clips (norm 0.247, crossed only at the last layers): with
     ``eps.clip_redo=replay`` no gradient was kept, so its updates are undone and the step runs again with
     the factor; the weights and losses equal the host tier's (which redoes from the gradients in RAM)."""
-    over = (f"mode={mode}", "optim.max_grad_norm=0.24")
+    over = (f"mode={mode}", "optim.max_grad_norm=0.24", *extra)
     ref = _host(*over)
     got = _disk(*over, "eps.clip_redo=replay")
     assert got["losses"] == ref["losses"]
