@@ -163,8 +163,9 @@ def _disk_run(*over: str) -> dict[str, Any]:
 def test_kept_gradients_stay_in_their_cache_slot_unless_it_is_reused_before_the_verdict() -> None:
     """Under global clipping (``eps.clip_redo=keep``) each speculative update keeps its gradient for a redo.
     With no RAM pool (``eps.grad_ram_layers=0``) it stays in the layer's cache slot: written to
-    ``kept_grads.eps`` only when the slot is reused before the step's verdict. A cache holding every layer writes none; a smaller one
-    writes some, fewer than every kept gradient (4 B per parameter of the updated layers)."""
+    ``kept_grads.eps`` only when the slot is reused before the step's verdict. A cache holding every layer
+    writes none; a smaller one writes some, fewer than every kept gradient (4 B per parameter of the updated
+    layers)."""
     every = _disk_run("optim.max_grad_norm=1e9", "eps.host_cache_layers=7", "eps.clip_redo=keep")
     b = every["s"]["bytes_per_param_step"]
     assert b["write_park"] == 0 and every["s"]["gradients_parked"] == 0, every["s"]

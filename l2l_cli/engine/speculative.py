@@ -66,7 +66,7 @@ class Speculation:
         # EPS holds the model
         self.combine = combine
         # a clipped step with gradients not kept runs again (``replay``: the runner can; a pipeline's stages
-        # cannot, they always keep): ``finish`` sets ``replay_factor`` for that pass, whose own finish clears it
+        # cannot, they always keep): ``finish`` sets ``replay_factor`` for that pass; its own finish clears it
         self.can_replay = replay
         self.replay_factor: torch.Tensor | None = None
         self.replays = 0  # steps run twice
