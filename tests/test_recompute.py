@@ -255,7 +255,8 @@ def test_two_ranks_with_kept_and_selective_blocks_equal_one_process(tmp_path: Pa
 
 def test_plan_predicts_each_choice_and_auto_picks_within_the_budget() -> None:
     """``l2l plan``: a budget just above full recompute's device total leaves auto at full; a roomy one
-    keeps every layer; every choice's prediction says whether it fits, auto's always does."""
+    keeps every layer; every choice's prediction says whether it fits, auto's always does; the plan's step
+    and device total are auto's choice's."""
     from l2l_cli.plan.planner import make_plan
 
     def plan(gb: float) -> dict[str, Any]:
@@ -282,3 +283,10 @@ def test_plan_predicts_each_choice_and_auto_picks_within_the_budget() -> None:
     assert kept["device_bytes"] > full and kept["step_time_s"] < roomy["choices"][0]["step_time_s"]
     middle = plan(1.4)["recompute"]
     assert 0 < middle["auto"]["kept_layers"] < 8 and middle["auto"]["device_bytes"] <= 1.4 * 2**30
+    # the plan's own step and device total are those of the choice the run makes (auto's), not full's:
+    # a kept block has no recompute, and the graphs it keeps are a device part of their own
+    big = plan(8.0)
+    assert big["step_time_s"]["recompute"] < 0.2 * tight["step_time_s"]["recompute"], big["step_time_s"]
+    assert big["step_time_s"]["total"] == pytest.approx(roomy["auto"]["step_time_s"], rel=0.05)
+    assert big["memory_bytes"]["device"]["total"] == pytest.approx(roomy["auto"]["device_bytes"])
+    assert big["memory_bytes"]["device"]["parts"]["kept_activations"] > 0

@@ -51,6 +51,10 @@ class Setup:
     # bytes per attention score the device's kernel keeps (amp/cmp); None: HF math
     att_half: float | None = None
     optim: str = "adamw"  # optim.name: its state's bytes per parameter (8-bit moments: ~2 instead of 8)
+    # the recompute the run does (mode.recompute / keep_layers as the planner resolves them, make_plan): the
+    # last ``recompute_kept`` blocks keep their graph (no recompute), the others run full or selective
+    recompute_kept: int = 0
+    recompute_selective: bool = False
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> Setup:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,18 @@ def make_plan(cfg: Any, rates: Rates | None = None) -> dict[str, Any]:
     rates = rates or resolve(cfg, shape)
     s = Setup.from_cfg(cfg)
     r = est.evaluate(shape, s, rates)
+    recompute = views.recompute_choices(shape, s, rates, cfg.mode.recompute, cfg.mode.keep_layers)
+    if recompute is not None:  # the step as the run will take it: mode.recompute as it resolves here
+        pick = recompute["configured"] or recompute["auto"]
+        if pick["kept_layers"] or pick["policy"] == "selective":
+            extra = pick["device_bytes"] - r["device_bytes"]  # what the kept graphs hold beyond the stash
+            s = replace(
+                s, recompute_kept=pick["kept_layers"], recompute_selective=pick["policy"] == "selective"
+            )
+            r = est.evaluate(shape, s, rates)
+            r["memory"]["device"]["kept_activations"] = extra
+            r["device_bytes"] += extra
+            r["fits"] = r["fits"] and bool(pick["fits"])
     exposed, hidden = _phases(r["phases"])
     ga = for_config(cfg, shape, links_of(rates, cfg))
     if cfg.model.x is not None:
@@ -146,6 +159,6 @@ def make_plan(cfg: Any, rates: Rates | None = None) -> dict[str, Any]:
         "layered_ga": ga,
         "pipeline": views.pipeline_view(shape, s, rates),
         "peft": views.peft_view(shape, s, rates, r),
-        "recompute": views.recompute_choices(shape, s, rates, cfg.mode.recompute, cfg.mode.keep_layers),
+        "recompute": recompute,
         "notes": notes + list(rates.notes),
     }

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from l2l_cli.engine.recompute_plan import SELECTIVE_SHARE
 from l2l_cli.plan.diskqueue import Disk, Use, exposed_wait
 from l2l_cli.plan.hardware import Rates
 from l2l_cli.plan.knobs import Setup, stage_plan
@@ -60,7 +61,11 @@ def step_time(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Phase]:
     if pe:
         lt = lora_times(lt)
     fwd_c = [u * lt.pre_fwd] + [u * lt.block_fwd] * N + [u * lt.post_fwd_grad]
-    rec_c = [u * lt.pre_fwd_grad] + [u * lt.block_fwd_grad] * N + [0.0]
+    # the recompute the run does: none for a block that keeps its graph (the last ``recompute_kept``), the
+    # elementwise share for a selective one (mode.recompute, resolved by make_plan)
+    kept = min(N, s.recompute_kept)
+    rec_block = u * lt.block_fwd_grad * (SELECTIVE_SHARE if s.recompute_selective else 1.0)
+    rec_c = [u * lt.pre_fwd_grad] + [rec_block] * (N - kept) + [0.0] * kept + [0.0]
     bwd_c = [u * lt.pre_bwd] + [u * lt.block_bwd] * N + [u * lt.post_bwd]
     for name, c in (("forward", fwd_c), ("recompute", rec_c), ("backward", bwd_c)):
         ph[name].add(sum(c), sum(c))

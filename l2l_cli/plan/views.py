@@ -256,8 +256,10 @@ def recompute_choices(
     lt = rates.layer_times(shape, s.seq, s.ubatch)
     rec = n * lt.block_fwd_grad  # one block's recompute, every micro-batch
     on_device = s.stash != "cpu"
+    # the runner plans in the device's free bytes once built: all but the stash and the working set
+    resident = sum(v for k, v in dev.items() if k not in ("stash", "working_activations"))
     room = (
-        MARGIN * (rates.device_memory - dev.get("param_grad_buffers", 0.0))
+        MARGIN * (rates.device_memory - resident)
         - (N * n if on_device else 2) * per.full
         - 2 * n * per.full
         - 2 * per.none
