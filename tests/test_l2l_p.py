@@ -245,11 +245,13 @@ def test_a_rollback_redoes_alg_3s_update_when_the_unscaling_is_not_a_power_of_tw
 
 @pytest.mark.slow
 def test_three_ranks_roll_back_to_l2ls_weights_bit_for_bit() -> None:
-    """3 data-parallel ranks (the EPS unscales by 1/3) with steps that clip: l2l_p's weights are l2l's."""
+    """3 data-parallel ranks (the EPS unscales by 1/3) with steps that clip: l2l_p's weights are l2l's.
+    (Their global norms are ~1e-3 on this data: at 0.001 one step's norm crosses the limit within
+    its backward, after speculative updates; at 0.24 nothing clipped and nothing rolled back.)"""
     from l2l_cli.launch import run_jobs
     from tests.util import TINY
 
-    common = [*TINY, "dist.nproc=3", "batch.size=2", "task.num_train=256", "optim.max_grad_norm=0.24"]
+    common = [*TINY, "dist.nproc=3", "batch.size=2", "task.num_train=256", "optim.max_grad_norm=0.001"]
     results = run_jobs(3, [[*common, "mode=l2l"], [*common, "mode=l2l_p"]], steps=3)
     ref, got = results[0]
     assert ref["losses"] == got["losses"]
