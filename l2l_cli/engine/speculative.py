@@ -70,9 +70,8 @@ class Speculation:
         self.can_replay = replay
         self.replay_factor: torch.Tensor | None = None
         self.replays = 0  # steps run twice
-        self._keep: bool | None = (
-            None  # this step keeps its gradients for a redo (chosen at its first update)
-        )
+        # this step keeps its gradients for a redo (chosen at its first update)
+        self._keep: bool | None = None
         self._unkept: set[int] = set()  # layers updated speculatively whose gradient was not kept
         self._recent: deque[float] = deque(maxlen=AUTO_STEPS)  # the last steps' global norms (finite ones)
 
@@ -106,10 +105,8 @@ class Speculation:
             return
         inv = 1.0 / (scale * eps.dist.world)
         known = self.replay_factor
-        if (
-            clip == "global" and known is not None
-        ):  # a replayed step: the factor is known, as for a held layer
-            mult = known * inv if inv != 1.0 else known
+        if clip == "global" and known is not None:  # a replayed step: the factor known, as for a held layer
+            mult = _with_factor(known, inv)
         elif clip == "global":
             norms = torch.stack(list(self._norms.values()))
             if self._keep is None:
@@ -167,18 +164,14 @@ class Speculation:
         total = float(torch.linalg.vector_norm(norms))
         if bad:
             scaler.update(bad)
-            with self.worker.work():
-                for i in updated:
-                    eps.restore_layer(i)
+            self._undo(updated)
             self._count_rollback(updated, "a non-finite gradient")
             return False, total
         coefs = clip_coefficients(norms, clip, max_norm)
         if clip == "global" and known is None and float(coefs[0]) < 1.0 and unkept:  # type: ignore[index]
             # clipping nobody foresaw, with gradients not kept: undo the step's updates and run it again
             # with the factor known (the runner's second pass; the loss scale stays until its verdict)
-            with self.worker.work():
-                for i in updated:
-                    eps.restore_layer(i)
+            self._undo(updated)
             self.replay_factor = coefs[0]  # type: ignore[index]
             self.replays += 1
             why = f"global gradient norm {total:.4g} > optim.max_grad_norm {max_norm:g}, gradients not kept"
@@ -240,13 +233,25 @@ class Speculation:
                 else:
                     eps.update_layer(i, lr, factor)
             else:
-                eps.update_layer(i, lr, factor * inv if inv != 1.0 else factor)
+                eps.update_layer(i, lr, _with_factor(factor, inv))
+
+    def _undo(self, layers: list[int]) -> None:
+        """Every speculative update of ``layers`` undone (each layer back to its pre-update state)."""
+        with self.worker.work():
+            for i in layers:
+                self.eps.restore_layer(i)
 
     def _count_rollback(self, layers: list[int], why: str) -> None:
         if layers:
             self.rollbacks += 1
             self.rollback_layers += len(layers)
             self.last_rollback = f"{why}: {len(layers)} speculative layer updates undone"
+
+
+def _with_factor(factor: torch.Tensor, inv: float) -> torch.Tensor:
+    """The multiplier of a layer updated with the clipping factor known (held back, or replayed):
+    g·(coef·inv), Alg. 3's."""
+    return factor * inv if inv != 1.0 else factor
 
 
 def _power_of_two(x: float) -> bool:

@@ -83,7 +83,7 @@ def make_plan(cfg: Any, rates: Rates | None = None) -> dict[str, Any]:
     rates = rates or resolve(cfg, shape)
     s = Setup.from_cfg(cfg)
     r = est.evaluate(shape, s, rates)
-    recompute = views.recompute_choices(shape, s, rates, cfg.mode.recompute, cfg.mode.keep_layers)
+    recompute = views.recompute_choices(shape, s, rates, cfg.mode.recompute, cfg.mode.keep_layers, r)
     if recompute is not None:  # the step as the run will take it: mode.recompute as it resolves here
         pick = recompute["configured"] or recompute["auto"]
         if pick["kept_layers"] or pick["policy"] == "selective":

@@ -242,14 +242,14 @@ def block_bytes(shape: ModelShape, s: Setup) -> LayerBytes:
 
 
 def recompute_choices(
-    shape: ModelShape, s: Setup, rates: Rates, policy: str, keep: Any
+    shape: ModelShape, s: Setup, rates: Rates, policy: str, keep: Any, base: dict[str, Any] | None = None
 ) -> dict[str, Any] | None:
     """Memory and time of each recompute choice (full, selective, keep_layers 0, N/4, N/2, N) and the one
     ``auto`` picks within the device budget (the runner's rule: :func:`recompute.choose`). A kept block
     skips its recompute; a selective one still runs its elementwise share (``SELECTIVE_SHARE``)."""
     if not s.l2l or s.pipeline > 1:
         return None
-    base = evaluate(shape, s, rates)
+    base = base or evaluate(shape, s, rates)  # (the caller's evaluation of ``s``, when it has one)
     dev = base["memory"]["device"]
     N, n = shape.num_layers, s.num_ubatches
     per = block_bytes(shape, s)

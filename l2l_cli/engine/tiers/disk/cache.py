@@ -332,7 +332,7 @@ class SlotTable:
         runs: the job reads only the moments, into the update buffer, not the slot's own ``w | g``, and
         evicts nothing (the backward's gradient then lands while the update's moments are read)."""
         r = s.reading
-        return s.busy and r is not None and bool(r) and r <= set(MOMENTS) and set(need) <= {"g"}
+        return s.busy and bool(r) and r <= set(MOMENTS) and set(need) <= {"g"}
 
     def end_read(self, s: CacheSlot, i: int, parts: frozenset[str] | set[str]) -> None:
         """The job on slot ``s`` read ``parts`` of layer i: they are current."""
