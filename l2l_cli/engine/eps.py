@@ -33,7 +33,7 @@ from l2l_cli.engine.eps_worker import EpsWorker
 from l2l_cli.engine.flat import FlatLayout
 from l2l_cli.engine.frozen import FrozenBase
 from l2l_cli.engine.layer_state import LayerState
-from l2l_cli.engine.optim import OptimSettings, clip_coefficients
+from l2l_cli.engine.optim import OptimSettings, clip_coefficients, flat_norm
 from l2l_cli.engine.precision import LossScaler
 from l2l_cli.engine.tied import TiedWeights
 from l2l_cli.engine.tiers import TierSettings, make_tier
@@ -204,7 +204,7 @@ class EagerParamServer:
         """L2L's background work per layer: reduce, and take the norm the update will need (a full pass
         over the gradient, done here while the device runs the layers below)."""
         self.reduce(i)
-        self._raw_norms[i] = torch.linalg.vector_norm(self.layers[i].g)
+        self._raw_norms[i] = flat_norm(self.layers[i].g)
 
     def reduce_async(self, i: int) -> None:
         """Layer i's gradient is on its way to the host: reduce it in the background (L2L: the update
@@ -219,7 +219,7 @@ class EagerParamServer:
         """Unscaled L2 norm of each layer's (rank-averaged) gradient: taken by the EPS thread as each
         gradient landed, or here for any layer it has not seen."""
         raw, self._raw_norms = self._raw_norms, {}
-        norms = [raw[st.index] if st.index in raw else torch.linalg.vector_norm(st.g) for st in self.layers]
+        norms = [raw[st.index] if st.index in raw else flat_norm(st.g) for st in self.layers]
         return torch.stack(norms) / (scaler.scale * self.dist.world)
 
     def step(

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from l2l_cli.engine.eps import EagerParamServer, grad_mult
-from l2l_cli.engine.optim import clip_coefficients
+from l2l_cli.engine.optim import clip_coefficients, flat_norm
 from l2l_cli.engine.precision import LossScaler
 from l2l_cli.engine.trailing import TrailingUpdate, finish_updates
 
@@ -98,7 +98,7 @@ class Speculation:
         eps = self.eps
         eps.reduce(i)
         st = eps.layers[i]
-        norm = torch.linalg.vector_norm(st.g) / (scale * eps.dist.world)
+        norm = flat_norm(st.g) / (scale * eps.dist.world)
         self._norms[i] = norm
         if self._bad or not bool(torch.isfinite(norm)):
             self._bad = True
@@ -151,7 +151,7 @@ class Speculation:
         finish_updates(eps, self.trailing)  # (the update behind this step's forward is in)
         eps.reduce(i0)
         scale = scaler.scale * eps.dist.world
-        self._norms[i0] = torch.linalg.vector_norm(eps.layers[i0].g) / scale
+        self._norms[i0] = flat_norm(eps.layers[i0].g) / scale
         norms = torch.stack([self._norms[i] for i in sorted(self._norms)])  # in layer order, as Alg. 3
         where = list(range(len(norms)))
         if self.combine is not None:  # (a pipeline rank: every rank's norms, one verdict for all)

@@ -145,7 +145,7 @@ def measure(cfg: Any, shape: ModelShape) -> MeasuredTimes:
         )
     from l2l_cli.data.batches import Batch
     from l2l_cli.engine.flat import FlatLayout
-    from l2l_cli.engine.optim import OptimSettings, make_optimizer, param_groups
+    from l2l_cli.engine.optim import OptimSettings, flat_norm, make_optimizer, param_groups
     from l2l_cli.models import BLOCK, PRE
     from l2l_cli.modes import MODES
     from l2l_cli.profiling.memory import MemoryMeter, StorageMeter
@@ -227,7 +227,7 @@ def measure(cfg: Any, shape: ModelShape) -> MeasuredTimes:
         undo = [torch.empty(n) for _ in range(3)] if mode.undo_log else []
 
         def update() -> None:  # norm, clip (unscale), [L2L-p: undo copy], step, refresh the half send copy
-            norm = torch.linalg.vector_norm(g)
+            norm = flat_norm(g)
             g.mul_(1.0 / (1.0 + float(norm)))
             for dst, src in zip(undo, (w, m, v)):
                 dst.copy_(src)
