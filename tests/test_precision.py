@@ -91,3 +91,5 @@ def test_the_eps_norm_is_accurate_and_the_same_on_any_thread_count() -> None:
     assert float(one) == float(two) and two.dtype == g.dtype
     small = torch.randn(1000)
     assert float(flat_norm(small)) == float(torch.linalg.vector_norm(small))  # small buffers: ATen's own
+    strided = g[::3]  # (a view that rows cannot reshape: ATen's own too)
+    assert float(flat_norm(strided)) == float(torch.linalg.vector_norm(strided))

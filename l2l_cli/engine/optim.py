@@ -249,7 +249,7 @@ def flat_norm(x: torch.Tensor) -> torch.Tensor:
     import torch
 
     n = x.numel()
-    if x.device.type != "cpu" or n < 1 << 16 or x.dim() != 1:
+    if x.device.type != "cpu" or n < 1 << 16 or x.dim() != 1 or not x.is_contiguous():
         return torch.linalg.vector_norm(x)
     r = n - n % NORM_ROWS
     rows = torch.linalg.vector_norm(x[:r].view(NORM_ROWS, -1), dim=1)
