@@ -254,6 +254,8 @@ class Session:
             sim_link_gbps=cfg.sim.link_gbps,
             measure_memory=cfg.profile.memory,
             sample_memory=cfg.profile.memory_sample,
+            eps_threads=cfg.eps.threads,
+            update_kernel=cfg.eps.update_kernel,
         )
         self.summary.device = self.acc.describe()
         self.summary.world_size = self.dist.world

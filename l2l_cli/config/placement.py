@@ -76,6 +76,9 @@ def _dist(cfg: Config, check_files: bool) -> list[Problem]:
     return p
 
 
+UPDATE_KERNELS = ("auto", "native", "torch")  # eps.update_kernel (engine/host_passes.py)
+
+
 @check("eps")
 def _eps(cfg: Config, check_files: bool) -> list[Problem]:
     """The EPS's storage tier: every tier's keys, the selected tier's own rules (its ``TierKind``) and the
@@ -85,6 +88,16 @@ def _eps(cfg: Config, check_files: bool) -> list[Problem]:
     p: list[Problem] = []
     e = cfg.eps
     one_of(p, "eps.tier", e.tier, tuple(TIERS))
+    one_of(p, "eps.update_kernel", e.update_kernel, UPDATE_KERNELS)
+    at_least(p, "eps.threads", e.threads, 0, "(0: the device's default)")
+    if e.update_kernel == "native":
+        from l2l_cli.engine.host_passes import native_available
+
+        ok, why = native_available()
+        if not ok:
+            p.append(
+                Problem("eps.update_kernel", f"native: the kernel is unavailable here ({why}); use auto")
+            )
     for kind in TIERS.values():
         p.extend(kind.check_keys(cfg))
     tier = TIERS.get(e.tier)

@@ -225,6 +225,13 @@ class EpsConfig:
     # kept, a clipped step runs again from its start with the factor known; auto: keep while a recent
     # step's norm came within half of optim.max_grad_norm, else replay
     clip_redo: str = "auto"
+    # the host update's threads (0: the device's default: on CUDA every core of this rank's share but one,
+    # which the compute thread keeps for launching kernels; on a CPU device half of them)
+    threads: int = 0
+    # AdamW's host update: native (one pass, a C kernel built with the machine's compiler on first use),
+    # torch (torch ops, several passes), auto (native where it builds and equals torch's fused AdamW bit for
+    # bit here, else torch)
+    update_kernel: str = "auto"
 
 
 @dataclass

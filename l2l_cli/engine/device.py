@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from l2l_cli.engine.host_passes import HostPasses
 from l2l_cli.profiling.memory import CudaMeter, DeviceOutOfMemory, MemoryMeter, StorageMeter
 
 # ---- torch.cuda, in one place: the CPU, sim and CUDA paths differ here (tests/test_architecture.py) ------
@@ -275,6 +276,16 @@ class Accelerator:
 
     def __init__(self, device: torch.device, meter: MemoryMeter, h2d: CopyEngine, d2h: CopyEngine):
         self.device, self.meter, self.h2d, self.d2h = device, meter, h2d, d2h
+        self.eps_threads = 0  # eps.threads: the host update's threads (0: this device's default)
+        self.update_kernel = "auto"  # eps.update_kernel: auto | native | torch
+        self._passes: HostPasses | None = None
+
+    @property
+    def host_passes(self) -> HostPasses:
+        """The host's passes over the EPS's buffers (the one-pass update, counted), on ``host_threads``."""
+        if self._passes is None:
+            self._passes = HostPasses(self.host_threads, self.update_kernel)
+        return self._passes
 
     @property
     def half_dtype(self) -> torch.dtype:
@@ -335,10 +346,10 @@ class Accelerator:
 
     @property
     def host_threads(self) -> int:
-        """Intra-op threads for the EPS's own thread. Here the device *is* the host's cores: the EPS
-        takes a share instead of a full team, since two OpenMP teams on the same cores spin against
-        each other and slow both sides down several-fold."""
-        return max(1, torch.get_num_threads() // 2)
+        """Threads of the EPS's host work (``eps.threads``; 0: the device's default). Here the device *is*
+        the host's cores: the EPS takes a share instead of a full team, since two OpenMP teams on the
+        same cores spin against each other and slow both sides down several-fold."""
+        return self.eps_threads or max(1, torch.get_num_threads() // 2)
 
     @contextmanager
     def running(self) -> Iterator[Accelerator]:
@@ -349,6 +360,8 @@ class Accelerator:
         finally:
             self.h2d.close()
             self.d2h.close()
+            if self._passes is not None:
+                self._passes.close()
 
     def describe(self) -> str:
         return "cpu"
@@ -403,7 +416,9 @@ class CudaAccelerator(Accelerator):
 
     @property
     def host_threads(self) -> int:
-        return torch.get_num_threads()  # the GPU computes; the host's cores are the EPS's
+        """The GPU computes; the host's cores (this rank's share) are the EPS's, less one: the compute
+        thread launches kernels and must never wait for a core."""
+        return self.eps_threads or max(1, torch.get_num_threads() - 1)
 
     def wait_compute(self) -> None:
         # this thread's stream only: a device-wide synchronize would also wait for the copy streams, so a
@@ -434,16 +449,22 @@ def make_accelerator(
     sim_link_gbps: float = 16.0,
     measure_memory: bool = True,
     sample_memory: bool = True,
+    eps_threads: int = 0,
+    update_kernel: str = "auto",
 ) -> Accelerator:
     """The accelerator for ``device=kind`` (auto = CUDA when present, else the CPU). ``measure_memory``
     (profile.memory) turns the CPU's storage meter on, ``sample_memory`` (profile.memory_sample) lets it
     skip the op-by-op count in steps that repeat a metered one; the simulator always meters every op (it
-    enforces a budget)."""
+    enforces a budget). ``eps_threads``, ``update_kernel``: the EPS's host update (``eps.*``)."""
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
+    acc: Accelerator
     if kind == "cuda":
-        return CudaAccelerator(local_rank % max(1, torch.cuda.device_count()))
-    if kind == "sim":
-        return SimAccelerator(sim_memory_gb, sim_link_gbps)
-    meter = StorageMeter(sample=sample_memory) if measure_memory else MemoryMeter()
-    return Accelerator(torch.device("cpu"), meter, CopyEngine(), CopyEngine())
+        acc = CudaAccelerator(local_rank % max(1, torch.cuda.device_count()))
+    elif kind == "sim":
+        acc = SimAccelerator(sim_memory_gb, sim_link_gbps)
+    else:
+        meter = StorageMeter(sample=sample_memory) if measure_memory else MemoryMeter()
+        acc = Accelerator(torch.device("cpu"), meter, CopyEngine(), CopyEngine())
+    acc.eps_threads, acc.update_kernel = eps_threads, update_kernel
+    return acc

@@ -36,6 +36,9 @@ class DistContext:
     # the default group's backend (dist.backend, ``auto`` resolved): device tensors' groups
     backend: str = "gloo"
     host_group: Any = None  # gloo group for the main thread's host collectives (None: the default group)
+    # the EPS's ranks are the default group's: a layer's gradient can be summed on the device over it
+    # (plain data parallel); False: over ``eps_group`` on the host (a pipeline's data-parallel replicas)
+    device_reduce: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -104,7 +107,15 @@ def from_env(cfg: Any) -> DistContext:
     # threads would interleave differently on each rank)
     host = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     return DistContext(
-        rank, world, local_rank, eps_group, data_rank=rank, data_world=world, backend=backend, host_group=host
+        rank,
+        world,
+        local_rank,
+        eps_group,
+        data_rank=rank,
+        data_world=world,
+        backend=backend,
+        host_group=host,
+        device_reduce=True,
     )
 
 

@@ -242,19 +242,21 @@ NORM_ROWS = 64  # flat_norm's rows: a fixed count, so the sum's order never depe
 
 
 def flat_norm(x: torch.Tensor) -> torch.Tensor:
-    """The L2 norm of a large flat host buffer (a layer's gradient in the EPS), as 64 row norms and the
-    norm of those. ATen's whole-tensor norm on CPU runs at one core's speed (a GPU step of BERT-Large
-    waited ~48 ms per step for it on 16 cores) and sums in one float chain (relative error ~1e-3 at 25 M
-    elements); rows spread over every core and keep the error near 1e-6. Same dtype as ``x``."""
+    """The L2 norm of a large flat buffer (a layer's gradient), accumulated in FP32 whatever its type, as 64
+    row norms and the norm of those on a CPU. ATen's whole-tensor norm on CPU runs at one core's speed (a
+    GPU step of BERT-Large waited ~48 ms per step for it on 16 cores) and sums in one float chain
+    (relative error ~1e-3 at 25 M elements); rows spread over every core and keep the error near 1e-6, and
+    a half buffer's norm equals its FP32 copy's bit for bit. Float32 (or the buffer's wider type)."""
     import torch
 
+    acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else None
     n = x.numel()
     if x.device.type != "cpu" or n < 1 << 16 or x.dim() != 1 or not x.is_contiguous():
-        return torch.linalg.vector_norm(x)
+        return torch.linalg.vector_norm(x, dtype=acc)
     r = n - n % NORM_ROWS
-    rows = torch.linalg.vector_norm(x[:r].view(NORM_ROWS, -1), dim=1)
+    rows = torch.linalg.vector_norm(x[:r].view(NORM_ROWS, -1), dim=1, dtype=acc)
     if r < n:
-        rows = torch.cat([rows, torch.linalg.vector_norm(x[r:]).view(1)])
+        rows = torch.cat([rows, torch.linalg.vector_norm(x[r:], dtype=acc).view(1)])
     return torch.linalg.vector_norm(rows)
 
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from l2l_cli.engine.eps import EagerParamServer, grad_mult
-from l2l_cli.engine.optim import clip_coefficients, flat_norm
+from l2l_cli.engine.optim import clip_coefficients
 from l2l_cli.engine.precision import LossScaler
 from l2l_cli.engine.trailing import TrailingUpdate, finish_updates
 
@@ -98,7 +98,7 @@ class Speculation:
         eps = self.eps
         eps.reduce(i)
         st = eps.layers[i]
-        norm = flat_norm(st.g) / (scale * eps.dist.world)
+        norm = eps.layer_norm(i) / (scale * eps.dist.world)
         self._norms[i] = norm
         if self._bad or not bool(torch.isfinite(norm)):
             self._bad = True
@@ -127,8 +127,8 @@ class Speculation:
             mult = (coef[0] * inv) if coef is not None else (None if inv == 1.0 else inv)
         with self.worker.work():
             st.save_undo(eps.acc)
-            if clip == "global" and known is None and not _power_of_two(inv):
-                self._received[i] = st.g.clone()
+            if clip == "global" and known is None and not _power_of_two(inv) and not st.update_keeps_grad:
+                self._received[i] = st.g.clone()  # (a torch optimizer scales the gradient in place)
             eps.update_layer(i, lr, mult)
         self._updated.append(i)
 
@@ -151,7 +151,7 @@ class Speculation:
         finish_updates(eps, self.trailing)  # (the update behind this step's forward is in)
         eps.reduce(i0)
         scale = scaler.scale * eps.dist.world
-        self._norms[i0] = flat_norm(eps.layers[i0].g) / scale
+        self._norms[i0] = eps.layer_norm(i0) / scale
         norms = torch.stack([self._norms[i] for i in sorted(self._norms)])  # in layer order, as Alg. 3
         where = list(range(len(norms)))
         if self.combine is not None:  # (a pipeline rank: every rank's norms, one verdict for all)
@@ -220,14 +220,17 @@ class Speculation:
         received: torch.Tensor | None = None,
     ) -> None:
         """Layer i with the step's clipping factor, as Alg. 3 applies it (g·(coef·inv)): undo its
-        speculative update first (its gradient then already carries the unscaling, exactly when ``inv`` is
-        a power of two; else ``received``, the gradient as it arrived, is put back and unscaled with the
-        factor), or update it for the first time (it was held back)."""
+        speculative update first, or update it for the first time (it was held back). An update that
+        leaves the gradient as it arrived (AdamW in one pass) redoes from it with g·(coef·inv); a torch
+        optimizer's left it unscaled in place: exact when ``inv`` is a power of two, else ``received``, the
+        gradient as it arrived, is put back and unscaled with the factor."""
         eps = self.eps
         with self.worker.work():
             if rollback:
                 eps.restore_layer(i, announce=False)
-                if received is not None:
+                if eps.layers[i].update_keeps_grad:
+                    eps.update_layer(i, lr, _with_factor(factor, inv))
+                elif received is not None:
                     eps.layers[i].g.copy_(received)
                     eps.update_layer(i, lr, factor * inv)
                 else:

@@ -291,7 +291,7 @@ class L2LRunner(RunnerBase):
     def sections(self) -> dict[str, dict[str, Any]]:
         """summary.json's ``optimizer`` section (below) and ``recompute``: the policy, kept layers, the
         bytes they hold for backward."""
-        out = {**self.optimizer_section(), "recompute": self.recompute.section()}
+        out = {**self.optimizer_section(), "recompute": self.recompute.section(), "eps": self.eps_section()}
         if self.speculation is not None:  # how a clipped step's speculative updates were redone
             spec = self.speculation
             out["speculation"] = {"clip_redo": self.eps.tier.clip_redo, "replayed_steps": spec.replays}
@@ -316,6 +316,12 @@ class L2LRunner(RunnerBase):
             self.steady["optimizer_exposed_s"] += times["optimizer_exposed_s"]
         busy = self.eps.worker.pop_busy()
         return {"eps_background_s": busy, **times, **self.eps.tier.pop_step(self.timer)}
+
+    def eps_section(self) -> dict[str, Any]:
+        """summary.json's ``eps``: what the host's passes over the EPS's buffers read and wrote per trained
+        parameter per step, by purpose (counted by the code that makes them), the update's own GB/s, the
+        link's bytes per parameter per step (the relay's copies, apart), and which update ran."""
+        return eps_traffic(self.eps, self.relay.transfer_bytes, self.step_count)
 
     def optimizer_section(self) -> dict[str, dict[str, Any]]:
         """summary.json's ``optimizer`` section: the host update's seconds per steady-state step, the part
@@ -397,6 +403,25 @@ class L2LRunner(RunnerBase):
             self.finish_updates()
         finally:
             self.eps.close()
+
+
+def eps_traffic(eps: EagerParamServer, transfer_bytes: int, steps: int) -> dict[str, Any]:
+    """The ``eps`` section of summary.json for ``eps`` after ``steps`` training steps (see
+    ``L2LRunner.eps_section``); shared with the pipeline's L2L stages."""
+    passes = eps.passes
+    nbytes, seconds = passes.snapshot()
+    params = sum(st.layout.numel for st in eps.layers)
+    per = max(1, params) * max(1, steps)
+    upd_s = seconds.get("update", 0.0)
+    return {
+        "update_kernel": passes.kernel,
+        "host_threads": passes.threads,
+        "host_traffic_bytes_per_param": sum(nbytes.values()) / per,
+        "host_traffic_by_pass": {k: v / per for k, v in sorted(nbytes.items())},
+        "transfer_bytes_per_param": transfer_bytes / per,
+        "update_gbps": nbytes.get("update", 0) / upd_s / 1e9 if upd_s > 0 else None,
+        "trained_params": params,
+    }
 
 
 def run_head(

@@ -108,7 +108,7 @@ class DiskTier:
         send_dtype: torch.dtype,
         optim: OptimSettings,
     ) -> DiskLayer:
-        st = DiskLayer(self, index, kind, layout)
+        st = DiskLayer(self, index, kind, layout, acc.host_passes)
         if self.record is not None:
             st.opt_step = float(self.record["layers"][index]["step"])
         self.layers[index] = st
