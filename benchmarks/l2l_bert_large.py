@@ -66,13 +66,15 @@ def main() -> None:
     ap.add_argument("--only", action="append", default=[], help="run the configs whose name contains this")
     args = ap.parse_args()
     res = {}
-    print(f"{'config':30s} {'samples/s':>10s} {'step s':>8s} {'device peak':>12s}")
+    print(f"{'config':30s} {'samples/s':>10s} {'step s':>8s} {'device peak':>12s} {'host B/param':>12s}")
     for name, ov in CONFIGS.items():
         if args.only and not any(o in name for o in args.only):
             continue
         r = res[name] = measure([*BERT_LARGE_8, f"batch.size={args.batch}", *ov], steps=args.steps)
+        host = f"{r['eps']['host_traffic_bytes_per_param']:.1f}" if r.get("eps") else "-"
         print(
-            f"{name:30s} {r['samples_per_s']:10.2f} {r['step_time_s']:8.2f} {gib(r['peak_bytes']):>12s}",
+            f"{name:30s} {r['samples_per_s']:10.2f} {r['step_time_s']:8.2f} {gib(r['peak_bytes']):>12s}"
+            f" {host:>12s}",
             flush=True,
         )
     t = collections.defaultdict(lambda: float("nan"), {k: v["samples_per_s"] for k, v in res.items()})
@@ -108,6 +110,7 @@ def main() -> None:
                     "step_time_s": v["step_time_s"],
                     "device_peak_bytes": v["peak_bytes"],
                     "phases": v["phases"],
+                    "eps": v["eps"],
                 }
                 for k, v in res.items()
             },

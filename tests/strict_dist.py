@@ -193,7 +193,8 @@ class StrictDist:
         self.tags, self.pretend_nccl = tags, pretend_nccl
         self.declared: dict[int, tuple[Any, str]] = {}  # id(group) -> (group, declared backend)
         self.default_backend = "gloo"
-        self.counts: Counter[str] = Counter()  # "<backend> <collective> <tensor kind>"
+        # "<backend> <collective> <tensor kind>": tensors checked; "... elements": their elements
+        self.counts: Counter[str] = Counter()
         self._batched = threading.local()
         self._objects_on = threading.local()
         self._inside = threading.local()
@@ -305,6 +306,7 @@ class StrictDist:
                             f"{backend} ({why})"
                         )
                     self.counts[f"{backend} {name} {kind}"] += 1
+                    self.counts[f"{backend} {name} {kind} elements"] += t.numel()
             return fn(*args, **kwargs)
 
         checked.__name__ = name

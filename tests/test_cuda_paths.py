@@ -293,12 +293,25 @@ def test_a_decoder_on_two_pipeline_stages_trains_evaluates_and_resumes_as_on_two
     assert summary["resumed_from"]["step"] == 2
 
 
+def test_l2l_data_parallel_sums_each_layer_on_the_device_group(tmp_path: Path) -> None:
+    """Issue 50: 2-rank L2L-p data parallel (CMP) sums each layer's gradient on the device, over the
+    default group declared NCCL, in the device's half type, before it leaves the device; gloo keeps only
+    host scalars (the trainer's loss and stop flag, a few numbers a step): no layer's gradient on it."""
+    counts = strict_train(tmp_path / "dp", "mode=l2l_p", "precision=cmp", "trainer.save_every=0")
+    params = json.loads((tmp_path / "dp" / "summary.json").read_text())["eps"]["trained_params"]
+    for c in counts.values():
+        # every layer's gradient, each step, on the NCCL group: all trained parameters, twice
+        assert c.get("nccl all_reduce device elements", 0) >= 2 * params
+        host = sum(n for k, n in c.items() if k.startswith("gloo") and k.endswith("host elements"))
+        assert host < 1000, f"gloo moved {host} host elements: a layer's gradient went over it"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "case",
     [
         ["mode=baseline_ag"],  # data parallel: DDP on the NCCL default group, the trainer's host collectives
-        ["mode=l2l"],  # data parallel: the EPS reduces host buffers on its gloo group
+        ["mode=l2l"],  # data parallel: each layer's gradient summed on the device (NCCL), scalars on gloo
         ["mode=l2l", *PIPE2],  # L2L stages: hidden states on NCCL, the loss and norms on gloo
     ],
     ids=["dp-baseline_ag", "dp-l2l", "pipeline-l2l"],

@@ -19,12 +19,14 @@ from typing import Any
 import torch
 
 from l2l_cli.engine.device import Accelerator
+from l2l_cli.engine.host_passes import set_thread_share
 
 _THREAD = threading.local()
 
 
 def _worker_init(threads: int) -> None:
     torch.set_num_threads(threads)
+    set_thread_share(threads)
     _THREAD.eps_worker = True
 
 

@@ -160,9 +160,20 @@ class AdamwStep:
         }
 
 
+_LOCAL = threading.local()
+
+
+def set_thread_share(threads: int) -> None:
+    """The calling thread's passes run on ``threads`` threads (the EPS thread's share of the cores; a
+    thread that never calls this, the compute thread, takes torch's intra-op thread count: it runs host
+    work only while the device waits for it)."""
+    _LOCAL.threads = max(1, threads)
+
+
 class HostPasses:
-    """The host's passes over EPS buffers: the native kernels on ``threads`` threads (or torch ops, see
-    ``kernel``), and the count of every pass's bytes and seconds by purpose."""
+    """The host's passes over EPS buffers: the native kernels on the calling thread's share of the cores
+    (``set_thread_share``; ``threads``: the EPS thread's), or torch ops (see ``kernel``); and the count of
+    every pass's bytes and seconds by purpose."""
 
     def __init__(self, threads: int, kernel: str = "auto"):
         self.threads = max(1, threads)
@@ -171,7 +182,8 @@ class HostPasses:
             raise RuntimeError(f"eps.update_kernel=native: the native kernels are unavailable ({why})")
         self.lib, self.why = lib, why
         self.vec = _vector_width()
-        self._pool = ThreadPoolExecutor(self.threads - 1, "l2l-host") if self.threads > 1 else None
+        most = max(self.threads, torch.get_num_threads())
+        self._pool = ThreadPoolExecutor(most - 1, "l2l-host") if most > 1 else None
         self._lock = threading.Lock()
         self.bytes: dict[str, int] = {}
         self.seconds: dict[str, float] = {}
@@ -197,7 +209,8 @@ class HostPasses:
 
     def _split(self, n: int, fn: Callable[[int, int], None]) -> None:
         """``fn(lo, hi)`` over [0, n) cut into one contiguous range per thread, the caller's included."""
-        t = min(self.threads, max(1, n // (1 << 15)))  # small runs: one thread (a dispatch costs ~20 us)
+        share = getattr(_LOCAL, "threads", None) or torch.get_num_threads()
+        t = min(share, max(1, n // (1 << 15)))  # small runs: one thread (a dispatch costs ~20 us)
         if t == 1 or self._pool is None:
             fn(0, n)
             return
@@ -220,7 +233,7 @@ class HostPasses:
     ) -> None:
         """One AdamW run (a parameter of the fused kernel): ``g`` (FP32/BF16/FP16, left as it is) times
         ``mult`` (None: 1) applied to ``state_in`` = (w, m, v), written to ``state_out`` (the same tensors:
-        in place), and the new w narrowed into ``send`` (None: no send copy). ``hp``: the update's hyper-parameters."""
+        in place), and the new w narrowed into ``send`` (None: no send copy). ``hp``: its hyper-parameters."""
         n = g.numel()
         if n == 0:
             return
@@ -302,7 +315,7 @@ class HostPasses:
         self._split(n, lambda lo, hi: lib.l2l_convert(sp, st, dp, dt, lo, hi))
 
     def triad(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, s: float) -> None:
-        """STREAM's triad ``a = b + s*c`` on the update's threads (the machine's bandwidth to compare with)."""
+        """STREAM's triad ``a = b + s*c`` on the update's threads (the bandwidth to measure it by)."""
         if self.lib is None:
             torch.add(b, c, alpha=s, out=a)
             return

@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from l2l_cli.engine.device import DONE, Accelerator, CopyHandle
+from l2l_cli.engine.copies import DONE, CopyHandle
+from l2l_cli.engine.device import Accelerator
 from l2l_cli.engine.flat import FlatLayout
 from l2l_cli.engine.host_passes import AdamwStep, HostPasses
 from l2l_cli.engine.optim import OptimSettings, bind_flat, optimizer_runs, set_lr
@@ -118,7 +119,7 @@ class LayerState:
         self.optimizer = bind_optimizer(layout, w, self.g, m, v, optim, self.extra)
         # AdamW in one pass (``HostPasses.adamw``): each run's (start, end, param group); the torch
         # optimizer then only keeps the step counts and hyper-parameters (checkpoints read them)
-        self.fused = _fused_runs(self.optimizer, w) if optim.name == "adamw" else None
+        self.fused = _fused_runs(self.optimizer, w) if optim.kind.one_pass else None
 
     w = property(lambda self: self.sets[self.cur][0])
     m = property(lambda self: self.sets[self.cur][1])

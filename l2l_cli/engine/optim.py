@@ -72,13 +72,16 @@ class OptimizerKind:
     a layer updated alone). LAMB's trust ratio is a norm over each whole parameter tensor, so it is not;
     nor is 8-bit AdamW's (its moments are quantized per block). ``flat_runs``: the EPS binds it to two long
     runs per layer (decayed, not) rather than one parameter per tensor. ``state``: the buffers it keeps per
-    parameter, which the EPS allocates flat (and the planner counts, :attr:`state_bytes_per_param`)."""
+    parameter, which the EPS allocates flat (and the planner counts, :attr:`state_bytes_per_param`).
+    ``one_pass``: the EPS runs its update as one host pass (``engine/host_passes.py``: AdamW's math, bit
+    for bit), the torch optimizer keeping only its step counts and hyper-parameters."""
 
     name: str
     build: Callable[[list[dict[str, Any]], OptimSettings], torch.optim.Optimizer]
     elementwise: bool
     flat_runs: bool
     state: tuple[StateBuffer, ...] = ADAM_FP32
+    one_pass: bool = False
 
     @property
     def state_bytes_per_param(self) -> float:
@@ -115,7 +118,7 @@ def _adamw8bit(groups: list[dict[str, Any]], o: OptimSettings) -> torch.optim.Op
 OPTIMIZERS: dict[str, OptimizerKind] = {
     k.name: k
     for k in (
-        OptimizerKind("adamw", _adamw, elementwise=True, flat_runs=True),
+        OptimizerKind("adamw", _adamw, elementwise=True, flat_runs=True, one_pass=True),
         OptimizerKind("lamb", _lamb, elementwise=False, flat_runs=False),
         OptimizerKind("adamw8bit", _adamw8bit, elementwise=False, flat_runs=True, state=ADAM_8BIT),
     )

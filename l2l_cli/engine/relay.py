@@ -27,7 +27,8 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
-from l2l_cli.engine.device import DONE, Accelerator, AllOf, CopyHandle
+from l2l_cli.engine.copies import DONE, AllOf, CopyHandle
+from l2l_cli.engine.device import Accelerator
 from l2l_cli.engine.eps import EagerParamServer
 from l2l_cli.engine.optim import flat_norm
 from l2l_cli.models.base import BLOCK, POST, PRE, ModelSpec

@@ -6,7 +6,8 @@ from typing import Protocol
 
 import torch
 
-from l2l_cli.engine.device import DONE, Accelerator, CopyHandle
+from l2l_cli.engine.copies import DONE, CopyHandle
+from l2l_cli.engine.device import Accelerator
 from l2l_cli.engine.flat import FlatLayout
 from l2l_cli.engine.host_passes import HostPasses
 from l2l_cli.engine.layer_state import LayerState, _fused_runs
@@ -38,9 +39,12 @@ class DiskLayer(LayerState):
     _beside = False
     widened = True
 
-    def __init__(self, tier: LayerHome, index: int, kind: str, layout: FlatLayout, passes: HostPasses):
+    def __init__(
+        self, tier: LayerHome, index: int, kind: str, layout: FlatLayout, passes: HostPasses, one_pass: bool
+    ):
         self.tier, self.index, self.kind, self.layout = tier, index, kind, layout
         self.passes = passes
+        self.one_pass = one_pass  # the optimizer's update is one host pass (``OptimizerKind.one_pass``)
         self.version = 0
         self.grad_in: CopyHandle = DONE
         self.grad_norm: torch.Tensor | None = None
@@ -85,8 +89,11 @@ class DiskLayer(LayerState):
     @property  # type: ignore[override]
     def fused(self) -> list[tuple[int, int, dict, dict]] | None:
         """AdamW's runs over the cache slot's buffers (None: a torch optimizer's update)."""
-        opt = self.optimizer
-        return _fused_runs(opt, self.w) if isinstance(opt, torch.optim.AdamW) else None
+        return _fused_runs(self.optimizer, self.w) if self.one_pass else None
+
+    @property
+    def update_keeps_grad(self) -> bool:
+        return self.one_pass
 
     def receive_grad(self, widen: bool = True) -> None:
         super().receive_grad(widen=True)

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from l2l_cli.engine.device import Accelerator, CopyHandle
+from l2l_cli.engine.copies import CopyHandle
+from l2l_cli.engine.device import Accelerator
 from l2l_cli.engine.flat import FlatLayout
 from l2l_cli.engine.optim import OptimSettings
 from l2l_cli.engine.tiers.base import TierSettings
@@ -108,7 +109,7 @@ class DiskTier:
         send_dtype: torch.dtype,
         optim: OptimSettings,
     ) -> DiskLayer:
-        st = DiskLayer(self, index, kind, layout, acc.host_passes)
+        st = DiskLayer(self, index, kind, layout, acc.host_passes, optim.kind.one_pass)
         if self.record is not None:
             st.opt_step = float(self.record["layers"][index]["step"])
         self.layers[index] = st
