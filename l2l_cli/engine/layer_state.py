@@ -248,8 +248,10 @@ class LayerState:
         group = self.optimizer.param_groups[0]
         decay = max(g["weight_decay"] for g in self.optimizer.param_groups)
         g_all = self.grad
+        touched = 0
         with torch.no_grad():
             for lo, hi, width, idx in self.layout.row_blocks(rows):
+                touched += idx.numel() * width
                 views = [t[lo:hi].view(-1, width) for t in (self.w, g_all, self.m, self.v)]
                 w, g, m, v = (t.index_select(0, idx) for t in views)
                 g = g.float()
@@ -272,6 +274,10 @@ class LayerState:
                     maximize=False,
                 )
                 self.w_send[lo:hi].view(-1, width).index_copy_(0, idx, w.to(self.w_send.dtype))
+        # gathered rows (gradient and state), their update as torch's, the send copy's rows written
+        self.passes.count(
+            "preview", touched * (g_all.element_size() + 12 + 28 + 4 + self.w_send.element_size())
+        )
 
     def make_send_copy(self, acc: Accelerator) -> None:
         """A separate send buffer even in FP32 (what the device loads can then run ahead of the master)."""

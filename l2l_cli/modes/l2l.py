@@ -87,6 +87,10 @@ class L2LRunner(RunnerBase):
         self.recompute_info = None if self.settings.recompute.trivial else self.recompute.describe()
         self.graphs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # kept: (input, output)
         self.steady = {"steps": 0, "optimizer_s": 0.0, "optimizer_exposed_s": 0.0}
+        # the host's passes and the link's bytes from the first training step on (building, loading
+        # weights and a resume's checkpoint are no step's), and the steps since
+        self.traffic: tuple[dict[str, int], dict[str, float], int] | None = None
+        self.traffic_steps = 0
 
     def run_layer(
         self, layer: nn.Module, i: int, x: torch.Tensor | None, ub: Batch, side: Any
@@ -101,6 +105,9 @@ class L2LRunner(RunnerBase):
         (``IN_BACKWARD``; ``IN_BACKWARD_TRAILING``, Alg. 4: the last one behind the next forward)."""
         t0, lr = time.perf_counter(), self.lr()
         scaler, clip, max_norm = self.precision.scaler, self.clip, self.settings.max_grad_norm
+        if self.traffic is None:
+            self.traffic = (*self.eps.passes.snapshot(), self.relay.transfer_bytes)
+        self.traffic_steps += 1
         div = self.loss_divisors(minibatch)  # the loss: one mean over the global minibatch's terms
         if self.trailing is not None:  # Alg. 4: the last step's trailing update, the rows this batch reads
             with self.timer("optimizer"):
@@ -321,7 +328,7 @@ class L2LRunner(RunnerBase):
         """summary.json's ``eps``: what the host's passes over the EPS's buffers read and wrote per trained
         parameter per step, by purpose (counted by the code that makes them), the update's own GB/s, the
         link's bytes per parameter per step (the relay's copies, apart), and which update ran."""
-        return eps_traffic(self.eps, self.relay.transfer_bytes, self.step_count)
+        return eps_traffic(self.eps, self.relay.transfer_bytes, self.traffic, self.traffic_steps)
 
     def optimizer_section(self) -> dict[str, dict[str, Any]]:
         """summary.json's ``optimizer`` section: the host update's seconds per steady-state step, the part
@@ -405,11 +412,21 @@ class L2LRunner(RunnerBase):
             self.eps.close()
 
 
-def eps_traffic(eps: EagerParamServer, transfer_bytes: int, steps: int) -> dict[str, Any]:
-    """The ``eps`` section of summary.json for ``eps`` after ``steps`` training steps (see
+def eps_traffic(
+    eps: EagerParamServer,
+    transfer_bytes: int,
+    since: tuple[dict[str, int], dict[str, float], int] | None,
+    steps: int,
+) -> dict[str, Any]:
+    """The ``eps`` section of summary.json for ``eps`` over ``steps`` training steps, counted ``since``
+    (the host passes' bytes and seconds and the link's bytes before the first of them; see
     ``L2LRunner.eps_section``); shared with the pipeline's L2L stages."""
     passes = eps.passes
     nbytes, seconds = passes.snapshot()
+    b0, s0, t0 = since if since is not None else ({}, {}, 0)
+    nbytes = {k: v - b0.get(k, 0) for k, v in nbytes.items() if v - b0.get(k, 0)}
+    seconds = {k: v - s0.get(k, 0.0) for k, v in seconds.items()}
+    transfer_bytes -= t0
     params = sum(st.layout.numel for st in eps.layers)
     per = max(1, params) * max(1, steps)
     upd_s = seconds.get("update", 0.0)
