@@ -448,3 +448,54 @@ def test_phase_timers_wait_for_the_compute_stream_not_the_copy_streams(
     assert waited == ["compute stream"]
     with built(tiny_cfg("profile.sync_timers=true")) as runner:
         assert runner.timer.sync == runner.acc.wait_compute
+
+
+# ---- issue 50: only what crosses the link is pinned, to its exact size -------------------------------------
+
+
+def test_only_link_buffers_are_pinned_and_to_their_exact_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer's host state asks for pinned memory only where the device's copies read or write it (the
+    send copy and receive buffer under CMP; the master and gradient themselves in FP32), and pinning
+    registers exactly the buffer's bytes (torch's pinned allocator would round 50.4 MB up to 64 MB)."""
+    from l2l_cli.engine import device
+    from l2l_cli.engine.device import make_accelerator
+    from l2l_cli.engine.flat import FlatLayout
+    from l2l_cli.engine.layer_state import LayerState
+    from l2l_cli.engine.optim import OptimSettings
+    from tests.util import bert_spec
+
+    calls: list[tuple[str, int, int]] = []
+    fake = SimpleNamespace(
+        cudaHostRegister=lambda ptr, n, flags: calls.append(("register", ptr, n)) or 0,
+        cudaHostUnregister=lambda ptr: calls.append(("unregister", ptr, 0)) or 0,
+    )
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    t = torch.empty(12_600_001)
+    assert device.pin_exact(t) is t and calls == [("register", t.data_ptr(), t.nbytes)]
+    device.unpin(t)
+    assert calls[-1] == ("unregister", t.data_ptr(), 0)
+
+    acc = make_accelerator("cpu")
+    asked: list[tuple[int, torch.dtype, bool]] = []
+    plain = acc.host_empty
+
+    def record(numel: int, dtype: torch.dtype = torch.float32, link: bool = False) -> torch.Tensor:
+        asked.append((numel, dtype, link))
+        return plain(numel, dtype, link)
+
+    acc.host_empty = record  # type: ignore[method-assign]
+    spec = bert_spec(2, 32, 4, 64)
+    layout = FlatLayout(spec.new_layer("block", "meta"))
+    optim = OptimSettings("adamw", 1e-3, 0.0, 0.9, 0.999, 1e-8, 0.0, None, "constant")
+    n = layout.numel
+    for send, want in ((torch.float32, {torch.float32: 2}), (torch.bfloat16, {torch.bfloat16: 2})):
+        asked.clear()
+        st = LayerState(1, "block", layout, acc, send, optim)
+        linked = [(k, d) for k, d, link in asked if link]
+        assert (
+            all(k == n for k, _ in linked)
+            and {d: sum(1 for _, x in linked if x == d) for _, d in linked} == want
+        )
+        asked.clear()
+        st.save_undo(acc)  # L2L-p's second state set: its master crosses the link in FP32 only
+        assert [link for _, _, link in asked] == [send == torch.float32, False, False]

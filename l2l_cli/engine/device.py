@@ -161,8 +161,10 @@ class Accelerator:
         at once, so the relay needs no second gradient buffer for one leaving while the next is computed."""
         return type(self.d2h) is CopyEngine
 
-    def host_empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """A host-tier buffer (not device memory): pinned where that speeds up copies."""
+    def host_empty(self, numel: int, dtype: torch.dtype = torch.float32, link: bool = False) -> torch.Tensor:
+        """A host-tier buffer (not device memory). ``link``: copies to or from the device read or write it
+        (a send copy, a receive buffer, a stash): pinned, to its exact size, where that makes the copies
+        asynchronous; the rest (masters, moments, undo sets) stays plain pageable memory."""
         with self.meter.paused():
             return torch.empty(numel, dtype=dtype)
 
@@ -245,6 +247,20 @@ class SimAccelerator(Accelerator):
         return f"sim ({self.memory_gb:g} GiB device budget, {self.link_gbps:g} GB/s link per direction)"
 
 
+def pin_exact(t: torch.Tensor) -> torch.Tensor:
+    """Page-lock ``t``'s memory where it is (``cudaHostRegister``), so copies to and from the device are
+    asynchronous DMA. torch's pinned allocator (``pin_memory=True``) rounds every buffer up to a power of
+    two (a 50.4 MB layer takes 64 MB); registering keeps the host's RAM to what the buffers hold."""
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {t.nbytes} bytes failed (error {int(err)})")
+    return t
+
+
+def unpin(t: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+
 class CudaAccelerator(Accelerator):
     kind = "cuda"
 
@@ -257,6 +273,18 @@ class CudaAccelerator(Accelerator):
             CudaCopyEngine(device, False),
             CudaCopyEngine(device, True),
         )
+        self.pinned: list[torch.Tensor] = []  # host buffers registered with CUDA (``host_empty(link=True)``)
+
+    @contextmanager
+    def running(self) -> Iterator[Accelerator]:
+        try:
+            with super().running():
+                yield self
+        finally:
+            torch.cuda.synchronize(self.device)  # no copy may still read a buffer about to be unpinned
+            for t in self.pinned:
+                unpin(t)
+            self.pinned.clear()
 
     @property
     def half_dtype(self) -> torch.dtype:
@@ -266,8 +294,11 @@ class CudaAccelerator(Accelerator):
     def copies_inputs(self) -> bool:
         return False
 
-    def host_empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype, pin_memory=True)
+    def host_empty(self, numel: int, dtype: torch.dtype = torch.float32, link: bool = False) -> torch.Tensor:
+        t = torch.empty(numel, dtype=dtype)
+        if link and t.nbytes:
+            self.pinned.append(pin_exact(t))  # (kept, and unpinned, with the accelerator)
+        return t
 
     def seed(self, seed: int) -> None:
         torch.cuda.default_generators[self.device.index].manual_seed(seed)

@@ -317,6 +317,6 @@ class EagerParamServer:
 
     def host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A host buffer for the CPU activation stash (counted in host memory)."""
-        buf = self.acc.host_empty(numel, dtype)
+        buf = self.acc.host_empty(numel, dtype, link=True)
         self.stash_bytes += buf.nbytes
         return buf

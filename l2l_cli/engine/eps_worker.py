@@ -58,6 +58,11 @@ class EpsWorker:
         """Run ``fn(*args)`` on the EPS thread; ``layer``: the job writes that layer (its device copy may not
         be loaded until it is done, unless ``host_only``; its host buffers not touched)."""
         job = self.pool.submit(fn, *args)
+        if len(self.jobs) >= 512:  # steps judged early leave their jobs running: forget the finished ones
+            done = [j for j in self.jobs if j.done()]
+            self.jobs = [j for j in self.jobs if not j.done()]
+            for j in done:
+                j.result()  # (a failure surfaces here, on the compute thread)
         self.jobs.append(job)
         if layer is not None:
             if not host_only:

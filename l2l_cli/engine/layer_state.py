@@ -93,8 +93,9 @@ class LayerState:
     ):
         n = layout.numel
         self.index, self.kind, self.layout = index, kind, layout
-        w = acc.host_empty(n)  # FP32 master
-        self.g = acc.host_empty(n).zero_()  # this step's gradient (copied from the device, reduced)
+        half = send_dtype != torch.float32  # CMP: half copies cross the link; else the master and gradient
+        w = acc.host_empty(n, link=not half)  # FP32 master
+        self.g = acc.host_empty(n, link=not half).zero_()  # this step's gradient (from the device, reduced)
         sizes = state_numel(layout, optim)
         dtypes = {b.short: getattr(torch, b.dtype) for b in optim.kind.state}
         state = {k: acc.host_empty(sizes[k], dtypes[k]).zero_() for k in sizes}
@@ -104,10 +105,10 @@ class LayerState:
         self.cur = 0
         if state:
             self.extra = state  # 8-bit AdamW: each block's absmax
-        self.w_send = acc.host_empty(n, send_dtype) if send_dtype != torch.float32 else None
+        self.w_send = acc.host_empty(n, send_dtype, link=True) if half else None
         # CMP: the gradient crosses the link in the device's half type; the update reads it as it is (a
         # conversion on the device would need an FP32 temporary there and twice the link's bytes)
-        self.g_recv = acc.host_empty(n, send_dtype) if send_dtype != torch.float32 else None
+        self.g_recv = acc.host_empty(n, send_dtype, link=True) if half else None
         self.widened = False  # this step's half gradient was widened into ``g`` (a tied head added to it)
         self.version = 0  # bumped by every update; the relay reloads a layer whose version moved on
         self.grad_in: CopyHandle = DONE  # the device->host copy of this step's gradient
@@ -282,7 +283,7 @@ class LayerState:
     def make_send_copy(self, acc: Accelerator) -> None:
         """A separate send buffer even in FP32 (what the device loads can then run ahead of the master)."""
         if self.w_send is None:
-            self.w_send = acc.host_empty(self.w.numel())
+            self.w_send = acc.host_empty(self.w.numel(), link=True)
             self.w_send.copy_(self.w)
 
     def set_step(self, step: float) -> None:
@@ -297,7 +298,14 @@ class LayerState:
         if self.fused is not None:
             if len(self.sets) == 1:
                 w, m, v = self.sets[0]
-                self.sets.append(tuple(acc.host_empty(t.numel(), t.dtype) for t in (w, m, v)))  # type: ignore[arg-type]
+                sent = self.w_send is None  # (FP32: the master itself crosses the link)
+                self.sets.append(
+                    (
+                        acc.host_empty(w.numel(), link=sent),
+                        acc.host_empty(m.numel()),
+                        acc.host_empty(v.numel()),
+                    )
+                )
             self._beside = True
             return
         kept = (self.w, *self.moments.values())

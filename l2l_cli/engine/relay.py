@@ -161,7 +161,7 @@ class Relay:
         self.training = True
         # each layer's gradient norm lands in a host scalar beside its gradient (pinned where copies are
         # asynchronous); one per layer, reused every step
-        self._norm_host = [acc.host_empty(1) for _ in range(len(eps.layers))]
+        self._norm_host = [acc.host_empty(1, link=True) for _ in range(len(eps.layers))]
         self.graph_slots: dict[int, Slot] = {}  # layers whose forward graph is kept -> the slot it references
 
     @property
