@@ -158,3 +158,37 @@ def test_summary_reports_the_host_traffic(tmp_path: Path) -> None:
 def test_bad_update_settings_are_one_config_line(override: str, line: str) -> None:
     r = l2l("train", override)
     assert r.returncode == 2 and line in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_step_ends_with_its_updates_still_running_and_stays_exact() -> None:
+    """L2L-p judges a finite step that needs no rollback on the norms the device sent, without waiting for
+    the EPS thread: a slow update of the top block is still running when ``step`` returns, the next step's
+    forward waits for that layer alone, and the weights equal a run whose updates were not slowed."""
+    import threading
+
+    cfg = tiny_cfg("mode=l2l_p")
+    with built(cfg) as ref:
+        for b in islice(batches(cfg), 3):
+            ref.step(b)
+        ref.finish_updates()
+        want = [st.w.clone() for st in ref.eps.layers]
+    with built(cfg) as runner:
+        eps, top = runner.eps, runner.head - 1
+        update, release = eps.update_layer, threading.Event()
+
+        def slow(i: int, *args: object) -> None:
+            if i == top and threading.current_thread() is not threading.main_thread():
+                release.wait(5)
+            update(i, *args)
+
+        eps.update_layer = slow  # type: ignore[method-assign]
+        it = islice(batches(cfg), 3)
+        runner.step(next(it))
+        assert eps.worker.host_busy(top)  # the step returned with the top block's update still running
+        assert runner.speculation.verdicts_early == 1
+        release.set()
+        for b in it:
+            runner.step(b)
+        runner.finish_updates()
+        for st, w in zip(eps.layers, want):
+            assert torch.equal(st.w, w)
