@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from l2l_cli.engine.device import DONE, Accelerator, CopyHandle
+from l2l_cli.engine.copies import DONE, CopyHandle
+from l2l_cli.engine.device import Accelerator
 from l2l_cli.engine.flat import FlatLayout
 from l2l_cli.engine.optim import OptimSettings, bind_flat, optimizer_runs, set_lr
 

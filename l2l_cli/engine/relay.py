@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from l2l_cli.engine.device import DONE, Accelerator, AllOf, CopyHandle
+from l2l_cli.engine.copies import DONE, AllOf, CopyHandle
+from l2l_cli.engine.device import Accelerator
 from l2l_cli.engine.eps import EagerParamServer
 from l2l_cli.models.base import BLOCK, POST, PRE, ModelSpec
 from l2l_cli.profiling.timers import PhaseTimer

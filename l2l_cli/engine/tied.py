@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from l2l_cli.engine.device import DONE, Accelerator, CopyHandle
+from l2l_cli.engine.copies import DONE, CopyHandle
+from l2l_cli.engine.device import Accelerator
 from l2l_cli.engine.flat import FlatLayout
 from l2l_cli.models.base import POST, ModelSpec
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from l2l_cli.engine.device import Accelerator, CopyHandle
+from l2l_cli.engine.copies import CopyHandle
+from l2l_cli.engine.device import Accelerator
 from l2l_cli.engine.flat import FlatLayout
 from l2l_cli.engine.layer_state import bind_optimizer
 from l2l_cli.engine.optim import OptimSettings

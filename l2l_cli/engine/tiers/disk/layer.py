@@ -6,7 +6,8 @@ from typing import Protocol
 
 import torch
 
-from l2l_cli.engine.device import DONE, Accelerator, CopyHandle
+from l2l_cli.engine.copies import DONE, CopyHandle
+from l2l_cli.engine.device import Accelerator
 from l2l_cli.engine.flat import FlatLayout
 from l2l_cli.engine.layer_state import LayerState
 from l2l_cli.engine.tiers.disk.cache import CacheSlot

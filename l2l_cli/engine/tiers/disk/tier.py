@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from l2l_cli.engine.device import Accelerator, CopyHandle
+from l2l_cli.engine.copies import CopyHandle
+from l2l_cli.engine.device import Accelerator
 from l2l_cli.engine.flat import FlatLayout
 from l2l_cli.engine.optim import OptimSettings
 from l2l_cli.engine.tiers.base import TierSettings
