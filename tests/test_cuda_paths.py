@@ -435,3 +435,98 @@ def test_phase_timers_wait_for_the_compute_stream_not_the_copy_streams(
     assert waited == ["compute stream"]
     with built(tiny_cfg("profile.sync_timers=true")) as runner:
         assert runner.timer.sync == runner.acc.wait_compute
+
+
+# ---- issue 51: the multi-GPU paths a reading found, each seen on this CPU --------------------------------
+
+
+class FakeCuda:
+    """``torch.cuda`` on a machine without a GPU: ``count`` devices, the current one ``current``, each with
+    an RNG state; an index past the count fails as CUDA's does (``default_generators[i]``: IndexError)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, count: int, current: int = 0):
+        self.count, self.current = count, current
+        self.states = [torch.full((16,), 10 + i, dtype=torch.uint8) for i in range(8)]
+        self.restored: list[tuple[int, list[int]]] = []
+        self.set_devices: list[tuple[str, object]] = []
+
+        def index(device: object = None) -> int:
+            i = self.current if device is None or device == "cuda" else torch.device("cuda", device).index
+            i = self.current if i is None else i
+            if i >= self.count:
+                raise IndexError("tuple index out of range")
+            return i
+
+        def set_rng_state(state: torch.Tensor, device: object = "cuda") -> None:
+            self.restored.append((index(device), state.tolist()))
+
+        def set_device(device: object) -> None:
+            import threading
+
+            self.set_devices.append((threading.current_thread().name, device))
+
+        cuda = torch.cuda
+        for name, fn in {
+            "is_available": lambda: True,
+            "device_count": lambda: self.count,
+            "current_device": lambda: self.current,
+            "get_rng_state": lambda device="cuda": self.states[index(device)].clone(),
+            "get_rng_state_all": lambda: [self.states[i].clone() for i in range(self.count)],
+            "set_rng_state": set_rng_state,
+            "set_device": set_device,
+        }.items():
+            monkeypatch.setattr(cuda, name, fn)
+        monkeypatch.setattr(torch.cuda.random, "set_rng_state", set_rng_state)  # set_rng_state_all's own
+
+
+def test_a_rank_saves_and_restores_its_own_devices_rng_state_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 51 (1): the checkpoint kept every visible GPU's RNG state and restored them all, so a 2-GPU
+    run resumed on one GPU (or a narrower CUDA_VISIBLE_DEVICES) raised IndexError; and a rank's own
+    device's state was the one it does not draw from. Each rank keeps and restores its own device's."""
+    from l2l_cli import checkpoint as ckpt
+
+    gpus = FakeCuda(monkeypatch, count=2, current=1)  # rank 1 of a 2-GPU run: cuda:1 is its device
+    state = json.loads(json.dumps(ckpt.rng_state()))  # plain JSON, as state.json holds it
+    assert state.get("torch_cuda_device") == gpus.states[1].tolist() and "torch_cuda" not in state
+    gpus.count, gpus.current = 1, 0  # resumed on one GPU: cuda:0 is the only device now
+    ckpt.set_rng_state(state)
+    assert gpus.restored == [(0, gpus.states[1].tolist())]
+    # a checkpoint written before (every visible device's states): this device's entry, and no IndexError
+    gpus.restored.clear()
+    ckpt.set_rng_state({**state, "torch_cuda_device": None, "torch_cuda": [[1] * 16, [2] * 16]})
+    assert gpus.restored == [(0, [1] * 16)]
+
+
+def test_each_rank_resumes_its_own_rng_states(tmp_path: Path) -> None:
+    """Issue 51 (1): rank 0 wrote its own generators for every rank; the checkpoint now holds each rank's
+    (gathered over the host group as every rank saves) and each rank restores its own."""
+    from l2l_cli import checkpoint as ckpt
+    from l2l_cli.engine.dist import DistContext
+    from l2l_cli.session import build
+    from tests.util import tiny_data
+
+    class TwoRanks(DistContext):
+        """Rank 0 of two, alone in this process: the other rank's RNG states come from the gather."""
+
+        def gather(self, obj: object) -> list[object]:
+            return [obj, other]
+
+        def mean_and_any(self, value: float, flag: int) -> tuple[float, bool]:
+            return value, bool(flag)
+
+    torch.manual_seed(1234)
+    other = ckpt.rng_state()  # what rank 1's generators hold
+    cfg = tiny_cfg("mode=l2l", "model.dropout=0.1", "trainer.max_steps=2")
+    with build(cfg, tmp_path, data=tiny_data(cfg)) as s:
+        assert s.runner is not None and s.stream is not None and s.trainer is not None
+        s.runner.step(next(s.stream.batches()))
+        s.trainer.ctx = TwoRanks(rank=0, world=2)
+        mine = ckpt.rng_state()
+        path = s.trainer.save()
+        assert path is not None
+        state = json.loads((path / "state.json").read_text())
+        assert state["rng"] == mine and state["rng_ranks"] == [mine, other]
+        s.trainer.ctx = TwoRanks(rank=1, world=2)  # the same checkpoint resumed as rank 1
+        torch.manual_seed(0)
+        s.trainer.resume(tmp_path)
+        assert torch.equal(torch.get_rng_state(), torch.tensor(other["torch_cpu"], dtype=torch.uint8))

@@ -49,14 +49,27 @@ def timing_event() -> Any:
     return torch.cuda.Event(enable_timing=True)
 
 
-def cuda_rng_states() -> list[torch.Tensor] | None:
-    """Every CUDA device's RNG state (None without CUDA)."""
-    return torch.cuda.get_rng_state_all() if cuda_available() else None
+def own_cuda_index(device: torch.device | None) -> int | None:
+    """The index of this rank's CUDA device (``device``; None: the current one, which the accelerator set),
+    or None off CUDA."""
+    if not cuda_available() or (device is not None and device.type != "cuda"):
+        return None
+    return device.index if device is not None and device.index is not None else torch.cuda.current_device()
 
 
-def set_cuda_rng_states(states: list[torch.Tensor]) -> None:
-    if cuda_available():
-        torch.cuda.set_rng_state_all(states)
+def cuda_rng_state(device: torch.device | None = None) -> torch.Tensor | None:
+    """The RNG state of this rank's own CUDA device (None off CUDA). Only its own: another rank draws on
+    the other devices, and a resume may see fewer of them (one GPU instead of two, a narrower
+    ``CUDA_VISIBLE_DEVICES``)."""
+    index = own_cuda_index(device)
+    return None if index is None else torch.cuda.get_rng_state(index)
+
+
+def set_cuda_rng_state(state: torch.Tensor, device: torch.device | None = None) -> None:
+    """Restore this rank's own CUDA device's RNG state (nothing off CUDA)."""
+    index = own_cuda_index(device)
+    if index is not None:
+        torch.cuda.set_rng_state(state, index)
 
 
 class CudaAllocator:
