@@ -530,3 +530,27 @@ def test_each_rank_resumes_its_own_rng_states(tmp_path: Path) -> None:
         torch.manual_seed(0)
         s.trainer.resume(tmp_path)
         assert torch.equal(torch.get_rng_state(), torch.tensor(other["torch_cpu"], dtype=torch.uint8))
+
+
+def test_more_ranks_than_gpus_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 51 (2): two ranks on one GPU were mapped ``local_rank % device_count`` without a word (NCCL
+    then fails at its first collective, "Duplicate GPU detected"); the config check names ``dist.nproc``
+    and the GPU count, and a rank without a GPU of its own (torchrun's count) is refused too."""
+    from l2l_cli.config.validate import validate
+    from l2l_cli.engine import device as device_mod
+    from l2l_cli.problems import ConfigError
+
+    FakeCuda(monkeypatch, count=1)
+    problems = [str(p) for p in validate(tiny_cfg("mode=l2l", "dist.nproc=2"), check_files=False)]
+    assert problems == [
+        "dist.nproc: 2 ranks on 1 GPU: each rank needs a GPU of its own (CUDA_VISIBLE_DEVICES counts); "
+        "allowed: at most 1, or device=cpu"
+    ]
+    assert validate(tiny_cfg("mode=l2l", "dist.nproc=2", "device=cpu"), check_files=False) == []
+    assert validate(tiny_cfg("mode=l2l", "dist.nproc=1"), check_files=False) == []
+    made: list[int] = []
+    monkeypatch.setattr(device_mod, "CudaAccelerator", lambda index: made.append(index))
+    device_mod.make_accelerator("cuda", local_rank=0)
+    with pytest.raises(ConfigError, match=r"dist.nproc: local rank 1 has no GPU of its own: 1 visible"):
+        device_mod.make_accelerator("cuda", local_rank=1)
+    assert made == [0]

@@ -60,6 +60,7 @@ def _dist(cfg: Config, check_files: bool) -> list[Problem]:
     at_least(p, "dist.layers_per_stage", d.layers_per_stage, 1)
     one_of(p, "dist.placement", d.placement, PLACEMENTS)
     one_of(p, "dist.schedule", d.schedule, PIPE_SCHEDULES)
+    p.extend(_gpus_for_ranks(cfg))
     if not p:  # the strategies' cross-field rules (pipeline: P divides nproc, #ubatches >= P, ...)
         for strategy in PARALLEL.values():
             p.extend(strategy.validate(cfg))
@@ -74,6 +75,23 @@ def _dist(cfg: Config, check_files: bool) -> list[Problem]:
             )
         )
     return p
+
+
+def _gpus_for_ranks(cfg: Config) -> list[Problem]:
+    """One GPU per rank: more ranks than this machine's CUDA devices would put two on one GPU (NCCL stops
+    at its first collective; an EPS run would train until its stop)."""
+    from l2l_cli.engine.device import cuda_device_count
+
+    gpus = cuda_device_count() if cfg.device in ("auto", "cuda") else 0
+    if not gpus or cfg.dist.nproc <= gpus:
+        return []
+    return [
+        Problem(
+            "dist.nproc",
+            f"{cfg.dist.nproc} ranks on {gpus} GPU{'s' if gpus > 1 else ''}: each rank needs a GPU of its own "
+            f"(CUDA_VISIBLE_DEVICES counts); allowed: at most {gpus}, or device=cpu",
+        )
+    ]
 
 
 @check("eps")

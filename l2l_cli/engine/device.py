@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from l2l_cli.engine.copies import AllOf, CopyEngine, CopyHandle, LinkCopyEngine, same_dtype
+from l2l_cli.problems import ConfigError, Problem
 from l2l_cli.profiling.memory import CudaMeter, DeviceOutOfMemory, MemoryMeter, StorageMeter
 
 # ---- torch.cuda, in one place: the CPU, sim and CUDA paths differ here (tests/test_architecture.py) ------
@@ -315,7 +316,10 @@ def make_accelerator(
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cuda":
-        return CudaAccelerator(local_rank % max(1, torch.cuda.device_count()))
+        if local_rank >= (gpus := cuda_device_count()):  # never two ranks on one GPU (torchrun's count)
+            why = f"local rank {local_rank} has no GPU of its own: {gpus} visible; allowed: at most {gpus} ranks"
+            raise ConfigError([Problem("dist.nproc", f"{why} per machine (or torchrun --nproc-per-node)")])
+        return CudaAccelerator(local_rank)
     if kind == "sim":
         return SimAccelerator(sim_memory_gb, sim_link_gbps)
     meter = StorageMeter(sample=sample_memory) if measure_memory else MemoryMeter()
