@@ -12,6 +12,8 @@ against the declared backend:
 - a pipeline's last stage returning another shape than it declared (``strict_stage_outputs``: torch up to
   2.12 checks it, 2.13 no longer does).
 
+Barriers are counted by their group's declared backend (``"nccl barrier"``), not refused.
+
 Which tensors are *device* tensors: the run's accelerator is given the device ``cpu:0`` (``DEVICE``): the
 same CPU, but factories asked for it show the index to a dispatch mode while host factories (no device, or
 ``cpu``) do not. An op's outputs are device tensors when an input is (an in-place op's destination keeps its
@@ -218,6 +220,7 @@ class StrictDist:
             "new_group",
             "batch_isend_irecv",
             "get_backend",
+            "barrier",
         ):
             orig[name] = getattr(c10d, name)
 
@@ -242,8 +245,13 @@ class StrictDist:
             finally:
                 self._batched.on = False
 
+        def barrier(group: Any = None, *args: Any, **kwargs: Any) -> Any:
+            self.counts[f"{self.backend_of(group)} barrier"] += 1  # which group's: a test can ask
+            return orig["barrier"](group, *args, **kwargs)
+
         # the product's view of the backend: torch's internals keep asking c10d (gloo's, the real one)
         mine = {
+            "barrier": barrier,
             "init_process_group": init_process_group,
             "new_group": new_group,
             "get_backend": get_backend,

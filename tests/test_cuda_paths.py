@@ -554,3 +554,42 @@ def test_more_ranks_than_gpus_is_refused_in_one_line(monkeypatch: pytest.MonkeyP
     with pytest.raises(ConfigError, match=r"dist.nproc: local rank 1 has no GPU of its own: 1 visible"):
         device_mod.make_accelerator("cuda", local_rank=1)
     assert made == [0]
+
+
+def test_the_stop_barrier_is_a_host_barrier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 51 (3): the stop path's barrier was the only NCCL operation of an L2L data-parallel run, so
+    NCCL's communicator was created there, after rank 0 wrote its checkpoint, on a device NCCL guessed; it
+    is a barrier of the gloo host group now."""
+    from l2l_cli.engine.dist import from_env
+
+    with strict(pretend_nccl=True) as shim:
+        dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", world_size=1, rank=0)
+        try:
+            monkeypatch.setenv("WORLD_SIZE", "2")  # a rank of two, alone in its group: the calls are real
+            monkeypatch.setenv("RANK", "0")
+            ctx = from_env(tiny_cfg())
+            ctx.barrier()
+        finally:
+            dist.destroy_process_group()
+    assert shim.counts["gloo barrier"] == 1 and shim.counts["nccl barrier"] == 0
+
+
+def test_nccl_is_initialised_on_the_ranks_own_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 51 (3): ``init_process_group`` had no ``device_id``, so NCCL's communicator waited for a first
+    collective and a device guessed from it; each rank now binds its own GPU (its local rank's) at once.
+    gloo (a CPU run) gets none: torch refuses a device id that is not an accelerator's."""
+    from l2l_cli.engine import dist as dist_mod
+
+    inits: list[tuple[str, dict]] = []
+    monkeypatch.setattr(dist_mod, "cuda_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: inits.append((backend, kw)))
+    monkeypatch.setattr(dist, "new_group", lambda *a, **kw: object())
+    monkeypatch.setattr(dist, "get_backend", lambda *a: inits[-1][0])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    ctx = dist_mod.from_env(tiny_cfg())
+    assert ctx.backend == "nccl" and inits[-1][1]["device_id"] == torch.device("cuda", 1)
+    dist_mod.from_env(tiny_cfg("dist.backend=gloo"))
+    assert inits[-1][0] == "gloo" and "device_id" not in inits[-1][1]
