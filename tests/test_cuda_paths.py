@@ -593,3 +593,56 @@ def test_nccl_is_initialised_on_the_ranks_own_gpu(monkeypatch: pytest.MonkeyPatc
     assert ctx.backend == "nccl" and inits[-1][1]["device_id"] == torch.device("cuda", 1)
     dist_mod.from_env(tiny_cfg("dist.backend=gloo"))
     assert inits[-1][0] == "gloo" and "device_id" not in inits[-1][1]
+
+
+def test_calibration_chunks_occupy_the_device_as_real_chunks_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 51 (4): on CUDA the stand-in stages of ``hardware=measure`` busy-waited on the host while the
+    timeline timed chunks with CUDA events: each chunk read ~0 s of compute and the busy-wait landed in
+    ``pipe_action_us``. A stand-in chunk now spins on the device, so its events time what a real chunk's
+    would. Here a fake CUDA clock advances only by work queued on the device."""
+    from l2l_cli.engine import device as device_mod
+    from l2l_cli.parallel.pipeline.calibrate import StandIn
+    from l2l_cli.parallel.pipeline.stage import Timeline
+
+    clock = {"s": 0.0}
+    rate = 1.4e9  # the fake GPU's spin cycles per second
+
+    class Event:
+        def __init__(self, enable_timing: bool = False) -> None:
+            self.t = 0.0
+
+        def record(self, stream: object = None) -> None:
+            self.t = clock["s"]
+
+        def synchronize(self) -> None:
+            return None
+
+        def elapsed_time(self, end: Event) -> float:
+            return (end.t - self.t) * 1e3
+
+    def sleep(cycles: int) -> None:  # the spin kernel: device time, no host time
+        clock["s"] += cycles / rate
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "_sleep", sleep)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(device_mod, "_SPIN_CYCLES", {}, raising=False)
+    busy_s = 0.02
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():  # (autograd would want a real GPU)
+        ids = torch.zeros((1, 1), dtype=torch.long, device="cuda")
+        stage = StandIn(True, False, 4, busy_s)
+        stage(ids, ids, mask=ids)  # the first chunk also times the spin's rate (calibration's warm-up step)
+        timeline = Timeline(cuda=True)
+        for _ in range(3):
+            t0, ev = timeline.start()
+            stage(ids, ids, mask=ids)
+            timeline.add("forward", t0, ev, 0)
+        times = timeline.pop(0.0, 1.0)
+    assert times["chunks"] == 3
+    assert times["forward"] == pytest.approx(3 * busy_s, rel=1e-6)  # the device time the chunks took
+    # on a CPU the host spins, as a CPU stage computes (the host clock times it): unchanged
+    host = Timeline()
+    t0, _ = host.start()
+    StandIn(True, False, 4, busy_s)(torch.zeros((1, 1), dtype=torch.long), torch.zeros(1), mask=None)  # type: ignore[arg-type]
+    host.add("forward", t0)
+    assert host.pop(t0, t0 + 1)["forward"] >= busy_s

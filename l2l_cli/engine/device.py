@@ -12,6 +12,7 @@ copy engines, seed dropout through it, and measure with its meter.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -48,6 +49,29 @@ def synchronize(device: torch.device) -> None:
 def timing_event() -> Any:
     """A CUDA event that can time the stream work between two of them (``elapsed_time``)."""
     return torch.cuda.Event(enable_timing=True)
+
+
+_SPIN_CYCLES: dict[int, float] = {}  # a CUDA device's spin-kernel cycles per second, timed once
+
+
+def keep_busy(device: torch.device, seconds: float) -> None:
+    """Occupy ``device`` for ``seconds`` as a layer's chunk does: on CUDA a kernel spins on the GPU (queued,
+    the host returns at once, and the stream's events time it); elsewhere the host's core spins."""
+    if device.type != "cuda":
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+        return
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SPIN_CYCLES:  # the spin's rate, on this device's clock
+        n, a, b = 1 << 22, timing_event(), timing_event()
+        torch.cuda._sleep(n)  # warm-up
+        a.record()
+        torch.cuda._sleep(n)
+        b.record()
+        b.synchronize()
+        _SPIN_CYCLES[i] = n / max(a.elapsed_time(b) / 1e3, 1e-9)
+    torch.cuda._sleep(int(seconds * _SPIN_CYCLES[i]))
 
 
 def own_cuda_index(device: torch.device | None) -> int | None:
