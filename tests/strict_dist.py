@@ -7,6 +7,8 @@ CUDA: ``pretend_nccl``), creates every group on gloo underneath, and checks each
 against the declared backend:
 
 - NCCL: every tensor must be a device tensor; gloo: every tensor a host tensor;
+- NCCL: the product's point-to-point ops only inside ``batch_isend_irecv`` (unbatched ops between two ranks
+  run in the order posted, safe only while both ranks' orders mirror; torch's own schedules are torch's);
 - an in-place op on a host tensor with a device operand, as CUDA refuses it (``copy_`` excepted: copies
   cross devices);
 - a pipeline's last stage returning another shape than it declared (``strict_stage_outputs``: torch up to
@@ -34,6 +36,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import sys
 import threading
 import weakref
 from collections import Counter
@@ -183,6 +186,7 @@ _COLLECTIVES = (
     "send",
     "recv",
 )
+_P2P = ("isend", "irecv", "send", "recv")
 # torch pickles objects into tensors on the device the *real* backend wants (gloo here: the host), and
 # moves them to the GPU itself on NCCL: their inner collectives are not checked
 _OBJECTS = ("all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list")
@@ -286,6 +290,7 @@ class StrictDist:
             if getattr(self._objects_on, "on", False) or getattr(self._inside, "on", False):
                 return fn(*args, **kwargs)
             self._inside.on = True
+            self._inside.caller = sys._getframe(1).f_globals.get("__name__", "")
             try:
                 return check(*args, **kwargs)
             finally:
@@ -295,6 +300,14 @@ class StrictDist:
             bound = sig.bind(*args, **kwargs)
             group = bound.arguments.get("group")
             backend = self.backend_of(group)
+            ours = str(getattr(self._inside, "caller", "")).startswith(
+                "l2l_cli"
+            )  # (torch's warm-up is torch's)
+            if name in _P2P and backend == "nccl" and ours and not getattr(self._batched, "on", False):
+                raise StrictDistError(
+                    f"{name}: a point-to-point op on a group declared nccl outside batch_isend_irecv (NCCL "
+                    "runs two ranks' unbatched ops to each other in the order posted: they must mirror)"
+                )
             for key, value in bound.arguments.items():
                 if key in ("group", "op"):
                     continue

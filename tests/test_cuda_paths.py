@@ -646,3 +646,64 @@ def test_calibration_chunks_occupy_the_device_as_real_chunks_do(monkeypatch: pyt
     StandIn(True, False, 4, busy_s)(torch.zeros((1, 1), dtype=torch.long), torch.zeros(1), mask=None)  # type: ignore[arg-type]
     host.add("forward", t0)
     assert host.pop(t0, t0 + 1)["forward"] >= busy_s
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_l2l_stage_messages_go_in_batches_per_micro_batch(
+    monkeypatch: pytest.MonkeyPatch, layers: int
+) -> None:
+    """Issue 51 (5): L2L stages posted every receive and send on its own (``isend``/``irecv``): on NCCL two
+    ranks' unbatched ops to each other run in the order posted, and a large send waits for a receive queued
+    behind the peer's own send, unless both ranks' orders happen to mirror. Each micro-batch's send now
+    goes in one ``batch_isend_irecv`` with the stage's next receive (a stage of several layers, which
+    sends only after its last, posts its receives one ahead), and each message is its micro-batch's."""
+    from l2l_cli.parallel.pipeline import p2p
+
+    posted: list[tuple[str, ...]] = []
+
+    class Work:
+        def wait(self) -> None:
+            return None
+
+    class FakeDist:
+        @staticmethod
+        def P2POp(op: object, tensor: torch.Tensor, peer: int, group: object = None, tag: int = 0) -> object:
+            return SimpleNamespace(op=op, tensor=tensor, peer=peer, tag=tag)
+
+        @staticmethod
+        def isend(tensor: torch.Tensor, dst: int = 0, group: object = None, tag: int = 0) -> Work:
+            posted.append(("isend alone",))
+            return Work()
+
+        @staticmethod
+        def irecv(tensor: torch.Tensor, src: int = 0, group: object = None, tag: int = 0) -> Work:
+            tensor.fill_(tag)  # the message: its tag (stage, direction, micro-batch)
+            posted.append(("irecv alone",))
+            return Work()
+
+        @staticmethod
+        def batch_isend_irecv(ops: list) -> list[Work]:
+            for op in ops:
+                if op.op is FakeDist.irecv:
+                    op.tensor.fill_(op.tag)
+            posted.append(tuple(op.op.__name__ for op in ops))
+            return [Work()]  # NCCL: one request for the whole batch
+
+    monkeypatch.setattr(p2p, "dist", FakeDist)
+    n, stage = 4, 1
+    msgs = p2p.StageMessages(None, torch.device("cpu"), n, rank_of=lambda s: s % 2)
+    # a stage of L2L's forward (l2l_stages.forward_pass): each layer runs every micro-batch; the stage's
+    # input arrives for its first layer, its output leaves after its last
+    recv = msgs.recv((2, 3), stage, n, backward=False)
+    for k in range(layers):
+        for u in range(n):
+            if k == 0:
+                x = msgs.arrived(recv[u], torch.float32)
+                assert (x == msgs.tag(stage, u, False)).all()  # micro-batch u's own message
+            if k == layers - 1:
+                msgs.send(torch.zeros(2, 3), stage, u, backward=False)
+    msgs.wait_sends()
+    if layers == 1:  # the first receive, then each send with the next receive, the last send alone
+        assert posted == [("irecv",), ("isend", "irecv"), ("isend", "irecv"), ("isend", "irecv"), ("isend",)]
+    else:  # receives one ahead, then the sends
+        assert posted == [("irecv",), ("irecv", "irecv"), ("irecv",), *[("isend",)] * n]

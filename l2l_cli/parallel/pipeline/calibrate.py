@@ -103,8 +103,9 @@ def wake_seconds(group: Any, host: Any, device: torch.device, hidden: int, reps:
     (``hardware.pipe_wake_us``): pipeline rank 0 posts a send, then computes (or sleeps) 10 ms; rank 1
     posts the recv 2.5 ms in and times it; the difference of the means. gloo moves a message on a thread of
     the sender's process, which waits for a core the chunk holds (an OS scheduler slice, milliseconds, on
-    some of the messages); on CUDA the copies run beside compute: 0. Collective over the pipeline."""
-    if device.type == "cuda":
+    some of the messages); on CUDA the copies run beside compute: 0 (and NCCL's point-to-point ops go in
+    batches only: the L2L stages' rule). Collective over the pipeline."""
+    if device.type == "cuda" or dist.get_backend(group) != "gloo":
         return 0.0
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     ranks = dist.get_process_group_ranks(group)
