@@ -128,16 +128,15 @@ class Trainer:
     # ---- checkpoint state --------------------------------------------------------------------------
 
     def state(self, rngs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        """Everything besides the weights and moments that an exact resume needs (plain JSON); ``rngs``:
-        every rank's RNG states, gathered (else this rank's alone)."""
+        """Everything besides the weights and moments that an exact resume needs (plain JSON)."""
         data = self.stream.position()  # a streamed split's position (else the step says it)
-        rngs = rngs or [ckpt.rng_state(self.runner.acc.device)]
+        rngs = rngs or [ckpt.rng_state(self.runner.acc.device)]  # every rank's generators, or this one's
         return {
             **({"data": data} if data is not None else {}),
             "step": self.runner.step_count,  # also the data position: the stream is a function of it
             "scaler": self.runner.precision.scaler.state_dict(),
             "rng": rngs[0],
-            **({"rng_ranks": rngs} if len(rngs) > 1 else {}),  # each rank resumes its own generators
+            "rng_ranks": rngs,  # each rank resumes its own
             "skipped": self.skipped,
             "bad_in_row": self.bad_in_row,
             "steady": self.steady,
@@ -210,9 +209,7 @@ class Trainer:
             return None
         if self.realtime is not None:
             self.realtime.wait_commit()
-        t0 = time.perf_counter()
-        step = self.runner.step_count
-        knobs = self.settings
+        t0, step, knobs = time.perf_counter(), self.runner.step_count, self.settings
         state = self.state(rngs)
         path = ckpt.save(
             self.ckpt_root, step, self.runner, knobs.ident, state, knobs.keep_checkpoints, knobs.config_yaml
