@@ -707,3 +707,34 @@ def test_l2l_stage_messages_go_in_batches_per_micro_batch(
         assert posted == [("irecv",), ("isend", "irecv"), ("isend", "irecv"), ("isend", "irecv"), ("isend",)]
     else:  # receives one ahead, then the sends
         assert posted == [("irecv",), ("irecv", "irecv"), ("irecv",), *[("isend",)] * n]
+
+
+def test_the_eps_and_disk_threads_work_for_the_ranks_own_device(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Issue 51 (6): the EPS thread and the disk tier's reader and writer never set the CUDA device, and a
+    new thread's is cuda:0 on every rank: a device wait, stream or pinned buffer made there would land on
+    another rank's GPU. Each binds the rank's device (``bind_thread``: ``torch.cuda.set_device``) first."""
+    import threading
+
+    from l2l_cli.engine.device import Accelerator, CudaAccelerator
+    from l2l_cli.engine.eps_worker import EpsWorker
+    from tests.util import batches, built
+
+    with monkeypatch.context() as m:
+        gpus = FakeCuda(m, count=2, current=0)
+        acc = object.__new__(CudaAccelerator)  # rank 1's (no GPU here: only what the thread calls)
+        acc.device = torch.device("cuda", 1)
+        worker = EpsWorker(acc)
+        worker.submit(lambda: None).result()
+        worker.pool.shutdown()
+    assert [d for name, d in gpus.set_devices if name.startswith("l2l-eps")] == [torch.device("cuda", 1)]
+    # every thread of an L2L run on the disk tier binds its device (here the CPU's: nothing to bind)
+    bound: set[str] = set()
+    monkeypatch.setattr(
+        Accelerator, "bind_thread", lambda self: bound.add(threading.current_thread().name), raising=False
+    )
+    cfg = tiny_cfg("mode=l2l_p", "eps.tier=disk", f"eps.path={tmp_path / 'eps'}")
+    with built(cfg) as runner:
+        runner.step(next(batches(cfg)))
+    assert {"l2l-disk-read", "l2l-disk-write_0", "l2l-eps_0"} <= bound

@@ -217,6 +217,12 @@ class Accelerator:
         a phase's kernels land in that phase). Nothing to wait for off CUDA."""
         return None
 
+    def bind_thread(self) -> None:
+        """The calling thread works for this device (a thread the run starts, first thing): on CUDA a new
+        thread's current device is cuda:0 whatever the rank's, so a wait, stream or pinned buffer it made
+        would land on another rank's GPU. Nothing to bind off CUDA."""
+        return None
+
     def free_bytes(self) -> float | None:
         """Device memory still free for activations (None: the device is the host, whose budget the
         runner is given: ``mode.activation_budget_gb``)."""
@@ -302,6 +308,9 @@ class CudaAccelerator(Accelerator):
     @property
     def host_threads(self) -> int:
         return torch.get_num_threads()  # the GPU computes; the host's cores are the EPS's
+
+    def bind_thread(self) -> None:
+        torch.cuda.set_device(self.device)
 
     def wait_compute(self) -> None:
         # this thread's stream only: a device-wide synchronize would also wait for the copy streams, so a
