@@ -33,7 +33,8 @@ class Inbox:
     def __init__(self, msgs: StageMessages, shape: tuple[int, ...], stage: int, n: int, backward: bool):
         self.msgs, self.shape, self.stage, self.n, self.backward = msgs, shape, stage, n, backward
         self.peer = msgs.rank_of(stage - 1 if not backward else stage + 1)
-        self.posted: dict[int, Posted] = {}
+        self.posted: dict[int, Posted] = {}  # posted and not taken yet (a taken buffer is the caller's)
+        self.next = 0  # the next micro-batch to post
         self.carried = False  # a send took one of these receives along
 
     def __getitem__(self, u: int) -> tuple[Inbox, int]:
@@ -41,11 +42,11 @@ class Inbox:
 
     def next_op(self) -> tuple[Any, int] | None:
         """The next receive not posted yet (its op and micro-batch), its buffer made."""
-        u = len(self.posted)
+        u = self.next
         if u >= self.n:
             return None
+        self.next += 1
         buf = torch.empty(self.shape, dtype=torch.float32, device=self.msgs.device)
-        self.posted[u] = (buf, None)
         tag = self.msgs.tag(self.stage, u, self.backward)
         return dist.P2POp(dist.irecv, buf, self.peer, self.msgs.group, tag), u
 
@@ -113,7 +114,7 @@ class StageMessages:
         (it sends after its last layer, or not at all), the next one is posted now, ahead."""
         inbox, u = req
         ops = []
-        while len(inbox.posted) <= u:  # not posted yet: now, in one batch (with the one after it)
+        while inbox.next <= u:  # not posted yet: now, in one batch (with the one after it)
             op = inbox.next_op()
             assert op is not None
             ops.append((op[0], inbox, op[1]))
@@ -121,7 +122,7 @@ class StageMessages:
             ops.append((ahead[0], inbox, ahead[1]))
         if ops:
             self._post(ops)
-        buf, handle = inbox.posted[u]
+        buf, handle = inbox.posted.pop(u)
         handle.wait()
         return buf.to(dtype)
 
