@@ -738,3 +738,32 @@ def test_the_eps_and_disk_threads_work_for_the_ranks_own_device(
     with built(cfg) as runner:
         runner.step(next(batches(cfg)))
     assert {"l2l-disk-read", "l2l-disk-write_0", "l2l-eps_0"} <= bound
+
+
+def test_device_memory_gb_caps_cudas_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``device.memory_gb`` (issue 51's 24 GiB budget) on CUDA: the caching allocator is capped at that share
+    of the card (``set_per_process_memory_fraction``), so a larger card runs as a smaller one; the free
+    memory the runner plans activations with stays under the budget."""
+    from l2l_cli.engine import device as device_mod
+
+    FakeCuda(monkeypatch, count=1)
+    caps: list[tuple[float, object]] = []
+    allocated = 10 * 2**30
+    for name, fn in {
+        "get_device_properties": lambda i: SimpleNamespace(total_memory=80 * 2**30),
+        "set_per_process_memory_fraction": lambda share, device=None: caps.append((share, device)),
+        "mem_get_info": lambda device=None: (60 * 2**30, 80 * 2**30),
+        "memory_reserved": lambda device=None: 12 * 2**30,
+        "memory_allocated": lambda device=None: allocated,
+        "reset_peak_memory_stats": lambda device=None: None,
+        "Stream": lambda device=None: object(),
+        "get_device_name": lambda device=None: "NVIDIA H100 80GB HBM3",
+    }.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    acc = device_mod.make_accelerator("cuda", memory_gb=24)
+    assert caps == [(24 / 80, torch.device("cuda", 0))] and acc.budget_bytes == 24 * 2**30
+    assert acc.free_bytes() == 14 * 2**30  # the budget less what is allocated (the card has 62 GiB free)
+    assert acc.describe() == "cuda:0 (NVIDIA H100 80GB HBM3, 24 GiB of it: device.memory_gb)"
+    caps.clear()
+    whole = device_mod.make_accelerator("cuda")
+    assert caps == [] and whole.budget_bytes is None and whole.free_bytes() == 62 * 2**30

@@ -171,8 +171,17 @@ class Accelerator:
 
     kind = "cpu"
 
-    def __init__(self, device: torch.device, meter: MemoryMeter, h2d: CopyEngine, d2h: CopyEngine):
+    def __init__(
+        self,
+        device: torch.device,
+        meter: MemoryMeter,
+        h2d: CopyEngine,
+        d2h: CopyEngine,
+        budget_gb: Any = None,
+    ):
         self.device, self.meter, self.h2d, self.d2h = device, meter, h2d, d2h
+        # the device memory the run may use (device.memory_gb, sim.memory_gb; None: all the device has)
+        self.budget_bytes = None if budget_gb is None else int(budget_gb * 2**30)
 
     @property
     def half_dtype(self) -> torch.dtype:
@@ -224,9 +233,10 @@ class Accelerator:
         return None
 
     def free_bytes(self) -> float | None:
-        """Device memory still free for activations (None: the device is the host, whose budget the
-        runner is given: ``mode.activation_budget_gb``)."""
-        return None
+        """Device memory still free for activations: the budget less what the meter counts live now (the
+        relay's slots, once built); None without one (the device is the host, whose budget the runner is
+        given: ``mode.activation_budget_gb``)."""
+        return None if self.budget_bytes is None else float(self.budget_bytes - self.meter.current_bytes)
 
     def record_event(self) -> Any:
         return None
@@ -255,7 +265,7 @@ class Accelerator:
             self.d2h.close()
 
     def describe(self) -> str:
-        return "cpu"
+        return "cpu" + (f" ({self.budget_bytes / 2**30:g} GiB device budget)" if self.budget_bytes else "")
 
 
 class SimAccelerator(Accelerator):
@@ -267,12 +277,9 @@ class SimAccelerator(Accelerator):
             StorageMeter(budget_bytes=int(memory_gb * 2**30)),
             LinkCopyEngine(link_gbps, "h2d"),
             LinkCopyEngine(link_gbps, "d2h"),
+            memory_gb,
         )
         self.memory_gb, self.link_gbps = memory_gb, link_gbps
-
-    def free_bytes(self) -> float | None:
-        """The budget less what the meter counts live now (the relay's slots, once built)."""
-        return float(int(self.memory_gb * 2**30) - self.meter.current_bytes)
 
     def describe(self) -> str:
         return f"sim ({self.memory_gb:g} GiB device budget, {self.link_gbps:g} GB/s link per direction)"
@@ -281,15 +288,16 @@ class SimAccelerator(Accelerator):
 class CudaAccelerator(Accelerator):
     kind = "cuda"
 
-    def __init__(self, index: int):
+    def __init__(self, index: int, memory_gb: float | None = None):
         device = torch.device("cuda", index)
         torch.cuda.set_device(device)
+        meter = CudaMeter(device, CudaAllocator(device))
         super().__init__(
-            device,
-            CudaMeter(device, CudaAllocator(device)),
-            CudaCopyEngine(device, False),
-            CudaCopyEngine(device, True),
+            device, meter, CudaCopyEngine(device, False), CudaCopyEngine(device, True), memory_gb
         )
+        if self.budget_bytes is not None:  # device.memory_gb: the caching allocator's cap, an OOM past it
+            share = self.budget_bytes / cuda_total_memory(index)
+            torch.cuda.set_per_process_memory_fraction(min(1.0, share), device)
 
     @property
     def half_dtype(self) -> torch.dtype:
@@ -320,9 +328,9 @@ class CudaAccelerator(Accelerator):
     def free_bytes(self) -> float | None:
         """Free device memory, counting what torch's caching allocator holds but does not use."""
         free, _ = torch.cuda.mem_get_info(self.device)
-        return float(
-            free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        )
+        used = torch.cuda.memory_allocated(self.device)
+        free = float(free + torch.cuda.memory_reserved(self.device) - used)
+        return free if self.budget_bytes is None else min(free, float(self.budget_bytes - used))
 
     def record_event(self) -> Any:
         ev = torch.cuda.Event()
@@ -330,13 +338,15 @@ class CudaAccelerator(Accelerator):
         return ev
 
     def describe(self) -> str:
-        return f"cuda:{self.device.index} ({torch.cuda.get_device_name(self.device)})"
+        cap = f", {self.budget_bytes / 2**30:g} GiB of it: device.memory_gb" if self.budget_bytes else ""
+        return f"cuda:{self.device.index} ({torch.cuda.get_device_name(self.device)}{cap})"
 
 
 def make_accelerator(
     kind: str,
     *,
     local_rank: int = 0,
+    memory_gb: float | None = None,
     sim_memory_gb: float = 16.0,
     sim_link_gbps: float = 16.0,
     measure_memory: bool = True,
@@ -345,15 +355,18 @@ def make_accelerator(
     """The accelerator for ``device=kind`` (auto = CUDA when present, else the CPU). ``measure_memory``
     (profile.memory) turns the CPU's storage meter on, ``sample_memory`` (profile.memory_sample) lets it
     skip the op-by-op count in steps that repeat a metered one; the simulator always meters every op (it
-    enforces a budget)."""
+    enforces a budget), as does the CPU under ``memory_gb`` (device.memory_gb; CUDA: the allocator's cap)."""
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cuda":
         if local_rank >= (gpus := cuda_device_count()):  # never two ranks on one GPU (torchrun's count)
             why = f"local rank {local_rank} has no GPU of its own: {gpus} visible; allowed: at most {gpus} ranks"
             raise ConfigError([Problem("dist.nproc", f"{why} per machine (or torchrun --nproc-per-node)")])
-        return CudaAccelerator(local_rank)
+        return CudaAccelerator(local_rank, memory_gb)
     if kind == "sim":
         return SimAccelerator(sim_memory_gb, sim_link_gbps)
-    meter = StorageMeter(sample=sample_memory) if measure_memory else MemoryMeter()
-    return Accelerator(torch.device("cpu"), meter, CopyEngine(), CopyEngine())
+    budget = None if memory_gb is None else int(memory_gb * 2**30)  # enforced on every op, as the sim's
+    meter = (
+        StorageMeter(budget, sample_memory and budget is None) if measure_memory or budget else MemoryMeter()
+    )
+    return Accelerator(torch.device("cpu"), meter, CopyEngine(), CopyEngine(), memory_gb)

@@ -93,7 +93,7 @@ def from_env(cfg: Any) -> DistContext:
     if world <= 1:
         return DistContext()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    backend = resolve_backend(cfg.dist.backend, cfg.device)
+    backend = resolve_backend(cfg.dist.backend, cfg.device.name)
     timeout = timedelta(seconds=cfg.dist.timeout_s)
     if not dist.is_initialized():  # NCCL: the communicator on this rank's own GPU, created now
         gpu = {"device_id": torch.device("cuda", local_rank)} if backend == "nccl" else {}
