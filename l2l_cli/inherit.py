@@ -78,6 +78,8 @@ def saved_config(run_dir: Path) -> DictConfig:
             if isinstance(cfg, DictConfig):
                 if path == paths[0]:
                     _check_saved(path, cfg, run_dir)
+                if isinstance(cfg.get("device"), str):  # saved before device was a group: its name
+                    cfg.device = {"name": cfg.device}
                 return cfg
             raise NoSavedConfig(f"{path}: not a config (a mapping of keys)")
     raise NoSavedConfig(f"{run_dir} holds no run config (.hydra/config.yaml or a checkpoint's config.yaml)")

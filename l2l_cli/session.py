@@ -248,8 +248,9 @@ class Session:
         cfg = self.cfg
         assert self.mode is not None and self.model is not None and self.data is not None
         self.acc = make_accelerator(
-            cfg.device,
+            cfg.device.name,
             local_rank=self.dist.local_rank,
+            memory_gb=cfg.device.memory_gb,
             sim_memory_gb=cfg.sim.memory_gb,
             sim_link_gbps=cfg.sim.link_gbps,
             measure_memory=cfg.profile.memory,

@@ -44,7 +44,7 @@ from l2l_cli.checkpoint.manifest import (
     verify_manifest,
 )
 from l2l_cli.checkpoint.realtime import RealtimeWriter
-from l2l_cli.checkpoint.rng import rng_state, set_rng_state
+from l2l_cli.checkpoint.rng import rank_rng, rng_state, set_rng_state
 
 __all__ = [
     "DIR_CHECKSUMS",
@@ -62,6 +62,7 @@ __all__ = [
     "latest_valid",
     "module_state_files",
     "prune",
+    "rank_rng",
     "read_checked",
     "read_tensors",
     "recover_dir",

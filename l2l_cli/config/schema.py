@@ -186,6 +186,18 @@ class TrainerConfig:
 
 
 @dataclass
+class DeviceConfig:
+    """Where the run executes (``device=auto|cpu|cuda|sim``, the group) and how much of its memory it may
+    use (``device.memory_gb``: a larger card run as a smaller one)."""
+
+    name: str = "auto"  # auto (CUDA when present, else the CPU) | cpu | cuda | sim (a simulated accelerator)
+    # the device memory the run may use, GiB (unset: all of it). cuda: the caching allocator's cap
+    # (torch.cuda.set_per_process_memory_fraction; the CUDA context is beyond it); cpu: the meter enforces
+    # it as the simulator does (an out-of-memory past it); sim: its budget is sim.memory_gb
+    memory_gb: float | None = None
+
+
+@dataclass
 class SimConfig:
     """Simulated accelerator: a device-memory budget and a host<->device link, on the CPU."""
 
@@ -351,7 +363,7 @@ class L2LConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
-    device: str = "auto"  # auto | cpu | cuda | sim (a simulated accelerator)
+    device: DeviceConfig = field(default_factory=DeviceConfig)  # device=auto|cpu|cuda|sim, device.memory_gb
     logger: Any = "auto"  # csv | tensorboard | wandb | none, or several: [csv,wandb]; auto: csv + tensorboard
     scale: str = "cpu"  # recipes/: cpu (minutes on a small CPU) | paper (the papers' sizes); see l2l.pick
 
