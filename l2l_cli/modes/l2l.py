@@ -328,7 +328,7 @@ class L2LRunner(RunnerBase):
         """summary.json's ``eps``: what the host's passes over the EPS's buffers read and wrote per trained
         parameter per step, by purpose (counted by the code that makes them), the update's own GB/s, the
         link's bytes per parameter per step (the relay's copies, apart), and which update ran."""
-        return eps_traffic(self.eps, self.relay.transfer_bytes, self.traffic, self.traffic_steps)
+        return self.eps.traffic_section(self.relay.transfer_bytes, self.traffic, self.traffic_steps)
 
     def optimizer_section(self) -> dict[str, dict[str, Any]]:
         """summary.json's ``optimizer`` section: the host update's seconds per steady-state step, the part
@@ -410,35 +410,6 @@ class L2LRunner(RunnerBase):
             self.finish_updates()
         finally:
             self.eps.close()
-
-
-def eps_traffic(
-    eps: EagerParamServer,
-    transfer_bytes: int,
-    since: tuple[dict[str, int], dict[str, float], int] | None,
-    steps: int,
-) -> dict[str, Any]:
-    """The ``eps`` section of summary.json for ``eps`` over ``steps`` training steps, counted ``since``
-    (the host passes' bytes and seconds and the link's bytes before the first of them; see
-    ``L2LRunner.eps_section``); shared with the pipeline's L2L stages."""
-    passes = eps.passes
-    nbytes, seconds = passes.snapshot()
-    b0, s0, t0 = since if since is not None else ({}, {}, 0)
-    nbytes = {k: v - b0.get(k, 0) for k, v in nbytes.items() if v - b0.get(k, 0)}
-    seconds = {k: v - s0.get(k, 0.0) for k, v in seconds.items()}
-    transfer_bytes -= t0
-    params = sum(st.layout.numel for st in eps.layers)
-    per = max(1, params) * max(1, steps)
-    upd_s = seconds.get("update", 0.0)
-    return {
-        "update_kernel": passes.kernel,
-        "host_threads": passes.threads,
-        "host_traffic_bytes_per_param": sum(nbytes.values()) / per,
-        "host_traffic_by_pass": {k: v / per for k, v in sorted(nbytes.items())},
-        "transfer_bytes_per_param": transfer_bytes / per,
-        "update_gbps": nbytes.get("update", 0) / upd_s / 1e9 if upd_s > 0 else None,
-        "trained_params": params,
-    }
 
 
 def run_head(
