@@ -408,7 +408,8 @@ def make_accelerator(
     acc: Accelerator
     if kind == "cuda":
         if local_rank >= (gpus := cuda_device_count()):  # never two ranks on one GPU (torchrun's count)
-            why = f"local rank {local_rank} has no GPU of its own: {gpus} visible; allowed: at most {gpus} ranks"
+            why = f"local rank {local_rank} has no GPU of its own: {gpus} visible; allowed: at most {gpus}"
+            why += " ranks"
             raise ConfigError([Problem("dist.nproc", f"{why} per machine (or torchrun --nproc-per-node)")])
         acc = CudaAccelerator(local_rank, memory_gb)
     elif kind == "sim":
