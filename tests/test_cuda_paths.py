@@ -613,7 +613,9 @@ def test_more_ranks_than_gpus_is_refused_in_one_line(monkeypatch: pytest.MonkeyP
     assert validate(tiny_cfg("mode=l2l", "dist.nproc=2", "device=cpu"), check_files=False) == []
     assert validate(tiny_cfg("mode=l2l", "dist.nproc=1"), check_files=False) == []
     made: list[int] = []
-    monkeypatch.setattr(device_mod, "CudaAccelerator", lambda index: made.append(index))
+    monkeypatch.setattr(
+        device_mod, "CudaAccelerator", lambda index, memory_gb=None: made.append(index) or SimpleNamespace()
+    )
     device_mod.make_accelerator("cuda", local_rank=0)
     with pytest.raises(ConfigError, match=r"dist.nproc: local rank 1 has no GPU of its own: 1 visible"):
         device_mod.make_accelerator("cuda", local_rank=1)
