@@ -360,8 +360,10 @@ def make_accelerator(
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cuda":
         if local_rank >= (gpus := cuda_device_count()):  # never two ranks on one GPU (torchrun's count)
-            why = f"local rank {local_rank} has no GPU of its own: {gpus} visible; allowed: at most {gpus} ranks"
-            raise ConfigError([Problem("dist.nproc", f"{why} per machine (or torchrun --nproc-per-node)")])
+            why = f"local rank {local_rank} has no GPU of its own: {gpus} visible; allowed: at most {gpus}"
+            raise ConfigError(
+                [Problem("dist.nproc", f"{why} ranks a machine (or torchrun --nproc-per-node)")]
+            )
         return CudaAccelerator(local_rank, memory_gb)
     if kind == "sim":
         return SimAccelerator(sim_memory_gb, sim_link_gbps)
