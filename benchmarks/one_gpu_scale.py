@@ -479,16 +479,16 @@ def measure(case: Case, layers: int, steps: int) -> dict[str, Any]:
         out = Path(tmp) / "result.json"
         spec = {"case": asdict(case), "layers": layers, "steps": steps, "out": str(out)}
         cmd = [sys.executable, __file__, "--child", json.dumps(spec)]
-        p = subprocess.Popen(
-            cmd, cwd=tmp, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-        )
-        peak, t0 = 0, time.perf_counter()
-        while p.poll() is None:
-            peak = max(peak, rss_anon(p.pid))
-            time.sleep(0.2)
-        err = p.stderr.read() if p.stderr else ""
+        err_path = Path(tmp) / "stderr.txt"  # a file, not a pipe: a chatty child never blocks on it
+        with err_path.open("w") as err_file:
+            p = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.DEVNULL, stderr=err_file)
+            peak, t0 = 0, time.perf_counter()
+            while p.poll() is None:
+                peak = max(peak, rss_anon(p.pid))
+                time.sleep(0.2)
         if p.returncode != 0 or not out.is_file():
-            tail = [ln for ln in err.strip().splitlines() if ln.strip()][-1:] or ["no output"]
+            lines = [ln for ln in err_path.read_text().strip().splitlines() if ln.strip()]
+            tail = lines[-1:] or ["no output"]
             return {"error": f"exit {p.returncode}: {tail[0][:200]}", "host_rss_anon_peak_bytes": peak}
         r = json.loads(out.read_text())
     r["host_rss_anon_peak_bytes"] = peak
@@ -575,6 +575,7 @@ def summarize(
                 for k in (
                     "step_s",
                     "step_times_s",
+                    "losses",
                     "device_peak_bytes",
                     "host_rss_anon_peak_bytes",
                     "build_s",

@@ -4,6 +4,7 @@ the dry run of the full-size cases with the planner's predictions and the host R
 from __future__ import annotations
 
 import json
+import math
 import sys
 from typing import Any
 
@@ -65,6 +66,7 @@ def check_tiny_line(line: dict[str, Any], case: Any) -> None:
         case.flops_per_token(case.shape.layers) * line["tokens_per_s"] / (line["peak_tflops"] * 1e12)
     )
     assert "measured bf16 matmul" in line["peak_source"] and line["host_rss_anon_peak_bytes"] > 0
+    assert all(math.isfinite(x) for d in line["depths"].values() for x in d["losses"])  # the weights train
     assert f"ran {a} and {b} of {case.shape.layers} layers" in line["note"]
     if case.runner == "l2l":  # the CPU meter's peak, under the budget it enforced; the planner beside it
         assert 0 < line["device_peak_bytes"] <= line["device_budget_bytes"] == int(case.budget_gb * GiB)
