@@ -365,7 +365,25 @@ def test_gpu_check_without_a_gpu_exits_0_saying_so(tmp_path: Path) -> None:
         env={**os.environ, "PYTHON": sys.executable},
         timeout=120,
     )
-    assert r.returncode == 0 and all(": l2l train " in ln for ln in r.stdout.strip().splitlines()), r.stderr
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.strip().splitlines()
+    product = [ln for ln in out if ": l2l train " in ln]
+    scale = [json.loads(ln)["case"] for ln in out if ln.startswith("{")]
+    assert len(product) == len(_gpu_check().cases())  # type: ignore[attr-defined]
+    assert scale == ["scale-8b-l2l_p", "scale-8b-fsdp2-offload", "scale-70b-qlora-nf4"]  # issue 51's
+    r = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--dry-run", "--only", "70b"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": sys.executable},
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert [json.loads(ln)["case"] for ln in r.stdout.splitlines() if ln.startswith("{")] == [
+        "scale-70b-qlora-nf4"
+    ]
+    assert ": l2l train " not in r.stdout  # no product case's name holds 70b
 
 
 def _gpu_check() -> object:

@@ -101,9 +101,8 @@ def _gpus_for_ranks(cfg: Config) -> list[Problem]:
     return [
         Problem(
             "dist.nproc",
-            f"{cfg.dist.nproc} ranks on {gpus} GPU{'s' if gpus > 1 else ''}: each rank needs a GPU of its "
-            "own "
-            f"(CUDA_VISIBLE_DEVICES counts); allowed: at most {gpus}, or device=cpu",
+            f"{cfg.dist.nproc} ranks on {gpus} GPU{'s' if gpus > 1 else ''}: each rank needs a GPU of "
+            f"its own (CUDA_VISIBLE_DEVICES counts); allowed: at most {gpus}, or device=cpu",
         )
     ]
 
