@@ -325,11 +325,12 @@ class Session:
             manifest = ckpt.verify(path)
             ckpt.check_identity(path, manifest, identity(self.model, self.mode, self.cfg.optim.name))
             self.runner.load_state(path, manifest)
-        elif adapted:
-            load_adapter(self.runner, self.model, path)
         else:
-            ckpt.verify_dir(path)  # a run's final/: every file against its checksums.json
-            load_exported(self.runner, path)
+            ckpt.verify_dir(path)  # a run's final/ or best/: every file against its checksums.json
+            if adapted:
+                load_adapter(self.runner, self.model, path)
+            else:
+                load_exported(self.runner, path)
 
     def _make_loggers(self) -> None:
         """metrics.jsonl always (rank 0, with a run dir), then the configured ``logger`` backends."""
