@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 from omegaconf import OmegaConf
 
 from l2l_cli import evaluate, export, generate
@@ -86,3 +87,25 @@ def test_a_damaged_lora_final_is_refused_by_predict_eval_generate_and_export(tmp
         assert call() == 2
         assert named in one_line(capsys)
     assert not (cls / "merged").exists() and not (lm / "merged").exists()
+
+
+# ---- item 2: the frozen base's layer files are checked on every read -----------------------------------
+
+NF4_DISK = ["mode=l2l", "peft.base_dtype=nf4", "peft.base_source=disk"]
+
+
+def test_a_flipped_byte_in_a_frozen_base_file_stops_the_step_naming_the_file(tmp_path: Path) -> None:
+    """Block 0's NF4 layer file, changed after it was encoded: the next read of it (on the reader's thread)
+    is refused naming the file, before anything computes with it."""
+    from l2l_cli.checkpoint import CheckpointError
+    from tests.test_adapters import lm_batches
+    from tests.util import built
+
+    cfg = tiny_cfg(*LM, *LORA, *NF4_DISK, f"eps.path={tmp_path / 'eps'}")
+    batches = lm_batches(cfg, n=2)
+    with built(cfg) as runner:
+        runner.step(batches[0])
+        block0 = tmp_path / "eps" / "frozen_base" / "base_1.safetensors"
+        flip_last_byte(block0)
+        with pytest.raises(CheckpointError, match=rf"{block0}: checksum mismatch"):
+            runner.step(batches[1])

@@ -3,10 +3,16 @@ safetensors file written once as the layer is built (or loaded from a checkpoint
 the relay needs the layer, a couple of layers ahead on a thread of its own. Nothing of the base is ever
 written back, and at most ``ahead + 1`` layers of it are in RAM at once, so resident memory stays flat in
 the model's depth.
+
+Each file's checksum (xxh3, 64 bits, as the disk tier's slots: ``engine/tiers/disk/format.py``) is taken
+from its bytes as they are written and checked on every read, on the reader's thread, before a tensor is
+made of them: a file changed or corrupted on disk stops the run in one line naming it (a CheckpointError,
+exit 2), before anything computes with it, and the run's checkpoints stay as they were.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import threading
@@ -14,7 +20,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import load_file, save_file
+import xxhash
+from safetensors.torch import load, save
+
+from l2l_cli.checkpoint import CheckpointError
+from l2l_cli.problems import WriteFailed, writing
 
 
 class DiskSource:
@@ -29,6 +39,7 @@ class DiskSource:
         self.root.mkdir(parents=True, exist_ok=True)
         self.ahead = ahead
         self.meta: dict[int, dict[str, tuple[str, tuple[int, ...]]]] = {}  # layer -> name -> (how, shape)
+        self.sums: dict[int, int] = {}  # layer -> its file's xxh3, taken as it was written
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l2l-base-read")
         self.pending: dict[int, Future] = {}
         self._lock = threading.Lock()
@@ -44,9 +55,19 @@ class DiskSource:
         with self._lock:
             self.pending.pop(i, None)
         tensors = {f"{name}::{k}": t.contiguous() for name, f in layer.items() for k, t in f.parts.items()}
+        data = save(tensors)
         tmp = self.path(i).with_suffix(".tmp")
-        save_file(tensors, str(tmp))
-        tmp.replace(self.path(i))
+        try:
+            with writing(tmp), open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            tmp.replace(self.path(i))
+        except WriteFailed:
+            raise
+        except OSError as e:  # a read-only or vanished folder: one line naming the file, not a traceback
+            raise WriteFailed(tmp, e.errno or 0, e.strerror or str(e)) from e
+        self.sums[i] = xxhash.xxh3_64_intdigest(data)
         self.meta[i] = {name: (f.how, f.shape) for name, f in layer.items()}
 
     def read(self, i: int) -> dict[str, Any]:
@@ -54,7 +75,20 @@ class DiskSource:
         return self._read(i)
 
     def _read(self, i: int) -> dict[str, Any]:
-        raw = load_file(str(self.path(i)))
+        """Layer i's file, checked against the checksum it was written with (on the calling thread: the
+        reader's, for a read ahead)."""
+        path = self.path(i)
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise CheckpointError(f"{path}: unreadable frozen base layer file ({e.strerror or e})") from e
+        if xxhash.xxh3_64_intdigest(data) != self.sums.get(i):
+            raise CheckpointError(
+                f"{path}: checksum mismatch in the frozen base's layer {i}: the file was changed or the "
+                "disk corrupted it; it was not trained on (resume from the last checkpoint)"
+            )
+        raw = load(data)
+        del data
         out = {name: self.make(how, shape) for name, (how, shape) in self.meta[i].items()}
         n = 0
         for key, t in raw.items():
