@@ -42,6 +42,11 @@ FIXED = {
 }
 
 
+# What a command never takes from the run's config: where it resumed from, and a permission given once
+# (a resume on another base does not let later evaluations use any base)
+NOT_INHERITED = ("trainer.resume", "peft.allow_base_change")
+
+
 class NoSavedConfig(Exception):
     """A directory that holds no run config (not a run dir)."""
 
@@ -184,7 +189,7 @@ def inherit(saved: DictConfig, overrides: list[str]) -> DictConfig:
     explicit = explicit_keys(plain)
     have = leaves(cfg)
     for key, value in _resolved(saved).items():
-        if key in have and key not in explicit and key != "trainer.resume":
+        if key in have and key not in explicit and key not in NOT_INHERITED:
             OmegaConf.update(cfg, key, value, merge=False)
     return cfg
 
@@ -232,6 +237,8 @@ def resume_problems(saved: DictConfig, cfg: DictConfig, run_dir: Path) -> list[P
         kind = TIERS.get(str(cfg.eps.tier))
         if kind is None or not kind.committed(cfg):
             return [Problem("trainer.resume", str(e))]
+    else:
+        problems += base_problems(cfg, manifest.get("base"), path)
     old = _resolved(saved)
     where = f"the run being resumed ({run_dir})"
     problems += fixed_problems(saved, cfg, run_dir, FIXED, "resumed")
@@ -256,6 +263,24 @@ def resume_problems(saved: DictConfig, cfg: DictConfig, run_dir: Path) -> list[P
             )
         )
     return problems
+
+
+def base_problems(cfg: DictConfig, recorded: dict[str, Any] | None, where: Path) -> list[Problem]:
+    """A LoRA run's adapter resumed on a base whose files differ from the ones it was trained on
+    (``recorded``: the checkpoint's fingerprint), before any work; ``peft.allow_base_change`` allows it."""
+    if recorded is None or cfg.peft.name == "none" or cfg.peft.allow_base_change:
+        return []
+    from l2l_cli.checkpoint import BaseChanged, check_base
+    from l2l_cli.models import PretrainedUnavailable
+    from l2l_cli.models.hf import base_fingerprint
+
+    try:
+        check_base(recorded, base_fingerprint(cfg.model.pretrained) if cfg.model.pretrained else None, where)
+    except BaseChanged as e:
+        return [Problem("model.pretrained", str(e))]
+    except (PretrainedUnavailable, OSError):
+        return []  # model.pretrained's own check says why
+    return []
 
 
 def _int(v: Any, default: int = 0) -> int:

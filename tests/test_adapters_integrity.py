@@ -109,3 +109,77 @@ def test_a_flipped_byte_in_a_frozen_base_file_stops_the_step_naming_the_file(tmp
         flip_last_byte(block0)
         with pytest.raises(CheckpointError, match=rf"{block0}: checksum mismatch"):
             runner.step(batches[1])
+
+
+# ---- item 3: the base checkpoint's fingerprint, recorded and checked ------------------------------------
+
+TOKENIZER = Path(__file__).resolve().parent.parent / "l2l_cli" / "data" / "corpus" / "tokenizer"
+
+
+def pretrained_llama(root: Path) -> Path:
+    """A tiny Llama checkpoint (config.json, model.safetensors, the bundled tokenizer) to train on."""
+    import shutil
+
+    from l2l_cli.models import LayeredModel
+    from l2l_cli.models.lora import base_spec
+    from l2l_cli.session import build
+
+    cfg = tiny_cfg(*LM)
+    with build(cfg) as s:
+        spec = base_spec(s.model)
+    spec.save_hf(root, LayeredModel(spec, seed=3).hf_state_dict().items())
+    for f in TOKENIZER.iterdir():
+        shutil.copy(f, root / f.name)
+    return root
+
+
+def change_in_place(path: Path) -> None:
+    """One tensor of a safetensors file scaled, written back under the same name."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path)
+    name = sorted(k for k in tensors if k.endswith("q_proj.weight"))[0]
+    tensors[name] = tensors[name] * 1.5
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def test_a_changed_base_is_refused_by_eval_and_resume_naming_model_pretrained(tmp_path: Path, capsys) -> None:
+    """The run records its base's fingerprint (summary.json, checkpoints, final/); after the weights under
+    ``model.pretrained`` change in place, ``l2l eval`` and ``trainer.resume`` (the CLI's preflight, and the
+    trainer's own check) refuse in one line naming ``model.pretrained`` and the file that differs;
+    ``peft.allow_base_change=true`` evaluates anyway."""
+    import json
+
+    from tests.util import l2l
+
+    base, run = pretrained_llama(tmp_path / "base"), tmp_path / "run"
+    cfg = train_run(run, *LM, *LORA, f"model.pretrained={base}", "trainer.save_every=1")
+    recorded = json.loads((run / "final" / "base_fingerprint.json").read_text())
+    assert set(recorded["files"]) == {"config.json", "model.safetensors"}
+    assert json.loads((run / "summary.json").read_text())["peft"]["base_fingerprint"] == recorded
+    assert json.loads((run / "checkpoints" / "step_1" / "manifest.json").read_text())["base"] == recorded
+    assert evaluate.main("eval", [str(run)]) == 0
+    capsys.readouterr()
+
+    change_in_place(base / "model.safetensors")
+    differs = "model.safetensors: its contents differ"
+    assert evaluate.main("eval", [str(run)]) == 2
+    line = one_line(capsys)
+    assert line.startswith(f"l2l: config error: model.pretrained: {base} is not the base") and differs in line
+    assert evaluate.main("eval", [str(run), "--checkpoint", "step_1"]) == 2
+    assert differs in one_line(capsys)
+    assert evaluate.main("eval", [str(run), "peft.allow_base_change=true"]) == 0
+    capsys.readouterr()
+
+    before = (run / "checkpoints" / "step_2" / "manifest.json").read_bytes()
+    resumed = cfg.copy()
+    resumed.trainer.resume, resumed.trainer.max_steps = str(run), 3
+    assert run_job(resumed, run) == "config"  # the trainer's check (the session's path)
+    line = one_line(capsys)
+    assert line.startswith("l2l: config error: model.pretrained:") and differs in line
+    r = l2l("train", f"trainer.resume={run}", "trainer.max_steps=3")  # the CLI refuses before any work
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("l2l:")]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
+    assert lines[0].startswith("l2l: config error: model.pretrained:") and differs in lines[0]
+    assert (run / "checkpoints" / "step_2" / "manifest.json").read_bytes() == before
+    assert not (run / "checkpoints" / "step_3").exists()

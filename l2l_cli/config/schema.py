@@ -249,6 +249,9 @@ class PeftConfig:
     base_source: str = (
         "host"  # host (RAM) | disk (L2L modes: each frozen layer read from files as it is needed)
     )
+    # true: use the adapter on a model.pretrained whose files differ from the base it was trained on
+    # (a resume, eval, predict, generate, export); false refuses that base in one line
+    allow_base_change: bool = False
 
 
 @dataclass

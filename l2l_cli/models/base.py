@@ -148,6 +148,11 @@ class ModelSpec(ABC):
     def identity(self) -> dict[str, Any]:
         """The sizes a checkpoint must match to load into this model."""
 
+    def base_fingerprint(self) -> dict[str, Any] | None:
+        """The fingerprint of a frozen base the trained tensors need beside them (a LoRA model's:
+        models/lora.py); None: every weight is in the model's own checkpoint."""
+        return None
+
     # ---- planner and evaluation ------------------------------------------------------------------
 
     @abstractmethod

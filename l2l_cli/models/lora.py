@@ -188,6 +188,9 @@ class LoraSpecMixin:
         }
         return ident
 
+    def base_fingerprint(self) -> dict[str, Any] | None:
+        return self.lora.base_fingerprint
+
     def save_hf(
         self, out_dir: Path, named_tensors: Iterable[tuple[str, torch.Tensor]], task: Any = None
     ) -> None:
@@ -264,9 +267,11 @@ def adapter_config(spec: ModelSpec, lora: LoraSettings) -> dict[str, Any]:
 
 def save_adapter(spec: ModelSpec, out_dir: Path, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Write ``adapter_config.json`` and ``adapter_model.safetensors`` (the trainable tensors only; base
-    tensors in ``named_tensors`` are skipped)."""
+    tensors in ``named_tensors`` are skipped), and the fingerprint of the base it needs, if it has one."""
     import torch
     from safetensors.torch import save_file
+
+    from l2l_cli.checkpoint import FINGERPRINT_FILE
 
     lora = lora_of(spec)
     assert lora is not None
@@ -278,6 +283,8 @@ def save_adapter(spec: ModelSpec, out_dir: Path, named_tensors: Iterable[tuple[s
     }
     (out_dir / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(spec, lora), indent=2, sort_keys=True))
     save_file(tensors, str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    if lora.base_fingerprint is not None:
+        (out_dir / FINGERPRINT_FILE).write_text(json.dumps(lora.base_fingerprint, indent=1, sort_keys=True))
 
 
 def _trainable_hf(spec: ModelSpec, hf_name: str) -> bool:

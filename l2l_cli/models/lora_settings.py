@@ -26,9 +26,15 @@ class LoraSettings:
     # the run loads a checkpoint (model.pretrained) over the built base: the frozen base is stored from
     # the checkpoint's tensors, not first from the seeded init it replaces (engine/frozen.py)
     base_from_checkpoint: bool = False
+    # the fingerprint of that checkpoint (checkpoint/fingerprint.py): recorded with the adapter, checked
+    # when it is read back; None: a base built from the seed
+    base_fingerprint: dict[str, Any] | None = None
+    allow_base_change: bool = False  # peft.allow_base_change: read the adapter back on another base
 
     @classmethod
-    def from_cfg(cls, p: Any, base_from_checkpoint: bool = False) -> LoraSettings:
+    def from_cfg(
+        cls, p: Any, base_from_checkpoint: bool = False, base_fingerprint: dict[str, Any] | None = None
+    ) -> LoraSettings:
         return cls(
             int(p.r),
             float(p.alpha),
@@ -38,6 +44,8 @@ class LoraSettings:
             str(p.base_dtype),
             str(p.base_source),
             base_from_checkpoint,
+            base_fingerprint,
+            bool(p.allow_base_change),
         )
 
     @property
@@ -77,6 +85,7 @@ def settings_dict(lora: LoraSettings) -> dict[str, Any]:
     """The settings as summary.json's ``peft`` section shows them."""
     d = asdict(lora)
     d.pop("base_from_checkpoint")
+    d.pop("allow_base_change")
     d["target_modules"] = list(listed(lora.target_modules))
     d["modules_to_save"] = list(lora.modules_to_save)
     return d
