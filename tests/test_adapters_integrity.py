@@ -14,7 +14,7 @@ from l2l_cli import evaluate, export, generate
 from l2l_cli.train import run_job
 from tests.util import TINY, tiny_cfg
 
-LORA = ["peft=lora", "peft.r=4", "optim.schedule=constant", "logger=none"]
+LORA = ["peft=lora", "peft.r=4", "optim.schedule=constant", "optim.warmup_steps=0", "logger=none"]
 LM = [
     "model=llama-tiny",
     "model.vocab_size=2048",
@@ -42,7 +42,7 @@ def csv_task(tmp: Path) -> list[str]:
 
 def train_run(run: Path, *overrides: str) -> Any:
     """A finished in-process run with ``final/`` and its config where Hydra writes it."""
-    cfg = tiny_cfg(*overrides, "trainer.max_steps=2", "trainer.save_final=true")
+    cfg = tiny_cfg("trainer.max_steps=2", "trainer.save_final=true", *overrides)
     assert run_job(cfg, run) == "ok", (run / "summary.json").read_text()
     (run / ".hydra").mkdir(exist_ok=True)
     OmegaConf.save(cfg, run / ".hydra" / "config.yaml")
@@ -183,3 +183,62 @@ def test_a_changed_base_is_refused_by_eval_and_resume_naming_model_pretrained(tm
     assert lines[0].startswith("l2l: config error: model.pretrained:") and differs in lines[0]
     assert (run / "checkpoints" / "step_2" / "manifest.json").read_bytes() == before
     assert not (run / "checkpoints" / "step_3").exists()
+
+
+# ---- item 4: the encoded base is reused by a resume, removed at the end of a finished run ---------------
+
+
+def test_a_resume_reuses_the_encoded_base_and_a_damaged_one_stops_the_run_in_one_line(
+    tmp_path: Path, capsys, caplog
+) -> None:
+    """An NF4 base on disk from a checkpoint: a finished run removes its encoded base (the default); one
+    with ``peft.keep_encoded_base=true`` keeps it and its resume adopts the files without encoding anything
+    (train.log says so). A byte flipped in a kept layer file stops the next resume in one line naming the
+    file (exit 2), its checkpoint intact; the resume after it encodes the base afresh, and the adapter
+    equals an uninterrupted run's bit for bit."""
+    import logging
+
+    from safetensors.torch import load_file
+
+    caplog.set_level(logging.INFO, logger="l2l")
+    base = pretrained_llama(tmp_path / "base")
+    common = [*LM, *LORA, *NF4_DISK, f"model.pretrained={base}", "trainer.save_every=1"]
+    full, half = tmp_path / "full", tmp_path / "half"
+    train_run(full, *common, "trainer.max_steps=4")
+    assert not (full / "eps" / "frozen_base").exists()  # finished: removed
+    cfg = train_run(half, *common, "peft.keep_encoded_base=true")
+    files = half / "eps" / "frozen_base"
+    assert (files / "frozen_base.json").is_file()
+    written = {p.name: p.stat().st_mtime_ns for p in files.glob("base_*.safetensors")}
+
+    def resume(steps: int) -> str:
+        again = cfg.copy()
+        again.trainer.resume, again.trainer.max_steps = str(half), steps
+        caplog.clear()
+        return run_job(again, half)
+
+    assert resume(3) == "ok"
+    assert "frozen base: reused the encoded layer files" in caplog.text
+    assert {p.name: p.stat().st_mtime_ns for p in files.glob("base_*.safetensors")} == written
+    capsys.readouterr()
+
+    flip_last_byte(files / "base_1.safetensors")
+    step3 = (half / "checkpoints" / "step_3" / "manifest.json").read_bytes()
+    assert resume(4) == "config"
+    assert one_line(capsys).startswith(
+        f"l2l: config error: {files / 'base_1.safetensors'}: checksum mismatch"
+    )
+    assert (half / "checkpoints" / "step_3" / "manifest.json").read_bytes() == step3
+    assert not (half / "checkpoints" / "step_4").exists() and not (files / "frozen_base.json").exists()
+
+    assert resume(4) == "ok"
+    assert "reused the encoded" not in caplog.text  # encoded afresh
+    a = load_file(full / "final" / "adapter_model.safetensors")
+    b = load_file(half / "final" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch_equal(a[k], b[k]) for k in a)
+
+
+def torch_equal(a: Any, b: Any) -> bool:
+    import torch
+
+    return torch.equal(a, b)

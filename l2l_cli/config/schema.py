@@ -252,6 +252,9 @@ class PeftConfig:
     # true: use the adapter on a model.pretrained whose files differ from the base it was trained on
     # (a resume, eval, predict, generate, export); false refuses that base in one line
     allow_base_change: bool = False
+    # base_source=disk: true keeps <eps.path>/frozen_base after a finished run (a resume to more steps or a
+    # next run on the same base and eps.path reuses it); a run that stops short always keeps it
+    keep_encoded_base: bool = False
 
 
 @dataclass
