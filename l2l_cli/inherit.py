@@ -39,6 +39,18 @@ FIXED = {
     "optim.name": "optimizer state",
     "task.name": "task (the data position)",
     "trainer.seed": "seed (data order and dropout follow it)",
+    "peft.name": "adapters (its checkpoints hold a LoRA adapter's state, no base weights; l2l export --merge "
+    "writes a model a new run can start from)",
+    "peft.r": "adapters' shape",
+    "peft.alpha": "adapters' scaling",
+    "peft.target_modules": "adapters' shape",
+    "peft.modules_to_save": "adapters' shape",
+    "peft.base_dtype": "frozen base's precision (its adapters were trained on that base's rounding)",
+}
+# What a resume may change but says so on the console, not only in train.log (key -> why it may)
+ANNOUNCED = {
+    "peft.base_source": "the same base, held elsewhere: the numbers do not change, and the base is encoded "
+    "again unless its encoded files are where this run keeps them",
 }
 
 
@@ -241,7 +253,10 @@ def resume_problems(saved: DictConfig, cfg: DictConfig, run_dir: Path) -> list[P
         problems += base_problems(cfg, manifest.get("base"), path)
     old = _resolved(saved)
     where = f"the run being resumed ({run_dir})"
-    problems += fixed_problems(saved, cfg, run_dir, FIXED, "resumed")
+    fixed = fixed_problems(saved, cfg, run_dir, FIXED, "resumed")
+    if any(p.key == "peft.name" for p in fixed):  # adapters on or off: that one line, not each peft key
+        fixed = [p for p in fixed if not p.key.startswith("peft.") or p.key == "peft.name"]
+    problems += fixed
     was, now = MODES.get(str(old.get("mode.name"))), MODES.get(cfg.mode.name)
     if was is not None and now is not None and was.state_layout != now.state_layout:
         problems.append(

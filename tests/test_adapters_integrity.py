@@ -242,3 +242,60 @@ def torch_equal(a: Any, b: Any) -> bool:
     import torch
 
     return torch.equal(a, b)
+
+
+# ---- item 5: what a resume may not change, and eps.path, each one line --------------------------------
+
+
+def test_a_resume_refuses_another_base_dtype_and_peft_none_and_announces_another_base_source(
+    tmp_path: Path,
+) -> None:
+    """``peft.base_dtype`` (the adapter was trained on that base's rounding) and ``peft=none`` (the
+    checkpoints hold an adapter, no base weights) are refused in one line naming the key, exit 2, the run
+    untouched; ``peft.base_source`` (the same numbers) resumes, saying so on the console."""
+    from tests.util import l2l
+
+    run = tmp_path / "run"
+    train_run(run, *LM, *LORA, *NF4_DISK, "trainer.save_every=1")
+    step2 = (run / "checkpoints" / "step_2" / "manifest.json").read_bytes()
+    for change, key, says in (
+        ("peft.base_dtype=int8", "peft.base_dtype", "int8 here, nf4 in the run being resumed"),
+        ("peft=none", "peft.name", "none here, lora in the run being resumed"),
+    ):
+        r = l2l("train", f"trainer.resume={run}", "trainer.max_steps=3", change)
+        lines = [ln for ln in r.stderr.splitlines() if ln.startswith("l2l:")]
+        assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
+        assert lines[0].startswith(f"l2l: config error: {key}: {says}") and "Traceback" not in r.stderr
+        assert (run / "checkpoints" / "step_2" / "manifest.json").read_bytes() == step2
+    r = l2l("train", f"trainer.resume={run}", "trainer.max_steps=3", "peft.base_source=host")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "l2l: note: resume with peft.base_source=host (was disk): the same base" in r.stderr
+
+
+def test_an_eps_path_that_cannot_hold_the_frozen_base_is_one_line_naming_it(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A folder that cannot be created (under a file) and one that cannot be written (a read-only file
+    system, simulated: the tests run as root) are one ``eps.path`` line each before any work, no traceback."""
+    import os
+
+    from l2l_cli.config.validate import validate
+    from tests.util import l2l
+
+    (tmp_path / "a_file").write_text("")
+    run = tmp_path / "run"
+    eps = tmp_path / "a_file" / "eps"
+    r = l2l("train", *LM, *LORA, *NF4_DISK, f"eps.path={eps}", f"hydra.run.dir={run}")
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("l2l:")]
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert lines[0].startswith(f"l2l: config error: eps.path: {eps} cannot be created") and not run.exists()
+
+    real = os.access
+    monkeypatch.setattr(
+        os, "access", lambda p, mode: False if str(p).startswith(str(tmp_path)) else real(p, mode)
+    )
+    cfg = tiny_cfg(*LM, *LORA, *NF4_DISK, f"eps.path={tmp_path / 'ro'}")
+    assert [str(p) for p in validate(cfg) if p.key == "eps.path"] == [
+        f"eps.path: {tmp_path / 'ro'} is not writable (read-only file system or permissions); the frozen "
+        "base's layer files (peft.base_source=disk) go in its frozen_base/"
+    ]

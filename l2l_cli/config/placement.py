@@ -139,6 +139,10 @@ def _peft(cfg: Config, check_files: bool) -> list[Problem]:
                     f"({with_eps}), not mode={spec.name}",
                 )
             )
+    tier = TIERS.get(cfg.eps.tier)
+    own_folder = tier is not None and not tier.on_disk  # (a disk tier checks its folder itself)
+    if check_files and cfg.eps.path and lora_settings.on_disk(cfg.peft.base_source) and own_folder:
+        p.extend(lora_settings.base_folder_problems(str(cfg.eps.path)))
     if cfg.task.name in TASKS and not (cfg.model.pretrained and not check_files):
         try:
             model = make_spec(cfg.model, TASKS[cfg.task.name].num_labels)

@@ -117,6 +117,25 @@ def key_problems(p: Any) -> list[Problem]:
     return out
 
 
+def base_folder_problems(path: str) -> list[Problem]:
+    """``eps.path`` as the folder of a frozen base on disk (``<eps.path>/frozen_base``): it must be a
+    directory this process can create and write, else one line naming the key (before any work)."""
+    import os
+    from pathlib import Path
+
+    root = Path(path).expanduser()
+    what = "the frozen base's layer files (peft.base_source=disk) go in its frozen_base/"
+    base = root / "frozen_base"
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        return [Problem("eps.path", f"{root} cannot be created: {base} is not a directory; {what}")]
+    st = os.statvfs(base)
+    if st.f_flag & os.ST_RDONLY or not os.access(base, os.W_OK | os.X_OK):
+        return [Problem("eps.path", f"{root} is not writable (read-only file system or permissions); {what}")]
+    return []
+
+
 def nf4_unavailable() -> str | None:
     """Why torchao's NF4 cannot be used here (None: it can)."""
     try:
