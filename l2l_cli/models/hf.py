@@ -102,11 +102,17 @@ def weight_files(root: Path) -> list[Path]:
 
 
 def base_fingerprint(ref: str) -> dict[str, Any]:
-    """The fingerprint of the checkpoint ``ref`` (a dir or hub id) as a LoRA run's base
-    (checkpoint/fingerprint.py: each file it is read from, by size and xxh3-128)."""
+    """The checkpoint ``ref`` (a dir or hub id) as a LoRA run's base: its fingerprint
+    (checkpoint/fingerprint.py: each file it is read from, by size and xxh3-128), and how PEFT names it in
+    ``adapter_config.json`` (``name_or_path``: the directory, or the hub id and the ``revision`` of the
+    snapshot it was read from)."""
     from l2l_cli.checkpoint import fingerprint
 
-    return fingerprint(ref, weight_files(resolve_pretrained(ref)))
+    root = resolve_pretrained(ref)
+    local = Path(ref).expanduser().is_dir()
+    revision = root.name if not local and root.parent.name == "snapshots" else None
+    name = str(root.resolve()) if local else ref
+    return {**fingerprint(ref, weight_files(root)), "name_or_path": name, "revision": revision}
 
 
 def shard_files(root: Path) -> list[Path]:

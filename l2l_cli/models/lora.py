@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,7 @@ ADAPTER = "default"  # PEFT's adapter name inside the modules (dropped in the sa
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
+SEQ_CLS = "SEQ_CLS"  # PEFT's task type of a sequence classifier (ModelSpec.peft_task_type)
 
 
 def lora_of(spec: ModelSpec) -> LoraSettings | None:
@@ -50,9 +52,18 @@ def _is_linear(m: Any) -> bool:
 
 
 def _excluded(kind: str, name: str, spec: ModelSpec) -> bool:
-    """``all-linear`` leaves out the output layer, as PEFT does: a decoder's LM head, a classifier."""
-    leaf = name.rpartition(".")[2]
-    return kind == POST and leaf in ("lm_head", "classifier")
+    """``all-linear`` leaves out the output layer, as PEFT does: the family's head (``peft_head``: a
+    decoder's LM head, a classifier)."""
+    return kind == POST and name.rpartition(".")[2] in spec.peft_head
+
+
+def for_model(spec: ModelSpec, lora: LoraSettings) -> LoraSettings:
+    """``lora`` as PEFT applies it to ``spec``: a sequence classifier's head joins ``modules_to_save``
+    (PEFT's ``PeftModelForSequenceClassification`` adds it), so it trains and is saved with the adapter;
+    a language model's settings stay as given."""
+    if spec.peft_task_type != SEQ_CLS:
+        return lora
+    return replace(lora, modules_to_save=tuple(dict.fromkeys((*lora.modules_to_save, *spec.peft_head))))
 
 
 def _matches(name: str, target: str) -> bool:
@@ -128,7 +139,7 @@ class LoraSpecMixin:
                 lora_alpha=lora.alpha,
                 lora_dropout=lora.dropout,
                 target_modules=names,
-                fan_in_fan_out=self.family == "gpt2",
+                fan_in_fan_out=self.peft_fan_in_fan_out,
                 bias="none",
             )
             with warnings.catch_warnings():
@@ -210,7 +221,7 @@ def with_lora(spec: ModelSpec, lora: LoraSettings) -> ModelSpec:
         cls = _CLASSES[base] = type(f"Lora{base.__name__}", (LoraSpecMixin, base), {"_base": base})
     new = object.__new__(cls)
     new.__dict__.update(spec.__dict__)
-    object.__setattr__(new, "lora", lora)
+    object.__setattr__(new, "lora", for_model(spec, lora))
     return new
 
 
@@ -240,10 +251,13 @@ def from_peft_key(key: str) -> str:
 
 
 def adapter_config(spec: ModelSpec, lora: LoraSettings) -> dict[str, Any]:
-    """adapter_config.json as PEFT writes it (``LoraConfig.to_dict``)."""
+    """adapter_config.json as PEFT's ``save_pretrained`` writes it: the ``LoraConfig``, the family's task
+    type, ``inference_mode`` true, and the base (``base_model_name_or_path``: the checkpoint's directory
+    or hub id, and ``revision``, a hub snapshot's commit), so ``AutoPeftModelFor...from_pretrained(dir)``
+    finds it with no other argument."""
     from peft import LoraConfig
 
-    kinds = (PRE, BLOCK, POST)
+    kinds, base = (PRE, BLOCK, POST), lora.base_fingerprint or {}
     if lora.target_modules == ALL_LINEAR:  # resolved: the leaf names of the modules adapted
         names = sorted({n.rpartition(".")[2] for k in kinds for n in targets(spec, k, lora)})
     else:
@@ -254,9 +268,12 @@ def adapter_config(spec: ModelSpec, lora: LoraSettings) -> dict[str, Any]:
         lora_dropout=lora.dropout,
         target_modules=names,
         modules_to_save=list(lora.modules_to_save) or None,
-        fan_in_fan_out=spec.family == "gpt2",
+        fan_in_fan_out=spec.peft_fan_in_fan_out,
         bias="none",
-        task_type="CAUSAL_LM" if spec.family != "bert" else None,
+        task_type=spec.peft_task_type,
+        base_model_name_or_path=base.get("name_or_path"),
+        revision=base.get("revision"),
+        inference_mode=True,
     )
     d = conf.to_dict()
     for k, v in list(d.items()):

