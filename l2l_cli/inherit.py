@@ -43,6 +43,7 @@ FIXED = {
     "writes a model a new run can start from)",
     "peft.r": "adapters' shape",
     "peft.alpha": "adapters' scaling",
+    "peft.use_rslora": "adapters' scaling",
     "peft.target_modules": "adapters' shape",
     "peft.modules_to_save": "adapters' shape",
     "peft.base_dtype": "frozen base's precision (its adapters were trained on that base's rounding)",

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from l2l_cli.evaluate import run_config
-from l2l_cli.models.lora import peft_key
+from l2l_cli.models.lora import adapter_config, peft_key
 from l2l_cli.session import Session
 from tests.test_adapters import lm_batches
 from tests.test_adapters_integrity import LM, LORA, pretrained_llama, train_run
@@ -111,3 +111,33 @@ def test_what_peft_needs_of_a_family_is_its_own_declaration_not_its_name() -> No
     bert = with_lora(renamed(tiny_cfg()), LoraSettings(target_modules=("query",)))
     assert bert.lora.modules_to_save == ("classifier",) and bert.trainable("classifier.weight")
     assert adapter_config(bert, bert.lora)["task_type"] == "SEQ_CLS"
+
+
+def test_rslora_trains_as_peft_does_and_gaussian_init_is_peft_s(tmp_path: Path) -> None:
+    """``peft.use_rslora=true`` (the update scaled by alpha/sqrt(r)): 3 steps equal PEFT's rsLoRA model
+    trained by a plain loop; ``peft.init_lora_weights=gaussian``: lora_A ~ N(0, 1/r), lora_B zero, and
+    both are written to adapter_config.json as PEFT names them (issue 52, item 4)."""
+    from tests.test_adapters import FAMILY, R8, hf_reference, run_lora
+    from tests.util import built, tiny_cfg
+
+    rs = ["mode=l2l", "peft.use_rslora=true", "peft.alpha=4"]
+    cfg = tiny_cfg(*FAMILY["llama"], *R8, *rs)
+    with built(cfg) as runner:
+        spec = runner.spec
+        conf = json.loads(json.dumps(adapter_config(spec, spec.lora)))
+    assert conf["use_rslora"] is True and conf["init_lora_weights"] is True
+    ref = hf_reference(cfg, spec, tmp_path, lm_batches(cfg))
+    got = run_lora("llama", *rs)["adapter"]
+    assert got.keys() == ref.keys()
+    for k, v in ref.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    plain = run_lora("llama", "mode=l2l", "peft.alpha=4")["adapter"]
+    assert max((plain[k] - got[k]).abs().max() for k in got) > 1e-4  # the scaling is rsLoRA's
+
+    cfg = tiny_cfg(*FAMILY["llama"], *R8, "model.hidden_size=256", "peft.init_lora_weights=gaussian")
+    with built(cfg) as runner:
+        a = {n: t for n, t in runner.hf_tensors() if ".lora_A." in n or ".lora_B." in n}
+        assert adapter_config(runner.spec, runner.spec.lora)["init_lora_weights"] == "gaussian"
+    lora_a = torch.cat([t.flatten() for n, t in a.items() if ".lora_A." in n])
+    assert abs(float(lora_a.std()) * 8 - 1) < 0.05 and abs(float(lora_a.mean())) < 0.01
+    assert all(not t.any() for n, t in a.items() if ".lora_B." in n)

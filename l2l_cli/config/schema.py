@@ -249,6 +249,9 @@ class PeftConfig:
     base_source: str = (
         "host"  # host (RAM) | disk (L2L modes: each frozen layer read from files as it is needed)
     )
+    use_rslora: bool = False  # rank-stabilized LoRA (PEFT's): the update scaled by alpha / sqrt(r)
+    # the adapters' init: true (PEFT's: lora_A Kaiming-uniform, lora_B zero) | gaussian (lora_A ~ N(0, 1/r))
+    init_lora_weights: Any = True
     # true: use the adapter on a model.pretrained whose files differ from the base it was trained on
     # (a resume, eval, predict, generate, export); false refuses that base in one line
     allow_base_change: bool = False

@@ -141,6 +141,8 @@ class LoraSpecMixin:
                 target_modules=names,
                 fan_in_fan_out=self.peft_fan_in_fan_out,
                 bias="none",
+                use_rslora=lora.use_rslora,
+                init_lora_weights=lora.peft_init,
             )
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -171,13 +173,15 @@ class LoraSpecMixin:
 
         from l2l_cli.models.bert import layer_seed
 
-        base = self._base
+        base, gaussian = self._base, self.lora.init_lora_weights == "gaussian"
         kind = self.kind(index)  # type: ignore[attr-defined]
         layer = self.adapt(base.init_layer(self, base.new_layer(self, kind, device), index, seed), kind)
         g = torch.Generator().manual_seed(layer_seed(seed + 7_777_777, index))
         with torch.no_grad():
             for n, p in layer.named_parameters():
-                if ".lora_A." in n:  # PEFT's default: kaiming_uniform_(a=sqrt(5)), as nn.Linear's
+                if ".lora_A." in n and gaussian:  # PEFT's gaussian: normal_(std=1/r)
+                    p.copy_(torch.randn(p.shape, generator=g) / self.lora.r)
+                elif ".lora_A." in n:  # PEFT's default: kaiming_uniform_(a=sqrt(5)), as nn.Linear's
                     bound = 1.0 / math.sqrt(p.shape[1])
                     p.copy_(torch.empty(p.shape).uniform_(-bound, bound, generator=g))
                 elif ".lora_B." in n:
@@ -196,6 +200,7 @@ class LoraSpecMixin:
             "alpha": lo.alpha,
             "target_modules": list(listed(lo.target_modules)),
             "modules_to_save": list(lo.modules_to_save),
+            **({"use_rslora": True} if lo.use_rslora else {}),  # (checkpoints before it: absent)
         }
         return ident
 
@@ -271,6 +276,8 @@ def adapter_config(spec: ModelSpec, lora: LoraSettings) -> dict[str, Any]:
         fan_in_fan_out=spec.peft_fan_in_fan_out,
         bias="none",
         task_type=spec.peft_task_type,
+        use_rslora=lora.use_rslora,
+        init_lora_weights=lora.peft_init,
         base_model_name_or_path=base.get("name_or_path"),
         revision=base.get("revision"),
         inference_mode=True,

@@ -10,6 +10,13 @@ from l2l_cli.problems import Problem
 
 ALL_LINEAR = "all-linear"
 LOW_BIT = ("int8", "nf4")
+# peft.init_lora_weights: PEFT's default (lora_A Kaiming-uniform, lora_B zero), or lora_A ~ N(0, 1/r)
+INITS = ("true", "gaussian")
+
+
+def init_name(value: Any) -> str:
+    """``peft.init_lora_weights`` as given (YAML's ``true`` is a bool) by its name in :data:`INITS`."""
+    return "true" if value is True else str(value).lower()
 
 
 @dataclass(frozen=True)
@@ -30,23 +37,32 @@ class LoraSettings:
     # when it is read back; None: a base built from the seed
     base_fingerprint: dict[str, Any] | None = None
     allow_base_change: bool = False  # peft.allow_base_change: read the adapter back on another base
+    use_rslora: bool = False  # rank-stabilized LoRA: the update scaled by alpha / sqrt(r)
+    init_lora_weights: str = INITS[0]  # true (PEFT's default) | gaussian
 
     @classmethod
     def from_cfg(
         cls, p: Any, base_from_checkpoint: bool = False, base_fingerprint: dict[str, Any] | None = None
     ) -> LoraSettings:
         return cls(
-            int(p.r),
-            float(p.alpha),
-            float(p.dropout),
-            names_of(p.target_modules),
-            names_of(p.modules_to_save) or (),
-            str(p.base_dtype),
-            str(p.base_source),
-            base_from_checkpoint,
-            base_fingerprint,
-            bool(p.allow_base_change),
+            r=int(p.r),
+            alpha=float(p.alpha),
+            dropout=float(p.dropout),
+            target_modules=names_of(p.target_modules),
+            modules_to_save=names_of(p.modules_to_save) or (),  # type: ignore[arg-type]
+            base_dtype=str(p.base_dtype),
+            base_source=str(p.base_source),
+            base_from_checkpoint=base_from_checkpoint,
+            base_fingerprint=base_fingerprint,
+            allow_base_change=bool(p.allow_base_change),
+            use_rslora=bool(p.use_rslora),
+            init_lora_weights=init_name(p.init_lora_weights),
         )
+
+    @property
+    def peft_init(self) -> bool | str:
+        """``init_lora_weights`` as PEFT's ``LoraConfig`` takes it."""
+        return True if self.init_lora_weights == INITS[0] else self.init_lora_weights
 
     @property
     def low_bit(self) -> bool:
@@ -86,6 +102,7 @@ def settings_dict(lora: LoraSettings) -> dict[str, Any]:
     d = asdict(lora)
     d.pop("base_from_checkpoint")
     d.pop("allow_base_change")
+    d["init_lora_weights"] = lora.peft_init
     d["target_modules"] = list(listed(lora.target_modules))
     d["modules_to_save"] = list(lora.modules_to_save)
     return d
@@ -108,6 +125,14 @@ def key_problems(p: Any) -> list[Problem]:
         out.append(Problem("peft.alpha", f"got {p.alpha}; must be > 0"))
     if not (0.0 <= p.dropout < 1.0):
         out.append(Problem("peft.dropout", f"got {p.dropout}; must be in [0, 1)"))
+    if init_name(p.init_lora_weights) not in INITS:
+        out.append(
+            Problem(
+                "peft.init_lora_weights",
+                f"got {p.init_lora_weights!r}; allowed: true (PEFT's default: lora_A Kaiming-uniform, "
+                "lora_B zero), gaussian (lora_A ~ N(0, 1/r), lora_B zero)",
+            )
+        )
     if p.base_dtype == "nf4":
         why = nf4_unavailable()
         if why:
