@@ -314,6 +314,7 @@ class Session:
         Face model directory (``final/``, ``best/``: every file against its checksums.json); a LoRA run's
         base first, once it is known to be the one its adapter was trained on."""
         from l2l_cli import checkpoint as ckpt
+        from l2l_cli.models import lora_init
         from l2l_cli.models.lora import lora_of
 
         assert self.runner is not None and self.model is not None and self.mode is not None
@@ -326,6 +327,8 @@ class Session:
                 ckpt.check_identity(path, manifest, ident, allow)
             else:
                 ckpt.verify_dir(path)
+                if lora is not None:  # an adapter of this run's rank, alpha, rsLoRA, targets; on its base
+                    lora_init.check(self.model, lora, path)
                 if lora is not None and not allow:
                     ckpt.check_base(ckpt.recorded(path), lora.base_fingerprint, path)
         except ckpt.BaseChanged as e:  # the adapter's base, checked before it is loaded
@@ -380,6 +383,13 @@ class Session:
                     raise ConfigError([Problem("trainer.resume", str(e))]) from e
                 self.resumed = True
                 self._record_config()
+            elif (
+                cfg.peft.init_from
+            ):  # the base, then a saved adapter as the run's start (models/lora_init.py)
+                try:
+                    self._load_weights(Path(cfg.peft.init_from).expanduser())
+                except CheckpointError as e:
+                    raise ConfigError([Problem("peft.init_from", str(e))]) from e
             elif cfg.model.pretrained:
                 try:
                     load_pretrained(self.runner, cfg.model.pretrained)

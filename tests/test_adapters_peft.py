@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from l2l_cli import evaluate
 from l2l_cli.evaluate import run_config
 from l2l_cli.models.lora import adapter_config, peft_key
 from l2l_cli.session import Session
@@ -141,3 +142,55 @@ def test_rslora_trains_as_peft_does_and_gaussian_init_is_peft_s(tmp_path: Path) 
     lora_a = torch.cat([t.flatten() for n, t in a.items() if ".lora_A." in n])
     assert abs(float(lora_a.std()) * 8 - 1) < 0.05 and abs(float(lora_a.mean())) < 0.01
     assert all(not t.any() for n, t in a.items() if ".lora_B." in n)
+
+
+def test_a_run_starts_from_a_saved_adapter_ours_or_peft_s_and_a_mismatch_is_one_line(
+    tmp_path: Path, capsys
+) -> None:
+    """``peft.init_from``: a run starts from an l2l run's final/ or from an adapter PEFT's
+    ``save_pretrained`` wrote (its tensors are the run's first adapters); an adapter whose rank, alpha,
+    rsLoRA or targets differ from ``peft.*`` is one ``peft.init_from`` line before any work, and so is a
+    directory that holds no adapter (issue 52, item 3)."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from l2l_cli.config.validate import validate
+    from l2l_cli.models.lora import from_peft_key
+    from tests.util import build, tiny_cfg
+
+    base, first = pretrained_llama(tmp_path / "base"), tmp_path / "first"
+    common = [*LM, *LORA, f"model.pretrained={base}"]
+    train_run(first, *common, "optim.lr=0.01")
+    peft_dir = tmp_path / "peft"
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base),
+        LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+    )
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.1)
+    model.save_pretrained(peft_dir)
+
+    for adapter, extra in ((first / "final", []), (peft_dir, ["peft.target_modules=[q_proj,v_proj]"])):
+        cfg = tiny_cfg(*common, f"peft.init_from={adapter}", *extra)
+        assert validate(cfg) == []
+        with build(cfg) as s:
+            start = {n: t.detach().clone() for n, t in s.runner.hf_tensors()}
+        saved = {from_peft_key(k): v for k, v in load_file(adapter / "adapter_model.safetensors").items()}
+        assert start.keys() == saved.keys()
+        assert all(torch.equal(start[k], saved[k].float()) for k in saved)
+        assert any(".lora_B." in k and saved[k].any() for k in saved)  # (not a fresh adapter's zero B)
+
+    cfg = tiny_cfg(*common, f"peft.init_from={peft_dir}", "peft.r=8", "peft.use_rslora=true")
+    (problem,) = validate(cfg)
+    assert problem.key == "peft.init_from" and "peft.r=8 here, 4 in the adapter" in problem.message
+    assert "peft.use_rslora=true here, false in the adapter" in problem.message
+    assert "peft.target_modules=[" in problem.message
+    (problem,) = validate(tiny_cfg(*common, f"peft.init_from={tmp_path}"))
+    assert problem.key == "peft.init_from" and "not an adapter" in problem.message
+    # l2l eval --checkpoint <an adapter of other targets>: refused, not read with this run's settings
+    (first / ".hydra").mkdir(exist_ok=True)
+    assert evaluate.main("eval", [str(first), "--checkpoint", str(peft_dir)]) == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("l2l:")]
+    assert len(lines) == 1 and lines[0].startswith(f"l2l: --checkpoint: {peft_dir}: peft.target_modules=")

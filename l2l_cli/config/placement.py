@@ -17,6 +17,7 @@ from l2l_cli.engine.tiers import TIERS, TierKind
 from l2l_cli.models import (
     UnsupportedModel,
     lora,
+    lora_init,
     lora_settings,
     make_spec,
 )
@@ -148,7 +149,10 @@ def _peft(cfg: Config, check_files: bool) -> list[Problem]:
             model = make_spec(cfg.model, TASKS[cfg.task.name].num_labels)
         except (UnsupportedModel, OSError, ValueError, KeyError):
             return p  # the model's own check says why
-        p.extend(lora.problems(model, lora.LoraSettings.from_cfg(cfg.peft)))
+        settings = lora.LoraSettings.from_cfg(cfg.peft)
+        p.extend(lora.problems(model, settings))
+        if cfg.peft.init_from and check_files and not p:  # the saved adapter is this run's kind
+            p.extend(lora_init.init_problems(model, lora.for_model(model, settings), str(cfg.peft.init_from)))
     return p
 
 

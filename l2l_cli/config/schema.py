@@ -250,6 +250,9 @@ class PeftConfig:
         "host"  # host (RAM) | disk (L2L modes: each frozen layer read from files as it is needed)
     )
     use_rslora: bool = False  # rank-stabilized LoRA (PEFT's): the update scaled by alpha / sqrt(r)
+    # a saved adapter (PEFT's layout: a run's final/, or anyone's save_pretrained) the run starts from; its
+    # adapter_config.json must match r, alpha, use_rslora and target_modules
+    init_from: str | None = None
     # the adapters' init: true (PEFT's: lora_A Kaiming-uniform, lora_B zero) | gaussian (lora_A ~ N(0, 1/r))
     init_lora_weights: Any = True
     # true: use the adapter on a model.pretrained whose files differ from the base it was trained on
