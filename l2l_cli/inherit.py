@@ -44,6 +44,7 @@ FIXED = {
     "peft.r": "adapters' shape",
     "peft.alpha": "adapters' scaling",
     "peft.use_rslora": "adapters' scaling",
+    "peft.use_dora": "adapters' shape",
     "peft.target_modules": "adapters' shape",
     "peft.modules_to_save": "adapters' shape",
     "peft.base_dtype": "frozen base's precision (its adapters were trained on that base's rounding)",

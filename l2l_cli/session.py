@@ -35,6 +35,7 @@ from l2l_cli.locks import DirLock, LockError, held
 from l2l_cli.loop import StopFlag, Trainer
 from l2l_cli.models import ModelSpec, PretrainedUnavailable, UnsupportedModel, make_spec
 from l2l_cli.models.hf import base_fingerprint, load_adapter, load_exported, load_pretrained
+from l2l_cli.models.lora import refresh_dora
 from l2l_cli.modes import (
     MODES,
     ModeSpec,
@@ -395,6 +396,8 @@ class Session:
                     load_pretrained(self.runner, cfg.model.pretrained)
                 except (CheckpointError, PretrainedUnavailable) as e:
                     raise ConfigError([Problem("model.pretrained", str(e))]) from e
+            if not (cfg.trainer.resume or cfg.peft.init_from):  # DoRA's magnitudes: the base it starts on
+                refresh_dora(self.runner, self.model)
 
     def _record_config(self) -> None:
         """A resumed run's config (its own, with this command's overrides) becomes the run's config, so a

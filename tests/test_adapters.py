@@ -77,6 +77,7 @@ def hf_reference(cfg: Any, spec: Any, tmp: Path, batches: list[Batch]) -> dict[s
         "fan_in_fan_out",
         "bias",
         "use_rslora",
+        "use_dora",
     )
     model = get_peft_model(hf, LoraConfig(**{k: v for k, v in conf.items() if k in keys}))
     init = LayeredModel(spec, seed=seed).hf_state_dict(trainable_only=True)

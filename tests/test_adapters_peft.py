@@ -194,3 +194,58 @@ def test_a_run_starts_from_a_saved_adapter_ours_or_peft_s_and_a_mismatch_is_one_
     assert evaluate.main("eval", [str(first), "--checkpoint", str(peft_dir)]) == 2
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("l2l:")]
     assert len(lines) == 1 and lines[0].startswith(f"l2l: --checkpoint: {peft_dir}: peft.target_modules=")
+
+
+def test_dora_trains_as_peft_does_from_the_base_it_starts_on(tmp_path: Path) -> None:
+    """``peft.use_dora=true``: 3 steps equal PEFT's DoRA model trained by a plain loop; on a checkpoint,
+    the magnitudes start as PEFT computes them from that base (not from the seeded layers), and with an
+    NF4 base from the base as stored, so the untrained adapter leaves the base's output as it is; final/
+    loads with ``AutoPeftModelForCausalLM`` alone and gives the run's logits (issue 52, item 4)."""
+    from peft import AutoPeftModelForCausalLM, LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from l2l_cli.models.lora import ADAPTER
+    from tests.test_adapters import FAMILY, R8, hf_reference, run_lora
+    from tests.util import build, built, tiny_cfg
+
+    cfg = tiny_cfg(*FAMILY["llama"], *R8, "mode=l2l", "peft.use_dora=true")
+    with built(cfg) as runner:
+        spec = runner.spec
+    ref = hf_reference(cfg, spec, tmp_path, lm_batches(cfg))
+    got = run_lora("llama", "mode=l2l", "peft.use_dora=true")["adapter"]
+    assert got.keys() == ref.keys() and any("lora_magnitude_vector" in k for k in got)
+    for k, v in ref.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+    base, run = pretrained_llama(tmp_path / "base"), tmp_path / "run"
+    dora = [
+        *LM,
+        *LORA,
+        f"model.pretrained={base}",
+        "peft.use_dora=true",
+        "peft.target_modules=[q_proj,v_proj]",
+    ]
+    peft = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base),
+        LoraConfig(r=4, target_modules=["q_proj", "v_proj"], use_dora=True),
+    )
+    theirs = {
+        n.replace(f".{ADAPTER}", ""): p for n, p in peft.named_parameters() if "lora_magnitude_vector" in n
+    }
+    for extra in ([], ["mode=l2l", "peft.base_dtype=nf4"]):
+        with build(tiny_cfg(*dora, *extra)) as s:
+            ours = {n: t.clone() for n, t in s.runner.hf_tensors() if "lora_magnitude_vector" in n}
+            batch = lm_batches(s.cfg, n=1)[0]
+            with_dora = s.runner.predict(batch).float()
+        assert len(ours) == len(theirs) == 2 * 3
+        if not extra:  # PEFT's magnitudes of this checkpoint (its parameter names: base_model.model.<hf>)
+            for n, t in ours.items():
+                want = theirs["base_model.model." + n.replace(f".{ADAPTER}", "")]
+                torch.testing.assert_close(t, want.detach(), rtol=1e-6, atol=1e-6)
+        lora = [a for a in dora if a != "peft.use_dora=true"]
+        with build(tiny_cfg(*lora, *extra)) as s:  # B = 0: DoRA from the base as stored is that base
+            torch.testing.assert_close(with_dora, s.runner.predict(batch).float(), rtol=1e-5, atol=1e-5)
+    train_run(run, *dora, "optim.lr=0.01")
+    model = AutoPeftModelForCausalLM.from_pretrained(run / "final").eval()
+    batch = lm_batches(run_config(run, []), n=1)[0]
+    torch.testing.assert_close(run_logits(run, batch), peft_logits(model, batch), rtol=1e-4, atol=1e-5)

@@ -250,6 +250,7 @@ class PeftConfig:
         "host"  # host (RAM) | disk (L2L modes: each frozen layer read from files as it is needed)
     )
     use_rslora: bool = False  # rank-stabilized LoRA (PEFT's): the update scaled by alpha / sqrt(r)
+    use_dora: bool = False  # DoRA (PEFT's): a trained magnitude per output channel beside the adapters
     # a saved adapter (PEFT's layout: a run's final/, or anyone's save_pretrained) the run starts from; its
     # adapter_config.json must match r, alpha, use_rslora and target_modules
     init_from: str | None = None

@@ -35,6 +35,8 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 SEQ_CLS = "SEQ_CLS"  # PEFT's task type of a sequence classifier (ModelSpec.peft_task_type)
+DORA = "lora_magnitude_vector"  # DoRA's magnitude (peft.use_dora)
+ADAPTER_PARTS = ("lora_A", "lora_B", DORA)  # an adapted module's trained tensors
 
 
 def lora_of(spec: ModelSpec) -> LoraSettings | None:
@@ -143,6 +145,7 @@ class LoraSpecMixin:
                 bias="none",
                 use_rslora=lora.use_rslora,
                 init_lora_weights=lora.peft_init,
+                use_dora=lora.use_dora,
             )
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -152,8 +155,9 @@ class LoraSpecMixin:
         return layer
 
     def trainable(self, name: str) -> bool:
-        """Whether a layer's parameter ``name`` trains: an adapter, or a module of ``modules_to_save``."""
-        if ".lora_A." in name or ".lora_B." in name:
+        """Whether a layer's parameter ``name`` trains: an adapter (and DoRA's magnitude), or a module of
+        ``modules_to_save``."""
+        if any(f".{part}." in name for part in ADAPTER_PARTS):
             return True
         owner = name.rpartition(".")[0]
         return any(_matches(owner, t) or f".{t}." in f".{owner}." for t in self.lora.modules_to_save)
@@ -200,7 +204,8 @@ class LoraSpecMixin:
             "alpha": lo.alpha,
             "target_modules": list(listed(lo.target_modules)),
             "modules_to_save": list(lo.modules_to_save),
-            **({"use_rslora": True} if lo.use_rslora else {}),  # (checkpoints before it: absent)
+            **({"use_rslora": True} if lo.use_rslora else {}),  # (checkpoints before them: absent)
+            **({"use_dora": True} if lo.use_dora else {}),
         }
         return ident
 
@@ -244,15 +249,22 @@ def base_spec(spec: ModelSpec) -> ModelSpec:
 
 
 def peft_key(hf_name: str) -> str:
-    """The key of a trainable tensor (by its ``hf_name``) in PEFT's ``adapter_model.safetensors``."""
-    name = hf_name.replace(f".lora_A.{ADAPTER}.", ".lora_A.").replace(f".lora_B.{ADAPTER}.", ".lora_B.")
-    return PEFT_PREFIX + name
+    """The key of a trainable tensor (by its ``hf_name``) in PEFT's ``adapter_model.safetensors`` (the
+    adapter's name dropped, as PEFT saves it; DoRA's magnitude as ``...lora_magnitude_vector``)."""
+    hf_name = hf_name.replace(f".{DORA}.{ADAPTER}.weight", f".{DORA}")
+    for part in ADAPTER_PARTS:
+        hf_name = hf_name.replace(f".{part}.{ADAPTER}.", f".{part}.")
+    return PEFT_PREFIX + hf_name
 
 
 def from_peft_key(key: str) -> str:
     """The inverse of :func:`peft_key`: a saved adapter tensor's ``hf_name``."""
     name = key.removeprefix(PEFT_PREFIX)
-    return name.replace(".lora_A.", f".lora_A.{ADAPTER}.").replace(".lora_B.", f".lora_B.{ADAPTER}.")
+    if name.endswith(f".{DORA}"):
+        return f"{name}.{ADAPTER}.weight"
+    for part in ADAPTER_PARTS:
+        name = name.replace(f".{part}.", f".{part}.{ADAPTER}.")
+    return name
 
 
 def adapter_config(spec: ModelSpec, lora: LoraSettings) -> dict[str, Any]:
@@ -278,6 +290,7 @@ def adapter_config(spec: ModelSpec, lora: LoraSettings) -> dict[str, Any]:
         task_type=spec.peft_task_type,
         use_rslora=lora.use_rslora,
         init_lora_weights=lora.peft_init,
+        use_dora=lora.use_dora,
         base_model_name_or_path=base.get("name_or_path"),
         revision=base.get("revision"),
         inference_mode=True,
@@ -393,6 +406,32 @@ def merged_tensors(
                 if isinstance(m, LoraLayer):
                     m.merge(adapter_names=[ADAPTER])
         for n, p in layer.named_parameters():
-            if ".lora_A." in n or ".lora_B." in n or (spec.kind(i) == POST and n in tied):
+            if any(f".{part}." in n for part in ADAPTER_PARTS) or (spec.kind(i) == POST and n in tied):
                 continue
             yield spec.hf_name(i, n), p.detach().to(torch.float32)
+
+
+def refresh_dora(runner: Any, spec: ModelSpec) -> None:
+    """DoRA's magnitudes set from the base the run starts on (PEFT's init: each output channel's norm of
+    ``W + scaling·B·A``), once it is in place: the checkpoint's weights, and a low-bit base as stored (what
+    the forward reads), not the seeded fp32 layers the adapters were injected into. No-op without DoRA."""
+    lora = lora_of(spec)
+    if lora is None or not lora.use_dora:
+        return
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    out = {}
+    for i, layer in runner.full_layers():
+        with torch.no_grad():
+            for name, m in layer.named_modules():
+                if isinstance(m, LoraLayer) and ADAPTER in m.lora_magnitude_vector:
+                    dora, a, b = m.lora_magnitude_vector[ADAPTER], m.lora_A[ADAPTER], m.lora_B[ADAPTER]
+                    dora.update_layer(
+                        base_layer=m.get_base_layer(),
+                        lora_A=a.weight,
+                        lora_B=b.weight,
+                        scaling=m.scaling[ADAPTER],
+                    )
+                    out[spec.hf_name(i, f"{name}.{DORA}.{ADAPTER}.weight")] = dora.weight.clone()
+    runner.load_hf(out)

@@ -39,6 +39,7 @@ class LoraSettings:
     allow_base_change: bool = False  # peft.allow_base_change: read the adapter back on another base
     use_rslora: bool = False  # rank-stabilized LoRA: the update scaled by alpha / sqrt(r)
     init_lora_weights: str = INITS[0]  # true (PEFT's default) | gaussian
+    use_dora: bool = False  # DoRA: a trained magnitude per output channel beside the adapters
 
     @classmethod
     def from_cfg(
@@ -57,6 +58,7 @@ class LoraSettings:
             allow_base_change=bool(p.allow_base_change),
             use_rslora=bool(p.use_rslora),
             init_lora_weights=init_name(p.init_lora_weights),
+            use_dora=bool(p.use_dora),
         )
 
     @property

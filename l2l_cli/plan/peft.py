@@ -199,7 +199,7 @@ def peft_shape(spec: Any, cfg_peft: Any) -> PeftShape:
                 if type(mods[name]).__name__ == "Conv1D"
                 else (w.shape[1], w.shape[0])
             )
-            adapters += lora.r * (fan_in + fan_out)
+            adapters += lora.r * (fan_in + fan_out) + (fan_out if lora.use_dora else 0)  # (DoRA's magnitude)
         saved = 0
         frozen, stored, slot, largest = 0, 0, 0, 0
         params = dict(layer.named_parameters())
