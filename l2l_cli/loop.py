@@ -80,6 +80,7 @@ class TrainerSettings:
     title: str  # the progress header (method, model, task)
     save_best: str | None = None  # the eval metric whose best value's weights best/ holds (auto: the task's)
     patience: int = 0  # evaluations without improvement that end the run (0: never)
+    allow_base_change: bool = False  # peft.allow_base_change: a LoRA run resumes on another base
 
 
 class Trainer:
@@ -165,12 +166,11 @@ class Trainer:
             path, manifest = None, {}
         if point is not None and (path is None or point["step"] >= manifest["step"]):
             path, manifest = self.store.root, point
-            ckpt.check_identity(path, manifest, self.settings.ident)
             state = point["trainer"]
         else:
             assert path is not None
-            ckpt.check_identity(path, manifest, self.settings.ident)
             state = json.loads(ckpt.read_checked(path, "state.json", manifest))
+        ckpt.check_identity(path, manifest, self.settings.ident, self.settings.allow_base_change)
         if state["global_batch_size"] != self.stream.global_batch:
             raise CheckpointError(
                 f"{path} was trained with a global batch of {state['global_batch_size']}; this run has "

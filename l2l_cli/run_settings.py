@@ -71,6 +71,7 @@ def trainer_settings(cfg: Any, steps: int, ident: dict[str, Any], title: str) ->
         title=title,
         save_best=tr.save_best,
         patience=tr.early_stopping_patience,
+        allow_base_change=bool(cfg.peft.allow_base_change),
     )
 
 

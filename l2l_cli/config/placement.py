@@ -17,6 +17,7 @@ from l2l_cli.engine.tiers import TIERS, TierKind
 from l2l_cli.models import (
     UnsupportedModel,
     lora,
+    lora_init,
     lora_settings,
     make_spec,
 )
@@ -183,12 +184,19 @@ def _peft(cfg: Config, check_files: bool) -> list[Problem]:
                     f"({with_eps}), not mode={spec.name}",
                 )
             )
+    tier = TIERS.get(cfg.eps.tier)
+    own_folder = tier is not None and not tier.on_disk  # (a disk tier checks its folder itself)
+    if check_files and cfg.eps.path and lora_settings.on_disk(cfg.peft.base_source) and own_folder:
+        p.extend(lora_settings.base_folder_problems(str(cfg.eps.path)))
     if cfg.task.name in TASKS and not (cfg.model.pretrained and not check_files):
         try:
             model = make_spec(cfg.model, TASKS[cfg.task.name].num_labels)
         except (UnsupportedModel, OSError, ValueError, KeyError):
             return p  # the model's own check says why
-        p.extend(lora.problems(model, lora.LoraSettings.from_cfg(cfg.peft)))
+        settings = lora.LoraSettings.from_cfg(cfg.peft)
+        p.extend(lora.problems(model, settings))
+        if cfg.peft.init_from and check_files and not p:  # the saved adapter is this run's kind
+            p.extend(lora_init.init_problems(model, lora.for_model(model, settings), str(cfg.peft.init_from)))
     return p
 
 

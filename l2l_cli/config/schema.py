@@ -268,6 +268,19 @@ class PeftConfig:
     base_source: str = (
         "host"  # host (RAM) | disk (L2L modes: each frozen layer read from files as it is needed)
     )
+    use_rslora: bool = False  # rank-stabilized LoRA (PEFT's): the update scaled by alpha / sqrt(r)
+    use_dora: bool = False  # DoRA (PEFT's): a trained magnitude per output channel beside the adapters
+    # a saved adapter (PEFT's layout: a run's final/, or anyone's save_pretrained) the run starts from; its
+    # adapter_config.json must match r, alpha, use_rslora and target_modules
+    init_from: str | None = None
+    # the adapters' init: true (PEFT's: lora_A Kaiming-uniform, lora_B zero) | gaussian (lora_A ~ N(0, 1/r))
+    init_lora_weights: Any = True
+    # true: use the adapter on a model.pretrained whose files differ from the base it was trained on
+    # (a resume, eval, predict, generate, export); false refuses that base in one line
+    allow_base_change: bool = False
+    # base_source=disk: true keeps <eps.path>/frozen_base after a finished run (a resume to more steps or a
+    # next run on the same base and eps.path reuses it); a run that stops short always keeps it
+    keep_encoded_base: bool = False
 
 
 @dataclass
