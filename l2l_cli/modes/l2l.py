@@ -31,6 +31,7 @@ from l2l_cli.engine.recompute import (
     choose,
     default_cpu_budget,
     measure_block,
+    measure_pre,
     run_selective,
 )
 from l2l_cli.engine.relay import Relay
@@ -199,8 +200,8 @@ class L2LRunner(RunnerBase):
     ) -> torch.Tensor:
         """Block i's forward with autograd, its graph kept for backward: whole (``none``), or under
         selective checkpointing (the matmul outputs saved, the rest replayed in backward). Returns its
-        output, detached: each layer's backward stays its own."""
-        x_in = x.detach().requires_grad_()
+        output, detached: each layer's backward stays its own. The embeddings' (i = 0) input is the ids."""
+        x_in = x.detach().requires_grad_() if x is not None else None
         with torch.enable_grad():
             if graph == "selective":
                 y = run_selective(lambda h: self.run_layer(layer, i, h, ub, side), x_in)
@@ -257,9 +258,10 @@ class L2LRunner(RunnerBase):
             self.stash.prefetch(i - 1, 0)
         for u in range(n):
             x_in, y = self.graphs.pop((i, u))
-            with self.timer("backward"), self.acc.meter.part("workspace"):
-                torch.autograd.backward(y, g[u])
-            g[u] = x_in.grad
+            if y.requires_grad:  # (a frozen embedding's output does not: nothing to differentiate)
+                with self.timer("backward"), self.acc.meter.part("workspace"):
+                    torch.autograd.backward(y, g[u])
+            g[u] = x_in.grad if x_in is not None else None
         self.relay.send_grads(i)
         self.relay.release_graph(i)
 
@@ -282,18 +284,20 @@ class L2LRunner(RunnerBase):
         return choose(rc, depth, per, n, room, stash_on_device=on_device)
 
     def measure_block(self, seq: int) -> LayerBytes:
-        """Saved bytes of one block for one micro-batch of ``seq`` tokens, per policy (uncounted by the
-        meter: a measurement, not the run's memory; the slot's weights are whatever it holds)."""
+        """Saved bytes of one block for one micro-batch of ``seq`` tokens, per policy, and of the embeddings'
+        graph (uncounted by the meter: a measurement, not the run's memory; the slot's weights are whatever
+        it holds)."""
         ub, dev, dtype = self.settings.ubatch_size, self.acc.device, self.precision.device_dtype
         ids = torch.zeros(ub, max(1, seq), dtype=torch.long, device=dev)
         batch = Batch(ids, ids.clone(), torch.ones_like(ids), torch.zeros(ub, dtype=torch.long, device=dev))
         side = self.spec.side_inputs(batch, dtype)
         slot = self.relay.slots[0]
         with self.acc.meter.paused():
-            with torch.no_grad():
-                x = self.run_layer(slot.shells[self.spec.kind(0)], 0, None, batch, side)
+            pre = slot.shells[self.spec.kind(0)]
+            x, pre_bytes = measure_pre(lambda: self.run_layer(pre, 0, None, batch, side), [slot.w, slot.g])
             block = slot.shells[self.spec.kind(1)]
-            return measure_block(lambda h: self.run_layer(block, 1, h, batch, side), x, [slot.w, slot.g])
+            per = measure_block(lambda h: self.run_layer(block, 1, h, batch, side), x, [slot.w, slot.g])
+            return LayerBytes(per.full, per.selective, per.none, pre=pre_bytes)
 
     def sections(self) -> dict[str, dict[str, Any]]:
         """summary.json's ``optimizer`` section (below) and ``recompute``: the policy, kept layers, the
