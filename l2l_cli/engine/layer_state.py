@@ -39,8 +39,8 @@ def state_numel(layout: FlatLayout, optim: OptimSettings) -> dict[str, int]:
 
 
 def _split(layout: FlatLayout, optim: OptimSettings) -> Any:
-    # AdamW (FP32 or 8-bit) takes two flat runs per layer (decayed, not): the fused kernel's long runs, the
-    # 8-bit one's blocks. LAMB's trust ratio is per parameter tensor, so it gets a view per tensor.
+    # AdamW takes two flat runs per layer (decayed, not): the fused kernel's long runs. LAMB's trust ratio
+    # is per parameter tensor, and 8-bit AdamW quantizes each tensor in its own blocks: a view per tensor.
     return layout.segments if optim.flat_runs else layout.views
 
 
@@ -56,17 +56,21 @@ def bind_optimizer(
     """The host optimizer of one layer, working in place on flat buffers: parameters are views of ``w``
     with ``.grad`` views of ``g``, and their state views of the flat state buffers, by the kind's
     :class:`~l2l_cli.engine.optim.StateBuffer` short names: the two moments ``m`` and ``v`` (FP32, or 8-bit
-    codes: an entry per element) and ``extra`` (8-bit AdamW's absmaxes: one per block of each run). Each
-    run takes the next slice of each buffer, its elements' (or its blocks')."""
+    codes: an entry per element of the tensors that keep 8-bit moments) and ``extra`` (8-bit AdamW's
+    absmaxes, one per block of each such tensor, and the FP32 moments of its small tensors). Each run takes
+    the next slice of each buffer it holds, its elements' (or its blocks')."""
     split = _split(layout, optim)
     flat = {"m": m, "v": v, **(extra or {})}
     if layout.numel == 0:  # a layer with nothing to train (a frozen base's embeddings): one empty run
-        return bind_flat([("decay", w, g, {b.key: flat[b.short][:0] for b in optim.kind.state})], optim)
+        empty = {b.key: flat[b.short][:0] for b in optim.kind.state if b.holds(0)}
+        return bind_flat([("decay", w, g, empty)], optim)
     grads = dict(split(g))
     runs, at = [], dict.fromkeys(flat, 0)
     for name, view in split(w):
         state = {}
         for b in optim.kind.state:
+            if not b.holds(view.numel()):
+                continue
             k = b.numel(view.numel())
             part = flat[b.short][at[b.short] : at[b.short] + k]
             state[b.key] = part.view(view.shape) if b.per == 1 else part  # moments shaped as the parameter
@@ -77,7 +81,8 @@ def bind_optimizer(
 
 class LayerState:
     """One layer's training state in host memory, and the optimizer that updates it. ``m``/``v``: the two
-    moments (FP32, or 8-bit codes); ``extra``: any other state by short name (8-bit AdamW's absmaxes).
+    moments (FP32, or 8-bit codes); ``extra``: any other state by short name (8-bit AdamW's absmaxes and
+    its small tensors' FP32 moments).
     ``w``, ``m`` and ``v`` are the current state set's (L2L-p keeps a second one for its undo)."""
 
     extra: Mapping[str, torch.Tensor] = MappingProxyType({})
@@ -104,7 +109,7 @@ class LayerState:
         self.sets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = [(w, m, v)]
         self.cur = 0
         if state:
-            self.extra = state  # 8-bit AdamW: each block's absmax
+            self.extra = state  # 8-bit AdamW: each block's absmax, the small tensors' FP32 moments
         self.w_send = acc.host_empty(n, send_dtype, link=True) if half else None
         # CMP: the gradient crosses the link in the device's half type; the update reads it as it is (a
         # conversion on the device would need an FP32 temporary there and twice the link's bytes)
