@@ -173,7 +173,8 @@ def sweep(sizes: list[int], steps: int, out: str | None) -> None:
         rows.append(row)
         print(
             f"{b:6d} {row['l2l_p_cmp_samples_per_s']:10.1f} {row['baseline_ag_amp_samples_per_s']:11.1f} "
-            f"{row['ratio']:6.2f} {device:11.2f} {host:9.2f} {row['host_traffic_bytes_per_param'] or 0:12.1f}",
+            f"{row['ratio']:6.2f} {device:11.2f} {host:9.2f} "
+            f"{row['host_traffic_bytes_per_param'] or 0:12.1f}",
             flush=True,
         )
     covered = [r["batch"] for r in rows if r["device_busy_share"] >= r["eps_busy_share"]]

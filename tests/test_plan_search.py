@@ -141,6 +141,58 @@ def test_table_6_1_binding_constraints_are_explained() -> None:
     assert "depth: n_l = d_l = 160" in rows[("3d", "baseline")]
 
 
+def test_the_documented_x160_search_prints_table_6_1() -> None:
+    """Issue 53, acceptance 1: the command docs/planner.md documents, run as a reader runs it (``l2l plan``
+    in its own process, ``--json``), gives Table 6.1's nine configurations with the paper's efficiencies
+    (±0.05) and times (±15%): the X family declares the paper's question (``models/papers.py``: 100,000
+    steps at the critical batch, timed at peak × efficiency, offload with no host-memory bound), and the
+    title names that budget."""
+    import subprocess
+    import sys
+
+    argv = ["plan", "--search", "model=x", "model.x=160", "hardware=a100-80g", "--json"]
+    run = subprocess.run([sys.executable, "-m", "l2l_cli", *argv], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout)
+    assert out["budget"] == "100,000 steps at the critical batch 2416 (layered-GA §6)"
+    assert out["rate"].startswith("312 TFLOP/s = 100% of 312 peak (layered-GA §6")
+    rows = {(r["parallelism"], r["method"]): r for r in out["search"]}
+    for mix, method, cfg, eff, days, _ in TABLE_6_1:
+        r = rows[(mix, method)]
+        assert (r["offload"], r["b"], r["b_mu"], r["n_mu"], r["n_b"], r["n_l"], r["n_a"]) == cfg, (
+            mix,
+            method,
+        )
+        assert abs(r["efficiency"] - eff) <= 0.05, (mix, method, r["efficiency"])
+        assert r["days"] == pytest.approx(days, rel=0.15), (mix, method, r["days"])
+
+
+def test_a_budget_or_machine_the_command_line_gives_wins_over_the_papers(capsys) -> None:
+    """For X[x], a budget on the command line (``batch.size``, ``plan.steps``, ``plan.tokens``) is the
+    question and the title names it; ``hardware.mfu`` and ``hardware.host_memory_gb`` given replace the
+    paper's efficiency and unbounded offload."""
+    base = ["--search", "--json", "model=x", "model.x=160", "hardware=a100-80g"]
+
+    def days(*extra: str) -> tuple[str, dict]:
+        assert main([*base, *extra]) == 0
+        out = json.loads(capsys.readouterr().out)
+        return out["budget"], {(r["parallelism"], r["method"]): r["days"] for r in out["search"]}
+
+    label, paper = days()
+    b_c = ga.x_critical_batch_size(160)
+    label, small = days("batch.size=32")
+    assert label == "100,000 steps of batch 32 (plan.train_steps)"
+    assert small[("3d", "improved")] == pytest.approx(paper[("3d", "improved")] * 32 / b_c, rel=1e-9)
+    label, _ = days("plan.steps=1000")
+    assert label == "1,000 steps of batch 32 (plan.steps)"
+    label, _ = days("plan.tokens=1e9")
+    assert label == "1B tokens (plan.tokens)"
+    _, half = days("hardware.mfu=0.5")
+    assert half[("3d", "improved")] == pytest.approx(2 * paper[("3d", "improved")], rel=1e-9)
+    _, bounded = days("hardware.host_memory_gb=1024")  # 64 GB a GPU: the offloading rows go
+    assert ("none", "baseline") in paper and ("none", "baseline") not in bounded
+
+
 # Table 6.3 (quoted): Parallelism, Method, b, n_a, n_gpu, Offloadable, Non-offloadable, Efficiency, Time
 #   Data + tensor Partitioned 2415 16 7728 7.92 4.69 0.93 32 d
 #   3d Baseline 2416 16 10240 10.1 3.14 0.73 31 d
@@ -230,22 +282,24 @@ def test_pruning_is_exact_without_a_gpu_cap() -> None:
 
 def test_the_config_view_uses_the_same_formulas() -> None:
     """``l2l plan``'s per-config layered-GA view (``for_config``) is ``analyze`` of the same numbers, at the
-    rate of the config's precision (fp32 here: the preset's TF32 78 TFLOP/s, 25% of the 312 peak)."""
+    rate of the config's precision where the command line names ``hardware.mfu`` (fp32 here: the preset's
+    TF32 78 TFLOP/s, 25% of the 312 peak), else, for X[x], at the paper's (peak × efficiency)."""
+    from l2l_cli.plan.budget import command_keys
     from l2l_cli.plan.planner import make_plan
 
-    cfg = compose(
-        [
-            "model=x",
-            "model.x=16",
-            "hardware=a100-80g",
-            "batch.size=8",
-            "batch.ubatch_size=2",
-            "plan.data_parallel=4",
-            "plan.pipeline_parallel=2",
-            "plan.tensor_parallel=2",
-        ]
-    )
-    ga_view = make_plan(cfg)["layered_ga"]
+    args = [
+        "model=x",
+        "model.x=16",
+        "hardware=a100-80g",
+        "batch.size=8",
+        "batch.ubatch_size=2",
+        "plan.data_parallel=4",
+        "plan.pipeline_parallel=2",
+        "plan.tensor_parallel=2",
+    ]
+    assert make_plan(compose(args), given=command_keys(args))["layered_ga"]["mfu"] == 1.0
+    args.append("hardware.mfu=0.5")
+    ga_view = make_plan(compose(args), given=command_keys(args))["layered_ga"]
     assert ga_view["mfu"] == pytest.approx(78 / 312)
     m = ga.x_family(16)
     for row in ga_view["methods"]:

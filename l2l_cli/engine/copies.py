@@ -1,8 +1,6 @@
-"""Copies between host and device tiers as the runners see them: handles that say when a copy is done, the
-CPU device's inline copies, and the simulated accelerator's link (``device=sim``), whose copy-engine threads
-take ``bytes / link bandwidth`` each. CUDA's stream-based engine lives with the rest of the CUDA calls in
-``engine/device.py``.
-"""
+"""Copies between the host and the device tier, apart from CUDA's streams (``device.py``): a copy's handle,
+the inline engine of a CPU device tier, and the simulated link's (``device=sim``): a thread per direction
+that takes ``bytes / link bandwidth`` per copy, so prefetch overlap and exposed transfer are real."""
 
 from __future__ import annotations
 
@@ -62,7 +60,7 @@ class CopyEngine:
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> CopyHandle:
         """Copy ``src`` into ``dst`` (same dtype: a conversion belongs on one side of the link, never
         on it) once ``after`` (a CopyHandle, or a CUDA event) is done."""
-        _same_dtype(dst, src)
+        same_dtype(dst, src)
         if isinstance(after, CopyHandle):
             after.wait()
         t0 = time.perf_counter()
@@ -106,7 +104,7 @@ class LinkCopyEngine(CopyEngine):
         self._thread.start()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> CopyHandle:
-        _same_dtype(dst, src)
+        same_dtype(dst, src)
         h = _ThreadHandle()
         self._q.put((dst, src, h, after if isinstance(after, CopyHandle) else None))
         return h
@@ -144,7 +142,7 @@ class LinkCopyEngine(CopyEngine):
         self._thread.join(timeout=5)
 
 
-def _same_dtype(dst: torch.Tensor, src: torch.Tensor) -> None:
+def same_dtype(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.dtype != src.dtype:
         raise ValueError(
             f"a copy over the link converts {src.dtype} to {dst.dtype}: convert on one side (CMP gradients "

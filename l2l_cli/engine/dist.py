@@ -78,8 +78,8 @@ class DistContext:
         return out
 
     def barrier(self) -> None:
-        if self.enabled:
-            dist.barrier()
+        if self.enabled:  # a host barrier (the stop path): NCCL's would be its first op, on a guessed GPU
+            dist.barrier(group=self.host_group)
 
 
 def resolve_backend(backend: str, device: str, cuda: bool | None = None) -> str:
@@ -96,10 +96,11 @@ def from_env(cfg: Any) -> DistContext:
     if world <= 1:
         return DistContext()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    backend = resolve_backend(cfg.dist.backend, cfg.device)
+    backend = resolve_backend(cfg.dist.backend, cfg.device.name)
     timeout = timedelta(seconds=cfg.dist.timeout_s)
-    if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timeout)
+    if not dist.is_initialized():  # NCCL: the communicator on this rank's own GPU, created now
+        gpu = {"device_id": torch.device("cuda", local_rank)} if backend == "nccl" else {}
+        dist.init_process_group(backend, timeout=timeout, **gpu)
     eps_group = dist.new_group(backend="gloo", timeout=timeout)
     backend = str(dist.get_backend())  # a group someone else initialised (torchrun's caller) may differ
     # the main thread's host collectives (the loss and stop flag each step, the memory report) need gloo:

@@ -298,6 +298,31 @@ class EagerParamServer:
                         params[name].copy_(t)
             yield st.index, layer
 
+    # ---- what the host's passes moved (summary.json's ``eps``) ----------------------------------------
+
+    def traffic_section(
+        self, transfer_bytes: int, since: tuple[dict[str, int], dict[str, float], int] | None, steps: int
+    ) -> dict[str, Any]:
+        """summary.json's ``eps`` over ``steps`` training steps, counted ``since`` (the host passes' bytes
+        and seconds and the link's bytes before the first of them): the host's passes per trained
+        parameter per step, by purpose, the update's GB/s, the link's bytes apart, which update ran."""
+        passes = self.passes
+        nbytes, seconds = passes.snapshot()
+        b0, s0, t0 = since if since is not None else ({}, {}, 0)
+        nbytes = {k: v - b0.get(k, 0) for k, v in nbytes.items() if v - b0.get(k, 0)}
+        upd_s = seconds.get("update", 0.0) - s0.get("update", 0.0)
+        params = sum(st.layout.numel for st in self.layers)
+        per = max(1, params) * max(1, steps)
+        return {
+            "update_kernel": passes.kernel,
+            "host_threads": passes.threads,
+            "host_traffic_bytes_per_param": sum(nbytes.values()) / per,
+            "host_traffic_by_pass": {k: v / per for k, v in sorted(nbytes.items())},
+            "transfer_bytes_per_param": (transfer_bytes - t0) / per,
+            "update_gbps": nbytes.get("update", 0) / upd_s / 1e9 if upd_s > 0 else None,
+            "trained_params": params,
+        }
+
     # ---- host memory ---------------------------------------------------------------------------------
 
     def host_parts(self) -> dict[str, int]:

@@ -24,9 +24,10 @@ from l2l_cli.engine.host_passes import set_thread_share
 _THREAD = threading.local()
 
 
-def _worker_init(threads: int) -> None:
+def _worker_init(threads: int, bind: Callable[[], None]) -> None:
     torch.set_num_threads(threads)
     set_thread_share(threads)
+    bind()  # the rank's own device (CUDA: a new thread starts on cuda:0)
     _THREAD.eps_worker = True
 
 
@@ -39,7 +40,7 @@ class EpsWorker:
             max_workers=1,
             thread_name_prefix="l2l-eps",
             initializer=_worker_init,
-            initargs=(acc.host_threads,),
+            initargs=(acc.host_threads, acc.bind_thread),
         )
         self.jobs: list[Future] = []
         self._lock = threading.Lock()

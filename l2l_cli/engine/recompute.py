@@ -100,6 +100,22 @@ class _OpOutputs(TorchDispatchMode):
         return out
 
 
+def measure_pre(
+    run: Callable[[], torch.Tensor], params: Collection[torch.Tensor]
+) -> tuple[torch.Tensor, int]:
+    """The embeddings' forward (``run``, from the token ids) under autograd: its output, detached, and the
+    bytes its graph saves (the weights, storages of ``params``, excluded): what keeping it costs."""
+    saved = _Storages(skip=params)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.add(t)
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = run()
+    return y.detach(), saved.bytes
+
+
 def measure_block(
     run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params: Collection[torch.Tensor]
 ) -> LayerBytes:

@@ -36,6 +36,8 @@ class LayerBytes:
     full: int  # its input (the stash)
     selective: int  # the input and the policy's saved matmul outputs
     none: int  # everything autograd saves (the input included)
+    # what the embeddings' graph saves: kept only with every block (nothing is recomputed then)
+    pre: int = 0
 
 
 @dataclass(frozen=True)
@@ -48,8 +50,17 @@ class RecomputePlan:
     saved_bytes: int = 0  # predicted bytes the kept and selective blocks hold for backward, per step
     room_bytes: float | None = None  # the device room auto planned in (None: nothing was auto)
 
+    @property
+    def every_layer_kept(self) -> bool:
+        """Every block keeps its graph, and so do the embeddings below them: nothing is recomputed."""
+        return self.kept == self.depth > 0
+
     def graph(self, block: int) -> str | None:
-        """What block ``block`` (1..depth) does: "none" (kept), "selective", or None (stash + recompute)."""
+        """What layer ``block`` does: a block (1..depth) "none" (kept), "selective", or None (stash +
+        recompute); the embeddings (0) "none" when every block is kept, else None (recomputed from the
+        token ids, as their backward comes last and no block below needs their graph earlier)."""
+        if block == 0 and self.every_layer_kept:
+            return "none"
         if block < 1 or block > self.depth:
             return None
         if block > self.depth - self.kept:
@@ -59,7 +70,7 @@ class RecomputePlan:
     def section(self) -> dict[str, Any]:
         """summary.json's ``recompute`` section."""
         return {
-            "policy": "none" if self.kept == self.depth and self.depth else self.policy,
+            "policy": "none" if self.every_layer_kept else self.policy,
             "kept_layers": self.kept,
             "saved_bytes": self.saved_bytes,
             "room_bytes": self.room_bytes,
@@ -67,7 +78,7 @@ class RecomputePlan:
 
     def describe(self) -> str:
         """One line for the progress header."""
-        if self.kept == self.depth and self.depth:
+        if self.every_layer_kept:
             return "recompute none (every layer kept)"
         kept = f", last {self.kept} of {self.depth} layers kept" if self.kept else ""
         return f"recompute {self.policy}{kept}"
@@ -84,7 +95,8 @@ def choose(
 ) -> RecomputePlan:
     """The plan: ``room`` is the device bytes left once ``full``'s needs are met (None: unknown, auto
     keeps nothing). A kept or selective block costs its saved bytes for every micro-batch, less the
-    input the device stash would have held anyway. ``auto`` prefers (1) every block kept, (2) selective
+    input the device stash would have held anyway; with every block kept, the embeddings' graph too
+    (``per_ubatch.pre``). ``auto`` prefers (1) every block kept, (2) selective
     with as many kept as fit, (3) full with as many kept as fit; a fixed ``keep_layers`` is honoured."""
     n = num_ubatches
     stash = n * per_ubatch.full if stash_on_device else 0
@@ -92,8 +104,11 @@ def choose(
     held = {"none": n * per_ubatch.none, "selective": n * per_ubatch.selective, "full": 0}
     spare = float("-inf") if room is None else room
 
+    def pre(k: int) -> int:  # the embeddings' graph, kept with every block
+        return n * per_ubatch.pre if k == depth else 0
+
     def fits(policy: str, k: int) -> bool:
-        return k * cost["none"] + (depth - k) * cost[policy] <= spare
+        return k * cost["none"] + (depth - k) * cost[policy] + pre(k) <= spare
 
     def most(policy: str) -> int:
         return max((k for k in range(depth + 1) if fits(policy, k)), default=0)
@@ -113,7 +128,7 @@ def choose(
             policy, kept = "full", most("full")
     else:
         kept = most(policy) if keep == "auto" else min(int(keep or 0), depth)
-    saved = kept * held["none"] + (depth - kept) * held[policy]
+    saved = kept * held["none"] + (depth - kept) * held[policy] + pre(kept)
     return RecomputePlan(
         policy, kept, depth, int(saved), room if settings.policy == "auto" or keep == "auto" else None
     )

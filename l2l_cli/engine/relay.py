@@ -83,6 +83,8 @@ class Slot:
         self.base_layer: int | None = None  # whose frozen base the slot holds (it never changes)
         self.shells: dict[str, nn.Module] = {}
         with acc.meter.part("layer_slots"):
+            # the norm of the gradient it sends, in a buffer of its own: one per slot at any depth
+            self.norm = torch.zeros(1, dtype=torch.float32, device=acc.device)
             for kind in relay.kinds:
                 layout = eps.layouts[kind]
                 shell = spec.new_layer(kind, device="meta")
@@ -299,7 +301,7 @@ class Relay:
         if self.eps.reduce_on_device and total:
             with self.timer("reduce"):  # (NCCL: queued on the device; gloo: the compute thread waits)
                 torch_dist.all_reduce(g[:total])
-        norm = flat_norm(g[:n]) if n else None
+        norm = slot.norm.copy_(flat_norm(g[:n]).view(1)) if n else None
         slot.released = self.acc.record_event()
         slot.grads_kind = st.kind
         with self.timer("transfer"):  # inline on a CPU device; queued on CUDA and the simulator
@@ -308,8 +310,8 @@ class Relay:
             self.transfer_bytes += g[:n].nbytes
             if norm is not None:
                 host = self._norm_host[i]
-                st.grad_in = AllOf(st.grad_in, self.acc.d2h.copy(host, norm.view(1), after=slot.released))
-                st.grad_norm = host[0]
+                st.grad_in = AllOf(st.grad_in, self.acc.d2h.copy(host, norm, after=slot.released))
+                slot.grads_out, st.grad_norm = st.grad_in, host[0]  # (the slot's norm is reused after both)
             else:
                 st.grad_norm = None
             if tied and self.eps.ties is not None:

@@ -165,7 +165,7 @@ class Speculation:
             if finite and not clipped:
                 self.verdicts_early += 1
                 if self.trailing is not None:
-                    self.trailing.settle()  # (the update behind this step's forward is in)
+                    self.trailing.finish_behind_forward()  # (the update behind this step's forward is in)
                 return self._apply_last(scaler, norms, coefs, list(range(len(norms))), known, last, scale)
         finish_updates(eps, self.trailing)  # every job of the step done: its lists are complete
         if not self._early_verdict():  # (a disk tier's layer 0 may wait for a slot the jobs free)

@@ -31,6 +31,7 @@ from l2l_cli.engine.recompute import (
     choose,
     default_cpu_budget,
     measure_block,
+    measure_pre,
     run_selective,
 )
 from l2l_cli.engine.relay import Relay
@@ -199,8 +200,8 @@ class L2LRunner(RunnerBase):
     ) -> torch.Tensor:
         """Block i's forward with autograd, its graph kept for backward: whole (``none``), or under
         selective checkpointing (the matmul outputs saved, the rest replayed in backward). Returns its
-        output, detached: each layer's backward stays its own."""
-        x_in = x.detach().requires_grad_()
+        output, detached: each layer's backward stays its own. The embeddings' (i = 0) input is the ids."""
+        x_in = x.detach().requires_grad_() if x is not None else None
         with torch.enable_grad():
             if graph == "selective":
                 y = run_selective(lambda h: self.run_layer(layer, i, h, ub, side), x_in)
@@ -257,9 +258,10 @@ class L2LRunner(RunnerBase):
             self.stash.prefetch(i - 1, 0)
         for u in range(n):
             x_in, y = self.graphs.pop((i, u))
-            with self.timer("backward"), self.acc.meter.part("workspace"):
-                torch.autograd.backward(y, g[u])
-            g[u] = x_in.grad
+            if y.requires_grad:  # (a frozen embedding's output does not: nothing to differentiate)
+                with self.timer("backward"), self.acc.meter.part("workspace"):
+                    torch.autograd.backward(y, g[u])
+            g[u] = x_in.grad if x_in is not None else None
         self.relay.send_grads(i)
         self.relay.release_graph(i)
 
@@ -282,18 +284,20 @@ class L2LRunner(RunnerBase):
         return choose(rc, depth, per, n, room, stash_on_device=on_device)
 
     def measure_block(self, seq: int) -> LayerBytes:
-        """Saved bytes of one block for one micro-batch of ``seq`` tokens, per policy (uncounted by the
-        meter: a measurement, not the run's memory; the slot's weights are whatever it holds)."""
+        """Saved bytes of one block for one micro-batch of ``seq`` tokens, per policy, and of the embeddings'
+        graph (uncounted by the meter: a measurement, not the run's memory; the slot's weights are whatever
+        it holds)."""
         ub, dev, dtype = self.settings.ubatch_size, self.acc.device, self.precision.device_dtype
         ids = torch.zeros(ub, max(1, seq), dtype=torch.long, device=dev)
         batch = Batch(ids, ids.clone(), torch.ones_like(ids), torch.zeros(ub, dtype=torch.long, device=dev))
         side = self.spec.side_inputs(batch, dtype)
         slot = self.relay.slots[0]
         with self.acc.meter.paused():
-            with torch.no_grad():
-                x = self.run_layer(slot.shells[self.spec.kind(0)], 0, None, batch, side)
+            pre = slot.shells[self.spec.kind(0)]
+            x, pre_bytes = measure_pre(lambda: self.run_layer(pre, 0, None, batch, side), [slot.w, slot.g])
             block = slot.shells[self.spec.kind(1)]
-            return measure_block(lambda h: self.run_layer(block, 1, h, batch, side), x, [slot.w, slot.g])
+            per = measure_block(lambda h: self.run_layer(block, 1, h, batch, side), x, [slot.w, slot.g])
+            return LayerBytes(per.full, per.selective, per.none, pre=pre_bytes)
 
     def sections(self) -> dict[str, dict[str, Any]]:
         """summary.json's ``optimizer`` section (below) and ``recompute``: the policy, kept layers, the
@@ -328,7 +332,7 @@ class L2LRunner(RunnerBase):
         """summary.json's ``eps``: what the host's passes over the EPS's buffers read and wrote per trained
         parameter per step, by purpose (counted by the code that makes them), the update's own GB/s, the
         link's bytes per parameter per step (the relay's copies, apart), and which update ran."""
-        return eps_traffic(self.eps, self.relay.transfer_bytes, self.traffic, self.traffic_steps)
+        return self.eps.traffic_section(self.relay.transfer_bytes, self.traffic, self.traffic_steps)
 
     def optimizer_section(self) -> dict[str, dict[str, Any]]:
         """summary.json's ``optimizer`` section: the host update's seconds per steady-state step, the part
@@ -410,35 +414,6 @@ class L2LRunner(RunnerBase):
             self.finish_updates()
         finally:
             self.eps.close()
-
-
-def eps_traffic(
-    eps: EagerParamServer,
-    transfer_bytes: int,
-    since: tuple[dict[str, int], dict[str, float], int] | None,
-    steps: int,
-) -> dict[str, Any]:
-    """The ``eps`` section of summary.json for ``eps`` over ``steps`` training steps, counted ``since``
-    (the host passes' bytes and seconds and the link's bytes before the first of them; see
-    ``L2LRunner.eps_section``); shared with the pipeline's L2L stages."""
-    passes = eps.passes
-    nbytes, seconds = passes.snapshot()
-    b0, s0, t0 = since if since is not None else ({}, {}, 0)
-    nbytes = {k: v - b0.get(k, 0) for k, v in nbytes.items() if v - b0.get(k, 0)}
-    seconds = {k: v - s0.get(k, 0.0) for k, v in seconds.items()}
-    transfer_bytes -= t0
-    params = sum(st.layout.numel for st in eps.layers)
-    per = max(1, params) * max(1, steps)
-    upd_s = seconds.get("update", 0.0)
-    return {
-        "update_kernel": passes.kernel,
-        "host_threads": passes.threads,
-        "host_traffic_bytes_per_param": sum(nbytes.values()) / per,
-        "host_traffic_by_pass": {k: v / per for k, v in sorted(nbytes.items())},
-        "transfer_bytes_per_param": transfer_bytes / per,
-        "update_gbps": nbytes.get("update", 0) / upd_s / 1e9 if upd_s > 0 else None,
-        "trained_params": params,
-    }
 
 
 def run_head(

@@ -4,10 +4,12 @@ tool can run the ``l2l train`` / ``torchrun`` command line that runs it."""
 from __future__ import annotations
 
 import shlex
+from collections.abc import Collection
 from typing import Any
 
+from l2l_cli.models.papers import paper_question
 from l2l_cli.plan import scaling as ga
-from l2l_cli.plan.budget import budget_of
+from l2l_cli.plan.budget import budget_of, command_keys, paper_terms
 from l2l_cli.plan.candidates import DAY, MIXES, Bounds, Target
 from l2l_cli.plan.ga_view import transformer_of
 from l2l_cli.plan.hardware import gpus_per_node, half_tflops
@@ -33,42 +35,48 @@ def fmt_time(seconds: float) -> str:
     return f"{seconds / DAY:.3g} d" if seconds >= DAY else f"{seconds / 3600:.3g} h"
 
 
-def links_for(cfg: Any) -> ga.Links:
-    """The machine of the search: the hardware preset, the chosen network, the node size."""
+def links_for(cfg: Any, given: Collection[str] = ()) -> ga.Links:
+    """The machine of the search: the hardware preset, the chosen network, the node size. For a model a
+    paper analyses (``models/papers.py``), the paper's efficiency and host memory unless the command line
+    (``given``, its keys) sets them."""
     hw, plan = cfg.hardware, cfg.plan
     network = hw.network_gbps if plan.network == "infiniband" else hw.ethernet_gbps
     node = hw.node_size if plan.node_size is None else plan.node_size
+    rate, host_free = paper_terms(cfg, given)
+    mfu = rate if rate is not None else half_tflops(hw) / hw.device_peak_tflops
+    host = 0.0 if host_free else hw.host_memory_gb
     return ga.Links(
         peak_flops=hw.device_peak_tflops * 1e12,
-        mfu=half_tflops(hw) / hw.device_peak_tflops,
+        mfu=mfu,
         network_gbps=network,
         tensor_gbps=hw.tensor_link_gbps,
         offload_gbps=hw.offload_gbps,
         device_memory_gib=hw.device_memory_gb,
         pcie_gbps=hw.pcie_gbps,
         node_size=node,
-        node_host_memory_gib=hw.host_memory_gb,
+        node_host_memory_gib=host,
         gpus_per_node=gpus_per_node(hw),
         pipe_in_node=True,
     )
 
 
-def target_for(cfg: Any) -> tuple[Target, Any]:
+def target_for(cfg: Any, given: Collection[str] = ()) -> tuple[Target, Any]:
     """The config's model as the paper's transformer (d_s = model.seq_len, as ``for_config``), its critical
-    batch (Table B.1's form for X[x]) and the machine."""
+    batch (Table B.1's form for X[x]) and the machine (``links_for``)."""
     from l2l_cli.plan.planner import model_shape
 
     shape, _ = model_shape(cfg)
     m = transformer_of(shape, int(cfg.model.seq_len))
     b_c = ga.x_critical_batch_size(int(cfg.model.x)) if cfg.model.x is not None else m.critical_batch_size
-    return Target(m, b_c, links_for(cfg)), shape
+    return Target(m, b_c, links_for(cfg, given)), shape
 
 
-def bounds_for(cfg: Any, whole: bool = True, d_s: int | None = None) -> Bounds:
-    """The search's bounds; with ``d_s``, the config's budget (``plan/budget.py``) as samples of d_s."""
+def bounds_for(cfg: Any, whole: bool = True, d_s: int | None = None, given: Collection[str] = ()) -> Bounds:
+    """The search's bounds; with ``d_s``, the config's budget (``plan/budget.py``; ``given``: the command
+    line's keys) as samples of d_s."""
     plan = cfg.plan
     return Bounds(
-        samples=budget_of(cfg).samples(d_s) if d_s else 0.0,
+        samples=budget_of(cfg, given).samples(d_s) if d_s else 0.0,
         max_gpus=int(plan.max_gpus),
         max_days=float(plan.max_days),
         max_overhead=float(plan.max_overhead),
@@ -197,9 +205,10 @@ def search_plan(cfg: Any, overrides: list[str]) -> dict[str, Any]:
 
     from l2l_cli.plan.hardware import gpus_per_node
 
-    t, shape = target_for(cfg)
-    b = bounds_for(cfg, d_s=t.model.d_s)
-    budget = budget_of(cfg)
+    given = command_keys(overrides)
+    t, shape = target_for(cfg, given)
+    b = bounds_for(cfg, d_s=t.model.d_s, given=given)
+    budget = budget_of(cfg, given)
     plan, hw = cfg.plan, cfg.hardware
     mixes = tuple(MIXES) if plan.parallelism == "all" else (plan.parallelism,)
     methods = METHODS if plan.method == "all" else (plan.method,)
@@ -238,6 +247,13 @@ def search_plan(cfg: Any, overrides: list[str]) -> dict[str, Any]:
             f"the paper's choice, {paper_best.mix} / {paper_best.method} ({fmt_time(paper_best.time_s)}, "
             f"{paper_best.config.n_gpu} GPUs), is not one l2l runs"
         )
+    paper = paper_question(cfg.model)
+    paper_rate, host_free = paper_terms(cfg, given)
+    if host_free:
+        notes.append(
+            f"offload: no host-memory bound ({paper.source}, Table 6.2); hardware.host_memory_gb sets one "
+            "(the l2l column checks it)"
+        )
     m = t.model
     return {
         "model": cfg.model.name,
@@ -263,7 +279,11 @@ def search_plan(cfg: Any, overrides: list[str]) -> dict[str, Any]:
         "budget_samples": b.samples,
         "rate": (
             f"{t.links.rate / 1e12:.4g} TFLOP/s = {t.links.mfu:.0%} of {t.links.peak_flops / 1e12:.4g} peak "
-            "(hardware.mfu)"
+            + (
+                f"({paper.source}: peak × efficiency; hardware.mfu asks another)"
+                if paper_rate
+                else "(hardware.mfu)"
+            )
         ),
         "bounds": {
             "max_gpus": b.max_gpus,

@@ -24,7 +24,9 @@ usage: l2l plan [group=option] [key=value ...] [--json] [--compare RUN_DIR | --s
   config `l2l train` would compose from the same overrides.
 
   Budget: plan.tokens=100e6 (a fine-tune) or plan.steps=N (steps of the configured batch); neither:
-  plan.train_steps steps of it. Efficiency: hardware.mfu (the preset's published figure). docs/plan-budget.md
+  plan.train_steps steps of it. Efficiency: hardware.mfu (the preset's published figure). The paper's
+  X[x] (model=x) answers the paper's question unless these keys (or batch.size) ask another: 100k steps at
+  the critical batch, at peak x efficiency, offload with no host-memory bound. docs/plan-budget.md
 
   --json              print the plan as one JSON object on stdout
   --compare RUN_DIR   predicted vs measured per phase for a finished run (its overrides, then these)
@@ -157,10 +159,11 @@ def main(argv: list[str]) -> int:
     cfg = info.get("cfg") or compose(overrides)  # preflight's composed config: Hydra composes once
     if flags["search"] or flags["scaling"]:
         return _search_or_scaling(cfg, overrides, flags)
+    from l2l_cli.plan.budget import command_keys
     from l2l_cli.plan.planner import make_plan
 
     try:
-        plan = make_plan(cfg)
+        plan = make_plan(cfg, given=command_keys(overrides))
     except PlanError as e:
         return _fail([f"plan error: {e}"])
     plan["hardware"]["overrides"] = hardware_overrides(overrides)

@@ -79,6 +79,7 @@ def compare_run(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()
     line) on a directory that is not a finished run or overrides that do not compose."""
     from l2l_cli.compose import compose
     from l2l_cli.plan import PlanError
+    from l2l_cli.plan.budget import command_keys
     from l2l_cli.plan.planner import make_plan
     from l2l_cli.preflight import preflight
 
@@ -87,4 +88,5 @@ def compare_run(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()
     problems = problems or preflight([*base, *overrides], multirun=False)
     if problems:
         raise PlanError("; ".join(str(p) for p in problems))
-    return predicted_vs_measured(path, make_plan(compose([*base, *overrides])))
+    argv = [*base, *overrides]
+    return predicted_vs_measured(path, make_plan(compose(argv), given=command_keys(argv)))

@@ -4,6 +4,7 @@ budget."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from l2l_cli.plan.scaling import METHODS, Links, Parallel, Transformer, analyze, batch_flops
@@ -18,11 +19,12 @@ def transformer_of(shape: Any, d_s: int) -> Transformer:
     return Transformer(shape.num_layers, d, shape.heads, int(d_s), n_i)
 
 
-def for_config(cfg: Any, shape: Any, links: Links) -> dict[str, Any]:
+def for_config(cfg: Any, shape: Any, links: Links, given: Collection[str] = ()) -> dict[str, Any]:
     """The layered-GA analysis of the config: d_s = model.seq_len (the model's context, as the paper's
     X[x] and BERT rows use), b = batch.size × n_b (plan.data_parallel, or the config's data-parallel ranks),
     n_l = plan.pipeline_parallel or dist.pipeline, b_mu = batch.ubatch_size, trained on the
-    config's budget (``plan/budget.py``) in samples of d_s, as ``--search`` trains it."""
+    config's budget (``plan/budget.py``; ``given``: the command line's keys) in samples of d_s, as
+    ``--search`` trains it."""
     from l2l_cli.plan.budget import budget_of
 
     m = transformer_of(shape, int(cfg.model.seq_len))
@@ -31,8 +33,8 @@ def for_config(cfg: Any, shape: Any, links: Links) -> dict[str, Any]:
     nb = max(cfg.plan.data_parallel, int(cfg.dist.nproc) // pipe)
     nl, na = max(cfg.plan.pipeline_parallel, pipe), cfg.plan.tensor_parallel
     b, bmu = cfg.batch.size * nb, cfg.batch.ubatch_size
-    budget = budget_of(cfg)
-    samples = budget.tokens / m.d_s if budget.tokens else float(budget.steps * b)
+    budget = budget_of(cfg, given)
+    samples = budget.samples(m.d_s)
     rows = []
     for method in METHODS:
         c = Parallel(method, b, bmu, cfg.batch.size // bmu, nb, nl, na)

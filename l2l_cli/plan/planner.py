@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from l2l_cli.plan import PlanError, scaling, views
 from l2l_cli.plan import estimate as est
-from l2l_cli.plan.budget import budget_of
+from l2l_cli.plan.budget import budget_of, paper_terms
 from l2l_cli.plan.ga_view import for_config
 from l2l_cli.plan.hardware import Rates, resolve
 from l2l_cli.plan.knobs import Setup
@@ -59,11 +60,14 @@ def head_parts(shape: ModelShape) -> str:
     return "final norm, LM head" if FAMILIES[shape.spec.family].objective == LM else "pooler, classifier"
 
 
-def links_of(rates: Rates, cfg: Any) -> scaling.Links:
+def links_of(rates: Rates, cfg: Any, given: Collection[str] = ()) -> scaling.Links:
+    """The layered-GA view's machine: the rates', at the paper's efficiency for a model a paper analyses
+    (``budget.paper_terms``), as ``--search`` takes it."""
     hw = cfg.hardware
+    paper_rate, _ = paper_terms(cfg, given)
     return scaling.Links(
         peak_flops=rates.peak_flops,
-        mfu=rates.mfu,
+        mfu=rates.mfu if paper_rate is None or rates.measured is not None else paper_rate,
         network_gbps=hw.network_gbps,
         tensor_gbps=hw.tensor_link_gbps,
         offload_gbps=hw.offload_gbps,
@@ -77,8 +81,9 @@ def _phases(phases: dict[str, Phase]) -> tuple[dict[str, float], dict[str, float
     return exposed, hidden
 
 
-def make_plan(cfg: Any, rates: Rates | None = None) -> dict[str, Any]:
-    """The plan for a composed (and validated) config. ``rates`` overrides the hardware (tests, reuse)."""
+def make_plan(cfg: Any, rates: Rates | None = None, given: Collection[str] = ()) -> dict[str, Any]:
+    """The plan for a composed (and validated) config. ``rates`` overrides the hardware (tests, reuse);
+    ``given``: the keys the command line sets (a paper's budget and efficiency yield to them)."""
     shape, notes = model_shape(cfg)
     rates = rates or resolve(cfg, shape)
     s = Setup.from_cfg(cfg)
@@ -96,12 +101,12 @@ def make_plan(cfg: Any, rates: Rates | None = None) -> dict[str, Any]:
             r["device_bytes"] += extra
             r["fits"] = r["fits"] and bool(pick["fits"])
     exposed, hidden = _phases(r["phases"])
-    ga = for_config(cfg, shape, links_of(rates, cfg))
+    ga = for_config(cfg, shape, links_of(rates, cfg, given), given)
     if cfg.model.x is not None:
         ga["critical_batch_size"] = scaling.x_critical_batch_size(int(cfg.model.x))  # Table B.1's form
         ga["batch_vs_critical"] = ga["batch"] / ga["critical_batch_size"]
     mem = r["memory"]
-    budget = budget_of(cfg)
+    budget = budget_of(cfg, given)
     steps = budget.steps_of(s.batch * s.data_parallel, s.seq)
     return {
         "config": {
@@ -123,7 +128,7 @@ def make_plan(cfg: Any, rates: Rates | None = None) -> dict[str, Any]:
             "eps_tier": s.tier if s.l2l else None,
             "eps_host_cache_layers": s.cache_layers if s.disk else None,
             "pipeline": s.pipeline,
-            "device": cfg.device,
+            "device": cfg.device.name,
         },
         "hardware": rates.summary(),
         "params": {

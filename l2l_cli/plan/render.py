@@ -232,7 +232,8 @@ def render(plan: dict[str, Any], console: Console) -> None:
     console.print(t)
     console.print(
         f"[dim]  (ckpt = activation checkpoints; state and ckpt can be offloaded, on-dev cannot; time = "
-        f"{ga['methods'][0]['steps']:,} steps at peak × efficiency)"
+        f"{ga['budget']}: {ga['methods'][0]['steps']:,.0f} steps of batch {ga['batch']} at "
+        f"{ga['rate_tflops']:.3g} TFLOP/s × efficiency)"
     )
     for note in plan["notes"]:
         console.print(f"[dim]note: {note}")

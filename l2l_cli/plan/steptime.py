@@ -62,10 +62,12 @@ def step_time(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Phase]:
         lt = lora_times(lt)
     fwd_c = [u * lt.pre_fwd] + [u * lt.block_fwd] * N + [u * lt.post_fwd_grad]
     # the recompute the run does: none for a block that keeps its graph (the last ``recompute_kept``), the
-    # elementwise share for a selective one (mode.recompute, resolved by make_plan)
+    # elementwise share for a selective one (mode.recompute, resolved by make_plan); the embeddings are
+    # recomputed unless every block is kept (RecomputePlan.graph: then they keep theirs too)
     kept = min(N, s.recompute_kept)
     rec_block = u * lt.block_fwd_grad * (SELECTIVE_SHARE if s.recompute_selective else 1.0)
-    rec_c = [u * lt.pre_fwd_grad] + [rec_block] * (N - kept) + [0.0] * kept + [0.0]
+    rec_pre = 0.0 if kept == N else u * lt.pre_fwd_grad
+    rec_c = [rec_pre] + [rec_block] * (N - kept) + [0.0] * kept + [0.0]
     bwd_c = [u * lt.pre_bwd] + [u * lt.block_bwd] * N + [u * lt.post_bwd]
     for name, c in (("forward", fwd_c), ("recompute", rec_c), ("backward", bwd_c)):
         ph[name].add(sum(c), sum(c))

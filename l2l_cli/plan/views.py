@@ -230,7 +230,8 @@ def pipeline_view(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Any] |
 def block_bytes(shape: ModelShape, s: Setup) -> LayerBytes:
     """One block's bytes per micro-batch for each recompute policy, from the shape (the runner measures
     them): the input (full), plus the matmul outputs (selective: Q/K/V, scores, context, output
-    projection, both FFN matmuls), or everything the block saves (none)."""
+    projection, both FFN matmuls), or everything the block saves (none); and the embeddings' graph (pre),
+    kept with every block."""
     e, ub, h = act_bytes(s.precision), s.ubatch, shape.hidden
     a = ub * shape.output_bytes(s.seq, s.precision)
     mm = ub * s.seq * e * (6 * h + shape.intermediate + shape.heads * s.seq)
@@ -238,6 +239,7 @@ def block_bytes(shape: ModelShape, s: Setup) -> LayerBytes:
         full=int(a),
         selective=int(a + mm),
         none=int(ub * shape.block_saved_bytes(s.seq, s.precision, s.att_half)),
+        pre=int(ub * shape.pre_saved_bytes(s.seq, s.precision)),
     )
 
 
@@ -246,7 +248,8 @@ def recompute_choices(
 ) -> dict[str, Any] | None:
     """Memory and time of each recompute choice (full, selective, keep_layers 0, N/4, N/2, N) and the one
     ``auto`` picks within the device budget (the runner's rule: :func:`recompute.choose`). A kept block
-    skips its recompute; a selective one still runs its elementwise share (``SELECTIVE_SHARE``)."""
+    skips its recompute; a selective one still runs its elementwise share (``SELECTIVE_SHARE``); with
+    every block kept the embeddings keep their graph too, and nothing is recomputed."""
     if not s.l2l or s.pipeline > 1:
         return None
     base = base or evaluate(shape, s, rates)  # (the caller's evaluation of ``s``, when it has one)
@@ -255,6 +258,7 @@ def recompute_choices(
     per = block_bytes(shape, s)
     lt = rates.layer_times(shape, s.seq, s.ubatch)
     rec = n * lt.block_fwd_grad  # one block's recompute, every micro-batch
+    rec_pre = n * lt.pre_fwd_grad  # the embeddings', saved only when every block is kept
     on_device = s.stash != "cpu"
     # the runner plans in the device's free bytes once built: all but the stash and the working set
     resident = sum(v for k, v in dev.items() if k not in ("stash", "working_activations"))
@@ -268,10 +272,11 @@ def recompute_choices(
     def row(pol: str, kept: int) -> dict[str, Any]:
         plan = choose(RecomputeSettings(pol, kept), N, per, n, room, stash_on_device=on_device)
         stash = n * per.full if on_device else 0
-        extra = plan.kept * (n * per.none - stash)
+        extra = plan.kept * (n * per.none - stash) + plan.every_layer_kept * n * per.pre
         if plan.policy == "selective":
             extra += (N - plan.kept) * (n * per.selective - stash)
         saved = plan.kept * rec + (N - plan.kept) * rec * (1 - SELECTIVE_SHARE) * (plan.policy == "selective")
+        saved += rec_pre * plan.every_layer_kept
         step = base["step_time_s"] - saved
         device = base["device_bytes"] + extra
         return {

@@ -88,8 +88,11 @@ class DiskTier:
             self.store.create()
         self.resumed = self.store.resumed
         self.record = self.store.record
-        self.writer = WriteBehind(self.store, self.cv, self.counts, self.cache)
-        self.reader = Reader(self.cache, self.plan, self.store, self.writer, self.cv, self.counts)
+        # their threads work for this rank's device (acc.bind_thread: CUDA's current device is per thread)
+        self.writer = WriteBehind(self.store, self.cv, self.counts, self.cache, bind=acc.bind_thread)
+        self.reader = Reader(
+            self.cache, self.plan, self.store, self.writer, self.cv, self.counts, bind=acc.bind_thread
+        )
         self.reader.start()
 
     @property
