@@ -18,6 +18,7 @@ from l2l_cli.config.validate import validate
 from l2l_cli.engine import adamw8bit as a8
 from l2l_cli.engine.device import make_accelerator
 from l2l_cli.engine.flat import FlatLayout
+from l2l_cli.engine.host_passes import AdamwStep, HostPasses
 from l2l_cli.engine.layer_state import LayerState
 from l2l_cli.engine.optim import MIN_8BIT, OPTIMIZERS, OptimSettings
 from l2l_cli.plan.knobs import Setup
@@ -240,6 +241,72 @@ def test_load_state_dict_keeps_the_codes_uint8() -> None:
         q2.grad = g.clone()
         opt2.step()
     assert torch.equal(q2.data, p.data)
+
+
+# ---- the update in one pass (issue 52, item 6) ---------------------------------------------------
+
+
+def test_the_native_update_equals_the_torch_ops_bit_for_bit() -> None:
+    """Where the C kernels build, 8-bit AdamW's update runs in them (one pass per block of 256) and gives
+    the torch-ops update's weights, codes, absmaxes and send copy bit for bit: a half gradient times a
+    factor, a partial last block, a tensor whose size leaves torch's fused kernel a scalar tail."""
+    passes = HostPasses(1)
+    if passes.lib is None:
+        pytest.skip(f"no native kernels here: {passes.why}")
+    assert a8._native_maps(passes) is not None  # checked against the torch ops, and used
+    gen = torch.Generator().manual_seed(5)
+    for n in (20 * 256, 20 * 256 + 77):
+        w0 = torch.randn(n, generator=gen) * 0.02
+        grads = [(torch.randn(n, generator=gen) * torch.logspace(-6, 0, n)).bfloat16() for _ in range(4)]
+        out = []
+        for native in (True, False):
+            w = w0.clone()
+            opt = a8.AdamW8bit([torch.nn.Parameter(torch.zeros(1))], passes=passes)
+            st = a8.new_state(torch.nn.Parameter(w))
+            send = torch.empty(n, dtype=torch.bfloat16)
+            maps = opt.maps(torch.device("cpu"))
+            for k, g in enumerate(grads, 1):
+                hp = AdamwStep(1e-3, 0.9, 0.999, 1e-8, 0.01, float(k))
+                kept = g.clone()
+                if native:
+                    opt.update(w, g, st, hp, 0.25, send)
+                else:
+                    a8.update_torch(w, g, st, hp, 0.25, send, maps)
+                assert torch.equal(g, kept)  # the gradient is left as it arrived
+            out.append((w, send, st))
+        (w, send, st), (w_ref, send_ref, st_ref) = out
+        assert torch.equal(w, w_ref) and torch.equal(send, send_ref) and not torch.equal(w, w0)
+        assert all(torch.equal(st[k], st_ref[k]) for k in st), n
+
+
+def test_the_eps_update_is_one_pass_from_the_half_gradient() -> None:
+    """Under CMP the EPS's 8-bit update reads the BF16 gradient as it crossed the link, folds in the
+    unscale/clip factor and writes the device's BF16 copy in the same pass: nothing widened or scaled
+    apart, the gradient left as it arrived (a redo re-reads it), ~16 bytes per parameter (AdamW's: 28);
+    the weights those of the same update from the FP32 gradient."""
+    torch.manual_seed(0)
+    layer = _Layer()
+    layout = FlatLayout(layer)
+    st = LayerState(1, "block", layout, make_accelerator("cpu"), torch.bfloat16, OPT)
+    ref = LayerState(1, "block", layout, make_accelerator("cpu"), torch.float32, OPT)
+    layout.pack(layer, st.w)
+    ref.w.copy_(st.w)
+    steps = 3
+    for g in _grads(steps, layout):
+        st.recv.copy_(g)
+        sent = st.recv.clone()
+        st.receive_grad()
+        st.update(OPT.lr, 0.5)
+        assert torch.equal(st.recv, sent)
+        ref.g.copy_(sent.float())
+        ref.update(OPT.lr, 0.5)
+    assert st.update_keeps_grad
+    assert torch.equal(st.w, ref.w) and torch.equal(st.w_send, st.w.bfloat16())
+    counted = st.passes.snapshot()[0]
+    assert "widen" not in counted and "scale" not in counted and "refresh" not in counted
+    assert (
+        16 < counted["update"] / (steps * layout.numel) < 17
+    )  # 2 + 8 + 2 + ~4.3 (codes, small FP32 moments)
 
 
 # ---- in the modes (acceptance: 3 steps within 1e-2 of AdamW) ----------------------------------------

@@ -12,8 +12,9 @@ type it crossed the link in (a half one is never widened into the FP32 buffer), 
 folded in (skipped at 1), the state read and written once, the device's half copy written from the new
 master while it is in cache; the gradient is left as it arrived. L2L-p's undo is a second state set: a
 speculative update writes beside the state it reads and flips to it, a rollback flips back, a redo reads
-the old set and the kept gradient again (no copy of w, m, v). LAMB and 8-bit AdamW run as torch optimizers
-over the same buffers, in the passes they need.
+the old set and the kept gradient again (no copy of w, m, v). 8-bit AdamW is one pass per parameter tensor
+too (its own ``update``: the gradient as it arrived, the factor, the send copy; an undo is a copy of the
+state). LAMB runs as a torch optimizer over the same buffers, in the passes it needs.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ class LayerState:
     ``w``, ``m`` and ``v`` are the current state set's (L2L-p keeps a second one for its undo)."""
 
     extra: Mapping[str, torch.Tensor] = MappingProxyType({})
+    tensors: list[tuple[int, int, dict, dict]] | None = None  # 8-bit AdamW's tensors (see __init__)
 
     def __init__(
         self,
@@ -126,6 +128,10 @@ class LayerState:
         # AdamW in one pass (``HostPasses.adamw``): each run's (start, end, param group); the torch
         # optimizer then only keeps the step counts and hyper-parameters (checkpoints read them)
         self.fused = _fused_runs(self.optimizer, w) if optim.kind.one_pass else None
+        # 8-bit AdamW: each tensor's (start, end, param group, state), updated by the optimizer's own pass
+        self.tensors = _fused_runs(self.optimizer, w) if optim.kind.tensor_pass else None
+        if self.tensors is not None:
+            self.optimizer.passes = self.passes  # type: ignore[attr-defined]
 
     w = property(lambda self: self.sets[self.cur][0])
     m = property(lambda self: self.sets[self.cur][1])
@@ -133,9 +139,9 @@ class LayerState:
 
     @property
     def update_keeps_grad(self) -> bool:
-        """Whether ``update`` leaves the gradient as it arrived (AdamW in one pass: a redo re-reads it
-        with another factor); a torch optimizer's update scales it in place."""
-        return self.fused is not None
+        """Whether ``update`` leaves the gradient as it arrived (AdamW in one pass, 8-bit AdamW: a redo
+        re-reads it with another factor); a torch optimizer's update scales it in place."""
+        return self.fused is not None or self.tensors is not None
 
     @property
     def moments(self) -> dict[str, torch.Tensor]:
@@ -164,7 +170,7 @@ class LayerState:
         is summed with another on the host: a tied head) or the update is a torch optimizer's: then it
         is widened into the FP32 buffer here."""
         self.widened = False
-        if self.g_recv is not None and (widen or self.fused is None):
+        if self.g_recv is not None and (widen or not self.update_keeps_grad):
             self.passes.convert(self.g_recv, self.g)
             self.passes.count("widen", self.g.numel() * (self.g_recv.element_size() + 4))
             self.widened = True
@@ -181,10 +187,12 @@ class LayerState:
         device copy loaded before is stale now (False: it already holds the rows it reads, see
         ``preview_rows``). ``refresh``: rewrite the send copy from the master now (False: the device may be
         reading the send copy meanwhile; whoever settles the layer refreshes it)."""
-        if self.fused is None:
-            self._update_torch(lr, grad_mult, refresh)
-        else:
+        if self.fused is not None:
             self._update_fused(lr, grad_mult, refresh)
+        elif self.tensors is not None:
+            self._update_tensors(lr, grad_mult, refresh)
+        else:
+            self._update_torch(lr, grad_mult, refresh)
         if bump:
             self.version += 1
 
@@ -224,8 +232,32 @@ class LayerState:
         nbytes = n * (g.element_size() + 24 + (send.element_size() if send is not None else 0))
         self.passes.count("update", nbytes, time.perf_counter() - t0)
 
+    def _update_tensors(self, lr: float, grad_mult: torch.Tensor | float | None, refresh: bool) -> None:
+        """8-bit AdamW in one pass per parameter tensor (the optimizer's ``update``): the gradient as it
+        arrived times the factor, the state in place, the send copy from the new master. Counted as what
+        the pass reads and writes: gradient, master (8 B), each moment's entries read and written."""
+        assert self.tensors is not None
+        send = self.w_send if refresh else None
+        g = self.grad
+        mult = None if grad_mult is None else float(grad_mult)
+        w = self.w
+        t0 = time.perf_counter()
+        for lo, hi, group, state in self.tensors:
+            if hi == lo:
+                continue
+            state["step"] += 1
+            b1, b2 = group["betas"]
+            hp = AdamwStep(lr, b1, b2, group["eps"], group["weight_decay"], float(state["step"]))
+            part = None if send is None else send[lo:hi]
+            self.optimizer.update(w[lo:hi], g[lo:hi], state, hp, mult, part)  # type: ignore[attr-defined]
+        state_bytes = sum(t.nbytes for t in self.moments.values())
+        sent = send.nbytes if send is not None else 0
+        self.passes.count(
+            "update", g.nbytes + 2 * w.nbytes + 2 * state_bytes + sent, time.perf_counter() - t0
+        )
+
     def _update_torch(self, lr: float, grad_mult: torch.Tensor | float | None, refresh: bool) -> None:
-        """A torch optimizer's update (LAMB, 8-bit AdamW): the gradient scaled in place, the step, the
+        """A torch optimizer's update (LAMB): the gradient scaled in place, the step, the
         send copy rewritten; counted as the passes they make (the step's own as 28 B/param)."""
         n = self.layout.numel
         t0 = time.perf_counter()

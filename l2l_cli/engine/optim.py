@@ -90,7 +90,10 @@ class OptimizerKind:
     runs per layer (decayed, not) rather than one parameter per tensor. ``state``: the buffers it keeps per
     parameter, which the EPS allocates flat (and the planner counts, :attr:`state_bytes_per_param`).
     ``one_pass``: the EPS runs its update as one host pass (``engine/host_passes.py``: AdamW's math, bit
-    for bit), the torch optimizer keeping only its step counts and hyper-parameters."""
+    for bit), the torch optimizer keeping only its step counts and hyper-parameters. ``tensor_pass``: the
+    EPS calls the optimizer's own ``update(w, g, state, hp, mult, send)`` per parameter tensor, one pass
+    that reads the gradient as it arrived, folds in the unscale/clip factor and writes the send copy
+    (8-bit AdamW), leaving the gradient as it was."""
 
     name: str
     build: Callable[[list[dict[str, Any]], OptimSettings], torch.optim.Optimizer]
@@ -98,6 +101,7 @@ class OptimizerKind:
     flat_runs: bool
     state: tuple[StateBuffer, ...] = ADAM_FP32
     one_pass: bool = False
+    tensor_pass: bool = False
 
     @property
     def state_bytes_per_param(self) -> float:
@@ -138,7 +142,9 @@ OPTIMIZERS: dict[str, OptimizerKind] = {
     for k in (
         OptimizerKind("adamw", _adamw, elementwise=True, flat_runs=True, one_pass=True),
         OptimizerKind("lamb", _lamb, elementwise=False, flat_runs=False),
-        OptimizerKind("adamw8bit", _adamw8bit, elementwise=False, flat_runs=False, state=ADAM_8BIT),
+        OptimizerKind(
+            "adamw8bit", _adamw8bit, elementwise=False, flat_runs=False, state=ADAM_8BIT, tensor_pass=True
+        ),
     )
 }
 
