@@ -279,6 +279,27 @@ def test_the_native_update_equals_the_torch_ops_bit_for_bit() -> None:
         assert all(torch.equal(st[k], st_ref[k]) for k in st), n
 
 
+def test_the_native_quantizer_gives_bucketizes_codes_at_every_midpoint() -> None:
+    """The kernel's quantizer (a table on the float's top bits and one integer comparison) against the
+    binary search (``torch.bucketize``, right=True) on every midpoint of both maps, the floats a few ulps
+    either side, and 0, -0, tiny, 1, above 1, infinities and NaN: the same code for each."""
+    passes = HostPasses(1)
+    if passes.lib is None:
+        pytest.skip(f"no native kernels here: {passes.why}")
+    for signed in (True, False):
+        ref = a8.QuantMap(signed, torch.device("cpu"))
+        qmap = passes.qmap(ref.values, ref.mids)
+        assert qmap is not None
+        bits = ref.mids.view(torch.int32)
+        near = torch.cat([(bits + d).view(torch.float32) for d in range(-3, 4)])
+        special = [0.0, -0.0, 1e-30, -1e-30, 1e-7, -1e-7, 1.0, -1.0, 1.5, -1.5, float("inf"), -float("inf")]
+        x = torch.cat([near, -near, torch.tensor(special), torch.full((1,), float("nan"))])
+        x = torch.cat([x, torch.randn(4096) * torch.logspace(-8, 0, 4096)]).contiguous()
+        for scale in (1.0, 0.37):
+            want = torch.bucketize(x / scale, ref.mids, out_int32=True, right=True).to(torch.uint8)
+            assert torch.equal(passes.quantize(x, scale, qmap), want), signed
+
+
 def test_the_eps_update_is_one_pass_from_the_half_gradient() -> None:
     """Under CMP the EPS's 8-bit update reads the BF16 gradient as it crossed the link, folds in the
     unscale/clip factor and writes the device's BF16 copy in the same pass: nothing widened or scaled

@@ -142,6 +142,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         dll.l2l_qmap_table_bytes.restype = i64
         dll.l2l_qmap_init.argtypes = [vp, vp]
         dll.l2l_qmap_init.restype = ctypes.c_int
+        dll.l2l_quantize.argtypes = [vp, ctypes.c_float, vp, vp, i64]
+        dll.l2l_quantize.restype = None
         return dll, ""
     return None, "no writable kernel cache"
 
@@ -352,6 +354,14 @@ class HostPasses:
         if self.lib.l2l_qmap_init(padded.data_ptr(), table.data_ptr()) > 1:
             return None
         return QMap(values.float().cpu().contiguous(), padded, table)
+
+    def quantize(self, x: torch.Tensor, scale: float, qmap: QMap) -> torch.Tensor:
+        """The native kernel's codes of ``x / scale`` (FP32, contiguous) in ``qmap``: its quantizer alone,
+        which must give ``torch.bucketize(x / scale, mids, right=True)``'s codes for every float."""
+        assert self.lib is not None and x.dtype == torch.float32 and x.is_contiguous()
+        codes = torch.empty(x.numel(), dtype=torch.uint8)
+        self.lib.l2l_quantize(x.data_ptr(), scale, ctypes.byref(qmap.args), codes.data_ptr(), x.numel())
+        return codes
 
     def adamw8bit(
         self,

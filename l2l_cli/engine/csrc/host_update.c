@@ -170,11 +170,13 @@ void l2l_triad(float *restrict a, const float *restrict b, const float *restrict
  * the absmaxes (1/64 B), and the send copy.
  *
  * The quantizer is a table lookup, not a binary search: the top 16 bits of |y| (exponent and 7 mantissa
- * bits) name a slot; slots below 2^-23 (under every map's smallest midpoint) are one. A slot's entry is the
- * count of midpoints below it, and no slot of these maps holds more than one midpoint (l2l_qmap_init
- * checks), so one comparison with the next midpoint finishes it. The result is the same integer as the
- * binary search's for every float, NaN included (code 255, as bucketize gives), on the vector path and the
- * scalar one alike. */
+ * bits) name a slot; slots below 2^-23 (under every map's smallest midpoint) are one, and so are those at
+ * or above 1. No slot of these maps holds more than one midpoint (l2l_qmap_init checks), so a slot's one
+ * 32-bit entry finishes it: the count of midpoints below the slot (bits 0-7), whether a midpoint lies in
+ * it (bit 8), and that midpoint's low 16 bits (16-31: its top 16 are the slot's own), so that |y| against
+ * it is one integer comparison (one gather per 16 elements, not two). The result is the same integer as
+ * the binary search's for every float, NaN included (code 255, as bucketize gives), on the vector path and
+ * the scalar one alike. */
 
 #include <float.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -190,39 +192,45 @@ void l2l_triad(float *restrict a, const float *restrict b, const float *restrict
 typedef struct {
     const float *values;  /* the 256 map values, ascending */
     const float *mids;    /* 256: the 255 midpoints between neighbours, then a NaN (never <= y) */
-    const uint8_t *base;  /* l2l_qmap_table_bytes(): each slot's count, y >= 0 then y < 0 */
+    const uint32_t *base; /* l2l_qmap_table_bytes(): each slot's entry, y >= 0 then y < 0 */
 } qmap_t;
 
-int64_t l2l_qmap_table_bytes(void) { return 2 * NSLOT + 4; /* (+ the gather's 4-byte reads) */ }
+int64_t l2l_qmap_table_bytes(void) { return 2 * NSLOT * 4; }
 
-/* Fill ``base`` for a map's ``mids`` (255, ascending). Returns the most midpoints any slot holds: the
- * lookup is exact only where that is at most 1 (the caller falls back to torch otherwise). */
-int l2l_qmap_init(const float *mids, uint8_t *base) {
+/* Fill ``base`` for a map's ``mids`` (255, ascending). Returns the most midpoints any slot holds (2 where
+ * the first or last slot, which stand for every |y| below or above them, holds one): the lookup is exact
+ * only where that is at most 1 (the caller falls back to torch otherwise). */
+int l2l_qmap_init(const float *mids, uint32_t *base) {
     int worst = 0;
     for (int s = 0; s < NSLOT; s++) {
         uint32_t k = KMIN + (uint32_t)s;
         float lo = s == 0 ? 0.0f : from_bits(k << 16), hi = from_bits((k + 1) << 16);
         int pos = 0, neg = 0, in_pos = 0, in_neg = 0;
+        uint32_t at_pos = 0, at_neg = 0;
         for (int i = 0; i < 255; i++) {
             pos += mids[i] < lo;                        /* y in [lo, hi): below it */
             neg += mids[i] <= -hi;                      /* y in (-hi, -lo]: at or below -hi */
-            in_pos += mids[i] >= lo && mids[i] < hi;
-            in_neg += mids[i] > -hi && mids[i] <= -lo;
+            if (mids[i] >= lo && mids[i] < hi) in_pos++, at_pos = to_bits(mids[i]);
+            if (mids[i] > -hi && mids[i] <= -lo) in_neg++, at_neg = to_bits(mids[i]) & 0x7FFFFFFFu;
         }
-        base[s] = (uint8_t)pos;
-        base[NSLOT + s] = (uint8_t)neg;
-        worst = in_pos > worst ? in_pos : worst;
-        worst = in_neg > worst ? in_neg : worst;
+        base[s] = (uint32_t)pos | (in_pos ? 0x100u | (at_pos << 16) : 0u);
+        base[NSLOT + s] = (uint32_t)neg | (in_neg ? 0x100u | (at_neg << 16) : 0u);
+        int most = in_pos > in_neg ? in_pos : in_neg;
+        most = (s == 0 || s == NSLOT - 1) && most ? 2 : most;
+        worst = most > worst ? most : worst;
     }
-    memset(base + 2 * NSLOT, 0, 4);
     return worst;
 }
 
+/* |y|'s bits against the slot's midpoint: y >= mid is |y| >= |mid| for y >= 0, |y| <= |mid| for y < 0 */
 static inline uint8_t quantize1(const qmap_t *q, float y) {
-    uint32_t key = (to_bits(y) & 0x7FFFFFFFu) >> 16;
+    uint32_t a = to_bits(y) & 0x7FFFFFFFu, key = a >> 16;
     key = key < KMIN ? KMIN : key > KMAX ? KMAX : key;
-    uint32_t c = q->base[key - KMIN + (y < 0.0f ? (uint32_t)NSLOT : 0u)];
-    return (uint8_t)(c + (y >= q->mids[c]));
+    int neg = y < 0.0f;
+    uint32_t e = q->base[key - KMIN + (neg ? (uint32_t)NSLOT : 0u)];
+    uint32_t mid = (a & 0xFFFF0000u) | (e >> 16);
+    int up = (e & 0x100u) && (neg ? a <= mid : a >= mid);
+    return (uint8_t)((e & 0xFFu) + (uint32_t)up);
 }
 
 /* out[k] = values[codes[k]] * absmax */
@@ -270,13 +278,20 @@ static void quantize_block(const float *x, float scale, const qmap_t *q, uint8_t
     const __m512i absmask = _mm512_set1_epi32(0x7FFFFFFF), kmin = _mm512_set1_epi32((int)KMIN);
     const __m512i kmax = _mm512_set1_epi32((int)KMAX), nslot = _mm512_set1_epi32(NSLOT);
     const __m512i one = _mm512_set1_epi32(1), byte = _mm512_set1_epi32(0xFF);
+    const __m512i has = _mm512_set1_epi32(0x100), top = _mm512_set1_epi32((int)0xFFFF0000u);
     for (; k + 16 <= n; k += 16) {
         __m512 y = _mm512_div_ps(_mm512_loadu_ps(x + k), s);
-        __m512i key = _mm512_srli_epi32(_mm512_and_si512(_mm512_castps_si512(y), absmask), 16);
+        __m512i a = _mm512_and_si512(_mm512_castps_si512(y), absmask);
+        __m512i key = _mm512_srli_epi32(a, 16);
+        __mmask16 neg = _mm512_cmp_ps_mask(y, zero, _CMP_LT_OQ);
         key = _mm512_sub_epi32(_mm512_min_epu32(_mm512_max_epu32(key, kmin), kmax), kmin);
-        key = _mm512_mask_add_epi32(key, _mm512_cmp_ps_mask(y, zero, _CMP_LT_OQ), key, nslot);
-        __m512i c = _mm512_and_si512(_mm512_i32gather_epi32(key, (const void *)q->base, 1), byte);
-        __mmask16 up = _mm512_cmp_ps_mask(y, _mm512_i32gather_ps(c, q->mids, 4), _CMP_GE_OQ);
+        key = _mm512_mask_add_epi32(key, neg, key, nslot);
+        __m512i e = _mm512_i32gather_epi32(key, (const void *)q->base, 4);
+        __m512i mid = _mm512_or_si512(_mm512_and_si512(a, top), _mm512_srli_epi32(e, 16));
+        __mmask16 ge = _mm512_cmp_epu32_mask(a, mid, _MM_CMPINT_NLT);
+        __mmask16 le = _mm512_cmp_epu32_mask(a, mid, _MM_CMPINT_LE);
+        __mmask16 up = _mm512_test_epi32_mask(e, has) & ((ge & ~neg) | (le & neg));
+        __m512i c = _mm512_and_si512(e, byte);
         c = _mm512_mask_add_epi32(c, up, c, one);
         _mm_storeu_si128((__m128i *)(codes + k), _mm512_cvtepi32_epi8(c));
     }
@@ -309,4 +324,9 @@ void l2l_adamw8bit(const void *g, int g_type, float *w, uint8_t *cm, uint8_t *cv
         quantize_block(mbuf, xm < FLT_MIN ? FLT_MIN : xm, qm, cm + at, len);
         quantize_block(vbuf, xv < FLT_MIN ? FLT_MIN : xv, qv, cv + at, len);
     }
+}
+
+/* The quantizer alone (codes of x / scale, n elements): what the tests hold against torch.bucketize. */
+void l2l_quantize(const float *x, float scale, const qmap_t *q, uint8_t *codes, int64_t n) {
+    quantize_block(x, scale, q, codes, n);
 }
