@@ -38,11 +38,13 @@ from typing import Any
 import torch
 
 from l2l_cli.engine.host_passes import AdamwStep, HostPasses, QMap
-from l2l_cli.engine.optim import ADAM_8BIT, QBLOCK
 
 log = logging.getLogger("l2l")
 
-BLOCK = QBLOCK  # elements per absmax (bitsandbytes' and torchao's block size)
+# (engine/optim.py's QBLOCK and MIN_8BIT, which size the EPS's buffers; optim imports this module to build
+# the optimizer, so it does not import optim; a test holds them equal)
+BLOCK = 256  # elements per absmax (bitsandbytes' and torchao's block size)
+MIN_8BIT = 4096  # bitsandbytes' min_8bit_size: a smaller tensor keeps FP32 moments
 CHUNK = 1 << 20  # elements dequantized at a time: 4 MiB FP32 temporaries per moment, a multiple of BLOCK
 
 
@@ -101,15 +103,16 @@ def quantize_(x: torch.Tensor, qmap: QuantMap, codes: torch.Tensor, absmax: torc
 
 def new_state(p: torch.Tensor) -> dict[str, torch.Tensor]:
     """The zeroed state of a parameter the optimizer has not stepped yet (the baselines'; the EPS binds views
-    of its flat buffers instead): the buffers of ``ADAM_8BIT`` its size holds, the per-element ones shaped
-    as the parameter. A tensor of at least ``MIN_8BIT`` elements: codes and an absmax per block; a smaller
-    one: FP32 moments."""
-    n = p.numel()
+    of its flat buffers instead, optim.ADAM_8BIT's): a tensor of at least ``MIN_8BIT`` elements, codes
+    shaped as the parameter and an absmax per block; a smaller one, FP32 moments."""
     out = {"step": torch.zeros((), dtype=torch.float32)}
-    for b in ADAM_8BIT:
-        if b.holds(n):
-            shape = p.shape if b.per == 1 else (b.numel(n),)
-            out[b.key] = torch.zeros(shape, dtype=getattr(torch, b.dtype), device=p.device)
+    if p.numel() < MIN_8BIT:
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[key] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        return out
+    for key in ("exp_avg", "exp_avg_sq"):
+        out[key] = torch.zeros(p.shape, dtype=torch.uint8, device=p.device)
+        out[f"{key}_absmax"] = torch.zeros(-(-p.numel() // BLOCK), dtype=torch.float32, device=p.device)
     return out
 
 

@@ -36,8 +36,6 @@ from typing import Any
 
 import torch
 
-from l2l_cli.engine.optim import QBLOCK
-
 log = logging.getLogger("l2l")
 
 SOURCE = Path(__file__).with_name("csrc") / "host_update.c"
@@ -46,6 +44,7 @@ SOURCE = Path(__file__).with_name("csrc") / "host_update.c"
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC"]
 ALIGN = 64  # elements: a thread's range starts on a cache line (FP32) and a whole vector
 _TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+QBLOCK = 256  # elements per absmax of the 8-bit kernel (csrc's QBLOCK, engine/optim.py's)
 
 
 class _QMap(ctypes.Structure):
@@ -124,19 +123,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         dll.l2l_convert.restype = None
         dll.l2l_triad.argtypes = [fp, fp, fp, ctypes.c_float, i64, i64]
         dll.l2l_triad.restype = None
-        dll.l2l_adamw8bit.argtypes = [
-            vp,
-            ctypes.c_int,
-            *[vp] * 5,
-            vp,
-            ctypes.c_int,
-            i64,
-            i64,
-            i64,
-            vp,
-            vp,
-            vp,
-        ]
+        dll.l2l_adamw8bit.argtypes = [vp, ctypes.c_int, *[vp] * 6, ctypes.c_int, i64, i64, i64, vp, vp, vp]
         dll.l2l_adamw8bit.restype = None
         dll.l2l_qmap_table_bytes.argtypes = []
         dll.l2l_qmap_table_bytes.restype = i64

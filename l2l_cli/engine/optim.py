@@ -93,7 +93,9 @@ class OptimizerKind:
     for bit), the torch optimizer keeping only its step counts and hyper-parameters. ``tensor_pass``: the
     EPS calls the optimizer's own ``update(w, g, state, hp, mult, send)`` per parameter tensor, one pass
     that reads the gradient as it arrived, folds in the unscale/clip factor and writes the send copy
-    (8-bit AdamW), leaving the gradient as it was."""
+    (8-bit AdamW), leaving the gradient as it was. ``host_update_cost``: its EPS update's time per parameter
+    against AdamW's one pass on the same host, what the planner charges it where the machine is not
+    measured (``benchmarks/optimizers.py`` measures it: docs/optimizers.md)."""
 
     name: str
     build: Callable[[list[dict[str, Any]], OptimSettings], torch.optim.Optimizer]
@@ -102,6 +104,7 @@ class OptimizerKind:
     state: tuple[StateBuffer, ...] = ADAM_FP32
     one_pass: bool = False
     tensor_pass: bool = False
+    host_update_cost: float = 1.0
 
     @property
     def state_bytes_per_param(self) -> float:
@@ -131,6 +134,11 @@ def _lamb(groups: list[dict[str, Any]], o: OptimSettings) -> torch.optim.Optimiz
     return Lamb(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
 
 
+# 8-bit AdamW's one-pass update per parameter over AdamW's, both native, 32 M parameters, BF16 gradient
+# and send copy, 2 threads: `python benchmarks/optimizers.py` on a 2-core AMD EPYC (avx512), 2026-11-28
+ADAMW8BIT_HOST_COST = 1.2
+
+
 def _adamw8bit(groups: list[dict[str, Any]], o: OptimSettings) -> torch.optim.Optimizer:
     from l2l_cli.engine.adamw8bit import AdamW8bit
 
@@ -143,7 +151,13 @@ OPTIMIZERS: dict[str, OptimizerKind] = {
         OptimizerKind("adamw", _adamw, elementwise=True, flat_runs=True, one_pass=True),
         OptimizerKind("lamb", _lamb, elementwise=False, flat_runs=False),
         OptimizerKind(
-            "adamw8bit", _adamw8bit, elementwise=False, flat_runs=False, state=ADAM_8BIT, tensor_pass=True
+            "adamw8bit",
+            _adamw8bit,
+            elementwise=False,
+            flat_runs=False,
+            state=ADAM_8BIT,
+            tensor_pass=True,
+            host_update_cost=ADAMW8BIT_HOST_COST,
         ),
     )
 }
