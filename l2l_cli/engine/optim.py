@@ -136,7 +136,7 @@ def _lamb(groups: list[dict[str, Any]], o: OptimSettings) -> torch.optim.Optimiz
 
 # 8-bit AdamW's one-pass update per parameter over AdamW's, both native, 32 M parameters, BF16 gradient
 # and send copy, 2 threads: `python benchmarks/optimizers.py` on a 2-core AMD EPYC (avx512), 2026-11-28
-ADAMW8BIT_HOST_COST = 1.2
+ADAMW8BIT_HOST_COST = 2.4
 
 
 def _adamw8bit(groups: list[dict[str, Any]], o: OptimSettings) -> torch.optim.Optimizer:
