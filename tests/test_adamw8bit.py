@@ -382,6 +382,16 @@ def test_l2l_p_rollback_and_skipped_step_restore_the_8bit_state_exactly() -> Non
 RUN = ["trainer.max_steps=4", "trainer.save_every=2", "task.num_train=64", "task.num_eval=16"]
 
 
+def test_l2l_p_under_cmp_equals_l2l_with_the_8bit_state() -> None:
+    """CMP: the half gradients cross the link and the 8-bit update reads them as they are (one pass, the
+    factor folded in, the half copy written); L2L-p's speculative updates, undone and redone with the
+    clipping factor, and a skipped step give L2L's weights bit for bit."""
+    over = ("optim=adamw8bit", "precision=cmp", "optim.max_grad_norm=0.46", *WIDE)
+    got = run_l2l_p("l2l_p", *over, steps=4, poison_step=3)
+    assert_bitwise(got, run_l2l_p("l2l", *over, steps=4, poison_step=3))
+    assert [r.skipped for r in got["reports"]] == [False, False, True, False]
+
+
 def _summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
