@@ -44,6 +44,13 @@ SOURCE = Path(__file__).with_name("csrc") / "host_update.c"
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC"]
 ALIGN = 64  # elements: a thread's range starts on a cache line (FP32) and a whole vector
 _TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+QBLOCK = 256  # elements per absmax of the 8-bit kernel (csrc's QBLOCK, engine/optim.py's)
+
+
+class _QMap(ctypes.Structure):
+    """A quantization map as the 8-bit AdamW kernel reads it (``qmap_t``)."""
+
+    _fields_ = [("values", ctypes.c_void_p), ("mids", ctypes.c_void_p), ("base", ctypes.c_void_p)]
 
 
 class _AdamwArgs(ctypes.Structure):
@@ -116,6 +123,14 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         dll.l2l_convert.restype = None
         dll.l2l_triad.argtypes = [fp, fp, fp, ctypes.c_float, i64, i64]
         dll.l2l_triad.restype = None
+        dll.l2l_adamw8bit.argtypes = [vp, ctypes.c_int, *[vp] * 6, ctypes.c_int, i64, i64, i64, vp, vp, vp]
+        dll.l2l_adamw8bit.restype = None
+        dll.l2l_qmap_table_bytes.argtypes = []
+        dll.l2l_qmap_table_bytes.restype = i64
+        dll.l2l_qmap_init.argtypes = [vp, vp]
+        dll.l2l_qmap_init.restype = ctypes.c_int
+        dll.l2l_quantize.argtypes = [vp, ctypes.c_float, vp, vp, i64]
+        dll.l2l_quantize.restype = None
         return dll, ""
     return None, "no writable kernel cache"
 
@@ -158,6 +173,15 @@ class AdamwStep:
             "eps": self.eps,
             "step_size": self.lr / bc1,
         }
+
+
+class QMap:
+    """A quantization map for the native 8-bit AdamW: its values, its midpoints (a NaN after the last), the
+    lookup table the kernel built from them, and the C struct pointing at the three (kept alive here)."""
+
+    def __init__(self, values: torch.Tensor, mids: torch.Tensor, table: torch.Tensor):
+        self.values, self.mids, self.table = values, mids, table
+        self.args = _QMap(values.data_ptr(), mids.data_ptr(), table.data_ptr())
 
 
 _LOCAL = threading.local()
@@ -207,15 +231,16 @@ class HostPasses:
 
     # ---- the kernels ------------------------------------------------------------------------------------
 
-    def _split(self, n: int, fn: Callable[[int, int], None]) -> None:
-        """``fn(lo, hi)`` over [0, n) cut into one contiguous range per thread, the caller's included."""
+    def _split(self, n: int, fn: Callable[[int, int], None], align: int = ALIGN) -> None:
+        """``fn(lo, hi)`` over [0, n) cut into one contiguous range per thread, the caller's included, each
+        starting at a multiple of ``align``."""
         share = getattr(_LOCAL, "threads", None) or torch.get_num_threads()
         t = min(share, max(1, n // (1 << 15)))  # small runs: one thread (a dispatch costs ~20 us)
         if t == 1 or self._pool is None:
             fn(0, n)
             return
         step = -(-n // t)
-        step = -(-step // ALIGN) * ALIGN
+        step = -(-step // align) * align
         cuts = [(lo, min(n, lo + step)) for lo in range(0, n, step)]
         jobs = [self._pool.submit(fn, lo, hi) for lo, hi in cuts[1:]]
         fn(*cuts[0])
@@ -304,6 +329,61 @@ class HostPasses:
         )
         if send is not None:
             send.copy_(w)
+
+    def qmap(self, values: torch.Tensor, mids: torch.Tensor) -> QMap | None:
+        """A 256-entry quantization map (``values`` ascending, FP32; ``mids``: the 255 midpoints) as the
+        native 8-bit AdamW kernel reads it, or None: no native kernels here, or a map too dense for its
+        one-comparison lookup (it then runs as torch ops)."""
+        if self.lib is None:
+            return None
+        table = torch.empty(int(self.lib.l2l_qmap_table_bytes()), dtype=torch.uint8)
+        padded = torch.cat([mids.float().cpu(), torch.full((1,), float("nan"))]).contiguous()
+        if self.lib.l2l_qmap_init(padded.data_ptr(), table.data_ptr()) > 1:
+            return None
+        return QMap(values.float().cpu().contiguous(), padded, table)
+
+    def quantize(self, x: torch.Tensor, scale: float, qmap: QMap) -> torch.Tensor:
+        """The native kernel's codes of ``x / scale`` (FP32, contiguous) in ``qmap``: its quantizer alone,
+        which must give ``torch.bucketize(x / scale, mids, right=True)``'s codes for every float."""
+        assert self.lib is not None and x.dtype == torch.float32 and x.is_contiguous()
+        codes = torch.empty(x.numel(), dtype=torch.uint8)
+        self.lib.l2l_quantize(x.data_ptr(), scale, ctypes.byref(qmap.args), codes.data_ptr(), x.numel())
+        return codes
+
+    def adamw8bit(
+        self,
+        g: torch.Tensor,
+        w: torch.Tensor,
+        codes: tuple[torch.Tensor, torch.Tensor],
+        absmax: tuple[torch.Tensor, torch.Tensor],
+        send: torch.Tensor | None,
+        mult: float | None,
+        hp: AdamwStep,
+        maps: tuple[QMap, QMap],
+        n: int,
+    ) -> None:
+        """The native 8-bit AdamW over the first ``n`` elements of one parameter tensor (whole blocks of 256,
+        or up to its end): ``g`` (FP32/BF16/FP16, left as it is) times ``mult`` (None: 1), the FP32 master
+        ``w``, the moments' uint8 ``codes`` (m, v) and their blocks' FP32 ``absmax`` (m, v), all updated in
+        place, the new w narrowed into ``send`` (None: none); ``maps``: the (signed, unsigned) maps from
+        :meth:`qmap`. The caller checks that the kernels exist (``lib``) and what this pass counts."""
+        assert self.lib is not None
+        cm, cv = codes
+        am, av = absmax
+        assert w.dtype == torch.float32 and cm.dtype == cv.dtype == torch.uint8
+        assert all(t.is_contiguous() for t in (g, w, cm, cv, am, av))
+        total = w.numel()
+        args = _AdamwArgs(mult=1.0 if mult is None else mult, has_mult=int(mult is not None), **hp.scalars())
+        gt, st = _TYPES[g.dtype], (_TYPES[send.dtype] if send is not None else -1)
+        ptrs = [t.data_ptr() for t in (w, cm, cv, am, av)]
+        gp, sp = g.data_ptr(), (send.data_ptr() if send is not None else None)
+        ap, mp, vp = ctypes.byref(args), ctypes.byref(maps[0].args), ctypes.byref(maps[1].args)
+        lib = self.lib
+
+        def run(lo: int, hi: int) -> None:
+            lib.l2l_adamw8bit(gp, gt, *ptrs, sp, st, total, lo // QBLOCK, -(-hi // QBLOCK), ap, mp, vp)
+
+        self._split(n, run, QBLOCK)
 
     def convert(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """``dst.copy_(src)`` between FP32/BF16/FP16 host buffers, on every thread."""

@@ -12,8 +12,9 @@ type it crossed the link in (a half one is never widened into the FP32 buffer), 
 folded in (skipped at 1), the state read and written once, the device's half copy written from the new
 master while it is in cache; the gradient is left as it arrived. L2L-p's undo is a second state set: a
 speculative update writes beside the state it reads and flips to it, a rollback flips back, a redo reads
-the old set and the kept gradient again (no copy of w, m, v). LAMB and 8-bit AdamW run as torch optimizers
-over the same buffers, in the passes they need.
+the old set and the kept gradient again (no copy of w, m, v). 8-bit AdamW is one pass per parameter tensor
+too (its own ``update``: the gradient as it arrived, the factor, the send copy; an undo is a copy of the
+state). LAMB runs as a torch optimizer over the same buffers, in the passes it needs.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ def state_numel(layout: FlatLayout, optim: OptimSettings) -> dict[str, int]:
 
 
 def _split(layout: FlatLayout, optim: OptimSettings) -> Any:
-    # AdamW (FP32 or 8-bit) takes two flat runs per layer (decayed, not): the fused kernel's long runs, the
-    # 8-bit one's blocks. LAMB's trust ratio is per parameter tensor, so it gets a view per tensor.
+    # AdamW takes two flat runs per layer (decayed, not): the fused kernel's long runs. LAMB's trust ratio
+    # is per parameter tensor, and 8-bit AdamW quantizes each tensor in its own blocks: a view per tensor.
     return layout.segments if optim.flat_runs else layout.views
 
 
@@ -56,17 +57,21 @@ def bind_optimizer(
     """The host optimizer of one layer, working in place on flat buffers: parameters are views of ``w``
     with ``.grad`` views of ``g``, and their state views of the flat state buffers, by the kind's
     :class:`~l2l_cli.engine.optim.StateBuffer` short names: the two moments ``m`` and ``v`` (FP32, or 8-bit
-    codes: an entry per element) and ``extra`` (8-bit AdamW's absmaxes: one per block of each run). Each
-    run takes the next slice of each buffer, its elements' (or its blocks')."""
+    codes: an entry per element of the tensors that keep 8-bit moments) and ``extra`` (8-bit AdamW's
+    absmaxes, one per block of each such tensor, and the FP32 moments of its small tensors). Each run takes
+    the next slice of each buffer it holds, its elements' (or its blocks')."""
     split = _split(layout, optim)
     flat = {"m": m, "v": v, **(extra or {})}
     if layout.numel == 0:  # a layer with nothing to train (a frozen base's embeddings): one empty run
-        return bind_flat([("decay", w, g, {b.key: flat[b.short][:0] for b in optim.kind.state})], optim)
+        empty = {b.key: flat[b.short][:0] for b in optim.kind.state if b.holds(0)}
+        return bind_flat([("decay", w, g, empty)], optim)
     grads = dict(split(g))
     runs, at = [], dict.fromkeys(flat, 0)
     for name, view in split(w):
         state = {}
         for b in optim.kind.state:
+            if not b.holds(view.numel()):
+                continue
             k = b.numel(view.numel())
             part = flat[b.short][at[b.short] : at[b.short] + k]
             state[b.key] = part.view(view.shape) if b.per == 1 else part  # moments shaped as the parameter
@@ -77,10 +82,12 @@ def bind_optimizer(
 
 class LayerState:
     """One layer's training state in host memory, and the optimizer that updates it. ``m``/``v``: the two
-    moments (FP32, or 8-bit codes); ``extra``: any other state by short name (8-bit AdamW's absmaxes).
+    moments (FP32, or 8-bit codes); ``extra``: any other state by short name (8-bit AdamW's absmaxes and
+    its small tensors' FP32 moments).
     ``w``, ``m`` and ``v`` are the current state set's (L2L-p keeps a second one for its undo)."""
 
     extra: Mapping[str, torch.Tensor] = MappingProxyType({})
+    tensors: list[tuple[int, int, dict, dict]] | None = None  # 8-bit AdamW's tensors (see __init__)
 
     def __init__(
         self,
@@ -104,7 +111,7 @@ class LayerState:
         self.sets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = [(w, m, v)]
         self.cur = 0
         if state:
-            self.extra = state  # 8-bit AdamW: each block's absmax
+            self.extra = state  # 8-bit AdamW: each block's absmax, the small tensors' FP32 moments
         self.w_send = acc.host_empty(n, send_dtype, link=True) if half else None
         # CMP: the gradient crosses the link in the device's half type; the update reads it as it is (a
         # conversion on the device would need an FP32 temporary there and twice the link's bytes)
@@ -121,6 +128,10 @@ class LayerState:
         # AdamW in one pass (``HostPasses.adamw``): each run's (start, end, param group); the torch
         # optimizer then only keeps the step counts and hyper-parameters (checkpoints read them)
         self.fused = _fused_runs(self.optimizer, w) if optim.kind.one_pass else None
+        # 8-bit AdamW: each tensor's (start, end, param group, state), updated by the optimizer's own pass
+        self.tensors = _fused_runs(self.optimizer, w) if optim.kind.tensor_pass else None
+        if self.tensors is not None:
+            self.optimizer.passes = self.passes  # type: ignore[attr-defined]
 
     w = property(lambda self: self.sets[self.cur][0])
     m = property(lambda self: self.sets[self.cur][1])
@@ -128,9 +139,9 @@ class LayerState:
 
     @property
     def update_keeps_grad(self) -> bool:
-        """Whether ``update`` leaves the gradient as it arrived (AdamW in one pass: a redo re-reads it
-        with another factor); a torch optimizer's update scales it in place."""
-        return self.fused is not None
+        """Whether ``update`` leaves the gradient as it arrived (AdamW in one pass, 8-bit AdamW: a redo
+        re-reads it with another factor); a torch optimizer's update scales it in place."""
+        return self.fused is not None or self.tensors is not None
 
     @property
     def moments(self) -> dict[str, torch.Tensor]:
@@ -159,7 +170,7 @@ class LayerState:
         is summed with another on the host: a tied head) or the update is a torch optimizer's: then it
         is widened into the FP32 buffer here."""
         self.widened = False
-        if self.g_recv is not None and (widen or self.fused is None):
+        if self.g_recv is not None and (widen or not self.update_keeps_grad):
             self.passes.convert(self.g_recv, self.g)
             self.passes.count("widen", self.g.numel() * (self.g_recv.element_size() + 4))
             self.widened = True
@@ -176,10 +187,12 @@ class LayerState:
         device copy loaded before is stale now (False: it already holds the rows it reads, see
         ``preview_rows``). ``refresh``: rewrite the send copy from the master now (False: the device may be
         reading the send copy meanwhile; whoever settles the layer refreshes it)."""
-        if self.fused is None:
-            self._update_torch(lr, grad_mult, refresh)
-        else:
+        if self.fused is not None:
             self._update_fused(lr, grad_mult, refresh)
+        elif self.tensors is not None:
+            self._update_tensors(lr, grad_mult, refresh)
+        else:
+            self._update_torch(lr, grad_mult, refresh)
         if bump:
             self.version += 1
 
@@ -219,8 +232,32 @@ class LayerState:
         nbytes = n * (g.element_size() + 24 + (send.element_size() if send is not None else 0))
         self.passes.count("update", nbytes, time.perf_counter() - t0)
 
+    def _update_tensors(self, lr: float, grad_mult: torch.Tensor | float | None, refresh: bool) -> None:
+        """8-bit AdamW in one pass per parameter tensor (the optimizer's ``update``): the gradient as it
+        arrived times the factor, the state in place, the send copy from the new master. Counted as what
+        the pass reads and writes: gradient, master (8 B), each moment's entries read and written."""
+        assert self.tensors is not None
+        send = self.w_send if refresh else None
+        g = self.grad
+        mult = None if grad_mult is None else float(grad_mult)
+        w = self.w
+        t0 = time.perf_counter()
+        for lo, hi, group, state in self.tensors:
+            if hi == lo:
+                continue
+            state["step"] += 1
+            b1, b2 = group["betas"]
+            hp = AdamwStep(lr, b1, b2, group["eps"], group["weight_decay"], float(state["step"]))
+            part = None if send is None else send[lo:hi]
+            self.optimizer.update(w[lo:hi], g[lo:hi], state, hp, mult, part)  # type: ignore[attr-defined]
+        state_bytes = sum(t.nbytes for t in self.moments.values())
+        sent = send.nbytes if send is not None else 0
+        self.passes.count(
+            "update", g.nbytes + 2 * w.nbytes + 2 * state_bytes + sent, time.perf_counter() - t0
+        )
+
     def _update_torch(self, lr: float, grad_mult: torch.Tensor | float | None, refresh: bool) -> None:
-        """A torch optimizer's update (LAMB, 8-bit AdamW): the gradient scaled in place, the step, the
+        """A torch optimizer's update (LAMB): the gradient scaled in place, the step, the
         send copy rewritten; counted as the passes they make (the step's own as 28 B/param)."""
         n = self.layout.numel
         t0 = time.perf_counter()

@@ -34,21 +34,33 @@ def param_groups(named: Iterable[tuple[str, torch.Tensor]], weight_decay: float)
     ]
 
 
+MIN_8BIT = 4096  # bitsandbytes' ``min_8bit_size``: a smaller tensor keeps FP32 moments under 8-bit AdamW
+QBLOCK = 256  # elements per absmax of 8-bit AdamW's moments (bitsandbytes' and torchao's block)
+
+
 @dataclass(frozen=True)
 class StateBuffer:
-    """One buffer of an optimizer's state per parameter: ``key`` in the optimizer's state (and the
+    """One buffer of an optimizer's state per parameter tensor: ``key`` in the optimizer's state (and the
     checkpoint's module layout, ``<name>.<key>``), ``short`` its name in the EPS's layer files, its dtype
-    (a torch dtype's name: the registry is read without torch) and ``per``: parameter elements per entry
-    (1: one per element; 256: one per block)."""
+    (a torch dtype's name: the registry is read without torch), ``per``: parameter elements per entry (1:
+    one per element; 256: one per block), and the tensors that hold it: those of at least ``min_numel``
+    elements and, with ``below``, of fewer than ``below`` (8-bit AdamW keeps a small tensor's moments in
+    FP32 under the same keys: of the buffers with one key, a tensor holds exactly one)."""
 
     key: str
     short: str
     dtype: str
     per: int = 1
+    min_numel: int = 0
+    below: int | None = None
+
+    def holds(self, n: int) -> bool:
+        """Whether a parameter tensor (or flat run) of ``n`` elements keeps this buffer."""
+        return n >= self.min_numel and (self.below is None or n < self.below)
 
     def numel(self, n: int) -> int:
-        """Entries for a run of ``n`` parameter elements."""
-        return -(-n // self.per)
+        """Entries for a parameter tensor (or flat run) of ``n`` elements: 0 where it does not hold it."""
+        return -(-n // self.per) if self.holds(n) else 0
 
     @property
     def bytes_per_param(self) -> float:
@@ -57,11 +69,15 @@ class StateBuffer:
 
 _ITEMSIZE = {"float32": 4, "uint8": 1}
 ADAM_FP32 = (StateBuffer("exp_avg", "m", "float32"), StateBuffer("exp_avg_sq", "v", "float32"))
+# 8-bit AdamW: codes and per-block absmaxes for a tensor of MIN_8BIT elements or more, each tensor its own
+# blocks; FP32 moments, as AdamW's, for a smaller one (a bias, a norm)
 ADAM_8BIT = (
-    StateBuffer("exp_avg", "m", "uint8"),
-    StateBuffer("exp_avg_sq", "v", "uint8"),
-    StateBuffer("exp_avg_absmax", "m_absmax", "float32", 256),
-    StateBuffer("exp_avg_sq_absmax", "v_absmax", "float32", 256),
+    StateBuffer("exp_avg", "m", "uint8", min_numel=MIN_8BIT),
+    StateBuffer("exp_avg_sq", "v", "uint8", min_numel=MIN_8BIT),
+    StateBuffer("exp_avg_absmax", "m_absmax", "float32", QBLOCK, min_numel=MIN_8BIT),
+    StateBuffer("exp_avg_sq_absmax", "v_absmax", "float32", QBLOCK, min_numel=MIN_8BIT),
+    StateBuffer("exp_avg", "m_fp32", "float32", below=MIN_8BIT),
+    StateBuffer("exp_avg_sq", "v_fp32", "float32", below=MIN_8BIT),
 )
 
 
@@ -74,7 +90,12 @@ class OptimizerKind:
     runs per layer (decayed, not) rather than one parameter per tensor. ``state``: the buffers it keeps per
     parameter, which the EPS allocates flat (and the planner counts, :attr:`state_bytes_per_param`).
     ``one_pass``: the EPS runs its update as one host pass (``engine/host_passes.py``: AdamW's math, bit
-    for bit), the torch optimizer keeping only its step counts and hyper-parameters."""
+    for bit), the torch optimizer keeping only its step counts and hyper-parameters. ``tensor_pass``: the
+    EPS calls the optimizer's own ``update(w, g, state, hp, mult, send)`` per parameter tensor, one pass
+    that reads the gradient as it arrived, folds in the unscale/clip factor and writes the send copy
+    (8-bit AdamW), leaving the gradient as it was. ``host_update_cost``: its EPS update's time per parameter
+    against AdamW's one pass on the same host, what the planner charges it where the machine is not
+    measured (``benchmarks/optimizers.py`` measures it: docs/optimizers.md)."""
 
     name: str
     build: Callable[[list[dict[str, Any]], OptimSettings], torch.optim.Optimizer]
@@ -82,11 +103,15 @@ class OptimizerKind:
     flat_runs: bool
     state: tuple[StateBuffer, ...] = ADAM_FP32
     one_pass: bool = False
+    tensor_pass: bool = False
+    host_update_cost: float = 1.0
 
     @property
     def state_bytes_per_param(self) -> float:
-        """Host (or device) bytes of optimizer state per parameter: 8 for FP32 moments, ~2.03 for 8-bit."""
-        return sum(b.bytes_per_param for b in self.state)
+        """Host (or device) bytes of optimizer state per parameter of a large tensor: 8 for FP32 moments,
+        ~2.03 for 8-bit (whose tensors under ``MIN_8BIT`` elements, biases and norms, keep 8: a share of a
+        model's parameters too small to count)."""
+        return sum(b.bytes_per_param for b in self.state if b.below is None)
 
     @property
     def fp32_moments(self) -> bool:
@@ -109,6 +134,11 @@ def _lamb(groups: list[dict[str, Any]], o: OptimSettings) -> torch.optim.Optimiz
     return Lamb(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
 
 
+# 8-bit AdamW's one-pass update per parameter over AdamW's, both native, 32 M parameters, BF16 gradient
+# and send copy, 2 threads: `python benchmarks/optimizers.py` on a 2-core AMD EPYC (avx512), 2026-11-28
+ADAMW8BIT_HOST_COST = 2.4
+
+
 def _adamw8bit(groups: list[dict[str, Any]], o: OptimSettings) -> torch.optim.Optimizer:
     from l2l_cli.engine.adamw8bit import AdamW8bit
 
@@ -120,7 +150,15 @@ OPTIMIZERS: dict[str, OptimizerKind] = {
     for k in (
         OptimizerKind("adamw", _adamw, elementwise=True, flat_runs=True, one_pass=True),
         OptimizerKind("lamb", _lamb, elementwise=False, flat_runs=False),
-        OptimizerKind("adamw8bit", _adamw8bit, elementwise=False, flat_runs=True, state=ADAM_8BIT),
+        OptimizerKind(
+            "adamw8bit",
+            _adamw8bit,
+            elementwise=False,
+            flat_runs=False,
+            state=ADAM_8BIT,
+            tensor_pass=True,
+            host_update_cost=ADAMW8BIT_HOST_COST,
+        ),
     )
 }
 
@@ -178,9 +216,9 @@ class RunLayout(Protocol):
 
 def optimizer_runs(layout: RunLayout, flat_runs: bool) -> list[tuple[str, int, int]]:
     """Where a layer's flat buffer splits into the optimizer's parameters, (name, start, end): AdamW
-    (``OptimizerKind.flat_runs``, FP32 or 8-bit) takes two long runs, the weight-decayed prefix
-    (``decay``) and the rest (``bias``), for the fused kernel; LAMB's trust ratio is a norm per parameter
-    tensor, so one run per tensor, by its own name. A run may be empty; ``param_groups`` sorts runs into
+    (``OptimizerKind.flat_runs``) takes two long runs, the weight-decayed prefix (``decay``) and the rest
+    (``bias``), for the fused kernel; LAMB's trust ratio is a norm per parameter tensor and 8-bit AdamW
+    quantizes each tensor in its own blocks, so one run per tensor, by its own name. A run may be empty; ``param_groups`` sorts runs into
     decay groups by name."""
     if flat_runs:
         return [("decay", 0, layout.n_decay), ("bias", layout.n_decay, layout.numel)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from l2l_cli.engine.optim import OPTIMIZERS
 from l2l_cli.modes import run_precision
 from l2l_cli.plan.shapes import ADAMW_BYTES_PER_PARAM, ADAMW_FLOP_PER_PARAM, OPT_FLOP_PER_PARAM, ModelShape
 from l2l_cli.plan.times import GB, GiB, LayerTimes, MeasuredTimes, physical_memory
@@ -45,6 +46,7 @@ class Rates:
     device_bandwidth: float = 900e9  # device memory, bytes/s (the on-device update reads and writes it)
     gpus_per_node: int = 1  # ranks sharing one node's host memory (host_memory is per node)
     host_shares_device: bool = False  # the EPS update competes with device compute (a CPU device tier)
+    host_update_cost: float = 1.0  # the run's optimizer's host update against AdamW's (OptimizerKind's)
     measured: MeasuredTimes | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -64,10 +66,11 @@ class Rates:
         return nbytes / self.h2d
 
     def host_update_time(self, params: float) -> float:
-        """The EPS (host) optimizer over ``params`` parameters."""
+        """The EPS (host) optimizer over ``params`` parameters: measured with the run's optimizer, or AdamW's
+        rate times the run's optimizer's ``host_update_cost``."""
         if self.measured is not None:
             return self.measured.host_fixed_s + params * self.measured.host_s_per_param
-        return params * OPT_FLOP_PER_PARAM / self.host_flops
+        return params * OPT_FLOP_PER_PARAM / self.host_flops * self.host_update_cost
 
     def device_update_time(self, params: float) -> float:
         """The baselines' optimizer over ``params`` parameters, on the device."""
@@ -164,6 +167,7 @@ def resolve(cfg: Any, shape: ModelShape) -> Rates:
         disk_write=hw.disk_write_gbps * GB,
         disk_mixed=hw.disk_mixed_gbps * GB,
         disk_free=hw.disk_free_gb * GiB,
+        host_update_cost=OPTIMIZERS[cfg.optim.name].host_update_cost if cfg.optim.name in OPTIMIZERS else 1.0,
     )
     if hw.measured:
         from l2l_cli.plan.measure import measure

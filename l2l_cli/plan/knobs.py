@@ -99,6 +99,11 @@ class Setup:
         kind = OPTIMIZERS.get(self.optim)
         return FP32_STATE if kind is None else 8.0 + kind.state_bytes_per_param
 
+    def state_bytes_with(self, small_share: float) -> float:
+        """``state_bytes`` when ``small_share`` of the trained elements sit in tensors under the 8-bit
+        minimum, which keep FP32 moments (adamw8bit: a small model's LoRA adapters; the same for others)."""
+        return self.state_bytes + (FP32_STATE - self.state_bytes) * small_share
+
     @property
     def disk_layout_ok(self) -> bool:
         """The disk tier's layer files hold this optimizer's state (FP32 moments; not adamw8bit's yet)."""

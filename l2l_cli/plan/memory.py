@@ -17,6 +17,7 @@ def memory(shape: ModelShape, s: Setup) -> dict[str, dict[str, float]]:
     P, N = shape.total_params, shape.num_layers
     pe = shape.peft
     P_state = pe.trainable if pe else P  # parameters with a master, a gradient and moments
+    state = s.state_bytes_with(pe.small_share) if pe else s.state_bytes  # (a full model's small tensors: few)
     L_state = pe.max_trainable if pe else shape.max_layer_params
     ub, mb = s.ubatch, s.batch
     A = shape.output_bytes(s.seq, s.precision)
@@ -30,7 +31,7 @@ def memory(shape: ModelShape, s: Setup) -> dict[str, dict[str, float]]:
     disk: dict[str, float] = {}
     if not s.l2l:
         # l2l-v1 eq. 1: the whole training state on the device, every layer's activations for one ubatch
-        dev["training_state"] = s.state_bytes * P_state
+        dev["training_state"] = state * P_state
         if pe:  # the baselines keep the frozen base on the device in fp32
             dev["frozen_base"] = 4.0 * pe.frozen
         if s.precision == "amp":  # autocast's half copies of the weights, cached through the step
@@ -83,9 +84,9 @@ def memory(shape: ModelShape, s: Setup) -> dict[str, dict[str, float]]:
             if s.clip_global and pool < N + 2:
                 disk["eps_kept_grads"] = 4.0 * P_state
         else:
-            host["training_state"] = s.state_bytes * P_state
+            host["training_state"] = state * P_state
             if s.spec.undo_log:  # weights and moments before the early update (skip on overflow)
-                host["undo_copies"] = (s.state_bytes - 4.0) * P_state
+                host["undo_copies"] = (state - 4.0) * P_state
             if s.precision == "cmp":
                 host["send_copy"] = 2.0 * P_state  # the half copy the relay sends
         if pe and pe.on_disk:  # its layer files; in RAM only the layer loading and those read ahead

@@ -63,6 +63,7 @@ class LayerSplit:
     slot: int  # frozen elements the relay dequantizes into a device slot for this layer
     tied_stored: int = 0  # bytes of the tied tensors the post layer loads from the pre layer's
     largest: int = 0  # elements of the largest quantized tensor (decoded to fp32 before the cast)
+    small: int = 0  # trained elements in tensors under optim's MIN_8BIT (adamw8bit keeps their moments FP32)
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,11 @@ class PeftShape:
     @property
     def trainable(self) -> int:
         return sum(x.trainable for x in self.layers())
+
+    @property
+    def small_share(self) -> float:
+        """The share of the trained elements in tensors under ``MIN_8BIT`` (adapters of a small model)."""
+        return sum(x.small for x in self.layers()) / max(1, self.trainable)
 
     @property
     def frozen(self) -> int:
@@ -180,6 +186,7 @@ def peft_shape(spec: Any, cfg_peft: Any) -> PeftShape:
     """The LoRA numbers of ``spec`` (the family's spec, no adapters) under ``peft.*``: what
     ``models/lora.py`` injects (its ``targets`` on the family's meta layers; PEFT's ``lora_A`` r×in and
     ``lora_B`` out×r per target) and what ``engine/frozen.py`` stores."""
+    from l2l_cli.engine.optim import MIN_8BIT
     from l2l_cli.models.base import BLOCK, POST, PRE
     from l2l_cli.models.lora import LoraSettings, _matches, for_model, targets
 
@@ -191,7 +198,7 @@ def peft_shape(spec: Any, cfg_peft: Any) -> PeftShape:
         layer = spec.new_layer(kind, "meta")
         mods = dict(layer.named_modules())
         adapted = set(targets(spec, kind, lora))
-        adapters = 0
+        adapters, small = 0, 0
         for name in adapted:
             w = mods[name].weight
             fan_in, fan_out = (
@@ -200,6 +207,8 @@ def peft_shape(spec: Any, cfg_peft: Any) -> PeftShape:
                 else (w.shape[1], w.shape[0])
             )
             adapters += lora.r * (fan_in + fan_out) + (fan_out if lora.use_dora else 0)  # (DoRA's magnitude)
+            for n in (lora.r * fan_in, lora.r * fan_out) + ((fan_out,) if lora.use_dora else ()):
+                small += n if n < MIN_8BIT else 0
         saved = 0
         frozen, stored, slot, largest = 0, 0, 0, 0
         params = dict(layer.named_parameters())
@@ -208,6 +217,7 @@ def peft_shape(spec: Any, cfg_peft: Any) -> PeftShape:
             owner = n.rpartition(".")[0]
             if any(_matches(owner, t) or f".{t}." in f".{owner}." for t in lora.modules_to_save):
                 saved += p.numel()
+                small += p.numel() if p.numel() < MIN_8BIT else 0
                 continue
             slot += p.numel()
             if kind == POST and n in tied:
@@ -217,10 +227,12 @@ def peft_shape(spec: Any, cfg_peft: Any) -> PeftShape:
             stored += stored_bytes(tuple(p.shape), lora.base_dtype, quantize)
             if quantize:
                 largest = max(largest, p.numel())
-        split[kind] = LayerSplit(adapters + saved, frozen, stored, slot, 0, largest)
+        split[kind] = LayerSplit(adapters + saved, frozen, stored, slot, 0, largest, small)
     tied_stored = sum(stored_bytes(shapes[PRE][pre], lora.base_dtype, False) for pre in tied.values())
     post = split[POST]
-    split[POST] = LayerSplit(post.trainable, post.frozen, post.stored, post.slot, tied_stored, post.largest)
+    split[POST] = LayerSplit(
+        post.trainable, post.frozen, post.stored, post.slot, tied_stored, post.largest, post.small
+    )
     return PeftShape(
         lora.r,
         lora.target_modules,

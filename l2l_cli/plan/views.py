@@ -62,8 +62,8 @@ def peft_view(shape: ModelShape, s: Setup, rates: Rates, result: dict[str, Any])
     return {
         **pe.summary(P),
         "optimizer": s.optim,
-        "state_bytes_per_trainable_param": s.state_bytes,
-        "adapter_state_bytes": s.state_bytes * pe.trainable,
+        "state_bytes_per_trainable_param": s.state_bytes_with(pe.small_share),
+        "adapter_state_bytes": s.state_bytes_with(pe.small_share) * pe.trainable,
         "base_ram_bytes": mem["host"].get("frozen_base", 0.0),
         "base_readahead_bytes": mem["host"].get("frozen_base_readahead", 0.0),
         "base_disk_bytes": mem["disk"].get("frozen_base_files", 0.0),

@@ -93,23 +93,34 @@ static void narrow(const float *w, void *send, int send_type, int64_t at, int64_
 /* ATen's vector formula (Vectorized<float>): m by an FMA lerp, v = v*b2 + (c2*g)*g with the FMA torch's own
  * build makes of it, w + (-ss*m)/denom. (The last numel % vector-width elements of a run, which ATen's scalar
  * tail loop takes, the caller leaves to torch's kernel itself: how the compiler built that loop differs.) */
+#define ADAMW_CONSTS(a)                                                                                    \
+    const float lw = (a)->lerp_w, b2 = (a)->beta2, c2 = (a)->c2, bc = (a)->bc2_sqrt, eps = (a)->eps;    \
+    const float neg_ss = -(a)->step_size, decay = (a)->has_decay ? (a)->decay : 1.0f;                   \
+    const int small = fabsf(lw) < 0.5f, wd = (a)->has_decay;                                            \
+    const float coeff = small ? lw : lw - 1.0f;
+#define ADAMW_ELEMENT(gk, w0k, m0k, v0k, w1k, m1k, v1k)                                                     \
+    do {                                                                                                   \
+        float p_ = wd ? (w0k) * decay : (w0k);                                                             \
+        float m_ = fmaf(coeff, (gk) - (m0k), small ? (m0k) : (gk));                                        \
+        float v_ = fmaf(c2 * (gk), (gk), (v0k) * b2); /* as torch's build contracts it */                  \
+        float denom_ = sqrtf(v_) / bc + eps;                                                               \
+        (m1k) = m_;                                                                                        \
+        (v1k) = v_;                                                                                        \
+        (w1k) = p_ + (neg_ss * m_) / denom_;                                                               \
+    } while (0)
+
 static void adamw_vec(const float *restrict g, const float *restrict w0, const float *restrict m0,
                       const float *restrict v0, float *restrict w1, float *restrict m1, float *restrict v1,
                       int64_t n, const adamw_args *a) {
-    const float lw = a->lerp_w, b2 = a->beta2, c2 = a->c2, bc = a->bc2_sqrt, eps = a->eps;
-    const float neg_ss = -a->step_size, decay = a->has_decay ? a->decay : 1.0f;
-    const int small = fabsf(lw) < 0.5f, wd = a->has_decay;
-    const float coeff = small ? lw : lw - 1.0f;
-    for (int64_t k = 0; k < n; k++) {
-        float gk = g[k], p = wd ? w0[k] * decay : w0[k];
-        float base = small ? m0[k] : gk;
-        float m = fmaf(coeff, gk - m0[k], base);
-        float v = fmaf(c2 * gk, gk, v0[k] * b2); /* as torch's build contracts it */
-        float denom = sqrtf(v) / bc + eps;
-        m1[k] = m;
-        v1[k] = v;
-        w1[k] = p + (neg_ss * m) / denom;
-    }
+    ADAMW_CONSTS(a)
+    for (int64_t k = 0; k < n; k++) ADAMW_ELEMENT(g[k], w0[k], m0[k], v0[k], w1[k], m1[k], v1[k]);
+}
+
+/* The same update in place (w, m, v read and written through one pointer each). */
+static void adamw_inplace(const float *restrict g, float *restrict w, float *restrict m, float *restrict v,
+                          int64_t n, const adamw_args *a) {
+    ADAMW_CONSTS(a)
+    for (int64_t k = 0; k < n; k++) ADAMW_ELEMENT(g[k], w[k], m[k], v[k], w[k], m[k], v[k]);
 }
 
 /* One pass over elements [lo, hi) of a run. State read from (w0, m0, v0), written to (w1, m1, v1): the same
@@ -144,4 +155,178 @@ void l2l_convert(const void *src, int src_type, void *dst, int dst_type, int64_t
 void l2l_triad(float *restrict a, const float *restrict b, const float *restrict c, float s, int64_t lo,
                int64_t hi) {
     for (int64_t k = lo; k < hi; k++) a[k] = b[k] + s * c[k];
+}
+
+/* ---- 8-bit AdamW (optim=adamw8bit; issue 52) ------------------------------------------------------------
+ *
+ * l2l_adamw8bit: one pass over blocks of QBLOCK (256) elements of one parameter tensor whose moments are
+ * stored as uint8 codes and one FP32 absmax per block (engine/adamw8bit.py): per block, the gradient
+ * widened (and multiplied), the moments dequantized (map value times the block's absmax), AdamW's update
+ * exactly as l2l_adamw computes it (ATen's fused AdamW vector formula), the new master narrowed into the
+ * send copy, and the new moments quantized back: the block's absmax, each element divided by it, its code
+ * the number of the map's midpoints at or below the quotient (torch.bucketize(right=True): the nearest map
+ * value, a value on a midpoint rounding up). All of it in the block's 3 KiB of L1 buffers: per parameter
+ * the memory sees the gradient, the master read and written, a code of each moment read and written and
+ * the absmaxes (1/64 B), and the send copy.
+ *
+ * The quantizer is a table lookup, not a binary search: the top 16 bits of |y| (exponent and 7 mantissa
+ * bits) name a slot; slots below 2^-23 (under every map's smallest midpoint) are one, and so are those at
+ * or above 1. No slot of these maps holds more than one midpoint (l2l_qmap_init checks), so a slot's one
+ * 32-bit entry finishes it: the count of midpoints below the slot (bits 0-7), whether a midpoint lies in
+ * it (bit 8), and that midpoint's low 16 bits (16-31: its top 16 are the slot's own), so that |y| against
+ * it is one integer comparison (one gather per 16 elements, not two). The result is the same integer as
+ * the binary search's for every float, NaN included (code 255, as bucketize gives), on the vector path and
+ * the scalar one alike. */
+
+#include <float.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define L2L_AVX512 1
+#endif
+
+#define QBLOCK 256
+#define KMIN 0x3400u /* |y| < 2^-23 */
+#define KMAX 0x3F80u /* |y| = 1 */
+#define NSLOT ((int)(KMAX - KMIN + 1))
+
+typedef struct {
+    const float *values;  /* the 256 map values, ascending */
+    const float *mids;    /* 256: the 255 midpoints between neighbours, then a NaN (never <= y) */
+    const uint32_t *base; /* l2l_qmap_table_bytes(): each slot's entry, y >= 0 then y < 0 */
+} qmap_t;
+
+int64_t l2l_qmap_table_bytes(void) { return 2 * NSLOT * 4; }
+
+/* Fill ``base`` for a map's ``mids`` (255, ascending). Returns the most midpoints any slot holds (2 where
+ * the first or last slot, which stand for every |y| below or above them, holds one): the lookup is exact
+ * only where that is at most 1 (the caller falls back to torch otherwise). */
+int l2l_qmap_init(const float *mids, uint32_t *base) {
+    int worst = 0;
+    for (int s = 0; s < NSLOT; s++) {
+        uint32_t k = KMIN + (uint32_t)s;
+        float lo = s == 0 ? 0.0f : from_bits(k << 16), hi = from_bits((k + 1) << 16);
+        int pos = 0, neg = 0, in_pos = 0, in_neg = 0;
+        uint32_t at_pos = 0, at_neg = 0;
+        for (int i = 0; i < 255; i++) {
+            pos += mids[i] < lo;                        /* y in [lo, hi): below it */
+            neg += mids[i] <= -hi;                      /* y in (-hi, -lo]: at or below -hi */
+            if (mids[i] >= lo && mids[i] < hi) in_pos++, at_pos = to_bits(mids[i]);
+            if (mids[i] > -hi && mids[i] <= -lo) in_neg++, at_neg = to_bits(mids[i]) & 0x7FFFFFFFu;
+        }
+        base[s] = (uint32_t)pos | (in_pos ? 0x100u | (at_pos << 16) : 0u);
+        base[NSLOT + s] = (uint32_t)neg | (in_neg ? 0x100u | (at_neg << 16) : 0u);
+        int most = in_pos > in_neg ? in_pos : in_neg;
+        most = (s == 0 || s == NSLOT - 1) && most ? 2 : most;
+        worst = most > worst ? most : worst;
+    }
+    return worst;
+}
+
+/* |y|'s bits against the slot's midpoint: y >= mid is |y| >= |mid| for y >= 0, |y| <= |mid| for y < 0 */
+static inline uint8_t quantize1(const qmap_t *q, float y) {
+    uint32_t a = to_bits(y) & 0x7FFFFFFFu, key = a >> 16;
+    key = key < KMIN ? KMIN : key > KMAX ? KMAX : key;
+    int neg = y < 0.0f;
+    uint32_t e = q->base[key - KMIN + (neg ? (uint32_t)NSLOT : 0u)];
+    uint32_t mid = (a & 0xFFFF0000u) | (e >> 16);
+    int up = (e & 0x100u) && (neg ? a <= mid : a >= mid);
+    return (uint8_t)((e & 0xFFu) + (uint32_t)up);
+}
+
+/* out[k] = values[codes[k]] * absmax */
+static void dequantize_block(const uint8_t *codes, float absmax, const qmap_t *q, float *out, int64_t n) {
+    int64_t k = 0;
+#ifdef L2L_AVX512
+    const __m512 s = _mm512_set1_ps(absmax);
+    for (; k + 16 <= n; k += 16) {
+        __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + k)));
+        _mm512_storeu_ps(out + k, _mm512_mul_ps(_mm512_i32gather_ps(c, q->values, 4), s));
+    }
+#endif
+    for (; k < n; k++) out[k] = q->values[codes[k]] * absmax;
+}
+
+/* max |x[k]|, NaN if any is NaN (torch.amax) */
+static float absmax_block(const float *x, int64_t n) {
+    float mx = 0.0f;
+    int nan = 0;
+    int64_t k = 0;
+#ifdef L2L_AVX512
+    __m512 vmx = _mm512_setzero_ps();
+    __mmask16 vnan = 0;
+    for (; k + 16 <= n; k += 16) {
+        __m512 ax = _mm512_abs_ps(_mm512_loadu_ps(x + k));
+        vnan |= _mm512_cmp_ps_mask(ax, ax, _CMP_UNORD_Q);
+        vmx = _mm512_max_ps(vmx, ax);
+    }
+    mx = _mm512_reduce_max_ps(vmx); /* (max of non-NaN values: exact in any order) */
+    nan = vnan != 0;
+#endif
+    for (; k < n; k++) {
+        float ax = fabsf(x[k]);
+        nan |= ax != ax;
+        mx = ax > mx ? ax : mx;
+    }
+    return nan ? NAN : mx;
+}
+
+/* codes[k] = the code of x[k] / scale */
+static void quantize_block(const float *x, float scale, const qmap_t *q, uint8_t *codes, int64_t n) {
+    int64_t k = 0;
+#ifdef L2L_AVX512
+    const __m512 s = _mm512_set1_ps(scale), zero = _mm512_setzero_ps();
+    const __m512i absmask = _mm512_set1_epi32(0x7FFFFFFF), kmin = _mm512_set1_epi32((int)KMIN);
+    const __m512i kmax = _mm512_set1_epi32((int)KMAX), nslot = _mm512_set1_epi32(NSLOT);
+    const __m512i one = _mm512_set1_epi32(1), byte = _mm512_set1_epi32(0xFF);
+    const __m512i has = _mm512_set1_epi32(0x100), top = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (; k + 16 <= n; k += 16) {
+        __m512 y = _mm512_div_ps(_mm512_loadu_ps(x + k), s);
+        __m512i a = _mm512_and_si512(_mm512_castps_si512(y), absmask);
+        __m512i key = _mm512_srli_epi32(a, 16);
+        __mmask16 neg = _mm512_cmp_ps_mask(y, zero, _CMP_LT_OQ);
+        key = _mm512_sub_epi32(_mm512_min_epu32(_mm512_max_epu32(key, kmin), kmax), kmin);
+        key = _mm512_mask_add_epi32(key, neg, key, nslot);
+        __m512i e = _mm512_i32gather_epi32(key, (const void *)q->base, 4);
+        __m512i mid = _mm512_or_si512(_mm512_and_si512(a, top), _mm512_srli_epi32(e, 16));
+        __mmask16 ge = _mm512_cmp_epu32_mask(a, mid, _MM_CMPINT_NLT);
+        __mmask16 le = _mm512_cmp_epu32_mask(a, mid, _MM_CMPINT_LE);
+        __mmask16 up = _mm512_test_epi32_mask(e, has) & ((ge & ~neg) | (le & neg));
+        __m512i c = _mm512_and_si512(e, byte);
+        c = _mm512_mask_add_epi32(c, up, c, one);
+        _mm_storeu_si128((__m128i *)(codes + k), _mm512_cvtepi32_epi8(c));
+    }
+#endif
+    for (; k < n; k++) codes[k] = quantize1(q, x[k] / scale);
+}
+
+/* Blocks [blo, bhi) of a tensor of ``n`` elements (the last block may be partial): its gradient ``g`` (type
+ * g_type), master ``w``, codes ``cm``/``cv`` (an element each), absmaxes ``am``/``av`` (a block each), and
+ * the send copy (T_NONE: none), all updated in place. ``qm``/``qv``: the first (signed) and second
+ * (unsigned) moment's maps. */
+void l2l_adamw8bit(const void *g, int g_type, float *w, uint8_t *cm, uint8_t *cv, float *am, float *av,
+                   void *send, int send_type, int64_t n, int64_t blo, int64_t bhi, const adamw_args *a,
+                   const qmap_t *qm, const qmap_t *qv) {
+    float gbuf[QBLOCK], mbuf[QBLOCK], vbuf[QBLOCK];
+    for (int64_t b = blo; b < bhi; b++) {
+        int64_t at = b * QBLOCK, len = n - at < QBLOCK ? n - at : QBLOCK;
+        widen(g, g_type, at, len, gbuf);
+        if (a->has_mult) {
+            const float f = a->mult;
+            for (int64_t k = 0; k < len; k++) gbuf[k] = gbuf[k] * f;
+        }
+        dequantize_block(cm + at, am[b], qm, mbuf, len);
+        dequantize_block(cv + at, av[b], qv, vbuf, len);
+        adamw_inplace(gbuf, w + at, mbuf, vbuf, len, a);
+        narrow(w + at, send, send_type, at, len);
+        float xm = absmax_block(mbuf, len), xv = absmax_block(vbuf, len);
+        am[b] = xm; /* (an all-zero block divides by the smallest normal float instead: codes of 0) */
+        av[b] = xv;
+        quantize_block(mbuf, xm < FLT_MIN ? FLT_MIN : xm, qm, cm + at, len);
+        quantize_block(vbuf, xv < FLT_MIN ? FLT_MIN : xv, qv, cv + at, len);
+    }
+}
+
+/* The quantizer alone (codes of x / scale, n elements): what the tests hold against torch.bucketize. */
+void l2l_quantize(const float *x, float scale, const qmap_t *q, uint8_t *codes, int64_t n) {
+    quantize_block(x, scale, q, codes, n);
 }
