@@ -194,7 +194,7 @@ def _run_l2l(
     from l2l_cli.data.tasks import TASKS, TaskData
     from l2l_cli.session import build
 
-    cfg.mode.name, cfg.device = name, device
+    cfg.mode.name, cfg.device.name = name, device
     times, losses, marks = [], [], []
     with build(cfg, data=TaskData(TASKS["synthetic"], data, data, "synthetic")) as s:
         runner = s.runner

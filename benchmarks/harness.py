@@ -63,6 +63,7 @@ def measure(
             loads.append(step_load(before, cpu_mark()))
         reports = reports[warmup:]
         peak = runner.acc.meter.peak_bytes
+        eps = runner.sections().get("eps") if hasattr(runner, "eps") else None
     phases: dict[str, float] = {}
     for r in reports:
         for k, v in {**r.phases, **r.extra}.items():
@@ -72,6 +73,7 @@ def measure(
         "step_time_s": statistics.median(r.step_time_s for r in reports),
         "peak_bytes": peak,
         "phases": phases,
+        "eps": eps,  # an EPS mode's host traffic per parameter per step (summary.json's ``eps``)
         **({"steps": loads} if load else {}),
         **probed,
     }

@@ -1,6 +1,12 @@
 """Issue 3's benchmark: L2L on BERT-Large-shaped layers (hidden 1024, 16 heads, intermediate 4096), seq 128,
-8 layers, on this CPU, one run. Prints throughput and device-tier peak per config and the ratios against
-the targets. Usage: python benchmarks/l2l_bert_large.py [--steps 3] [--json out.json]
+8 layers, on this CPU, one run. Prints throughput, device-tier peak and the host's bytes per parameter per
+step (``eps.host_traffic_bytes_per_param``) per config and the ratios against the targets.
+Usage: python benchmarks/l2l_bert_large.py [--steps 3] [--json out.json]
+
+``--sweep 4,8,16,32`` (issue 50's GPU acceptance): l2l_p CMP against baseline_ag AMP at each batch size
+(micro-batches of 4), with the share of the step the device computed (forward, backward and recompute,
+timed with ``profile.sync_timers``) and the share the EPS thread worked; the smallest batch where the
+device's share covers the EPS's is where the host's update is hidden.
 
 Targets (this CPU's; on a GPU the step is host-bound, see docs/gpu.md): l2l >= 0.75x baseline_ag at the
 same ubatch (recompute costs one forward); l2l at ubatch 16 faster than baseline_ag at ubatch 2; CMP >= 2x
@@ -64,15 +70,21 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--json", help="also write every number to this file (scripts/gpu_check.sh reads it)")
     ap.add_argument("--only", action="append", default=[], help="run the configs whose name contains this")
+    ap.add_argument("--sweep", help="batch sizes (comma-separated): l2l_p CMP vs baseline_ag AMP at each")
     args = ap.parse_args()
+    if args.sweep:
+        sweep([int(b) for b in args.sweep.split(",")], args.steps, args.json)
+        return
     res = {}
-    print(f"{'config':30s} {'samples/s':>10s} {'step s':>8s} {'device peak':>12s}")
+    print(f"{'config':30s} {'samples/s':>10s} {'step s':>8s} {'device peak':>12s} {'host B/param':>12s}")
     for name, ov in CONFIGS.items():
         if args.only and not any(o in name for o in args.only):
             continue
         r = res[name] = measure([*BERT_LARGE_8, f"batch.size={args.batch}", *ov], steps=args.steps)
+        host = f"{r['eps']['host_traffic_bytes_per_param']:.1f}" if r.get("eps") else "-"
         print(
-            f"{name:30s} {r['samples_per_s']:10.2f} {r['step_time_s']:8.2f} {gib(r['peak_bytes']):>12s}",
+            f"{name:30s} {r['samples_per_s']:10.2f} {r['step_time_s']:8.2f} {gib(r['peak_bytes']):>12s}"
+            f" {host:>12s}",
             flush=True,
         )
     t = collections.defaultdict(lambda: float("nan"), {k: v["samples_per_s"] for k, v in res.items()})
@@ -108,6 +120,7 @@ def main() -> None:
                     "step_time_s": v["step_time_s"],
                     "device_peak_bytes": v["peak_bytes"],
                     "phases": v["phases"],
+                    "eps": v["eps"],
                 }
                 for k, v in res.items()
             },
@@ -119,10 +132,56 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     print("\ndevice peak: " + ", ".join(f"{k} {gib(v['peak_bytes'])}" for k, v in res.items()))
     print(
-        f"EPS update {eps_s * 1e3:.0f} ms vs fused AdamW {ref_s * 1e3:.0f} ms (+ gradient norms "
-        f"{norm_s * 1e3:.0f} ms, "
-        f"taken on the EPS thread as each gradient lands); threads {torch.get_num_threads()}"
+        f"EPS update {eps_s * 1e3:.0f} ms vs fused AdamW {ref_s * 1e3:.0f} ms (a host pass of gradient "
+        f"norms would add {norm_s * 1e3:.0f} ms: the device takes them as each gradient leaves); threads "
+        f"{torch.get_num_threads()}"
     )
+
+
+BUSY = ("forward", "backward", "recompute")  # the device's compute phases (synchronized: its own time)
+
+
+def sweep(sizes: list[int], steps: int, out: str | None) -> None:
+    """l2l_p CMP / baseline_ag AMP at each batch size, with the device's and the EPS thread's busy shares."""
+    print(
+        f"{'batch':>6s} {'l2l_p cmp':>10s} {'base_ag amp':>11s} {'ratio':>6s} {'device busy':>11s} "
+        f"{'EPS busy':>9s} {'host B/param':>12s}"
+    )
+    rows = []
+    for b in sizes:
+        common = [
+            *BERT_LARGE_8,
+            f"batch.size={b}",
+            f"batch.ubatch_size={min(4, b)}",
+            "profile.sync_timers=true",
+        ]
+        p = measure([*common, "mode=l2l_p", "precision=cmp"], steps=steps)
+        ref = measure([*common, "mode=baseline_ag", "precision=amp"], steps=steps)
+        step_s = p["step_time_s"]
+        device = sum(p["phases"].get(k, 0.0) for k in BUSY) / step_s
+        host = p["phases"].get("eps_background_s", 0.0) / step_s
+        row = {
+            "batch": b,
+            "l2l_p_cmp_samples_per_s": p["samples_per_s"],
+            "baseline_ag_amp_samples_per_s": ref["samples_per_s"],
+            "ratio": p["samples_per_s"] / ref["samples_per_s"],
+            "device_busy_share": device,
+            "eps_busy_share": host,
+            "host_traffic_bytes_per_param": (p.get("eps") or {}).get("host_traffic_bytes_per_param"),
+            "update_gbps": (p.get("eps") or {}).get("update_gbps"),
+        }
+        rows.append(row)
+        print(
+            f"{b:6d} {row['l2l_p_cmp_samples_per_s']:10.1f} {row['baseline_ag_amp_samples_per_s']:11.1f} "
+            f"{row['ratio']:6.2f} {device:11.2f} {host:9.2f} "
+            f"{row['host_traffic_bytes_per_param'] or 0:12.1f}",
+            flush=True,
+        )
+    covered = [r["batch"] for r in rows if r["device_busy_share"] >= r["eps_busy_share"]]
+    print(f"\nsmallest batch where the device's work covers the EPS's: {min(covered) if covered else 'none'}")
+    if out:
+        dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        Path(out).write_text(json.dumps({"device": dev, "sweep": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from l2l_cli.config import L2LConfig, register
 from l2l_cli.paths import conf_dir, recipes_dir
 from l2l_cli.problems import Problem
 
-GROUPS = ("model", "mode", "precision", "task", "optim", "peft", "hardware", "recipe")
+GROUPS = ("model", "mode", "precision", "task", "optim", "peft", "hardware", "device", "recipe")
 
 _registered = False
 

@@ -256,7 +256,7 @@ def generate_hf(
     hf_logging.disable_progress_bar()  # (stderr is for l2l's own lines)
     with tempfile.TemporaryDirectory(prefix="l2l-generate-") as tmp:
         model_dir = weights if (weights / "config.json").is_file() else export(cfg, weights, tok, Path(tmp))
-        device = "cuda" if str(cfg.device).startswith("cuda") and cuda_available() else "cpu"
+        device = "cuda" if cfg.device.name in ("auto", "cuda") and cuda_available() else "cpu"
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
     pad = pad_id(tok)
     out = []

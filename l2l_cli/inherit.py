@@ -39,7 +39,26 @@ FIXED = {
     "optim.name": "optimizer state",
     "task.name": "task (the data position)",
     "trainer.seed": "seed (data order and dropout follow it)",
+    "peft.name": "adapters (its checkpoints hold a LoRA adapter's state, no base weights; l2l export --merge "
+    "writes a model a new run can start from)",
+    "peft.r": "adapters' shape",
+    "peft.alpha": "adapters' scaling",
+    "peft.use_rslora": "adapters' scaling",
+    "peft.use_dora": "adapters' shape",
+    "peft.target_modules": "adapters' shape",
+    "peft.modules_to_save": "adapters' shape",
+    "peft.base_dtype": "frozen base's precision (its adapters were trained on that base's rounding)",
 }
+# What a resume may change but says so on the console, not only in train.log (key -> why it may)
+ANNOUNCED = {
+    "peft.base_source": "the same base, held elsewhere: the numbers do not change, and the base is encoded "
+    "again unless its encoded files are where this run keeps them",
+}
+
+
+# What a command never takes from the run's config: where it resumed from, and a permission given once
+# (a resume on another base does not let later evaluations use any base)
+NOT_INHERITED = ("trainer.resume", "peft.allow_base_change")
 
 
 class NoSavedConfig(Exception):
@@ -78,6 +97,8 @@ def saved_config(run_dir: Path) -> DictConfig:
             if isinstance(cfg, DictConfig):
                 if path == paths[0]:
                     _check_saved(path, cfg, run_dir)
+                if isinstance(cfg.get("device"), str):  # saved before device was a group: its name
+                    cfg.device = {"name": cfg.device}
                 return cfg
             raise NoSavedConfig(f"{path}: not a config (a mapping of keys)")
     raise NoSavedConfig(f"{run_dir} holds no run config (.hydra/config.yaml or a checkpoint's config.yaml)")
@@ -184,7 +205,7 @@ def inherit(saved: DictConfig, overrides: list[str]) -> DictConfig:
     explicit = explicit_keys(plain)
     have = leaves(cfg)
     for key, value in _resolved(saved).items():
-        if key in have and key not in explicit and key != "trainer.resume":
+        if key in have and key not in explicit and key not in NOT_INHERITED:
             OmegaConf.update(cfg, key, value, merge=False)
     return cfg
 
@@ -232,9 +253,14 @@ def resume_problems(saved: DictConfig, cfg: DictConfig, run_dir: Path) -> list[P
         kind = TIERS.get(str(cfg.eps.tier))
         if kind is None or not kind.committed(cfg):
             return [Problem("trainer.resume", str(e))]
+    else:
+        problems += base_problems(cfg, manifest.get("base"), path)
     old = _resolved(saved)
     where = f"the run being resumed ({run_dir})"
-    problems += fixed_problems(saved, cfg, run_dir, FIXED, "resumed")
+    fixed = fixed_problems(saved, cfg, run_dir, FIXED, "resumed")
+    if any(p.key == "peft.name" for p in fixed):  # adapters on or off: that one line, not each peft key
+        fixed = [p for p in fixed if not p.key.startswith("peft.") or p.key == "peft.name"]
+    problems += fixed
     was, now = MODES.get(str(old.get("mode.name"))), MODES.get(cfg.mode.name)
     if was is not None and now is not None and was.state_layout != now.state_layout:
         problems.append(
@@ -256,6 +282,24 @@ def resume_problems(saved: DictConfig, cfg: DictConfig, run_dir: Path) -> list[P
             )
         )
     return problems
+
+
+def base_problems(cfg: DictConfig, recorded: dict[str, Any] | None, where: Path) -> list[Problem]:
+    """A LoRA run's adapter resumed on a base whose files differ from the ones it was trained on
+    (``recorded``: the checkpoint's fingerprint), before any work; ``peft.allow_base_change`` allows it."""
+    if recorded is None or cfg.peft.name == "none" or cfg.peft.allow_base_change:
+        return []
+    from l2l_cli.checkpoint import BaseChanged, check_base
+    from l2l_cli.models import PretrainedUnavailable
+    from l2l_cli.models.hf import base_fingerprint
+
+    try:
+        check_base(recorded, base_fingerprint(cfg.model.pretrained) if cfg.model.pretrained else None, where)
+    except BaseChanged as e:
+        return [Problem("model.pretrained", str(e))]
+    except (PretrainedUnavailable, OSError):
+        return []  # model.pretrained's own check says why
+    return []
 
 
 def _int(v: Any, default: int = 0) -> int:

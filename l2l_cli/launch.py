@@ -24,7 +24,7 @@ from l2l_cli.config.settings import mark_validated, validated_before
 from l2l_cli.data.synthetic import synthetic
 from l2l_cli.data.tasks import TASKS, TaskData
 from l2l_cli.engine.dist import failure_message, launch
-from l2l_cli.inherit import changed, inherit, saved_config
+from l2l_cli.inherit import ANNOUNCED, changed, inherit, saved_config
 from l2l_cli.rundir import RunFiles
 from l2l_cli.runfiles import Summary, read_json
 from l2l_cli.session import build
@@ -41,6 +41,8 @@ def run_task(cfg: DictConfig) -> str:
         cfg = inherit(saved, list(HydraConfig.get().overrides.task))
         for key, (old, new) in changed(saved, cfg).items():
             logging.getLogger("l2l").info("resume: %s=%s (was %s)", key, new, old)
+            if key in ANNOUNCED:
+                print(f"l2l: note: resume with {key}={new} (was {old}): {ANNOUNCED[key]}", file=sys.stderr)
     validated = validated_before(cfg)
     if validated:
         mark_validated(cfg)

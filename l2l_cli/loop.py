@@ -80,6 +80,7 @@ class TrainerSettings:
     title: str  # the progress header (method, model, task)
     save_best: str | None = None  # the eval metric whose best value's weights best/ holds (auto: the task's)
     patience: int = 0  # evaluations without improvement that end the run (0: never)
+    allow_base_change: bool = False  # peft.allow_base_change: a LoRA run resumes on another base
 
 
 class Trainer:
@@ -127,14 +128,16 @@ class Trainer:
 
     # ---- checkpoint state --------------------------------------------------------------------------
 
-    def state(self) -> dict[str, Any]:
+    def state(self, rngs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """Everything besides the weights and moments that an exact resume needs (plain JSON)."""
         data = self.stream.position()  # a streamed split's position (else the step says it)
+        rngs = rngs or [ckpt.rng_state(self.runner.acc.device)]  # every rank's generators, or this one's
         return {
             **({"data": data} if data is not None else {}),
             "step": self.runner.step_count,  # also the data position: the stream is a function of it
             "scaler": self.runner.precision.scaler.state_dict(),
-            "rng": ckpt.rng_state(),
+            "rng": rngs[0],
+            "rng_ranks": rngs,  # each rank resumes its own
             "skipped": self.skipped,
             "bad_in_row": self.bad_in_row,
             "steady": self.steady,
@@ -163,12 +166,11 @@ class Trainer:
             path, manifest = None, {}
         if point is not None and (path is None or point["step"] >= manifest["step"]):
             path, manifest = self.store.root, point
-            ckpt.check_identity(path, manifest, self.settings.ident)
             state = point["trainer"]
         else:
             assert path is not None
-            ckpt.check_identity(path, manifest, self.settings.ident)
             state = json.loads(ckpt.read_checked(path, "state.json", manifest))
+        ckpt.check_identity(path, manifest, self.settings.ident, self.settings.allow_base_change)
         if state["global_batch_size"] != self.stream.global_batch:
             raise CheckpointError(
                 f"{path} was trained with a global batch of {state['global_batch_size']}; this run has "
@@ -180,7 +182,7 @@ class Trainer:
             self.runner.load_state(path, manifest)
         self.runner.step_count = state["step"]
         self.runner.precision.scaler.load_state_dict(state["scaler"])
-        ckpt.set_rng_state(state["rng"])
+        ckpt.set_rng_state(ckpt.rank_rng(state, self.ctx.rank), self.runner.acc.device)
         self.skipped, self.bad_in_row = state["skipped"], state["bad_in_row"]
         self.steady, self.phase_sum = state["steady"], state["phase_sum"]
         self.best, self.evals_since_best = state.get("best"), state.get("evals_since_best", 0)
@@ -201,18 +203,17 @@ class Trainer:
         """Every rank calls it (a pipeline's ranks first bring their stages to rank 0); rank 0 writes."""
         self.runner.collect()
         self.runner.write_shards(self.ckpt_root, self.runner.step_count)  # (L2L stages: each rank its own)
-        if not self.files.enabled:  # rank 0 writes (the state is identical on every rank)
+        rngs = self.ctx.gather(ckpt.rng_state(self.runner.acc.device))  # each rank's own generators
+        self.last_saved = self.runner.step_count  # on every rank: a stop at this step saves on none again
+        if not self.files.enabled:  # rank 0 writes (the rest of the state is identical on every rank)
             return None
         if self.realtime is not None:
             self.realtime.wait_commit()
-        t0 = time.perf_counter()
-        step = self.runner.step_count
-        knobs = self.settings
-        state = self.state()
+        t0, step, knobs = time.perf_counter(), self.runner.step_count, self.settings
+        state = self.state(rngs)
         path = ckpt.save(
             self.ckpt_root, step, self.runner, knobs.ident, state, knobs.keep_checkpoints, knobs.config_yaml
         )
-        self.last_saved = step
         self.note(f"saved checkpoint step {step} to {path} in {time.perf_counter() - t0:.2f} s")
         return path
 

@@ -14,7 +14,7 @@ def memory_report(acc: Accelerator, runner: Runner | None) -> MemoryReport:
     runner was built), the process's peak RSS, and the bytes over the link."""
     host_parts = runner.host_parts() if runner is not None else {}
     dev = acc.meter.report()
-    budget = acc.meter.budget_bytes if acc.kind == "sim" else None  # type: ignore[attr-defined]
+    budget = acc.budget_bytes  # device=sim's, or device.memory_gb's
     return MemoryReport(
         device=DeviceMemory(dev["peak_bytes"], dev["method"], dev["parts"], acc.kind, budget, acc.meter.note),
         host=HostMemory(

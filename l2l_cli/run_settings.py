@@ -71,6 +71,7 @@ def trainer_settings(cfg: Any, steps: int, ident: dict[str, Any], title: str) ->
         title=title,
         save_best=tr.save_best,
         patience=tr.early_stopping_patience,
+        allow_base_change=bool(cfg.peft.allow_base_change),
     )
 
 
@@ -145,8 +146,8 @@ def run_config(cfg: Any, mode: ModeSpec, spec: ModelSpec, data: TaskData, world:
         train_samples=len(data.train),
         optimizer=cfg.optim.name,
         clip=run_clip(cfg),
-        device=cfg.device,
-        sim_memory_gb=cfg.sim.memory_gb if cfg.device == "sim" else None,
-        sim_link_gbps=cfg.sim.link_gbps if cfg.device == "sim" else None,
+        device=cfg.device.name,
+        sim_memory_gb=cfg.sim.memory_gb if cfg.device.name == "sim" else None,
+        sim_link_gbps=cfg.sim.link_gbps if cfg.device.name == "sim" else None,
         eps_tier=cfg.eps.tier if mode.host_state == "eps" else None,
     )

@@ -151,7 +151,7 @@ class DeviceMemory:
     method: str = "none"  # how it was measured (cuda_allocator_max_memory_allocated, ...)
     parts: dict[str, int] = field(default_factory=dict)  # breakdown at the peak
     kind: str | None = None  # cpu | cuda | sim
-    budget_bytes: int | None = None  # device=sim
+    budget_bytes: int | None = None  # device=sim's, or device.memory_gb's
     note: str | None = None  # how the peak was taken, when worth saying (sampled windows)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from l2l_cli.checkpoint import CheckpointError, identity
+from l2l_cli.checkpoint import BaseChanged, CheckpointError, identity
 from l2l_cli.config.schema import L2LConfig
 from l2l_cli.config.settings import Config, settings
 from l2l_cli.config.validate import require_valid
@@ -34,7 +34,8 @@ from l2l_cli.inherit import record_config_sum
 from l2l_cli.locks import DirLock, LockError, held
 from l2l_cli.loop import StopFlag, Trainer
 from l2l_cli.models import ModelSpec, PretrainedUnavailable, UnsupportedModel, make_spec
-from l2l_cli.models.hf import load_adapter, load_exported, load_pretrained
+from l2l_cli.models.hf import base_fingerprint, load_adapter, load_exported, load_pretrained
+from l2l_cli.models.lora import refresh_dora
 from l2l_cli.modes import (
     MODES,
     ModeSpec,
@@ -173,7 +174,8 @@ class Session:
             if cfg.peft.name != "none":  # LoRA adapters on a frozen base (models/lora.py)
                 from l2l_cli.models.lora import LoraSettings, with_lora
 
-                lora = LoraSettings.from_cfg(cfg.peft, base_from_checkpoint=bool(cfg.model.pretrained))
+                ref = cfg.model.pretrained  # the base the adapter is trained on, by its files' hashes
+                lora = LoraSettings.from_cfg(cfg.peft, bool(ref), base_fingerprint(ref) if ref else None)
                 self.model = with_lora(self.model, lora)
         except (UnsupportedModel, PretrainedUnavailable) as e:
             raise ConfigError([Problem("model.pretrained", str(e))]) from e
@@ -248,12 +250,15 @@ class Session:
         cfg = self.cfg
         assert self.mode is not None and self.model is not None and self.data is not None
         self.acc = make_accelerator(
-            cfg.device,
+            cfg.device.name,
             local_rank=self.dist.local_rank,
+            memory_gb=cfg.device.memory_gb,
             sim_memory_gb=cfg.sim.memory_gb,
             sim_link_gbps=cfg.sim.link_gbps,
             measure_memory=cfg.profile.memory,
             sample_memory=cfg.profile.memory_sample,
+            eps_threads=cfg.eps.threads,
+            update_kernel=cfg.eps.update_kernel,
         )
         self.summary.device = self.acc.describe()
         self.summary.world_size = self.dist.world
@@ -310,25 +315,35 @@ class Session:
 
     def _load_weights(self, path: Path) -> None:
         """A checkpoint (``checkpoints/step_<k>``: verified, of this model and state layout) or a Hugging
-        Face model directory (``final/``)."""
+        Face model directory (``final/``, ``best/``: every file against its checksums.json); a LoRA run's
+        base first, once it is known to be the one its adapter was trained on."""
         from l2l_cli import checkpoint as ckpt
+        from l2l_cli.models import lora_init
+        from l2l_cli.models.lora import lora_of
 
         assert self.runner is not None and self.model is not None and self.mode is not None
-        from l2l_cli.models import lora
-
-        adapted = lora.lora_of(self.model) is not None
-        if (
-            adapted and self.cfg.model.pretrained
-        ):  # the frozen base first: a run's files hold the adapter only
+        lora, manifest = lora_of(self.model), None
+        allow = lora is not None and lora.allow_base_change
+        try:
+            if (path / "manifest.json").is_file():
+                manifest = ckpt.verify(path)
+                ident = identity(self.model, self.mode, self.cfg.optim.name)
+                ckpt.check_identity(path, manifest, ident, allow)
+            else:
+                ckpt.verify_dir(path)
+                if lora is not None:  # an adapter of this run's rank, alpha, rsLoRA, targets; on its base
+                    lora_init.check(self.model, lora, path)
+                if lora is not None and not allow:
+                    ckpt.check_base(ckpt.recorded(path), lora.base_fingerprint, path)
+        except ckpt.BaseChanged as e:  # the adapter's base, checked before it is loaded
+            raise ConfigError([Problem("model.pretrained", str(e))]) from e
+        if lora is not None and self.cfg.model.pretrained:  # the frozen base first: the adapter's only
             load_pretrained(self.runner, self.cfg.model.pretrained)
-        if (path / "manifest.json").is_file():
-            manifest = ckpt.verify(path)
-            ckpt.check_identity(path, manifest, identity(self.model, self.mode, self.cfg.optim.name))
+        if manifest is not None:
             self.runner.load_state(path, manifest)
-        elif adapted:
+        elif lora is not None:
             load_adapter(self.runner, self.model, path)
         else:
-            ckpt.verify_dir(path)  # a run's final/: every file against its checksums.json
             load_exported(self.runner, path)
 
     def _make_loggers(self) -> None:
@@ -366,15 +381,26 @@ class Session:
                     load_pretrained(self.runner, cfg.model.pretrained)
                 try:
                     self.trainer.resume(Path(cfg.trainer.resume))
+                except BaseChanged as e:  # the adapter's base is not under model.pretrained any more
+                    raise ConfigError([Problem("model.pretrained", str(e))]) from e
                 except CheckpointError as e:
                     raise ConfigError([Problem("trainer.resume", str(e))]) from e
                 self.resumed = True
                 self._record_config()
+            elif (
+                cfg.peft.init_from
+            ):  # the base, then a saved adapter as the run's start (models/lora_init.py)
+                try:
+                    self._load_weights(Path(cfg.peft.init_from).expanduser())
+                except CheckpointError as e:
+                    raise ConfigError([Problem("peft.init_from", str(e))]) from e
             elif cfg.model.pretrained:
                 try:
                     load_pretrained(self.runner, cfg.model.pretrained)
                 except (CheckpointError, PretrainedUnavailable) as e:
                     raise ConfigError([Problem("model.pretrained", str(e))]) from e
+            if not (cfg.trainer.resume or cfg.peft.init_from):  # DoRA's magnitudes: the base it starts on
+                refresh_dora(self.runner, self.model)
 
     def _record_config(self) -> None:
         """A resumed run's config (its own, with this command's overrides) becomes the run's config, so a

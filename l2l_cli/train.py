@@ -87,8 +87,27 @@ def run_job(cfg: DictConfig, run_dir: Path, handle_sigint: bool = True) -> str:
             if summary.status == "ok":  # by the job the run already stopped on: the first one stands
                 summary.status, summary.error, summary.exit_code = "error", f"checkpoint: {e}", 2
                 session.problems = [str(e)]
+    if summary.status == "ok":
+        remove_encoded_base(session)
     write_outcome(session, time.perf_counter() - t_start)
     return summary.code
+
+
+def remove_encoded_base(session: Session) -> None:
+    """A finished LoRA run's frozen base encoded on disk (``peft.base_source=disk``) is removed unless
+    ``peft.keep_encoded_base`` keeps it for a resume to more steps or a next run on the same base and
+    ``eps.path``; a run that stopped short (a signal, an error, a kill) keeps it for its resume to reuse."""
+    from l2l_cli.engine.frozen_disk import remove_encoded
+    from l2l_cli.models.lora_settings import on_disk
+
+    peft = session.cfg.peft
+    if (
+        peft.name != "none"
+        and on_disk(peft.base_source)
+        and not peft.keep_encoded_base
+        and session.dist.rank == 0
+    ):
+        remove_encoded(session.tier.path)
 
 
 def write_outcome(session: Session, wall_s: float) -> None:

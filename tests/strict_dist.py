@@ -7,10 +7,14 @@ CUDA: ``pretend_nccl``), creates every group on gloo underneath, and checks each
 against the declared backend:
 
 - NCCL: every tensor must be a device tensor; gloo: every tensor a host tensor;
+- NCCL: the product's point-to-point ops only inside ``batch_isend_irecv`` (unbatched ops between two ranks
+  run in the order posted, safe only while both ranks' orders mirror; torch's own schedules are torch's);
 - an in-place op on a host tensor with a device operand, as CUDA refuses it (``copy_`` excepted: copies
   cross devices);
 - a pipeline's last stage returning another shape than it declared (``strict_stage_outputs``: torch up to
   2.12 checks it, 2.13 no longer does).
+
+Barriers are counted by their group's declared backend (``"nccl barrier"``), not refused.
 
 Which tensors are *device* tensors: the run's accelerator is given the device ``cpu:0`` (``DEVICE``): the
 same CPU, but factories asked for it show the index to a dispatch mode while host factories (no device, or
@@ -32,6 +36,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import sys
 import threading
 import weakref
 from collections import Counter
@@ -181,6 +186,7 @@ _COLLECTIVES = (
     "send",
     "recv",
 )
+_P2P = ("isend", "irecv", "send", "recv")
 # torch pickles objects into tensors on the device the *real* backend wants (gloo here: the host), and
 # moves them to the GPU itself on NCCL: their inner collectives are not checked
 _OBJECTS = ("all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list")
@@ -193,7 +199,8 @@ class StrictDist:
         self.tags, self.pretend_nccl = tags, pretend_nccl
         self.declared: dict[int, tuple[Any, str]] = {}  # id(group) -> (group, declared backend)
         self.default_backend = "gloo"
-        self.counts: Counter[str] = Counter()  # "<backend> <collective> <tensor kind>"
+        # "<backend> <collective> <tensor kind>": tensors checked; "... elements": their elements
+        self.counts: Counter[str] = Counter()
         self._batched = threading.local()
         self._objects_on = threading.local()
         self._inside = threading.local()
@@ -218,6 +225,7 @@ class StrictDist:
             "new_group",
             "batch_isend_irecv",
             "get_backend",
+            "barrier",
         ):
             orig[name] = getattr(c10d, name)
 
@@ -242,8 +250,13 @@ class StrictDist:
             finally:
                 self._batched.on = False
 
+        def barrier(group: Any = None, *args: Any, **kwargs: Any) -> Any:
+            self.counts[f"{self.backend_of(group)} barrier"] += 1  # which group's: a test can ask
+            return orig["barrier"](group, *args, **kwargs)
+
         # the product's view of the backend: torch's internals keep asking c10d (gloo's, the real one)
         mine = {
+            "barrier": barrier,
             "init_process_group": init_process_group,
             "new_group": new_group,
             "get_backend": get_backend,
@@ -278,6 +291,7 @@ class StrictDist:
             if getattr(self._objects_on, "on", False) or getattr(self._inside, "on", False):
                 return fn(*args, **kwargs)
             self._inside.on = True
+            self._inside.caller = sys._getframe(1).f_globals.get("__name__", "")
             try:
                 return check(*args, **kwargs)
             finally:
@@ -287,6 +301,14 @@ class StrictDist:
             bound = sig.bind(*args, **kwargs)
             group = bound.arguments.get("group")
             backend = self.backend_of(group)
+            ours = str(getattr(self._inside, "caller", "")).startswith(
+                "l2l_cli"
+            )  # (torch's warm-up is torch's)
+            if name in _P2P and backend == "nccl" and ours and not getattr(self._batched, "on", False):
+                raise StrictDistError(
+                    f"{name}: a point-to-point op on a group declared nccl outside batch_isend_irecv (NCCL "
+                    "runs two ranks' unbatched ops to each other in the order posted: they must mirror)"
+                )
             for key, value in bound.arguments.items():
                 if key in ("group", "op"):
                     continue
@@ -305,6 +327,7 @@ class StrictDist:
                             f"{backend} ({why})"
                         )
                     self.counts[f"{backend} {name} {kind}"] += 1
+                    self.counts[f"{backend} {name} {kind} elements"] += t.numel()
             return fn(*args, **kwargs)
 
         checked.__name__ = name

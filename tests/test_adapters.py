@@ -68,7 +68,17 @@ def hf_reference(cfg: Any, spec: Any, tmp: Path, batches: list[Batch]) -> dict[s
     else:
         hf = AutoModelForCausalLM.from_pretrained(tmp / "base")
     conf = adapter_config(spec, lora_of(spec))
-    keys = ("r", "lora_alpha", "lora_dropout", "target_modules", "modules_to_save", "fan_in_fan_out", "bias")
+    keys = (
+        "r",
+        "lora_alpha",
+        "lora_dropout",
+        "target_modules",
+        "modules_to_save",
+        "fan_in_fan_out",
+        "bias",
+        "use_rslora",
+        "use_dora",
+    )
     model = get_peft_model(hf, LoraConfig(**{k: v for k, v in conf.items() if k in keys}))
     init = LayeredModel(spec, seed=seed).hf_state_dict(trainable_only=True)
     result = set_peft_model_state_dict(model, {peft_key(n): t for n, t in init.items()})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from l2l_cli.compose import GROUPS, compose, group_options
 from l2l_cli.config.validate import validate
@@ -37,6 +38,7 @@ REQUIRED = {
     "precision": {"fp32", "amp", "cmp"},
     "task": {"cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "qnli", "rte", "wnli", "synthetic", "lm"},
     "optim": {"adamw", "lamb", "adamw8bit"},
+    "device": {"auto", "cpu", "cuda", "sim"},
 }
 
 
@@ -67,7 +69,11 @@ def test_group_option_composes_and_validates(path) -> None:
         extra.append("task=lm")  # decoders train language modelling
     cfg = compose([f"{group}={option}", *extra])
     assert cfg[group].name == (option if group not in ("mode",) else cfg.mode.name)
-    assert validate(cfg, check_files=bool(extra) and option != "chat") == []
+    problems = [str(p) for p in validate(cfg, check_files=bool(extra) and option != "chat")]
+    if (group, option) == ("device", "cuda") and not torch.cuda.is_available():
+        assert problems == ["device: cuda requested but no CUDA device is available; allowed: auto, cpu, sim"]
+        return
+    assert problems == []
 
 
 def test_x_family_derives_sizes() -> None:
@@ -119,7 +125,12 @@ def messages(*overrides: str, multirun: bool = False) -> str:
             ["task=rte", "task.data_dir=/nonexistent/RTE"],
             "task.data_dir: /nonexistent/RTE is not a directory",
         ),
-        (["device=tpu"], "device: got 'tpu'; allowed: auto, cpu, cuda, sim"),
+        (["device=tpu"], "device: unknown option 'tpu'; allowed: auto, cpu, cuda, sim"),
+        (["device.memory_gb=0"], "device.memory_gb: got 0.0; must be > 0"),
+        (
+            ["device=sim", "device.memory_gb=2"],
+            "device.memory_gb: device=sim has its budget in sim.memory_gb",
+        ),
         (["sim.memory_gb=-1"], "sim.memory_gb: got -1.0; must be > 0"),
         (["model.dropout=1.5"], "model.dropout: got 1.5; must be in [0, 1)"),
         (["trainer.max_steps=0"], "trainer.max_steps: got 0; must be >= 1, or -1"),
@@ -165,8 +176,10 @@ def test_missing_and_malformed_data_files(tmp_path) -> None:
 
 
 def test_every_problem_reported_at_once() -> None:
-    out = messages("batch.size=30", "batch.ubatch_size=7", "model.num_layers=0", "optim.lr=-1", "device=gpu")
-    for key in ("batch.ubatch_size", "model.num_layers", "optim.lr", "device"):
+    out = messages(
+        "batch.size=30", "batch.ubatch_size=7", "model.num_layers=0", "optim.lr=-1", "device.memory_gb=-1"
+    )
+    for key in ("batch.ubatch_size", "model.num_layers", "optim.lr", "device.memory_gb"):
         assert key in out
 
 
@@ -258,3 +271,20 @@ def test_bert_large_width_trains_at_its_default_rate_and_diverges_at_1e_3() -> N
             return max(runner.step(next(it)).loss for _ in range(4))
 
     assert worst() < 1.0 and worst("optim.lr=1e-3") > 2.0
+
+
+def test_a_run_saved_before_device_was_a_group_keeps_its_device(tmp_path) -> None:
+    """``device`` is a group now (``device=cuda`` still selects it; ``device.memory_gb`` is its key); a run
+    saved with ``device: sim`` as a string resumes and evaluates on that device."""
+    from omegaconf import OmegaConf
+
+    from l2l_cli.inherit import inherit, record_config_sum, saved_config
+
+    old = OmegaConf.to_container(compose([]), resolve=True)
+    old["device"] = "sim"  # as .hydra/config.yaml held it
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(old))
+    record_config_sum(tmp_path)
+    saved = saved_config(tmp_path)
+    assert saved.device.name == "sim"
+    assert inherit(saved, []).device.name == "sim" and inherit(saved, ["device=cpu"]).device.name == "cpu"

@@ -101,6 +101,31 @@ def test_sim_budget_baseline_ooms_while_l2l_stash_cpu_trains(tmp_path, mode: str
         assert set(memory["device"]["parts"]) >= {"layer_slots", "workspace"}
 
 
+@pytest.mark.parametrize(("mode", "status"), [("baseline_ag", "oom"), ("l2l_stash_cpu", "ok")])
+def test_a_cpu_device_budget_is_enforced_as_the_sims(tmp_path, mode: str, status: str) -> None:
+    """``device.memory_gb`` on a CPU device tier: the meter enforces it op by op as ``device=sim`` does its
+    ``sim.memory_gb`` (an out-of-memory past it; the CPU's copies stay inline), and memory.json reports it
+    beside the peak."""
+    cfg = tiny_cfg(
+        f"mode={mode}",
+        "model.num_layers=48",
+        "model.hidden_size=64",
+        "model.intermediate_size=256",
+        "device=cpu",
+        "device.memory_gb=0.01",
+        "trainer.max_steps=2",
+        "task.num_train=64",
+        "task.num_eval=16",
+    )
+    assert run_job(cfg, tmp_path) == status
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    memory = json.loads((tmp_path / "memory.json").read_text())
+    assert memory["device"]["budget_bytes"] == int(0.01 * 2**30) and summary["device"].startswith("cpu (0.01")
+    if status == "ok":
+        assert memory["device"]["peak_bytes"] <= memory["device"]["budget_bytes"]
+        assert memory["device"].get("note") is None  # every op metered: a budget is not sampled
+
+
 # ---- the meter: sampled vs every op, windows, CUDA's parts ---------------------------------------------
 
 

@@ -134,6 +134,8 @@ def test_a_slow_disk_bounds_the_step_and_is_waited_for() -> None:
             "peft.target_modules=[query,key,value,dense]",
             "peft.modules_to_save=[classifier]",
         ],
+        ["model=bert-tiny", "peft.target_modules=[query,value]"],  # the classifier trains (PEFT's SEQ_CLS)
+        ["model=llama-tiny", "task=lm", "peft.target_modules=[q_proj,v_proj]", "peft.use_dora=true"],
     ],
 )
 def test_the_adapter_count_is_what_lora_injects(args: list[str]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from itertools import islice
 
 import pytest
 import torch
@@ -59,16 +60,28 @@ def test_overflow_skips_step_without_touching_master() -> None:
 
 def test_cmp_gradients_cross_the_link_in_half_precision() -> None:
     """The gradient leaves the device in its half type (2 bytes per parameter over the link, counted as
-    such) and becomes FP32 on the host, in the EPS; the master stays FP32."""
+    such, beside its FP32 norm: 4 bytes a layer) and the host's update reads it as it arrived: never
+    widened into the FP32 buffer, never scaled in place. The FP32 master equals, bit for bit, what the
+    update as torch ops makes of it (widened, unscaled, torch's fused AdamW, the half copy)."""
+    ref_cfg = tiny_cfg("mode=l2l", "precision=cmp", "eps.update_kernel=torch")
+    with built(ref_cfg) as ref:
+        assert ref.eps.passes.kernel == "torch"
+        for b in islice(batches(ref_cfg), 2):
+            assert not ref.step(b).skipped
+        want = [(st.w.clone(), st.m.clone(), st.v.clone(), st.w_send.clone()) for st in ref.eps.layers]
     cfg = tiny_cfg("mode=l2l", "precision=cmp")
     with built(cfg) as runner:
-        assert not runner.step(next(batches(cfg))).skipped
-        params = sum(st.w.numel() for st in runner.eps.layers)
-        assert runner.acc.d2h.bytes == 2 * params
-        unscale = 1.0 / runner.precision.scaler.scale  # the update unscaled the FP32 gradient in place
-        for st in runner.eps.layers:
-            assert st.g_recv.dtype == torch.bfloat16 and st.g.dtype == torch.float32
-            torch.testing.assert_close(st.g_recv.float() * unscale, st.g, rtol=0, atol=0)  # widened exactly
+        layers = runner.eps.layers
+        for b in islice(batches(cfg), 2):
+            assert not runner.step(b).skipped
+        params = sum(st.w.numel() for st in layers)
+        assert runner.acc.d2h.bytes == 2 * (2 * params + 4 * sum(1 for st in layers if st.w.numel()))
+        assert runner.eps.passes.kernel == "native" and runner.eps.passes.bytes.get("widen", 0) == 0
+        for st, (w, m, v, send) in zip(layers, want):
+            assert st.g_recv.dtype == torch.bfloat16 and st.w.dtype == torch.float32
+            assert not st.widened and st.grad is st.g_recv
+            for got, exp in ((st.w, w), (st.m, m), (st.v, v), (st.w_send, send)):
+                assert torch.equal(got, exp)
 
 
 def test_the_eps_norm_is_accurate_and_the_same_on_any_thread_count() -> None:

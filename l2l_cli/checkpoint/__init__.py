@@ -18,8 +18,9 @@ most the step in flight.
 The package, one concern a module: ``manifest`` (the manifest, the identity and integrity checks, reading
 a file checked), ``io`` (fsynced and streamed writes on the disk tier's aligned buffers, the atomic
 directory swap), ``commit`` (writing a checkpoint, an exported directory), ``layout`` (the module layout
-by Hugging Face name), ``rng`` (RNG states), ``discovery`` (finding, pruning, cleaning up) and
-``realtime`` (the real-time writer). The names below are its public interface.
+by Hugging Face name), ``rng`` (RNG states), ``discovery`` (finding, pruning, cleaning up),
+``realtime`` (the real-time writer) and ``fingerprint`` (the files of the base a LoRA adapter needs, by
+size and hash). The names below are its public interface.
 """
 
 from l2l_cli.checkpoint.commit import DIR_CHECKSUMS, Written, save, save_dir, shard_dir, verify_dir
@@ -31,11 +32,14 @@ from l2l_cli.checkpoint.discovery import (
     remove_stale,
     run_dir_of_checkpoint,
 )
+from l2l_cli.checkpoint.fingerprint import FINGERPRINT_FILE, fingerprint, recorded
 from l2l_cli.checkpoint.io import recover_dir, replace_dir, tensors_bytes, write_bytes, write_tensors
 from l2l_cli.checkpoint.layout import MOMENTS_FILE, WEIGHTS_FILE, ModuleState, module_state_files
 from l2l_cli.checkpoint.manifest import (
     FORMAT,
+    BaseChanged,
     CheckpointError,
+    check_base,
     check_identity,
     identity,
     read_checked,
@@ -44,26 +48,32 @@ from l2l_cli.checkpoint.manifest import (
     verify_manifest,
 )
 from l2l_cli.checkpoint.realtime import RealtimeWriter
-from l2l_cli.checkpoint.rng import rng_state, set_rng_state
+from l2l_cli.checkpoint.rng import rank_rng, rng_state, set_rng_state
 
 __all__ = [
     "DIR_CHECKSUMS",
+    "FINGERPRINT_FILE",
     "FORMAT",
     "MOMENTS_FILE",
     "WEIGHTS_FILE",
+    "BaseChanged",
     "CheckpointError",
     "ModuleState",
     "RealtimeWriter",
     "Written",
     "candidates",
+    "check_base",
     "check_identity",
     "find_latest_run",
+    "fingerprint",
     "identity",
     "latest_valid",
     "module_state_files",
     "prune",
+    "rank_rng",
     "read_checked",
     "read_tensors",
+    "recorded",
     "recover_dir",
     "remove_stale",
     "replace_dir",

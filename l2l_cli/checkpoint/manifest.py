@@ -54,17 +54,26 @@ def read_checked(ckpt: Path, name: str, manifest: dict[str, Any]) -> bytes:
 
 def identity(model: Any, mode: Any, optimizer: str) -> dict[str, Any]:
     """What must match for a checkpoint to load: the model's family and shape (``ModelSpec.identity``), the
-    mode's state layout (``ModeSpec.state_layout``: modes sharing one resume each other's) and optimizer."""
-    return {
+    mode's state layout (``ModeSpec.state_layout``: modes sharing one resume each other's) and optimizer;
+    and a LoRA model's ``base``, the fingerprint of its frozen base (:func:`check_base`)."""
+    out = {
         "model": model.identity(),
         "family": model.family,
         "state_layout": mode.state_layout,
         "optimizer": optimizer,
         "mode": mode.name,
     }
+    base = model.base_fingerprint()
+    if base is not None:
+        out["base"] = base
+    return out
 
 
-def check_identity(ckpt: Path, manifest: dict[str, Any], want: dict[str, Any]) -> None:
+def check_identity(
+    ckpt: Path, manifest: dict[str, Any], want: dict[str, Any], allow_base_change: bool = False
+) -> None:
+    """The checkpoint's model shape, state layout and optimizer are ``want``'s, and a LoRA adapter's base
+    is the one it was trained on (unless ``allow_base_change``: ``peft.allow_base_change``)."""
     if manifest.get("family", want["family"]) != want["family"]:  # written before families: BERT
         raise CheckpointError(f"{ckpt} holds a {manifest.get('family')} model; this run is {want['family']}")
     have_model, want_model = manifest.get("model", {}), want["model"]
@@ -84,6 +93,45 @@ def check_identity(ckpt: Path, manifest: dict[str, Any], want: dict[str, Any]) -
     if manifest.get("optimizer") != want["optimizer"]:
         raise CheckpointError(
             f"{ckpt} holds {manifest.get('optimizer')} state; this run uses optim={want['optimizer']}"
+        )
+    if not allow_base_change:
+        check_base(manifest.get("base"), want.get("base"), ckpt)
+
+
+class BaseChanged(CheckpointError):
+    """The base under ``model.pretrained`` is not the one a LoRA adapter was trained on."""
+
+
+def differences(then: dict[str, Any], now: dict[str, Any] | None) -> list[str]:
+    """What differs between the recorded fingerprint ``then`` and ``now`` (None: no base now), one phrase
+    each; the place of the checkpoint does not count, only its files."""
+    if now is None:
+        return [f"this run has no model.pretrained; the adapter was trained on {then.get('pretrained')}"]
+    a, b = then.get("files", {}), now.get("files", {})
+    out = [f"{n}: missing now" for n in sorted(a) if n not in b]
+    out += [f"{n}: not in the base the adapter was trained on" for n in sorted(b) if n not in a]
+    for n in sorted(set(a) & set(b)):
+        if a[n].get("bytes") != b[n].get("bytes"):
+            out.append(f"{n}: {a[n].get('bytes')} bytes when trained, {b[n].get('bytes')} now")
+        elif a[n].get("xxh3_128") != b[n].get("xxh3_128"):
+            was, new = a[n].get("xxh3_128"), b[n].get("xxh3_128")
+            out.append(f"{n}: its contents differ (xxh3-128 {was} when trained, {new} now)")
+    return out
+
+
+def check_base(then: dict[str, Any] | None, now: dict[str, Any] | None, where: Path | str) -> None:
+    """Refuse (:class:`BaseChanged`) a base ``now`` (checkpoint/fingerprint.py) whose files differ from
+    ``then``, the fingerprint recorded with the adapter in ``where`` (None: recorded before fingerprints,
+    or a base built from the seed)."""
+    if then is None:
+        return
+    diff = differences(then, now)
+    if diff:
+        more = f" (and {len(diff) - 2} more)" if len(diff) > 2 else ""
+        ref = now.get("pretrained") if now is not None else None
+        raise BaseChanged(
+            f"{ref or '(none)'} is not the base {where} was trained on: {'; '.join(diff[:2])}{more}; "
+            "give the run's base, or peft.allow_base_change=true to use this one anyway"
         )
 
 

@@ -17,6 +17,7 @@ from l2l_cli.engine.tiers import TIERS, TierKind
 from l2l_cli.models import (
     UnsupportedModel,
     lora,
+    lora_init,
     lora_settings,
     make_spec,
 )
@@ -30,14 +31,25 @@ from l2l_cli.rundir import logger_problems
 @check("device")
 def _device(cfg: Config, check_files: bool) -> list[Problem]:
     p: list[Problem] = []
-    one_of(p, "device", cfg.device, DEVICES)
+    d = cfg.device
+    one_of(p, "device.name", d.name, DEVICES)
     one_of(p, "scale", cfg.scale, SCALES)
-    if cfg.device == "cuda":
-        from l2l_cli.engine.device import cuda_available
+    gpu = d.name == "cuda" or (d.name == "auto" and d.memory_gb is not None)  # (else no torch imported)
+    if gpu:
+        from l2l_cli.engine.device import cuda_available, cuda_total_memory
 
-        if not cuda_available():
+        gpu = cuda_available()
+        if d.name == "cuda" and not gpu:
             p.append(
                 Problem("device", "cuda requested but no CUDA device is available; allowed: auto, cpu, sim")
+            )
+    if d.memory_gb is not None:
+        positive(p, "device.memory_gb", d.memory_gb)
+        if d.name == "sim":
+            p.append(Problem("device.memory_gb", "device=sim has its budget in sim.memory_gb; set that"))
+        elif gpu and d.memory_gb * 2**30 > (total := cuda_total_memory(0)):
+            p.append(
+                Problem("device.memory_gb", f"got {d.memory_gb:g}; this GPU has {total / 2**30:.1f} GiB")
             )
     positive(p, "sim.memory_gb", cfg.sim.memory_gb)
     positive(p, "sim.link_gbps", cfg.sim.link_gbps)
@@ -60,6 +72,7 @@ def _dist(cfg: Config, check_files: bool) -> list[Problem]:
     at_least(p, "dist.layers_per_stage", d.layers_per_stage, 1)
     one_of(p, "dist.placement", d.placement, PLACEMENTS)
     one_of(p, "dist.schedule", d.schedule, PIPE_SCHEDULES)
+    p.extend(_gpus_for_ranks(cfg))
     if not p:  # the strategies' cross-field rules (pipeline: P divides nproc, #ubatches >= P, ...)
         for strategy in PARALLEL.values():
             p.extend(strategy.validate(cfg))
@@ -76,6 +89,28 @@ def _dist(cfg: Config, check_files: bool) -> list[Problem]:
     return p
 
 
+def _gpus_for_ranks(cfg: Config) -> list[Problem]:
+    """One GPU per rank: more ranks than this machine's CUDA devices would put two on one GPU (NCCL stops
+    at its first collective; an EPS run would train until its stop)."""
+    if cfg.dist.nproc <= 1 or cfg.device.name not in ("auto", "cuda"):
+        return []
+    from l2l_cli.engine.device import cuda_device_count
+
+    gpus = cuda_device_count()
+    if not gpus or cfg.dist.nproc <= gpus:
+        return []
+    return [
+        Problem(
+            "dist.nproc",
+            f"{cfg.dist.nproc} ranks on {gpus} GPU{'s' if gpus > 1 else ''}: each rank needs a GPU of "
+            f"its own (CUDA_VISIBLE_DEVICES counts); allowed: at most {gpus}, or device=cpu",
+        )
+    ]
+
+
+UPDATE_KERNELS = ("auto", "native", "torch")  # eps.update_kernel (engine/host_passes.py)
+
+
 @check("eps")
 def _eps(cfg: Config, check_files: bool) -> list[Problem]:
     """The EPS's storage tier: every tier's keys, the selected tier's own rules (its ``TierKind``) and the
@@ -85,6 +120,16 @@ def _eps(cfg: Config, check_files: bool) -> list[Problem]:
     p: list[Problem] = []
     e = cfg.eps
     one_of(p, "eps.tier", e.tier, tuple(TIERS))
+    one_of(p, "eps.update_kernel", e.update_kernel, UPDATE_KERNELS)
+    at_least(p, "eps.threads", e.threads, 0, "(0: the device's default)")
+    if e.update_kernel == "native":
+        from l2l_cli.engine.host_passes import native_available
+
+        ok, why = native_available()
+        if not ok:
+            p.append(
+                Problem("eps.update_kernel", f"native: the kernel is unavailable here ({why}); use auto")
+            )
     for kind in TIERS.values():
         p.extend(kind.check_keys(cfg))
     tier = TIERS.get(e.tier)
@@ -139,12 +184,19 @@ def _peft(cfg: Config, check_files: bool) -> list[Problem]:
                     f"({with_eps}), not mode={spec.name}",
                 )
             )
+    tier = TIERS.get(cfg.eps.tier)
+    own_folder = tier is not None and not tier.on_disk  # (a disk tier checks its folder itself)
+    if check_files and cfg.eps.path and lora_settings.on_disk(cfg.peft.base_source) and own_folder:
+        p.extend(lora_settings.base_folder_problems(str(cfg.eps.path)))
     if cfg.task.name in TASKS and not (cfg.model.pretrained and not check_files):
         try:
             model = make_spec(cfg.model, TASKS[cfg.task.name].num_labels)
         except (UnsupportedModel, OSError, ValueError, KeyError):
             return p  # the model's own check says why
-        p.extend(lora.problems(model, lora.LoraSettings.from_cfg(cfg.peft)))
+        settings = lora.LoraSettings.from_cfg(cfg.peft)
+        p.extend(lora.problems(model, settings))
+        if cfg.peft.init_from and check_files and not p:  # the saved adapter is this run's kind
+            p.extend(lora_init.init_problems(model, lora.for_model(model, settings), str(cfg.peft.init_from)))
     return p
 
 

@@ -187,6 +187,18 @@ class TrainerConfig:
 
 
 @dataclass
+class DeviceConfig:
+    """Where the run executes (``device=auto|cpu|cuda|sim``, the group) and how much of its memory it may
+    use (``device.memory_gb``: a larger card run as a smaller one)."""
+
+    name: str = "auto"  # auto (CUDA when present, else the CPU) | cpu | cuda | sim (a simulated accelerator)
+    # the device memory the run may use, GiB (unset: all of it). cuda: the caching allocator's cap
+    # (torch.cuda.set_per_process_memory_fraction; the CUDA context is beyond it); cpu: the meter enforces
+    # it as the simulator does (an out-of-memory past it); sim: its budget is sim.memory_gb
+    memory_gb: float | None = None
+
+
+@dataclass
 class SimConfig:
     """Simulated accelerator: a device-memory budget and a host<->device link, on the CPU."""
 
@@ -226,6 +238,13 @@ class EpsConfig:
     # kept, a clipped step runs again from its start with the factor known; auto: keep while a recent
     # step's norm came within half of optim.max_grad_norm, else replay
     clip_redo: str = "auto"
+    # the host update's threads (0: the device's default: on CUDA every core of this rank's share but one,
+    # which the compute thread keeps for launching kernels; on a CPU device half of them)
+    threads: int = 0
+    # AdamW's host update: native (one pass, a C kernel built with the machine's compiler on first use),
+    # torch (torch ops, several passes), auto (native where it builds and equals torch's fused AdamW bit for
+    # bit here, else torch)
+    update_kernel: str = "auto"
 
 
 @dataclass
@@ -250,6 +269,19 @@ class PeftConfig:
     base_source: str = (
         "host"  # host (RAM) | disk (L2L modes: each frozen layer read from files as it is needed)
     )
+    use_rslora: bool = False  # rank-stabilized LoRA (PEFT's): the update scaled by alpha / sqrt(r)
+    use_dora: bool = False  # DoRA (PEFT's): a trained magnitude per output channel beside the adapters
+    # a saved adapter (PEFT's layout: a run's final/, or anyone's save_pretrained) the run starts from; its
+    # adapter_config.json must match r, alpha, use_rslora and target_modules
+    init_from: str | None = None
+    # the adapters' init: true (PEFT's: lora_A Kaiming-uniform, lora_B zero) | gaussian (lora_A ~ N(0, 1/r))
+    init_lora_weights: Any = True
+    # true: use the adapter on a model.pretrained whose files differ from the base it was trained on
+    # (a resume, eval, predict, generate, export); false refuses that base in one line
+    allow_base_change: bool = False
+    # base_source=disk: true keeps <eps.path>/frozen_base after a finished run (a resume to more steps or a
+    # next run on the same base and eps.path reuses it); a run that stops short always keeps it
+    keep_encoded_base: bool = False
 
 
 @dataclass
@@ -346,7 +378,7 @@ class L2LConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
-    device: str = "auto"  # auto | cpu | cuda | sim (a simulated accelerator)
+    device: DeviceConfig = field(default_factory=DeviceConfig)  # device=auto|cpu|cuda|sim, device.memory_gb
     logger: Any = "auto"  # csv | tensorboard | wandb | none, or several: [csv,wandb]; auto: csv + tensorboard
     scale: str = "cpu"  # recipes/: cpu (minutes on a small CPU) | paper (the papers' sizes); see l2l.pick
 

@@ -12,8 +12,6 @@ copy engines, seed dropout through it, and measure with its meter.
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -21,6 +19,9 @@ from typing import Any
 
 import torch
 
+from l2l_cli.engine.copies import AllOf, CopyEngine, CopyHandle, LinkCopyEngine, same_dtype
+from l2l_cli.engine.host_passes import HostPasses
+from l2l_cli.problems import ConfigError, Problem
 from l2l_cli.profiling.memory import CudaMeter, DeviceOutOfMemory, MemoryMeter, StorageMeter
 
 # ---- torch.cuda, in one place: the CPU, sim and CUDA paths differ here (tests/test_architecture.py) ------
@@ -51,14 +52,50 @@ def timing_event() -> Any:
     return torch.cuda.Event(enable_timing=True)
 
 
-def cuda_rng_states() -> list[torch.Tensor] | None:
-    """Every CUDA device's RNG state (None without CUDA)."""
-    return torch.cuda.get_rng_state_all() if cuda_available() else None
+_SPIN_CYCLES: dict[int, float] = {}  # a CUDA device's spin-kernel cycles per second, timed once
 
 
-def set_cuda_rng_states(states: list[torch.Tensor]) -> None:
-    if cuda_available():
-        torch.cuda.set_rng_state_all(states)
+def keep_busy(device: torch.device, seconds: float) -> None:
+    """Occupy ``device`` for ``seconds`` as a layer's chunk does: on CUDA a kernel spins on the GPU (queued,
+    the host returns at once, and the stream's events time it); elsewhere the host's core spins."""
+    if device.type != "cuda":
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+        return
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SPIN_CYCLES:  # the spin's rate, on this device's clock
+        n, a, b = 1 << 22, timing_event(), timing_event()
+        torch.cuda._sleep(n)  # warm-up
+        a.record()
+        torch.cuda._sleep(n)
+        b.record()
+        b.synchronize()
+        _SPIN_CYCLES[i] = n / max(a.elapsed_time(b) / 1e3, 1e-9)
+    torch.cuda._sleep(int(seconds * _SPIN_CYCLES[i]))
+
+
+def own_cuda_index(device: torch.device | None) -> int | None:
+    """The index of this rank's CUDA device (``device``; None: the current one, which the accelerator set),
+    or None off CUDA."""
+    if not cuda_available() or (device is not None and device.type != "cuda"):
+        return None
+    return device.index if device is not None and device.index is not None else torch.cuda.current_device()
+
+
+def cuda_rng_state(device: torch.device | None = None) -> torch.Tensor | None:
+    """The RNG state of this rank's own CUDA device (None off CUDA). Only its own: another rank draws on
+    the other devices, and a resume may see fewer of them (one GPU instead of two, a narrower
+    ``CUDA_VISIBLE_DEVICES``)."""
+    index = own_cuda_index(device)
+    return None if index is None else torch.cuda.get_rng_state(index)
+
+
+def set_cuda_rng_state(state: torch.Tensor, device: torch.device | None = None) -> None:
+    """Restore this rank's own CUDA device's RNG state (nothing off CUDA)."""
+    index = own_cuda_index(device)
+    if index is not None:
+        torch.cuda.set_rng_state(state, index)
 
 
 class CudaAllocator:
@@ -76,136 +113,6 @@ class CudaAllocator:
 
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
-
-
-class CopyHandle:
-    """A copy in flight; ``wait()`` blocks until its destination may be used by the caller;
-    ``wait_device()`` only orders the device's later work after it (a stream wait on CUDA; on a CPU device
-    tier, where the host is the device, the same as ``wait()``)."""
-
-    def wait(self) -> None:
-        return None
-
-    def wait_device(self) -> None:
-        self.wait()
-
-    def done(self) -> bool:
-        return True
-
-
-DONE = CopyHandle()
-
-
-class AllOf(CopyHandle):
-    """Several copies that one consumer waits for together (a layer loaded in pieces)."""
-
-    __slots__ = ("handles",)
-
-    def __init__(self, *handles: CopyHandle):
-        self.handles = handles
-
-    def wait(self) -> None:
-        for h in self.handles:
-            h.wait()
-
-    def wait_device(self) -> None:
-        for h in self.handles:
-            h.wait_device()
-
-    def done(self) -> bool:
-        return all(h.done() for h in self.handles)
-
-
-class CopyEngine:
-    """Inline copies (CPU device): the copy happens in ``copy()``; the handle is already done."""
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self.busy_s = 0.0
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> CopyHandle:
-        """Copy ``src`` into ``dst`` (same dtype: a conversion belongs on one side of the link, never
-        on it) once ``after`` (a CopyHandle, or a CUDA event) is done."""
-        _same_dtype(dst, src)
-        if isinstance(after, CopyHandle):
-            after.wait()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        self.busy_s += time.perf_counter() - t0
-        self.bytes += src.nbytes
-        return DONE
-
-    def close(self) -> None:
-        return None
-
-
-class _ThreadHandle(CopyHandle):
-    __slots__ = ("error", "event")
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.error: BaseException | None = None
-
-    def wait(self) -> None:
-        self.event.wait()
-        if self.error is not None:
-            raise self.error
-
-    def done(self) -> bool:
-        return self.event.is_set()
-
-
-class LinkCopyEngine(CopyEngine):
-    """A copy engine thread behind a link of ``gbps`` GB/s: each copy takes max(memcpy, bytes / bandwidth).
-
-    Copies run in submission order (one DMA queue per direction), so a prefetch issued early overlaps the
-    compute that follows it, and a wait on it measures exactly the transfer time compute could not hide.
-    """
-
-    def __init__(self, gbps: float, name: str):
-        super().__init__()
-        self.bytes_per_s = gbps * 1e9
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=f"l2l-copy-{name}", daemon=True)
-        self._thread.start()
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> CopyHandle:
-        _same_dtype(dst, src)
-        h = _ThreadHandle()
-        self._q.put((dst, src, h, after if isinstance(after, CopyHandle) else None))
-        return h
-
-    def _run(self) -> None:
-        while True:
-            job = self._q.get()
-            if job is None:
-                return
-            dst, src, h, after = job
-            try:
-                if after is not None:  # e.g. a stash coming back waits for its trip out (the other engine)
-                    after.wait()
-            except BaseException as e:
-                h.error = e
-                h.event.set()
-                continue
-            t0 = time.perf_counter()
-            try:
-                with torch.no_grad():
-                    dst.copy_(src)
-                link_s = src.nbytes / self.bytes_per_s
-                rest = link_s - (time.perf_counter() - t0)
-                if rest > 0:
-                    time.sleep(rest)
-                self.bytes += src.nbytes
-            except BaseException as e:  # surfaced to the waiter
-                h.error = e
-            self.busy_s += time.perf_counter() - t0
-            del dst, src
-            h.event.set()
-
-    def close(self) -> None:
-        self._q.put(None)
-        self._thread.join(timeout=5)
 
 
 class _CudaHandle(CopyHandle):
@@ -241,7 +148,7 @@ class CudaCopyEngine(CopyEngine):
         done with), or another copy's handle (an event dependency between the streams, never a host wait;
         the copy also follows the compute queued so far), or, without one, after the compute queued so far.
         The host side must be pinned for the copy to be asynchronous."""
-        _same_dtype(dst, src)
+        same_dtype(dst, src)
         producer = torch.cuda.current_stream()
         with torch.cuda.stream(self.stream):
             if after is None or isinstance(after, CopyHandle):
@@ -260,21 +167,30 @@ class CudaCopyEngine(CopyEngine):
         return _CudaHandle(ev, host=self.to_host)
 
 
-def _same_dtype(dst: torch.Tensor, src: torch.Tensor) -> None:
-    if dst.dtype != src.dtype:
-        raise ValueError(
-            f"a copy over the link converts {src.dtype} to {dst.dtype}: convert on one side (CMP gradients "
-            "cross in half precision and become FP32 on the host)"
-        )
-
-
 class Accelerator:
     """The CPU as the device tier (and the base of the others)."""
 
     kind = "cpu"
 
-    def __init__(self, device: torch.device, meter: MemoryMeter, h2d: CopyEngine, d2h: CopyEngine):
+    def __init__(
+        self,
+        device: torch.device,
+        meter: MemoryMeter,
+        h2d: CopyEngine,
+        d2h: CopyEngine,
+        budget_gb: Any = None,
+    ):
         self.device, self.meter, self.h2d, self.d2h = device, meter, h2d, d2h
+        self.eps_threads, self.update_kernel = 0, "auto"  # eps.threads (0: the default), eps.update_kernel
+        self._passes: HostPasses | None = None
+        # the device memory the run may use (device.memory_gb, sim.memory_gb; None: all the device has)
+        self.budget_bytes = None if budget_gb is None else int(budget_gb * 2**30)
+
+    @property
+    def host_passes(self) -> HostPasses:
+        """The host's passes over the EPS's buffers (the one-pass update, counted), on ``host_threads``."""
+        self._passes = self._passes or HostPasses(self.host_threads, self.update_kernel)
+        return self._passes
 
     @property
     def half_dtype(self) -> torch.dtype:
@@ -292,8 +208,10 @@ class Accelerator:
         at once, so the relay needs no second gradient buffer for one leaving while the next is computed."""
         return type(self.d2h) is CopyEngine
 
-    def host_empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """A host-tier buffer (not device memory): pinned where that speeds up copies."""
+    def host_empty(self, numel: int, dtype: torch.dtype = torch.float32, link: bool = False) -> torch.Tensor:
+        """A host-tier buffer (not device memory). ``link``: copies to or from the device read or write it
+        (a send copy, a receive buffer, a stash): pinned, to its exact size, where that makes the copies
+        asynchronous; the rest (masters, moments, undo sets) stays plain pageable memory."""
         with self.meter.paused():
             return torch.empty(numel, dtype=dtype)
 
@@ -319,10 +237,17 @@ class Accelerator:
         a phase's kernels land in that phase). Nothing to wait for off CUDA."""
         return None
 
-    def free_bytes(self) -> float | None:
-        """Device memory still free for activations (None: the device is the host, whose budget the
-        runner is given: ``mode.activation_budget_gb``)."""
+    def bind_thread(self) -> None:
+        """The calling thread works for this device (a thread the run starts, first thing): on CUDA a new
+        thread's current device is cuda:0 whatever the rank's, so a wait, stream or pinned buffer it made
+        would land on another rank's GPU. Nothing to bind off CUDA."""
         return None
+
+    def free_bytes(self) -> float | None:
+        """Device memory still free for activations: the budget less what the meter counts live now (the
+        relay's slots, once built); None without one (the device is the host, whose budget the runner is
+        given: ``mode.activation_budget_gb``)."""
+        return None if self.budget_bytes is None else float(self.budget_bytes - self.meter.current_bytes)
 
     def record_event(self) -> Any:
         return None
@@ -335,10 +260,10 @@ class Accelerator:
 
     @property
     def host_threads(self) -> int:
-        """Intra-op threads for the EPS's own thread. Here the device *is* the host's cores: the EPS
-        takes a share instead of a full team, since two OpenMP teams on the same cores spin against
-        each other and slow both sides down several-fold."""
-        return max(1, torch.get_num_threads() // 2)
+        """Threads of the EPS's host work (``eps.threads``; 0: the device's default). Here the device *is*
+        the host's cores: the EPS takes a share instead of a full team, since two OpenMP teams on the
+        same cores spin against each other and slow both sides down several-fold."""
+        return self.eps_threads or max(1, torch.get_num_threads() // 2)
 
     @contextmanager
     def running(self) -> Iterator[Accelerator]:
@@ -349,9 +274,11 @@ class Accelerator:
         finally:
             self.h2d.close()
             self.d2h.close()
+            if self._passes is not None:
+                self._passes.close()
 
     def describe(self) -> str:
-        return "cpu"
+        return "cpu" + (f" ({self.budget_bytes / 2**30:g} GiB device budget)" if self.budget_bytes else "")
 
 
 class SimAccelerator(Accelerator):
@@ -363,29 +290,53 @@ class SimAccelerator(Accelerator):
             StorageMeter(budget_bytes=int(memory_gb * 2**30)),
             LinkCopyEngine(link_gbps, "h2d"),
             LinkCopyEngine(link_gbps, "d2h"),
+            memory_gb,
         )
         self.memory_gb, self.link_gbps = memory_gb, link_gbps
-
-    def free_bytes(self) -> float | None:
-        """The budget less what the meter counts live now (the relay's slots, once built)."""
-        return float(int(self.memory_gb * 2**30) - self.meter.current_bytes)
 
     def describe(self) -> str:
         return f"sim ({self.memory_gb:g} GiB device budget, {self.link_gbps:g} GB/s link per direction)"
 
 
+def pin_exact(t: torch.Tensor) -> torch.Tensor:
+    """Page-lock ``t``'s memory where it is (``cudaHostRegister``), so copies to and from the device are
+    asynchronous DMA. torch's pinned allocator (``pin_memory=True``) rounds every buffer up to a power of
+    two (a 50.4 MB layer takes 64 MB); registering keeps the host's RAM to what the buffers hold."""
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {t.nbytes} bytes failed (error {int(err)})")
+    return t
+
+
+def unpin(t: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+
 class CudaAccelerator(Accelerator):
     kind = "cuda"
 
-    def __init__(self, index: int):
+    def __init__(self, index: int, memory_gb: float | None = None):
         device = torch.device("cuda", index)
         torch.cuda.set_device(device)
+        meter = CudaMeter(device, CudaAllocator(device))
         super().__init__(
-            device,
-            CudaMeter(device, CudaAllocator(device)),
-            CudaCopyEngine(device, False),
-            CudaCopyEngine(device, True),
+            device, meter, CudaCopyEngine(device, False), CudaCopyEngine(device, True), memory_gb
         )
+        self.pinned: list[torch.Tensor] = []  # host buffers registered with CUDA (``host_empty(link=True)``)
+        if self.budget_bytes is not None:  # device.memory_gb: the caching allocator's cap, an OOM past it
+            share = self.budget_bytes / cuda_total_memory(index)
+            torch.cuda.set_per_process_memory_fraction(min(1.0, share), device)
+
+    @contextmanager
+    def running(self) -> Iterator[Accelerator]:
+        try:
+            with super().running():
+                yield self
+        finally:
+            torch.cuda.synchronize(self.device)  # no copy may still read a buffer about to be unpinned
+            for t in self.pinned:
+                unpin(t)
+            self.pinned.clear()
 
     @property
     def half_dtype(self) -> torch.dtype:
@@ -395,15 +346,23 @@ class CudaAccelerator(Accelerator):
     def copies_inputs(self) -> bool:
         return False
 
-    def host_empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype, pin_memory=True)
+    def host_empty(self, numel: int, dtype: torch.dtype = torch.float32, link: bool = False) -> torch.Tensor:
+        t = torch.empty(numel, dtype=dtype)
+        if link and t.nbytes:
+            self.pinned.append(pin_exact(t))  # (kept, and unpinned, with the accelerator)
+        return t
 
     def seed(self, seed: int) -> None:
         torch.cuda.default_generators[self.device.index].manual_seed(seed)
 
     @property
     def host_threads(self) -> int:
-        return torch.get_num_threads()  # the GPU computes; the host's cores are the EPS's
+        """The GPU computes; the host's cores (this rank's share) are the EPS's, less one: the compute
+        thread launches kernels and must never wait for a core."""
+        return self.eps_threads or max(1, torch.get_num_threads() - 1)
+
+    def bind_thread(self) -> None:
+        torch.cuda.set_device(self.device)
 
     def wait_compute(self) -> None:
         # this thread's stream only: a device-wide synchronize would also wait for the copy streams, so a
@@ -413,9 +372,9 @@ class CudaAccelerator(Accelerator):
     def free_bytes(self) -> float | None:
         """Free device memory, counting what torch's caching allocator holds but does not use."""
         free, _ = torch.cuda.mem_get_info(self.device)
-        return float(
-            free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        )
+        used = torch.cuda.memory_allocated(self.device)
+        free = float(free + torch.cuda.memory_reserved(self.device) - used)
+        return free if self.budget_bytes is None else min(free, float(self.budget_bytes - used))
 
     def record_event(self) -> Any:
         ev = torch.cuda.Event()
@@ -423,27 +382,45 @@ class CudaAccelerator(Accelerator):
         return ev
 
     def describe(self) -> str:
-        return f"cuda:{self.device.index} ({torch.cuda.get_device_name(self.device)})"
+        cap = f", {self.budget_bytes / 2**30:g} GiB of it: device.memory_gb" if self.budget_bytes else ""
+        return f"cuda:{self.device.index} ({torch.cuda.get_device_name(self.device)}{cap})"
 
 
 def make_accelerator(
     kind: str,
     *,
     local_rank: int = 0,
+    memory_gb: float | None = None,
     sim_memory_gb: float = 16.0,
     sim_link_gbps: float = 16.0,
     measure_memory: bool = True,
     sample_memory: bool = True,
+    eps_threads: int = 0,
+    update_kernel: str = "auto",
 ) -> Accelerator:
     """The accelerator for ``device=kind`` (auto = CUDA when present, else the CPU). ``measure_memory``
     (profile.memory) turns the CPU's storage meter on, ``sample_memory`` (profile.memory_sample) lets it
     skip the op-by-op count in steps that repeat a metered one; the simulator always meters every op (it
-    enforces a budget)."""
+    enforces a budget), as does the CPU under ``memory_gb`` (device.memory_gb; CUDA: the allocator's cap).
+    ``eps_threads``, ``update_kernel``: the EPS's host update (``eps.*``)."""
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
+    acc: Accelerator
     if kind == "cuda":
-        return CudaAccelerator(local_rank % max(1, torch.cuda.device_count()))
-    if kind == "sim":
-        return SimAccelerator(sim_memory_gb, sim_link_gbps)
-    meter = StorageMeter(sample=sample_memory) if measure_memory else MemoryMeter()
-    return Accelerator(torch.device("cpu"), meter, CopyEngine(), CopyEngine())
+        if local_rank >= (gpus := cuda_device_count()):  # never two ranks on one GPU (torchrun's count)
+            why = f"local rank {local_rank} has no GPU of its own: {gpus} visible; allowed: at most {gpus}"
+            why += " ranks"
+            raise ConfigError([Problem("dist.nproc", f"{why} per machine (or torchrun --nproc-per-node)")])
+        acc = CudaAccelerator(local_rank, memory_gb)
+    elif kind == "sim":
+        acc = SimAccelerator(sim_memory_gb, sim_link_gbps)
+    else:
+        budget = None if memory_gb is None else int(memory_gb * 2**30)  # enforced on every op, as the sim's
+        meter = (
+            StorageMeter(budget, sample_memory and budget is None)
+            if measure_memory or budget
+            else MemoryMeter()
+        )
+        acc = Accelerator(torch.device("cpu"), meter, CopyEngine(), CopyEngine(), memory_gb)
+    acc.eps_threads, acc.update_kernel = eps_threads, update_kernel
+    return acc

@@ -36,6 +36,9 @@ class DistContext:
     # the default group's backend (dist.backend, ``auto`` resolved): device tensors' groups
     backend: str = "gloo"
     host_group: Any = None  # gloo group for the main thread's host collectives (None: the default group)
+    # the EPS's ranks are the default group's: a layer's gradient can be summed on the device over it
+    # (plain data parallel); False: over ``eps_group`` on the host (a pipeline's data-parallel replicas)
+    device_reduce: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -75,8 +78,8 @@ class DistContext:
         return out
 
     def barrier(self) -> None:
-        if self.enabled:
-            dist.barrier()
+        if self.enabled:  # a host barrier (the stop path): NCCL's would be its first op, on a guessed GPU
+            dist.barrier(group=self.host_group)
 
 
 def resolve_backend(backend: str, device: str, cuda: bool | None = None) -> str:
@@ -93,10 +96,11 @@ def from_env(cfg: Any) -> DistContext:
     if world <= 1:
         return DistContext()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    backend = resolve_backend(cfg.dist.backend, cfg.device)
+    backend = resolve_backend(cfg.dist.backend, cfg.device.name)
     timeout = timedelta(seconds=cfg.dist.timeout_s)
-    if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timeout)
+    if not dist.is_initialized():  # NCCL: the communicator on this rank's own GPU, created now
+        gpu = {"device_id": torch.device("cuda", local_rank)} if backend == "nccl" else {}
+        dist.init_process_group(backend, timeout=timeout, **gpu)
     eps_group = dist.new_group(backend="gloo", timeout=timeout)
     backend = str(dist.get_backend())  # a group someone else initialised (torchrun's caller) may differ
     # the main thread's host collectives (the loss and stop flag each step, the memory report) need gloo:
@@ -104,7 +108,15 @@ def from_env(cfg: Any) -> DistContext:
     # threads would interleave differently on each rank)
     host = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     return DistContext(
-        rank, world, local_rank, eps_group, data_rank=rank, data_world=world, backend=backend, host_group=host
+        rank,
+        world,
+        local_rank,
+        eps_group,
+        data_rank=rank,
+        data_world=world,
+        backend=backend,
+        host_group=host,
+        device_reduce=True,
     )
 
 

@@ -78,6 +78,12 @@ class EagerParamServer:
         self.elementwise = optim.elementwise  # an update can be split by element (LAMB's can't)
         self.realtime: Any = None  # checkpoint.RealtimeWriter: saves each layer right after its update
         self.eager_reduce = eager_reduce
+        # data parallel: each layer's gradient is summed over the ranks on the device, by the relay, before
+        # it leaves (the default group: NCCL between GPUs), unless the ranks' EPS group is not the default
+        # group's ranks (a pipeline's data-parallel replicas) or the reduction waits for the backward's end
+        # (dist.eager_reduce=false, for comparison): then here, on the host, over the EPS's gloo group
+        self.reduce_on_device = self.dist.enabled and self.dist.device_reduce and eager_reduce
+        self.passes = acc.host_passes
         lora = lora_of(spec)
         # adapters on a frozen base (peft=lora): the EPS's state is the trainable tensors only; the base
         # is held apart, once, in its own precision (engine/frozen.py), and never updated
@@ -151,14 +157,32 @@ class EagerParamServer:
             self.tier.release_grad(i)
 
     def reduce(self, i: int) -> None:
-        """Wait for layer i's gradient to land, then sum it over the data-parallel ranks."""
+        """Wait for layer i's gradient to land (summed over the ranks on the device, its norm taken there:
+        ``Relay.send_grads``); a tied head's share is added here, and where the device did not reduce,
+        the ranks' sum is taken here (on the FP32 buffer)."""
         st = self.layers[i]
         st.grad_in.wait()
-        st.receive_grad()
-        if i == 0 and self.ties is not None:  # a tied LM head: add the head's use before anything reads g
+        tied = i == 0 and self.ties is not None
+        on_host = self.dist.enabled and not self.reduce_on_device
+        st.receive_grad(widen=tied or on_host)
+        if tied and self.ties is not None:  # a tied LM head: add the head's use before anything reads g
             self.ties.add_into(st.g)
-        if self.dist.enabled:
+            n = self.ties.numel
+            self.passes.count("tied_add", n * (12 + (2 + 4 if self.ties.g_recv is not None else 0)))
+            st.grad_norm = None  # (the device's norm is of the embeddings' use alone)
+        if on_host:
             torch_dist.all_reduce(st.g, group=self.dist.eps_group)
+            self.passes.count("reduce", st.g.nbytes * 2)
+            st.grad_norm = None  # (the device's norm is of this rank's share alone)
+
+    def layer_norm(self, i: int) -> torch.Tensor:
+        """Layer i's (rank-summed, still scaled) gradient norm: the device's, or one pass here."""
+        st = self.layers[i]
+        if st.grad_norm is not None:
+            return st.grad_norm.clone()
+        g = st.grad
+        self.passes.count("norm", g.nbytes)
+        return flat_norm(g)
 
     def update_layer(self, i: int, lr: float, grad_mult: torch.Tensor | float | None) -> None:
         if self.realtime is not None:
@@ -204,7 +228,7 @@ class EagerParamServer:
         """L2L's background work per layer: reduce, and take the norm the update will need (a full pass
         over the gradient, done here while the device runs the layers below)."""
         self.reduce(i)
-        self._raw_norms[i] = flat_norm(self.layers[i].g)
+        self._raw_norms[i] = self.layer_norm(i)
 
     def reduce_async(self, i: int) -> None:
         """Layer i's gradient is on its way to the host: reduce it in the background (L2L: the update
@@ -219,7 +243,7 @@ class EagerParamServer:
         """Unscaled L2 norm of each layer's (rank-averaged) gradient: taken by the EPS thread as each
         gradient landed, or here for any layer it has not seen."""
         raw, self._raw_norms = self._raw_norms, {}
-        norms = [raw[st.index] if st.index in raw else flat_norm(st.g) for st in self.layers]
+        norms = [raw[st.index] if st.index in raw else self.layer_norm(st.index) for st in self.layers]
         return torch.stack(norms) / (scaler.scale * self.dist.world)
 
     def step(
@@ -274,6 +298,31 @@ class EagerParamServer:
                         params[name].copy_(t)
             yield st.index, layer
 
+    # ---- what the host's passes moved (summary.json's ``eps``) ----------------------------------------
+
+    def traffic_section(
+        self, transfer_bytes: int, since: tuple[dict[str, int], dict[str, float], int] | None, steps: int
+    ) -> dict[str, Any]:
+        """summary.json's ``eps`` over ``steps`` training steps, counted ``since`` (the host passes' bytes
+        and seconds and the link's bytes before the first of them): the host's passes per trained
+        parameter per step, by purpose, the update's GB/s, the link's bytes apart, which update ran."""
+        passes = self.passes
+        nbytes, seconds = passes.snapshot()
+        b0, s0, t0 = since if since is not None else ({}, {}, 0)
+        nbytes = {k: v - b0.get(k, 0) for k, v in nbytes.items() if v - b0.get(k, 0)}
+        upd_s = seconds.get("update", 0.0) - s0.get("update", 0.0)
+        params = sum(st.layout.numel for st in self.layers)
+        per = max(1, params) * max(1, steps)
+        return {
+            "update_kernel": passes.kernel,
+            "host_threads": passes.threads,
+            "host_traffic_bytes_per_param": sum(nbytes.values()) / per,
+            "host_traffic_by_pass": {k: v / per for k, v in sorted(nbytes.items())},
+            "transfer_bytes_per_param": (transfer_bytes - t0) / per,
+            "update_gbps": nbytes.get("update", 0) / upd_s / 1e9 if upd_s > 0 else None,
+            "trained_params": params,
+        }
+
     # ---- host memory ---------------------------------------------------------------------------------
 
     def host_parts(self) -> dict[str, int]:
@@ -293,6 +342,6 @@ class EagerParamServer:
 
     def host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A host buffer for the CPU activation stash (counted in host memory)."""
-        buf = self.acc.host_empty(numel, dtype)
+        buf = self.acc.host_empty(numel, dtype, link=True)
         self.stash_bytes += buf.nbytes
         return buf

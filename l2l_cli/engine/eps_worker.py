@@ -19,12 +19,15 @@ from typing import Any
 import torch
 
 from l2l_cli.engine.device import Accelerator
+from l2l_cli.engine.host_passes import set_thread_share
 
 _THREAD = threading.local()
 
 
-def _worker_init(threads: int) -> None:
+def _worker_init(threads: int, bind: Callable[[], None]) -> None:
     torch.set_num_threads(threads)
+    set_thread_share(threads)
+    bind()  # the rank's own device (CUDA: a new thread starts on cuda:0)
     _THREAD.eps_worker = True
 
 
@@ -37,7 +40,7 @@ class EpsWorker:
             max_workers=1,
             thread_name_prefix="l2l-eps",
             initializer=_worker_init,
-            initargs=(acc.host_threads,),
+            initargs=(acc.host_threads, acc.bind_thread),
         )
         self.jobs: list[Future] = []
         self._lock = threading.Lock()
@@ -56,6 +59,11 @@ class EpsWorker:
         """Run ``fn(*args)`` on the EPS thread; ``layer``: the job writes that layer (its device copy may not
         be loaded until it is done, unless ``host_only``; its host buffers not touched)."""
         job = self.pool.submit(fn, *args)
+        if len(self.jobs) >= 512:  # steps judged early leave their jobs running: forget the finished ones
+            done = [j for j in self.jobs if j.done()]
+            self.jobs = [j for j in self.jobs if not j.done()]
+            for j in done:
+                j.result()  # (a failure surfaces here, on the compute thread)
         self.jobs.append(job)
         if layer is not None:
             if not host_only:

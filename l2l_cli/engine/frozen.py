@@ -16,6 +16,7 @@ Encodings (one per tensor, :class:`Frozen`):
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ from torch import nn
 from l2l_cli.engine.flat import FlatLayout
 from l2l_cli.models.base import BLOCK, POST, ModelSpec
 from l2l_cli.models.lora import LoraSettings
+
+log = logging.getLogger("l2l")
 
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
 PLAIN = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -195,11 +198,39 @@ class FrozenBase:
         self._quantized = {k: quantized_names(spec, k, spec.new_layer(k, "meta")) for k in layouts}
         self.bytes_loaded = 0  # bytes of frozen layers copied toward the device (all time)
         self.source: Any = None  # the layer files of a base on disk (engine/frozen_disk.py)
+        self.seeded = False  # a stored tensor was built from the seed (a reuse must have the same seed)
         if lora.base_on_disk:
             from l2l_cli.engine.frozen_disk import DiskSource
 
-            self.source = DiskSource(root, Frozen)
+            self.source = DiskSource(root, Frozen, self._reuse_key())
+        # the encoded files of an earlier run on the same base, adopted as they are: nothing is encoded
+        self.reused = self.source is not None and self.source.reused
+        if self.reused:
+            log.info(
+                "frozen base: reused the encoded layer files in %s (the same base files, peft.base_dtype=%s "
+                "and model): nothing re-encoded",
+                root,
+                lora.base_dtype,
+            )
         self._lock = threading.Lock()
+
+    def _reuse_key(self) -> dict[str, Any] | None:
+        """What layer files must encode to be reused (engine/frozen_disk.py): the checkpoint's files by
+        hash, the precision, the model and its frozen tensors, the seed; None: never (a checkpoint without
+        a fingerprint)."""
+        fp = self.lora.base_fingerprint
+        if self.lora.base_from_checkpoint and fp is None:
+            return None
+        frozen = {
+            k: [[e.name, list(e.shape)] for e in lay.entries] for k, lay in sorted(self.layouts.items())
+        }
+        return {
+            "base": fp["files"] if fp is not None else None,
+            "base_dtype": self.lora.base_dtype,
+            "model": {k: v for k, v in self.spec.identity().items() if k != "peft"},
+            "frozen": frozen,
+            "seed": self.seed,
+        }
 
     # ---- building ------------------------------------------------------------------------------------
 
@@ -211,11 +242,13 @@ class FrozenBase:
     def put(self, i: int, layer: nn.Module) -> None:
         """Layer i's frozen tensors from its module (layers are put in order, 0 first)."""
         assert len(self.layers) == i
+        self.layers.append({})
+        if self.reused:  # the files of an earlier run encode this base already
+            return
         if self.lora.base_from_checkpoint and self.seed is not None:  # encoded once, from the checkpoint
-            self.layers.append({})
             self.unfilled.add(i)
             return
-        self.layers.append({})
+        self.seeded = True
         self._store(i, self._encoded(i, layer, self._own(i)))
 
     def _encoded(self, i: int, layer: nn.Module, names: list[str]) -> dict[str, Frozen]:
@@ -229,12 +262,19 @@ class FrozenBase:
         else:
             self.layers[i] = entry
         self.unfilled.discard(i)
+        self._seal()
+
+    def _seal(self) -> None:
+        """A base on disk whose every layer is stored lists its files for reuse (engine/frozen_disk.py)."""
+        if self.source is not None and not self.unfilled and len(self.layers) == self.spec.num_all_layers:
+            self.source.seal(self.seeded)
 
     def _fill(self, i: int, found: dict[str, Frozen]) -> None:
         """Store an unfilled layer i: the checkpoint's tensors ``found``, the rest built from the seed."""
         missing = [n for n in self._own(i) if n not in found]
         if missing:
             assert self.seed is not None
+            self.seeded = True
             found = {**found, **self._encoded(i, self.spec.build_layer(i, self.seed), missing)}
         self._store(i, found)
 
@@ -244,7 +284,10 @@ class FrozenBase:
 
     @torch.no_grad()
     def load_hf(self, tensors: Any) -> list[str]:
-        """Re-encode each frozen tensor the checkpoint has; returns the names it left as built."""
+        """Re-encode each frozen tensor the checkpoint has; returns the names it left as built (none for a
+        base reused from the files that encode this checkpoint already)."""
+        if self.reused:
+            return []
         missing = []
         for i in range(len(self.layers)):
             kind = self.spec.kind(i)
@@ -263,6 +306,7 @@ class FrozenBase:
                 self.layers[i].update(found)
             elif found:  # one layer at a time: its file rewritten with the checkpoint's tensors
                 self.source.write(i, {**self.source.read(i), **found})
+        self._seal()
         return missing
 
     # ---- reading -------------------------------------------------------------------------------------

@@ -6,18 +6,29 @@ tier keeps a :class:`LayerState` per layer for the whole run; the disk tier's la
 the same state seen through a cache slot. Both bind their optimizers with :func:`bind_optimizer`, so the
 update is the same code, bit for bit, whichever tier holds the buffers. This module imports neither the EPS
 nor a tier: they import it.
+
+AdamW's update is one host pass (:mod:`~l2l_cli.engine.host_passes`): the received gradient read in the
+type it crossed the link in (a half one is never widened into the FP32 buffer), the unscale/clip factor
+folded in (skipped at 1), the state read and written once, the device's half copy written from the new
+master while it is in cache; the gradient is left as it arrived. L2L-p's undo is a second state set: a
+speculative update writes beside the state it reads and flips to it, a rollback flips back, a redo reads
+the old set and the kept gradient again (no copy of w, m, v). LAMB and 8-bit AdamW run as torch optimizers
+over the same buffers, in the passes they need.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
 import torch
 
-from l2l_cli.engine.device import DONE, Accelerator, CopyHandle
+from l2l_cli.engine.copies import DONE, CopyHandle
+from l2l_cli.engine.device import Accelerator
 from l2l_cli.engine.flat import FlatLayout
+from l2l_cli.engine.host_passes import AdamwStep, HostPasses
 from l2l_cli.engine.optim import OptimSettings, bind_flat, optimizer_runs, set_lr
 
 
@@ -66,7 +77,8 @@ def bind_optimizer(
 
 class LayerState:
     """One layer's training state in host memory, and the optimizer that updates it. ``m``/``v``: the two
-    moments (FP32, or 8-bit codes); ``extra``: any other state by short name (8-bit AdamW's absmaxes)."""
+    moments (FP32, or 8-bit codes); ``extra``: any other state by short name (8-bit AdamW's absmaxes).
+    ``w``, ``m`` and ``v`` are the current state set's (L2L-p keeps a second one for its undo)."""
 
     extra: Mapping[str, torch.Tensor] = MappingProxyType({})
 
@@ -81,23 +93,44 @@ class LayerState:
     ):
         n = layout.numel
         self.index, self.kind, self.layout = index, kind, layout
-        self.w = acc.host_empty(n)  # FP32 master
-        self.g = acc.host_empty(n).zero_()  # this step's gradient (copied from the device, reduced)
+        half = send_dtype != torch.float32  # CMP: half copies cross the link; else the master and gradient
+        w = acc.host_empty(n, link=not half)  # FP32 master
+        self.g = acc.host_empty(n, link=not half).zero_()  # this step's gradient (from the device, reduced)
         sizes = state_numel(layout, optim)
         dtypes = {b.short: getattr(torch, b.dtype) for b in optim.kind.state}
         state = {k: acc.host_empty(sizes[k], dtypes[k]).zero_() for k in sizes}
-        self.m, self.v = state.pop("m"), state.pop("v")  # optimizer moments (AdamW / LAMB; 8-bit codes)
+        m, v = state.pop("m"), state.pop("v")  # optimizer moments (AdamW / LAMB; 8-bit codes)
+        # the state sets: [0] always; [1] once L2L-p keeps an undo (``save_undo``); ``cur`` is the live one
+        self.sets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = [(w, m, v)]
+        self.cur = 0
         if state:
             self.extra = state  # 8-bit AdamW: each block's absmax
-        self.w_send = acc.host_empty(n, send_dtype) if send_dtype != torch.float32 else None
-        # CMP: the gradient crosses the link in the device's half type and becomes FP32 here, on the host
-        # (a conversion on the device would need an FP32 temporary there and twice the link's bytes)
-        self.g_recv = acc.host_empty(n, send_dtype) if send_dtype != torch.float32 else None
+        self.w_send = acc.host_empty(n, send_dtype, link=True) if half else None
+        # CMP: the gradient crosses the link in the device's half type; the update reads it as it is (a
+        # conversion on the device would need an FP32 temporary there and twice the link's bytes)
+        self.g_recv = acc.host_empty(n, send_dtype, link=True) if half else None
+        self.widened = False  # this step's half gradient was widened into ``g`` (a tied head added to it)
         self.version = 0  # bumped by every update; the relay reloads a layer whose version moved on
         self.grad_in: CopyHandle = DONE  # the device->host copy of this step's gradient
-        self.undo: list[torch.Tensor] | None = None
+        self.grad_norm: torch.Tensor | None = None  # its L2 norm, taken on the device before it left
+        self.undo: list[torch.Tensor] | None = None  # a torch optimizer's undo log (copies)
         self.undo_step = 0.0
-        self.optimizer = bind_optimizer(layout, self.w, self.g, self.m, self.v, optim, self.extra)
+        self._beside = False  # the next update writes beside the live state set (an undo is kept)
+        self.passes: HostPasses = acc.host_passes
+        self.optimizer = bind_optimizer(layout, w, self.g, m, v, optim, self.extra)
+        # AdamW in one pass (``HostPasses.adamw``): each run's (start, end, param group); the torch
+        # optimizer then only keeps the step counts and hyper-parameters (checkpoints read them)
+        self.fused = _fused_runs(self.optimizer, w) if optim.kind.one_pass else None
+
+    w = property(lambda self: self.sets[self.cur][0])
+    m = property(lambda self: self.sets[self.cur][1])
+    v = property(lambda self: self.sets[self.cur][2])
+
+    @property
+    def update_keeps_grad(self) -> bool:
+        """Whether ``update`` leaves the gradient as it arrived (AdamW in one pass: a redo re-reads it
+        with another factor); a torch optimizer's update scales it in place."""
+        return self.fused is not None
 
     @property
     def moments(self) -> dict[str, torch.Tensor]:
@@ -110,18 +143,31 @@ class LayerState:
         return self.w if self.w_send is None else self.w_send
 
     def refresh_send(self) -> None:
+        """The send copy rewritten from the master (a pass: read 4 B, write the copy's)."""
         if self.w_send is not None:
-            self.w_send.copy_(self.w)
+            n = self.w.numel()
+            self.passes.convert(self.w, self.w_send)
+            self.passes.count("refresh", n * (4 + self.w_send.element_size()))
 
     @property
     def recv(self) -> torch.Tensor:
         """Where the device's gradient lands: the FP32 gradient, or its half receive buffer under CMP."""
         return self.g if self.g_recv is None else self.g_recv
 
-    def receive_grad(self) -> None:
-        """The gradient has arrived: widen a half one to FP32 (on the host, off the device)."""
-        if self.g_recv is not None:
-            self.g.copy_(self.g_recv)
+    def receive_grad(self, widen: bool = False) -> None:
+        """The gradient has arrived. A half one stays as it is for a one-pass update, unless ``widen`` (it
+        is summed with another on the host: a tied head) or the update is a torch optimizer's: then it
+        is widened into the FP32 buffer here."""
+        self.widened = False
+        if self.g_recv is not None and (widen or self.fused is None):
+            self.passes.convert(self.g_recv, self.g)
+            self.passes.count("widen", self.g.numel() * (self.g_recv.element_size() + 4))
+            self.widened = True
+
+    @property
+    def grad(self) -> torch.Tensor:
+        """This step's gradient as the update reads it: the half one as it arrived, or the FP32 buffer."""
+        return self.g if self.g_recv is None or self.widened else self.g_recv
 
     def update(
         self, lr: float, grad_mult: torch.Tensor | float | None, bump: bool = True, refresh: bool = True
@@ -130,12 +176,61 @@ class LayerState:
         device copy loaded before is stale now (False: it already holds the rows it reads, see
         ``preview_rows``). ``refresh``: rewrite the send copy from the master now (False: the device may be
         reading the send copy meanwhile; whoever settles the layer refreshes it)."""
-        if grad_mult is not None:
-            self.g.mul_(grad_mult)
-        set_lr(self.optimizer, lr)
-        self.optimizer.step()
+        if self.fused is None:
+            self._update_torch(lr, grad_mult, refresh)
+        else:
+            self._update_fused(lr, grad_mult, refresh)
         if bump:
             self.version += 1
+
+    def _update_fused(self, lr: float, grad_mult: torch.Tensor | float | None, refresh: bool) -> None:
+        """AdamW in one pass per run: the gradient as it arrived, the state read from the live set and
+        written to it (or, with an undo kept, to the other set, which becomes the live one), the send copy
+        from the new master."""
+        assert self.fused is not None
+        src = self.sets[self.cur]
+        beside, self._beside = self._beside, False
+        dst = self.sets[1 - self.cur] if beside else src
+        send = self.w_send if refresh else None
+        g = self.grad
+        mult = None if grad_mult is None else float(grad_mult)
+        t0 = time.perf_counter()
+        for lo, hi, group, state in self.fused:
+            state["step"] += 1
+            hp = AdamwStep(
+                lr,
+                group["betas"][0],
+                group["betas"][1],
+                group["eps"],
+                group["weight_decay"],
+                float(state["step"]),
+            )
+            self.passes.adamw(
+                g[lo:hi],
+                tuple(t[lo:hi] for t in src),  # type: ignore[arg-type]
+                tuple(t[lo:hi] for t in dst),  # type: ignore[arg-type]
+                None if send is None else send[lo:hi],
+                mult,
+                hp,
+            )
+        if beside:
+            self.cur = 1 - self.cur
+        n = self.layout.numel
+        nbytes = n * (g.element_size() + 24 + (send.element_size() if send is not None else 0))
+        self.passes.count("update", nbytes, time.perf_counter() - t0)
+
+    def _update_torch(self, lr: float, grad_mult: torch.Tensor | float | None, refresh: bool) -> None:
+        """A torch optimizer's update (LAMB, 8-bit AdamW): the gradient scaled in place, the step, the
+        send copy rewritten; counted as the passes they make (the step's own as 28 B/param)."""
+        n = self.layout.numel
+        t0 = time.perf_counter()
+        if grad_mult is not None:
+            self.g.mul_(grad_mult)
+            self.passes.count("scale", n * 8)
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        state_bytes = sum(t.element_size() for t in self.moments.values())
+        self.passes.count("update", n * (4 + 4 + 4 + 2 * state_bytes), time.perf_counter() - t0)
         if refresh:
             self.refresh_send()
 
@@ -153,10 +248,14 @@ class LayerState:
         step = next(iter(self.optimizer.state.values()))["step"]
         group = self.optimizer.param_groups[0]
         decay = max(g["weight_decay"] for g in self.optimizer.param_groups)
+        g_all = self.grad
+        touched = 0
         with torch.no_grad():
             for lo, hi, width, idx in self.layout.row_blocks(rows):
-                views = [t[lo:hi].view(-1, width) for t in (self.w, self.g, self.m, self.v)]
+                touched += idx.numel() * width
+                views = [t[lo:hi].view(-1, width) for t in (self.w, g_all, self.m, self.v)]
                 w, g, m, v = (t.index_select(0, idx) for t in views)
+                g = g.float()
                 if grad_mult is not None:
                     g.mul_(grad_mult)
                 adamw(
@@ -176,11 +275,15 @@ class LayerState:
                     maximize=False,
                 )
                 self.w_send[lo:hi].view(-1, width).index_copy_(0, idx, w.to(self.w_send.dtype))
+        # gathered rows (gradient and state), their update as torch's, the send copy's rows written
+        self.passes.count(
+            "preview", touched * (g_all.element_size() + 12 + 28 + 4 + self.w_send.element_size())
+        )
 
     def make_send_copy(self, acc: Accelerator) -> None:
         """A separate send buffer even in FP32 (what the device loads can then run ahead of the master)."""
         if self.w_send is None:
-            self.w_send = acc.host_empty(self.w.numel())
+            self.w_send = acc.host_empty(self.w.numel(), link=True)
             self.w_send.copy_(self.w)
 
     def set_step(self, step: float) -> None:
@@ -189,13 +292,28 @@ class LayerState:
             state["step"].fill_(step)
 
     def save_undo(self, acc: Accelerator) -> None:
-        """Keep this layer's pre-update state (L2L-p updates before the step is known to be finite)."""
+        """Keep this layer's pre-update state (L2L-p updates before the step is known to be finite): the
+        next update writes beside it (a second state set, made once), or for a torch optimizer, a copy."""
+        self.undo_step = float(next(iter(self.optimizer.state.values()))["step"])
+        if self.fused is not None:
+            if len(self.sets) == 1:
+                w, m, v = self.sets[0]
+                sent = self.w_send is None  # (FP32: the master itself crosses the link)
+                self.sets.append(
+                    (
+                        acc.host_empty(w.numel(), link=sent),
+                        acc.host_empty(m.numel()),
+                        acc.host_empty(v.numel()),
+                    )
+                )
+            self._beside = True
+            return
         kept = (self.w, *self.moments.values())
         if self.undo is None:
             self.undo = [acc.host_empty(t.numel(), t.dtype) for t in kept]
         for dst, src in zip(self.undo, kept):
             dst.copy_(src)
-        self.undo_step = float(next(iter(self.optimizer.state.values()))["step"])
+        self.passes.count("undo", 2 * sum(t.nbytes for t in kept))
 
     def reserve_redo(self) -> bool:
         """Whether a speculative update of this layer could be redone with another factor: here always (the
@@ -203,20 +321,38 @@ class LayerState:
         return True
 
     def restore_undo(self) -> None:
-        assert self.undo is not None
-        for dst, src in zip((self.w, *self.moments.values()), self.undo):
-            dst.copy_(src)
+        """Back to the state before the speculative update: the other state set (a switch), or the copies."""
+        if self.fused is not None:
+            self._beside = False
+            self.cur = 1 - self.cur
+        else:
+            assert self.undo is not None
+            for dst, src in zip((self.w, *self.moments.values()), self.undo):
+                dst.copy_(src)
+            self.passes.count("undo", 2 * sum(t.nbytes for t in self.undo))
         for state in self.optimizer.state.values():
             state["step"].fill_(self.undo_step)
         self.version += 1
         self.refresh_send()
 
     def nbytes(self) -> dict[str, int]:
+        second = sum(t.nbytes for t in self.sets[1]) if len(self.sets) > 1 else 0
         return {
             "master": self.w.nbytes,
             "grads": self.g.nbytes,
             "optimizer_state": sum(t.nbytes for t in self.moments.values()),
             "send_copy": self.w_send.nbytes if self.w_send is not None else 0,
             "recv_copy": self.g_recv.nbytes if self.g_recv is not None else 0,
-            "undo_log": sum(t.nbytes for t in self.undo) if self.undo is not None else 0,
+            "undo_log": second + (sum(t.nbytes for t in self.undo) if self.undo is not None else 0),
         }
+
+
+def _fused_runs(optimizer: torch.optim.Optimizer, w: torch.Tensor) -> list[tuple[int, int, dict, dict]]:
+    """(start, end, param group, state) of each AdamW run bound over ``w`` (views of it)."""
+    base, size = w.data_ptr(), w.element_size()
+    runs = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            lo = (p.data_ptr() - base) // size if p.numel() else 0
+            runs.append((lo, lo + p.numel(), group, optimizer.state[p]))
+    return sorted(runs, key=lambda r: r[0])

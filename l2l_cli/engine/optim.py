@@ -72,13 +72,16 @@ class OptimizerKind:
     a layer updated alone). LAMB's trust ratio is a norm over each whole parameter tensor, so it is not;
     nor is 8-bit AdamW's (its moments are quantized per block). ``flat_runs``: the EPS binds it to two long
     runs per layer (decayed, not) rather than one parameter per tensor. ``state``: the buffers it keeps per
-    parameter, which the EPS allocates flat (and the planner counts, :attr:`state_bytes_per_param`)."""
+    parameter, which the EPS allocates flat (and the planner counts, :attr:`state_bytes_per_param`).
+    ``one_pass``: the EPS runs its update as one host pass (``engine/host_passes.py``: AdamW's math, bit
+    for bit), the torch optimizer keeping only its step counts and hyper-parameters."""
 
     name: str
     build: Callable[[list[dict[str, Any]], OptimSettings], torch.optim.Optimizer]
     elementwise: bool
     flat_runs: bool
     state: tuple[StateBuffer, ...] = ADAM_FP32
+    one_pass: bool = False
 
     @property
     def state_bytes_per_param(self) -> float:
@@ -115,7 +118,7 @@ def _adamw8bit(groups: list[dict[str, Any]], o: OptimSettings) -> torch.optim.Op
 OPTIMIZERS: dict[str, OptimizerKind] = {
     k.name: k
     for k in (
-        OptimizerKind("adamw", _adamw, elementwise=True, flat_runs=True),
+        OptimizerKind("adamw", _adamw, elementwise=True, flat_runs=True, one_pass=True),
         OptimizerKind("lamb", _lamb, elementwise=False, flat_runs=False),
         OptimizerKind("adamw8bit", _adamw8bit, elementwise=False, flat_runs=True, state=ADAM_8BIT),
     )
@@ -242,19 +245,21 @@ NORM_ROWS = 64  # flat_norm's rows: a fixed count, so the sum's order never depe
 
 
 def flat_norm(x: torch.Tensor) -> torch.Tensor:
-    """The L2 norm of a large flat host buffer (a layer's gradient in the EPS), as 64 row norms and the
-    norm of those. ATen's whole-tensor norm on CPU runs at one core's speed (a GPU step of BERT-Large
-    waited ~48 ms per step for it on 16 cores) and sums in one float chain (relative error ~1e-3 at 25 M
-    elements); rows spread over every core and keep the error near 1e-6. Same dtype as ``x``."""
+    """The L2 norm of a large flat buffer (a layer's gradient), accumulated in FP32 whatever its type, as 64
+    row norms and the norm of those on a CPU. ATen's whole-tensor norm on CPU runs at one core's speed (a
+    GPU step of BERT-Large waited ~48 ms per step for it on 16 cores) and sums in one float chain
+    (relative error ~1e-3 at 25 M elements); rows spread over every core and keep the error near 1e-6, and
+    a half buffer's norm equals its FP32 copy's bit for bit. Float32 (or the buffer's wider type)."""
     import torch
 
+    acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else None
     n = x.numel()
     if x.device.type != "cpu" or n < 1 << 16 or x.dim() != 1 or not x.is_contiguous():
-        return torch.linalg.vector_norm(x)
+        return torch.linalg.vector_norm(x, dtype=acc)
     r = n - n % NORM_ROWS
-    rows = torch.linalg.vector_norm(x[:r].view(NORM_ROWS, -1), dim=1)
+    rows = torch.linalg.vector_norm(x[:r].view(NORM_ROWS, -1), dim=1, dtype=acc)
     if r < n:
-        rows = torch.cat([rows, torch.linalg.vector_norm(x[r:]).view(1)])
+        rows = torch.cat([rows, torch.linalg.vector_norm(x[r:], dtype=acc).view(1)])
     return torch.linalg.vector_norm(rows)
 
 

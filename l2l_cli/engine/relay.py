@@ -24,10 +24,13 @@ from itertools import pairwise
 from typing import Any
 
 import torch
+import torch.distributed as torch_dist
 from torch import nn
 
-from l2l_cli.engine.device import DONE, Accelerator, AllOf, CopyHandle
+from l2l_cli.engine.copies import DONE, AllOf, CopyHandle
+from l2l_cli.engine.device import Accelerator
 from l2l_cli.engine.eps import EagerParamServer
+from l2l_cli.engine.optim import flat_norm
 from l2l_cli.models.base import BLOCK, POST, PRE, ModelSpec
 from l2l_cli.profiling.timers import PhaseTimer
 
@@ -80,6 +83,8 @@ class Slot:
         self.base_layer: int | None = None  # whose frozen base the slot holds (it never changes)
         self.shells: dict[str, nn.Module] = {}
         with acc.meter.part("layer_slots"):
+            # the norm of the gradient it sends, in a buffer of its own: one per slot at any depth
+            self.norm = torch.zeros(1, dtype=torch.float32, device=acc.device)
             for kind in relay.kinds:
                 layout = eps.layouts[kind]
                 shell = spec.new_layer(kind, device="meta")
@@ -153,6 +158,12 @@ class Relay:
         self.current: Slot | None = None
         self.loads = 0  # layers copied to the device (for tests and reports)
         self.waits = 0  # loads that waited for the layer computing now (it did not fit beside it)
+        # layer weights in and gradients out over the link while training (eps.transfer_bytes_per_param)
+        self.transfer_bytes = 0
+        self.training = True
+        # each layer's gradient norm lands in a host scalar beside its gradient (pinned where copies are
+        # asynchronous); one per layer, reused every step
+        self._norm_host = [acc.host_empty(1, link=True) for _ in range(len(eps.layers))]
         self.graph_slots: dict[int, Slot] = {}  # layers whose forward graph is kept -> the slot it references
 
     @property
@@ -228,6 +239,8 @@ class Relay:
         w_in = slot.w_in_of[st.kind]
         self.tier.pin(i, "w")  # the disk tier: layer i's weights in RAM (read ahead, usually)
         slot.loaded = self.acc.h2d.copy(w_in[:n], st.send, after=after)
+        if self.training:
+            self.transfer_bytes += st.send[:n].nbytes
         if self.eps.ties is not None and st.kind == POST:
             self.tier.pin(0, "w")  # the tied tensors are the pre layer's
             ties = self.eps.ties.load(self.acc, w_in[n:], self.eps[0].send, after)
@@ -271,7 +284,10 @@ class Relay:
         return slot.shells[self.spec.kind(i)]
 
     def send_grads(self, i: int) -> None:
-        """Hand layer i's accumulated gradient to the EPS (asynchronously); the slot is free for reuse."""
+        """Hand layer i's accumulated gradient to the EPS (asynchronously); the slot is free for reuse.
+        Before it leaves the device it is summed over the data-parallel ranks there (in the device's type,
+        over the default group: NCCL between GPUs) and its L2 norm is taken there, so the host receives a
+        reduced gradient and its norm and makes no pass of its own for either."""
         slot = self._holding(i)
         assert slot is not None, f"layer {i} is not on the device"
         st = self.eps[i]
@@ -279,17 +295,32 @@ class Relay:
         if self.worker.host_busy(i):
             with self.timer("optimizer"):  # its host buffers are still being written (L2L-p)
                 self.worker.wait_host(i)
-        slot.released = self.acc.record_event()
         g = slot.g_of[st.kind]
+        tied = self.eps.ties is not None and st.kind == POST
+        total = n + (self.eps.ties.numel if tied and self.eps.ties is not None else 0)
+        if self.eps.reduce_on_device and total:
+            with self.timer("reduce"):  # (NCCL: queued on the device; gloo: the compute thread waits)
+                torch_dist.all_reduce(g[:total])
+        norm = slot.norm.copy_(flat_norm(g[:n]).view(1)) if n else None
+        slot.released = self.acc.record_event()
         slot.grads_kind = st.kind
         with self.timer("transfer"):  # inline on a CPU device; queued on CUDA and the simulator
             self.tier.pin(i, "g", fresh=True)  # a host buffer for it (released by the EPS's job)
             slot.grads_out = st.grad_in = self.acc.d2h.copy(st.recv, g[:n], after=slot.released)
-            if self.eps.ties is not None and st.kind == POST:
-                tied = g[n:]
-                slot.grads_out = AllOf(st.grad_in, self.eps.ties.send_grads(self.acc, tied, slot.released))
+            self.transfer_bytes += g[:n].nbytes
+            if norm is not None:
+                host = self._norm_host[i]
+                st.grad_in = AllOf(st.grad_in, self.acc.d2h.copy(host, norm, after=slot.released))
+                slot.grads_out, st.grad_norm = st.grad_in, host[0]  # (the slot's norm is reused after both)
+            else:
+                st.grad_norm = None
+            if tied and self.eps.ties is not None:
+                ties = g[n:total]
+                self.transfer_bytes += ties.nbytes
+                slot.grads_out = AllOf(st.grad_in, self.eps.ties.send_grads(self.acc, ties, slot.released))
 
     def train(self, mode: bool) -> None:
+        self.training = mode
         for s in self.slots:
             for shell in s.shells.values():
                 shell.train(mode)

@@ -25,11 +25,12 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from l2l_cli.engine.eps import EagerParamServer, grad_mult
-from l2l_cli.engine.optim import clip_coefficients, flat_norm
+from l2l_cli.engine.optim import clip_coefficients
 from l2l_cli.engine.precision import LossScaler
 from l2l_cli.engine.trailing import TrailingUpdate, finish_updates
 
@@ -48,15 +49,7 @@ class Speculation:
         replay: bool = False,
     ):
         self.eps, self.worker, self.tier, self.trailing = eps, eps.worker, eps.tier, trailing
-        # the step's per-layer norms, the layers updated before the verdict (undo log kept), those held
-        # back once global clipping was certain
-        self._bad = False
-        self._updated: list[int] = []
-        self._deferred: list[int] = []
-        self._norms: dict[int, torch.Tensor] = {}
-        # the gradients as they arrived, of the layers updated speculatively while the unscaling is not a
-        # power of two (the update scales the gradient in place, inexactly: a redo starts from these)
-        self._received: dict[int, torch.Tensor] = {}
+        self._step = _Step()  # this step's bookkeeping (its background jobs hold it: see ``_judge``)
         self.rollbacks = 0  # steps whose speculative updates were undone (clipping, or a non-finite gradient)
         self.rollback_layers = 0
         self.last_rollback: str | None = None  # why the last step rolled back (None: it did not)
@@ -70,9 +63,7 @@ class Speculation:
         self.can_replay = replay
         self.replay_factor: torch.Tensor | None = None
         self.replays = 0  # steps run twice
-        # this step keeps its gradients for a redo (chosen at its first update)
-        self._keep: bool | None = None
-        self._unkept: set[int] = set()  # layers updated speculatively whose gradient was not kept
+        self.verdicts_early = 0  # steps judged on the device's norms with their updates still running
         self._recent: deque[float] = deque(maxlen=AUTO_STEPS)  # the last steps' global norms (finite ones)
 
     def keeps(self, max_norm: float) -> bool:
@@ -90,47 +81,54 @@ class Speculation:
         clipping applied, its pre-update state kept in the undo log; ``finish`` rolls it back and redoes it
         with the right factor when the finished norm says clipping applies, and rolls back the whole step
         on a non-finite gradient (SuperOffload's speculation-then-validation)."""
-        self.worker.submit(
-            self.eps.layer_job, self._reduce_and_update, i, lr, scaler.scale, clip, max_norm, layer=i
-        )
+        job = (i, self._step, self.replay_factor, lr, scaler.scale, clip, max_norm)
+        self.worker.submit(self.eps.layer_job, self._reduce_and_update, *job, layer=i)
 
-    def _reduce_and_update(self, i: int, lr: float, scale: float, clip: str, max_norm: float) -> None:
+    def _reduce_and_update(
+        self,
+        i: int,
+        s: _Step,
+        known: torch.Tensor | None,
+        lr: float,
+        scale: float,
+        clip: str,
+        max_norm: float,
+    ) -> None:
         eps = self.eps
         eps.reduce(i)
         st = eps.layers[i]
-        norm = flat_norm(st.g) / (scale * eps.dist.world)
-        self._norms[i] = norm
-        if self._bad or not bool(torch.isfinite(norm)):
-            self._bad = True
+        norm = eps.layer_norm(i) / (scale * eps.dist.world)
+        s.norms[i] = norm
+        if s.bad or not bool(torch.isfinite(norm)):
+            s.bad = True
             return
         inv = 1.0 / (scale * eps.dist.world)
-        known = self.replay_factor
         if clip == "global" and known is not None:  # a replayed step: the factor known, as for a held layer
             mult = _with_factor(known, inv)
         elif clip == "global":
-            norms = torch.stack(list(self._norms.values()))
-            if self._keep is None:
-                self._keep = self.keeps(max_norm)
+            norms = torch.stack(list(s.norms.values()))
+            if s.keep is None:
+                s.keep = self.keeps(max_norm)
             certain = float(clip_coefficients(norms, clip, max_norm)[0]) < 1.0
-            if certain or (self._keep and not st.reserve_redo()):
+            if certain or (s.keep and not st.reserve_redo()):
                 # the norm so far already exceeds max_grad_norm: clipping is certain, and any update
                 # made now would be undone; wait for the factor instead. So does a layer whose tier
                 # cannot keep the gradient the update consumes (a redo needs it; the disk tier keeps it
                 # in RAM or on disk, its undo is the file's other slot, the state before the update)
-                self._deferred.append(i)
+                s.deferred.append(i)
                 return
-            if not self._keep:  # a redo would need this gradient: the step would be replayed instead
-                self._unkept.add(i)
+            if not s.keep:  # a redo would need this gradient: the step would be replayed instead
+                s.unkept.add(i)
             mult = None if inv == 1.0 else inv  # as if the factor were 1; checked in finish
         else:
             coef = clip_coefficients(norm[None], clip, max_norm)
             mult = (coef[0] * inv) if coef is not None else (None if inv == 1.0 else inv)
         with self.worker.work():
             st.save_undo(eps.acc)
-            if clip == "global" and known is None and not _power_of_two(inv):
-                self._received[i] = st.g.clone()
+            if clip == "global" and known is None and not _power_of_two(inv) and not st.update_keeps_grad:
+                s.received[i] = st.g.clone()  # (a torch optimizer scales the gradient in place)
             eps.update_layer(i, lr, mult)
-        self._updated.append(i)
+        s.updated.append(i)
 
     def finish(self, scaler: LossScaler, last: tuple[int, float, str, float]) -> tuple[bool, float]:
         """The end of a step: wait for the background updates, take the last layer's gradient (``last`` =
@@ -148,19 +146,36 @@ class Speculation:
     def _judge(self, scaler: LossScaler, last: tuple[int, float, str, float]) -> tuple[bool, float]:
         eps = self.eps
         i0, lr, clip, max_norm = last
-        finish_updates(eps, self.trailing)  # (the update behind this step's forward is in)
-        eps.reduce(i0)
+        s, self._step = self._step, _Step()  # (the next step's jobs get their own bookkeeping)
+        known, self.replay_factor = self.replay_factor, None
+        self.last_rollback = None
         scale = scaler.scale * eps.dist.world
-        self._norms[i0] = flat_norm(eps.layers[i0].g) / scale
-        norms = torch.stack([self._norms[i] for i in sorted(self._norms)])  # in layer order, as Alg. 3
+        early = None
+        if self._early_verdict():
+            eps.reduce(i0)
+            early = self._device_norms(i0, scale)
+        if early is not None:
+            # the verdict from the norms the device took, with this step's updates still running: a
+            # finite step that needs no rollback leaves them to the EPS thread, and the next forward
+            # waits only for the layer it loads (the relay's wait on that layer's job)
+            norms = early
+            coefs = clip_coefficients(norms, clip, max_norm)
+            finite = bool(torch.isfinite(norms).all())
+            clipped = clip == "global" and known is None and float(coefs[0]) < 1.0  # type: ignore[index]
+            if finite and not clipped:
+                self.verdicts_early += 1
+                if self.trailing is not None:
+                    self.trailing.finish_behind_forward()  # (the update behind this step's forward is in)
+                return self._apply_last(scaler, norms, coefs, list(range(len(norms))), known, last, scale)
+        finish_updates(eps, self.trailing)  # every job of the step done: its lists are complete
+        if not self._early_verdict():  # (a disk tier's layer 0 may wait for a slot the jobs free)
+            eps.reduce(i0)
+        s.norms[i0] = eps.layer_norm(i0) / scale
+        norms = torch.stack([s.norms[i] for i in sorted(s.norms)])  # in layer order, as Alg. 3
         where = list(range(len(norms)))
         if self.combine is not None:  # (a pipeline rank: every rank's norms, one verdict for all)
             norms, where = self.combine(norms)
-        bad, updated, held = self._bad or not bool(torch.isfinite(norms).all()), self._updated, self._deferred
-        received, unkept, known = self._received, self._unkept, self.replay_factor
-        self._bad, self._updated, self._deferred, self._norms, self._received = False, [], [], {}, {}
-        self._unkept, self._keep, self.replay_factor = set(), None, None
-        self.last_rollback = None
+        bad, updated, held = s.bad or not bool(torch.isfinite(norms).all()), s.updated, s.deferred
         total = float(torch.linalg.vector_norm(norms))
         if bad:
             scaler.update(bad)
@@ -168,7 +183,7 @@ class Speculation:
             self._count_rollback(updated, "a non-finite gradient")
             return False, total
         coefs = clip_coefficients(norms, clip, max_norm)
-        if clip == "global" and known is None and float(coefs[0]) < 1.0 and unkept:  # type: ignore[index]
+        if clip == "global" and known is None and float(coefs[0]) < 1.0 and s.unkept:  # type: ignore[index]
             # clipping nobody foresaw, with gradients not kept: undo the step's updates and run it again
             # with the factor known (the runner's second pass; the loss scale stays until its verdict)
             self._undo(updated)
@@ -177,13 +192,9 @@ class Speculation:
             why = f"global gradient norm {total:.4g} > optim.max_grad_norm {max_norm:g}, gradients not kept"
             self._count_rollback(updated, f"{why} (eps.clip_redo={self.tier.clip_redo}, step replayed)")
             return True, total
-        scaler.update(bad)
-        self._recent.append(total)
-        if known is not None:  # (the replayed pass updated every layer with the factor; so is the last)
-            coefs = known.expand_as(norms)
-        if clip == "global":
+        if clip == "global" and known is None:
             factor = coefs[0]  # type: ignore[index]
-            redo = updated if known is None and float(factor) < 1.0 else []
+            redo = updated if float(factor) < 1.0 else []
             for i in sorted(held + redo):  # forward order: the next forward needs layer 1 first
                 self.worker.submit(
                     self.worker.timed,
@@ -193,13 +204,59 @@ class Speculation:
                     factor,
                     i in redo,
                     1.0 / scale,
-                    received.get(i),
+                    s.received.get(i),
                     layer=i,
                 )
             if redo:
                 self._count_rollback(
                     redo, f"global gradient norm {total:.4g} > optim.max_grad_norm {max_norm:g}"
                 )
+        return self._apply_last(scaler, norms, coefs, where, known, last, scale)
+
+    def _early_verdict(self) -> bool:
+        """Whether a step can be judged on the device's norms, its updates still running: not where some
+        norm is the EPS thread's to take (the sum over the ranks on the host, a pipeline's verdict over
+        every rank) or a checkpoint follows each step (every layer must be in anyway)."""
+        eps = self.eps
+        on_host = eps.dist.enabled and not eps.reduce_on_device
+        return self.combine is None and not eps.checkpoints_each_step and not on_host
+
+    def _device_norms(self, i0: int, scale: float) -> torch.Tensor | None:
+        """Every layer's unscaled norm, from what the device sent beside each gradient (``i0``'s taken here),
+        without waiting for the EPS thread (None: one was not sent)."""
+        eps = self.eps
+        norms = []
+        for st in eps.layers:
+            if st.index == i0:
+                norms.append(eps.layer_norm(i0))
+            elif st.layout.numel == 0:
+                norms.append(torch.zeros(()))
+            else:
+                st.grad_in.wait()  # (its copy, the norm's included: long done by the backward's end)
+                if st.grad_norm is None:
+                    return None
+                norms.append(st.grad_norm.clone())
+        return torch.stack(norms) / scale
+
+    def _apply_last(
+        self,
+        scaler: LossScaler,
+        norms: torch.Tensor,
+        coefs: torch.Tensor | None,
+        where: list[int],
+        known: torch.Tensor | None,
+        last: tuple[int, float, str, float],
+        scale: float,
+    ) -> tuple[bool, float]:
+        """A step that is applied: the loss scale's verdict, and the last layer's update, here or, with a
+        trailing update, held for the next step's ``start_step``."""
+        eps = self.eps
+        i0, lr, _, _ = last
+        total = float(torch.linalg.vector_norm(norms))
+        scaler.update(False)
+        self._recent.append(total)
+        if known is not None:  # (the replayed pass updated every layer with the factor; so is the last)
+            coefs = known.expand_as(norms)
         mult = grad_mult(scale, None if coefs is None else coefs[where[i0]])
         if self.trailing is not None and eps.elementwise and not eps.checkpoints_each_step:
             self.trailing.defer(i0, lr, mult)
@@ -208,7 +265,7 @@ class Speculation:
                 eps.update_layer(i0, lr, mult)
         if eps.checkpoints_each_step:  # the step's checkpoint (a real-time one, or the disk tier's
             self.worker.wait_all()  # commit) is taken next: every layer must be in
-        return True, float(torch.linalg.vector_norm(norms))
+        return True, total
 
     def _redo(
         self,
@@ -220,14 +277,17 @@ class Speculation:
         received: torch.Tensor | None = None,
     ) -> None:
         """Layer i with the step's clipping factor, as Alg. 3 applies it (g·(coef·inv)): undo its
-        speculative update first (its gradient then already carries the unscaling, exactly when ``inv`` is
-        a power of two; else ``received``, the gradient as it arrived, is put back and unscaled with the
-        factor), or update it for the first time (it was held back)."""
+        speculative update first, or update it for the first time (it was held back). An update that
+        leaves the gradient as it arrived (AdamW in one pass) redoes from it with g·(coef·inv); a torch
+        optimizer's left it unscaled in place: exact when ``inv`` is a power of two, else ``received``, the
+        gradient as it arrived, is put back and unscaled with the factor."""
         eps = self.eps
         with self.worker.work():
             if rollback:
                 eps.restore_layer(i, announce=False)
-                if received is not None:
+                if eps.layers[i].update_keeps_grad:
+                    eps.update_layer(i, lr, _with_factor(factor, inv))
+                elif received is not None:
                     eps.layers[i].g.copy_(received)
                     eps.update_layer(i, lr, factor * inv)
                 else:
@@ -246,6 +306,22 @@ class Speculation:
             self.rollbacks += 1
             self.rollback_layers += len(layers)
             self.last_rollback = f"{why}: {len(layers)} speculative layer updates undone"
+
+
+@dataclass
+class _Step:
+    """One step's speculative bookkeeping, filled by its jobs on the EPS thread: a non-finite norm seen, the
+    layers updated before the verdict (their undo kept), those held back once global clipping was
+    certain, the norms so far, the gradients a redo needs that a torch optimizer scales in place, the
+    layers whose gradient was not kept (``eps.clip_redo``), and whether this step keeps them."""
+
+    bad: bool = False
+    updated: list[int] = field(default_factory=list)
+    deferred: list[int] = field(default_factory=list)
+    norms: dict[int, torch.Tensor] = field(default_factory=dict)
+    received: dict[int, torch.Tensor] = field(default_factory=dict)
+    unkept: set[int] = field(default_factory=set)
+    keep: bool | None = None
 
 
 def _with_factor(factor: torch.Tensor, inv: float) -> torch.Tensor:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from l2l_cli.engine.device import DONE, Accelerator, CopyHandle
+from l2l_cli.engine.copies import DONE, CopyHandle
+from l2l_cli.engine.device import Accelerator
 from l2l_cli.engine.eps import EagerParamServer
 from l2l_cli.profiling.timers import PhaseTimer
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from l2l_cli.engine.device import DONE, Accelerator, CopyHandle
+from l2l_cli.engine.copies import DONE, CopyHandle
+from l2l_cli.engine.device import Accelerator
 from l2l_cli.engine.flat import FlatLayout
 from l2l_cli.models.base import POST, ModelSpec
 
@@ -37,9 +38,10 @@ class TiedWeights:
                 raise ValueError(f"tied {e.name} {e.shape} is not the shape of {src.name} {src.shape}")
             self.pieces.append((src.offset, e.offset, e.numel))
         self.numel = self.layout.numel
-        self.g = acc.host_empty(self.numel).zero_()  # the post layer's gradient of the tied tensors
+        half = dtype != torch.float32
+        self.g = acc.host_empty(self.numel, link=not half).zero_()  # the post layer's gradient of the tied
         # CMP: it crosses the link in the device's half type and is widened here, as every gradient is
-        self.g_recv = acc.host_empty(self.numel, dtype) if dtype != torch.float32 else None
+        self.g_recv = acc.host_empty(self.numel, dtype, link=True) if half else None
         self.grad_in: CopyHandle = DONE
 
     def load(

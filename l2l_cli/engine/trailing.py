@@ -62,6 +62,13 @@ class TrailingUpdate:
             # step) right now; the send copy is rewritten when the layer is settled (``refresh_stale``)
             self.eps.update_master(i, lr, mult)
 
+    def finish_behind_forward(self) -> None:
+        """The step's end, its other updates possibly still on the EPS thread: the update behind this step's
+        forward is in (its job, queued first, is long done) and its layer's send copy whole again."""
+        for i in self._stale:
+            self.worker.wait_host(i)
+        self.refresh_stale()
+
     def apply(self) -> None:
         """A held trailing update no step has started: apply it whole, here."""
         if self.pending is not None:

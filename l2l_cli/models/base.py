@@ -31,6 +31,13 @@ class ModelSpec(ABC):
 
     family: ClassVar[str]
     base_prefix: ClassVar[str] = ""  # HF names of the base model's tensors inside the task model ("bert.")
+    # what PEFT needs of the family (models/lora.py reads these, never the family's name): its task type
+    # (SEQ_CLS: the head joins modules_to_save, as PEFT's sequence-classification model adds it), the
+    # modules of its output head (all-linear leaves them out), and whether its linear weights are stored
+    # (in, out) as GPT-2's Conv1D (PEFT's fan_in_fan_out)
+    peft_task_type: ClassVar[str] = "CAUSAL_LM"
+    peft_head: ClassVar[tuple[str, ...]] = ("lm_head",)
+    peft_fan_in_fan_out: ClassVar[bool] = False
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -147,6 +154,11 @@ class ModelSpec(ABC):
     @abstractmethod
     def identity(self) -> dict[str, Any]:
         """The sizes a checkpoint must match to load into this model."""
+
+    def base_fingerprint(self) -> dict[str, Any] | None:
+        """The fingerprint of a frozen base the trained tensors need beside them (a LoRA model's:
+        models/lora.py); None: every weight is in the model's own checkpoint."""
+        return None
 
     # ---- planner and evaluation ------------------------------------------------------------------
 

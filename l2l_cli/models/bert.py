@@ -34,6 +34,8 @@ class BertSpec(ModelSpec):
 
     family = "bert"
     base_prefix = "bert."
+    peft_task_type = "SEQ_CLS"
+    peft_head = ("classifier",)
     num_layers: int
     hidden_size: int
     num_heads: int

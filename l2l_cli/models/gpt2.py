@@ -34,6 +34,7 @@ class GPT2Spec(DecoderSpec):
 
     family = "gpt2"
     base_prefix = "transformer."
+    peft_fan_in_fan_out = True  # its Conv1D weights are (in, out)
     blocks_name = "h"
     norm_name = "ln_f"
     embed_name = "wte"

@@ -89,6 +89,32 @@ def load_adapter(runner: HFLoader, spec: Any, path: Path) -> None:
     log.info("loaded the adapter in %s", path)
 
 
+def weight_files(root: Path) -> list[Path]:
+    """The files a checkpoint's model is read from (:func:`load_pretrained`): its config.json and its
+    weights (one safetensors file; or the shard index and its shards; or a legacy pytorch_model.bin)."""
+    if (root / "model.safetensors").is_file():
+        weights = [root / "model.safetensors"]
+    elif (root / SHARD_INDEX).is_file():
+        weights = [root / SHARD_INDEX, *shard_files(root)]
+    else:
+        weights = [root / "pytorch_model.bin"]
+    return [p for p in (root / "config.json", *weights) if p.is_file()]
+
+
+def base_fingerprint(ref: str) -> dict[str, Any]:
+    """The checkpoint ``ref`` (a dir or hub id) as a LoRA run's base: its fingerprint
+    (checkpoint/fingerprint.py: each file it is read from, by size and xxh3-128), and how PEFT names it in
+    ``adapter_config.json`` (``name_or_path``: the directory, or the hub id and the ``revision`` of the
+    snapshot it was read from)."""
+    from l2l_cli.checkpoint import fingerprint
+
+    root = resolve_pretrained(ref)
+    local = Path(ref).expanduser().is_dir()
+    revision = root.name if not local and root.parent.name == "snapshots" else None
+    name = str(root.resolve()) if local else ref
+    return {**fingerprint(ref, weight_files(root)), "name_or_path": name, "revision": revision}
+
+
 def shard_files(root: Path) -> list[Path]:
     """The shard files an index names: plain file names inside ``root`` (no path may lead out of it)."""
     try:

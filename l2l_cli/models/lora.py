@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,9 @@ ADAPTER = "default"  # PEFT's adapter name inside the modules (dropped in the sa
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
+SEQ_CLS = "SEQ_CLS"  # PEFT's task type of a sequence classifier (ModelSpec.peft_task_type)
+DORA = "lora_magnitude_vector"  # DoRA's magnitude (peft.use_dora)
+ADAPTER_PARTS = ("lora_A", "lora_B", DORA)  # an adapted module's trained tensors
 
 
 def lora_of(spec: ModelSpec) -> LoraSettings | None:
@@ -50,9 +54,18 @@ def _is_linear(m: Any) -> bool:
 
 
 def _excluded(kind: str, name: str, spec: ModelSpec) -> bool:
-    """``all-linear`` leaves out the output layer, as PEFT does: a decoder's LM head, a classifier."""
-    leaf = name.rpartition(".")[2]
-    return kind == POST and leaf in ("lm_head", "classifier")
+    """``all-linear`` leaves out the output layer, as PEFT does: the family's head (``peft_head``: a
+    decoder's LM head, a classifier)."""
+    return kind == POST and name.rpartition(".")[2] in spec.peft_head
+
+
+def for_model(spec: ModelSpec, lora: LoraSettings) -> LoraSettings:
+    """``lora`` as PEFT applies it to ``spec``: a sequence classifier's head joins ``modules_to_save``
+    (PEFT's ``PeftModelForSequenceClassification`` adds it), so it trains and is saved with the adapter;
+    a language model's settings stay as given."""
+    if spec.peft_task_type != SEQ_CLS:
+        return lora
+    return replace(lora, modules_to_save=tuple(dict.fromkeys((*lora.modules_to_save, *spec.peft_head))))
 
 
 def _matches(name: str, target: str) -> bool:
@@ -128,8 +141,11 @@ class LoraSpecMixin:
                 lora_alpha=lora.alpha,
                 lora_dropout=lora.dropout,
                 target_modules=names,
-                fan_in_fan_out=self.family == "gpt2",
+                fan_in_fan_out=self.peft_fan_in_fan_out,
                 bias="none",
+                use_rslora=lora.use_rslora,
+                init_lora_weights=lora.peft_init,
+                use_dora=lora.use_dora,
             )
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -139,8 +155,9 @@ class LoraSpecMixin:
         return layer
 
     def trainable(self, name: str) -> bool:
-        """Whether a layer's parameter ``name`` trains: an adapter, or a module of ``modules_to_save``."""
-        if ".lora_A." in name or ".lora_B." in name:
+        """Whether a layer's parameter ``name`` trains: an adapter (and DoRA's magnitude), or a module of
+        ``modules_to_save``."""
+        if any(f".{part}." in name for part in ADAPTER_PARTS):
             return True
         owner = name.rpartition(".")[0]
         return any(_matches(owner, t) or f".{t}." in f".{owner}." for t in self.lora.modules_to_save)
@@ -160,13 +177,15 @@ class LoraSpecMixin:
 
         from l2l_cli.models.bert import layer_seed
 
-        base = self._base
+        base, gaussian = self._base, self.lora.init_lora_weights == "gaussian"
         kind = self.kind(index)  # type: ignore[attr-defined]
         layer = self.adapt(base.init_layer(self, base.new_layer(self, kind, device), index, seed), kind)
         g = torch.Generator().manual_seed(layer_seed(seed + 7_777_777, index))
         with torch.no_grad():
             for n, p in layer.named_parameters():
-                if ".lora_A." in n:  # PEFT's default: kaiming_uniform_(a=sqrt(5)), as nn.Linear's
+                if ".lora_A." in n and gaussian:  # PEFT's gaussian: normal_(std=1/r)
+                    p.copy_(torch.randn(p.shape, generator=g) / self.lora.r)
+                elif ".lora_A." in n:  # PEFT's default: kaiming_uniform_(a=sqrt(5)), as nn.Linear's
                     bound = 1.0 / math.sqrt(p.shape[1])
                     p.copy_(torch.empty(p.shape).uniform_(-bound, bound, generator=g))
                 elif ".lora_B." in n:
@@ -185,8 +204,13 @@ class LoraSpecMixin:
             "alpha": lo.alpha,
             "target_modules": list(listed(lo.target_modules)),
             "modules_to_save": list(lo.modules_to_save),
+            **({"use_rslora": True} if lo.use_rslora else {}),  # (checkpoints before them: absent)
+            **({"use_dora": True} if lo.use_dora else {}),
         }
         return ident
+
+    def base_fingerprint(self) -> dict[str, Any] | None:
+        return self.lora.base_fingerprint
 
     def save_hf(
         self, out_dir: Path, named_tensors: Iterable[tuple[str, torch.Tensor]], task: Any = None
@@ -207,7 +231,7 @@ def with_lora(spec: ModelSpec, lora: LoraSettings) -> ModelSpec:
         cls = _CLASSES[base] = type(f"Lora{base.__name__}", (LoraSpecMixin, base), {"_base": base})
     new = object.__new__(cls)
     new.__dict__.update(spec.__dict__)
-    object.__setattr__(new, "lora", lora)
+    object.__setattr__(new, "lora", for_model(spec, lora))
     return new
 
 
@@ -225,22 +249,32 @@ def base_spec(spec: ModelSpec) -> ModelSpec:
 
 
 def peft_key(hf_name: str) -> str:
-    """The key of a trainable tensor (by its ``hf_name``) in PEFT's ``adapter_model.safetensors``."""
-    name = hf_name.replace(f".lora_A.{ADAPTER}.", ".lora_A.").replace(f".lora_B.{ADAPTER}.", ".lora_B.")
-    return PEFT_PREFIX + name
+    """The key of a trainable tensor (by its ``hf_name``) in PEFT's ``adapter_model.safetensors`` (the
+    adapter's name dropped, as PEFT saves it; DoRA's magnitude as ``...lora_magnitude_vector``)."""
+    hf_name = hf_name.replace(f".{DORA}.{ADAPTER}.weight", f".{DORA}")
+    for part in ADAPTER_PARTS:
+        hf_name = hf_name.replace(f".{part}.{ADAPTER}.", f".{part}.")
+    return PEFT_PREFIX + hf_name
 
 
 def from_peft_key(key: str) -> str:
     """The inverse of :func:`peft_key`: a saved adapter tensor's ``hf_name``."""
     name = key.removeprefix(PEFT_PREFIX)
-    return name.replace(".lora_A.", f".lora_A.{ADAPTER}.").replace(".lora_B.", f".lora_B.{ADAPTER}.")
+    if name.endswith(f".{DORA}"):
+        return f"{name}.{ADAPTER}.weight"
+    for part in ADAPTER_PARTS:
+        name = name.replace(f".{part}.", f".{part}.{ADAPTER}.")
+    return name
 
 
 def adapter_config(spec: ModelSpec, lora: LoraSettings) -> dict[str, Any]:
-    """adapter_config.json as PEFT writes it (``LoraConfig.to_dict``)."""
+    """adapter_config.json as PEFT's ``save_pretrained`` writes it: the ``LoraConfig``, the family's task
+    type, ``inference_mode`` true, and the base (``base_model_name_or_path``: the checkpoint's directory
+    or hub id, and ``revision``, a hub snapshot's commit), so ``AutoPeftModelFor...from_pretrained(dir)``
+    finds it with no other argument."""
     from peft import LoraConfig
 
-    kinds = (PRE, BLOCK, POST)
+    kinds, base = (PRE, BLOCK, POST), lora.base_fingerprint or {}
     if lora.target_modules == ALL_LINEAR:  # resolved: the leaf names of the modules adapted
         names = sorted({n.rpartition(".")[2] for k in kinds for n in targets(spec, k, lora)})
     else:
@@ -251,9 +285,15 @@ def adapter_config(spec: ModelSpec, lora: LoraSettings) -> dict[str, Any]:
         lora_dropout=lora.dropout,
         target_modules=names,
         modules_to_save=list(lora.modules_to_save) or None,
-        fan_in_fan_out=spec.family == "gpt2",
+        fan_in_fan_out=spec.peft_fan_in_fan_out,
         bias="none",
-        task_type="CAUSAL_LM" if spec.family != "bert" else None,
+        task_type=spec.peft_task_type,
+        use_rslora=lora.use_rslora,
+        init_lora_weights=lora.peft_init,
+        use_dora=lora.use_dora,
+        base_model_name_or_path=base.get("name_or_path"),
+        revision=base.get("revision"),
+        inference_mode=True,
     )
     d = conf.to_dict()
     for k, v in list(d.items()):
@@ -264,9 +304,11 @@ def adapter_config(spec: ModelSpec, lora: LoraSettings) -> dict[str, Any]:
 
 def save_adapter(spec: ModelSpec, out_dir: Path, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Write ``adapter_config.json`` and ``adapter_model.safetensors`` (the trainable tensors only; base
-    tensors in ``named_tensors`` are skipped)."""
+    tensors in ``named_tensors`` are skipped), and the fingerprint of the base it needs, if it has one."""
     import torch
     from safetensors.torch import save_file
+
+    from l2l_cli.checkpoint import FINGERPRINT_FILE
 
     lora = lora_of(spec)
     assert lora is not None
@@ -278,6 +320,8 @@ def save_adapter(spec: ModelSpec, out_dir: Path, named_tensors: Iterable[tuple[s
     }
     (out_dir / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(spec, lora), indent=2, sort_keys=True))
     save_file(tensors, str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    if lora.base_fingerprint is not None:
+        (out_dir / FINGERPRINT_FILE).write_text(json.dumps(lora.base_fingerprint, indent=1, sort_keys=True))
 
 
 def _trainable_hf(spec: ModelSpec, hf_name: str) -> bool:
@@ -362,6 +406,32 @@ def merged_tensors(
                 if isinstance(m, LoraLayer):
                     m.merge(adapter_names=[ADAPTER])
         for n, p in layer.named_parameters():
-            if ".lora_A." in n or ".lora_B." in n or (spec.kind(i) == POST and n in tied):
+            if any(f".{part}." in n for part in ADAPTER_PARTS) or (spec.kind(i) == POST and n in tied):
                 continue
             yield spec.hf_name(i, n), p.detach().to(torch.float32)
+
+
+def refresh_dora(runner: Any, spec: ModelSpec) -> None:
+    """DoRA's magnitudes set from the base the run starts on (PEFT's init: each output channel's norm of
+    ``W + scaling·B·A``), once it is in place: the checkpoint's weights, and a low-bit base as stored (what
+    the forward reads), not the seeded fp32 layers the adapters were injected into. No-op without DoRA."""
+    lora = lora_of(spec)
+    if lora is None or not lora.use_dora:
+        return
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    out = {}
+    for i, layer in runner.full_layers():
+        with torch.no_grad():
+            for name, m in layer.named_modules():
+                if isinstance(m, LoraLayer) and ADAPTER in m.lora_magnitude_vector:
+                    dora, a, b = m.lora_magnitude_vector[ADAPTER], m.lora_A[ADAPTER], m.lora_B[ADAPTER]
+                    dora.update_layer(
+                        base_layer=m.get_base_layer(),
+                        lora_A=a.weight,
+                        lora_B=b.weight,
+                        scaling=m.scaling[ADAPTER],
+                    )
+                    out[spec.hf_name(i, f"{name}.{DORA}.{ADAPTER}.weight")] = dora.weight.clone()
+    runner.load_hf(out)

@@ -88,6 +88,10 @@ class L2LRunner(RunnerBase):
         self.recompute_info = None if self.settings.recompute.trivial else self.recompute.describe()
         self.graphs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # kept: (input, output)
         self.steady = {"steps": 0, "optimizer_s": 0.0, "optimizer_exposed_s": 0.0}
+        # the host's passes and the link's bytes from the first training step on (building, loading
+        # weights and a resume's checkpoint are no step's), and the steps since
+        self.traffic: tuple[dict[str, int], dict[str, float], int] | None = None
+        self.traffic_steps = 0
 
     def run_layer(
         self, layer: nn.Module, i: int, x: torch.Tensor | None, ub: Batch, side: Any
@@ -102,6 +106,9 @@ class L2LRunner(RunnerBase):
         (``IN_BACKWARD``; ``IN_BACKWARD_TRAILING``, Alg. 4: the last one behind the next forward)."""
         t0, lr = time.perf_counter(), self.lr()
         scaler, clip, max_norm = self.precision.scaler, self.clip, self.settings.max_grad_norm
+        if self.traffic is None:
+            self.traffic = (*self.eps.passes.snapshot(), self.relay.transfer_bytes)
+        self.traffic_steps += 1
         div = self.loss_divisors(minibatch)  # the loss: one mean over the global minibatch's terms
         if self.trailing is not None:  # Alg. 4: the last step's trailing update, the rows this batch reads
             with self.timer("optimizer"):
@@ -295,7 +302,7 @@ class L2LRunner(RunnerBase):
     def sections(self) -> dict[str, dict[str, Any]]:
         """summary.json's ``optimizer`` section (below) and ``recompute``: the policy, kept layers, the
         bytes they hold for backward."""
-        out = {**self.optimizer_section(), "recompute": self.recompute.section()}
+        out = {**self.optimizer_section(), "recompute": self.recompute.section(), "eps": self.eps_section()}
         if self.speculation is not None:  # how a clipped step's speculative updates were redone
             spec = self.speculation
             out["speculation"] = {"clip_redo": self.eps.tier.clip_redo, "replayed_steps": spec.replays}
@@ -320,6 +327,12 @@ class L2LRunner(RunnerBase):
             self.steady["optimizer_exposed_s"] += times["optimizer_exposed_s"]
         busy = self.eps.worker.pop_busy()
         return {"eps_background_s": busy, **times, **self.eps.tier.pop_step(self.timer)}
+
+    def eps_section(self) -> dict[str, Any]:
+        """summary.json's ``eps``: what the host's passes over the EPS's buffers read and wrote per trained
+        parameter per step, by purpose (counted by the code that makes them), the update's own GB/s, the
+        link's bytes per parameter per step (the relay's copies, apart), and which update ran."""
+        return self.eps.traffic_section(self.relay.transfer_bytes, self.traffic, self.traffic_steps)
 
     def optimizer_section(self) -> dict[str, dict[str, Any]]:
         """summary.json's ``optimizer`` section: the host update's seconds per steady-state step, the part

@@ -169,7 +169,7 @@ def resolve(cfg: Any, shape: ModelShape) -> Rates:
         from l2l_cli.plan.measure import measure
 
         measured = measure(cfg, shape)
-        on_cpu = cfg.device in ("cpu", "sim") or (cfg.device == "auto" and not _cuda())
+        on_cpu = cfg.device.name in ("cpu", "sim") or (cfg.device.name == "auto" and not _cuda())
         ram = physical_memory()
         measured_flops = ubatch_flops(shape, cfg, measured.layers)
         rates = replace(
@@ -184,7 +184,8 @@ def resolve(cfg: Any, shape: ModelShape) -> Rates:
             h2d=measured.memcpy_bytes_per_s,
             host_flops=block_update_flops(shape) / measured_update(measured, shape, host=True),
             device_optim_flops=block_update_flops(shape) / measured_update(measured, shape, host=False),
-            async_copy=not on_cpu or cfg.device == "sim",  # device=cpu copies inline; the sim's are threads
+            async_copy=not on_cpu
+            or cfg.device.name == "sim",  # device=cpu copies inline; the sim's are threads
             host_shares_device=on_cpu,
         )
         notes.append(f"measured on this machine ({measured.threads} threads, median of {measured.repeats})")
@@ -221,7 +222,10 @@ def resolve(cfg: Any, shape: ModelShape) -> Rates:
                 "the device tier is this CPU: the EPS update shares its cores, so what L2L-p's overlapped "
                 "update costs is measured, not assumed hidden"
             )
-    if cfg.device == "sim":
+    if cfg.device.memory_gb is not None and cfg.device.name != "sim":  # the run's own cap on its device
+        rates = replace(rates, device_memory=min(rates.device_memory, cfg.device.memory_gb * GiB))
+        notes.append(f"device.memory_gb: the run may use {cfg.device.memory_gb:g} GiB of its device")
+    if cfg.device.name == "sim":
         rates = replace(
             rates, device_memory=cfg.sim.memory_gb * GiB, h2d=cfg.sim.link_gbps * GB, async_copy=True
         )

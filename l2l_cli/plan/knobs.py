@@ -143,7 +143,7 @@ def device_terms(cfg: Any) -> dict[str, Any]:
     attention_bytes_half``) where the plan is for that GPU; none for a CPU or simulated device tier (what
     the run's own meter counts is its tensors, on a CPU's math attention) or a measured machine."""
     hw = cfg.hardware
-    if cfg.device in ("cpu", "sim") or hw.measured:
+    if cfg.device.name in ("cpu", "sim") or hw.measured:
         return {}
     return {"reserved": hw.device_reserved_gb * 2**30, "att_half": hw.attention_bytes_half}
 

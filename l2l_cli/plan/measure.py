@@ -33,7 +33,7 @@ from l2l_cli.plan.times import LayerTimes, MeasuredTimes, physical_memory
 
 
 def _device(cfg: Any) -> torch.device:
-    if cfg.device == "cuda" or (cfg.device == "auto" and cuda_available()):
+    if cfg.device.name == "cuda" or (cfg.device.name == "auto" and cuda_available()):
         return torch.device("cuda", 0)
     return torch.device("cpu")
 
@@ -174,7 +174,7 @@ def measure(cfg: Any, shape: ModelShape) -> MeasuredTimes:
     batch = Batch(ids, torch.zeros_like(ids), torch.ones_like(ids), labels)
     torch.manual_seed(0)
     # a CPU device tier runs under the storage meter (profile.memory; always for device=sim): time with it
-    metered = device.type == "cpu" and (cfg.profile.memory or cfg.device == "sim")
+    metered = device.type == "cpu" and (cfg.profile.memory or cfg.device.name == "sim")
     meter = StorageMeter() if metered else MemoryMeter()
 
     # -- layers ------------------------------------------------------------------------------------

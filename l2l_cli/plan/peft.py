@@ -181,9 +181,9 @@ def peft_shape(spec: Any, cfg_peft: Any) -> PeftShape:
     ``models/lora.py`` injects (its ``targets`` on the family's meta layers; PEFT's ``lora_A`` r×in and
     ``lora_B`` out×r per target) and what ``engine/frozen.py`` stores."""
     from l2l_cli.models.base import BLOCK, POST, PRE
-    from l2l_cli.models.lora import LoraSettings, _matches, targets
+    from l2l_cli.models.lora import LoraSettings, _matches, for_model, targets
 
-    lora = LoraSettings.from_cfg(cfg_peft)
+    lora = for_model(spec, LoraSettings.from_cfg(cfg_peft))  # (a classifier's head trains: PEFT's rule)
     tied = spec.tied_params()
     split: dict[str, LayerSplit] = {}
     shapes: dict[str, dict[str, tuple[int, ...]]] = {}
@@ -199,7 +199,7 @@ def peft_shape(spec: Any, cfg_peft: Any) -> PeftShape:
                 if type(mods[name]).__name__ == "Conv1D"
                 else (w.shape[1], w.shape[0])
             )
-            adapters += lora.r * (fan_in + fan_out)
+            adapters += lora.r * (fan_in + fan_out) + (fan_out if lora.use_dora else 0)  # (DoRA's magnitude)
         saved = 0
         frozen, stored, slot, largest = 0, 0, 0, 0
         params = dict(layer.named_parameters())

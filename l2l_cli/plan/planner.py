@@ -128,7 +128,7 @@ def make_plan(cfg: Any, rates: Rates | None = None, given: Collection[str] = ())
             "eps_tier": s.tier if s.l2l else None,
             "eps_host_cache_layers": s.cache_layers if s.disk else None,
             "pipeline": s.pipeline,
-            "device": cfg.device,
+            "device": cfg.device.name,
         },
         "hardware": rates.summary(),
         "params": {

@@ -253,7 +253,7 @@ def config_from_hydra(cfg: Any) -> dict[str, Any]:
     nproc = _select(cfg, "dist.nproc") or 1
     shards = nproc // max(1, _select(cfg, "dist.pipeline") or 1)  # a pipeline's ranks share one shard
     pretrained = _select(cfg, "model.pretrained")
-    device = _select(cfg, "device")
+    device = _select(cfg, "device.name") or _select(cfg, "device")  # (a run before device.*: its name)
     out = {
         "method": method_label(mode, stash),
         "mode": mode,

@@ -32,7 +32,8 @@ from l2l_cli.problems import Problem
 if TYPE_CHECKING:  # torch too: the registry is read without it (l2l plan)
     import torch
 
-    from l2l_cli.engine.device import Accelerator, CopyHandle
+    from l2l_cli.engine.copies import CopyHandle
+    from l2l_cli.engine.device import Accelerator
     from l2l_cli.engine.flat import FlatLayout
     from l2l_cli.engine.layer_state import LayerState
     from l2l_cli.engine.optim import OptimSettings

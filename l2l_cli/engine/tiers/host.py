@@ -12,7 +12,8 @@ from l2l_cli.engine.tiers.base import TierKind, TierSettings, register_tier
 if TYPE_CHECKING:  # torch and the layer state are imported when a run builds the tier, not by l2l plan
     import torch
 
-    from l2l_cli.engine.device import Accelerator, CopyHandle
+    from l2l_cli.engine.copies import CopyHandle
+    from l2l_cli.engine.device import Accelerator
     from l2l_cli.engine.flat import FlatLayout
     from l2l_cli.engine.layer_state import LayerState
     from l2l_cli.engine.optim import OptimSettings

@@ -2,15 +2,16 @@
 backend, measured once, where a runner is built (:func:`link_costs`; the summary only reports them).
 
 The per-action cost (``hardware.pipe_action_us``): torch's breadth-first schedule over stand-in stages
-that compute nothing but keep the core busy and send messages of the run's size. The cost is what the
-pre-run model charges: the per-action seconds at which the dependency-ordered simulation of this very
-schedule (``plan.simulate``, on the chunks' measured durations and the measured exchange of that size)
-takes as long as the step did (``plan.fit_action``), fitted per step and the median over the steps taken:
-a chunk's call into the schedule and autograd, a posted send or recv, the schedule's bookkeeping, one
-constant. One suffices: the simulation charges it to each chunk, send and recv alike, and this schedule's
-mix of them is the modular placements'; the contiguous ones post about one message per chunk instead of
-two (``benchmarks/pipeline_bubble.py``'s rows check it). Measurement code, apart from the product stage
-(``stage.py``)."""
+that compute nothing but keep the device busy as a chunk does (a spinning GPU kernel on CUDA, timed by the
+stage's CUDA events as real chunks are; the core elsewhere) and send messages of the run's size. The cost
+is what the pre-run model charges: the per-action seconds at which the dependency-ordered simulation of
+this very schedule (``plan.simulate``, on the chunks' measured durations and the measured exchange of that
+size) takes as long as the step did (``plan.fit_action``), fitted per step and the median over the steps
+taken: a chunk's call into the schedule and autograd, a posted send or recv, the schedule's bookkeeping,
+one constant. One suffices: the simulation charges it to each chunk, send and recv alike, and this
+schedule's mix of them is the modular placements'; the contiguous ones post about one message per chunk
+instead of two (``benchmarks/pipeline_bubble.py``'s rows check it). Measurement code, apart from the
+product stage (``stage.py``)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import ScheduleLoopedBFS
 
-from l2l_cli.engine.device import synchronize
+from l2l_cli.engine.device import keep_busy, synchronize
 from l2l_cli.parallel.pipeline.bubble import LinkCosts
 from l2l_cli.parallel.pipeline.groups import Groups
 from l2l_cli.parallel.pipeline.plan import StagePlan, fit_action, table_cost
@@ -35,12 +36,14 @@ STAGES_PER_RANK = 2  # the calibration's modular pipeline: 2 stages per rank (S 
 UBATCHES = 8
 HIDDEN = 4  # floats per message where no size is given: near-zero bytes
 STEPS = 24  # timed steps (the first is not counted): a fit per step, their median
-BUSY_S = 0.005  # each stand-in chunk keeps its core busy this long, as a real layer's chunk does: the
+BUSY_S = 0.005  # each stand-in chunk keeps its device busy this long, as a real layer's chunk does: the
 # action's cost under load, not on an idle core
 
 
 class StandIn(nn.Module):
-    """A stage with no compute (one scalar weight), with the inputs, outputs and messages of a real one."""
+    """A stage with no compute (one scalar weight), with the inputs, outputs and messages of a real one, that
+    keeps its device busy ``busy_s`` per chunk the way a real chunk does (``keep_busy``: a GPU kernel on
+    CUDA, which the timeline's CUDA events time; the host's core elsewhere, which its clock times)."""
 
     def __init__(self, first: bool, last: bool, hidden: int, busy_s: float = 0.0):
         super().__init__()
@@ -55,9 +58,7 @@ class StandIn(nn.Module):
             h = self.w * x[0].new_ones((*x[0].shape, self.hidden), dtype=torch.float32)
         else:
             h = x[0] * self.w
-        end = time.perf_counter() + self.busy_s
-        while time.perf_counter() < end:
-            pass
+        keep_busy(x[0].device, self.busy_s)  # on the device, as a real chunk: the stage's events time it
         return h.mean() if self.last else h
 
 
@@ -103,8 +104,9 @@ def wake_seconds(group: Any, host: Any, device: torch.device, hidden: int, reps:
     (``hardware.pipe_wake_us``): pipeline rank 0 posts a send, then computes (or sleeps) 10 ms; rank 1
     posts the recv 2.5 ms in and times it; the difference of the means. gloo moves a message on a thread of
     the sender's process, which waits for a core the chunk holds (an OS scheduler slice, milliseconds, on
-    some of the messages); on CUDA the copies run beside compute: 0. Collective over the pipeline."""
-    if device.type == "cuda":
+    some of the messages); on CUDA the copies run beside compute: 0 (and NCCL's point-to-point ops go in
+    batches only: the L2L stages' rule). Collective over the pipeline."""
+    if device.type == "cuda" or dist.get_backend(group) != "gloo":
         return 0.0
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     ranks = dist.get_process_group_ranks(group)
@@ -155,6 +157,7 @@ def action_seconds(
     hidden = max(1, int(nbytes) // 4)  # the run's message size: its copies cost the ranks' cores (gloo)
     latency_s = time_exchange(group, host, device, (ranks[(rank - 1) % P], ranks[(rank + 1) % P]), 4 * hidden)
     wake_s = wake_seconds(group, host, device, hidden)
+    keep_busy(device, 0.0)  # (CUDA: the spin's rate timed now, outside any chunk)
     plan = StagePlan(STAGES_PER_RANK * P, P, "modular", 1)
     S, n, rows = plan.num_stages, UBATCHES, 1
     timeline = Timeline(cuda=device.type == "cuda")

@@ -229,7 +229,7 @@ def _device_rules(cfg: Any) -> list[Problem]:
     from l2l_cli.engine.device import cuda_available
     from l2l_cli.engine.dist import resolve_backend
 
-    d, dev = cfg.dist, cfg.device
+    d, dev = cfg.dist, cfg.device.name
     cuda = dev == "cuda" or (dev == "auto" and cuda_available())
     backend = resolve_backend(d.backend, dev)
     if backend == "nccl" and not cuda:

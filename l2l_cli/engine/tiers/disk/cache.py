@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from l2l_cli.engine.device import Accelerator, CopyHandle
+from l2l_cli.engine.copies import CopyHandle
+from l2l_cli.engine.device import Accelerator
 from l2l_cli.engine.flat import FlatLayout
 from l2l_cli.engine.layer_state import bind_optimizer
 from l2l_cli.engine.optim import OptimSettings
@@ -83,7 +84,7 @@ class CacheSlot:
             self._lo = AlignedBuffer(aligned(2 * n_max))
         self.lo = self._lo.tensor.view(torch.int16)[:n_max] if self._lo is not None else None
         # CMP: the device's half gradient lands here and is widened into g on the host
-        self.g_recv = acc.host_empty(n_max, send_dtype) if send_dtype != torch.float32 else None
+        self.g_recv = acc.host_empty(n_max, send_dtype, link=True) if send_dtype != torch.float32 else None
         self._optimizers: dict[tuple[int, str], torch.optim.Optimizer] = {}
         self.mom: UpdateBuffer | None = None  # the update buffer this slot holds (its layer's m and v)
         self.mv_pins = 0  # pins that use the moments (the update buffer stays while there are any)

@@ -170,11 +170,12 @@ def probe_direct(root: Path) -> bool:
 
 
 class AlignedBuffer:
-    """Page-aligned host memory as a uint8 tensor (pinned on CUDA hosts: ``acc.host_empty``)."""
+    """Page-aligned host memory as a uint8 tensor (pinned on CUDA hosts, to its size: ``acc.host_empty``; a
+    cache slot's buffers cross the link)."""
 
     def __init__(self, nbytes: int, acc: Accelerator | None = None):
         raw = (
-            acc.host_empty(nbytes + ALIGN, torch.uint8)
+            acc.host_empty(nbytes + ALIGN, torch.uint8, link=True)
             if acc
             else torch.empty(nbytes + ALIGN, dtype=torch.uint8)
         )

@@ -6,9 +6,11 @@ from typing import Protocol
 
 import torch
 
-from l2l_cli.engine.device import DONE, Accelerator, CopyHandle
+from l2l_cli.engine.copies import DONE, CopyHandle
+from l2l_cli.engine.device import Accelerator
 from l2l_cli.engine.flat import FlatLayout
-from l2l_cli.engine.layer_state import LayerState
+from l2l_cli.engine.host_passes import HostPasses
+from l2l_cli.engine.layer_state import LayerState, _fused_runs
 from l2l_cli.engine.tiers.disk.cache import CacheSlot
 
 
@@ -29,12 +31,23 @@ class LayerHome(Protocol):
 
 class DiskLayer(LayerState):
     """A layer whose state lives in its file. While the tier has it pinned, ``w``/``g``/``m``/``v`` and
-    ``optimizer`` are those of the cache slot it occupies; touching them unpinned is a bug and raises."""
+    ``optimizer`` are those of the cache slot it occupies; touching them unpinned is a bug and raises. Its
+    update is in place (the undo is the file's other slot), on a gradient widened to FP32 as it arrives
+    (a kept gradient is an FP32 one)."""
 
-    def __init__(self, tier: LayerHome, index: int, kind: str, layout: FlatLayout):
+    cur = 0
+    _beside = False
+    widened = True
+
+    def __init__(
+        self, tier: LayerHome, index: int, kind: str, layout: FlatLayout, passes: HostPasses, one_pass: bool
+    ):
         self.tier, self.index, self.kind, self.layout = tier, index, kind, layout
+        self.passes = passes
+        self.one_pass = one_pass  # the optimizer's update is one host pass (``OptimizerKind.one_pass``)
         self.version = 0
         self.grad_in: CopyHandle = DONE
+        self.grad_norm: torch.Tensor | None = None
         self.opt_step = 0.0  # the optimizer's step count for this layer (committed with the layer)
         self.undo: list[torch.Tensor] | None = None
         self.undo_step = 0.0
@@ -68,6 +81,22 @@ class DiskLayer(LayerState):
     def g_recv(self) -> torch.Tensor | None:
         s = self._slot()
         return s.g_recv[: self.layout.numel] if s.g_recv is not None else None
+
+    @property  # type: ignore[override]
+    def sets(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        return [(self.w, self.m, self.v)]
+
+    @property  # type: ignore[override]
+    def fused(self) -> list[tuple[int, int, dict, dict]] | None:
+        """AdamW's runs over the cache slot's buffers (None: a torch optimizer's update)."""
+        return _fused_runs(self.optimizer, self.w) if self.one_pass else None
+
+    @property
+    def update_keeps_grad(self) -> bool:
+        return self.one_pass
+
+    def receive_grad(self, widen: bool = True) -> None:
+        super().receive_grad(widen=True)
 
     @property  # type: ignore[override]
     def optimizer(self) -> torch.optim.Optimizer:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -57,9 +58,10 @@ class Reader:
         writer: WriteBehind,
         cv: threading.Condition,
         counts: IoCounts,
+        bind: Callable[[], None] = lambda: None,
     ):
         self.cache, self.plan, self.store, self.writer = cache, plan, store, writer
-        self.cv, self.counts = cv, counts
+        self.cv, self.counts, self.bind = cv, counts, bind  # bind: the thread's device (acc.bind_thread)
         self.demands: list[Demand] = []
         self.failed: BaseException | None = (
             None  # a read-ahead failed: read-ahead stops, the next pin raises it
@@ -226,6 +228,7 @@ class Reader:
 
     def _loop(self) -> None:
         try:
+            self.bind()
             self._serve()
         except BaseException as e:  # a bug in choosing the next job: the pins raise it, none waits forever
             with self.cv:

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from l2l_cli.engine.device import Accelerator, CopyHandle
+from l2l_cli.engine.copies import CopyHandle
+from l2l_cli.engine.device import Accelerator
 from l2l_cli.engine.flat import FlatLayout
 from l2l_cli.engine.optim import OptimSettings
 from l2l_cli.engine.tiers.base import TierSettings
@@ -87,8 +88,11 @@ class DiskTier:
             self.store.create()
         self.resumed = self.store.resumed
         self.record = self.store.record
-        self.writer = WriteBehind(self.store, self.cv, self.counts, self.cache)
-        self.reader = Reader(self.cache, self.plan, self.store, self.writer, self.cv, self.counts)
+        # their threads work for this rank's device (acc.bind_thread: CUDA's current device is per thread)
+        self.writer = WriteBehind(self.store, self.cv, self.counts, self.cache, bind=acc.bind_thread)
+        self.reader = Reader(
+            self.cache, self.plan, self.store, self.writer, self.cv, self.counts, bind=acc.bind_thread
+        )
         self.reader.start()
 
     @property
@@ -108,7 +112,7 @@ class DiskTier:
         send_dtype: torch.dtype,
         optim: OptimSettings,
     ) -> DiskLayer:
-        st = DiskLayer(self, index, kind, layout)
+        st = DiskLayer(self, index, kind, layout, acc.host_passes, optim.kind.one_pass)
         if self.record is not None:
             st.opt_step = float(self.record["layers"][index]["step"])
         self.layers[index] = st

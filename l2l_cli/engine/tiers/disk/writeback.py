@@ -14,6 +14,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -43,7 +44,14 @@ class _Stepped(Protocol):
 class WriteBehind:
     """The writer thread and the commits it has made."""
 
-    def __init__(self, store: LayerStore, cv: threading.Condition, counts: IoCounts, cache: SlotTable):
+    def __init__(
+        self,
+        store: LayerStore,
+        cv: threading.Condition,
+        counts: IoCounts,
+        cache: SlotTable,
+        bind: Callable[[], None] = lambda: None,
+    ):
         self.store, self.cv, self.counts, self.cache = store, cv, counts, cache
         self.commits = 0
         rec = store.record
@@ -55,7 +63,8 @@ class WriteBehind:
         self.error: BaseException | None = None  # the first failed write: nothing is written after it
         self._reported = False  # the error was raised to a caller (close() does not raise it again)
         self._jobs: list[Future] = []  # every job not yet known to have succeeded, in submission order
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l2l-disk-write")
+        # bind: the thread's device (acc.bind_thread)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l2l-disk-write", initializer=bind)
 
     # ---- the writer's failure: sticky, raised to the training step --------------------------------------
 
