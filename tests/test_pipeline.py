@@ -13,6 +13,7 @@ import shutil
 import statistics
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -295,7 +296,7 @@ def test_a_held_out_shape_is_predicted_within_5_points_without_measuring() -> No
         [*HELD_OUT, "dist.placement=contiguous", "dist.schedule=breadth_first", "hardware=cpu-eps"],
         [*HELD_OUT, "dist.placement=modular"],
     ]
-    mod, con, preset = (r["sections"]["pipeline"] for r in run_jobs(2, jobs, steps=4)[0])
+    mod, con, preset = (r["sections"]["pipeline"] for r in run_jobs(2, jobs, steps=6)[0])
     for p in (mod, con, preset):
         print(
             f"{p['placement']}: measured {p['bubble_measured']:.3f}, predicted {p['bubble_predicted']:.3f} "
@@ -307,7 +308,7 @@ def test_a_held_out_shape_is_predicted_within_5_points_without_measuring() -> No
     if mod["bubble_predicted"] < con["bubble_predicted"]:
         assert mod["bubble_measured"] < con["bubble_measured"]
     embeddings, block = mod["ranks"][0]["layer_chunks"]["0"], mod["ranks"][0]["layer_chunks"]["1"]
-    assert embeddings[1] > 0.1 * block[1] and embeddings[0] < 0.1 * block[0]  # a heavy backward only
+    assert embeddings[1] > 0.1 * block[1] and embeddings[0] < 0.25 * block[0]  # a heavy backward only
     assert mod["bubble_unsure"] == {} and set(preset["bubble_unsure"]) == {"action_s", "wake_s"}
     assert all("hardware=measure" in why and "v100-16g" in why for why in preset["bubble_unsure"].values())
 
@@ -396,6 +397,51 @@ def test_l2l_stage_configs_that_cannot_work_are_refused() -> None:
     assert "allowed: false" in problems(*ok, "dist.partition_state=true")["dist.partition_state"]
     assert problems(*ok, "trainer.save_every=2") == {}  # each rank writes its layers' files
     assert "one process's" in problems(*ok, "trainer.realtime_ckpt=true")["trainer.realtime_ckpt"]
+
+
+def test_gloo_stages_post_their_receives_as_they_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 53: on gloo a message moves once both its ends are posted. Received one ahead (NCCL's order,
+    issue 51.5), a sender's messages waited for the receiver's compute and its next stage for them: the
+    modular placement's measured bubble went from 0.17 to 0.37 while the model, which posts a stage's
+    receives as it starts, said 0.13. With ``all_ahead`` (the runner's on gloo) every receive of the stage
+    is posted in one batch as it starts, and each send goes alone."""
+    from l2l_cli.parallel.pipeline import p2p
+
+    posted: list[tuple[str, ...]] = []
+
+    class Work:
+        def wait(self) -> None:
+            return None
+
+    class FakeDist:
+        @staticmethod
+        def P2POp(op: object, tensor: torch.Tensor, peer: int, group: object = None, tag: int = 0) -> object:
+            return SimpleNamespace(op=op, tensor=tensor, peer=peer, tag=tag)
+
+        isend, irecv = object(), object()
+
+        @staticmethod
+        def batch_isend_irecv(ops: list) -> list[Work]:
+            for op in ops:
+                if op.op is FakeDist.irecv:
+                    op.tensor.fill_(op.tag)
+            posted.append(tuple("irecv" if op.op is FakeDist.irecv else "isend" for op in ops))
+            return [Work() for _ in ops]  # gloo: one request per op
+
+    monkeypatch.setattr(p2p, "dist", FakeDist)
+    n, stage = 4, 1
+    for all_ahead, want in (
+        (True, [("irecv",) * n, *[("isend",)] * n]),
+        (False, [("irecv",), ("isend", "irecv")]),
+    ):
+        posted.clear()
+        msgs = p2p.StageMessages(None, torch.device("cpu"), n, lambda s: s % 2, all_ahead=all_ahead)
+        recv = msgs.recv((2, 3), stage, n, backward=False)
+        for u in range(n):
+            assert (msgs.arrived(recv[u], torch.float32) == msgs.tag(stage, u, False)).all()
+            msgs.send(torch.zeros(2, 3), stage, u, backward=False)
+        msgs.wait_sends()
+        assert posted[: len(want)] == want and len(posted) == n + 1
 
 
 def test_the_bubble_model_weighs_heavy_ends_and_names_what_it_cannot_say() -> None:

@@ -92,7 +92,8 @@ class L2LStagesRunner(RunnerBase):
         self.index = [i for st in self.my_stages for i in self.plan.layers(st)]
         self.local = {i: j for j, i in enumerate(self.index)}
         self.last_rank = self._global(self.plan.num_stages - 1)
-        self.messages = StageMessages(self.pp_group, self.acc.device, self.num_ubatches, self._global)
+        gloo = self.dist.backend == "gloo"  # a stage's receives all posted as it starts (p2p.StageMessages)
+        self.messages = StageMessages(self.pp_group, self.acc.device, self.num_ubatches, self._global, gloo)
         dtype = self.precision.device_dtype
         eps_dist = DistContext(self.dp_rank, self.dp_world, eps_group=groups.dp)  # the EPS's: D pipelines
         self.layers = RankLayers(self.spec, self.index)
