@@ -225,8 +225,8 @@ def link_costs(
     global) and :func:`action_seconds`; else the ``hardware`` preset's, unsure where its figures describe
     another transport than ``backend`` (``hardware.pipe_link``). On a CPU device the exchange is timed
     either way (16 of them, milliseconds): the model's own message between processes on CPUs (gloo), which
-    no preset's network describes. Collective over the pipeline when anything is timed: the runner calls it once, as it is
-    built."""
+    no preset's network describes. Collective over the pipeline when anything is timed: the runner calls
+    it once, as it is built."""
     exchange = None
     if s.measure_p2p or device.type == "cpu":
         exchange = time_exchange(groups.pp, groups.pp_host, device, peers, nbytes)

@@ -95,7 +95,8 @@ class StageMessages:
 
     def recv(self, shape: tuple[int, ...], stage: int, n: int, backward: bool) -> Inbox:
         """The receives of ``stage``'s n micro-batches (from the stage below in forward, above in backward),
-        the first posted now (all of them with ``all_ahead``); ``inbox[u]`` is waited for one at a time (:meth:`arrived`)."""
+        the first posted now (all of them with ``all_ahead``); ``inbox[u]`` is waited for one at a time
+        (:meth:`arrived`)."""
         inbox = self.inboxes[(stage, backward)] = Inbox(self, shape, stage, n, backward)
         ops = []
         while (op := inbox.next_op()) is not None:

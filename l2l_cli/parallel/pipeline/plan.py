@@ -134,9 +134,10 @@ class StagePlan:
 
     def l2l_orders(self, num_ubatches: int) -> list[list[Op]]:
         """The same for L2L stages, from their own loops (``l2l_stages.py``): per stage, its sends of the
-        stage before drained, its n recvs posted, then layer by layer a relay load and every micro-batch's
-        chunk (the head's turn: forward and backward per micro-batch); backward in reverse, each layer's
-        recompute and backward as one chunk, its gradient offloaded after the last micro-batch."""
+        stage before drained, its n recvs posted (as a gloo run posts them; NCCL's one ahead), then layer by
+        layer a relay load and every micro-batch's chunk (the head's turn: forward and backward per
+        micro-batch); backward in reverse, each layer's recompute and backward as one chunk, its gradient
+        offloaded after the last micro-batch."""
         n, S, head, out = num_ubatches, self.num_stages, self.num_layers + 1, []
         for rank in range(self.pipeline):
             ops: list[Op] = []
