@@ -51,7 +51,8 @@ def test_the_relay_holds_the_largest_pair_of_neighbours_and_never_waits_in_train
         # the embeddings and the first block, or the last block and the head with the tied tensor
         assert pair == max(aligned(sizes[0]) + aligned(sizes[1]), aligned(sizes[-2]) + aligned(sizes[-1]))
         assert pair < 2 * max(sizes)
-        assert relay.device_bytes == 4 * pair + 4 * (max(sizes) if device == "cpu" else pair)
+        norms = 4 * len(relay.slots)  # each slot's gradient norm (FP32), sent beside its gradient
+        assert relay.device_bytes == 4 * pair + 4 * (max(sizes) if device == "cpu" else pair) + norms
         assert relay.device_bytes < 2 * 2 * 4 * max(sizes)  # two slots of the largest layer, weights + grads
         it = TrainStream(data.train, cfg.batch.size, seed=0).batches()
         runner.step(next(it))  # type: ignore[union-attr]

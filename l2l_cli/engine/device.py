@@ -171,6 +171,9 @@ class Accelerator:
     """The CPU as the device tier (and the base of the others)."""
 
     kind = "cpu"
+    eps_threads = 0  # eps.threads (0: the default)
+    update_kernel = "auto"  # eps.update_kernel
+    _passes: HostPasses | None = None
 
     def __init__(
         self,
@@ -181,8 +184,6 @@ class Accelerator:
         budget_gb: Any = None,
     ):
         self.device, self.meter, self.h2d, self.d2h = device, meter, h2d, d2h
-        self.eps_threads, self.update_kernel = 0, "auto"  # eps.threads (0: the default), eps.update_kernel
-        self._passes: HostPasses | None = None
         # the device memory the run may use (device.memory_gb, sim.memory_gb; None: all the device has)
         self.budget_bytes = None if budget_gb is None else int(budget_gb * 2**30)
 

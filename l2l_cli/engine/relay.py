@@ -168,8 +168,10 @@ class Relay:
 
     @property
     def device_bytes(self) -> int:
-        """The relay's device buffers: weights, gradients and a frozen base, for every slot together."""
-        return sum(t.nbytes for t in (self.w, self.g, self.fw) if t is not None)
+        """The relay's device buffers: weights, gradients and a frozen base, for every slot together, and
+        each slot's gradient norm."""
+        norms = sum(s.norm.nbytes for s in self.slots)
+        return norms + sum(t.nbytes for t in (self.w, self.g, self.fw) if t is not None)
 
     def _overlap(self, a: str, b: str, frozen: bool = True) -> bool:
         """Whether a layer of kind ``a`` at one end and one of kind ``b`` at the other share elements."""
