@@ -13,6 +13,7 @@ import shutil
 import statistics
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -193,7 +194,8 @@ def test_two_ranks_match_one_process_reshard_on_resume_and_fill_the_modular_pipe
     ] == pytest.approx(0.2)
     # with the messages counted: 2(S-1)n/P exchanges per rank, L/P = 4 times more in the modular placement
     assert pm["messages_per_rank"] == 28 and pc["messages_per_rank"] == 4
-    assert pm["message_bytes"] == 4 * 8 * 64 * 256 and pc["exchange_from"] == "hardware"
+    # without hardware=measure the exchange is timed as the runner is built on CPUs (gloo), the rest preset
+    assert pm["message_bytes"] == 4 * 8 * 64 * 256 and pc["exchange_from"] == "timed at build"
     for p in (pm, pc):
         assert p["bubble_predicted"] > p["bubble_predicted_paper"]
     # the pre-run model's actions, read off torch's schedules: a forward and a backward chunk per stage and
@@ -251,6 +253,64 @@ def test_the_modular_bubble_fraction_is_smaller() -> None:
     con = statistics.median(_median(results, k, "pipe_bubble") for k in range(1, 6, 2))
     print(f"bubble fraction: modular breadth-first {mod:.3f} (predicted 0.059), contiguous 1F1B {con:.3f}")
     assert mod < con
+
+
+# A shape the pipeline's constants were not fitted to (benchmarks/pipeline_bubble.py: width 256, a 2k
+# vocabulary): BERT-mini's depth, width 192 (a message weighs more against a layer's compute), the 30k
+# WordPiece vocabulary (an embedding of 5.9M parameters whose backward writes a dense 30522 x 192 gradient
+# per micro-batch), 4 micro-batches
+HELD_OUT = [
+    "model=bert-mini",
+    "model.num_layers=8",
+    "model.hidden_size=192",
+    "model.num_heads=3",
+    "model.intermediate_size=768",
+    "model.vocab_size=30522",
+    "model.dropout=0.0",
+    "task.max_seq_len=64",
+    "task.pad_to_max=true",
+    "task.num_train=256",
+    "task.num_eval=8",
+    "trainer.progress=none",
+    "dist.nproc=2",
+    "dist.pipeline=2",
+    "batch.ubatch_size=8",
+    "batch.size=32",
+    "mode=l2l",
+]
+
+
+@pytest.mark.slow
+def test_a_held_out_shape_is_predicted_within_5_points_without_measuring() -> None:
+    """Issue 53, acceptance 2: on the held-out shape, L2L stages, no ``hardware=measure``: each run's
+    predicted bubble is within 5 points of the bubble it measured (the same run: the machine's load moves
+    both; it missed the modular placement's by 6-7 points before), and the modular placement idles less
+    than the contiguous one where the prediction says so. The model splits a rank's compute over its
+    layers as each measured (the embeddings' backward: a good share of a block's, their FLOPs ~0), moves
+    each layer by its bytes, and times the model's own message between the ranks as the runner is built
+    (~1 ms on gloo here; a preset's network says 0.1). ``hardware=cpu-eps`` gives gloo's per-action and
+    wake figures; the default preset's describe NCCL, and summary.json says it is unsure of them and
+    names ``hardware=measure``."""
+    jobs = [
+        [*HELD_OUT, "dist.placement=modular", "hardware=cpu-eps"],
+        [*HELD_OUT, "dist.placement=contiguous", "dist.schedule=breadth_first", "hardware=cpu-eps"],
+        [*HELD_OUT, "dist.placement=modular"],
+    ]
+    mod, con, preset = (r["sections"]["pipeline"] for r in run_jobs(2, jobs, steps=6)[0])
+    for p in (mod, con, preset):
+        print(
+            f"{p['placement']}: measured {p['bubble_measured']:.3f}, predicted {p['bubble_predicted']:.3f} "
+            f"(exchange {p['exchange_s'] * 1e3:.2f} ms {p['exchange_from']}; unsure {sorted(p['bubble_unsure'])})"
+        )
+        assert p["exchange_from"] == "timed at build"
+    for p in (mod, con):
+        assert abs(p["bubble_measured"] - p["bubble_predicted"]) <= 0.05
+    if mod["bubble_predicted"] < con["bubble_predicted"]:
+        assert mod["bubble_measured"] < con["bubble_measured"]
+    embeddings, block = mod["ranks"][0]["layer_chunks"]["0"], mod["ranks"][0]["layer_chunks"]["1"]
+    assert embeddings[1] > 0.1 * block[1] and embeddings[0] < 0.25 * block[0]  # a heavy backward only
+    assert mod["bubble_unsure"] == {} and set(preset["bubble_unsure"]) == {"action_s", "wake_s"}
+    assert all("hardware=measure" in why and "v100-16g" in why for why in preset["bubble_unsure"].values())
 
 
 # ---- 3d: 2 (data) x 2 (pipeline) -------------------------------------------------------------------
@@ -337,6 +397,101 @@ def test_l2l_stage_configs_that_cannot_work_are_refused() -> None:
     assert "allowed: false" in problems(*ok, "dist.partition_state=true")["dist.partition_state"]
     assert problems(*ok, "trainer.save_every=2") == {}  # each rank writes its layers' files
     assert "one process's" in problems(*ok, "trainer.realtime_ckpt=true")["trainer.realtime_ckpt"]
+
+
+def test_gloo_stages_post_their_receives_as_they_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 53: on gloo a message moves once both its ends are posted. Received one ahead (NCCL's order,
+    issue 51.5), a sender's messages waited for the receiver's compute and its next stage for them: the
+    modular placement's measured bubble went from 0.17 to 0.37 while the model, which posts a stage's
+    receives as it starts, said 0.13. With ``all_ahead`` (the runner's on gloo) every receive of the stage
+    is posted in one batch as it starts, and each send goes alone."""
+    from l2l_cli.parallel.pipeline import p2p
+
+    posted: list[tuple[str, ...]] = []
+
+    class Work:
+        def wait(self) -> None:
+            return None
+
+    class FakeDist:
+        @staticmethod
+        def P2POp(op: object, tensor: torch.Tensor, peer: int, group: object = None, tag: int = 0) -> object:
+            return SimpleNamespace(op=op, tensor=tensor, peer=peer, tag=tag)
+
+        isend, irecv = object(), object()
+
+        @staticmethod
+        def batch_isend_irecv(ops: list) -> list[Work]:
+            for op in ops:
+                if op.op is FakeDist.irecv:
+                    op.tensor.fill_(op.tag)
+            posted.append(tuple("irecv" if op.op is FakeDist.irecv else "isend" for op in ops))
+            return [Work() for _ in ops]  # gloo: one request per op
+
+    monkeypatch.setattr(p2p, "dist", FakeDist)
+    n, stage = 4, 1
+    for all_ahead, want in (
+        (True, [("irecv",) * n, *[("isend",)] * n]),
+        (False, [("irecv",), ("isend", "irecv")]),
+    ):
+        posted.clear()
+        msgs = p2p.StageMessages(None, torch.device("cpu"), n, lambda s: s % 2, all_ahead=all_ahead)
+        recv = msgs.recv((2, 3), stage, n, backward=False)
+        for u in range(n):
+            assert (msgs.arrived(recv[u], torch.float32) == msgs.tag(stage, u, False)).all()
+            msgs.send(torch.zeros(2, 3), stage, u, backward=False)
+        msgs.wait_sends()
+        assert posted[: len(want)] == want and len(posted) == n + 1
+
+
+def test_the_bubble_model_weighs_heavy_ends_and_names_what_it_cannot_say() -> None:
+    """Issue 53: an L2L stage rank's compute splits over its layers as each measured, forward and backward
+    apart (an embedding whose backward writes a dense vocabulary-sized gradient has next to no forward: its
+    FLOPs said ~0 for both), and the relay moves each layer by its bytes, each rank its own transfers: a
+    vocabulary-sized embedding's moves fall at the pipeline's fill and drain, where the other rank waits
+    (the mean move hid them between the blocks'). A preset whose per-action and wake figures describe
+    another transport than the run's is named as unsure."""
+    from l2l_cli.parallel.pipeline.bubble import LinkCosts, StageTimes, relay_cost
+    from l2l_cli.parallel.pipeline.plan import count, split_by_weight, table_cost
+    from l2l_cli.parallel.pipeline.settings import PipelineSettings
+    from l2l_cli.profiling.timers import PhaseTimer
+
+    timer, times = PhaseTimer(), StageTimes()
+    with times.layer(0, timer):
+        with timer("forward"):
+            pass
+        with timer("transfer"):  # not compute: not the layer's
+            time.sleep(0.01)
+        with timer("backward"):
+            time.sleep(0.01)
+    times.add(0, {}, 1.0, 1.0)
+    ((fwd, bwd),) = times.means()["layer_chunks"].values()
+    assert fwd < 0.005 and 0.009 < bwd < 0.05
+    # modular, 4 blocks, P = 2: rank 0 holds the embeddings (0) and blocks 1 and 3, rank 1 blocks 2, 4 and
+    # the head (5); per micro-batch, a block 0.1 s forward and 0.3 s back, the embeddings 0 and 0.1 s
+    plan = StagePlan(num_layers=4, pipeline=2, placement="modular", layers_per_stage=1)
+    orders = plan.l2l_orders(4)
+    w = {0: (0.0, 0.1), 5: (0.0, 0.0), **{i: (0.1, 0.3) for i in range(1, 5)}}
+    table: dict[int, tuple[float, float]] = {}
+    for r in (0, 1):
+        mine = {i: w[i] for s in plan.stages_of(r) for i in plan.layers(s)}
+        total = (4 * sum(f for f, _ in mine.values()), 4 * sum(b for _, b in mine.values()))
+        table |= split_by_weight(total, mine, 4)
+    assert table[0] == pytest.approx((0.0, 0.1)) and table[1] == pytest.approx((0.1, 0.3))
+    # the embeddings' 10 units of bytes, a block's 1, the head's 0.1; rank 0 moved 0.3 s, rank 1 0.06 s
+    ranks = [{"pipeline_rank": 0, "transfer_s": 0.3}, {"pipeline_rank": 1, "transfer_s": 0.06}]
+    load, mean = relay_cost(orders, ranks, lambda i: 10.0 if i == 0 else 0.1 if i == 5 else 1.0)
+    assert [count(o).loads for o in orders] == [9, 8] and mean == pytest.approx(0.36 / 17)
+    assert load(0, 0) == pytest.approx(10 * load(0, 1)) and 3 * (
+        load(0, 0) + 2 * load(0, 1)
+    ) == pytest.approx(0.3)
+    by_bytes = plan.bubble_simulated(orders, table_cost(table, load), 0.0, 0.0)
+    by_mean = plan.bubble_simulated(orders, table_cost(table, mean), 0.0, 0.0)
+    assert by_bytes > by_mean + 0.01, (by_bytes, by_mean)
+    gpu = PipelineSettings(2, "modular", "breadth_first", 1, False, link="nccl", preset="v100-16g")
+    unsure = LinkCosts.preset(gpu, "gloo").unsure
+    assert set(unsure) == {"action_s", "wake_s"} and "hardware=measure" in unsure["wake_s"]
+    assert LinkCosts.preset(gpu, "nccl").unsure == {}
 
 
 def test_the_pre_run_model_counts_the_schedules_actions() -> None:

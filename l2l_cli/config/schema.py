@@ -27,6 +27,7 @@ PLAN_NETWORKS = ("infiniband", "ethernet")
 PEFT_METHODS = ("none", "lora")
 BASE_DTYPES = ("fp32", "bf16", "fp16", "int8", "nf4")
 BASE_SOURCES = ("host", "disk")
+PIPE_LINKS = ("nccl", "gloo")  # hardware.pipe_link: the transport a preset's pipeline figures describe
 
 
 @dataclass
@@ -322,6 +323,7 @@ class HardwareConfig:
     p2p_latency_us: float = 10.0  # a message between pipeline ranks: its latency, µs (bytes at network_gbps)
     pipe_action_us: float = 100.0  # a pipeline schedule action (chunk, send, recv) beyond compute, µs
     pipe_wake_us: float = 0.0  # a message's wait for its sender's core while that computes (gloo on CPU), µs
+    pipe_link: str = "nccl"  # the transport pipe_action_us and pipe_wake_us describe: nccl | gloo
     tensor_link_gbps: float = 0.0  # tensor-parallel interconnect (NVLink), GB/s (input + output); 0: none
     offload_gbps: float = 32.0  # CPU<->GPU for offloading (layered-GA eq. 13), GB/s (input + output)
     pcie_gbps: float = 31.5  # the GPU's PCIe link, which network and offload share (layered-GA §5), GB/s

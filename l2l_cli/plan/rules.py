@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from l2l_cli.problems import Problem, at_least, divisors, positive
+from l2l_cli.problems import Problem, at_least, divisors, one_of, positive
 
 
 def plan_problems(cfg: Any) -> list[Problem]:
@@ -69,6 +69,9 @@ def plan_problems(cfg: Any) -> list[Problem]:
             p.append(Problem(f"hardware.{k}", f"got {getattr(hw, k)}; must be >= 0"))
     if hw.p2p_latency_us < 0:
         p.append(Problem("hardware.p2p_latency_us", f"got {hw.p2p_latency_us}; must be >= 0"))
+    from l2l_cli.config.schema import PIPE_LINKS
+
+    one_of(p, "hardware.pipe_link", hw.pipe_link, PIPE_LINKS)
     if hw.disk_mixed_gbps < 0:
         p.append(Problem("hardware.disk_mixed_gbps", f"got {hw.disk_mixed_gbps}; must be >= 0 (0: unknown)"))
     if hw.tensor_link_gbps < 0:

@@ -9,12 +9,21 @@ another rank."""
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 from l2l_cli.models.base import ModelSpec
-from l2l_cli.parallel.pipeline.plan import Op, StagePlan, count, exchange_seconds, split_by_weight, table_cost
+from l2l_cli.parallel.pipeline.plan import (
+    Op,
+    StagePlan,
+    count,
+    exchange_seconds,
+    layer_weights,
+    split_by_weight,
+    table_cost,
+)
 from l2l_cli.parallel.pipeline.settings import PipelineSettings
 
 
@@ -32,11 +41,22 @@ class LinkCosts:
     exchange_measured_s: float | None = None
     latency_s: float = 0.0
     bytes_per_s: float = 1.0
+    exchange_from: str | None = None  # where the exchange comes from, when not ``source``
+    # the terms the model cannot say for this run (term -> why): a preset's figures for another transport
+    unsure: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def preset(cls, s: PipelineSettings) -> LinkCosts:
-        """The ``hardware`` preset's costs (``hardware.pipe_action_us``, ``pipe_wake_us``, its network)."""
-        return cls(s.action_s, s.wake_s, "hardware", None, s.p2p_latency_s, s.p2p_bytes_per_s)
+    def preset(cls, s: PipelineSettings, backend: str = "") -> LinkCosts:
+        """The ``hardware`` preset's costs (``hardware.pipe_action_us``, ``pipe_wake_us``, its network);
+        unsure where its figures describe another transport (``hardware.pipe_link``) than ``backend``."""
+        unsure = {}
+        if backend and backend != s.link:
+            why = (
+                f"hardware={s.preset}'s {{}} describes {s.link}, not this run's {backend} messages "
+                "(hardware=measure times it here)"
+            )
+            unsure = {"action_s": why.format("pipe_action_us"), "wake_s": why.format("pipe_wake_us")}
+        return cls(s.action_s, s.wake_s, "hardware", None, s.p2p_latency_s, s.p2p_bytes_per_s, unsure=unsure)
 
     def exchange_s(self, nbytes: float) -> float:
         """Seconds of one exchange of ``nbytes`` each way between pipeline neighbours."""
@@ -50,27 +70,66 @@ TIMED = ("compute", "pipeline", "transfer", "forward")  # an L2L stage rank's ti
 
 class StageTimes:
     """An L2L stage rank's mean seconds per timed step: its compute (forward, recompute, backward), the
-    pipeline's window, the relay's transfers, the forward. Steady state: the first step (set-up, the first
-    shape's warm-up) is left out, unless it is the only one."""
+    pipeline's window, the relay's transfers, the forward, and each layer's forward and recompute +
+    backward (``layer``: how the rank's compute splits over its layers, heavy ends included). Steady
+    state: the first step (set-up, the first shape's warm-up) is left out, unless it is the only one."""
 
     def __init__(self) -> None:
         self.steps, self.totals = 0, dict.fromkeys(TIMED, 0.0)
+        self.layers: dict[int, list[float]] = {}  # layer -> [forward, recompute + backward] seconds
+        self._step: dict[int, list[float]] = {}  # this step's
+
+    @contextmanager
+    def layer(self, i: int, timer: Any) -> Iterator[None]:
+        """Charge what ``timer``'s compute phases gain inside to layer i (forward; recompute + backward)."""
+        before = dict(timer.totals)
+        yield
+        d = {k: timer.totals.get(k, 0.0) - before.get(k, 0.0) for k in ("forward", "recompute", "backward")}
+        acc = self._step.setdefault(i, [0.0, 0.0])
+        acc[0], acc[1] = acc[0] + d["forward"], acc[1] + d["recompute"] + d["backward"]
 
     def add(self, step_count: int, phases: dict[str, float], compute: float, window: float) -> None:
         """Step ``step_count + 1``'s ``phases`` (the runner's timer), its compute and its window."""
+        step, self._step = self._step, {}
         if step_count > 0 or not self.steps:
             if step_count == 1:
-                self.steps, self.totals = 0, dict.fromkeys(TIMED, 0.0)
+                self.steps, self.totals, self.layers = 0, dict.fromkeys(TIMED, 0.0), {}
             self.steps += 1
             self.totals["transfer"] += phases.get("transfer", 0.0)
             self.totals["compute"] += compute
             self.totals["forward"] += phases.get("forward", 0.0)
             self.totals["pipeline"] += window
+            for i, (f, b) in step.items():
+                acc = self.layers.setdefault(i, [0.0, 0.0])
+                acc[0], acc[1] = acc[0] + f, acc[1] + b
 
-    def means(self) -> dict[str, float]:
-        """``compute_s``, ``pipeline_s``, ``transfer_s``, ``forward_s``: the means over the timed steps."""
+    def means(self) -> dict[str, Any]:
+        """``compute_s``, ``pipeline_s``, ``transfer_s``, ``forward_s``: the means over the timed steps;
+        ``layer_chunks``: each layer's [forward, recompute + backward] seconds per step."""
         n = max(self.steps, 1)
-        return {f"{k}_s": self.totals[k] / n for k in TIMED}
+        out: dict[str, Any] = {f"{k}_s": self.totals[k] / n for k in TIMED}
+        out["layer_chunks"] = {str(i): [f / n, b / n] for i, (f, b) in sorted(self.layers.items())}
+        return out
+
+
+def relay_cost(
+    orders: list[list[Op]], ranks: list[dict[str, Any]], layer_bytes: Callable[[int], float]
+) -> tuple[Callable[[int, int], float], float]:
+    """L2L stages' relay moves by the layer they move: each pipeline rank's measured transfers over its
+    moves in proportion to the moved layers' bytes (``layer_bytes``: a vocabulary-sized embedding moves
+    many times a block's), the mean over the ranks' data-parallel copies. Returns ``cost(rank, layer)`` and
+    the mean move (for the summary)."""
+    per_byte: dict[int, list[float]] = {}
+    moves = 0
+    for r in ranks:
+        p = r["pipeline_rank"]
+        loads = [op[3] for op in orders[p] if op[0] == "LOAD"]
+        moves += len(loads)
+        total = sum(layer_bytes(i) for i in loads)
+        per_byte.setdefault(p, []).append(r["transfer_s"] / total if total else 0.0)
+    rate = {p: statistics.mean(v) for p, v in per_byte.items()}
+    mean = sum(r["transfer_s"] for r in ranks) / moves if moves else 0.0
+    return (lambda rank, i: rate.get(rank, 0.0) * layer_bytes(i)), mean
 
 
 def layer_flops(spec: ModelSpec, i: int, seq: int) -> float:
@@ -81,6 +140,34 @@ def layer_flops(spec: ModelSpec, i: int, seq: int) -> float:
     return spec.head_flops(seq) if i == spec.num_layers + 1 else spec.block_flops(seq)
 
 
+def layer_params(spec: ModelSpec, i: int) -> int:
+    """Parameters of model layer i: what a relay move of it carries (a vocabulary-sized embedding or LM
+    head many times a block's)."""
+    pre, block, post = spec.param_counts()
+    return pre if i == 0 else post if i == spec.num_layers + 1 else block
+
+
+def layer_chunk_weights(
+    plan: StagePlan, ranks: list[dict[str, Any]], flops: Callable[[int], float]
+) -> Callable[[int], dict[int, Any]]:
+    """L2L stages: how a pipeline rank's compute splits over its layers: each layer's measured [forward,
+    recompute + backward] (``layer_chunks``, the mean over the rank's data-parallel copies), so the ends'
+    weight is what they cost (the embeddings' backward writes a dense vocabulary x hidden gradient: few
+    FLOPs, many bytes); a layer without times by its forward FLOPs (``flops(layer)``)."""
+    times: dict[int, list[list[float]]] = {}
+    for r in ranks:
+        for k, v in (r.get("layer_chunks") or {}).items():
+            times.setdefault(int(k), []).append(v)
+
+    def weights(p: int) -> dict[int, Any]:
+        mine = [i for s in plan.stages_of(p) for i in plan.layers(s)]
+        if not all(i in times for i in mine):
+            return layer_weights(plan, p, flops)
+        return {i: tuple(statistics.mean(v[k] for v in times[i]) for k in (0, 1)) for i in mine}
+
+    return weights
+
+
 def bubble_section(
     plan: StagePlan,
     n: int,
@@ -89,13 +176,15 @@ def bubble_section(
     weights: Callable[[int], dict[int, float]],
     costs: LinkCosts,
     nbytes: float,
-    load_s: float = 0.0,
+    load_s: float | Callable[[int, int], float] = 0.0,
+    move_s: float = 0.0,
 ) -> dict[str, Any]:
     """The predicted bubbles: the paper's (messages free), and the pre-run model's: the dependency-ordered
     simulation (``plan.simulate``) of each pipeline rank's actions (``orders``, read off the schedule),
     its chunks lasting the rank's measured forward and backward seconds split over its stages (or layers)
     by ``weights(pipeline rank)``, each action, message wake and exchange (of ``nbytes``) as ``costs``
-    say, and ``load_s`` per relay move (L2L stages)."""
+    say, and ``load_s`` per relay move or ``load_s(rank, layer)`` (L2L stages; ``move_s``: their mean).
+    ``bubble_unsure``: the terms the model cannot say for this run, and why (``hardware=measure``)."""
     by: dict[int, list[dict[str, Any]]] = {}
     for r in ranks:
         if r.get("compute_s"):
@@ -120,14 +209,15 @@ def bubble_section(
         "messages_per_rank": plan.messages_per_rank(n),
         "message_bytes": nbytes,
         "exchange_s": exchange_s,
-        "exchange_from": costs.source,
+        "exchange_from": costs.exchange_from or costs.source,
         "actions_per_rank": [a.total for a in actions],
         "action_s": costs.action_s,
         "action_from": costs.source,
         "wake_s": costs.wake_s,
         "chunks_per_rank": [a.chunks for a in actions],
         "relay_moves_per_rank": [a.loads for a in actions],
-        "relay_move_s": load_s,
+        "relay_move_s": move_s if callable(load_s) else load_s,
+        "bubble_unsure": dict(costs.unsure),
     }
 
 

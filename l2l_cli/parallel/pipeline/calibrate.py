@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -221,10 +222,18 @@ def link_costs(
     """What the bubble model charges a message and a schedule action: with ``hardware=measure`` timed here
     on the pipeline's own group (``groups.pp``; ``groups.pp_host`` for the barriers) with messages of
     ``nbytes``: one exchange between this rank's neighbours (``peers``: the previous and the next rank,
-    global) and :func:`action_seconds`; else the ``hardware`` preset's. Collective over the pipeline when
-    measured: the runner calls it once, as it is built."""
+    global) and :func:`action_seconds`; else the ``hardware`` preset's, unsure where its figures describe
+    another transport than ``backend`` (``hardware.pipe_link``). On a CPU device the exchange is timed
+    either way (16 of them, milliseconds): the model's own message between processes on CPUs (gloo), which
+    no preset's network describes. Collective over the pipeline when anything is timed: the runner calls
+    it once, as it is built."""
+    exchange = None
+    if s.measure_p2p or device.type == "cpu":
+        exchange = time_exchange(groups.pp, groups.pp_host, device, peers, nbytes)
     if not s.measure_p2p:
-        return LinkCosts.preset(s)
-    exchange = time_exchange(groups.pp, groups.pp_host, device, peers, nbytes)
+        costs = LinkCosts.preset(s, backend)
+        if exchange is None:
+            return costs
+        return replace(costs, exchange_measured_s=exchange, exchange_from="timed at build")
     action, wake = action_seconds(groups.pp, groups.pp_host, device, backend, nbytes=nbytes)
     return LinkCosts(action, wake, "measured", exchange)

@@ -47,11 +47,19 @@ from l2l_cli.engine.trailing import TrailingUpdate, finish_updates
 from l2l_cli.modes.base import RunnerArgs, RunnerBase, StepReport
 from l2l_cli.modes.l2l import run_head
 from l2l_cli.modes.registry import ModeSpec, update_schedule
-from l2l_cli.parallel.pipeline.bubble import StageTimes, bubble_section, layer_flops, pipeline_section
+from l2l_cli.parallel.pipeline.bubble import (
+    StageTimes,
+    bubble_section,
+    layer_chunk_weights,
+    layer_flops,
+    layer_params,
+    pipeline_section,
+    relay_cost,
+)
 from l2l_cli.parallel.pipeline.calibrate import link_costs
 from l2l_cli.parallel.pipeline.groups import neighbours, pipeline_groups, pipeline_position
 from l2l_cli.parallel.pipeline.p2p import StageMessages, from_last_stage, logits_from_last_stage
-from l2l_cli.parallel.pipeline.plan import StagePlan, count, hidden_bytes, layer_weights
+from l2l_cli.parallel.pipeline.plan import StagePlan, hidden_bytes
 from l2l_cli.parallel.pipeline.rank_layers import RankLayers
 from l2l_cli.parallel.pipeline.runner import PipelineRunner
 from l2l_cli.parallel.pipeline.settings import PipelineSettings, eps_stages
@@ -84,7 +92,8 @@ class L2LStagesRunner(RunnerBase):
         self.index = [i for st in self.my_stages for i in self.plan.layers(st)]
         self.local = {i: j for j, i in enumerate(self.index)}
         self.last_rank = self._global(self.plan.num_stages - 1)
-        self.messages = StageMessages(self.pp_group, self.acc.device, self.num_ubatches, self._global)
+        gloo = self.dist.backend == "gloo"  # a stage's receives all posted as it starts (p2p.StageMessages)
+        self.messages = StageMessages(self.pp_group, self.acc.device, self.num_ubatches, self._global, gloo)
         dtype = self.precision.device_dtype
         eps_dist = DistContext(self.dp_rank, self.dp_world, eps_group=groups.dp)  # the EPS's: D pipelines
         self.layers = RankLayers(self.spec, self.index)
@@ -187,17 +196,18 @@ class L2LStagesRunner(RunnerBase):
             for k, i in enumerate(body):
                 j = self.local[i]
                 layer = self.relay.acquire(j, prefetch=j + 1 if j + 1 < len(self.index) else None)
-                for u, ub in enumerate(ubatches):
-                    if k == 0 and recv is not None:
-                        x[u] = self.messages.arrived(recv[u], self.precision.device_dtype)
-                    if i > 0:
-                        self.stash.put(j, u, x[u])  # the input of layer i
-                    self.seed_dropout(i, u)
-                    with self.timer("forward"), torch.no_grad(), self.acc.meter.part("activations"):
-                        x[u] = self.run_layer(layer, i, x[u], ub, masks[u])
-                    if k == len(body) - 1 and s < S - 1:
-                        self.messages.send(x[u], s, u, backward=False)  # on to the next stage's rank at once
-                        x[u] = None
+                with self.times.layer(i, self.timer):  # (its compute phases only)
+                    for u, ub in enumerate(ubatches):
+                        if k == 0 and recv is not None:
+                            x[u] = self.messages.arrived(recv[u], self.precision.device_dtype)
+                        if i > 0:
+                            self.stash.put(j, u, x[u])  # the input of layer i
+                        self.seed_dropout(i, u)
+                        with self.timer("forward"), torch.no_grad(), self.acc.meter.part("activations"):
+                            x[u] = self.run_layer(layer, i, x[u], ub, masks[u])
+                        if k == len(body) - 1 and s < S - 1:
+                            self.messages.send(x[u], s, u, backward=False)  # on to the next rank at once
+                            x[u] = None
         return x
 
     def head_forward_backward(
@@ -206,7 +216,8 @@ class L2LStagesRunner(RunnerBase):
         """The head: forward and backward per micro-batch (nothing to recompute), as L2L's turn."""
         j = self.local[self.head]
         layer = self.relay.acquire(j, prefetch=j - 1, grads=True)
-        g, loss = run_head(self, layer, self.head, x, ubatches, div)
+        with self.times.layer(self.head, self.timer):
+            g, loss = run_head(self, layer, self.head, x, ubatches, div)
         self.relay.send_grads(j)
         self.on_grads_ready(j)
         return g, loss
@@ -235,23 +246,24 @@ class L2LStagesRunner(RunnerBase):
                 i = body[k]
                 j = self.local[i]
                 layer = self.relay.acquire(j, prefetch=j - 1 if j > 0 else None, grads=True)
-                for u, ub in enumerate(ubatches):
-                    if k == len(body) - 1 and recv is not None:
-                        g[u] = self.messages.arrived(recv[u], self.precision.device_dtype)
-                    x_in = None
-                    if i > 0:
-                        x_in = self.stash.pop(j, u).detach().requires_grad_()
-                        if u + 1 < n:
-                            self.stash.prefetch(j, u + 1)
-                    self.seed_dropout(i, u)  # the forward's dropout masks
-                    with self.timer("recompute"), self.acc.meter.part("workspace"):
-                        y = self.run_layer(layer, i, x_in, ub, masks[u])
-                    with self.timer("backward"), self.acc.meter.part("workspace"):
-                        torch.autograd.backward(y, g[u])
-                    g[u] = x_in.grad if x_in is not None else None
-                    if k == 0 and s > 0:
-                        self.messages.send(g[u], s, u, backward=True)  # down to the previous stage's rank
-                        g[u] = None
+                with self.times.layer(i, self.timer):
+                    for u, ub in enumerate(ubatches):
+                        if k == len(body) - 1 and recv is not None:
+                            g[u] = self.messages.arrived(recv[u], self.precision.device_dtype)
+                        x_in = None
+                        if i > 0:
+                            x_in = self.stash.pop(j, u).detach().requires_grad_()
+                            if u + 1 < n:
+                                self.stash.prefetch(j, u + 1)
+                        self.seed_dropout(i, u)  # the forward's dropout masks
+                        with self.timer("recompute"), self.acc.meter.part("workspace"):
+                            y = self.run_layer(layer, i, x_in, ub, masks[u])
+                        with self.timer("backward"), self.acc.meter.part("workspace"):
+                            torch.autograd.backward(y, g[u])
+                        g[u] = x_in.grad if x_in is not None else None
+                        if k == 0 and s > 0:
+                            self.messages.send(g[u], s, u, backward=True)  # down to the previous rank
+                            g[u] = None
                 self.relay.send_grads(j)
                 self.on_grads_ready(j)  # reduced over the pipelines as it lands (and, L2L-p, updated)
 
@@ -403,15 +415,13 @@ class L2LStagesRunner(RunnerBase):
         ranks: list[Any] = [None] * self.dist.world
         dist.all_gather_object(ranks, self.rank_stats())
         s, plan, n = self.pipe, self.plan, self.num_ubatches
-        # the pre-run model on this run's compute: its own loops' actions, the relay's moves at their mean
+        # the pre-run model on this run's compute: its own loops' actions, each layer's measured chunks,
+        # the relay's moves by the bytes they carry
         orders = plan.l2l_orders(n)
-        moves = sum(count(orders[r["pipeline_rank"]]).loads for r in ranks)
-        load_s = sum(r["transfer_s"] for r in ranks) / moves if moves else 0.0
-
-        def weights(p: int) -> dict[int, float]:
-            return layer_weights(plan, p, lambda i: layer_flops(self.spec, i, self.seq_len))
-
-        bubble = bubble_section(plan, n, ranks, orders, weights, self.links, self.message_bytes, load_s)
+        load, move_s = relay_cost(orders, ranks, lambda i: layer_params(self.spec, i))
+        weights = layer_chunk_weights(plan, ranks, lambda i: layer_flops(self.spec, i, self.seq_len))
+        links, nbytes = self.links, self.message_bytes
+        bubble = bubble_section(plan, n, ranks, orders, weights, links, nbytes, load, move_s)
         runs = {"torch_schedule": None, "stage_mode": self.stage_mode.name}
         section = pipeline_section(s, plan, n, runs, {"stash": self.settings.stash}, ranks, bubble)
         return {"pipeline": section}

@@ -59,12 +59,23 @@ class StageMessages:
     Every message goes in a ``batch_isend_irecv``, a micro-batch's send with the stage's next receive: on
     NCCL, sends and receives between two ranks run in the order posted on one stream, and a send larger than
     NCCL's buffer waits for its receive; posted one by one, they are safe only while both ranks' orders
-    mirror each other, which nothing enforces. In one batch they cannot wait on each other."""
+    mirror each other, which nothing enforces. In one batch they cannot wait on each other.
+
+    ``all_ahead`` (gloo): a stage's receives are all posted at once, in one batch, as the stage starts. gloo
+    matches messages by tag and moves one only once both ends are posted: received one ahead, a sender's
+    messages wait for the receiver's compute, and its next stage waits for them (:meth:`wait_sends`), which
+    took the overlap of the modular placement's stages (measured bubble 0.37 against 0.16, issue 53)."""
 
     def __init__(
-        self, group: Any, device: torch.device, num_ubatches: int, rank_of: Callable[[int], int]
+        self,
+        group: Any,
+        device: torch.device,
+        num_ubatches: int,
+        rank_of: Callable[[int], int],
+        all_ahead: bool = False,
     ) -> None:
         self.group, self.device, self.num_ubatches, self.rank_of = group, device, num_ubatches, rank_of
+        self.all_ahead = all_ahead
         self.sends: list[Posted] = []
         self.inboxes: dict[tuple[int, bool], Inbox] = {}  # each stage's receives of the pass under way
 
@@ -84,11 +95,16 @@ class StageMessages:
 
     def recv(self, shape: tuple[int, ...], stage: int, n: int, backward: bool) -> Inbox:
         """The receives of ``stage``'s n micro-batches (from the stage below in forward, above in backward),
-        the first posted now; ``inbox[u]`` is waited for one at a time (:meth:`arrived`)."""
+        the first posted now (all of them with ``all_ahead``); ``inbox[u]`` is waited for one at a time
+        (:meth:`arrived`)."""
         inbox = self.inboxes[(stage, backward)] = Inbox(self, shape, stage, n, backward)
-        first = inbox.next_op()
-        if first is not None:
-            self._post([(first[0], inbox, first[1])])
+        ops = []
+        while (op := inbox.next_op()) is not None:
+            ops.append((op[0], inbox, op[1]))
+            if not self.all_ahead:
+                break
+        if ops:
+            self._post(ops)
         return inbox
 
     def send(self, x: torch.Tensor, stage: int, u: int, backward: bool) -> None:

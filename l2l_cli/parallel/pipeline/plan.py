@@ -134,9 +134,10 @@ class StagePlan:
 
     def l2l_orders(self, num_ubatches: int) -> list[list[Op]]:
         """The same for L2L stages, from their own loops (``l2l_stages.py``): per stage, its sends of the
-        stage before drained, its n recvs posted, then layer by layer a relay load and every micro-batch's
-        chunk (the head's turn: forward and backward per micro-batch); backward in reverse, each layer's
-        recompute and backward as one chunk, its gradient offloaded after the last micro-batch."""
+        stage before drained, its n recvs posted (as a gloo run posts them; NCCL's one ahead), then layer by
+        layer a relay load and every micro-batch's chunk (the head's turn: forward and backward per
+        micro-batch); backward in reverse, each layer's recompute and backward as one chunk, its gradient
+        offloaded after the last micro-batch."""
         n, S, head, out = num_ubatches, self.num_stages, self.num_layers + 1, []
         for rank in range(self.pipeline):
             ops: list[Op] = []
@@ -356,21 +357,29 @@ def plan_of(cfg: Any, num_layers: int) -> StagePlan:
 
 
 def split_by_weight(
-    total: tuple[float, float], weights: dict[int, float], num_ubatches: int
+    total: tuple[float, float], weights: dict[int, Any], num_ubatches: int
 ) -> dict[int, tuple[float, float]]:
     """One rank's forward and backward seconds over a step (``total``) as per-micro-batch chunks of each
-    of its stages (or layers), in proportion to ``weights`` (their layers, or their measured mean chunks)."""
-    w = sum(weights.values()) or 1.0
-    return {k: (total[0] * v / w / num_ubatches, total[1] * v / w / num_ubatches) for k, v in weights.items()}
+    of its stages (or layers), in proportion to ``weights``: one weight each (their layers), or a
+    (forward, backward) pair each (their measured forward and backward: the embeddings' backward, which
+    writes a dense vocabulary x hidden gradient, is heavier against its forward than a block's)."""
+    pairs = {k: (v, v) if isinstance(v, int | float) else (v[0], v[1]) for k, v in weights.items()}
+    wf = sum(v[0] for v in pairs.values()) or 1.0
+    wb = sum(v[1] for v in pairs.values()) or 1.0
+    n = num_ubatches
+    return {k: (total[0] * f / wf / n, total[1] * b / wb / n) for k, (f, b) in pairs.items()}
 
 
-def table_cost(table: dict[int, tuple[float, float]], load_s: float = 0.0) -> Callable[[int, Op], float]:
+def table_cost(
+    table: dict[int, tuple[float, float]], load_s: float | Callable[[int, int], float] = 0.0
+) -> Callable[[int, Op], float]:
     """:func:`simulate`'s costs from per-micro-batch (forward, backward) chunk seconds by stage (torch's
-    schedules) or by layer (L2L stages, whose ops name their layer); ``load_s`` per relay move."""
+    schedules) or by layer (L2L stages, whose ops name their layer); ``load_s`` per relay move, or
+    ``load_s(rank, layer)``: a move's seconds by the layer it moves (the embeddings' many bytes)."""
 
     def cost(rank: int, op: Op) -> float:
         if op[0] == "LOAD":
-            return load_s
+            return load_s(rank, op[3]) if callable(load_s) else load_s
         return table[op[3] if op[3] >= 0 else op[1]][op[0] == "B"]
 
     return cost

@@ -59,6 +59,7 @@ from l2l_cli.parallel.pipeline.shards import gather_on_rank0, merge_module_state
 from l2l_cli.parallel.pipeline.stage import TimedStage, Timeline
 from l2l_cli.parallel.pipeline.state import Shard, StageState
 
+KINDS = ("forward", "backward")  # a chunk's kinds, as the stage's timeline names them
 MAX_SCHEDULES = 8  # one per padded batch shape (torch fixes shapes at a schedule's first step), LRU
 
 
@@ -300,13 +301,15 @@ class PipelineRunner(RunnerBase):
             "step_s": mean.get("step", 0.0),
             "bubble": (pipe - mean.get("compute", 0.0)) / pipe if pipe > 0 else None,
             "steps_timed": self.timed_steps,
-            # each stage's mean forward + backward chunk over the run: how the rank's compute splits
-            "stage_chunks": {
-                str(st): sum(v[0] / max(v[1], 1) for (i, _), v in self.timeline.by_stage.items() if i == st)
-                or 1.0
-                for st in sorted(self.stages)
-            },
+            # each stage's mean [forward, backward] chunk over the run: how the rank's compute splits (the
+            # first stage's backward, the embeddings' dense gradient, weighs more than its forward)
+            "stage_chunks": {str(st): self._chunks(st) for st in sorted(self.stages)},
         }
+
+    def _chunks(self, stage: int) -> list[float]:
+        """Stage ``stage``'s mean forward and backward chunk over the run (1.0 each where none ran)."""
+        by = self.timeline.by_stage
+        return [by[stage, k][0] / by[stage, k][1] if by.get((stage, k), [0, 0])[1] else 1.0 for k in KINDS]
 
     def sections(self) -> dict[str, dict[str, Any]]:
         """summary.json's ``pipeline``: the layout, each rank's times, the bubble measured and predicted.
@@ -317,9 +320,9 @@ class PipelineRunner(RunnerBase):
         cls, many = SCHEDULES[s.schedule]
         orders = plan.orders(n, cls, many)
         # a rank's compute over its stages: as their measured mean chunks (all ranks', gathered above)
-        chunks = {int(k): v for r in ranks for k, v in r["stage_chunks"].items()}
+        chunks = {int(k): (v[0], v[1]) for r in ranks for k, v in r["stage_chunks"].items()}
 
-        def weights(p: int) -> dict[int, float]:
+        def weights(p: int) -> dict[int, tuple[float, float]]:
             return {k: chunks[k] for k in plan.stages_of(p)}
 
         own = {

@@ -75,6 +75,8 @@ class PipelineSettings:
     measure_p2p: bool = False  # hardware=measure: time an exchange and a schedule's action on the ranks
     action_s: float = 100e-6  # hardware.pipe_action_us: one schedule action beyond compute and bytes
     wake_s: float = 0.0  # hardware.pipe_wake_us: a message's wait for its computing sender's core
+    link: str = "nccl"  # hardware.pipe_link: the transport the preset's action and wake describe
+    preset: str = ""  # hardware.name (the summary names the preset whose figures it is unsure of)
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> PipelineSettings:
@@ -91,6 +93,8 @@ class PipelineSettings:
             measure_p2p=bool(hw.measured),
             action_s=hw.pipe_action_us * 1e-6,
             wake_s=hw.pipe_wake_us * 1e-6,
+            link=hw.pipe_link,
+            preset=hw.name,
         )
 
 
