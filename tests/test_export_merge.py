@@ -65,6 +65,10 @@ def test_merged_shards_and_index_load_and_give_the_runs_logits(tmp_path: Path) -
         p.name for p in out.iterdir()
     }
     assert dtypes(out) == {"F32"}
+    from transformers import AutoTokenizer
+
+    eos = json.loads((out / "generation_config.json").read_text())["eos_token_id"]
+    assert AutoTokenizer.from_pretrained(out).eos_token_id in (eos if isinstance(eos, list) else [eos])
     batch = lm_batches(run_config(run, []), n=1)[0]
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     assert len(dict(model.named_parameters())) == len(index["weight_map"])
