@@ -26,8 +26,8 @@ commands:
            [--max-new-tokens N] [--temperature T --top-p P --seed S] [--chat] [--layered]
            [--checkpoint PATH|latest] [--json])
   export   a run's weights as a Hugging Face model (l2l export <run dir> [--merge] [--out DIR]
-           [--checkpoint DIR]);
-           --merge: a LoRA run's base with its adapter merged in
+           [--checkpoint DIR] [--dtype bf16|fp16|fp32] [--max-shard-size 5GB]);
+           --merge: a LoRA run's base with its adapter merged in, layer by layer into shards
   report   tables and plots from run directories (l2l report outputs/...)
   plan     analytic memory and time estimates for a config (l2l plan [overrides] [--json])
 

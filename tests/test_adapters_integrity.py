@@ -116,15 +116,16 @@ def test_a_flipped_byte_in_a_frozen_base_file_stops_the_step_naming_the_file(tmp
 TOKENIZER = Path(__file__).resolve().parent.parent / "l2l_cli" / "data" / "corpus" / "tokenizer"
 
 
-def pretrained_llama(root: Path) -> Path:
-    """A tiny Llama checkpoint (config.json, model.safetensors, the bundled tokenizer) to train on."""
+def pretrained_llama(root: Path, *overrides: str) -> Path:
+    """A tiny Llama checkpoint (config.json, model.safetensors, the bundled tokenizer) to train on
+    (``overrides``: other ``model.*`` sizes)."""
     import shutil
 
     from l2l_cli.models import LayeredModel
     from l2l_cli.models.lora import base_spec
     from l2l_cli.session import build
 
-    cfg = tiny_cfg(*LM)
+    cfg = tiny_cfg(*LM, *overrides)
     with build(cfg) as s:
         spec = base_spec(s.model)
     spec.save_hf(root, LayeredModel(spec, seed=3).hf_state_dict().items())

@@ -249,3 +249,31 @@ def test_dora_trains_as_peft_does_from_the_base_it_starts_on(tmp_path: Path) -> 
     model = AutoPeftModelForCausalLM.from_pretrained(run / "final").eval()
     batch = lm_batches(run_config(run, []), n=1)[0]
     torch.testing.assert_close(run_logits(run, batch), peft_logits(model, batch), rtol=1e-4, atol=1e-5)
+
+
+def test_int8_scales_each_output_channel_a_conv1d_s_too_and_applies_them_in_fp32() -> None:
+    """GPT-2's Conv1D stores its weight (in, out): int8 keeps a scale per output channel (a column there;
+    a per-row scale would let one large column's absmax flatten every other output), and decodes with
+    the scale in fp32, one rounding to bf16 at the end (issue 52, item 7)."""
+    from l2l_cli.engine.frozen import encode, quantized_names
+    from l2l_cli.models.base import BLOCK
+    from tests.util import tiny_cfg
+
+    with Session(
+        tiny_cfg("model=gpt2-tiny", "model.vocab_size=2048", "task=lm"), None, train=False
+    ).open() as s:
+        spec = s.model
+    axes = quantized_names(spec, BLOCK, spec.new_layer(BLOCK, "meta"))
+    assert axes and set(axes.values()) == {1}  # every GPT-2 block weight is a Conv1D's
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 96, generator=g) * 0.02
+    w[:, 5] *= 100.0  # one output channel far larger than the others
+    got = encode(w, "int8", True, axes["attn.c_attn.weight"]).decode(torch.device("cpu"), torch.float32)
+    per_channel = ((got - w).abs().amax(dim=0) / w.abs().amax(dim=0)).max()
+    assert per_channel <= 0.5 / 127 + 1e-6, per_channel  # each output within half a step of its own scale
+    rows = encode(w, "int8", True, 0).decode(torch.device("cpu"), torch.float32)  # an nn.Linear's rule
+    assert ((rows - w).abs().amax(dim=0) / w.abs().amax(dim=0)).max() > 0.1  # per row: the small ones lost
+    lin = encode(w.T.contiguous(), "int8", True, 0)
+    exact = lin.parts["q"].double() * lin.parts["scale"].double()[:, None]
+    same = (lin.decode(torch.device("cpu"), torch.bfloat16) == exact.to(torch.bfloat16)).float().mean()
+    assert same > 0.99, same  # one rounding (a scale rounded to bf16 first: about half differ)

@@ -5,7 +5,8 @@ it is built: the EPS's :class:`~l2l_cli.engine.layer_state.LayerState` holds the
 
 Encodings (one per tensor, :class:`Frozen`):
 - ``fp32`` / ``bf16`` / ``fp16``: the tensor in that type;
-- ``int8``: the blocks' linear weights per output row, symmetric absmax scales (8.03 bits per weight);
+- ``int8``: the blocks' linear weights per output channel (a Conv1D's columns), symmetric absmax scales
+  applied in fp32 (8.03 bits per weight);
 - ``nf4``: the blocks' linear weights in QLoRA's 4-bit NormalFloat with double-quantized block scales
   (blocks of 64, the scales in int8 per 256 with an fp32 factor: 4.13 bits per weight), by torchao's
   ``NF4Tensor`` (the implementation torchtune's QLoRA uses; pure PyTorch, so the same code dequantizes on
@@ -54,25 +55,33 @@ class Frozen:
         parts = {k: v.to(device, non_blocking=True) for k, v in self.parts.items()}
         if self.how == "plain":
             return parts["w"].to(dtype)
-        if self.how == "int8":
-            return (parts["q"].to(dtype) * parts["scale"].to(dtype)[:, None]).reshape(self.shape)
+        if self.how == "int8":  # the scale applied in fp32, then rounded once to ``dtype``
+            scale = parts["scale"].float()
+            scale = scale if scale.dim() == 2 else scale[:, None]  # (1, out): a Conv1D's columns; else rows
+            return (parts["q"].float() * scale).to(dtype).reshape(self.shape)
         numel = 1
         for s in self.shape:
             numel *= s
         return _nf4_decode(parts, device)[:numel].to(dtype).reshape(self.shape)
 
 
-def encode(t: torch.Tensor, base_dtype: str, quantize: bool) -> Frozen:
-    """``t`` (fp32, CPU) in the base's precision; ``quantize``: a linear weight a low-bit base quantizes."""
+def encode(t: torch.Tensor, base_dtype: str, quantize: bool, out_axis: int = 0) -> Frozen:
+    """``t`` (fp32, CPU) in the base's precision; ``quantize``: a linear weight a low-bit base quantizes;
+    ``out_axis``: its output channels' dimension (0: ``nn.Linear``'s (out, in); 1: GPT-2's Conv1D's
+    (in, out)), over which int8 keeps one scale per channel."""
     t = t.detach().to("cpu", torch.float32).contiguous()
     if base_dtype in PLAIN or not quantize:
         dtype = PLAIN.get(base_dtype, torch.bfloat16)
         return Frozen("plain", tuple(t.shape), {"w": t.to(dtype).clone()})
     if base_dtype == "int8":
-        rows = t.reshape(t.shape[0], -1)
-        scale = rows.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-        q = torch.round(rows / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        return Frozen("int8", tuple(t.shape), {"q": q, "scale": scale})
+        w = t.reshape(t.shape[0], -1)
+        if out_axis == 1:  # per column: stored (1, out)
+            scale = w.abs().amax(dim=0, keepdim=True).clamp(min=1e-12) / 127.0
+            q = torch.round(w / scale)
+        else:  # per row: stored (out,)
+            scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+            q = torch.round(w / scale[:, None])
+        return Frozen("int8", tuple(t.shape), {"q": q.clamp(-127, 127).to(torch.int8), "scale": scale})
     return Frozen("nf4", tuple(t.shape), _nf4_encode(t))
 
 
@@ -163,14 +172,15 @@ def _nf4_decode(parts: dict[str, torch.Tensor], device: torch.device) -> torch.T
     return out
 
 
-def quantized_names(spec: ModelSpec, kind: str, layer: nn.Module) -> set[str]:
-    """The parameters a low-bit base quantizes in a layer of ``kind``: the blocks' linear weights."""
+def quantized_names(spec: ModelSpec, kind: str, layer: nn.Module) -> dict[str, int]:
+    """The parameters a low-bit base quantizes in a layer of ``kind`` (the blocks' linear weights), each
+    with its output channels' dimension (a Conv1D stores its weight (in, out): 1)."""
     if kind != BLOCK:
-        return set()
-    out = set()
+        return {}
+    out = {}
     for name, m in layer.named_modules():
         if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D":
-            out.add(f"{name}.weight" if name else "weight")
+            out[f"{name}.weight" if name else "weight"] = 1 if type(m).__name__ == "Conv1D" else 0
     return out
 
 
@@ -254,7 +264,7 @@ class FrozenBase:
     def _encoded(self, i: int, layer: nn.Module, names: list[str]) -> dict[str, Frozen]:
         params = dict(layer.named_parameters())
         q = self._quantized[self.spec.kind(i)]
-        return {n: encode(params[n], self.lora.base_dtype, n in q) for n in names}
+        return {n: encode(params[n], self.lora.base_dtype, n in q, q.get(n, 0)) for n in names}
 
     def _store(self, i: int, entry: dict[str, Frozen]) -> None:
         if self.source is not None:  # straight to its file: the base is never whole in RAM
@@ -298,7 +308,8 @@ class FrozenBase:
                 if t is None:
                     missing.append(full)
                 else:
-                    found[name] = encode(t, self.lora.base_dtype, name in self._quantized[kind])
+                    q = self._quantized[kind]
+                    found[name] = encode(t, self.lora.base_dtype, name in q, q.get(name, 0))
             if i in self.unfilled:
                 if found:
                     self._fill(i, found)
