@@ -312,10 +312,10 @@ def fast_weights(lora: bool) -> None:
     encode = frozen.encode
     count = iter(range(1 << 30))
 
-    def encode_fast(t: torch.Tensor, base_dtype: str, quantize: bool) -> Any:
+    def encode_fast(t: torch.Tensor, base_dtype: str, quantize: bool, out_axis: int = 0) -> Any:
         if base_dtype == "nf4" and quantize:
             return frozen.Frozen("nf4", tuple(t.shape), random_nf4(t.numel(), next(count)))
-        return encode(t, base_dtype, quantize)
+        return encode(t, base_dtype, quantize, out_axis)
 
     decoder.DecoderSpec.init_layer = init_layer  # type: ignore[method-assign]
     decoder.DecoderSpec.new_layer = new_layer_fast  # type: ignore[method-assign]

@@ -132,7 +132,8 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
-        help="with --merge: the merged weights' type (default: the checkpoint's; fp32 without model.pretrained)",
+        help="with --merge: the merged weights' type (default: the checkpoint's; fp32 without "
+        "model.pretrained)",
     )
     p.add_argument(
         "--max-shard-size",

@@ -46,7 +46,8 @@ def dtypes(out: Path) -> set[str]:
 def test_merged_shards_and_index_load_and_give_the_runs_logits(tmp_path: Path) -> None:
     """Shards of whole layers under ``--max-shard-size`` (each of llama-tiny's 4 layers is larger than
     100 kB, so each is a shard of its own, as transformers puts a tensor over the size alone) and
-    ``model.safetensors.index.json`` (every tensor mapped, the total size transformers writes); ``AutoModelForCausalLM.from_pretrained`` on the directory gives the run's logits
+    ``model.safetensors.index.json`` (every tensor mapped, the total size transformers writes);
+    ``AutoModelForCausalLM.from_pretrained`` on the directory gives the run's logits
     (an fp32 checkpoint: fp32 out); the tokenizer and ``generation_config.json`` are there."""
     from transformers import AutoModelForCausalLM
 
@@ -157,7 +158,8 @@ print(json.dumps({"code": code, "before": before, "peak": status("VmHWM")}))
 @pytest.mark.slow
 def test_the_merge_peak_rss_is_about_a_layer_not_the_model(tmp_path: Path) -> None:
     """A 12-layer decoder (hidden 768, ~330 MB in fp32): the export's RSS grows by a small part of the
-    model's bytes (a layer is 1/12 of them), where building the model whole grows it by more than the model."""
+    model's bytes (a layer is 1/12 of them), where building the model whole grows it by more than the
+    model."""
     from safetensors.torch import load_file
 
     size = [
@@ -183,6 +185,7 @@ def test_the_merge_peak_rss_is_about_a_layer_not_the_model(tmp_path: Path) -> No
     assert got["code"] == 0
     ratio = (got["peak"] - got["before"]) / model_bytes
     print(
-        f"merge RSS growth {(got['peak'] - got['before']) / 2**20:.0f} MiB, model {model_bytes / 2**20:.0f} MiB"
+        f"merge RSS growth {(got['peak'] - got['before']) / 2**20:.0f} MiB, "
+        f"model {model_bytes / 2**20:.0f} MiB"
     )
     assert ratio < 0.35, ratio

@@ -300,7 +300,8 @@ def test_a_held_out_shape_is_predicted_within_5_points_without_measuring() -> No
     for p in (mod, con, preset):
         print(
             f"{p['placement']}: measured {p['bubble_measured']:.3f}, predicted {p['bubble_predicted']:.3f} "
-            f"(exchange {p['exchange_s'] * 1e3:.2f} ms {p['exchange_from']}; unsure {sorted(p['bubble_unsure'])})"
+            f"(exchange {p['exchange_s'] * 1e3:.2f} ms {p['exchange_from']}; "
+            f"unsure {sorted(p['bubble_unsure'])})"
         )
         assert p["exchange_from"] == "timed at build"
     for p in (mod, con):

@@ -197,7 +197,7 @@ class AdamW8bit(torch.optim.Optimizer):
         passes = self._passes() if _host_fp32(w) and g.is_contiguous() else None
         maps = None if passes is None else _native_maps(passes)
         if passes is not None and maps is not None:
-            # torch's fused AdamW leaves a tensor's last numel % (vector width) elements to a scalar loop whose
+            # torch's fused AdamW leaves a tensor's last numel % vector-width elements to a scalar loop whose
             # arithmetic its compiler chose: that block runs as torch ops (below), the rest in the kernel
             done = n if n % passes.vec == 0 else (n - 1) // BLOCK * BLOCK
             codes = (st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1))
@@ -320,7 +320,8 @@ def _native_maps(passes: HostPasses) -> tuple[QMap, QMap] | None:
 
 def _matches_torch(passes: HostPasses, maps: tuple[QMap, QMap], ref: tuple[QuantMap, QuantMap]) -> bool:
     """The native update against :func:`update_torch` on moments over many decades, a gradient in each type
-    with a factor, a partial last block and an all-zero one: the same codes, absmaxes, weights and send copy."""
+    with a factor, a partial last block and an all-zero one: the same codes, absmaxes, weights and send
+    copy."""
     gen = torch.Generator().manual_seed(0)
     n = 7 * BLOCK + 3 * passes.vec  # whole blocks and a partial one, all in the kernel's body
     ok = True

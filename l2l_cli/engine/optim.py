@@ -134,8 +134,8 @@ def _lamb(groups: list[dict[str, Any]], o: OptimSettings) -> torch.optim.Optimiz
     return Lamb(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
 
 
-# 8-bit AdamW's one-pass update per parameter over AdamW's, both native, 32 M parameters, BF16 gradient
-# and send copy, 2 threads: `python benchmarks/optimizers.py` on a 2-core AMD EPYC (avx512), 2026-11-28
+# 8-bit AdamW's one-pass update time per parameter over AdamW's, both native (``benchmarks/optimizers.py``;
+# the measurement behind it is in docs/optimizers.md)
 ADAMW8BIT_HOST_COST = 2.4
 
 
@@ -218,8 +218,8 @@ def optimizer_runs(layout: RunLayout, flat_runs: bool) -> list[tuple[str, int, i
     """Where a layer's flat buffer splits into the optimizer's parameters, (name, start, end): AdamW
     (``OptimizerKind.flat_runs``) takes two long runs, the weight-decayed prefix (``decay``) and the rest
     (``bias``), for the fused kernel; LAMB's trust ratio is a norm per parameter tensor and 8-bit AdamW
-    quantizes each tensor in its own blocks, so one run per tensor, by its own name. A run may be empty; ``param_groups`` sorts runs into
-    decay groups by name."""
+    quantizes each tensor in its own blocks, so one run per tensor, by its own name. A run may be empty;
+    ``param_groups`` sorts runs into decay groups by name."""
     if flat_runs:
         return [("decay", 0, layout.n_decay), ("bias", layout.n_decay, layout.numel)]
     return [(e.name, e.offset, e.offset + e.numel) for e in layout.entries]

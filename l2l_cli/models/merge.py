@@ -29,8 +29,18 @@ if TYPE_CHECKING:
 SHARD_INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype's choices, torch's names
-_ST_CODES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64",
-             "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}  # fmt: skip
+_ST_CODES = {
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "F32": "float32",
+    "F64": "float64",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
 _ST_NAMES = {v: k for k, v in _ST_CODES.items()}
 
 
