@@ -7,7 +7,7 @@ sequential read rate (dd with direct I/O).
     flock /tmp/l2l-heavy.lock python benchmarks/adapters.py --dir /tmp/i38-bench            # 4096 x 32
     python benchmarks/adapters.py --dir /tmp/x --hidden 64 --intermediate 128 --layers 2 4 --vocab 4096
 
-Run it alone on the machine: the numbers are the machine's, and other work shifts them.
+Run it alone on the machine: the numbers are the machine's, and other processes shift them.
 """
 
 from __future__ import annotations

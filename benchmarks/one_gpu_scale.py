@@ -16,15 +16,16 @@ the median of the rest. The device budget is ``device.memory_gb`` (l2l: CUDA's a
 ``torch.cuda.set_per_process_memory_fraction``, so a larger card runs as a 24 GiB one; FSDP2: the same cap).
 The weights are random, generated directly in the form they are held (the family's seeded init replaced by
 copies from a random pool, an NF4 base's codes and scales drawn at random instead of encoded): what a step
-costs does not depend on the values, and a lease is not spent initialising 70B parameters or encoding them.
+costs does not depend on the values, and a GPU run's limited time is not spent initialising 70B parameters or
+encoding them.
 
-Depth. A case runs fewer layers than the model has when the host's RAM or a lease's minutes require it, at
-two depths in the same run: the step time is linear in depth (every block is the same work), so the two
+Depth. A case runs fewer layers than the model has when the host's RAM or a GPU run's limited time requires it,
+at two depths in the same run: the step time is linear in depth (every block is the same work), so the two
 give the per-layer cost and the full depth's step by extrapolation; the line says so (``depths``,
-``extrapolated``). MFU is model FLOPs over the GPU's dense bf16 peak: 6·N per token for a full fine-tune
-(N: the parameters that multiply, the input embedding excluded), 4·N_base + 6·N_adapters for LoRA (no
-weight gradient of the frozen base); recomputation is not counted. On a CPU (``--tiny``) the "peak" is this
-machine's measured bf16 matmul rate (no datasheet peak applies), named as such in ``peak_source``.
+``extrapolated``). MFU is model FLOPs over the GPU's dense bf16 peak: 6·N per token for a full fine-tune (N:
+the parameters that multiply, the input embedding excluded), 4·N_base + 6·N_adapters for LoRA (no weight
+gradient of the frozen base); recomputation is not counted. On a CPU (``--tiny``) the "peak" is this machine's
+measured bf16 matmul rate (no datasheet peak applies), named as such in ``peak_source``.
 """
 
 from __future__ import annotations
