@@ -57,6 +57,7 @@ def _check(jobs: list[tuple[str, str]], tmp: Path) -> None:
         assert any("lora_B" in n and v.abs().max() > 0 for n, v in got.items())  # the adapters trained
 
 
+@pytest.mark.slow  # the 2-rank adapter (tests/README.md)
 def test_two_ranks_of_each_family_equal_peft_reference(tmp_path: Path) -> None:
     """Llama, GPT-2 and BERT (r 8, fp32, dropout 0), mode l2l, 2 ranks: PEFT's reference, per family."""
     _check([("llama", "l2l"), ("gpt2", "l2l"), ("bert", "l2l")], tmp_path)

@@ -290,6 +290,7 @@ def test_decoder_two_ranks_equal_one_process_with_the_global_batch(tmp_path: Pat
         assert_same_weights(a, b, rtol=1e-4)
 
 
+@pytest.mark.slow  # the pipeline's own tests are the default ones
 def test_an_untied_decoder_pipelines_like_one_process_and_a_tied_one_is_refused(tmp_path: Path) -> None:
     """A Llama decoder on a 2-rank modular pipeline (stages past the first take positions from the mask,
     evaluation broadcasts the LM's rows x sequence x vocabulary logits) trains as one process does; a tied

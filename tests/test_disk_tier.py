@@ -346,6 +346,7 @@ def killed(tmp_path_factory: Any) -> tuple[Path, list[dict[str, Any]]]:
     return root, json.loads((root / "results.json").read_text())
 
 
+@pytest.mark.slow  # the default kill trial: test_kill_trials (l2l_p on the disk tier)
 @pytest.mark.parametrize(
     "k",
     range(len(KILLS)),
@@ -637,6 +638,7 @@ def test_disk_measurement_times_sequential_direct_io(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []  # the probe and the test file are gone
 
 
+@pytest.mark.slow  # a run in a subprocess for a path rule
 def test_a_home_relative_eps_path_lands_in_home_not_in_a_folder_named_tilde(tmp_path: Path) -> None:
     """eps.path=~/state is checked at $HOME/state and the layer files go there, not to ./~/state."""
     home, work = tmp_path / "home", tmp_path / "work"

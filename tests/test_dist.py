@@ -50,6 +50,7 @@ def test_killing_one_rank_ends_the_job_with_a_clear_error(tmp_path) -> None:
     kill_rank_1_mid_run(tmp_path, "dist.nproc=2", "mode=l2l", *TINY)
 
 
+@pytest.mark.slow  # two-rank resume: the pipeline's reshard-on-resume test is the default one
 def test_two_rank_resume_is_exact(tmp_path) -> None:
     args = [
         "mode=l2l",

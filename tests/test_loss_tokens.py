@@ -151,7 +151,12 @@ RANKS = [
     pytest.param(
         "dp", "l2l", ("dist.nproc=2", "batch.size=2", "batch.ubatch_size=1"), marks=pytest.mark.slow
     ),
-    ("pipeline", "baseline_ag", ("dist.nproc=2", "dist.pipeline=2", "batch.ubatch_size=1")),
+    pytest.param(
+        "pipeline",
+        "baseline_ag",
+        ("dist.nproc=2", "dist.pipeline=2", "batch.ubatch_size=1"),
+        marks=pytest.mark.slow,  # the pipeline's loss: test_pipeline's equivalence tests by default
+    ),
     pytest.param(
         "pipeline", "l2l", ("dist.nproc=2", "dist.pipeline=2", "batch.ubatch_size=1"), marks=pytest.mark.slow
     ),

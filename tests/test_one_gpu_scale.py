@@ -74,6 +74,7 @@ def check_tiny_line(line: dict[str, Any], case: Any) -> None:
         assert line["plan_error"] == pytest.approx(line["plan"]["tokens_per_s"] / line["tokens_per_s"] - 1)
 
 
+@pytest.mark.slow  # the dry-run test is the default one
 def test_the_qlora_case_runs_on_this_cpu_through_the_same_code(capsys: pytest.CaptureFixture[str]) -> None:
     """The 70B QLoRA case at a CPU's size: LoRA on an NF4 base (its codes and scales drawn directly), two
     depths, the fields of the issue; a JSON line, then the table."""

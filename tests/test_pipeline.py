@@ -339,6 +339,7 @@ def test_four_ranks_two_pipelines_of_two_match_one_process() -> None:
 # ---- faults --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # test_dist's rank kill is the default one
 def test_killing_one_pipeline_rank_ends_the_job(tmp_path) -> None:
     kill_rank_1_mid_run(tmp_path, *TINY, *PIPE, "model.num_layers=4")
 

@@ -163,6 +163,7 @@ def test_cmp_overflow_skips_are_counted_not_fatal(tmp_path) -> None:
     assert summary["skipped_steps"] >= 1 and summary["status"] == "ok"
 
 
+@pytest.mark.slow  # the step-boundary SIGTERM is the default one
 def test_sigterm_during_the_final_evaluation_stops_it_at_the_next_batch(tmp_path) -> None:
     """20000 dev examples in batches of 4 would take minutes; a SIGTERM while they run ends the evaluation
     at its next batch, with a checkpoint of the finished training and summary.json saying what happened."""
@@ -204,6 +205,7 @@ def test_sigterm_during_the_final_evaluation_stops_it_at_the_next_batch(tmp_path
     assert manifest["step"] == 2 and f"trainer.resume={tmp_path}" in out and "Traceback" not in out + err
 
 
+@pytest.mark.slow  # two ranks; the one-rank evaluation stop is the default one
 def test_a_stop_during_evaluation_on_one_rank_stops_every_rank_together(tmp_path) -> None:
     """2 ranks: rank 0 evaluates (long) while rank 1 waits; a SIGTERM to rank 0 alone ends its evaluation,
     and the ranks agree on the stop (a host all-reduce), so rank 1 does not go on into the next step's
