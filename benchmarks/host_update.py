@@ -17,26 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
+from harness import timeit
 
 from l2l_cli.engine.host_passes import AdamwStep, HostPasses, native_available
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
-
-
-def best(fn: Callable[[], None], repeats: int) -> float:
-    """Median seconds of ``fn`` over ``repeats`` runs after one warm-up."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -58,10 +45,10 @@ def main() -> None:
     hp = AdamwStep(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=10.0)
     mult = 0.5  # an unscale factor (the multiply the update must fold in)
 
-    upd_s = best(lambda: passes.adamw(g, (w, m, v), (w, m, v), send, mult, hp), args.repeats)
+    upd_s = timeit(lambda: passes.adamw(g, (w, m, v), (w, m, v), send, mult, hp), args.repeats)
     upd_bytes = n * (g.element_size() + 24 + (send.element_size() if send is not None else 0))
     abc = [torch.empty(n), torch.randn(n), torch.randn(n)]
-    triad_s = best(lambda: passes.triad(*abc, 3.0), args.repeats)
+    triad_s = timeit(lambda: passes.triad(*abc, 3.0), args.repeats)
     triad_bytes = 12 * n
     abc.clear()  # (the triad's buffers freed before the torch passes run)
 
@@ -78,7 +65,7 @@ def main() -> None:
         if send is not None:
             send.copy_(w)
 
-    torch_s = best(torch_passes, args.repeats)
+    torch_s = timeit(torch_passes, args.repeats)
     upd_gbps, triad_gbps = upd_bytes / upd_s / 1e9, triad_bytes / triad_s / 1e9
     out = {
         "params": n,

@@ -19,8 +19,8 @@ copies from a random pool, an NF4 base's codes and scales drawn at random instea
 costs does not depend on the values, and a GPU run's limited time is not spent initialising 70B parameters or
 encoding them.
 
-Depth. A case runs fewer layers than the model has when the host's RAM or a GPU run's limited time requires it,
-at two depths in the same run: the step time is linear in depth (every block is the same work), so the two
+Depth. A case runs fewer layers than the model has when the host's RAM or a GPU run's limited time requires
+it, at two depths in the same run: the step time is linear in depth (every block is the same work), so the two
 give the per-layer cost and the full depth's step by extrapolation; the line says so (``depths``,
 ``extrapolated``). MFU is model FLOPs over the GPU's dense bf16 peak: 6·N per token for a full fine-tune (N:
 the parameters that multiply, the input embedding excluded), 4·N_base + 6·N_adapters for LoRA (no weight

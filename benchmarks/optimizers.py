@@ -18,27 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
+from harness import timeit
 
 from l2l_cli.engine import adamw8bit as a8
 from l2l_cli.engine.host_passes import AdamwStep, HostPasses
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def median_s(fn: Callable[[], None], repeats: int) -> float:
-    """Median seconds of ``fn`` over ``repeats`` runs after one warm-up."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -61,7 +48,7 @@ def main() -> None:
 
     w = torch.randn(n, generator=gen)
     state = (w, torch.zeros(n), torch.zeros(n))
-    t_adamw = median_s(lambda: passes.adamw(g, state, state, send, mult, hp), args.repeats)
+    t_adamw = timeit(lambda: passes.adamw(g, state, state, send, mult, hp), args.repeats)
     state = (w,)  # (the FP32 moments freed)
 
     p = torch.nn.Parameter(w)
@@ -70,7 +57,7 @@ def main() -> None:
     opt.state[p] = st
     native = a8._native_maps(passes) is not None
     flat = w.view(-1)
-    t_8bit = median_s(lambda: opt.update(flat, g, st, hp, mult, send), args.repeats)
+    t_8bit = timeit(lambda: opt.update(flat, g, st, hp, mult, send), args.repeats)
 
     gb = g.element_size()
     rows = {
@@ -82,7 +69,7 @@ def main() -> None:
         maps = opt.maps(torch.device("cpu"))
         part = {key: t[: -(-k // a8.BLOCK)] if "absmax" in key else t.view(-1)[:k] for key, t in st.items()}
         part["step"] = st["step"]
-        t_ops = median_s(lambda: a8.update_torch(flat[:k], g[:k], part, hp, mult, send[:k], maps), 2)
+        t_ops = timeit(lambda: a8.update_torch(flat[:k], g[:k], part, hp, mult, send[:k], maps), 2)
         rows["adamw8bit_torch_ops"] = (t_ops * n / k, gb + 8 + 4 + 2 + 16 / a8.BLOCK)
     ns = {k: t / n * 1e9 for k, (t, _) in rows.items()}
     out = {

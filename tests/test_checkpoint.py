@@ -161,6 +161,7 @@ def test_resume_latest_finds_the_newest_run(tmp_path) -> None:
     assert json.loads((outputs / "b" / "summary.json").read_text())["resumed_from"]["step"] == 3
 
 
+@pytest.mark.slow  # the disk tier's resume from its commit: test_disk_tier's is the default one
 def test_resume_latest_finds_a_disk_tier_run_by_its_commit_record(tmp_path) -> None:
     """A disk-tier run writes no checkpoints/: its commit record (eps/commit.json, replaced after every
     step) is its checkpoint, so ``trainer.resume=latest`` finds it when it is the newest run."""

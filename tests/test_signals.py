@@ -76,6 +76,7 @@ def test_sigterm_stops_at_a_step_boundary_saves_and_says_how_to_resume(tmp_path)
     assert _logged_steps(tmp_path) == list(range(1, stopped + 3))
 
 
+@pytest.mark.slow  # the step-boundary SIGTERM is the default one
 def test_a_second_signal_exits_at_once(tmp_path) -> None:
     proc = _start(
         tmp_path,

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from l2l_cli.engine.host_passes import AdamwStep, HostPasses, QMap
+from l2l_cli.engine.host_passes import AdamwStep, HostPasses, QMap, adamw_torch
 
 log = logging.getLogger("l2l")
 
@@ -191,7 +191,7 @@ class AdamW8bit(torch.optim.Optimizer):
             if _host_fp32(w, m, v):
                 self._passes().adamw(g, (w, m, v), (w, m, v), send, mult, hp)
             else:
-                _fused_torch(w, g, m, v, hp, mult, send)
+                adamw_torch(g, w, m, v, hp, mult, send)
             return
         n, done = w.numel(), 0
         passes = self._passes() if _host_fp32(w) and g.is_contiguous() else None
@@ -243,46 +243,13 @@ def update_torch(
         m = dequantize(cm[a:b], am[ba:bb], signed)
         v = dequantize(cv[a:b], av[ba:bb], unsigned)
         wc = w[a:b] if w.dtype == torch.float32 else w[a:b].float()
-        _fused_torch(wc, g[a:b], m, v, hp, mult, None)
+        adamw_torch(g[a:b], wc, m, v, hp, mult, None)
         if wc.data_ptr() != w[a:b].data_ptr():
             w[a:b].copy_(wc)
         quantize_(m, signed, cm[a:b], am[ba:bb])
         quantize_(v, unsigned, cv[a:b], av[ba:bb])
         if send is not None:
             send[a:b].copy_(wc)
-
-
-def _fused_torch(
-    w: torch.Tensor,
-    g: torch.Tensor,
-    m: torch.Tensor,
-    v: torch.Tensor,
-    hp: AdamwStep,
-    mult: float | None,
-    send: torch.Tensor | None,
-) -> None:
-    """torch's fused AdamW over FP32 ``w``, ``m``, ``v`` in place, from ``g`` widened and multiplied (a
-    temporary: ``g`` is left as it is)."""
-    grad = g.float()
-    if mult is not None:
-        grad = grad.mul(mult) if grad.data_ptr() == g.data_ptr() else grad.mul_(mult)
-    torch._fused_adamw_(
-        [w],
-        [grad],
-        [m],
-        [v],
-        [],
-        [torch.full((), hp.step, dtype=torch.float32, device=w.device)],
-        lr=hp.lr,
-        beta1=hp.beta1,
-        beta2=hp.beta2,
-        weight_decay=hp.weight_decay,
-        eps=hp.eps,
-        amsgrad=False,
-        maximize=False,
-    )
-    if send is not None:
-        send.copy_(w)
 
 
 def _host_fp32(*ts: torch.Tensor) -> bool:

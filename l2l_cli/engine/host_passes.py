@@ -303,32 +303,10 @@ class HostPasses:
         mult: float | None,
         hp: AdamwStep,
     ) -> None:
-        """The same update as torch ops (no compiler here): widen and multiply into a temporary, copy the
-        state to its new set, torch's fused AdamW in place, the send copy from the master."""
-        grad = g.clone() if g.dtype == torch.float32 else g.float()  # (a new tensor: g is left as is)
-        if mult is not None:
-            grad.mul_(mult)
-        for src, dst in zip(state_in, state_out):
-            if dst.data_ptr() != src.data_ptr():
-                dst.copy_(src)
-        w, m, v = state_out
-        torch._fused_adamw_(
-            [w],
-            [grad],
-            [m],
-            [v],
-            [],
-            [torch.tensor(float(hp.step))],
-            lr=hp.lr,
-            beta1=hp.beta1,
-            beta2=hp.beta2,
-            weight_decay=hp.weight_decay,
-            eps=hp.eps,
-            amsgrad=False,
-            maximize=False,
-        )
-        if send is not None:
-            send.copy_(w)
+        """The same update as torch ops (no compiler here): the state copied to its new set, then updated."""
+        for src, dst in ((a, b) for a, b in zip(state_in, state_out) if a.data_ptr() != b.data_ptr()):
+            dst.copy_(src)
+        adamw_torch(g, *state_out, hp, mult, send)
 
     def qmap(self, values: torch.Tensor, mids: torch.Tensor) -> QMap | None:
         """A 256-entry quantization map (``values`` ascending, FP32; ``mids``: the 255 midpoints) as the
@@ -448,3 +426,25 @@ class _Timed:
 
     def __exit__(self, *exc: object) -> None:
         self.passes.count(self.what, self.nbytes, time.perf_counter() - self.t0)
+
+
+def adamw_torch(
+    g: torch.Tensor,
+    w: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    hp: AdamwStep,
+    mult: float | None,
+    send: torch.Tensor | None,
+) -> None:
+    """torch's fused AdamW over FP32 ``w``, ``m``, ``v`` in place, from ``g`` widened and multiplied into a
+    temporary (``g`` is left as it is), and the send copy from the master: the native kernel's reference
+    and its fallback where it cannot build."""
+    grad = g.clone() if g.dtype == torch.float32 else g.float()
+    if mult is not None:
+        grad.mul_(mult)
+    kw = {"lr": hp.lr, "beta1": hp.beta1, "beta2": hp.beta2, "weight_decay": hp.weight_decay, "eps": hp.eps}
+    step = [torch.tensor(float(hp.step))]
+    torch._fused_adamw_([w], [grad], [m], [v], [], step, amsgrad=False, maximize=False, **kw)
+    if send is not None:
+        send.copy_(w)
