@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path
 
+from procs import rss_anon
 from safetensors import safe_open
 
 REPO = Path(__file__).resolve().parent.parent
@@ -95,26 +95,6 @@ def write_checkpoint(root: Path, layers: int, hidden: int, inter: int, heads: in
     )
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return out
-
-
-def rss_anon(pid: int) -> int:
-    """RssAnon of a process and its children, bytes."""
-    total = 0
-    for p in [pid, *children(pid)]:
-        try:
-            m = re.search(r"RssAnon:\s+(\d+) kB", Path(f"/proc/{p}/status").read_text())
-        except OSError:
-            continue
-        total += int(m.group(1)) * 1024 if m else 0
-    return total
-
-
-def children(pid: int) -> list[int]:
-    try:
-        kids = [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-    return kids + [k for c in kids for k in children(c)]
 
 
 def train(ckpt: Path, run: Path, steps: int, seq: int, extra: list[str]) -> dict:

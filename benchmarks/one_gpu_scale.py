@@ -43,6 +43,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from procs import rss_anon
+
 REPO = Path(__file__).resolve().parent.parent
 GiB = 2**30
 
@@ -177,26 +179,6 @@ def mem_available() -> int:
     text = Path("/proc/meminfo").read_text() if Path("/proc/meminfo").is_file() else ""
     m = re.search(r"MemAvailable:\s+(\d+) kB", text)
     return int(m.group(1)) * 1024 if m else 0
-
-
-def rss_anon(pid: int) -> int:
-    """RssAnon of a process and its children, bytes (anonymous memory: not the page cache)."""
-    total = 0
-    for p in [pid, *children(pid)]:
-        try:
-            m = re.search(r"RssAnon:\s+(\d+) kB", Path(f"/proc/{p}/status").read_text())
-        except OSError:
-            continue
-        total += int(m.group(1)) * 1024 if m else 0
-    return total
-
-
-def children(pid: int) -> list[int]:
-    try:
-        kids = [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-    return kids + [k for c in kids for k in children(c)]
 
 
 def fsdp2_host_bytes(case: Case, layers: int) -> float:

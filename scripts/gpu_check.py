@@ -6,8 +6,8 @@ kind, and ``l2l generate``; one line per case with samples/s and the device peak
 
 ``--dry-run`` prints each case's command line and runs nothing (no GPU needed). Without a CUDA device the
 check says so and exits 0; with one GPU the 2-GPU cases are skipped, each saying why. Exit 1: a case failed.
-``--jobs N`` runs N one-GPU cases at once (a short device lease checks more; their samples/s then share the
-card and the host's cores, so compare throughput only from ``--jobs 1``).
+``--jobs N`` runs N one-GPU cases at once (a GPU run of limited time checks more; their samples/s then
+share the card and the host's cores, so compare throughput only from ``--jobs 1``).
 Each case is what a user types: ``python -m l2l_cli train <overrides>`` (device=auto picks CUDA, and
 dist.backend=auto NCCL between the GPUs).
 """
