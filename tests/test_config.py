@@ -239,6 +239,9 @@ def test_a_broken_recipe_fails_only_when_used(monkeypatch) -> None:
         (["model=bert-large", "task=mrpc"], 5e-5),  # a GLUE task sets a fine-tuning rate
         (["model=bert-tiny", "task=rte"], 5e-5),  # ... for every model: it beats the model's own
         (["model=bert-large", "optim.lr=2e-4"], 2e-4),  # the command line beats both
+        (["task=mrpc", "peft=lora"], 5e-4),  # LoRA's adapters train at ~10x a full fine-tune's rate
+        (["model=llama-tiny", "task=lm", "peft=lora"], 5e-4),
+        (["task=mrpc", "peft=lora", "optim.lr=1e-4"], 1e-4),  # ... and the command line beats LoRA's
         (["model=bert-large", "recipe=glue_accuracy"], 1e-4),  # and so does a recipe
     ],
 )
@@ -288,3 +291,11 @@ def test_a_run_saved_before_device_was_a_group_keeps_its_device(tmp_path) -> Non
     saved = saved_config(tmp_path)
     assert saved.device.name == "sim"
     assert inherit(saved, []).device.name == "sim" and inherit(saved, ["device=cpu"]).device.name == "cpu"
+
+
+@pytest.mark.parametrize("task", ["cola", "mnli", "mrpc", "qnli", "qqp", "rte", "sst2", "stsb", "wnli"])
+def test_a_glue_task_fine_tunes_for_three_epochs_as_bert_did(task: str) -> None:
+    """One epoch of MRPC leaves a LoRA classifier at the majority class; BERT's GLUE recipe runs three."""
+    assert compose([f"task={task}"]).trainer.epochs == 3
+    assert compose([f"task={task}", "trainer.epochs=1"]).trainer.epochs == 1
+    assert compose(["task=synthetic"]).trainer.epochs == 1  # the built-in default's run is unchanged
