@@ -321,3 +321,35 @@ def test_plan_predicts_each_choice_and_auto_picks_within_the_budget() -> None:
     assert big["step_time_s"]["total"] == pytest.approx(roomy["auto"]["step_time_s"], rel=0.05)
     assert big["memory_bytes"]["device"]["total"] == pytest.approx(roomy["auto"]["device_bytes"])
     assert big["memory_bytes"]["device"]["parts"]["kept_activations"] > 0
+
+
+def test_with_every_layer_kept_a_language_models_loss_chunks_run_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 52: with every block kept (``mode.recompute=none``, or auto with room) the LM head keeps its
+    graph too, where the room holds a micro-batch's logits: each loss chunk's logits are computed once,
+    not again in backward (a second forward of the head, a tenth of a small model's step on a CPU), and
+    the weights are those of full recompute (every chunk recomputed) bit for bit."""
+    from l2l_cli.data.loading import load_task
+    from l2l_cli.models import decoder_modules
+
+    monkeypatch.setattr(decoder_modules, "LOSS_CHUNK", 8 * 2048)  # 8 positions a chunk: 2 per micro-batch
+    calls = {"n": 0}
+    logits = decoder_modules.LMHead.logits
+
+    def counted(self: Any, x: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        return logits(self, x)
+
+    monkeypatch.setattr(decoder_modules.LMHead, "logits", counted)
+    lm = ["model=llama-tiny", "model.vocab_size=2048", "task=lm", "task.max_seq_len=9", "batch.size=4"]
+    runs: dict[str, Any] = {}
+    for policy in ("none", "full"):
+        cfg = tiny_cfg("mode=l2l", *lm, f"mode.recompute={policy}")
+        data = load_task(cfg.task, cfg.model)
+        calls["n"] = 0
+        runs[policy] = train(cfg, steps=2, data=data)
+        runs[policy]["head_forwards"] = calls["n"]
+    chunks = 2 * 2 * 2  # per step: 2 micro-batches of 2 rows x 8 positions, 8 positions a chunk
+    assert runs["none"]["head_forwards"] == chunks and runs["full"]["head_forwards"] == 2 * chunks
+    assert_bitwise(runs["none"], runs["full"])

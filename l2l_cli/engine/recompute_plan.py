@@ -49,6 +49,9 @@ class RecomputePlan:
     depth: int
     saved_bytes: int = 0  # predicted bytes the kept and selective blocks hold for backward, per step
     room_bytes: float | None = None  # the device room auto planned in (None: nothing was auto)
+    # nothing recomputed and room left for it: the head keeps its training graph too (a language model's
+    # loss chunks are not run twice; ModelSpec.keep_head_graph)
+    head_kept: bool = False
 
     @property
     def every_layer_kept(self) -> bool:
@@ -74,6 +77,7 @@ class RecomputePlan:
             "kept_layers": self.kept,
             "saved_bytes": self.saved_bytes,
             "room_bytes": self.room_bytes,
+            "head_kept": self.head_kept,
         }
 
     def describe(self) -> str:

@@ -116,6 +116,15 @@ class ModelSpec(ABC):
         declares it before running): one row of labels per sequence here."""
         return (rows, self.num_labels)
 
+    def head_graph_bytes(self, rows: int, seq: int) -> int:
+        """Device bytes the post layer's training graph holds for a micro-batch of ``rows`` x ``seq``
+        tokens beyond what it holds anyway when ``keep_head_graph`` keeps it (0: nothing to keep)."""
+        return 0
+
+    def keep_head_graph(self, layer: nn.Module, keep: bool) -> None:  # noqa: B027  (most have no choice)
+        """Whether the post layer ``layer`` keeps its training graph whole rather than recompute parts of
+        it in backward (a language model's loss chunks); the same numbers either way."""
+
     def loss_count(self, ub: Any) -> int:
         """How many terms ``run_head``'s loss is the mean of on micro-batch ``ub`` (here: one per example;
         a language model: its tokens with a target). The runners weight each micro-batch's mean loss by

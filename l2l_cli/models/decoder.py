@@ -192,6 +192,15 @@ class DecoderSpec(ModelSpec):
     def head_logits(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return layer.logits(x)
 
+    def head_graph_bytes(self, rows: int, seq: int) -> int:
+        """Every loss chunk's FP32 log-probabilities (what the cross-entropy saves), one chunk's less."""
+        from l2l_cli.models.decoder_modules import LOSS_CHUNK
+
+        return max(0, rows * max(0, seq - 1) * self.vocab_size - LOSS_CHUNK) * 4
+
+    def keep_head_graph(self, layer: nn.Module, keep: bool) -> None:
+        layer.recompute_chunks = not keep
+
     def loss_count(self, ub: Any) -> int:
         """The micro-batch's predicted tokens: positions whose next token has a label (``lm_loss``'s)."""
         from l2l_cli.models.decoder_modules import IGNORE

@@ -25,6 +25,12 @@ class LMHead(nn.Module):
     """post: the final norm, the LM head and the next-token cross-entropy (in FP32, whatever the device
     dtype). ``norm_name`` keeps Hugging Face's parameter names (``ln_f``, ``norm``)."""
 
+    # training's loss chunks: True recomputes each chunk's logits in backward (one chunk's logits on the
+    # device, at the price of a second forward of the head); False keeps every chunk's graph until its
+    # backward, the same ops on the same inputs, so the same numbers. Set by the runner that owns the
+    # layer (``ModelSpec.keep_head_graph``) when its device has room for a micro-batch's logits.
+    recompute_chunks = True
+
     def __init__(self, norm_name: str, norm: nn.Module, hidden: int, vocab: int):
         super().__init__()
         self.norm_name = norm_name
@@ -47,8 +53,8 @@ class LMHead(nn.Module):
 
     def chunked_loss(self, x_BSH: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
         """``lm_loss(self.logits(x), labels)`` over chunks of positions of at most ``LOSS_CHUNK`` logits,
-        each chunk's logits recomputed in backward (activation checkpointing); in one piece when they fit
-        (then exactly ``lm_loss``)."""
+        each chunk's logits recomputed in backward (activation checkpointing) unless ``recompute_chunks``
+        is off; in one piece when they fit (then exactly ``lm_loss``)."""
         from torch.utils.checkpoint import checkpoint
 
         b, s, h = x_BSH.shape
@@ -60,7 +66,11 @@ class LMHead(nn.Module):
         total = x.new_zeros((), dtype=torch.float32)
         for start in range(0, x.shape[0], rows):
             end = start + rows
-            total = total + checkpoint(self._nll_sum, x[start:end], y[start:end], use_reentrant=False)
+            if self.recompute_chunks:
+                part = checkpoint(self._nll_sum, x[start:end], y[start:end], use_reentrant=False)
+            else:  # the graph kept: no second forward (a checkpoint's replay computes the same values)
+                part = self._nll_sum(x[start:end], y[start:end])
+            total = total + part
         return total / (y != IGNORE).sum().clamp(min=1)
 
     def _nll_sum(self, x_NH: torch.Tensor, y_N: torch.Tensor) -> torch.Tensor:

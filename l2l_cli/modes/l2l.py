@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,6 +39,7 @@ from l2l_cli.engine.relay import Relay
 from l2l_cli.engine.speculative import Speculation
 from l2l_cli.engine.stash import CpuStash, DeviceStash
 from l2l_cli.engine.trailing import TrailingUpdate, finish_updates
+from l2l_cli.models.base import POST
 from l2l_cli.models.decoder import DecoderSpec
 from l2l_cli.models.lora import lora_of, summary_section
 from l2l_cli.modes.base import DurableState, LayerFiles, RunnerArgs, RunnerBase, StepReport
@@ -84,6 +86,9 @@ class L2LRunner(RunnerBase):
         )
         self.head = spec.num_layers + 1  # layer indices: 0 = embeddings, 1..N = blocks, N+1 = head
         self.recompute = self.plan_recompute()
+        for slot in self.relay.slots:  # the head's shells run its loss as the plan says
+            if POST in slot.shells:
+                spec.keep_head_graph(slot.shells[POST], self.recompute.head_kept)
         # the progress header's part (none for today's default: full recompute, nothing kept)
         self.recompute_info = None if self.settings.recompute.trivial else self.recompute.describe()
         self.graphs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # kept: (input, output)
@@ -269,7 +274,8 @@ class L2LRunner(RunnerBase):
         """``mode.recompute`` / ``mode.keep_layers`` resolved: today's full recompute as is, or one block's
         saved bytes per micro-batch measured (a forward on a zero micro-batch of the longest sequence) and
         the choice made within the device's free room less what ``full`` needs (the stash, the layer and
-        gradient lists, one layer's working set)."""
+        gradient lists, one layer's working set). With every block kept, the head keeps its graph too
+        where the room left holds it (a language model's loss chunks then run once, not twice)."""
         rc, depth = self.settings.recompute, self.spec.num_layers
         if rc.trivial:
             return RecomputePlan("full", 0, depth)
@@ -281,7 +287,11 @@ class L2LRunner(RunnerBase):
         on_device = self.settings.stash != "cpu"
         stash = (depth * n if on_device else 2) * per.full
         room = MARGIN * free - stash - 2 * n * per.full - 2 * per.none
-        return choose(rc, depth, per, n, room, stash_on_device=on_device)
+        plan = choose(rc, depth, per, n, room, stash_on_device=on_device)
+        head = self.spec.head_graph_bytes(self.settings.ubatch_size, rc.seq_len)
+        if plan.every_layer_kept and plan.saved_bytes + head <= room:
+            plan = replace(plan, head_kept=True)
+        return plan
 
     def measure_block(self, seq: int) -> LayerBytes:
         """Saved bytes of one block for one micro-batch of ``seq`` tokens, per policy, and of the embeddings'
