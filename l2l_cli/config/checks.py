@@ -71,7 +71,7 @@ def _model(cfg: Config, check_files: bool) -> list[Problem]:
                 f"allowed: a divisor of {m.hidden_size} ({divisors(m.hidden_size)})",
             )
         )
-    if not (0.0 <= m.dropout < 1.0):
+    if m.dropout is not None and not (0.0 <= m.dropout < 1.0):
         p.append(Problem("model.dropout", f"got {m.dropout}; must be in [0, 1)"))
     family = family_of(m)
     if m.pretrained is None:  # keys of another family: the run would ignore them

@@ -41,7 +41,9 @@ class ModelConfig:
     hidden_size: int = 128  # width of the hidden states
     num_heads: int = 2  # attention heads (must divide hidden_size)
     intermediate_size: int = 512  # width of each block's MLP
-    dropout: float = 0.1  # hidden and attention dropout
+    # hidden and attention dropout; unset: the checkpoint's own with model.pretrained (BERT's and GPT-2's
+    # 0.1, Llama's attention_dropout 0.0, as transformers and PEFT train them), else 0.1
+    dropout: float | None = None
     vocab_size: int = 30522  # token ids (30522: the uncased WordPiece vocabulary)
     seq_len: int = 512  # max positions (the papers' d_s for tnlg / X[x])
     type_vocab_size: int = 2  # segment ids (sentence A / B)

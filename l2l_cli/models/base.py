@@ -202,3 +202,14 @@ class ModelSpec(ABC):
         pad_to: int | None,
     ) -> dict[str, float]:
         """The task's metrics of the head's predictions on the dev split."""
+
+
+SCRATCH_DROPOUT = 0.1  # model.dropout unset, no checkpoint: BERT's and GPT-2's own rate
+
+
+def dropout_of(m: Any, checkpoint: float | None = None) -> float:
+    """``model.dropout`` where set, else the checkpoint's own rate (``checkpoint``; a model from
+    ``model.pretrained`` fine-tunes as transformers would train it), else 0.1."""
+    if m.dropout is not None:
+        return float(m.dropout)
+    return SCRATCH_DROPOUT if checkpoint is None else float(checkpoint)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from l2l_cli.config.schema import ModelConfig
 from l2l_cli.data.batches import eval_batches
-from l2l_cli.models.base import BLOCK, PRE, ModelSpec
+from l2l_cli.models.base import BLOCK, PRE, ModelSpec, dropout_of
 from l2l_cli.models.registry import ModelFamily, register_family
 
 if TYPE_CHECKING:
@@ -238,7 +238,7 @@ def from_config(m: ModelConfig, num_labels: int) -> BertSpec:
         m.vocab_size,
         m.seq_len,
         m.type_vocab_size,
-        m.dropout,
+        dropout_of(m),
         m.layer_norm_eps,
         m.init_std,
         num_labels,
@@ -246,7 +246,7 @@ def from_config(m: ModelConfig, num_labels: int) -> BertSpec:
 
 
 def from_hf_dir(path: Path, m: ModelConfig, num_labels: int) -> BertSpec:
-    """The spec from a checkpoint's ``config.json``; ``model.dropout`` still applies (fine-tuning), and a
+    """The spec from a checkpoint's ``config.json``: its dropout unless ``model.dropout`` is set, and a
     size the file leaves out takes the schema's default (``model.*``)."""
     c = json.loads((Path(path) / "config.json").read_text())
     return BertSpec(
@@ -257,7 +257,7 @@ def from_hf_dir(path: Path, m: ModelConfig, num_labels: int) -> BertSpec:
         c.get("vocab_size", m.vocab_size),
         c.get("max_position_embeddings", m.seq_len),
         c.get("type_vocab_size", m.type_vocab_size),
-        m.dropout,
+        dropout_of(m, c.get("hidden_dropout_prob", 0.1)),
         c.get("layer_norm_eps", m.layer_norm_eps),
         c.get("initializer_range", m.init_std),
         num_labels,

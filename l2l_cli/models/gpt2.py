@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from l2l_cli.config.schema import ModelConfig
 from l2l_cli.data.tasks import LM
+from l2l_cli.models.base import dropout_of
 from l2l_cli.models.decoder import DecoderSide, DecoderSpec, config_dict
 from l2l_cli.models.registry import ModelFamily, UnsupportedModel, register_family
 
@@ -139,7 +140,7 @@ def from_config(m: ModelConfig, num_labels: int) -> GPT2Spec:
         m.intermediate_size,
         m.vocab_size,
         m.seq_len,
-        m.dropout,
+        dropout_of(m),
         m.layer_norm_eps,
         m.init_std,
         bool(m.tie_word_embeddings),
@@ -148,7 +149,8 @@ def from_config(m: ModelConfig, num_labels: int) -> GPT2Spec:
 
 
 def from_hf_dir(path: Path, m: ModelConfig, num_labels: int) -> GPT2Spec:
-    """The spec from a checkpoint's ``config.json``; ``model.dropout`` still applies (fine-tuning)."""
+    """The spec from a checkpoint's ``config.json``: its dropout (``resid_pdrop``) unless ``model.dropout``
+    is set."""
     raw = (Path(path) / "config.json").read_text()
     c = json.loads(raw)
     for key, why in (
@@ -165,7 +167,7 @@ def from_hf_dir(path: Path, m: ModelConfig, num_labels: int) -> GPT2Spec:
         c.get("n_inner") or 4 * h,
         c["vocab_size"],
         c.get("n_positions", 1024),
-        m.dropout,
+        dropout_of(m, c.get("resid_pdrop", 0.1)),
         c.get("layer_norm_epsilon", 1e-5),
         c.get("initializer_range", 0.02),
         bool(c.get("tie_word_embeddings", True)),

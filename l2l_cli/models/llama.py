@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from l2l_cli.config.schema import ModelConfig
 from l2l_cli.data.tasks import LM
+from l2l_cli.models.base import dropout_of
 from l2l_cli.models.decoder import DecoderSide, DecoderSpec, config_dict
 from l2l_cli.models.registry import ModelFamily, UnsupportedModel, register_family
 from l2l_cli.problems import Problem, divisors
@@ -181,7 +182,7 @@ def from_config(m: ModelConfig, num_labels: int) -> LlamaSpec:
         m.intermediate_size,
         m.vocab_size,
         m.seq_len,
-        m.dropout,
+        dropout_of(m),
         m.layer_norm_eps,
         m.init_std,
         m.rope_theta,
@@ -191,8 +192,8 @@ def from_config(m: ModelConfig, num_labels: int) -> LlamaSpec:
 
 
 def from_hf_dir(path: Path, m: ModelConfig, num_labels: int) -> LlamaSpec:
-    """The spec from a checkpoint's ``config.json`` (llama, mistral or qwen2); ``model.dropout`` still
-    applies to attention (fine-tuning)."""
+    """The spec from a checkpoint's ``config.json`` (llama, mistral or qwen2): its ``attention_dropout``
+    (0.0 in every released Llama) unless ``model.dropout`` is set."""
     from transformers import AutoConfig
 
     raw = (Path(path) / "config.json").read_text()
@@ -211,7 +212,7 @@ def from_hf_dir(path: Path, m: ModelConfig, num_labels: int) -> LlamaSpec:
         c.intermediate_size,
         c.vocab_size,
         c.max_position_embeddings,
-        m.dropout,
+        dropout_of(m, c.attention_dropout),
         c.rms_norm_eps,
         c.initializer_range,
         rope_theta,
