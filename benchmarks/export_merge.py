@@ -9,7 +9,8 @@ final/ loaded as ``l2l eval`` loads it), then the merged model's for the same ro
 never in RAM together.
 
     flock /tmp/l2l-heavy.lock python benchmarks/export_merge.py --dir /tmp/merge7b     # 4096 x 32, 13.5 GB
-    python benchmarks/export_merge.py --dir /tmp/x --hidden 64 --intermediate 128 --heads 4 --layers 2 --vocab 4096
+    python benchmarks/export_merge.py --dir /tmp/x --hidden 64 --intermediate 128 --heads 4 --layers 2 \
+        --vocab 4096
 
 Run it alone on the machine; delete ``--dir`` after (the checkpoint and the merged copy: ~27 GB at 7B).
 """
