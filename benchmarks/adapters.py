@@ -28,16 +28,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
 
-from procs import rss_anon
+from procs import REPO, l2l_polled
 from safetensors import safe_open
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def write_checkpoint(root: Path, layers: int, hidden: int, inter: int, heads: int, vocab: int) -> Path:
@@ -133,25 +130,7 @@ def train(
     ckpt: Path, run: Path, steps: int, seq: int, extra: list[str], batch: int = 1, mode: str = "l2l"
 ) -> dict:
     """One ``l2l train`` run, its RssAnon polled every 0.2 s; returns the summary's numbers and the peak."""
-    args = [
-        sys.executable,
-        "-m",
-        "l2l_cli",
-        "train",
-        *lora_overrides(ckpt, steps, seq, batch, mode),
-        f"hydra.run.dir={run}",
-        *extra,
-    ]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    peak = 0
-    while proc.poll() is None:
-        peak = max(peak, rss_anon(proc.pid))
-        time.sleep(0.2)
-    if proc.returncode:
-        raise SystemExit(
-            f"l2l train failed ({proc.returncode}): {proc.stderr.read()[-2000:] if proc.stderr else ''}"
-        )
+    peak = l2l_polled("train", *lora_overrides(ckpt, steps, seq, batch, mode), f"hydra.run.dir={run}", *extra)
     s = json.loads((run / "summary.json").read_text())
     peft = s.get("sections", s).get("peft", {}) if isinstance(s.get("sections"), dict) else s.get("peft", {})
     return {

@@ -20,42 +20,20 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from adapters import REPO, cpu_flags, train, write_checkpoint
-from procs import rss_anon
+from adapters import cpu_flags, train, write_checkpoint
+from procs import l2l_polled
 
 CFG1 = ["batch.size=1", "batch.ubatch_size=1"]
 
 
 def export(run: Path, out: Path) -> dict:
     """``l2l export run --merge --dtype bf16 --out out`` in its own process, its RssAnon polled."""
-    args = [
-        sys.executable,
-        "-m",
-        "l2l_cli",
-        "export",
-        str(run),
-        "--merge",
-        "--dtype",
-        "bf16",
-        "--out",
-        str(out),
-    ]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     t0 = time.perf_counter()
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    peak = 0
-    while proc.poll() is None:
-        peak = max(peak, rss_anon(proc.pid))
-        time.sleep(0.2)
-    if proc.returncode:
-        raise SystemExit(f"l2l export failed ({proc.returncode}): {proc.stderr.read()[-2000:]}")
+    peak = l2l_polled("export", str(run), "--merge", "--dtype", "bf16", "--out", str(out))
     size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     return {"peak_rss_anon_gib": peak / 2**30, "seconds": time.perf_counter() - t0, "merged_gb": size / 1e9}
 
