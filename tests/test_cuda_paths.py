@@ -19,7 +19,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tests.strict_dist import DEVICE, StrictDistError, strict
-from tests.util import tiny_cfg
+from tests.util import recording_p2p, tiny_cfg
 
 # ---- 1: the trainer's per-step collective ------------------------------------------------------------
 
@@ -155,36 +155,7 @@ def test_the_exchange_probe_posts_its_send_and_recv_together(monkeypatch: pytest
     from l2l_cli.parallel.pipeline import calibrate
 
     posted: list[tuple[str, ...]] = []
-
-    class Work:
-        def wait(self) -> None:
-            return None
-
-    class FakeDist:
-        @staticmethod
-        def P2POp(op: object, tensor: object, peer: int, group: object = None) -> SimpleNamespace:
-            return SimpleNamespace(op=op)
-
-        @staticmethod
-        def barrier(group: object = None) -> None:
-            return None
-
-        @staticmethod
-        def isend(*a: object, **k: object) -> Work:
-            posted.append(("isend",))
-            return Work()
-
-        @staticmethod
-        def irecv(*a: object, **k: object) -> Work:
-            posted.append(("irecv",))
-            return Work()
-
-        @staticmethod
-        def batch_isend_irecv(ops: list) -> list[Work]:
-            posted.append(tuple(op.op.__name__ for op in ops))
-            return [Work() for _ in ops]
-
-    monkeypatch.setattr(calibrate, "dist", FakeDist)
+    monkeypatch.setattr(calibrate, "dist", recording_p2p(posted, request_per_op=True))
     calibrate.time_exchange(None, None, torch.device("cpu"), (1, 1), nbytes=1 << 20, repeats=3)
     assert posted == [("isend", "irecv")] * 4  # one warm-up and three timed, each exchange one batch
 
@@ -744,36 +715,7 @@ def test_l2l_stage_messages_go_in_batches_per_micro_batch(
     from l2l_cli.parallel.pipeline import p2p
 
     posted: list[tuple[str, ...]] = []
-
-    class Work:
-        def wait(self) -> None:
-            return None
-
-    class FakeDist:
-        @staticmethod
-        def P2POp(op: object, tensor: torch.Tensor, peer: int, group: object = None, tag: int = 0) -> object:
-            return SimpleNamespace(op=op, tensor=tensor, peer=peer, tag=tag)
-
-        @staticmethod
-        def isend(tensor: torch.Tensor, dst: int = 0, group: object = None, tag: int = 0) -> Work:
-            posted.append(("isend alone",))
-            return Work()
-
-        @staticmethod
-        def irecv(tensor: torch.Tensor, src: int = 0, group: object = None, tag: int = 0) -> Work:
-            tensor.fill_(tag)  # the message: its tag (stage, direction, micro-batch)
-            posted.append(("irecv alone",))
-            return Work()
-
-        @staticmethod
-        def batch_isend_irecv(ops: list) -> list[Work]:
-            for op in ops:
-                if op.op is FakeDist.irecv:
-                    op.tensor.fill_(op.tag)
-            posted.append(tuple(op.op.__name__ for op in ops))
-            return [Work()]  # NCCL: one request for the whole batch
-
-    monkeypatch.setattr(p2p, "dist", FakeDist)
+    monkeypatch.setattr(p2p, "dist", recording_p2p(posted, request_per_op=False))  # NCCL's
     n, stage = 4, 1
     msgs = p2p.StageMessages(None, torch.device("cpu"), n, rank_of=lambda s: s % 2)
     # a stage of L2L's forward (l2l_stages.forward_pass): each layer runs every micro-batch; the stage's

@@ -13,7 +13,6 @@ import shutil
 import statistics
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -25,11 +24,29 @@ from l2l_cli.config.validate import validate
 from l2l_cli.launch import run_jobs
 from l2l_cli.parallel.pipeline import StagePlan
 from l2l_cli.session import build
-from tests.util import TINY, assert_same_weights, kill_rank_1_mid_run, l2l, tiny_cfg, tiny_data, train
+from tests.util import (
+    TINY,
+    assert_same_weights,
+    kill_rank_1_mid_run,
+    l2l,
+    recording_p2p,
+    tiny_cfg,
+    tiny_data,
+    train,
+)
 
 # 4 blocks (2 stages per rank with P = 2), dropout 0, fp32; 3 steps of a global batch of 8 in 4 micro-batches
 EQ = [*TINY, "model.num_layers=4", "task.num_train=256", "task.num_eval=16", "trainer.max_steps=3"]
 PIPE = ["mode=baseline_ag", "dist.nproc=2", "dist.pipeline=2"]
+# what each bubble study runs on: 256 padded rows of 64 tokens, dropout 0, no progress line
+STUDY = [
+    "model.dropout=0.0",
+    "task.max_seq_len=64",
+    "task.pad_to_max=true",
+    "task.num_train=256",
+    "task.num_eval=8",
+    "trainer.progress=none",
+]
 # the bubble study's model: 8 layers wide enough that a micro-batch's layer outweighs a message between ranks;
 # 4 micro-batches (2P): predicted bubble 0.06 (modular, breadth-first) vs 0.20 (contiguous, 1F1B)
 BUBBLE = [
@@ -38,12 +55,7 @@ BUBBLE = [
     "model.num_heads=4",
     "model.intermediate_size=1024",
     "model.vocab_size=512",
-    "model.dropout=0.0",
-    "task.max_seq_len=64",
-    "task.pad_to_max=true",
-    "task.num_train=256",
-    "task.num_eval=8",
-    "trainer.progress=none",
+    *STUDY,
     "batch.ubatch_size=8",
     "batch.size=32",
     "trainer.max_steps=4",
@@ -266,12 +278,7 @@ HELD_OUT = [
     "model.num_heads=3",
     "model.intermediate_size=768",
     "model.vocab_size=30522",
-    "model.dropout=0.0",
-    "task.max_seq_len=64",
-    "task.pad_to_max=true",
-    "task.num_train=256",
-    "task.num_eval=8",
-    "trainer.progress=none",
+    *STUDY,
     "dist.nproc=2",
     "dist.pipeline=2",
     "batch.ubatch_size=8",
@@ -410,27 +417,7 @@ def test_gloo_stages_post_their_receives_as_they_start(monkeypatch: pytest.Monke
     from l2l_cli.parallel.pipeline import p2p
 
     posted: list[tuple[str, ...]] = []
-
-    class Work:
-        def wait(self) -> None:
-            return None
-
-    class FakeDist:
-        @staticmethod
-        def P2POp(op: object, tensor: torch.Tensor, peer: int, group: object = None, tag: int = 0) -> object:
-            return SimpleNamespace(op=op, tensor=tensor, peer=peer, tag=tag)
-
-        isend, irecv = object(), object()
-
-        @staticmethod
-        def batch_isend_irecv(ops: list) -> list[Work]:
-            for op in ops:
-                if op.op is FakeDist.irecv:
-                    op.tensor.fill_(op.tag)
-            posted.append(tuple("irecv" if op.op is FakeDist.irecv else "isend" for op in ops))
-            return [Work() for _ in ops]  # gloo: one request per op
-
-    monkeypatch.setattr(p2p, "dist", FakeDist)
+    monkeypatch.setattr(p2p, "dist", recording_p2p(posted, request_per_op=True))  # gloo's
     n, stage = 4, 1
     for all_ahead, want in (
         (True, [("irecv",) * n, *[("isend",)] * n]),

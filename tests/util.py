@@ -254,3 +254,45 @@ def kill_rank_1_mid_run(run_dir: Path, *overrides: str) -> None:
     assert "rank 1 failed (killed by signal 9)" in err
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "error" and "rank 1 failed" in summary["error"]
+
+
+def recording_p2p(posted: list[tuple[str, ...]], request_per_op: bool) -> Any:
+    """A stand-in for ``torch.distributed``'s point-to-point calls (``p2p.dist``): each post is recorded in
+    ``posted`` (a batch as its ops' names, a lone op as "isend alone" / "irecv alone"), each receive fills
+    its tensor with its tag (stage, direction, micro-batch), and a batch returns one request per op (gloo)
+    or one for the whole batch (NCCL: ``request_per_op`` false)."""
+    from types import SimpleNamespace
+
+    class Work:
+        def wait(self) -> None:
+            return None
+
+    class FakeDist:
+        @staticmethod
+        def P2POp(op: Any, tensor: Any, peer: int, group: object = None, tag: int = 0) -> Any:
+            return SimpleNamespace(op=op, tensor=tensor, peer=peer, tag=tag)
+
+        @staticmethod
+        def barrier(group: object = None) -> None:
+            return None
+
+        @staticmethod
+        def isend(tensor: Any, dst: int = 0, group: object = None, tag: int = 0) -> Work:
+            posted.append(("isend alone",))
+            return Work()
+
+        @staticmethod
+        def irecv(tensor: Any, src: int = 0, group: object = None, tag: int = 0) -> Work:
+            tensor.fill_(tag)
+            posted.append(("irecv alone",))
+            return Work()
+
+        @staticmethod
+        def batch_isend_irecv(ops: list) -> list[Work]:
+            for op in ops:
+                if op.op is FakeDist.irecv:
+                    op.tensor.fill_(op.tag)
+            posted.append(tuple(op.op.__name__ for op in ops))
+            return [Work() for _ in ops] if request_per_op else [Work()]
+
+    return FakeDist
