@@ -317,8 +317,11 @@ def test_a_held_out_shape_is_predicted_within_5_points_without_measuring() -> No
         assert mod["bubble_measured"] < con["bubble_measured"]
     embeddings, block = mod["ranks"][0]["layer_chunks"]["0"], mod["ranks"][0]["layer_chunks"]["1"]
     assert embeddings[1] > 0.1 * block[1] and embeddings[0] < 0.25 * block[0]  # a heavy backward only
-    assert mod["bubble_unsure"] == {} and set(preset["bubble_unsure"]) == {"action_s", "wake_s"}
+    # the action cost is the run's own (a CPU device); the default preset's wake describes NCCL: unsure
+    assert all(p["action_from"] == "run" for p in (mod, con, preset))
+    assert mod["bubble_unsure"] == {} and set(preset["bubble_unsure"]) == {"wake_s"}
     assert all("hardware=measure" in why and "v100-16g" in why for why in preset["bubble_unsure"].values())
+    assert abs(preset["bubble_measured"] - preset["bubble_predicted"]) <= 0.05
 
 
 # ---- 3d: 2 (data) x 2 (pipeline) -------------------------------------------------------------------
@@ -481,6 +484,36 @@ def test_the_bubble_model_weighs_heavy_ends_and_names_what_it_cannot_say() -> No
     unsure = LinkCosts.preset(gpu, "gloo").unsure
     assert set(unsure) == {"action_s", "wake_s"} and "hardware=measure" in unsure["wake_s"]
     assert LinkCosts.preset(gpu, "nccl").unsure == {}
+
+
+def test_l2l_stages_on_a_cpu_charge_the_action_cost_their_own_run_measured() -> None:
+    """Issue 53: an L2L stage rank's window splits into compute, relay transfers, host time blocked on
+    messages and the rest, its own work per action (``overhead_s``); on a CPU device the bubble model
+    charges that per action (chunks, sends, receives) instead of a preset figure for another transport,
+    and no longer names ``action_s`` as unsure (the wake stays: a late message is a wait, predicted)."""
+    from l2l_cli.parallel.pipeline.bubble import LinkCosts, StageTimes, run_action
+    from l2l_cli.parallel.pipeline.plan import count, table_cost
+    from l2l_cli.parallel.pipeline.settings import PipelineSettings
+
+    times = StageTimes()
+    for step in range(3):  # the first step is left out
+        times.add(step, {"transfer": 0.05, "forward": 0.2}, 0.6, 1.0 + step, 0.25)
+    m = times.means()
+    assert m["message_wait_s"] == pytest.approx(0.25) and m["overhead_s"] == pytest.approx(2.5 - 0.9)
+    plan = StagePlan(num_layers=8, pipeline=2, placement="modular", layers_per_stage=1)
+    orders = plan.l2l_orders(4)
+    gpu = PipelineSettings(2, "modular", "breadth_first", 1, False, link="nccl", preset="v100-16g")
+    preset = LinkCosts.preset(gpu, "gloo")
+    ranks = [{"pipeline_rank": 0, "overhead_s": 0.03}, {"pipeline_rank": 1, "overhead_s": 0.05}]
+    costs = run_action(preset, ranks, orders)
+    acts = count(orders[0]).total + count(orders[1]).total
+    assert acts == 2 * (40 + 28 + 28) and costs.action_s == pytest.approx(0.08 / acts)
+    assert costs.action_from == "run" and set(costs.unsure) == {"wake_s"} and costs.wake_s == preset.wake_s
+    assert run_action(preset, [{"pipeline_rank": 0}, {"pipeline_rank": 1}], orders) == preset
+    # the bubble it predicts grows with the action cost the run measured
+    table = {i: (0.01, 0.03) for i in range(10)}
+    low = plan.bubble_simulated(orders, table_cost(table), preset.action_s, 0.0)
+    assert plan.bubble_simulated(orders, table_cost(table), costs.action_s, 0.0) > low
 
 
 def test_the_pre_run_model_counts_the_schedules_actions() -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from l2l_cli.models.base import ModelSpec
@@ -42,6 +42,7 @@ class LinkCosts:
     latency_s: float = 0.0
     bytes_per_s: float = 1.0
     exchange_from: str | None = None  # where the exchange comes from, when not ``source``
+    action_from: str | None = None  # where the action comes from, when not ``source`` (``run``)
     # the terms the model cannot say for this run (term -> why): a preset's figures for another transport
     unsure: dict[str, str] = field(default_factory=dict)
 
@@ -65,14 +66,33 @@ class LinkCosts:
         return exchange_seconds(nbytes, self.latency_s, self.bytes_per_s)
 
 
-TIMED = ("compute", "pipeline", "transfer", "forward")  # an L2L stage rank's times per step
+def run_action(costs: LinkCosts, ranks: list[dict[str, Any]], orders: list[list[Op]]) -> LinkCosts:
+    """``costs`` with the per-action cost this run measured: L2L stages on a CPU device, whose host clock is
+    the device's and whose message waits block the host (gloo), so each rank's own work beyond compute,
+    relay transfers and message waits (``overhead_s``) is known; over the schedule actions it ran (chunks,
+    sends, receives), the ranks' sum over their sum. That is this run's loops' figure, where a preset's
+    describes another transport and ``hardware=measure``'s probe times torch's schedule over stand-ins:
+    it replaces theirs (``action_from: "run"``), and ``action_s`` leaves ``bubble_unsure``. The wake stays
+    the preset's or the probe's: a late message shows as a wait, which is what the model predicts."""
+    spent = sum(r.get("overhead_s") or 0.0 for r in ranks)
+    actions = sum(count(orders[r["pipeline_rank"]]).total for r in ranks)
+    if not actions or any(r.get("overhead_s") is None for r in ranks):
+        return costs
+    unsure = {k: v for k, v in costs.unsure.items() if k != "action_s"}
+    return replace(costs, action_s=spent / actions, action_from="run", unsure=unsure)
+
+
+TIMED = ("compute", "pipeline", "transfer", "forward", "message_wait")  # an L2L stage rank's, per step
 
 
 class StageTimes:
     """An L2L stage rank's mean seconds per timed step: its compute (forward, recompute, backward), the
-    pipeline's window, the relay's transfers, the forward, and each layer's forward and recompute +
-    backward (``layer``: how the rank's compute splits over its layers, heavy ends included). Steady
-    state: the first step (set-up, the first shape's warm-up) is left out, unless it is the only one."""
+    pipeline's window, the relay's transfers, the forward, its host blocked on messages (a receive, its
+    sends' completion, the window's close), and each layer's forward and recompute + backward (``layer``:
+    how the rank's compute splits over its layers, heavy ends included). The rest of the window is the
+    rank's own host work per schedule action (``overhead_s``: posting, the stash, the relay's bookkeeping,
+    Python). Steady state: the first step (set-up, the first shape's warm-up) is left out, unless it is
+    the only one."""
 
     def __init__(self) -> None:
         self.steps, self.totals = 0, dict.fromkeys(TIMED, 0.0)
@@ -88,8 +108,11 @@ class StageTimes:
         acc = self._step.setdefault(i, [0.0, 0.0])
         acc[0], acc[1] = acc[0] + d["forward"], acc[1] + d["recompute"] + d["backward"]
 
-    def add(self, step_count: int, phases: dict[str, float], compute: float, window: float) -> None:
-        """Step ``step_count + 1``'s ``phases`` (the runner's timer), its compute and its window."""
+    def add(
+        self, step_count: int, phases: dict[str, float], compute: float, window: float, blocked: float = 0.0
+    ) -> None:
+        """Step ``step_count + 1``'s ``phases`` (the runner's timer), its compute, its window and the host
+        seconds it was blocked on messages in it."""
         step, self._step = self._step, {}
         if step_count > 0 or not self.steps:
             if step_count == 1:
@@ -99,15 +122,19 @@ class StageTimes:
             self.totals["compute"] += compute
             self.totals["forward"] += phases.get("forward", 0.0)
             self.totals["pipeline"] += window
+            self.totals["message_wait"] += blocked
             for i, (f, b) in step.items():
                 acc = self.layers.setdefault(i, [0.0, 0.0])
                 acc[0], acc[1] = acc[0] + f, acc[1] + b
 
     def means(self) -> dict[str, Any]:
-        """``compute_s``, ``pipeline_s``, ``transfer_s``, ``forward_s``: the means over the timed steps;
-        ``layer_chunks``: each layer's [forward, recompute + backward] seconds per step."""
+        """``compute_s``, ``pipeline_s``, ``transfer_s``, ``forward_s``, ``message_wait_s`` and
+        ``overhead_s``: the means over the timed steps; ``layer_chunks``: each layer's [forward, recompute
+        + backward] seconds per step."""
         n = max(self.steps, 1)
         out: dict[str, Any] = {f"{k}_s": self.totals[k] / n for k in TIMED}
+        busy = sum(out[f"{k}_s"] for k in ("compute", "transfer", "message_wait"))
+        out["overhead_s"] = max(0.0, out["pipeline_s"] - busy)
         out["layer_chunks"] = {str(i): [f / n, b / n] for i, (f, b) in sorted(self.layers.items())}
         return out
 
@@ -212,7 +239,7 @@ def bubble_section(
         "exchange_from": costs.exchange_from or costs.source,
         "actions_per_rank": [a.total for a in actions],
         "action_s": costs.action_s,
-        "action_from": costs.source,
+        "action_from": costs.action_from or costs.source,
         "wake_s": costs.wake_s,
         "chunks_per_rank": [a.chunks for a in actions],
         "relay_moves_per_rank": [a.loads for a in actions],

@@ -55,6 +55,7 @@ from l2l_cli.parallel.pipeline.bubble import (
     layer_params,
     pipeline_section,
     relay_cost,
+    run_action,
 )
 from l2l_cli.parallel.pipeline.calibrate import link_costs
 from l2l_cli.parallel.pipeline.groups import neighbours, pipeline_groups, pipeline_position
@@ -158,6 +159,7 @@ class L2LStagesRunner(RunnerBase):
         self.seq_len = shape[1]
         dist.barrier(group=self.pp_host)  # the pipeline's window opens together (as PipelineRunner's)
         t0 = time.perf_counter()
+        self.messages.pop_blocked()  # (the step's own waits only)
         x = self.forward_pass(ubatches, masks, shape)
         g: list[Any] = [None] * len(ubatches)
         loss = torch.zeros((), device=self.acc.device)
@@ -165,13 +167,15 @@ class L2LStagesRunner(RunnerBase):
             g, loss = self.head_forward_backward(x, ubatches, div)
         self.backward_pass(g, ubatches, masks, shape)
         self.messages.wait_sends()
-        dist.barrier(group=self.pp_host)
+        t_own = time.perf_counter()
+        dist.barrier(group=self.pp_host)  # the window closes together: a rank done early waits here
         t1 = time.perf_counter()
+        blocked = self.messages.pop_blocked() + (t1 - t_own)
         loss = self._pipeline_loss(loss)
         applied, norm = self.finish_overlapped(lr) if self.speculation is not None else self.update(lr)
         phases = self.timer.pop()
         compute = sum(phases.get(k, 0.0) for k in ("forward", "recompute", "backward"))
-        self.times.add(self.step_count, phases, compute, t1 - t0)
+        self.times.add(self.step_count, phases, compute, t1 - t0, blocked)
         report = self.finish(loss, len(minibatch), t_start, lr, skipped=not applied, grad_norm=norm)
         report.phases = phases
         report.extra = {
@@ -421,6 +425,8 @@ class L2LStagesRunner(RunnerBase):
         load, move_s = relay_cost(orders, ranks, lambda i: layer_params(self.spec, i))
         weights = layer_chunk_weights(plan, ranks, lambda i: layer_flops(self.spec, i, self.seq_len))
         links, nbytes = self.links, self.message_bytes
+        if self.acc.device.type == "cpu":  # the host's clock is the device's: the run's own action cost
+            links = run_action(links, ranks, orders)
         bubble = bubble_section(plan, n, ranks, orders, weights, links, nbytes, load, move_s)
         runs = {"torch_schedule": None, "stage_mode": self.stage_mode.name}
         section = pipeline_section(s, plan, n, runs, {"stash": self.settings.stash}, ranks, bubble)

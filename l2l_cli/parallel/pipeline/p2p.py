@@ -4,6 +4,7 @@ torch's schedules post their own), and the last stage's logits and loss to every
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -78,6 +79,7 @@ class StageMessages:
         self.all_ahead = all_ahead
         self.sends: list[Posted] = []
         self.inboxes: dict[tuple[int, bool], Inbox] = {}  # each stage's receives of the pass under way
+        self.blocked_s = 0.0  # host seconds blocked on a message (a receive, the sends' completion)
 
     def tag(self, stage: int, u: int, backward: bool) -> int:
         """A message's tag: the receiving stage, the direction and the micro-batch."""
@@ -139,13 +141,23 @@ class StageMessages:
         if ops:
             self._post(ops)
         buf, handle = inbox.posted.pop(u)
+        t0 = time.perf_counter()
         handle.wait()
+        self.blocked_s += time.perf_counter() - t0
         return buf.to(dtype)
 
     def wait_sends(self) -> None:
+        t0 = time.perf_counter()
         for _, h in self.sends:
             h.wait()
         self.sends = []
+        self.blocked_s += time.perf_counter() - t0
+
+    def pop_blocked(self) -> float:
+        """Host seconds blocked on messages since the last call: on a CPU device (gloo) what the rank
+        waited for its neighbours; on CUDA a wait is queued on the stream and this counts the host's only."""
+        out, self.blocked_s = self.blocked_s, 0.0
+        return out
 
 
 def from_last_stage(t: torch.Tensor, src: int, group: Any) -> torch.Tensor:
