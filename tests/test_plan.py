@@ -577,3 +577,28 @@ def test_the_planner_generate_and_loop_modules_each_read_in_one_sitting() -> Non
     big = {p.name: n for p in paths if (n := len(p.read_text().splitlines())) > 450}
     assert big == {}
     assert len(paths) > 20  # the glob saw the package
+
+
+def test_the_plan_gives_the_embeddings_backward_its_dense_gradients_bytes() -> None:
+    """Issue 53: before a run, the embeddings' backward cost nothing (their FLOPs are ~0), so a pipe's first
+    stage looked as light as the others; it writes a dense vocabulary x hidden gradient per micro-batch and
+    adds it to the accumulated one: 16 bytes per parameter over the device memory's bandwidth, none where
+    the embeddings are frozen (peft=lora), and the simulated modular step grows with it."""
+    from dataclasses import replace
+
+    from l2l_cli.plan.shapes import EMBED_GRAD_BYTES_PER_PARAM
+    from l2l_cli.plan.steptime import simulate_step
+
+    over = ["model=bert-mini", "model.num_layers=8", "dist.nproc=2", "dist.pipeline=2", "batch.ubatch_size=8"]
+    cfg = compose(over)
+    shape = model_shape(cfg)[0]
+    rates = resolve(cfg, shape)
+    lt = rates.layer_times(shape, 128, 8)
+    assert lt.pre_bwd == pytest.approx(EMBED_GRAD_BYTES_PER_PARAM * shape.pre_params / rates.device_bandwidth)
+    assert lt.pre_fwd == 0 and lt.pre_bwd > 0.5 * lt.block_fwd  # a 30k vocabulary: 7.9M of 14.3M parameters
+    lora = model_shape(compose([*over, "peft=lora"]))[0]
+    assert rates.layer_times(lora, 128, 8).pre_bwd == 0.0
+    s = Setup("l2l", "device", True, "fp32", 128, 32, 8).but(nproc=2, pipeline=2, placement="modular")
+    heavy, _ = simulate_step(shape, s, rates)
+    light, _ = simulate_step(shape, s, replace(rates, device_bandwidth=1e30))
+    assert heavy > light

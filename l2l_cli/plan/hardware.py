@@ -12,7 +12,13 @@ from typing import Any
 
 from l2l_cli.engine.optim import OPTIMIZERS
 from l2l_cli.modes import run_precision
-from l2l_cli.plan.shapes import ADAMW_BYTES_PER_PARAM, ADAMW_FLOP_PER_PARAM, OPT_FLOP_PER_PARAM, ModelShape
+from l2l_cli.plan.shapes import (
+    ADAMW_BYTES_PER_PARAM,
+    ADAMW_FLOP_PER_PARAM,
+    EMBED_GRAD_BYTES_PER_PARAM,
+    OPT_FLOP_PER_PARAM,
+    ModelShape,
+)
 from l2l_cli.plan.times import GB, GiB, LayerTimes, MeasuredTimes, physical_memory
 from l2l_cli.problems import fmt_bytes
 
@@ -51,13 +57,20 @@ class Rates:
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def layer_times(self, shape: ModelShape, seq: int, ubatch: int) -> LayerTimes:
-        """Per-micro-batch layer times: measured ones (scaled to ``ubatch``), or FLOPs / throughput."""
+        """Per-micro-batch layer times: measured ones (scaled to ``ubatch``), or FLOPs / throughput; the
+        embeddings' backward by the bytes of its dense gradient over the device memory's bandwidth (none
+        where they are frozen, ``peft=lora``)."""
         if self.measured is not None:
             return self.measured.layers.scaled(ubatch)
         f_blk = ubatch * shape.block_flops(seq) / self.device_flops
         f_post = ubatch * shape.post_flops(seq) / self.device_flops
         bwd = self.backward_factor
-        return LayerTimes(0.0, 0.0, 0.0, f_blk, f_blk, bwd * f_blk, f_post, bwd * f_post, ubatch)
+        b_pre = (
+            0.0
+            if shape.peft is not None
+            else EMBED_GRAD_BYTES_PER_PARAM * shape.pre_params / self.device_bandwidth
+        )
+        return LayerTimes(0.0, 0.0, b_pre, f_blk, f_blk, bwd * f_blk, f_post, bwd * f_post, ubatch)
 
     def copy_time(self, nbytes: float) -> float:
         """Host<->device copy of ``nbytes`` in one direction."""

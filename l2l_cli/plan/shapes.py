@@ -23,6 +23,10 @@ OPT_FLOP_PER_PARAM = 300.0
 # moments (16 bytes) and writes the weight and the moments (12): bound by the device memory's bandwidth.
 ADAMW_FLOP_PER_PARAM = 12.0
 ADAMW_BYTES_PER_PARAM = 28.0
+# The embeddings' backward, per micro-batch: few FLOPs, but a dense gradient of the whole table (a
+# vocabulary x hidden one) written (4 bytes per parameter) and added to the accumulated one (read 8, write
+# 4): bound by the device memory's bandwidth; what makes the first stage of a pipe heavy (issue 53).
+EMBED_GRAD_BYTES_PER_PARAM = 16.0
 
 # Saved activations of one BertLayer forward, bytes per token (StorageMeter, see module doc):
 #   e·(10·h + 2·I) + c·heads·seq  (e = activation bytes; c = 12 in fp32, 15 in half: the softmax stays
