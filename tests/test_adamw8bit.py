@@ -306,6 +306,28 @@ def test_the_native_quantizer_gives_bucketizes_codes_at_every_midpoint() -> None
             assert torch.equal(passes.quantize(x, scale, qmap), want), signed
 
 
+def test_the_native_dequantizer_gives_each_codes_map_value() -> None:
+    """The kernel's dequantizer (on AVX-512 VBMI a lookup of the values' byte planes in registers, 64 codes
+    at a time, the codes permuted so the floats come out in order; else a gather) against the map: every
+    code, in a scrambled order and at every offset within the 64-code group and the tail, gives
+    ``values[code] * absmax`` bit for bit."""
+    passes = HostPasses(1)
+    if passes.lib is None:
+        pytest.skip(f"no native kernels here: {passes.why}")
+    gen = torch.Generator().manual_seed(0)
+    for signed in (True, False):
+        ref = a8.QuantMap(signed, torch.device("cpu"))
+        qmap = passes.qmap(ref.values, ref.mids)
+        assert qmap is not None
+        codes = torch.cat([torch.randperm(256, generator=gen) for _ in range(3)]).to(torch.uint8)
+        for n in (len(codes), 64, 63, 200, 17):
+            c = codes[:n].contiguous()
+            for absmax in (1.0, 0.37, 3.5e-7):
+                want = ref.values[c.long()] * absmax
+                got = passes.dequantize(c, absmax, qmap)
+                assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (signed, n, absmax)
+
+
 def test_the_eps_update_is_one_pass_from_the_half_gradient() -> None:
     """Under CMP the EPS's 8-bit update reads the BF16 gradient as it crossed the link, folds in the
     unscale/clip factor and writes the device's BF16 copy in the same pass: nothing widened or scaled

@@ -127,10 +127,12 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         dll.l2l_adamw8bit.restype = None
         dll.l2l_qmap_table_bytes.argtypes = []
         dll.l2l_qmap_table_bytes.restype = i64
-        dll.l2l_qmap_init.argtypes = [vp, vp]
+        dll.l2l_qmap_init.argtypes = [vp, vp, vp]
         dll.l2l_qmap_init.restype = ctypes.c_int
         dll.l2l_quantize.argtypes = [vp, ctypes.c_float, vp, vp, i64]
         dll.l2l_quantize.restype = None
+        dll.l2l_dequantize.argtypes = [vp, ctypes.c_float, vp, vp, i64]
+        dll.l2l_dequantize.restype = None
         return dll, ""
     return None, "no writable kernel cache"
 
@@ -316,9 +318,10 @@ class HostPasses:
             return None
         table = torch.empty(int(self.lib.l2l_qmap_table_bytes()), dtype=torch.uint8)
         padded = torch.cat([mids.float().cpu(), torch.full((1,), float("nan"))]).contiguous()
-        if self.lib.l2l_qmap_init(padded.data_ptr(), table.data_ptr()) > 1:
+        values = values.float().cpu().contiguous()
+        if self.lib.l2l_qmap_init(values.data_ptr(), padded.data_ptr(), table.data_ptr()) > 1:
             return None
-        return QMap(values.float().cpu().contiguous(), padded, table)
+        return QMap(values, padded, table)
 
     def quantize(self, x: torch.Tensor, scale: float, qmap: QMap) -> torch.Tensor:
         """The native kernel's codes of ``x / scale`` (FP32, contiguous) in ``qmap``: its quantizer alone,
@@ -327,6 +330,15 @@ class HostPasses:
         codes = torch.empty(x.numel(), dtype=torch.uint8)
         self.lib.l2l_quantize(x.data_ptr(), scale, ctypes.byref(qmap.args), codes.data_ptr(), x.numel())
         return codes
+
+    def dequantize(self, codes: torch.Tensor, absmax: float, qmap: QMap) -> torch.Tensor:
+        """The native kernel's ``values[codes] * absmax`` (uint8 codes, contiguous): its dequantizer alone."""
+        assert self.lib is not None and codes.dtype == torch.uint8 and codes.is_contiguous()
+        out = torch.empty(codes.numel(), dtype=torch.float32)
+        self.lib.l2l_dequantize(
+            codes.data_ptr(), absmax, ctypes.byref(qmap.args), out.data_ptr(), codes.numel()
+        )
+        return out
 
     def adamw8bit(
         self,

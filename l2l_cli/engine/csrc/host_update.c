@@ -169,6 +169,11 @@ void l2l_triad(float *restrict a, const float *restrict b, const float *restrict
  * the memory sees the gradient, the master read and written, a code of each moment read and written and
  * the absmaxes (1/64 B), and the send copy.
  *
+ * The dequantizer is a lookup in registers where the CPU has AVX-512 VBMI (byte permutes): the map's 256
+ * values as four byte planes, each looked up for 64 codes at once, then interleaved back into floats; on
+ * a 2-core Zen 4 it takes the update from ~2.5 to ~2.1 ns per parameter on one thread against two
+ * gathers per 16 elements (docs/optimizers.md). Elsewhere a gather.
+ *
  * The quantizer is a table lookup, not a binary search: the top 16 bits of |y| (exponent and 7 mantissa
  * bits) name a slot; slots below 2^-23 (under every map's smallest midpoint) are one, and so are those at
  * or above 1. No slot of these maps holds more than one midpoint (l2l_qmap_init checks), so a slot's one
@@ -195,13 +200,19 @@ typedef struct {
     const uint32_t *base; /* l2l_qmap_table_bytes(): each slot's entry, y >= 0 then y < 0 */
 } qmap_t;
 
-int64_t l2l_qmap_table_bytes(void) { return 2 * NSLOT * 4; }
+/* After the slots' entries: the map's values as four byte planes (plane k: byte k of each value, 256 bytes),
+ * the table the VBMI dequantizer looks up 64 codes at a time in registers. */
+#define PLANES_AT (2 * NSLOT)
+int64_t l2l_qmap_table_bytes(void) { return 2 * NSLOT * 4 + 4 * 256; }
 
-/* Fill ``base`` for a map's ``mids`` (255, ascending). Returns the most midpoints any slot holds (2 where
+/* Fill ``base`` for a map's ``values`` (256, ascending) and ``mids`` (255, then a NaN). Returns the most midpoints any slot holds (2 where
  * the first or last slot, which stand for every |y| below or above them, holds one): the lookup is exact
  * only where that is at most 1 (the caller falls back to torch otherwise). */
-int l2l_qmap_init(const float *mids, uint32_t *base) {
+int l2l_qmap_init(const float *values, const float *mids, uint32_t *base) {
     int worst = 0;
+    uint8_t *planes = (uint8_t *)(base + PLANES_AT);
+    for (int i = 0; i < 256; i++)
+        for (int k = 0; k < 4; k++) planes[k * 256 + i] = (uint8_t)(to_bits(values[i]) >> (8 * k));
     for (int s = 0; s < NSLOT; s++) {
         uint32_t k = KMIN + (uint32_t)s;
         float lo = s == 0 ? 0.0f : from_bits(k << 16), hi = from_bits((k + 1) << 16);
@@ -238,6 +249,36 @@ static void dequantize_block(const uint8_t *codes, float absmax, const qmap_t *q
     int64_t k = 0;
 #ifdef L2L_AVX512
     const __m512 s = _mm512_set1_ps(absmax);
+#ifdef __AVX512VBMI__
+    /* 64 codes at a time, no gather: each byte plane of the values looked up in registers (two 128-entry
+     * vpermi2b, the code's top bit picking one), the four planes interleaved back into floats. The codes
+     * are first permuted so that the interleave (within 128-bit lanes) lands each float in order. */
+    const uint8_t *pl = (const uint8_t *)(q->base + PLANES_AT);
+    __m512i t[4][4];
+    for (int p = 0; p < 4; p++)
+        for (int j = 0; j < 4; j++) t[p][j] = _mm512_loadu_si512((const void *)(pl + p * 256 + j * 64));
+    uint8_t order[64];
+    for (int l = 0; l < 4; l++)
+        for (int j = 0; j < 4; j++)
+            for (int r = 0; r < 4; r++) order[16 * l + 4 * j + r] = (uint8_t)(16 * j + 4 * l + r);
+    const __m512i perm = _mm512_loadu_si512((const void *)order);
+    for (; k + 64 <= n; k += 64) {
+        __m512i c = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512((const void *)(codes + k)));
+        __mmask64 top = _mm512_movepi8_mask(c);
+        __m512i b[4];
+        for (int p = 0; p < 4; p++) {
+            __m512i lo = _mm512_permutex2var_epi8(t[p][0], c, t[p][1]);
+            __m512i hi = _mm512_permutex2var_epi8(t[p][2], c, t[p][3]);
+            b[p] = _mm512_mask_blend_epi8(top, lo, hi);
+        }
+        __m512i w01l = _mm512_unpacklo_epi8(b[0], b[1]), w01h = _mm512_unpackhi_epi8(b[0], b[1]);
+        __m512i w23l = _mm512_unpacklo_epi8(b[2], b[3]), w23h = _mm512_unpackhi_epi8(b[2], b[3]);
+        __m512i f[4] = {_mm512_unpacklo_epi16(w01l, w23l), _mm512_unpackhi_epi16(w01l, w23l),
+                        _mm512_unpacklo_epi16(w01h, w23h), _mm512_unpackhi_epi16(w01h, w23h)};
+        for (int j = 0; j < 4; j++)
+            _mm512_storeu_ps(out + k + 16 * j, _mm512_mul_ps(_mm512_castsi512_ps(f[j]), s));
+    }
+#endif
     for (; k + 16 <= n; k += 16) {
         __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + k)));
         _mm512_storeu_ps(out + k, _mm512_mul_ps(_mm512_i32gather_ps(c, q->values, 4), s));
@@ -324,6 +365,11 @@ void l2l_adamw8bit(const void *g, int g_type, float *w, uint8_t *cm, uint8_t *cv
         quantize_block(mbuf, xm < FLT_MIN ? FLT_MIN : xm, qm, cm + at, len);
         quantize_block(vbuf, xv < FLT_MIN ? FLT_MIN : xv, qv, cv + at, len);
     }
+}
+
+/* The dequantizer alone (values[codes[k]] * absmax, n elements): what the tests hold against the map. */
+void l2l_dequantize(const uint8_t *codes, float absmax, const qmap_t *q, float *out, int64_t n) {
+    dequantize_block(codes, absmax, q, out, n);
 }
 
 /* The quantizer alone (codes of x / scale, n elements): what the tests hold against torch.bucketize. */
