@@ -340,6 +340,21 @@ def simulate(
     return max(ends, default=0.0), busy
 
 
+def recvs_ahead(orders: list[list[Op]]) -> list[list[Op]]:
+    """Each rank's actions with its receives all posted where its first stands, in their order (torch's
+    schedules on gloo: ``stage.RecvsAhead``)."""
+    out = []
+    for ops in orders:
+        recvs = [op for op in ops if op[0].startswith("RECV")]
+        if not recvs:
+            out.append(list(ops))
+            continue
+        at = next(k for k, op in enumerate(ops) if op[0].startswith("RECV"))
+        rest = [op for op in ops if not op[0].startswith("RECV")]
+        out.append(rest[:at] + recvs + rest[at:])
+    return out
+
+
 def exchange_seconds(nbytes: float, latency_s: float, bytes_per_s: float) -> float:
     """One exchange between pipeline neighbours: a message of ``nbytes`` out and one in (``bytes_per_s``:
     input + output, as ``hardware.network_gbps``), after the link's latency."""

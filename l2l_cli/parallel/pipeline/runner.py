@@ -49,14 +49,14 @@ from l2l_cli.engine.optim import clip_coefficients
 from l2l_cli.models.base import BLOCK, POST, PRE
 from l2l_cli.modes.base import RunnerArgs, RunnerBase, StepReport
 from l2l_cli.modes.registry import ModeSpec
-from l2l_cli.parallel.pipeline.bubble import bubble_section, pipeline_section
+from l2l_cli.parallel.pipeline.bubble import bubble_section, pipeline_section, run_action
 from l2l_cli.parallel.pipeline.calibrate import link_costs
 from l2l_cli.parallel.pipeline.groups import neighbours, pipeline_groups, pipeline_position
 from l2l_cli.parallel.pipeline.p2p import from_last_stage, logits_from_last_stage
-from l2l_cli.parallel.pipeline.plan import StagePlan, hidden_bytes
+from l2l_cli.parallel.pipeline.plan import StagePlan, hidden_bytes, recvs_ahead
 from l2l_cli.parallel.pipeline.settings import SCHEDULES, PipelineSettings, schedule_class, torch_problem
 from l2l_cli.parallel.pipeline.shards import gather_on_rank0, merge_module_states, module_state
-from l2l_cli.parallel.pipeline.stage import TimedStage, Timeline
+from l2l_cli.parallel.pipeline.stage import RecvsAhead, TimedStage, Timeline
 from l2l_cli.parallel.pipeline.state import Shard, StageState
 
 KINDS = ("forward", "backward")  # a chunk's kinds, as the stage's timeline names them
@@ -134,6 +134,22 @@ class PipelineRunner(RunnerBase):
     ) -> Any:
         """torch's schedule of the configured kind over ``modules`` (this rank's stages, by index)."""
         H, S = self.spec.hidden_size, self.plan.num_stages
+        n = self.num_ubatches if train else 1
+        if train:
+            cls, many = schedule_class(self.pipe.schedule), SCHEDULES[self.pipe.schedule][1]
+        else:  # evaluation: forward only, one micro-batch, through every stage in order
+            cls, many = ScheduleLoopedBFS, True
+        gloo = self.dist.backend == "gloo"
+        ahead = None
+        if gloo and train:  # the rank's receives in the order its schedule posts them, all at the first
+            ops = self.plan.orders(n, cls.__name__, many)[self.pp_rank]
+            ahead = RecvsAhead(
+                [
+                    ("forward" if k == "RECV_F" else "backward", s, u)
+                    for k, s, u, _ in ops
+                    if k.startswith("RECV")
+                ]
+            )
         stages = []
         for s, module in modules.items():
             if s == 0:
@@ -160,15 +176,13 @@ class PipelineRunner(RunnerBase):
                     group=self.pp_group,
                     timeline=timeline,
                     grads_ready=self._grads_ready if loss == self._loss else lambda _: None,
-                    own_recvs=self.dist.backend == "gloo",
+                    own_recvs=gloo,
+                    ahead=ahead,
                 )
             )
-        n = self.num_ubatches if train else 1
-        if train:
-            cls, many = schedule_class(self.pipe.schedule), SCHEDULES[self.pipe.schedule][1]
-        else:  # evaluation: forward only, one micro-batch, through every stage in order
-            cls, many = ScheduleLoopedBFS, True
-        return cls(stages if many else stages[0], n, loss_fn=loss, scale_grads=False)
+        sched = cls(stages if many else stages[0], n, loss_fn=loss, scale_grads=False)
+        sched._l2l_recvs_ahead = ahead  # (the runner opens each step's)
+        return sched
 
     def _loss(self, loss: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """What the last stage's backward starts from: the micro-batch's share of the minibatch's loss,
@@ -199,6 +213,8 @@ class PipelineRunner(RunnerBase):
         losses: list[torch.Tensor] = []
         # the pipeline's window opens and closes together on its ranks: a rank's wait for the first
         # micro-batch (fill) and for the others to finish (drain) is its bubble, not its neighbour's update
+        if (ahead := getattr(sched, "_l2l_recvs_ahead", None)) is not None:
+            ahead.start_step()
         dist.barrier(group=self.pp_host)
         t0 = time.perf_counter()
         with self.acc.meter.part("activations"):
@@ -319,6 +335,8 @@ class PipelineRunner(RunnerBase):
         s, plan, n = self.pipe, self.plan, self.num_ubatches
         cls, many = SCHEDULES[s.schedule]
         orders = plan.orders(n, cls, many)
+        if self.dist.backend == "gloo":  # a training step's receives all posted at its first (RecvsAhead)
+            orders = recvs_ahead(orders)
         # a rank's compute over its stages: as their measured mean chunks (all ranks', gathered above)
         chunks = {int(k): (v[0], v[1]) for r in ranks for k, v in r["stage_chunks"].items()}
 
@@ -330,7 +348,10 @@ class PipelineRunner(RunnerBase):
             "side_inputs": "rebuilt per stage from the batch (mask, labels, micro-batch index as keyword "
             "arguments); only hidden states cross ranks",
         }
-        bubble = bubble_section(plan, n, ranks, orders, weights, self.links, self.message_bytes)
+        links = self.links
+        if self.acc.device.type == "cpu" and self.dist.backend == "gloo":  # the stages time their waits
+            links = run_action(links, ranks, orders)
+        bubble = bubble_section(plan, n, ranks, orders, weights, links, self.message_bytes)
         runs = {"torch_schedule": cls, "stage_mode": self.stage_mode.name}
         section = pipeline_section(s, plan, n, runs, own, ranks, bubble)
         return {"pipeline": section}

@@ -139,13 +139,52 @@ class Timeline:
         return out
 
 
+class RecvsAhead:
+    """gloo: every receive of a rank's training step posted at once, at the first its schedule asks for, in
+    the order the schedule would post them (``order``: (kind, stage, micro-batch), read off the schedule,
+    ``StagePlan.orders``). gloo moves a message only once both ends are posted; posted just before the
+    chunk that reads it, every message waited for its sender's core (it was computing its next chunk) and
+    the modular placement's many messages idled its ranks (issue 53; the L2L stages' ``all_ahead``). Its
+    messages carry no tags, so they match by order per peer: the order stays the schedule's, only sooner.
+    Each chunk has its own receive buffers, free until that chunk reads them."""
+
+    def __init__(self, order: list[tuple[str, int, int]]):
+        self.order = order
+        self.stages: dict[int, TimedStage] = {}
+        self.posted = False
+
+    def start_step(self) -> None:
+        self.posted = False
+
+    def post_all(self) -> None:
+        """(At the step's first receive.) Every receive of the step, in order."""
+        self.posted = True
+        for kind, s, u in self.order:
+            st = self.stages[s]
+            get = PipelineStage.get_fwd_recv_ops if kind == "forward" else PipelineStage.get_bwd_recv_ops
+            ops = get(st, u)
+            if ops:
+                st._recvs[(kind, u)] = [dist.irecv(op.tensor, op.peer, op.group, op.tag) for op in ops]
+
+
 class TimedStage(PipelineStage):
     """torch's ``PipelineStage``, timing each chunk's compute, and telling the runner when the stage's
     last micro-batch is through backward (torch's REDUCE_GRAD point) so its reduction can start."""
 
-    def __init__(self, *args: Any, timeline: Timeline, grads_ready: Any, own_recvs: bool = False, **kw: Any):
+    def __init__(
+        self,
+        *args: Any,
+        timeline: Timeline,
+        grads_ready: Any,
+        own_recvs: bool = False,
+        ahead: RecvsAhead | None = None,
+        **kw: Any,
+    ):
         super().__init__(*args, **kw)
         self.timeline, self.grads_ready = timeline, grads_ready
+        self.ahead = ahead  # own_recvs: the rank's receives all posted at the step's first (training)
+        if ahead is not None:
+            ahead.stages[self.stage_index] = self
         # gloo: the stage posts its recvs itself where the schedule would, and waits for them just before the
         # chunk that reads them, timed (the schedule's wait is the same, untimed). Not on NCCL, whose
         # schedules fuse a recv with sends in one batch to avoid deadlock.
@@ -155,6 +194,10 @@ class TimedStage(PipelineStage):
     def _post(self, kind: str, chunk: int, ops: list[Any]) -> list[Any]:
         if not self.own_recvs or not ops:
             return ops
+        if self.ahead is not None:
+            if not self.ahead.posted:
+                self.ahead.post_all()
+            return []
         self._recvs[(kind, chunk)] = [dist.irecv(op.tensor, op.peer, op.group, op.tag) for op in ops]
         return []  # nothing left for the schedule to post or wait on
 
