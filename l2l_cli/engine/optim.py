@@ -66,6 +66,16 @@ class StateBuffer:
     def bytes_per_param(self) -> float:
         return _ITEMSIZE[self.dtype] / self.per
 
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self.dtype]
+
+    @property
+    def moment(self) -> str:
+        """The moment this buffer belongs to, ``m`` or ``v`` (its short name's first word): the disk tier's
+        layer files keep each moment's buffers together, in one file part."""
+        return self.short.partition("_")[0]
+
 
 _ITEMSIZE = {"float32": 4, "uint8": 1}
 ADAM_FP32 = (StateBuffer("exp_avg", "m", "float32"), StateBuffer("exp_avg_sq", "v", "float32"))
