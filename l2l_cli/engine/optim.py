@@ -125,7 +125,8 @@ class OptimizerKind:
 
     @property
     def fp32_moments(self) -> bool:
-        """Two FP32 moments per element, the layout the disk tier's files and the pipeline's stages hold."""
+        """Two FP32 moments per element: the layout the pipeline's stages hold, and the disk tier's files
+        of formats 1 and 2 (another optimizer's state is format 3, with an FP32 master)."""
         return self.state == ADAM_FP32
 
 
