@@ -32,7 +32,8 @@ def _run(*over: str, steps: int = 3) -> dict[str, Any]:
     with built(cfg, 10) as runner:
         it = batches(cfg)
         reports = [runner.step(next(it)) for _ in range(steps)]
-        files = {name: load(data) for name, data in runner.eps.files.state_files()}
+        # (the runner's: its trailing update of the last layers is finished first)
+        files = {name: load(data) for name, data in runner.state_files()}
         spec = getattr(runner, "speculation", None)
         return {
             "losses": [r.loss for r in reports],
@@ -152,3 +153,17 @@ def test_plan_counts_the_disk_tiers_bytes_with_the_optimizers_state() -> None:
     wait8, wait32 = q8["step_time_s"]["disk_wait"], fp32["step_time_s"]["disk_wait"]
     assert wait8 < 0.75 * wait32 and q8["step_time_s"]["total"] < fp32["step_time_s"]["total"]
     assert q8["eps_tier"]["disk"]["disk_bytes"] < 0.6 * fp32["eps_tier"]["disk"]["disk_bytes"]
+
+
+def test_a_directory_of_8bit_moments_is_refused_by_a_run_with_fp32_ones(tmp_path: Path, capsys: Any) -> None:
+    """Format 3 names its moments: a resume with another optimizer is one line saying which to use, and the
+    files are left as they were."""
+    base = [*TINY, "mode=l2l", "task.num_train=64", "task.num_eval=16", "eps.tier=disk"]
+    run = tmp_path / "run"
+    assert run_job(compose([*base, "optim=adamw8bit", "trainer.max_steps=1"]), run) == "ok"
+    before = (run / "eps" / "commit.json").read_bytes()
+    again = compose([*base, "optim=adamw", "trainer.max_steps=2", f"trainer.resume={run}"])
+    assert run_job(again, run) == "config"
+    err = capsys.readouterr().err
+    assert "8-bit AdamW moments (format 3)" in err and "optim.name it was written with" in err
+    assert (run / "eps" / "commit.json").read_bytes() == before
