@@ -36,6 +36,7 @@ from l2l_cli.compose import compose
 from l2l_cli.data.batches import TrainStream
 from l2l_cli.data.synthetic import synthetic
 from l2l_cli.data.tasks import TASKS, TaskData
+from l2l_cli.engine.optim import OPTIMIZERS
 from l2l_cli.engine.tiers.disk import disk_bytes, measure_disk
 from l2l_cli.engine.tiers.disk import store as disk_store
 from l2l_cli.engine.tiers.disk import writeback as disk_writeback
@@ -283,6 +284,12 @@ def main() -> int:
         "update waits for the norm; raise it for steps that do not clip)",
     )
     ap.add_argument("--cmp", action="store_true", help="precision=cmp (bf16 on the device)")
+    ap.add_argument(
+        "--optim",
+        default="adamw",
+        choices=sorted(OPTIMIZERS),
+        help="optim.name (adamw8bit: the layer files hold its 8-bit moments, format 3)",
+    )
     ap.add_argument("--compare-host", action="store_true", help="also run the host tier; print the ratios")
     ap.add_argument("--path", default="outputs/disk-tier-bench", help="a directory on the disk to measure")
     ap.add_argument("--dd-gib", type=float, default=4.0, help="size of the dd-style measurement")
@@ -319,6 +326,7 @@ def main() -> int:
         "eps.tier=disk",
         f"eps.path={eps_dir}",
         f"eps.host_cache_layers={a.cache_layers}",
+        f"optim={a.optim}",
         *(["precision=cmp", "precision.dtype=bf16"] if a.cmp else []),
         *([f"optim.max_grad_norm={a.max_grad_norm}"] if a.max_grad_norm else []),
     ]
@@ -329,10 +337,10 @@ def main() -> int:
     cfg = compose(overrides)
     spec = make_spec(cfg.model, 2)
     params, ram = spec.total_params, ram_bytes()
-    state, need = 16 * params, disk_bytes(spec)
+    state, need = 16 * params, disk_bytes(spec, OPTIMIZERS[a.optim].state)
     print(
         f"model: {a.layers} x hidden {a.hidden} (intermediate {inter}), {params / 1e9:.3f} B parameters, "
-        f"mode {a.mode}"
+        f"mode {a.mode}, optim {a.optim}"
     )
     print(
         f"FP32 training state (16 B/param): {state / GB:.1f} GB = {state / ram:.2f}x this machine's RAM "
@@ -343,7 +351,10 @@ def main() -> int:
     shutil.rmtree(eps_dir, ignore_errors=True)
     root.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(root).free
-    print(f"disk: {root}, {free / GB:.1f} GB free; the disk EPS needs {need / GB:.3g} GB (24 B/param)")
+    print(
+        f"disk: {root}, {free / GB:.1f} GB free; the disk EPS needs {need / GB:.3g} GB "
+        f"({need / params:.2f} B/param)"
+    )
     if free < need + a.dd_gib * GiB:
         print(
             f"l2l: not enough free space at {root}: need {(need + a.dd_gib * GiB) / GB:.1f} GB",
@@ -482,6 +493,10 @@ def main() -> int:
     for k, v in per.items():
         what = (READS if k.startswith("read_") else WRITES)[k.split("_", 1)[1]]
         print(f"  {k:<13} {v:6.2f} B  {what}")
+    print(
+        f"layer files: {total['file_bytes'] / GB:.3g} GB ({total['file_bytes'] / params:.2f} B/param); "
+        f"median step {median_s:.3g} s"
+    )
     if a.compare_host:
         rates = {
             k: seq[k.removeprefix("disk_")] for k in ("disk_read_gbps", "disk_write_gbps", "disk_mixed_gbps")

@@ -103,6 +103,7 @@ def eps_tier(cfg: Any, run_dir: Path | None) -> TierSettings:
         grad_ram_layers=e.grad_ram_layers,
         clip_global=run_clip(cfg) == "global" and bool(cfg.optim.max_grad_norm),
         clip_redo=e.clip_redo,
+        optim=cfg.optim.name,
     )
 
 

@@ -22,7 +22,6 @@ from l2l_cli.config.settings import Config, typed
 from l2l_cli.data.loading import task_problems
 from l2l_cli.data.tasks import LM, TASKS
 from l2l_cli.engine.optim import OPTIMIZERS
-from l2l_cli.engine.tiers import TIERS
 from l2l_cli.models import (
     FAMILIES,
     check_pretrained,
@@ -192,24 +191,15 @@ def _optim(cfg: Config, check_files: bool) -> list[Problem]:
     if opt.warmup_steps is not None and opt.warmup_steps < 0:
         p.append(Problem("optim.warmup_steps", f"got {opt.warmup_steps}; must be >= 0 or unset"))
     positive(p, "optim.max_grad_norm", opt.max_grad_norm)
-    kind, tier = OPTIMIZERS.get(opt.name), TIERS.get(cfg.eps.tier)
-    if kind is not None and not kind.fp32_moments:  # 8-bit moments: only where the state is flat tensors
-        if tier is not None and tier.on_disk:
-            p.append(
-                Problem(
-                    "optim.name",
-                    f"{opt.name} is not available with eps.tier={tier.name} yet "
-                    "(its layer files hold FP32 moments); use eps.tier=host, or optim=adamw",
-                )
+    kind = OPTIMIZERS.get(opt.name)
+    if kind is not None and not kind.fp32_moments and cfg.dist.pipeline > 1:  # a stage keeps FP32 moments
+        p.append(
+            Problem(
+                "optim.name",
+                f"{opt.name} is not available with dist.pipeline > 1 yet "
+                "(a stage keeps FP32 moments); use dist.pipeline=1, or optim=adamw",
             )
-        if cfg.dist.pipeline > 1:
-            p.append(
-                Problem(
-                    "optim.name",
-                    f"{opt.name} is not available with dist.pipeline > 1 yet "
-                    "(a stage keeps FP32 moments); use dist.pipeline=1, or optim=adamw",
-                )
-            )
+        )
     spec = mode_of(cfg)
     if spec is not None and opt.clip in CLIP and run_clip(cfg) not in spec.clips:
         why = spec.clip_note or f"{opt.clip} is not available with mode={spec.name}"

@@ -242,6 +242,7 @@ class LayerState:
         mult = None if grad_mult is None else float(grad_mult)
         w = self.w
         t0 = time.perf_counter()
+        opt = self.optimizer  # (once: a disk layer's sets the step counts it reads)
         for lo, hi, group, state in self.tensors:
             if hi == lo:
                 continue
@@ -249,7 +250,7 @@ class LayerState:
             b1, b2 = group["betas"]
             hp = AdamwStep(lr, b1, b2, group["eps"], group["weight_decay"], float(state["step"]))
             part = None if send is None else send[lo:hi]
-            self.optimizer.update(w[lo:hi], g[lo:hi], state, hp, mult, part)  # type: ignore[attr-defined]
+            opt.update(w[lo:hi], g[lo:hi], state, hp, mult, part)  # type: ignore[attr-defined]
         state_bytes = sum(t.nbytes for t in self.moments.values())
         sent = send.nbytes if send is not None else 0
         self.passes.count(

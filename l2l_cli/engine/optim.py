@@ -66,6 +66,16 @@ class StateBuffer:
     def bytes_per_param(self) -> float:
         return _ITEMSIZE[self.dtype] / self.per
 
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self.dtype]
+
+    @property
+    def moment(self) -> str:
+        """The moment this buffer belongs to, ``m`` or ``v`` (its short name's first word): the disk tier's
+        layer files keep each moment's buffers together, in one file part."""
+        return self.short.partition("_")[0]
+
 
 _ITEMSIZE = {"float32": 4, "uint8": 1}
 ADAM_FP32 = (StateBuffer("exp_avg", "m", "float32"), StateBuffer("exp_avg_sq", "v", "float32"))
@@ -115,7 +125,8 @@ class OptimizerKind:
 
     @property
     def fp32_moments(self) -> bool:
-        """Two FP32 moments per element, the layout the disk tier's files and the pipeline's stages hold."""
+        """Two FP32 moments per element: the layout the pipeline's stages hold, and the disk tier's files
+        of formats 1 and 2 (another optimizer's state is format 3, with an FP32 master)."""
         return self.state == ADAM_FP32
 
 

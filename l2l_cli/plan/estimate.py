@@ -71,7 +71,6 @@ def eps_tier(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Any] | None
             "disk_hidden_s": r["phases"]["disk_wait"].hidden,
         }
     # a tier in RAM needs its state to fit there; one on disk needs the whole run (disk, RAM, device) to fit
-    # (a tier on disk holds FP32 moments only: not a choice for adamw8bit yet)
     needed = next(
         (
             t

@@ -17,7 +17,6 @@ from l2l_cli.plan.shapes import ModelShape
 
 LOW_BIT = ("int8", "nf4")
 FP32_STATE = 16  # bytes per parameter: FP32 weights, gradients, and the two Adam/LAMB moments
-DISK_STATE = 24  # the disk EPS tier: two versions (slots) of the weights and both moments per layer file
 
 
 @dataclass(frozen=True)
@@ -81,7 +80,10 @@ class Setup:
             grad_ram_layers=cfg.eps.grad_ram_layers,
             clip_global=run_clip(cfg) == "global",
             clip_redo=cfg.eps.clip_redo,
-            bf16_master_planes=run_precision(cfg) == "cmp" and cfg.precision.dtype == "bf16",
+            # (8-bit AdamW's files keep an FP32 master: format 3, engine/tiers/disk/format.py)
+            bf16_master_planes=run_precision(cfg) == "cmp"
+            and cfg.precision.dtype == "bf16"
+            and (OPTIMIZERS.get(cfg.optim.name) is None or OPTIMIZERS[cfg.optim.name].fp32_moments),
             **device_terms(cfg),
             optim=cfg.optim.name,
         )
@@ -106,9 +108,23 @@ class Setup:
 
     @property
     def disk_layout_ok(self) -> bool:
-        """The disk tier's layer files hold this optimizer's state (FP32 moments; not adamw8bit's yet)."""
+        """The disk tier's layer files hold this optimizer's state: every registered one's (FP32 moments in
+        formats 1 and 2, adamw8bit's codes and absmaxes in format 3)."""
+        return True
+
+    @property
+    def moment_bytes(self) -> float:
+        """The optimizer's state per parameter as the disk tier's files hold it (one version): 8 for FP32
+        moments, ~2.03 for adamw8bit's codes and per-block absmax (its small tensors' FP32 moments are too
+        few parameters to count)."""
         kind = OPTIMIZERS.get(self.optim)
-        return kind is None or kind.fp32_moments
+        return FP32_STATE - 8.0 if kind is None else kind.state_bytes_per_param
+
+    @property
+    def disk_state_bytes(self) -> float:
+        """The disk tier's files per parameter: two versions (slots) of the FP32 weights and the optimizer's
+        state (24 with FP32 moments, ~12.06 with adamw8bit's)."""
+        return 2 * (4.0 + self.moment_bytes)
 
     @property
     def data_parallel(self) -> int:

@@ -4,8 +4,9 @@ breakdown), for one rank and for a pipeline stage.
 
 from __future__ import annotations
 
+from l2l_cli.engine.optim import ADAM_FP32, OPTIMIZERS
 from l2l_cli.engine.tiers.disk.layout import cache_bytes
-from l2l_cli.plan.knobs import DISK_STATE, FP32_STATE, LOW_BIT, Setup, stage_plan
+from l2l_cli.plan.knobs import FP32_STATE, LOW_BIT, Setup, stage_plan
 from l2l_cli.plan.shapes import ModelShape, device_weight_bytes
 
 
@@ -74,13 +75,17 @@ def memory(shape: ModelShape, s: Setup) -> dict[str, dict[str, float]]:
                 else [shape.pre_params, *[shape.block_params] * N, shape.post_params]
             )
             send = 2 if s.precision == "cmp" else 4
-            host["eps_cache"] = float(cache_bytes([int(x) for x in numels], k, send, s.bf16_master_planes))
+            kind = OPTIMIZERS.get(s.optim)
+            state = kind.state if kind is not None else ADAM_FP32
+            host["eps_cache"] = float(
+                cache_bytes([int(x) for x in numels], k, send, s.bf16_master_planes, state)
+            )
             # the gradients waiting for the clipping verdict (or their update): eps.grad_ram_layers buffers,
             # at most the largest layers' gradients, whatever the depth; the others wait on disk (an applied
             # one kept for a redo in kept_grads.eps, sparse: at most 4 bytes per parameter)
             pool = s.pool_layers(L_state, N + 2)
             host["eps_grad_pool"] = 4.0 * sum(largest[:pool])
-            disk["eps_files"] = DISK_STATE * P_state
+            disk["eps_files"] = s.disk_state_bytes * P_state
             if s.clip_global and pool < N + 2:
                 disk["eps_kept_grads"] = 4.0 * P_state
         else:

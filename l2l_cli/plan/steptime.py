@@ -175,7 +175,8 @@ def _disk(
     Per parameter: the forward reads the weights (4 bytes; 2 under bf16 CMP, the master's bf16 hi plane);
     the backward reads the weights, then the moments for the update, and writes the new state (12 + 12): L2L
     and L2L-p alike update each layer right after its backward on this tier (the gradient waits in RAM for
-    the clipping verdict), so 28 bytes in all (26 under bf16 CMP). Under global clipping with
+    the clipping verdict), so 28 bytes in all (26 under bf16 CMP). The moments are the optimizer's state as
+    the files hold it (``Setup.moment_bytes``): 8 bytes FP32, ~2.03 with adamw8bit (16.06 in all). Under global clipping with
     ``eps.clip_redo=keep`` an applied gradient waits for the verdict in RAM for the first
     ``eps.grad_ram_layers`` layers of the backward, on disk for the others (4 more bytes written; the
     embeddings' update comes after the verdict); ``auto`` and ``replay`` keep none in a step that does not
@@ -192,13 +193,14 @@ def _disk(
     # the backward's order is the head first: the pool takes its first layers' gradients
     keeps = s.clip_global and s.clip_redo == "keep"
     kept = [keeps and j > 0 and n - 1 - j >= pool for j in range(n)]
+    mom = s.moment_bytes
     uses += [
         Use(
             win_b[j],
             r * 4 * params[j],
-            r * 8 * params[j],
+            r * mom * params[j],
             upd[j] if j else 0.0,
-            (12 + 4 * kept[j]) * params[j],
+            (4 + mom + 4 * kept[j]) * params[j],
         )
         for j in reversed(range(n))
     ]

@@ -53,6 +53,7 @@ class TierSettings:
     grad_ram_layers: int = 2  # disk: ... and at most this many layers' of them (eps.grad_ram_layers)
     clip_global: bool = True  # disk: global-norm clipping (gradients kept for its verdict: the space check)
     clip_redo: str = "auto"  # disk: keep | replay | auto (eps.clip_redo: how a clipped step is redone)
+    optim: str = "adamw"  # disk: optim.name, whose state the layer files hold (the space check's bytes)
 
 
 class Tier(Protocol):

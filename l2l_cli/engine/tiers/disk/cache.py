@@ -23,30 +23,8 @@ from l2l_cli.engine.flat import FlatLayout
 from l2l_cli.engine.layer_state import bind_optimizer
 from l2l_cli.engine.optim import OptimSettings
 from l2l_cli.engine.tiers.disk.format import AlignedBuffer, aligned
-from l2l_cli.engine.tiers.disk.layout import MOMENTS, UPDATE_BUFFERS, cache_slots
-
-
-class UpdateBuffer:
-    """One layer's FP32 moments [m | v], page-aligned, for layers of at most ``n_max`` elements; held by
-    the slot of the layer being updated (``holder``) while its update and write-back use it."""
-
-    def __init__(self, index: int, n_max: int, acc: Accelerator):
-        self.index, self.numel = index, n_max
-        self.part_bytes = aligned(4 * n_max)
-        self.buf = AlignedBuffer(len(MOMENTS) * self.part_bytes, acc)
-        pb = self.part_bytes
-        self.f32 = {
-            p: self.buf.tensor[k * pb : (k + 1) * pb].view(torch.float32) for k, p in enumerate(MOMENTS)
-        }
-        self.holder: CacheSlot | None = None
-        self.writing: Future | None = None  # the last write-back that reads it (a read into it waits)
-
-    def view(self, part: str, nbytes: int) -> memoryview:
-        return self.buf.view(MOMENTS.index(part) * self.part_bytes, nbytes)
-
-    @property
-    def nbytes(self) -> int:
-        return self.buf.tensor.nbytes
+from l2l_cli.engine.tiers.disk.layout import MOMENTS, UPDATE_BUFFERS, Piece, cache_slots, moment_bytes
+from l2l_cli.engine.tiers.disk.update_buffer import UpdateBuffer, state_pieces
 
 
 class CacheSlot:
@@ -64,6 +42,7 @@ class CacheSlot:
         optim: OptimSettings,
         split: bool = False,
         owner: int | None = None,
+        pieces: dict[str, dict[str, list[Piece]]] | None = None,
     ):
         self.numel = n_max  # the largest layer this slot can hold
         self.owner = owner  # the one layer a dedicated slot holds (None: shared)
@@ -75,6 +54,7 @@ class CacheSlot:
             p: self.buf.tensor[k * pb : (k + 1) * pb].view(torch.float32) for k, p in enumerate("wg")
         }
         self.layouts, self.optim = layouts, optim
+        self.pieces = pieces or {}  # each layer kind's state buffers in the moment parts (moment_layout)
         self.w_send: torch.Tensor | None = None
         self._send = self._lo = None
         if send_dtype != torch.float32:  # page-aligned: format 2 reads the hi plane straight into it
@@ -117,9 +97,19 @@ class CacheSlot:
         if key not in self._optimizers:
             layout = self.layouts[kind]
             n = layout.numel
-            f = self.f32
-            self._optimizers[key] = bind_optimizer(layout, *(f[p][:n] for p in "wgmv"), self.optim)
+            st = self.state(kind)
+            m, v = st.pop("m"), st.pop("v")
+            w, g = (self._own[p][:n] for p in "wg")
+            self._optimizers[key] = bind_optimizer(layout, w, g, m, v, self.optim, st)
         return self._optimizers[key]
+
+    def state(self, kind: str) -> dict[str, torch.Tensor]:
+        """The optimizer's state of a layer of ``kind`` by short name (``m``, ``v``, and 8-bit AdamW's
+        absmaxes and small tensors' FP32 moments): views of the update buffer the slot holds."""
+        mom = self.mom
+        if mom is None:
+            raise RuntimeError(f"layer {self.layer}'s moments are not in RAM (updated without them pinned)")
+        return mom.state(self.pieces[kind])
 
     def mv(self, part: str, nbytes: int) -> memoryview:
         """A buffer to read a file part into or write it from (``h``, ``l``: the planes of format 2; ``m``,
@@ -189,14 +179,19 @@ class SlotTable:
         send_dtype: torch.dtype,
         optim: OptimSettings,
         split: bool = False,
+        pieces: dict[str, dict[str, list[Piece]]] | None = None,
     ):
         """Slots for ``k`` = ``eps.host_cache_layers`` and layers of ``numels`` elements (each layer's), by
-        :func:`~.layout.cache_slots`."""
+        :func:`~.layout.cache_slots`; ``pieces``: each layer kind's state buffers in the moment parts
+        (:func:`~.layout.moment_layout`), which size the update buffers (for the largest of each part)."""
+        pieces = pieces or state_pieces(layouts, optim)
         self.slots = [
-            CacheSlot(n, layouts, acc, send_dtype, optim, split, owner) for n, owner in cache_slots(numels, k)
+            CacheSlot(n, layouts, acc, send_dtype, optim, split, owner, pieces)
+            for n, owner in cache_slots(numels, k)
         ]
-        largest = max((s.numel for s in self.slots), default=0)
-        self.moms = [UpdateBuffer(j, largest, acc) for j in range(UPDATE_BUFFERS if self.slots else 0)]
+        per_kind = [moment_bytes(x) for x in pieces.values()]
+        moments = {p: max((b[p] for b in per_kind), default=0) for p in MOMENTS}
+        self.moms = [UpdateBuffer(j, moments, acc) for j in range(UPDATE_BUFFERS if self.slots else 0)]
         self._clock = 0
 
     def __len__(self) -> int:

@@ -4,6 +4,13 @@ A layer file (``layer_<i>.eps``) is a 4 KiB header and two slots, each ``[w | m 
 block-aligned; format 1), or under bf16 CMP ``[h | l | m | v]`` (format 2, :data:`SPLIT`): the FP32 master
 split in two 16-bit planes, ``h`` its bf16 round-to-nearest-even (exactly the weights the device computes
 with, so the forward reads 2 bytes per parameter) and ``l`` its low 16 bits (see :func:`split_master`).
+Under 8-bit AdamW (format 3) a slot is ``[w | m | v]`` with the FP32 master and each moment part holding
+that moment's state buffers (:func:`~.layout.moment_layout`: its 8-bit codes, one FP32 absmax per block,
+the small tensors' FP32 moments), about 2 bytes per parameter for both moments instead of 8; the header
+names each buffer's place. Format 3 keeps the master in FP32 under bf16 CMP too: format 2's tie marks live
+in v's sign bit, which 8-bit codes do not have free (all 256 codes are values), and a separate mark part
+would be a third read per update for a rare case; the cost is the forward's and backward's read of the
+weights, 4 bytes per parameter instead of 2.
 A layer's state is one sequential read or write, with ``O_DIRECT`` where the filesystem
 allows it (else buffered I/O whose pages are dropped after use), so the page cache never holds a second
 copy. ``commit.json`` (:data:`COMMIT`, written by :mod:`.writeback`) names each layer's current slot. The
@@ -30,9 +37,11 @@ from l2l_cli.engine.tiers.disk.layout import (  # noqa: F401  (the sizes, re-exp
     COMMIT,
     SPLIT,
     STATE,
+    Piece,
     aligned,
     disk_bytes,
     layer_file_bytes,
+    moment_bytes,
     part_width,
 )
 from l2l_cli.problems import writing
@@ -40,7 +49,8 @@ from l2l_cli.problems import writing
 CHUNK = 64 << 20  # one read/write call
 FORMAT = 1  # FP32 weights (FP32 and fp16 CMP runs; what every disk EPS before format 2 wrote)
 FORMAT_SPLIT = 2  # bf16 CMP: the master split in hi/lo planes, the forward reads hi alone
-FORMATS = (FORMAT, FORMAT_SPLIT)
+FORMAT_STATE = 3  # 8-bit AdamW: FP32 weights, each moment part the optimizer's own state buffers
+FORMATS = (FORMAT, FORMAT_SPLIT, FORMAT_STATE)
 MAGIC = b"l2l-eps-layer\n"
 
 
@@ -232,17 +242,33 @@ class DiskIo:
 
 class LayerFile:
     """``layer_<i>.eps``: a header block, then slots 0 and 1, each [w | m | v] in FP32 (format 1) or
-    [h | l | m | v] (format 2, ``split``), parts block-aligned."""
+    [h | l | m | v] (format 2, ``split``), or [w | m | v] with each moment part the optimizer's state
+    buffers (format 3, ``pieces``: :func:`~.layout.moment_layout`, for 8-bit AdamW), parts block-aligned."""
 
-    def __init__(self, root: Path, index: int, kind: str, numel: int, split: bool = False):
+    def __init__(
+        self,
+        root: Path,
+        index: int,
+        kind: str,
+        numel: int,
+        split: bool = False,
+        pieces: dict[str, list[Piece]] | None = None,
+    ):
         self.path = root / f"layer_{index:05d}.eps"
         self.index, self.kind, self.numel, self.split = index, kind, numel, split
+        assert not (split and pieces), "format 3 keeps the master in FP32"
+        self.pieces = pieces  # format 3: where each state buffer is in its moment part (None: FP32 moments)
         self.parts = SPLIT if split else STATE  # the file's parts, in slot order
         self.part_bytes = aligned(4 * numel)  # an FP32 part (w, m, v, g in RAM)
-        self._bytes = {p: aligned(part_width(p) * numel) for p in self.parts}
+        moments = moment_bytes(pieces) if pieces else {}
+        self._bytes = {p: moments.get(p, aligned(part_width(p) * numel)) for p in self.parts}
         self._at = {p: sum(self._bytes[q] for q in self.parts[:k]) for k, p in enumerate(self.parts)}
         self.slot_bytes = sum(self._bytes.values())
-        self.size = layer_file_bytes(numel, split)
+        self.size = layer_file_bytes(numel, split, moments)
+
+    @property
+    def format(self) -> int:
+        return FORMAT_STATE if self.pieces else FORMAT_SPLIT if self.split else FORMAT
 
     def nbytes(self, part: str) -> int:
         """Bytes of a file part (block-aligned)."""
@@ -256,9 +282,9 @@ class LayerFile:
         return self.offset(slot, self.parts[0])
 
     def header(self) -> bytes:
-        fmt = FORMAT_SPLIT if self.split else FORMAT
+        fmt = self.format
         dtype = "bfloat16+int16" if self.split else "float32"
-        meta = {
+        meta: dict[str, Any] = {
             "format": fmt,
             "index": self.index,
             "kind": self.kind,
@@ -268,6 +294,8 @@ class LayerFile:
             "slots": 2,
             "parts": list(self.parts),
         }
+        if self.pieces:  # each state buffer: [short name, dtype, byte offset in its part, entries]
+            meta["state"] = {p: [list(x) for x in xs] for p, xs in self.pieces.items()}
         text = MAGIC + json.dumps(meta).encode() + b"\n"
         return text + b" " * (ALIGN - len(text))
 

@@ -40,11 +40,19 @@ class DiskLayer(LayerState):
     widened = True
 
     def __init__(
-        self, tier: LayerHome, index: int, kind: str, layout: FlatLayout, passes: HostPasses, one_pass: bool
+        self,
+        tier: LayerHome,
+        index: int,
+        kind: str,
+        layout: FlatLayout,
+        passes: HostPasses,
+        one_pass: bool,
+        tensor_pass: bool = False,
     ):
         self.tier, self.index, self.kind, self.layout = tier, index, kind, layout
         self.passes = passes
         self.one_pass = one_pass  # the optimizer's update is one host pass (``OptimizerKind.one_pass``)
+        self.tensor_pass = tensor_pass  # the optimizer's own pass per tensor (8-bit AdamW)
         self.version = 0
         self.grad_in: CopyHandle = DONE
         self.grad_norm: torch.Tensor | None = None
@@ -67,10 +75,26 @@ class DiskLayer(LayerState):
             raise RuntimeError(f"layer {self.index}'s {p} is not in RAM (its moments are pinned for updates)")
         return f[p][: self.layout.numel]
 
+    def _state(self) -> dict[str, torch.Tensor]:
+        s = self._slot()
+        if s.mom is None:
+            raise RuntimeError(f"layer {self.index}'s moments are not in RAM (pinned without them)")
+        return s.state(self.kind)
+
     w = property(lambda self: self._part("w"))  # type: ignore[assignment]
     g = property(lambda self: self._part("g"))  # type: ignore[assignment]
-    m = property(lambda self: self._part("m"))  # type: ignore[assignment]
-    v = property(lambda self: self._part("v"))  # type: ignore[assignment]
+    m = property(lambda self: self._state()["m"])  # type: ignore[assignment]
+    v = property(lambda self: self._state()["v"])  # type: ignore[assignment]
+
+    @property  # type: ignore[override]
+    def extra(self) -> dict[str, torch.Tensor]:
+        """The optimizer's state beyond m and v (8-bit AdamW's absmaxes, its small tensors' FP32 moments)."""
+        st = self._state()
+        return {k: t for k, t in st.items() if k not in ("m", "v")}
+
+    @property  # type: ignore[override]
+    def moments(self) -> dict[str, torch.Tensor]:
+        return self._state()
 
     @property  # type: ignore[override]
     def w_send(self) -> torch.Tensor | None:
@@ -91,9 +115,14 @@ class DiskLayer(LayerState):
         """AdamW's runs over the cache slot's buffers (None: a torch optimizer's update)."""
         return _fused_runs(self.optimizer, self.w) if self.one_pass else None
 
+    @property  # type: ignore[override]
+    def tensors(self) -> list[tuple[int, int, dict, dict]] | None:
+        """8-bit AdamW's tensors over the cache slot's buffers (None: another optimizer)."""
+        return _fused_runs(self.optimizer, self.w) if self.tensor_pass else None
+
     @property
     def update_keeps_grad(self) -> bool:
-        return self.one_pass
+        return self.one_pass or self.tensor_pass
 
     def receive_grad(self, widen: bool = True) -> None:
         super().receive_grad(widen=True)
@@ -104,6 +133,8 @@ class DiskLayer(LayerState):
         opt = self._slot().optimizer(self.kind)
         for state in opt.state.values():
             state["step"].fill_(self.opt_step)
+        if self.tensor_pass:
+            opt.passes = self.passes  # type: ignore[attr-defined]  (8-bit AdamW: the EPS's host passes)
         return opt
 
     def update(

@@ -3,7 +3,10 @@ directory can hold a model's state (``l2l plan`` and validation import them; :mo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+from l2l_cli.engine.optim import ADAM_FP32, StateBuffer
 
 if TYPE_CHECKING:
     from l2l_cli.models.base import ModelSpec
@@ -14,17 +17,61 @@ SPLIT = "hlmv"  # a format-2 slot: the master as bf16 hi and 16-bit lo planes, t
 COMMIT = "commit.json"
 MOMENTS = "mv"  # the parts of a layer's state only its update reads: in an update buffer, not its cache slot
 UPDATE_BUFFERS = 1  # update buffers (each one layer's m and v): the updates run one at a time, on one thread
+SUB_ALIGN = 64  # each state buffer within a moment part starts on a cache line
 
 
 def aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def layer_file_bytes(numel: int, split: bool = False) -> int:
+def _sub(n: int) -> int:
+    return -(-n // SUB_ALIGN) * SUB_ALIGN
+
+
+# One buffer of a moment part: (short name, dtype, byte offset in the part, entries)
+Piece = tuple[str, str, int, int]
+
+
+def moment_layout(runs: Sequence[int], state: Sequence[StateBuffer] = ADAM_FP32) -> dict[str, list[Piece]]:
+    """Where the optimizer's state of a layer sits in its two moment parts ``m`` and ``v`` (the file's and
+    the update buffer's), for optimizer runs of ``runs`` elements: each :class:`StateBuffer` in the part of
+    its moment (``StateBuffer.moment``), in the kind's order, each one the sum of its runs' entries and
+    starting on a cache line. AdamW / LAMB: one FP32 buffer per part (``[m]``, ``[v]``: the bytes of formats
+    1 and 2); 8-bit AdamW: ``[codes | absmax | small tensors' FP32]`` per moment (format 3)."""
+    out: dict[str, list[Piece]] = {p: [] for p in MOMENTS}
+    at = dict.fromkeys(MOMENTS, 0)
+    for b in state:
+        p = b.moment
+        k = sum(b.numel(n) for n in runs)
+        out[p].append((b.short, b.dtype, at[p], k))
+        at[p] += _sub(k * b.itemsize)
+    return out
+
+
+def moment_bytes(pieces: dict[str, list[Piece]]) -> dict[str, int]:
+    """Each moment part's bytes (block-aligned) for a :func:`moment_layout`."""
+    return {
+        p: aligned(max((off + k * _ITEM[dt] for _, dt, off, k in xs), default=0)) for p, xs in pieces.items()
+    }
+
+
+_ITEM = {"float32": 4, "uint8": 1}
+
+
+def estimated_moment_bytes(numel: int, state: Sequence[StateBuffer] = ADAM_FP32) -> dict[str, int]:
+    """Each moment part's bytes for a layer of ``numel`` parameters counted as one tensor (what the planner
+    and the free-space rule know without the layer's tensors): exact for FP32 moments; for 8-bit AdamW it
+    leaves out the FP32 moments of the tensors under ``MIN_8BIT`` elements (biases, norms: ~0.1% of a
+    model's parameters, 3 bytes each more)."""
+    return moment_bytes(moment_layout([numel], state))
+
+
+def layer_file_bytes(numel: int, split: bool = False, moments: dict[str, int] | None = None) -> int:
     """Bytes of one layer's file: the header and two slots of weights (FP32, or two 16-bit planes) and
-    moments: 24 bytes per parameter either way."""
+    moments (``moments``: each moment part's bytes; default FP32, 24 bytes per parameter either way)."""
     parts = SPLIT if split else STATE
-    return ALIGN + 2 * sum(aligned(part_width(p) * numel) for p in parts)
+    mom = moments or {}
+    return ALIGN + 2 * sum(mom.get(p, aligned(part_width(p) * numel)) for p in parts)
 
 
 def part_width(part: str) -> int:
@@ -57,10 +104,16 @@ def kept_grads_bytes(spec: ModelSpec, grad_ram_layers: int, grad_ram_bytes: int,
     return sum(sorted(aligned(4 * n) for n in numels)[pool:])
 
 
-def disk_bytes(spec: ModelSpec) -> int:
-    """What the disk tier needs on disk for ``spec``: 24 bytes per parameter (two versions of w, m, v)."""
+def disk_bytes(spec: ModelSpec, state: Sequence[StateBuffer] = ADAM_FP32) -> int:
+    """What the disk tier needs on disk for ``spec``: two versions of the weights and the optimizer's
+    ``state`` (24 bytes per parameter with FP32 moments; ~12.06 with 8-bit AdamW's,
+    :func:`estimated_moment_bytes`)."""
+
+    def one(n: int) -> int:
+        return layer_file_bytes(n, moments=estimated_moment_bytes(n, state))
+
     pre, block, post = spec.param_counts()
-    return layer_file_bytes(pre) + spec.num_layers * layer_file_bytes(block) + layer_file_bytes(post)
+    return one(pre) + spec.num_layers * one(block) + one(post)
 
 
 SHARED_MIN = 2  # shared slots at least: one per thread that pins (the relay's, the EPS's), see cache_slots
@@ -120,18 +173,26 @@ def slot_bytes(numel: int, send_bytes: int = 4, split: bool = False) -> int:
     return 2 * aligned(4 * numel) + 2 * half + (2 * numel if split else 0)
 
 
-def update_buffer_bytes(numel: int) -> int:
-    """Bytes of one update buffer for layers of at most ``numel`` elements: their FP32 moments [m | v]."""
-    return len(MOMENTS) * aligned(4 * numel)
+def update_buffer_bytes(numel: int, state: Sequence[StateBuffer] = ADAM_FP32) -> int:
+    """Bytes of one update buffer for layers of at most ``numel`` elements: their moments [m | v] (FP32;
+    or the optimizer's ``state``, :func:`estimated_moment_bytes`)."""
+    return sum(estimated_moment_bytes(numel, state).values())
 
 
-def cache_bytes(numels: list[int], k: int, send_bytes: int = 4, split: bool = False) -> int:
+def cache_bytes(
+    numels: list[int],
+    k: int,
+    send_bytes: int = 4,
+    split: bool = False,
+    state: Sequence[StateBuffer] = ADAM_FP32,
+) -> int:
     """The host cache's bytes for layers of ``numels`` elements and ``k`` = ``eps.host_cache_layers``: the
     slots of :func:`cache_slots` (weights and gradient, :func:`slot_bytes`) and ``UPDATE_BUFFERS`` buffers
-    of the largest slot's moments. The tier allocates exactly this; ``l2l plan`` predicts it with it."""
+    of the largest slot's moments. The tier allocates exactly this with FP32 moments (with 8-bit AdamW's,
+    within :func:`estimated_moment_bytes`); ``l2l plan`` predicts it with it."""
     slots = cache_slots(numels, k)
     if not slots:
         return 0
     largest = max(n for n, _ in slots)
     own = sum(slot_bytes(n, send_bytes, split) for n, _ in slots)
-    return own + UPDATE_BUFFERS * update_buffer_bytes(largest)
+    return own + UPDATE_BUFFERS * update_buffer_bytes(largest, state)

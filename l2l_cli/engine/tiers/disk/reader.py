@@ -11,12 +11,13 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from l2l_cli.engine.tiers.disk.cache import CacheSlot, Eviction, SlotTable, UpdateBuffer
+from l2l_cli.engine.tiers.disk.cache import CacheSlot, Eviction, SlotTable
 from l2l_cli.engine.tiers.disk.format import STATE
 from l2l_cli.engine.tiers.disk.layout import MOMENTS, UPDATE_BUFFERS
 from l2l_cli.engine.tiers.disk.readahead import ReadAhead
 from l2l_cli.engine.tiers.disk.stats import IoCounts
 from l2l_cli.engine.tiers.disk.store import LayerStore
+from l2l_cli.engine.tiers.disk.update_buffer import UpdateBuffer
 from l2l_cli.engine.tiers.disk.writeback import WriteBehind
 
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from l2l_cli.engine.optim import ADAM_FP32, OPTIMIZERS, StateBuffer
 from l2l_cli.engine.tiers.base import TierSettings
 from l2l_cli.engine.tiers.disk.layout import COMMIT, disk_bytes, kept_grads_bytes
 from l2l_cli.problems import Problem, at_least, fmt_bytes, one_of
@@ -82,7 +83,7 @@ def check_eps_path(root: Path, need: int, params: int, resume: bool = False, kep
     total = need + kept
     what = (
         f"the disk EPS needs {fmt_bytes(total)} ({total:,} bytes: two versions of the FP32 weights and "
-        f"optimizer moments, 24 bytes per parameter x {params:,}"
+        f"optimizer moments, {need / max(1, params):.2f} bytes per parameter x {params:,}"
         + (
             f", and up to {fmt_bytes(kept)} of gradients kept for the global clipping verdict in "
             f"kept_grads.eps, 4 bytes per parameter beyond eps.grad_ram_layers)"
@@ -144,9 +145,15 @@ def check_space(cfg: Any, spec: ModelSpec) -> list[Problem]:
     clipping verdict (before the run dir exists)."""
     e = cfg.eps
     kept = kept_grads_bytes(spec, e.grad_ram_layers, int(e.grad_ram_gb * 1e9), clip_may_be_global(cfg))
-    return check_eps_path(
-        eps_dir_guess(cfg), disk_bytes(spec), spec.total_params, bool(cfg.trainer.resume), kept
-    )
+    need = disk_bytes(spec, _state(cfg.optim.name))
+    return check_eps_path(eps_dir_guess(cfg), need, spec.total_params, bool(cfg.trainer.resume), kept)
+
+
+def _state(optim: str) -> tuple[StateBuffer, ...]:
+    """The state buffers the layer files hold for ``optim.name`` (FP32 moments for a name not registered:
+    its own check says so)."""
+    kind = OPTIMIZERS.get(optim)
+    return kind.state if kind is not None else ADAM_FP32
 
 
 def check_start(settings: TierSettings, spec: ModelSpec, world: int) -> list[Problem]:
@@ -154,7 +161,8 @@ def check_start(settings: TierSettings, spec: ModelSpec, world: int) -> list[Pro
     root = Path(settings.path) if settings.path else Path(tempfile.gettempdir())
     s = settings
     kept = kept_grads_bytes(spec, s.grad_ram_layers, s.grad_ram_bytes, s.clip_global)
-    problems = check_eps_path(root, disk_bytes(spec), spec.total_params, settings.resume, kept)
+    need = disk_bytes(spec, _state(s.optim))
+    problems = check_eps_path(root, need, spec.total_params, settings.resume, kept)
     if world > 1:
         problems.append(Problem("eps.tier", "disk runs in one process; this job has more ranks"))
     return problems

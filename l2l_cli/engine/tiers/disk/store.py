@@ -25,10 +25,12 @@ from l2l_cli.engine.tiers.disk.format import (
     COMMIT,
     FORMAT,
     FORMAT_SPLIT,
+    FORMAT_STATE,
     FORMATS,
     STATE,
     DiskIo,
     LayerFile,
+    Piece,
     digest,
     join_master,
     probe_direct,
@@ -52,6 +54,7 @@ class LayerStore:
         cv: threading.Condition,
         counts: IoCounts,
         split: bool = False,
+        pieces: dict[str, dict[str, list[Piece]]] | None = None,
     ):
         self._tmp = None if settings.path else tempfile.mkdtemp(prefix="l2l-eps-")
         self.root = Path(settings.path or self._tmp or ".")
@@ -62,7 +65,12 @@ class LayerStore:
         # format 2 (the master in bf16 hi / lo planes) where the device computes in bf16; a run resumed from
         # a format-1 directory keeps format 1 (``adopt``)
         self.split, self.can_split = split, split
-        self.files = [LayerFile(self.root, i, kinds[i], layouts[kinds[i]].numel, split) for i in range(n)]
+        # format 3 (8-bit AdamW): each kind's state buffers in its moment parts (None: FP32 moments)
+        self.pieces = pieces
+        self.files = [
+            LayerFile(self.root, i, k, layouts[k].numel, split, pieces[k] if pieces else None)
+            for i, k in enumerate(kinds)
+        ]
         self.io = DiskIo(probe_direct(self.root))
         self.latest: list[int | None] = [None] * n  # the file slot holding each layer's newest version
         self.committed: list[int | None] | None = None  # what commit.json names (None: no commit yet)
@@ -115,8 +123,14 @@ class LayerStore:
         if fmt not in FORMATS or len(layers) != len(self.files):
             raise CheckpointError(
                 f"{path}: a disk EPS of {len(layers)} layers (format {fmt}); this model has "
-                f"{len(self.files)} (format {FORMAT} or {FORMAT_SPLIT}): resume with the same model and l2l, "
-                f"or set eps.path to an empty directory"
+                f"{len(self.files)} (format {', '.join(map(str, FORMATS))}): resume with the same model and "
+                f"l2l, or set eps.path to an empty directory"
+            )
+        if (fmt == FORMAT_STATE) != bool(self.pieces):
+            held, run = ("8-bit", "FP32") if fmt == FORMAT_STATE else ("FP32", "8-bit")
+            raise CheckpointError(
+                f"{path}: a disk EPS of {held} AdamW moments (format {fmt}); this run's optimizer keeps {run} "
+                f"ones: resume it with the optim.name it was written with, or set eps.path to an empty directory"
             )
         if fmt == FORMAT_SPLIT and not self.can_split:
             raise CheckpointError(
@@ -125,7 +139,9 @@ class LayerStore:
                 f"directory"
             )
         self.split = fmt == FORMAT_SPLIT  # a format-1 directory is read as it is (FP32 weights)
-        self.files = [LayerFile(self.root, f.index, f.kind, f.numel, self.split) for f in self.files]
+        self.files = [
+            LayerFile(self.root, f.index, f.kind, f.numel, self.split, f.pieces) for f in self.files
+        ]
         for f, entry in zip(self.files, layers):
             problem = f.problem()
             if problem is None and entry.get("slot") not in (0, 1):
@@ -138,6 +154,11 @@ class LayerStore:
             self.sums[i][self.latest[i]].update({p: int(str(h), 16) for p, h in sums.items()})
         self.committed = list(self.latest)
         self.record, self.resumed = rec, True
+
+    @property
+    def format(self) -> int:
+        """The files' format (the commit record names it): 1 FP32, 2 bf16 planes, 3 8-bit AdamW's state."""
+        return FORMAT_STATE if self.pieces else FORMAT_SPLIT if self.split else FORMAT
 
     # ---- where a layer's parts are --------------------------------------------------------------------
 
@@ -171,7 +192,7 @@ class LayerStore:
         parked nor kept anywhere."""
         for p in parts:
             if p in "mv" and self.latest[i] is None:
-                s.f32[p].zero_()
+                s.f32[p].zero_()  # (the whole part: FP32 moments, or 8-bit codes, absmaxes and FP32 ones)
             if p == "g":
                 self.grad_live[i], self.parked[i] = True, False
                 self.kept_on_disk[i] = False
@@ -186,7 +207,7 @@ class LayerStore:
         if not self.split:
             for p in STATE:
                 if p in parts:
-                    self.read_part(fd, s.mv(p, f.part_bytes), i, slot, p, what)
+                    self.read_part(fd, s.mv(p, f.nbytes(p)), i, slot, p, what)
             if "w" in parts and s.w_send is not None:
                 s.w_send[: f.numel].copy_(s.f32["w"][: f.numel])
             return

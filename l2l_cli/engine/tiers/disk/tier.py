@@ -29,7 +29,7 @@ from l2l_cli.engine.device import Accelerator
 from l2l_cli.engine.flat import FlatLayout
 from l2l_cli.engine.optim import OptimSettings
 from l2l_cli.engine.tiers.base import TierSettings
-from l2l_cli.engine.tiers.disk.cache import CacheSlot, SlotTable
+from l2l_cli.engine.tiers.disk.cache import CacheSlot, SlotTable, state_pieces
 from l2l_cli.engine.tiers.disk.format import STATE
 from l2l_cli.engine.tiers.disk.layer import DiskLayer
 from l2l_cli.engine.tiers.disk.layout import MOMENTS
@@ -65,9 +65,14 @@ class DiskTier:
         self.cv = threading.Condition()  # one lock for every part's state
         self.counts = IoCounts()
         # bf16 CMP: the master as bf16 hi / lo planes on disk (format 2), the forward reads hi alone. fp16's
-        # bits are no half of FP32's: its CMP keeps FP32 weights (format 1) and converts them on reading
-        split = send_dtype == torch.bfloat16
-        self.store = LayerStore(settings, spec, layouts, self.cv, self.counts, split)
+        # bits are no half of FP32's: its CMP keeps FP32 weights (format 1) and converts them on reading.
+        # 8-bit AdamW: the moment parts hold its state buffers, the master FP32 (format 3, see .format)
+        fp32 = optim.kind.fp32_moments
+        split = send_dtype == torch.bfloat16 and fp32
+        pieces = state_pieces(layouts, optim)
+        self.store = LayerStore(
+            settings, spec, layouts, self.cv, self.counts, split, None if fp32 else pieces
+        )
         self.pool = self.store.pool
         self.params = spec.total_params
         self.root = self.store.root
@@ -79,7 +84,7 @@ class DiskTier:
             # dedicated slots for the layers larger than a block, shared ones for the rest
             # (layout.cache_slots)
             numels = [f.numel for f in self.store.files]
-            self.cache = SlotTable(k, numels, layouts, acc, send_dtype, optim, self.store.split)
+            self.cache = SlotTable(k, numels, layouts, acc, send_dtype, optim, self.store.split, pieces)
         self.plan = ReadAhead(n, k, threading.get_ident())
         self.resident_peak = self.cache.nbytes
         self.layers: dict[int, DiskLayer] = {}
@@ -112,7 +117,9 @@ class DiskTier:
         send_dtype: torch.dtype,
         optim: OptimSettings,
     ) -> DiskLayer:
-        st = DiskLayer(self, index, kind, layout, acc.host_passes, optim.kind.one_pass)
+        st = DiskLayer(
+            self, index, kind, layout, acc.host_passes, optim.kind.one_pass, optim.kind.tensor_pass
+        )
         if self.record is not None:
             st.opt_step = float(self.record["layers"][index]["step"])
         self.layers[index] = st

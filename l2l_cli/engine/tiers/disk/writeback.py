@@ -23,8 +23,6 @@ import torch
 from l2l_cli.engine.tiers.disk.cache import CacheSlot, SlotTable
 from l2l_cli.engine.tiers.disk.format import (
     COMMIT,
-    FORMAT,
-    FORMAT_SPLIT,
     clear_marks,
     crash_point,
     digest,
@@ -267,7 +265,7 @@ class WriteBehind:
             entries = [{"slot": slots[i], "step": layers[i].opt_step} for i in range(len(st.files))]
             writes = list(self._jobs)  # every write queued before this record (not yet known to succeed)
             record = {
-                "format": FORMAT_SPLIT if st.split else FORMAT,
+                "format": st.format,
                 "step": step,
                 "created": time.time(),
                 **(ident or {}),
