@@ -23,6 +23,7 @@ from l2l_cli.engine.flat import FlatLayout
 from l2l_cli.engine.host_passes import AdamwStep, HostPasses
 from l2l_cli.engine.layer_state import LayerState
 from l2l_cli.engine.optim import MIN_8BIT, OPTIMIZERS, QBLOCK, OptimSettings
+from l2l_cli.engine.qmaps import codec, native_qmap
 from l2l_cli.plan.hardware import resolve
 from l2l_cli.plan.knobs import Setup
 from l2l_cli.plan.memory import memory
@@ -294,7 +295,7 @@ def test_the_native_quantizer_gives_bucketizes_codes_at_every_midpoint() -> None
         pytest.skip(f"no native kernels here: {passes.why}")
     for signed in (True, False):
         ref = a8.QuantMap(signed, torch.device("cpu"))
-        qmap = passes.qmap(ref.values, ref.mids)
+        qmap = native_qmap(passes.lib, ref.values, ref.mids)
         assert qmap is not None
         bits = ref.mids.view(torch.int32)
         near = torch.cat([(bits + d).view(torch.float32) for d in range(-3, 4)])
@@ -303,7 +304,7 @@ def test_the_native_quantizer_gives_bucketizes_codes_at_every_midpoint() -> None
         x = torch.cat([x, torch.randn(4096) * torch.logspace(-8, 0, 4096)]).contiguous()
         for scale in (1.0, 0.37):
             want = torch.bucketize(x / scale, ref.mids, out_int32=True, right=True).to(torch.uint8)
-            assert torch.equal(passes.quantize(x, scale, qmap), want), signed
+            assert torch.equal(codec(passes.lib, x, scale, qmap), want), signed
 
 
 def test_the_native_dequantizer_gives_each_codes_map_value() -> None:
@@ -317,14 +318,14 @@ def test_the_native_dequantizer_gives_each_codes_map_value() -> None:
     gen = torch.Generator().manual_seed(0)
     for signed in (True, False):
         ref = a8.QuantMap(signed, torch.device("cpu"))
-        qmap = passes.qmap(ref.values, ref.mids)
+        qmap = native_qmap(passes.lib, ref.values, ref.mids)
         assert qmap is not None
         codes = torch.cat([torch.randperm(256, generator=gen) for _ in range(3)]).to(torch.uint8)
         for n in (len(codes), 64, 63, 200, 17):
             c = codes[:n].contiguous()
             for absmax in (1.0, 0.37, 3.5e-7):
                 want = ref.values[c.long()] * absmax
-                got = passes.dequantize(c, absmax, qmap)
+                got = codec(passes.lib, c, absmax, qmap)
                 assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (signed, n, absmax)
 
 

@@ -60,8 +60,9 @@ def _assert_same_state(got: dict[str, Any], ref: dict[str, Any]) -> None:
     "mode,extra",
     [
         ("l2l", ()),
-        # global clipping at a norm the first step crosses (0.469) only at its last layers: speculative updates rolled back to the file's
-        # other slot and redone from the kept gradient (in RAM, and beyond a pool of none on disk)
+        # global clipping at a norm the first step crosses (0.469) only at its last layers: speculative
+        # updates rolled back to the file's other slot and redone from the kept gradient (in RAM, and
+        # beyond a pool of none on disk)
         ("l2l_p", ("optim.max_grad_norm=0.46", "eps.grad_ram_layers=0")),
         pytest.param("l2l", CMP, marks=pytest.mark.slow),
         ("l2l_p", (*CMP, "optim.max_grad_norm=0.46")),

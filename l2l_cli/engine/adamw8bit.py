@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 
-from l2l_cli.engine.host_passes import AdamwStep, HostPasses, QMap, adamw_torch
+from l2l_cli.engine.host_passes import AdamwStep, HostPasses, adamw_torch
+from l2l_cli.engine.qmaps import QMap, native_qmap
 
 log = logging.getLogger("l2l")
 
@@ -276,7 +277,10 @@ def _native_maps(passes: HostPasses) -> tuple[QMap, QMap] | None:
         if passes.vec not in _NATIVE:
             cpu = torch.device("cpu")
             signed, unsigned = QuantMap(True, cpu), QuantMap(False, cpu)
-            a, b = passes.qmap(signed.values, signed.mids), passes.qmap(unsigned.values, unsigned.mids)
+            a, b = (
+                native_qmap(passes.lib, signed.values, signed.mids),
+                native_qmap(passes.lib, unsigned.values, unsigned.mids),
+            )
             maps = None if a is None or b is None else (a, b)
             if maps is not None and not _matches_torch(passes, maps, (signed, unsigned)):
                 maps = None

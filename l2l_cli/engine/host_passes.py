@@ -32,9 +32,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from l2l_cli.engine.qmaps import QMap
 
 log = logging.getLogger("l2l")
 
@@ -45,12 +48,6 @@ CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-
 ALIGN = 64  # elements: a thread's range starts on a cache line (FP32) and a whole vector
 _TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 QBLOCK = 256  # elements per absmax of the 8-bit kernel (csrc's QBLOCK, engine/optim.py's)
-
-
-class _QMap(ctypes.Structure):
-    """A quantization map as the 8-bit AdamW kernel reads it (``qmap_t``)."""
-
-    _fields_ = [("values", ctypes.c_void_p), ("mids", ctypes.c_void_p), ("base", ctypes.c_void_p)]
 
 
 class _AdamwArgs(ctypes.Structure):
@@ -177,15 +174,6 @@ class AdamwStep:
         }
 
 
-class QMap:
-    """A quantization map for the native 8-bit AdamW: its values, its midpoints (a NaN after the last), the
-    lookup table the kernel built from them, and the C struct pointing at the three (kept alive here)."""
-
-    def __init__(self, values: torch.Tensor, mids: torch.Tensor, table: torch.Tensor):
-        self.values, self.mids, self.table = values, mids, table
-        self.args = _QMap(values.data_ptr(), mids.data_ptr(), table.data_ptr())
-
-
 _LOCAL = threading.local()
 
 
@@ -309,36 +297,6 @@ class HostPasses:
         for src, dst in ((a, b) for a, b in zip(state_in, state_out) if a.data_ptr() != b.data_ptr()):
             dst.copy_(src)
         adamw_torch(g, *state_out, hp, mult, send)
-
-    def qmap(self, values: torch.Tensor, mids: torch.Tensor) -> QMap | None:
-        """A 256-entry quantization map (``values`` ascending, FP32; ``mids``: the 255 midpoints) as the
-        native 8-bit AdamW kernel reads it, or None: no native kernels here, or a map too dense for its
-        one-comparison lookup (it then runs as torch ops)."""
-        if self.lib is None:
-            return None
-        table = torch.empty(int(self.lib.l2l_qmap_table_bytes()), dtype=torch.uint8)
-        padded = torch.cat([mids.float().cpu(), torch.full((1,), float("nan"))]).contiguous()
-        values = values.float().cpu().contiguous()
-        if self.lib.l2l_qmap_init(values.data_ptr(), padded.data_ptr(), table.data_ptr()) > 1:
-            return None
-        return QMap(values, padded, table)
-
-    def quantize(self, x: torch.Tensor, scale: float, qmap: QMap) -> torch.Tensor:
-        """The native kernel's codes of ``x / scale`` (FP32, contiguous) in ``qmap``: its quantizer alone,
-        which must give ``torch.bucketize(x / scale, mids, right=True)``'s codes for every float."""
-        assert self.lib is not None and x.dtype == torch.float32 and x.is_contiguous()
-        codes = torch.empty(x.numel(), dtype=torch.uint8)
-        self.lib.l2l_quantize(x.data_ptr(), scale, ctypes.byref(qmap.args), codes.data_ptr(), x.numel())
-        return codes
-
-    def dequantize(self, codes: torch.Tensor, absmax: float, qmap: QMap) -> torch.Tensor:
-        """The native kernel's ``values[codes] * absmax`` (uint8 codes, contiguous): its dequantizer alone."""
-        assert self.lib is not None and codes.dtype == torch.uint8 and codes.is_contiguous()
-        out = torch.empty(codes.numel(), dtype=torch.float32)
-        self.lib.l2l_dequantize(
-            codes.data_ptr(), absmax, ctypes.byref(qmap.args), out.data_ptr(), codes.numel()
-        )
-        return out
 
     def adamw8bit(
         self,

@@ -176,8 +176,8 @@ def _disk(
     the backward reads the weights, then the moments for the update, and writes the new state (12 + 12): L2L
     and L2L-p alike update each layer right after its backward on this tier (the gradient waits in RAM for
     the clipping verdict), so 28 bytes in all (26 under bf16 CMP). The moments are the optimizer's state as
-    the files hold it (``Setup.moment_bytes``): 8 bytes FP32, ~2.03 with adamw8bit (16.06 in all). Under global clipping with
-    ``eps.clip_redo=keep`` an applied gradient waits for the verdict in RAM for the first
+    the files hold it (``Setup.moment_bytes``): 8 bytes FP32, ~2.03 with adamw8bit (16.06 in all). Under
+    global clipping with ``eps.clip_redo=keep`` an applied gradient waits for the verdict in RAM for the first
     ``eps.grad_ram_layers`` layers of the backward, on disk for the others (4 more bytes written; the
     embeddings' update comes after the verdict); ``auto`` and ``replay`` keep none in a step that does not
     clip. With every layer in the cache only the writes remain (the state is committed every step)."""

@@ -105,8 +105,8 @@ def verdict(shape: ModelShape, s: Setup, rates: Rates, result: dict[str, Any]) -
     if result["disk_bytes"] > rates.disk_free:
         return (
             f"does not fit: the disk EPS needs {fmt_bytes(result['disk_bytes'])} on disk > "
-            f"{fmt_bytes(rates.disk_free)} free ({s.disk_state_bytes:.4g} bytes per parameter: two versions of "
-            "weights and moments)"
+            f"{fmt_bytes(rates.disk_free)} free ({s.disk_state_bytes:.4g} bytes per parameter: two "
+            "versions of weights and moments)"
         )
     if pe is not None and s.l2l and result["host_node_bytes"] > host_budget and not pe.on_disk:
         from dataclasses import replace as _replace

@@ -181,7 +181,8 @@ class PipelineRunner(RunnerBase):
                 )
             )
         sched = cls(stages if many else stages[0], n, loss_fn=loss, scale_grads=False)
-        sched._l2l_recvs_ahead = ahead  # (the runner opens each step's)
+        if ahead is not None:
+            sched._l2l_recvs_ahead = ahead  # (the runner opens each step's)
         return sched
 
     def _loss(self, loss: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

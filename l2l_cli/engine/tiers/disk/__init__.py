@@ -3,8 +3,8 @@ behind the compute, committed after every step. Registered here; :mod:`.tier` is
 
 - :mod:`.format`: the on-disk format and raw aligned I/O (``LayerFile``, ``disk_bytes``, ``measure_disk``)
 - :mod:`.store`: the layer files and which slot of each holds what
-- :mod:`.cache`: the host cache's slots and which one to reuse; :mod:`.update_buffer`: a layer's optimizer state
-  while it is updated (FP32 moments, or 8-bit AdamW's codes and absmaxes: the file's moment parts)
+- :mod:`.cache`: the host cache's slots and which one to reuse; :mod:`.update_buffer`: a layer's optimizer
+  state while it is updated (FP32 moments, or 8-bit AdamW's codes and absmaxes: the file's moment parts)
 - :mod:`.readahead`: the plan of which layers come next; :mod:`.reader`: the thread that reads them
 - :mod:`.writeback`: the writer thread: write-back, parked gradients, the commit record
 - :mod:`.layer`: a layer as the EPS sees it; :mod:`.tier`: the tier, wiring the parts together

@@ -129,8 +129,9 @@ class LayerStore:
         if (fmt == FORMAT_STATE) != bool(self.pieces):
             held, run = ("8-bit", "FP32") if fmt == FORMAT_STATE else ("FP32", "8-bit")
             raise CheckpointError(
-                f"{path}: a disk EPS of {held} AdamW moments (format {fmt}); this run's optimizer keeps {run} "
-                f"ones: resume it with the optim.name it was written with, or set eps.path to an empty directory"
+                f"{path}: a disk EPS of {held} AdamW moments (format {fmt}); this run's optimizer keeps "
+                f"{run} ones: resume it with the optim.name it was written with, or set eps.path to an empty "
+                "directory"
             )
         if fmt == FORMAT_SPLIT and not self.can_split:
             raise CheckpointError(
