@@ -64,11 +64,11 @@ class StateBuffer:
 
     @property
     def bytes_per_param(self) -> float:
-        return _ITEMSIZE[self.dtype] / self.per
+        return ITEMSIZE[self.dtype] / self.per
 
     @property
     def itemsize(self) -> int:
-        return _ITEMSIZE[self.dtype]
+        return ITEMSIZE[self.dtype]
 
     @property
     def moment(self) -> str:
@@ -77,7 +77,7 @@ class StateBuffer:
         return self.short.partition("_")[0]
 
 
-_ITEMSIZE = {"float32": 4, "uint8": 1}
+ITEMSIZE = {"float32": 4, "uint8": 1}  # bytes of a state buffer's entry, by its dtype
 ADAM_FP32 = (StateBuffer("exp_avg", "m", "float32"), StateBuffer("exp_avg_sq", "v", "float32"))
 # 8-bit AdamW: codes and per-block absmaxes for a tensor of MIN_8BIT elements or more, each tensor its own
 # blocks; FP32 moments, as AdamW's, for a smaller one (a bias, a norm)
@@ -172,6 +172,13 @@ OPTIMIZERS: dict[str, OptimizerKind] = {
         ),
     )
 }
+
+
+def state_of(name: str) -> tuple[StateBuffer, ...]:
+    """The state buffers ``optim.name`` keeps (FP32 moments for a name not registered: its own check says
+    so): what the disk tier's files and the planner's bytes hold."""
+    kind = OPTIMIZERS.get(name)
+    return kind.state if kind is not None else ADAM_FP32
 
 
 @dataclass(frozen=True)

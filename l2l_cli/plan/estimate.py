@@ -72,11 +72,7 @@ def eps_tier(shape: ModelShape, s: Setup, rates: Rates) -> dict[str, Any] | None
         }
     # a tier in RAM needs its state to fit there; one on disk needs the whole run (disk, RAM, device) to fit
     needed = next(
-        (
-            t
-            for t, r in tiers.items()
-            if (r["fits"] and s.disk_layout_ok if TIERS[t].on_disk else r["host_fits"])
-        ),
+        (t for t, r in tiers.items() if (r["fits"] if TIERS[t].on_disk else r["host_fits"])),
         "none",
     )
     return {"configured": s.tier, "needed": needed, "cache_layers": s.cache_layers, **tiers}

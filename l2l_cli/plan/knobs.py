@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from l2l_cli.engine.optim import OPTIMIZERS
+from l2l_cli.engine.optim import ADAM_FP32, OPTIMIZERS, state_of
 from l2l_cli.engine.tiers import TIERS
 from l2l_cli.modes import MODES, ModeSpec, run_clip, run_precision, run_stash
 from l2l_cli.plan.shapes import ModelShape
@@ -83,7 +83,7 @@ class Setup:
             # (8-bit AdamW's files keep an FP32 master: format 3, engine/tiers/disk/format.py)
             bf16_master_planes=run_precision(cfg) == "cmp"
             and cfg.precision.dtype == "bf16"
-            and (OPTIMIZERS.get(cfg.optim.name) is None or OPTIMIZERS[cfg.optim.name].fp32_moments),
+            and state_of(cfg.optim.name) == ADAM_FP32,
             **device_terms(cfg),
             optim=cfg.optim.name,
         )
@@ -105,12 +105,6 @@ class Setup:
         """``state_bytes`` when ``small_share`` of the trained elements sit in tensors under the 8-bit
         minimum, which keep FP32 moments (adamw8bit: a small model's LoRA adapters; the same for others)."""
         return self.state_bytes + (FP32_STATE - self.state_bytes) * small_share
-
-    @property
-    def disk_layout_ok(self) -> bool:
-        """The disk tier's layer files hold this optimizer's state: every registered one's (FP32 moments in
-        formats 1 and 2, adamw8bit's codes and absmaxes in format 3)."""
-        return True
 
     @property
     def moment_bytes(self) -> float:

@@ -4,7 +4,7 @@ breakdown), for one rank and for a pipeline stage.
 
 from __future__ import annotations
 
-from l2l_cli.engine.optim import ADAM_FP32, OPTIMIZERS
+from l2l_cli.engine.optim import state_of
 from l2l_cli.engine.tiers.disk.layout import cache_bytes
 from l2l_cli.plan.knobs import FP32_STATE, LOW_BIT, Setup, stage_plan
 from l2l_cli.plan.shapes import ModelShape, device_weight_bytes
@@ -75,10 +75,8 @@ def memory(shape: ModelShape, s: Setup) -> dict[str, dict[str, float]]:
                 else [shape.pre_params, *[shape.block_params] * N, shape.post_params]
             )
             send = 2 if s.precision == "cmp" else 4
-            kind = OPTIMIZERS.get(s.optim)
-            state = kind.state if kind is not None else ADAM_FP32
             host["eps_cache"] = float(
-                cache_bytes([int(x) for x in numels], k, send, s.bf16_master_planes, state)
+                cache_bytes([int(x) for x in numels], k, send, s.bf16_master_planes, state_of(s.optim))
             )
             # the gradients waiting for the clipping verdict (or their update): eps.grad_ram_layers buffers,
             # at most the largest layers' gradients, whatever the depth; the others wait on disk (an applied

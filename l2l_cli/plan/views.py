@@ -137,7 +137,7 @@ def verdict(shape: ModelShape, s: Setup, rates: Rates, result: dict[str, Any]) -
         if s.disk:
             return f"does not fit: {why} (eps.host_cache_layers={s.cache_layers} layers cached); lower it"
         on_disk = next(t for t, kind in TIERS.items() if kind.on_disk)
-        alt = evaluate(shape, s.but(tier=on_disk), rates) if s.l2l and s.disk_layout_ok else None
+        alt = evaluate(shape, s.but(tier=on_disk), rates) if s.l2l else None
         if alt is not None and alt["fits"]:
             return (
                 f"does not fit: {why} (the EPS keeps {s.state_bytes:.3g} bytes per parameter in RAM); "

@@ -201,18 +201,24 @@ typedef struct {
 } qmap_t;
 
 /* After the slots' entries: the map's values as four byte planes (plane k: byte k of each value, 256 bytes),
- * the table the VBMI dequantizer looks up 64 codes at a time in registers. */
+ * the table the VBMI dequantizer looks up 64 codes at a time in registers, then the 64-byte order it
+ * permutes the codes into (so that its interleave of the planes, within 128-bit lanes, lands each float in
+ * order): made once here, not per block. */
 #define PLANES_AT (2 * NSLOT)
-int64_t l2l_qmap_table_bytes(void) { return 2 * NSLOT * 4 + 4 * 256; }
+#define ORDER_AT (4 * 256)
+int64_t l2l_qmap_table_bytes(void) { return 2 * NSLOT * 4 + 4 * 256 + 64; }
 
-/* Fill ``base`` for a map's ``values`` (256, ascending) and ``mids`` (255, then a NaN). Returns the most midpoints any slot holds (2 where
- * the first or last slot, which stand for every |y| below or above them, holds one): the lookup is exact
- * only where that is at most 1 (the caller falls back to torch otherwise). */
+/* Fill ``base`` for a map's ``values`` (256, ascending) and ``mids`` (255, then a NaN). Returns the most
+ * midpoints any slot holds (2 where the first or last slot, which stand for every |y| below or above them,
+ * holds one): the lookup is exact only where that is at most 1 (the caller falls back to torch otherwise). */
 int l2l_qmap_init(const float *values, const float *mids, uint32_t *base) {
     int worst = 0;
     uint8_t *planes = (uint8_t *)(base + PLANES_AT);
     for (int i = 0; i < 256; i++)
         for (int k = 0; k < 4; k++) planes[k * 256 + i] = (uint8_t)(to_bits(values[i]) >> (8 * k));
+    for (int l = 0; l < 4; l++) /* lane l, quarter j, byte r of the codes: float 16 j + 4 l + r */
+        for (int j = 0; j < 4; j++)
+            for (int r = 0; r < 4; r++) planes[ORDER_AT + 16 * l + 4 * j + r] = (uint8_t)(16 * j + 4 * l + r);
     for (int s = 0; s < NSLOT; s++) {
         uint32_t k = KMIN + (uint32_t)s;
         float lo = s == 0 ? 0.0f : from_bits(k << 16), hi = from_bits((k + 1) << 16);
@@ -252,16 +258,12 @@ static void dequantize_block(const uint8_t *codes, float absmax, const qmap_t *q
 #ifdef __AVX512VBMI__
     /* 64 codes at a time, no gather: each byte plane of the values looked up in registers (two 128-entry
      * vpermi2b, the code's top bit picking one), the four planes interleaved back into floats. The codes
-     * are first permuted so that the interleave (within 128-bit lanes) lands each float in order. */
+     * are first permuted (the table's order) so that the interleave lands each float in order. */
     const uint8_t *pl = (const uint8_t *)(q->base + PLANES_AT);
     __m512i t[4][4];
     for (int p = 0; p < 4; p++)
         for (int j = 0; j < 4; j++) t[p][j] = _mm512_loadu_si512((const void *)(pl + p * 256 + j * 64));
-    uint8_t order[64];
-    for (int l = 0; l < 4; l++)
-        for (int j = 0; j < 4; j++)
-            for (int r = 0; r < 4; r++) order[16 * l + 4 * j + r] = (uint8_t)(16 * j + 4 * l + r);
-    const __m512i perm = _mm512_loadu_si512((const void *)order);
+    const __m512i perm = _mm512_loadu_si512((const void *)(pl + ORDER_AT));
     for (; k + 64 <= n; k += 64) {
         __m512i c = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512((const void *)(codes + k)));
         __mmask64 top = _mm512_movepi8_mask(c);

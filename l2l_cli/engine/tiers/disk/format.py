@@ -54,6 +54,12 @@ FORMATS = (FORMAT, FORMAT_SPLIT, FORMAT_STATE)
 MAGIC = b"l2l-eps-layer\n"
 
 
+def format_of(split: bool, pieces: Any) -> int:
+    """A layer file's format: 3 where its moment parts hold an optimizer's state buffers (``pieces``), 2
+    where the master is split in bf16 planes, else 1."""
+    return FORMAT_STATE if pieces else FORMAT_SPLIT if split else FORMAT
+
+
 # ---- the master as two 16-bit planes (format 2) ----------------------------------------------------------
 #
 # hi = bf16(w) rounded to nearest even: its bits are the top half of w's, or that plus one (rounded up).
@@ -268,7 +274,7 @@ class LayerFile:
 
     @property
     def format(self) -> int:
-        return FORMAT_STATE if self.pieces else FORMAT_SPLIT if self.split else FORMAT
+        return format_of(self.split, self.pieces)
 
     def nbytes(self, part: str) -> int:
         """Bytes of a file part (block-aligned)."""

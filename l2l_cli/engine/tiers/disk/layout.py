@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from l2l_cli.engine.optim import ADAM_FP32, StateBuffer
+from l2l_cli.engine.optim import ADAM_FP32, ITEMSIZE, StateBuffer
 
 if TYPE_CHECKING:
     from l2l_cli.models.base import ModelSpec
@@ -51,11 +51,9 @@ def moment_layout(runs: Sequence[int], state: Sequence[StateBuffer] = ADAM_FP32)
 def moment_bytes(pieces: dict[str, list[Piece]]) -> dict[str, int]:
     """Each moment part's bytes (block-aligned) for a :func:`moment_layout`."""
     return {
-        p: aligned(max((off + k * _ITEM[dt] for _, dt, off, k in xs), default=0)) for p, xs in pieces.items()
+        p: aligned(max((off + k * ITEMSIZE[dt] for _, dt, off, k in xs), default=0))
+        for p, xs in pieces.items()
     }
-
-
-_ITEM = {"float32": 4, "uint8": 1}
 
 
 def estimated_moment_bytes(numel: int, state: Sequence[StateBuffer] = ADAM_FP32) -> dict[str, int]:

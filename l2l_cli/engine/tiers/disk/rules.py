@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from l2l_cli.engine.optim import ADAM_FP32, OPTIMIZERS, StateBuffer
+from l2l_cli.engine.optim import state_of
 from l2l_cli.engine.tiers.base import TierSettings
 from l2l_cli.engine.tiers.disk.layout import COMMIT, disk_bytes, kept_grads_bytes
 from l2l_cli.problems import Problem, at_least, fmt_bytes, one_of
@@ -145,15 +145,8 @@ def check_space(cfg: Any, spec: ModelSpec) -> list[Problem]:
     clipping verdict (before the run dir exists)."""
     e = cfg.eps
     kept = kept_grads_bytes(spec, e.grad_ram_layers, int(e.grad_ram_gb * 1e9), clip_may_be_global(cfg))
-    need = disk_bytes(spec, _state(cfg.optim.name))
+    need = disk_bytes(spec, state_of(cfg.optim.name))
     return check_eps_path(eps_dir_guess(cfg), need, spec.total_params, bool(cfg.trainer.resume), kept)
-
-
-def _state(optim: str) -> tuple[StateBuffer, ...]:
-    """The state buffers the layer files hold for ``optim.name`` (FP32 moments for a name not registered:
-    its own check says so)."""
-    kind = OPTIMIZERS.get(optim)
-    return kind.state if kind is not None else ADAM_FP32
 
 
 def check_start(settings: TierSettings, spec: ModelSpec, world: int) -> list[Problem]:
@@ -161,7 +154,7 @@ def check_start(settings: TierSettings, spec: ModelSpec, world: int) -> list[Pro
     root = Path(settings.path) if settings.path else Path(tempfile.gettempdir())
     s = settings
     kept = kept_grads_bytes(spec, s.grad_ram_layers, s.grad_ram_bytes, s.clip_global)
-    need = disk_bytes(spec, _state(s.optim))
+    need = disk_bytes(spec, state_of(s.optim))
     problems = check_eps_path(root, need, spec.total_params, settings.resume, kept)
     if world > 1:
         problems.append(Problem("eps.tier", "disk runs in one process; this job has more ranks"))

@@ -23,7 +23,6 @@ from l2l_cli.engine.tiers.base import TierSettings
 from l2l_cli.engine.tiers.disk.cache import CacheSlot
 from l2l_cli.engine.tiers.disk.format import (
     COMMIT,
-    FORMAT,
     FORMAT_SPLIT,
     FORMAT_STATE,
     FORMATS,
@@ -32,6 +31,7 @@ from l2l_cli.engine.tiers.disk.format import (
     LayerFile,
     Piece,
     digest,
+    format_of,
     join_master,
     probe_direct,
     record_digest,
@@ -159,7 +159,7 @@ class LayerStore:
     @property
     def format(self) -> int:
         """The files' format (the commit record names it): 1 FP32, 2 bf16 planes, 3 8-bit AdamW's state."""
-        return FORMAT_STATE if self.pieces else FORMAT_SPLIT if self.split else FORMAT
+        return format_of(self.split, self.pieces)
 
     # ---- where a layer's parts are --------------------------------------------------------------------
 
