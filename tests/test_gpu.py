@@ -54,22 +54,26 @@ def test_l2l_p_equals_l2l_under_cmp_fp16_with_clipping() -> None:
 
 def test_cmp_gradients_cross_the_link_in_half_precision() -> None:
     """Per step each layer goes down once per pass (forward, backward; the last block is reused at the
-    turn) and its gradient comes back once, in fp16: 2 bytes per parameter each way."""
+    turn) and its gradient comes back once, in fp16: 2 bytes per parameter each way, and beside each
+    gradient its norm, one fp32 scalar (taken on the device: no host norm pass)."""
     cfg = tiny_cfg("mode=l2l", *CUDA, "precision=cmp")
     with built(cfg) as runner:
         d2h0 = runner.acc.d2h.bytes
         runner.step(next(batches(cfg)))
         params = sum(st.w.numel() for st in runner.eps.layers)
-        assert runner.acc.d2h.bytes - d2h0 == 2 * params
+        norms = sum(st.w.numel() > 0 for st in runner.eps.layers)
+        assert runner.acc.d2h.bytes - d2h0 == 2 * params + 4 * norms
         assert all(st.g_recv is not None and st.g_recv.dtype == torch.float16 for st in runner.eps.layers)
 
 
-def test_host_buffers_are_pinned() -> None:
+def test_only_the_links_host_buffers_are_pinned() -> None:
+    """What crosses the link is pinned, to its size (the half send copy, the gradient's receive buffer, the
+    stash); under CMP the FP32 master never crosses it and stays pageable."""
     cfg = tiny_cfg("mode=l2l_stash_cpu", *CUDA, "precision=cmp")
     with built(cfg) as runner:
         runner.step(next(batches(cfg)))
         for st in runner.eps.layers:
-            assert st.w.is_pinned() and st.send.is_pinned() and st.recv.is_pinned()
+            assert st.send.is_pinned() and st.recv.is_pinned() and not st.w.is_pinned()
         assert all(buf.is_pinned() for buf in runner.stash._host.values())
 
 
@@ -99,7 +103,8 @@ def test_a_step_never_waits_on_the_device_from_the_compute_thread(monkeypatch) -
         monkeypatch.setattr(torch.cuda.Event, "synchronize", on_event)
         monkeypatch.setattr(torch.cuda, "synchronize", on_device)
         runner.step(next(it))
-    assert "torch.cuda.synchronize" not in calls and calls.count("event.synchronize") <= 1, calls
+        step = list(calls)  # (not the accelerator's close: it synchronizes before it unpins its buffers)
+    assert "torch.cuda.synchronize" not in step and step.count("event.synchronize") <= 1, step
 
 
 def exposed_transfer(*extra: str) -> float:

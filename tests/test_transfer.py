@@ -45,3 +45,38 @@ def test_without_prefetch_copies_are_fully_exposed() -> None:
     with_prefetch, _ = exposed_transfer(4)
     without, _ = exposed_transfer(4, "mode.prefetch=false")
     assert without > 1.5 * with_prefetch
+
+
+class _Stream:
+    """Copies queued on one stream: each finishes, in order, when a host wait reaches it."""
+
+    def __init__(self) -> None:
+        self.finished = 0
+        self.synchronizes = 0
+
+
+class _Event:
+    def __init__(self, stream: _Stream, position: int):
+        self.stream, self.position = stream, position
+
+    def query(self) -> bool:
+        return self.stream.finished >= self.position
+
+    def synchronize(self) -> None:
+        self.stream.synchronizes += 1
+        self.stream.finished = max(self.stream.finished, self.position)
+
+
+def test_a_host_wait_for_copies_on_one_stream_synchronizes_once() -> None:
+    """A step reads every layer's norm after the backward: their copies left in backward order on one
+    stream, so the host synchronizes once, with the last sent, and a copy already done is a query only
+    (on an H200 each layer's wait was a synchronize: the compute thread's per-step waits grew with depth)."""
+    from l2l_cli.engine.copies import AllOf
+    from l2l_cli.engine.device import _CudaHandle
+
+    stream = _Stream()
+    sent = [_Event(stream, k + 1) for k in range(8)]  # layer L's gradient and norm first, layer 1's last
+    layers = [AllOf(_CudaHandle(sent[2 * j], True), _CudaHandle(sent[2 * j + 1], True)) for j in range(4)]
+    for handle in reversed(layers):  # read in forward order: the layer sent last first
+        handle.wait()
+    assert stream.finished == 8 and stream.synchronizes == 1

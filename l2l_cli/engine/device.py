@@ -122,9 +122,11 @@ class _CudaHandle(CopyHandle):
         self.event, self.host = event, host
 
     def wait(self) -> None:
-        # a host consumer blocks; a device consumer only orders its stream after the copy
+        # a host consumer blocks (not where the copy is done: a query, no synchronize); a device consumer
+        # only orders its stream after the copy
         if self.host:
-            self.event.synchronize()
+            if not self.event.query():
+                self.event.synchronize()
         else:
             torch.cuda.current_stream().wait_event(self.event)
 

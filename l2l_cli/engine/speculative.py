@@ -232,7 +232,9 @@ class Speculation:
             elif st.layout.numel == 0:
                 norms.append(torch.zeros(()))
             else:
-                st.grad_in.wait()  # (its copy, the norm's included: long done by the backward's end)
+                # (its copy, the norm's included: sent in backward order, so the first layer here was sent
+                # last, and once it is in the rest are, with no further host synchronize)
+                st.grad_in.wait()
                 if st.grad_norm is None:
                     return None
                 norms.append(st.grad_norm.clone())
