@@ -17,6 +17,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 enum { T_F32 = 0, T_BF16 = 1, T_F16 = 2, T_NONE = -1 };
 
@@ -123,11 +126,49 @@ static void adamw_inplace(const float *restrict g, float *restrict w, float *res
     for (int64_t k = 0; k < n; k++) ADAMW_ELEMENT(g[k], w[k], m[k], v[k], w[k], m[k], v[k]);
 }
 
+/* dst[0:nbytes] = src[0:nbytes] with non-temporal stores: memory that is written, not read, by this pass
+ * (a state set beside the one read, the send copy) is not in cache, and plain stores would first read
+ * each of its lines in (an out-of-place AdamW then moves 40 B/param, not 28). The values are unchanged. */
+static void stream_out(void *restrict dst, const void *restrict src, int64_t nbytes) {
+    char *d = (char *)dst;
+    const char *s = (const char *)src;
+    int64_t k = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__)
+    enum { V = 64 };
+#else
+    enum { V = 32 };
+#endif
+    k = (int64_t)((V - ((uintptr_t)d & (V - 1))) & (V - 1));
+    if (k > nbytes) k = nbytes;
+    memcpy(d, s, (size_t)k);
+    for (; k + V <= nbytes; k += V) {
+#if defined(__AVX512F__)
+        _mm512_stream_si512((void *)(d + k), _mm512_loadu_si512((const void *)(s + k)));
+#else
+        _mm256_stream_si256((__m256i *)(d + k), _mm256_loadu_si256((const __m256i *)(s + k)));
+#endif
+    }
+#endif
+    memcpy(d + k, s + k, (size_t)(nbytes - k));
+}
+
+static void stream_fence(void) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+    _mm_sfence(); /* the streamed lines reach memory before the caller says the pass is done */
+#endif
+}
+
 /* One pass over elements [lo, hi) of a run. State read from (w0, m0, v0), written to (w1, m1, v1): the same
- * buffers for an in-place update. ``send``: the device's copy of the new master (T_NONE: none). */
+ * buffers for an in-place update, else another set (L2L-p's undo), which is streamed out with the send copy.
+ * ``send``: the device's copy of the new master (T_NONE: none). In place, plain stores: the lines were just
+ * read, and with the send copy streamed too the update fell from 1.30x to 1.15x its triad on a 16-core Xeon
+ * host (two machines of one kind; docs/gpu.md). */
 void l2l_adamw(const void *g, int g_type, const float *w0, const float *m0, const float *v0, float *w1,
                float *m1, float *v1, void *send, int send_type, int64_t lo, int64_t hi, const adamw_args *a) {
-    float gbuf[BLOCK];
+    float gbuf[BLOCK], wbuf[BLOCK], mbuf[BLOCK], vbuf[BLOCK], sbuf[BLOCK];
+    const int beside = w1 != w0;
+    const int64_t es = send_type == T_F32 ? 4 : 2;
     for (int64_t at = lo; at < hi; at += BLOCK) {
         int64_t n = hi - at < BLOCK ? hi - at : BLOCK;
         widen(g, g_type, at, n, gbuf);
@@ -135,9 +176,21 @@ void l2l_adamw(const void *g, int g_type, const float *w0, const float *m0, cons
             const float f = a->mult;
             for (int64_t k = 0; k < n; k++) gbuf[k] = gbuf[k] * f;
         }
-        adamw_vec(gbuf, w0 + at, m0 + at, v0 + at, w1 + at, m1 + at, v1 + at, n, a);
-        narrow(w1 + at, send, send_type, at, n);
+        if (beside) {
+            adamw_vec(gbuf, w0 + at, m0 + at, v0 + at, wbuf, mbuf, vbuf, n, a);
+            stream_out(w1 + at, wbuf, n * 4);
+            stream_out(m1 + at, mbuf, n * 4);
+            stream_out(v1 + at, vbuf, n * 4);
+            if (send_type != T_NONE) {
+                narrow(wbuf, sbuf, send_type, 0, n);
+                stream_out((char *)send + at * es, sbuf, n * es);
+            }
+        } else {
+            adamw_inplace(gbuf, w1 + at, m1 + at, v1 + at, n, a);
+            narrow(w1 + at, send, send_type, at, n);
+        }
     }
+    if (beside) stream_fence();
 }
 
 /* dst[lo:hi] = src[lo:hi] in dst's type (a send copy refreshed from the master; a widened gradient). */
