@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from l2l_cli.engine.copies import AllOf, CopyEngine, CopyHandle, LinkCopyEngine, same_dtype
-from l2l_cli.engine.host_passes import HostPasses
+from l2l_cli.engine.host_passes import HostPasses, compute_threads
 from l2l_cli.problems import ConfigError, Problem
 from l2l_cli.profiling.memory import CudaMeter, DeviceOutOfMemory, MemoryMeter, StorageMeter
 
@@ -240,6 +240,10 @@ class Accelerator:
         a phase's kernels land in that phase). Nothing to wait for off CUDA."""
         return None
 
+    def launching(self) -> Any:
+        """The compute thread's cores for a training step: here it computes, on all of them."""
+        return nullcontext()
+
     def bind_thread(self) -> None:
         """The calling thread works for this device (a thread the run starts, first thing): on CUDA a new
         thread's current device is cuda:0 whatever the rank's, so a wait, stream or pinned buffer it made
@@ -317,6 +321,7 @@ def unpin(t: torch.Tensor) -> None:
 
 class CudaAccelerator(Accelerator):
     kind = "cuda"
+    cores = 0  # torch's thread count when built (a step's compute thread runs on one; 0: read it now)
 
     def __init__(self, index: int, memory_gb: float | None = None):
         device = torch.device("cuda", index)
@@ -326,6 +331,7 @@ class CudaAccelerator(Accelerator):
             device, meter, CudaCopyEngine(device, False), CudaCopyEngine(device, True), memory_gb
         )
         self.pinned: list[torch.Tensor] = []  # host buffers registered with CUDA (``host_empty(link=True)``)
+        self.cores = torch.get_num_threads()
         if self.budget_bytes is not None:  # device.memory_gb: the caching allocator's cap, an OOM past it
             share = self.budget_bytes / cuda_total_memory(index)
             torch.cuda.set_per_process_memory_fraction(min(1.0, share), device)
@@ -362,7 +368,14 @@ class CudaAccelerator(Accelerator):
     def host_threads(self) -> int:
         """The GPU computes; the host's cores (this rank's share) are the EPS's, less one: the compute
         thread launches kernels and must never wait for a core."""
-        return self.eps_threads or max(1, torch.get_num_threads() - 1)
+        return self.eps_threads or max(1, (self.cores or torch.get_num_threads()) - 1)
+
+    def launching(self) -> Any:
+        """The compute thread launches kernels: its own host ops (a batch's embedding rows, a norm) on one
+        core, its passes over EPS buffers queued on the EPS's pool. With torch's full team of its own it
+        spun against the EPS's threads: on an H200's 16-core host the EPS's update ran at half speed and a
+        step's preview of the embeddings' rows took 40-87 ms instead of 6 (docs/gpu.md)."""
+        return compute_threads(1, self.host_threads)
 
     def bind_thread(self) -> None:
         torch.cuda.set_device(self.device)

@@ -27,8 +27,9 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -182,6 +183,20 @@ def set_thread_share(threads: int) -> None:
     thread that never calls this, the compute thread, takes torch's intra-op thread count: it runs host
     work only while the device waits for it)."""
     _LOCAL.threads = max(1, threads)
+
+
+@contextmanager
+def compute_threads(torch_threads: int, share: int) -> Iterator[None]:
+    """For the block, the calling thread's torch ops run on ``torch_threads`` and its passes over EPS
+    buffers on ``share`` threads of the pool the EPS's use (so the two queue there, never oversubscribe)."""
+    before, shared = torch.get_num_threads(), getattr(_LOCAL, "threads", None)
+    torch.set_num_threads(torch_threads)
+    _LOCAL.threads = max(1, share)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+        _LOCAL.threads = shared
 
 
 class HostPasses:

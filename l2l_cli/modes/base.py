@@ -170,11 +170,13 @@ def ubatch_seed(seed: int, step: int, layer: int, ubatch: int) -> int:
 
 def _metered(fn: Any, kind: str) -> Any:
     """``fn(self, batch, ...)`` inside a meter window keyed by the batch's shape (see
-    ``MemoryMeter.window``)."""
+    ``MemoryMeter.window``); a training step on the compute thread's cores for one (``Accelerator.launching``:
+    on CUDA one core launches, the rest are the EPS's)."""
 
     @functools.wraps(fn)
     def run(self: Any, batch: Batch, *args: Any, **kw: Any) -> Any:
-        with self.acc.meter.window((kind, tuple(batch.input_ids.shape))):
+        cores = self.acc.launching() if kind == "train" else nullcontext()
+        with cores, self.acc.meter.window((kind, tuple(batch.input_ids.shape))):
             return fn(self, batch, *args, **kw)
 
     run._metered = True  # type: ignore[attr-defined]
@@ -185,7 +187,8 @@ class RunnerBase:
     """Shared mechanics: dropout seeding, inputs to the device, the lr schedule, the step report.
 
     Every subclass's ``step`` and ``predict`` run in a device-memory meter window (wrapped here, so a new
-    mode cannot forget it): the meter counts the device tier's allocations there and nowhere else."""
+    mode cannot forget it): the meter counts the device tier's allocations there and nowhere else. A step
+    also runs on the compute thread's share of the host's cores."""
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
