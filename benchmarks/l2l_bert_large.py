@@ -4,9 +4,10 @@ step (``eps.host_traffic_bytes_per_param``) per config and the ratios against th
 Usage: python benchmarks/l2l_bert_large.py [--steps 3] [--json out.json]
 
 ``--sweep 4,8,16,32`` (issue 50's GPU acceptance): l2l_p CMP against baseline_ag AMP at each batch size
-(micro-batches of 4), with the share of the step the device computed (forward, backward and recompute,
-timed with ``profile.sync_timers``) and the share the EPS thread worked; the smallest batch where the
-device's share covers the EPS's is where the host's update is hidden.
+(micro-batches of ``--ubatch``, 16 unless given, as docs/gpu.md's first runs), both timed as they train (no
+synchronisation); then a second l2l_p run with ``profile.sync_timers`` for the share of the step the device
+computed (forward, backward and recompute), beside the share the EPS thread worked; the smallest batch where
+the device's share covers the EPS's is where the host's update is hidden.
 
 Targets (this CPU's; on a GPU the step is host-bound, see docs/gpu.md): l2l >= 0.75x baseline_ag at the
 same ubatch (recompute costs one forward); l2l at ubatch 16 faster than baseline_ag at ubatch 2; CMP >= 2x
@@ -71,9 +72,11 @@ def main() -> None:
     ap.add_argument("--json", help="also write every number to this file (scripts/gpu_check.sh reads it)")
     ap.add_argument("--only", action="append", default=[], help="run the configs whose name contains this")
     ap.add_argument("--sweep", help="batch sizes (comma-separated): l2l_p CMP vs baseline_ag AMP at each")
+    ap.add_argument("--ubatch", type=int, default=16, help="--sweep's micro-batch size (default 16)")
+    ap.add_argument("--set", action="append", default=[], help="--sweep: an override for the l2l_p runs")
     args = ap.parse_args()
     if args.sweep:
-        sweep([int(b) for b in args.sweep.split(",")], args.steps, args.json)
+        sweep([int(b) for b in args.sweep.split(",")], args.steps, args.json, args.ubatch, args.set)
         return
     res = {}
     print(f"{'config':30s} {'samples/s':>10s} {'step s':>8s} {'device peak':>12s} {'host B/param':>12s}")
@@ -141,8 +144,12 @@ def main() -> None:
 BUSY = ("forward", "backward", "recompute")  # the device's compute phases (synchronized: its own time)
 
 
-def sweep(sizes: list[int], steps: int, out: str | None) -> None:
-    """l2l_p CMP / baseline_ag AMP at each batch size, with the device's and the EPS thread's busy shares."""
+def sweep(
+    sizes: list[int], steps: int, out: str | None, ubatch: int = 16, extra: list[str] | None = None
+) -> None:
+    """l2l_p CMP / baseline_ag AMP at each batch size, with the device's and the EPS thread's busy shares.
+    Throughput is timed unsynchronised (waiting at every phase would charge the launches the device hides);
+    the device's share comes from a second l2l_p run with ``profile.sync_timers``."""
     print(
         f"{'batch':>6s} {'l2l_p cmp':>10s} {'base_ag amp':>11s} {'ratio':>6s} {'device busy':>11s} "
         f"{'EPS busy':>9s} {'host B/param':>12s}"
@@ -152,16 +159,18 @@ def sweep(sizes: list[int], steps: int, out: str | None) -> None:
         common = [
             *BERT_LARGE_8,
             f"batch.size={b}",
-            f"batch.ubatch_size={min(4, b)}",
-            "profile.sync_timers=true",
+            f"batch.ubatch_size={min(ubatch, b)}",
         ]
-        p = measure([*common, "mode=l2l_p", "precision=cmp"], steps=steps)
+        ours = [*common, "mode=l2l_p", "precision=cmp", *(extra or [])]
+        p = measure(ours, steps=steps)
         ref = measure([*common, "mode=baseline_ag", "precision=amp"], steps=steps)
-        step_s = p["step_time_s"]
-        device = sum(p["phases"].get(k, 0.0) for k in BUSY) / step_s
-        host = p["phases"].get("eps_background_s", 0.0) / step_s
+        synced = measure([*ours, "profile.sync_timers=true"], steps=steps)
+        step_s = synced["step_time_s"]
+        device = sum(synced["phases"].get(k, 0.0) for k in BUSY) / step_s
+        host = synced["phases"].get("eps_background_s", 0.0) / step_s
         row = {
             "batch": b,
+            "ubatch": min(ubatch, b),
             "l2l_p_cmp_samples_per_s": p["samples_per_s"],
             "baseline_ag_amp_samples_per_s": ref["samples_per_s"],
             "ratio": p["samples_per_s"] / ref["samples_per_s"],
@@ -169,6 +178,15 @@ def sweep(sizes: list[int], steps: int, out: str | None) -> None:
             "eps_busy_share": host,
             "host_traffic_bytes_per_param": (p.get("eps") or {}).get("host_traffic_bytes_per_param"),
             "update_gbps": (p.get("eps") or {}).get("update_gbps"),
+            "l2l_p_cmp_step_s": p["step_time_s"],
+            "l2l_p_cmp_synced_step_s": step_s,
+            "l2l_p_device_peak_bytes": p["peak_bytes"],
+            "baseline_ag_device_peak_bytes": ref["peak_bytes"],
+            "l2l_p_overrides": (extra or []),
+            "l2l_p_phases_s": p["phases"],
+            "l2l_p_synced_phases_s": synced["phases"],
+            "baseline_ag_phases_s": ref["phases"],
+            "eps": p.get("eps"),
         }
         rows.append(row)
         print(

@@ -24,8 +24,13 @@ def bench() -> Any:
     return one_gpu_scale
 
 
-def lines(out: str) -> list[dict[str, Any]]:
+def json_lines(out: str) -> list[dict[str, Any]]:
     return [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
+
+
+def lines(out: str) -> list[dict[str, Any]]:
+    """The cases' lines (not the line each depth prints as it ends)."""
+    return [ln for ln in json_lines(out) if "runner" in ln]
 
 
 def test_the_dry_run_lists_the_full_size_cases_with_predictions_and_host_ram(
@@ -85,6 +90,10 @@ def test_the_qlora_case_runs_on_this_cpu_through_the_same_code(capsys: pytest.Ca
     (line,) = lines(out)
     check_tiny_line(line, case)
     assert line["case"] in out.split(b.HEADER, 1)[1]
+    # each depth printed as it ended, so a run cut short keeps what it measured
+    depths = [ln for ln in json_lines(out) if "runner" not in ln]
+    assert [(d["case"], d["layers"]) for d in depths] == [(case.name, n) for n in case.depths]
+    assert all(d["step_s"] == line["depths"][str(d["layers"])]["step_s"] for d in depths)
 
 
 @pytest.mark.slow
