@@ -554,3 +554,43 @@ def test_kept_graphs_are_what_grows_with_depth() -> None:
     kept4, _, _ = _depth_run(4, "none")
     kept8, _, _ = _depth_run(8, "none")
     assert kept8["activations"] > 1.5 * kept4["activations"]
+
+
+@pytest.mark.parametrize("source", ["host", "disk"])
+def test_a_base_held_in_ram_is_page_locked_once_at_its_first_load(
+    source: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A low-bit base held in RAM is handed to ``Accelerator.link`` (page-locked on CUDA) once per tensor, at
+    its layer's first load: copied from pageable memory, an H200's 70B QLoRA step waited on the compute
+    thread for each layer's base. A base on disk is read into new buffers each time: not locked. And on
+    CUDA a small tensor, or one the OS refuses to lock, stays as it is."""
+    from l2l_cli.engine import device as device_mod
+    from l2l_cli.engine.device import Accelerator, CudaAccelerator
+
+    linked: list[int] = []
+    monkeypatch.setattr(Accelerator, "link", lambda self, t: linked.append(t.data_ptr()) or t)
+    cfg = tiny_cfg(*FAMILY["llama"], *R8, "peft.base_dtype=nf4", f"peft.base_source={source}")
+    with built(cfg) as runner:
+        for b in lm_batches(cfg)[:2]:
+            runner.step(b)
+        held = [
+            t.data_ptr() for layer in runner.eps.base.layers for f in layer.values() for t in f.parts.values()
+        ]
+    if source == "disk":
+        assert linked == []
+    else:
+        assert held and sorted(linked) == sorted(held)  # every stored tensor, each once
+
+    acc = CudaAccelerator.__new__(CudaAccelerator)  # (its fields only: no CUDA here)
+    acc.pinned = []
+    locked: list[int] = []
+    monkeypatch.setattr(device_mod, "pin_exact", lambda t: locked.append(t.nbytes) or t)
+    small, large = torch.empty(1000), torch.empty(1 << 16)
+    assert acc.link(small) is small and acc.link(large) is large and locked == [large.nbytes]
+    assert acc.pinned == [large]
+
+    def refused(t: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("cudaHostRegister of 262144 bytes failed (error 2)")
+
+    monkeypatch.setattr(device_mod, "pin_exact", refused)
+    assert acc.link(torch.empty(1 << 16)).nbytes == 1 << 18 and len(acc.pinned) == 1

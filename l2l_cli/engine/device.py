@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from typing import Any
 
 import torch
@@ -41,8 +41,7 @@ def cuda_total_memory(index: int = 0) -> float:
 
 
 def synchronize(device: torch.device) -> None:
-    """Wait until ``device`` has run the work queued on it (nothing to wait for off CUDA): a host clock
-    read after it times that work."""
+    """Wait until ``device`` has run the work queued on it (nothing off CUDA): a clock read after times it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -244,6 +243,10 @@ class Accelerator:
         """The compute thread's cores for a training step: here it computes, on all of them."""
         return nullcontext()
 
+    def link(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``, a host buffer the device's copies read (a frozen base in RAM), page-locked on CUDA."""
+        return t
+
     def bind_thread(self) -> None:
         """The calling thread works for this device (a thread the run starts, first thing): on CUDA a new
         thread's current device is cuda:0 whatever the rank's, so a wait, stream or pinned buffer it made
@@ -370,11 +373,16 @@ class CudaAccelerator(Accelerator):
         thread launches kernels and must never wait for a core."""
         return self.eps_threads or max(1, (self.cores or torch.get_num_threads()) - 1)
 
+    def link(self, t: torch.Tensor) -> torch.Tensor:
+        # a pageable copy blocks the caller at a fraction of the link's rate (small ones: left as they are)
+        if t.nbytes >= 1 << 16 and t.is_contiguous() and not t.is_pinned():
+            with suppress(RuntimeError):
+                self.pinned.append(pin_exact(t))
+        return t
+
     def launching(self) -> Any:
-        """The compute thread launches kernels: its own host ops (a batch's embedding rows, a norm) on one
-        core, its passes over EPS buffers queued on the EPS's pool. With torch's full team of its own it
-        spun against the EPS's threads: on an H200's 16-core host the EPS's update ran at half speed and a
-        step's preview of the embeddings' rows took 40-87 ms instead of 6 (docs/gpu.md)."""
+        """The compute thread launches kernels: its host ops on one core, its passes on the EPS's pool (with a
+        team of its own it spun against the EPS's: on an H200's host the update ran at half speed)."""
         return compute_threads(1, self.host_threads)
 
     def bind_thread(self) -> None:

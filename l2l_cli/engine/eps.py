@@ -107,9 +107,8 @@ class EagerParamServer:
         if lora and trainable is not None:
             self.frozen_layouts = {k: FlatLayout(spec.new_layer(k, "meta"), skip=trainable[k]) for k in KINDS}
             where = tier.path if tier is not None and tier.path else None  # a base on disk: under eps.path
-            self.base = FrozenBase(
-                spec, self.frozen_layouts, lora, Path(where) / "frozen_base" if where else None, seed
-            )
+            root = Path(where) / "frozen_base" if where else None
+            self.base = FrozenBase(spec, self.frozen_layouts, lora, root, seed, link=acc.link)
         self.layers: list[LayerState] = []
         self.files = EpsFiles(spec, self.layers, self.tier)
         with acc.meter.paused():  # host tier
