@@ -484,6 +484,13 @@ def measure(case: Case, layers: int, steps: int) -> dict[str, Any]:
     return r
 
 
+# what a case's line keeps of each depth it ran (also printed as each depth ends)
+DEPTH_FIELDS = (
+    "step_s", "step_times_s", "losses", "device_peak_bytes", "host_rss_anon_peak_bytes", "build_s", "wall_s",
+    "error",
+)  # fmt: skip
+
+
 # ---- the numbers of a case ------------------------------------------------------------------------------
 
 
@@ -554,23 +561,7 @@ def summarize(
         "batch": case.batch,
         "ubatch": case.ubatch,
         "device": m.device,
-        "depths": {
-            d: {
-                k: r.get(k)
-                for k in (
-                    "step_s",
-                    "step_times_s",
-                    "losses",
-                    "device_peak_bytes",
-                    "host_rss_anon_peak_bytes",
-                    "build_s",
-                    "wall_s",
-                    "error",
-                )
-            }
-            | {"plan": plans.get(d)}
-            for d, r in runs.items()
-        },
+        "depths": {d: {k: r.get(k) for k in DEPTH_FIELDS} | {"plan": plans.get(d)} for d, r in runs.items()},
         "full_layers": full,
     }
     if not ok:
@@ -730,9 +721,9 @@ def main(argv: list[str]) -> int:
                 continue
             runs[d] = measure(case, d, a.steps)
             # each depth as it ends (a run cut short by a time limit keeps what it measured)
-            kept = ("step_s", "step_times_s", "device_peak_bytes", "host_rss_anon_peak_bytes", "error")
             print(
-                json.dumps({"case": case.name, "layers": d, **{k: runs[d].get(k) for k in kept}}), flush=True
+                json.dumps({"case": case.name, "layers": d, **{k: runs[d].get(k) for k in DEPTH_FIELDS}}),
+                flush=True,
             )
         line = summarize(case, runs, plans, m)
         lines.append(line)
