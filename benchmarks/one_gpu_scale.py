@@ -488,7 +488,7 @@ def measure(case: Case, layers: int, steps: int) -> dict[str, Any]:
 DEPTH_FIELDS = (
     "step_s", "step_times_s", "losses", "device_peak_bytes", "host_rss_anon_peak_bytes", "build_s", "wall_s",
     "error",
-)  # fmt: skip
+)  # fmt: skip  # a list of names, read as one
 
 
 # ---- the numbers of a case ------------------------------------------------------------------------------
