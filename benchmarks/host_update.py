@@ -8,6 +8,7 @@ write-allocate), so the update's floor is 28 B/param under CMP (26 with an FP32 
 
     python benchmarks/host_update.py                      # 134 M params (8 BERT-Large layers), CMP bf16
     python benchmarks/host_update.py --grad fp32 --send none --json   # one JSON line
+    python benchmarks/host_update.py --beside   # L2L-p's update: read one state set, write the other
 
 Target (issue 50): the update's GB/s at least 0.7x the triad's.
 """
@@ -33,6 +34,7 @@ def main() -> None:
     ap.add_argument("--send", choices=["bf16", "fp16", "fp32", "none"], default="bf16", help="half copy")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads (default: all cores)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--beside", action="store_true", help="write a second state set (L2L-p's), not in place")
     ap.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -45,7 +47,9 @@ def main() -> None:
     hp = AdamwStep(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=10.0)
     mult = 0.5  # an unscale factor (the multiply the update must fold in)
 
-    upd_s = timeit(lambda: passes.adamw(g, (w, m, v), (w, m, v), send, mult, hp), args.repeats)
+    out_set = (torch.empty(n), torch.empty(n), torch.empty(n)) if args.beside else (w, m, v)
+    upd_s = timeit(lambda: passes.adamw(g, (w, m, v), out_set, send, mult, hp), args.repeats)
+    out_set = ()  # (the second set freed)
     upd_bytes = n * (g.element_size() + 24 + (send.element_size() if send is not None else 0))
     abc = [torch.empty(n), torch.randn(n), torch.randn(n)]
     triad_s = timeit(lambda: passes.triad(*abc, 3.0), args.repeats)
@@ -72,6 +76,7 @@ def main() -> None:
         "grad": args.grad,
         "send": args.send,
         "threads": args.threads,
+        "beside": args.beside,
         "kernel": passes.kernel,
         "update_s": upd_s,
         "update_bytes_per_param": upd_bytes / n,
@@ -89,7 +94,8 @@ def main() -> None:
     print(f"{n / 1e6:.0f} M params, gradient {args.grad}, send copy {args.send}, {args.threads} threads")
     print(f"kernel: {passes.kernel}" + ("" if ok else f" ({why})"))
     print(f"{'pass':34s} {'ms':>8s} {'B/param':>8s} {'GB/s':>7s}")
-    print(f"{'update (one pass)':34s} {upd_s * 1e3:8.1f} {upd_bytes / n:8.1f} {upd_gbps:7.1f}")
+    name = "update (one pass, beside)" if args.beside else "update (one pass)"
+    print(f"{name:34s} {upd_s * 1e3:8.1f} {upd_bytes / n:8.1f} {upd_gbps:7.1f}")
     print(f"{'triad a = b + s*c':34s} {triad_s * 1e3:8.1f} {12.0:8.1f} {triad_gbps:7.1f}")
     print(f"{'torch ops (widen, mul, AdamW, copy)':34s} {torch_s * 1e3:8.1f}")
     print(
