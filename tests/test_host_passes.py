@@ -34,9 +34,8 @@ def torch_update(g: torch.Tensor, w: torch.Tensor, m: torch.Tensor, v: torch.Ten
 @pytest.mark.parametrize("n", [5, 16, 1000, 70_001, 1 << 20])
 def test_the_one_pass_update_is_torchs_fused_adamw_bit_for_bit(gdt: torch.dtype, n: int) -> None:
     """Native AdamW from a gradient in the type it arrived in, times the unscale factor, out of place and
-    in place, on one and two threads, with the half copy written (in place: none, BF16, FP16 or FP32): the
-    same bits as torch's fused AdamW after a separate widen and multiply, the gradient and the source state
-    left as they were."""
+    in place, on one and two threads, with a send copy of each type or none: the same bits as torch's fused
+    AdamW after a separate widen and multiply, the gradient and the source state left as they were."""
     ok, why = native_available()
     assert ok, why
     gen = torch.Generator().manual_seed(n)
@@ -47,20 +46,16 @@ def test_the_one_pass_update_is_torchs_fused_adamw_bit_for_bit(gdt: torch.dtype,
         want = torch_update(g, w, m, v, mult, HP)
         for threads in (1, 2):
             passes = HostPasses(threads)
-            out = (torch.empty(n), torch.empty(n), torch.empty(n))
-            send = torch.empty(n, dtype=torch.bfloat16)
-            passes.adamw(g, (w, m, v), out, send, mult, HP)
-            assert passes.kernel == "native"
-            for got, exp in zip(out, want):
-                assert torch.equal(got, exp)
-            assert torch.equal(send, want[0].bfloat16())
             for sdt in (None, torch.bfloat16, torch.float16, torch.float32):
+                beside = (torch.empty(n), torch.empty(n), torch.empty(n))
                 inplace = tuple(t.clone() for t in src)
-                send = None if sdt is None else torch.empty(n, dtype=sdt)
-                passes.adamw(g, inplace, inplace, send, mult, HP)
-                for got, exp in zip(inplace, want):
-                    assert torch.equal(got, exp)
-                assert send is None or torch.equal(send, want[0].to(sdt)), sdt
+                for into in (beside, inplace):
+                    send = None if sdt is None else torch.empty(n, dtype=sdt)
+                    passes.adamw(g, inplace if into is inplace else (w, m, v), into, send, mult, HP)
+                    assert passes.kernel == "native"
+                    for got, exp in zip(into, want):
+                        assert torch.equal(got, exp)
+                    assert send is None or torch.equal(send, want[0].to(sdt)), sdt
             passes.close()
         assert torch.equal(g, g0) and all(torch.equal(a, b) for a, b in zip((w, m, v), src))
 

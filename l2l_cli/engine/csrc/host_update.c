@@ -10,10 +10,9 @@
  * that once per process, and leaves the run's last few elements to torch). Build flags: -ffp-contract=off
  * (no FMA the source does not write), no fast-math.
  *
- * In place, each element is read, updated and written in registers (update_loop). Beside (L2L-p), work is
- * cut into blocks that stay in L1: the gradient block is widened into a small float buffer, the update
- * writes its new state there, and the block is streamed out. The caller splits a run over threads (each
- * thread one contiguous range) and releases the GIL (ctypes).
+ * Each element is read, updated and written in registers, in one loop (update_loop). Beside (L2L-p), the
+ * loop writes a block at a time into L1 buffers, and each block is streamed out (beside_run). The caller
+ * splits a run over threads (each thread one contiguous range) and releases the GIL (ctypes).
  */
 #include <math.h>
 #include <stdint.h>
@@ -113,24 +112,34 @@ static void narrow(const float *w, void *send, int send_type, int64_t at, int64_
         (w1k) = p_ + (neg_ss * m_) / denom_;                                                               \
     } while (0)
 
-static void adamw_vec(const float *restrict g, const float *restrict w0, const float *restrict m0,
-                      const float *restrict v0, float *restrict w1, float *restrict m1, float *restrict v1,
-                      int64_t n, const adamw_args *a) {
-    ADAMW_CONSTS(a)
-    for (int64_t k = 0; k < n; k++) ADAMW_ELEMENT(g[k], w0[k], m0[k], v0[k], w1[k], m1[k], v1[k]);
-}
 
 /* The element at ``at`` of a buffer of ``type`` (FP32 4 bytes, a half type 2; no buffer: NULL). */
 static inline void *elem(const void *p, int type, int64_t at) {
     return p ? (char *)p + at * (type == T_F32 ? 4 : 2) : NULL;
 }
 
+/* Element k of the gradient (type ``gt``), times the factor where ``mul``; and x narrowed into element k of
+ * the send copy (type ``st``; T_NONE: none). Inlined where ``gt``, ``st`` and ``mul`` are constants. */
+static inline __attribute__((always_inline)) float grad_at(const void *restrict g, const int gt, int64_t k,
+                                                           const int mul, float f) {
+    float x = gt == T_F32    ? ((const float *)g)[k]
+              : gt == T_BF16 ? bf16_to_f32(((const uint16_t *)g)[k])
+                             : f16_to_f32(((const uint16_t *)g)[k]);
+    return mul ? x * f : x;
+}
+static inline __attribute__((always_inline)) void send_put(void *restrict s, const int st, int64_t k,
+                                                           float x) {
+    if (st == T_BF16) ((uint16_t *)s)[k] = f32_to_bf16(x);
+    if (st == T_F16) ((uint16_t *)s)[k] = f32_to_f16(x);
+    if (st == T_F32) ((float *)s)[k] = x;
+}
+
 /* The update in place of n elements (w, m, v read and written through one pointer each) in one loop: the
- * gradient read in its type and multiplied (``mul``), AdamW, the new master narrowed into the send copy
- * (``st``: T_NONE none), each element in registers. ``gt``, ``st`` and ``mul`` are constants at every call
- * (update_inplace's switch), so each combination is its own loop, vectorized: against widening into a
- * buffer, then the multiply, the update and the narrowing as four loops over it, this takes the pass from
- * 0.62 to 0.41 ns per parameter in cache on one core of a 2-core Zen 4 (BF16 gradient and send copy). */
+ * gradient read in its type and multiplied, AdamW, the new master narrowed into the send copy, each element
+ * in registers. ``gt``, ``st`` and ``mul`` are constants at every call (L2L_SPECIALIZE), so each combination
+ * is its own loop, vectorized: against widening into a buffer, then the multiply, the update and the
+ * narrowing as four loops over it, this takes the pass from 0.62 to 0.41 ns per parameter in cache on one
+ * core of a 2-core Zen 4 (BF16 gradient and send copy). */
 static inline __attribute__((always_inline)) void update_loop(const void *restrict g, const int gt,
                                                               float *restrict w, float *restrict m,
                                                               float *restrict v, void *restrict send,
@@ -139,37 +148,52 @@ static inline __attribute__((always_inline)) void update_loop(const void *restri
     ADAMW_CONSTS(a)
     const float f = a->mult;
     for (int64_t k = 0; k < n; k++) {
-        float gk = gt == T_F32    ? ((const float *)g)[k]
-                   : gt == T_BF16 ? bf16_to_f32(((const uint16_t *)g)[k])
-                                  : f16_to_f32(((const uint16_t *)g)[k]);
-        if (mul) gk = gk * f;
+        float gk = grad_at(g, gt, k, mul, f);
         ADAMW_ELEMENT(gk, w[k], m[k], v[k], w[k], m[k], v[k]);
-        if (st == T_BF16) ((uint16_t *)send)[k] = f32_to_bf16(w[k]);
-        if (st == T_F16) ((uint16_t *)send)[k] = f32_to_f16(w[k]);
-        if (st == T_F32) ((float *)send)[k] = w[k];
+        send_put(send, st, k, w[k]);
     }
 }
 
-/* update_loop for a gradient of type ``gt`` and a send copy of type ``st`` (both at element 0 of the n) */
+/* The same update from one state set (w0, m0, v0) into another (w1, m1, v1) and the send copy. */
+static inline __attribute__((always_inline)) void update_beside_loop(
+    const void *restrict g, const int gt, const float *restrict w0, const float *restrict m0,
+    const float *restrict v0, float *restrict w1, float *restrict m1, float *restrict v1, void *restrict send,
+    const int st, int64_t n, const adamw_args *a, const int mul) {
+    ADAMW_CONSTS(a)
+    const float f = a->mult;
+    for (int64_t k = 0; k < n; k++) {
+        float gk = grad_at(g, gt, k, mul, f);
+        ADAMW_ELEMENT(gk, w0[k], m0[k], v0[k], w1[k], m1[k], v1[k]);
+        send_put(send, st, k, w1[k]);
+    }
+}
+
+/* CALL(G, S, M) with the constants of this update's gradient type ``gt``, send type ``st`` and factor. */
+#define L2L_BY_MULT(CALL, G, S)                                                                            \
+    do {                                                                                                   \
+        if (a->has_mult) CALL(G, S, 1);                                                                    \
+        else CALL(G, S, 0);                                                                                \
+    } while (0)
+#define L2L_BY_SEND(CALL, G)                                                                               \
+    do {                                                                                                   \
+        if (st == T_NONE) L2L_BY_MULT(CALL, G, T_NONE);                                                    \
+        else if (st == T_BF16) L2L_BY_MULT(CALL, G, T_BF16);                                               \
+        else if (st == T_F16) L2L_BY_MULT(CALL, G, T_F16);                                                 \
+        else L2L_BY_MULT(CALL, G, T_F32);                                                                  \
+    } while (0)
+#define L2L_SPECIALIZE(CALL)                                                                               \
+    do {                                                                                                   \
+        if (gt == T_F32) L2L_BY_SEND(CALL, T_F32);                                                         \
+        else if (gt == T_BF16) L2L_BY_SEND(CALL, T_BF16);                                                  \
+        else L2L_BY_SEND(CALL, T_F16);                                                                     \
+    } while (0)
+
+/* update_loop over n elements (the gradient and send copy at element 0 of the n) */
 static void update_inplace(const void *g, int gt, float *w, float *m, float *v, void *send, int st, int64_t n,
                            const adamw_args *a) {
-#define L2L_UPDATE(G, S)                                                                                   \
-    do {                                                                                                   \
-        if (a->has_mult) update_loop(g, G, w, m, v, send, S, n, a, 1);                                     \
-        else update_loop(g, G, w, m, v, send, S, n, a, 0);                                                 \
-    } while (0)
-#define L2L_SENDS(G)                                                                                       \
-    do {                                                                                                   \
-        if (st == T_NONE) L2L_UPDATE(G, T_NONE);                                                           \
-        else if (st == T_BF16) L2L_UPDATE(G, T_BF16);                                                      \
-        else if (st == T_F16) L2L_UPDATE(G, T_F16);                                                        \
-        else L2L_UPDATE(G, T_F32);                                                                         \
-    } while (0)
-    if (gt == T_F32) L2L_SENDS(T_F32);
-    else if (gt == T_BF16) L2L_SENDS(T_BF16);
-    else L2L_SENDS(T_F16);
-#undef L2L_SENDS
-#undef L2L_UPDATE
+#define CALL(G, S, M) update_loop(g, G, w, m, v, send, S, n, a, M)
+    L2L_SPECIALIZE(CALL);
+#undef CALL
 }
 
 /* dst[0:nbytes] = src[0:nbytes] with non-temporal stores: memory that is written, not read, by this pass
@@ -205,6 +229,35 @@ static void stream_fence(void) {
 #endif
 }
 
+/* Elements [lo, hi) updated beside (update_beside_loop), a block of BLOCK at a time into L1 buffers, each
+ * block streamed out (the set written is not in cache, and plain stores would first read its lines in). */
+static inline __attribute__((always_inline)) void beside_run(const void *g, const int gt, const float *w0,
+                                                             const float *m0, const float *v0, float *w1,
+                                                             float *m1, float *v1, void *send, const int st,
+                                                             int64_t lo, int64_t hi, const adamw_args *a,
+                                                             const int mul) {
+    float wbuf[BLOCK], mbuf[BLOCK], vbuf[BLOCK], sbuf[BLOCK];
+    const int64_t es = st == T_F32 ? 4 : 2;
+    for (int64_t at = lo; at < hi; at += BLOCK) {
+        int64_t n = hi - at < BLOCK ? hi - at : BLOCK;
+        const void *ga = elem(g, gt, at);
+        update_beside_loop(ga, gt, w0 + at, m0 + at, v0 + at, wbuf, mbuf, vbuf, sbuf, st, n, a, mul);
+        stream_out(w1 + at, wbuf, n * 4);
+        stream_out(m1 + at, mbuf, n * 4);
+        stream_out(v1 + at, vbuf, n * 4);
+        if (st != T_NONE) stream_out((char *)send + at * es, sbuf, n * es);
+    }
+    stream_fence();
+}
+
+static void update_beside(const void *g, int gt, const float *w0, const float *m0, const float *v0,
+                          float *w1, float *m1, float *v1, void *send, int st, int64_t lo, int64_t hi,
+                          const adamw_args *a) {
+#define CALL(G, S, M) beside_run(g, G, w0, m0, v0, w1, m1, v1, send, S, lo, hi, a, M)
+    L2L_SPECIALIZE(CALL);
+#undef CALL
+}
+
 /* One pass over elements [lo, hi) of a run. State read from (w0, m0, v0), written to (w1, m1, v1): the same
  * buffers for an in-place update, else another set (L2L-p's undo), which is streamed out with the send copy.
  * ``send``: the device's copy of the new master (T_NONE: none). In place, plain stores: the lines were just
@@ -212,30 +265,12 @@ static void stream_fence(void) {
  * host (two machines of one kind; docs/gpu.md). */
 void l2l_adamw(const void *g, int g_type, const float *w0, const float *m0, const float *v0, float *w1,
                float *m1, float *v1, void *send, int send_type, int64_t lo, int64_t hi, const adamw_args *a) {
-    float gbuf[BLOCK], wbuf[BLOCK], mbuf[BLOCK], vbuf[BLOCK], sbuf[BLOCK];
     if (w1 == w0) {
         void *s = elem(send, send_type, lo);
         update_inplace(elem(g, g_type, lo), g_type, w1 + lo, m1 + lo, v1 + lo, s, send_type, hi - lo, a);
         return;
     }
-    const int64_t es = send_type == T_F32 ? 4 : 2;
-    for (int64_t at = lo; at < hi; at += BLOCK) {
-        int64_t n = hi - at < BLOCK ? hi - at : BLOCK;
-        widen(g, g_type, at, n, gbuf);
-        if (a->has_mult) {
-            const float f = a->mult;
-            for (int64_t k = 0; k < n; k++) gbuf[k] = gbuf[k] * f;
-        }
-        adamw_vec(gbuf, w0 + at, m0 + at, v0 + at, wbuf, mbuf, vbuf, n, a);
-        stream_out(w1 + at, wbuf, n * 4);
-        stream_out(m1 + at, mbuf, n * 4);
-        stream_out(v1 + at, vbuf, n * 4);
-        if (send_type != T_NONE) {
-            narrow(wbuf, sbuf, send_type, 0, n);
-            stream_out((char *)send + at * es, sbuf, n * es);
-        }
-    }
-    stream_fence();
+    update_beside(g, g_type, w0, m0, v0, w1, m1, v1, send, send_type, lo, hi, a);
 }
 
 /* dst[lo:hi] = src[lo:hi] in dst's type (a send copy refreshed from the master; a widened gradient). */
