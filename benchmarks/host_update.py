@@ -22,7 +22,8 @@ import os
 import torch
 from harness import timeit
 
-from l2l_cli.engine.host_passes import AdamwStep, HostPasses, native_available
+from l2l_cli.engine.host_passes import AdamwStep, HostPasses
+from l2l_cli.engine.native import native_available
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
 

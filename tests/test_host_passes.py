@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from l2l_cli.engine.host_passes import AdamwStep, HostPasses, native_available
+from l2l_cli.engine.host_passes import AdamwStep, HostPasses
+from l2l_cli.engine.native import native_available
 from tests.util import batches, built, l2l, tiny_cfg
 
 HP = AdamwStep(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=4.0)

@@ -281,3 +281,47 @@ def test_the_update_schedule_is_chosen_once_when_the_runner_is_built(
         assert runner.schedule is UpdateSchedule(schedule)
         assert (runner.speculation is not None) == runner.schedule.in_backward
         assert (runner.trailing is not None) == runner.schedule.trailing
+
+
+def test_the_preview_reads_rows_where_they_lie_and_the_whole_updates_tail_the_torch_way(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the native kernels, the rows a batch reads are previewed where they lie in the master (no
+    gather), on the EPS's threads; rows within a run's last ``len % vec`` elements, which the whole
+    update leaves to torch's kernel, are previewed by torch's. At widths that leave such tails (hidden 20,
+    LayerNorm 20 + 20 elements) both paths run, and every previewed row equals the whole update's, bit
+    for bit, under CMP (a half gradient and send copy)."""
+    cfg = tiny_cfg("mode=l2l_p", "precision=cmp", "model.hidden_size=20", "model.num_heads=4")
+    with built(cfg) as runner:
+        eps = runner.eps
+        if eps.layers[0].passes.kernel != "native":
+            pytest.skip(f"no native kernels here: {eps.layers[0].passes.why}")
+        calls = {"adamw_rows": 0, "_preview_torch": 0}
+        for cls, name in (
+            (type(eps.layers[0].passes), "adamw_rows"),
+            (type(eps.layers[0]), "_preview_torch"),
+        ):
+            monkeypatch.setattr(cls, name, counted(getattr(cls, name), calls, name))
+        it = batches(cfg)
+        runner.step(next(it))
+        nxt = next(it)
+        st = eps.layers[0]
+        runner.trailing.start_step(nxt)
+        preview = st.send.clone()
+        runner.finish_updates()
+        assert calls["adamw_rows"] > 0 and calls["_preview_torch"] > 0, calls
+        rows = eps.spec.rows_read(0, nxt)
+        early, final = (dict(st.layout.views(t)) for t in (preview, st.send))
+        for name in early:
+            idx = torch.unique(rows[name]) if name in rows else slice(None)
+            assert torch.equal(early[name][idx], final[name][idx]), name
+
+
+def counted(fn: Any, calls: dict[str, int], name: str) -> Any:
+    """``fn``, counting its calls in ``calls[name]``."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        calls[name] += 1
+        return fn(*args, **kwargs)
+
+    return wrapper

@@ -123,7 +123,7 @@ def _eps(cfg: Config, check_files: bool) -> list[Problem]:
     one_of(p, "eps.update_kernel", e.update_kernel, UPDATE_KERNELS)
     at_least(p, "eps.threads", e.threads, 0, "(0: the device's default)")
     if e.update_kernel == "native":
-        from l2l_cli.engine.host_passes import native_available
+        from l2l_cli.engine.native import native_available
 
         ok, why = native_available()
         if not ok:

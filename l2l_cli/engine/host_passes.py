@@ -17,128 +17,28 @@ GB/s (``eps.update_gbps``); the relay's DMA copies are counted apart (``eps.tran
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import math
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import cache
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from l2l_cli.engine.native import AdamwArgs, library
 
 if TYPE_CHECKING:
     from l2l_cli.engine.qmaps import QMap
 
 log = logging.getLogger("l2l")
 
-SOURCE = Path(__file__).with_name("csrc") / "host_update.c"
-# no FMA the source does not write (the bit-exact match with ATen's fused AdamW), no fast-math; the target is
-# this machine's CPU (the library is cached per CPU model and flags)
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC"]
 ALIGN = 64  # elements: a thread's range starts on a cache line (FP32) and a whole vector
 _TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 QBLOCK = 256  # elements per absmax of the 8-bit kernel (csrc's QBLOCK, engine/optim.py's)
-
-
-class _AdamwArgs(ctypes.Structure):
-    _fields_ = [
-        ("mult", ctypes.c_float),
-        ("has_mult", ctypes.c_int32),
-        ("decay", ctypes.c_float),
-        ("has_decay", ctypes.c_int32),
-        ("lerp_w", ctypes.c_float),
-        ("beta2", ctypes.c_float),
-        ("c2", ctypes.c_float),
-        ("bc2_sqrt", ctypes.c_float),
-        ("eps", ctypes.c_float),
-        ("step_size", ctypes.c_float),
-    ]
-
-
-def _cpu_key() -> str:
-    """The CPU the library is built for (-march=native): model name and flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features"))]
-    return "\n".join(sorted(set(lines)))
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("L2L_KERNEL_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "l2l", "kernels"
-    )
-    return Path(root)
-
-
-@cache
-def _library() -> tuple[ctypes.CDLL | None, str]:
-    """The native kernels, built on first use (a second or so) and cached; (None, why) where they cannot
-    be: no C compiler, a failed build, ``L2L_NATIVE=0``."""
-    if os.environ.get("L2L_NATIVE", "1") == "0":
-        return None, "L2L_NATIVE=0"
-    cc = os.environ.get("CC") or next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
-    if cc is None or shutil.which(cc) is None:
-        return None, "no C compiler found (set CC)"
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join([cc, *CFLAGS]).encode() + _cpu_key().encode()).hexdigest()[:16]
-    for root in (_cache_dir(), Path(tempfile.gettempdir()) / "l2l-kernels"):
-        lib = root / f"host_update-{key}.so"
-        if not lib.exists():
-            try:
-                root.mkdir(parents=True, exist_ok=True)
-                tmp = root / f".{lib.name}.{os.getpid()}.{threading.get_ident()}"
-                run = subprocess.run(
-                    [cc, *CFLAGS, "-shared", "-o", str(tmp), str(SOURCE)], capture_output=True, text=True
-                )
-                if run.returncode != 0:
-                    tmp.unlink(missing_ok=True)
-                    first = (run.stderr.strip().splitlines() or ["?"])[0]
-                    return None, f"{cc} failed: {first}"
-                os.replace(tmp, lib)  # atomic: ranks building at once each install a whole library
-            except OSError:
-                continue  # an unwritable cache: the next place
-        try:
-            dll = ctypes.CDLL(str(lib))
-        except OSError as e:
-            return None, f"cannot load {lib}: {e}"
-        i64, vp, fp = ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p
-        dll.l2l_adamw.argtypes = [vp, ctypes.c_int, fp, fp, fp, fp, fp, fp, vp, ctypes.c_int, i64, i64, vp]
-        dll.l2l_adamw.restype = None
-        dll.l2l_convert.argtypes = [vp, ctypes.c_int, vp, ctypes.c_int, i64, i64]
-        dll.l2l_convert.restype = None
-        dll.l2l_triad.argtypes = [fp, fp, fp, ctypes.c_float, i64, i64]
-        dll.l2l_triad.restype = None
-        dll.l2l_adamw8bit.argtypes = [vp, ctypes.c_int, *[vp] * 6, ctypes.c_int, i64, i64, i64, vp, vp, vp]
-        dll.l2l_adamw8bit.restype = None
-        dll.l2l_qmap_table_bytes.argtypes = []
-        dll.l2l_qmap_table_bytes.restype = i64
-        dll.l2l_qmap_init.argtypes = [vp, vp, vp]
-        dll.l2l_qmap_init.restype = ctypes.c_int
-        dll.l2l_quantize.argtypes = [vp, ctypes.c_float, vp, vp, i64]
-        dll.l2l_quantize.restype = None
-        dll.l2l_dequantize.argtypes = [vp, ctypes.c_float, vp, vp, i64]
-        dll.l2l_dequantize.restype = None
-        return dll, ""
-    return None, "no writable kernel cache"
-
-
-def native_available() -> tuple[bool, str]:
-    """Whether the native kernels load here, and why not."""
-    lib, why = _library()
-    return lib is not None, why
 
 
 def _vector_width() -> int:
@@ -206,7 +106,7 @@ class HostPasses:
 
     def __init__(self, threads: int, kernel: str = "auto"):
         self.threads = max(1, threads)
-        lib, why = _library() if kernel != "torch" else (None, "eps.update_kernel=torch")
+        lib, why = library() if kernel != "torch" else (None, "eps.update_kernel=torch")
         if kernel == "native" and lib is None:
             raise RuntimeError(f"eps.update_kernel=native: the native kernels are unavailable ({why})")
         self.lib, self.why = lib, why
@@ -236,11 +136,11 @@ class HostPasses:
 
     # ---- the kernels ------------------------------------------------------------------------------------
 
-    def _split(self, n: int, fn: Callable[[int, int], None], align: int = ALIGN) -> None:
+    def _split(self, n: int, fn: Callable[[int, int], None], align: int = ALIGN, each: int = 1) -> None:
         """``fn(lo, hi)`` over [0, n) cut into one contiguous range per thread, the caller's included, each
-        starting at a multiple of ``align``."""
+        starting at a multiple of ``align`` (``each``: elements per unit of n)."""
         share = getattr(_LOCAL, "threads", None) or torch.get_num_threads()
-        t = min(share, max(1, n // (1 << 15)))  # small runs: one thread (a dispatch costs ~20 us)
+        t = min(share, max(1, n * each // (1 << 15)))  # small runs: one thread (a dispatch costs ~20 us)
         if t == 1 or self._pool is None:
             fn(0, n)
             return
@@ -276,7 +176,7 @@ class HostPasses:
             return
         body = n - n % self.vec  # ATen's vector loop; the rest is its scalar tail's: torch's own kernel
         if body:
-            args = _AdamwArgs(
+            args = AdamwArgs(
                 mult=1.0 if mult is None else mult, has_mult=int(mult is not None), **hp.scalars()
             )
             gt, st = _TYPES[g.dtype], (_TYPES[send.dtype] if send is not None else -1)
@@ -298,6 +198,32 @@ class HostPasses:
                 mult,
                 hp,
             )
+
+    def adamw_rows(
+        self,
+        g: torch.Tensor,
+        state: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        send: torch.Tensor,
+        width: int,
+        rows: torch.Tensor,
+        mult: float | None,
+        hp: AdamwStep,
+    ) -> None:
+        """What an AdamW run (``adamw``'s arguments, in place) would make of ``rows`` (row indices, each
+        ``width`` elements) of it, written into those rows of ``send`` only: the state is left alone. Native
+        kernels only (``kernel == "native"``); rows the run leaves to torch's kernel (its last
+        ``len % vec`` elements) are the caller's."""
+        assert self.lib is not None and rows.dtype == torch.int64 and rows.is_contiguous()
+        w, m, v = state
+        args = AdamwArgs(mult=1.0 if mult is None else mult, has_mult=int(mult is not None), **hp.scalars())
+        gt, st = _TYPES[g.dtype], _TYPES[send.dtype]
+        ptrs = [t.data_ptr() for t in (g, w, m, v, send, rows)]
+        ap, lib = ctypes.byref(args), self.lib
+
+        def run(r0: int, r1: int) -> None:
+            lib.l2l_adamw_rows(ptrs[0], gt, *ptrs[1:4], ptrs[4], st, width, ptrs[5], r0, r1, ap)
+
+        self._split(rows.numel(), run, align=1, each=width)
 
     def _adamw_torch(
         self,
@@ -336,7 +262,7 @@ class HostPasses:
         assert w.dtype == torch.float32 and cm.dtype == cv.dtype == torch.uint8
         assert all(t.is_contiguous() for t in (g, w, cm, cv, am, av))
         total = w.numel()
-        args = _AdamwArgs(mult=1.0 if mult is None else mult, has_mult=int(mult is not None), **hp.scalars())
+        args = AdamwArgs(mult=1.0 if mult is None else mult, has_mult=int(mult is not None), **hp.scalars())
         gt, st = _TYPES[g.dtype], (_TYPES[send.dtype] if send is not None else -1)
         ptrs = [t.data_ptr() for t in (w, cm, cv, am, av)]
         gp, sp = g.data_ptr(), (send.data_ptr() if send is not None else None)

@@ -278,45 +278,85 @@ class LayerState:
         """Write into the send copy what this step's update will make of the rows a batch reads (``rows``:
         parameter -> row indices; every other parameter whole), leaving the state itself alone: the device
         can load them now while ``update`` computes the whole layer behind it. AdamW is elementwise, so a row
-        updated alone equals the same row updated with its table, bit for bit. (Why not update the rows in
-        place and the rest by range: thousands of row ranges cost more than the whole fused update.)"""
-        from torch.optim.adamw import adamw
-
+        updated alone equals the same row updated with its table, bit for bit. On the native kernels each
+        row is read where it lies, on the EPS's threads; rows the whole update leaves to torch's kernel
+        (a run's last few elements), and every row without the kernels, are gathered and updated by
+        torch's. (Why not update the rows in place and the rest by range: thousands of row ranges cost
+        more than the whole fused update.)"""
         assert self.w_send is not None, "preview_rows writes the send copy: make_send_copy() first"
-        step = next(iter(self.optimizer.state.values()))["step"]
+        step = float(next(iter(self.optimizer.state.values()))["step"])
         group = self.optimizer.param_groups[0]
         decay = max(g["weight_decay"] for g in self.optimizer.param_groups)
-        g_all = self.grad
-        touched = 0
+        native = self.fused is not None and self.passes.kernel == "native"
+        runs = self.fused or []
+        starts = torch.tensor([r[0] for r in runs], dtype=torch.long)
+        mult = None if grad_mult is None else float(grad_mult)
+        g, send = self.grad, self.w_send
+        read = gathered = 0
+        for lo, hi, width, idx in self.layout.row_blocks(rows):
+            if not native:
+                gathered += self._preview_torch(lo, hi, width, idx, lr, grad_mult, step, group, decay)
+                continue
+            which = torch.searchsorted(starts, lo + idx * width, right=True) - 1
+            for k in which.unique().tolist():
+                rlo, rhi, run_group, state = runs[k]
+                sel = idx[which == k]
+                alone = lo + (sel + 1) * width <= rhi - (rhi - rlo) % self.passes.vec
+                after = float(state["step"]) + 1  # (the whole update counts its step first)
+                hp = AdamwStep(lr, *run_group["betas"], run_group["eps"], run_group["weight_decay"], after)
+                part = sel[alone].contiguous()
+                state_part = (self.w[lo:hi], self.m[lo:hi], self.v[lo:hi])
+                self.passes.adamw_rows(g[lo:hi], state_part, send[lo:hi], width, part, mult, hp)
+                read += part.numel() * width
+                if not bool(alone.all()):
+                    rest = sel[~alone]
+                    gathered += self._preview_torch(lo, hi, width, rest, lr, grad_mult, step, group, decay)
+        # rows read where they lie (gradient, state, the send copy's rows written); gathered rows (gradient
+        # and state gathered, their update as torch's, the send copy's rows written)
+        self.passes.count("preview", read * (g.element_size() + 12 + send.element_size()))
+        self.passes.count("preview", gathered * (g.element_size() + 12 + 28 + 4 + send.element_size()))
+
+    def _preview_torch(
+        self,
+        lo: int,
+        hi: int,
+        width: int,
+        idx: torch.Tensor,
+        lr: float,
+        grad_mult: torch.Tensor | float | None,
+        step: float,
+        group: dict,
+        decay: float,
+    ) -> int:
+        """Rows ``idx`` of the block [lo, hi) (rows of ``width``) gathered, updated by torch's fused AdamW
+        and written into the send copy; returns the elements touched."""
+        from torch.optim.adamw import adamw
+
+        assert self.w_send is not None
         with torch.no_grad():
-            for lo, hi, width, idx in self.layout.row_blocks(rows):
-                touched += idx.numel() * width
-                views = [t[lo:hi].view(-1, width) for t in (self.w, g_all, self.m, self.v)]
-                w, g, m, v = (t.index_select(0, idx) for t in views)
-                g = g.float()
-                if grad_mult is not None:
-                    g.mul_(grad_mult)
-                adamw(
-                    [w],
-                    [g],
-                    [m],
-                    [v],
-                    [],
-                    [step.clone()],
-                    fused=True,
-                    amsgrad=False,
-                    beta1=group["betas"][0],
-                    beta2=group["betas"][1],
-                    lr=lr,
-                    weight_decay=decay if lo < self.layout.n_decay else 0.0,
-                    eps=group["eps"],
-                    maximize=False,
-                )
-                self.w_send[lo:hi].view(-1, width).index_copy_(0, idx, w.to(self.w_send.dtype))
-        # gathered rows (gradient and state), their update as torch's, the send copy's rows written
-        self.passes.count(
-            "preview", touched * (g_all.element_size() + 12 + 28 + 4 + self.w_send.element_size())
-        )
+            views = [t[lo:hi].view(-1, width) for t in (self.w, self.grad, self.m, self.v)]
+            w, g, m, v = (t.index_select(0, idx) for t in views)
+            g = g.float()
+            if grad_mult is not None:
+                g.mul_(grad_mult)
+            adamw(
+                [w],
+                [g],
+                [m],
+                [v],
+                [],
+                [torch.tensor(step)],
+                fused=True,
+                amsgrad=False,
+                beta1=group["betas"][0],
+                beta2=group["betas"][1],
+                lr=lr,
+                weight_decay=decay if lo < self.layout.n_decay else 0.0,
+                eps=group["eps"],
+                maximize=False,
+            )
+            self.w_send[lo:hi].view(-1, width).index_copy_(0, idx, w.to(self.w_send.dtype))
+        return idx.numel() * width
 
     def make_send_copy(self, acc: Accelerator) -> None:
         """A separate send buffer even in FP32 (what the device loads can then run ahead of the master)."""

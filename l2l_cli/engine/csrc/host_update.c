@@ -273,6 +273,34 @@ void l2l_adamw(const void *g, int g_type, const float *w0, const float *m0, cons
     update_beside(g, g_type, w0, m0, v0, w1, m1, v1, send, send_type, lo, hi, a);
 }
 
+/* Rows idx[r0:r1) of a run of rows of ``width`` elements: what the update makes of each row
+ * (update_beside_loop from the live state into scratch), its new master narrowed into the send copy's row;
+ * the state itself is left alone. L2L-p's preview of the rows a batch reads of a table whose update trails
+ * the step (engine/trailing.py): AdamW is elementwise, so each row equals the whole run's update of it bit
+ * for bit. */
+static inline __attribute__((always_inline)) void rows_run(const void *g, const int gt, const float *w,
+                                                           const float *m, const float *v, void *send,
+                                                           const int st, int64_t width, const int64_t *idx,
+                                                           int64_t r0, int64_t r1, const adamw_args *a,
+                                                           const int mul) {
+    float wbuf[BLOCK], mbuf[BLOCK], vbuf[BLOCK];
+    for (int64_t r = r0; r < r1; r++) {
+        for (int64_t at = idx[r] * width, end = at + width; at < end; at += BLOCK) {
+            int64_t n = end - at < BLOCK ? end - at : BLOCK;
+            const void *ga = elem(g, gt, at);
+            void *sa = elem(send, st, at);
+            update_beside_loop(ga, gt, w + at, m + at, v + at, wbuf, mbuf, vbuf, sa, st, n, a, mul);
+        }
+    }
+}
+
+void l2l_adamw_rows(const void *g, int gt, const float *w, const float *m, const float *v, void *send, int st,
+                    int64_t width, const int64_t *idx, int64_t r0, int64_t r1, const adamw_args *a) {
+#define CALL(G, S, M) rows_run(g, G, w, m, v, send, S, width, idx, r0, r1, a, M)
+    L2L_SPECIALIZE(CALL);
+#undef CALL
+}
+
 /* dst[lo:hi] = src[lo:hi] in dst's type (a send copy refreshed from the master; a widened gradient). */
 void l2l_convert(const void *src, int src_type, void *dst, int dst_type, int64_t lo, int64_t hi) {
     float buf[BLOCK];
