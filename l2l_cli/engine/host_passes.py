@@ -4,9 +4,9 @@ counted.
 On a GPU the EPS, not the device, sets L2L's pace, and it is bound by host memory bandwidth: so the measure is
 bytes per parameter per step. The floor of one AdamW update is one pass: read the received gradient (4 B
 FP32, 2 B half), read w, m, v (12), write w, m, v (12) and, under CMP, the device's half copy (2). The native
-kernel (``csrc/host_update.c``, built with the machine's C compiler on first use and cached) does exactly
-that, over cache-sized blocks, on ``threads`` threads; where no compiler is found the same update runs as
-torch ops in more passes (``kernel`` says which), with the same numbers.
+kernel (``csrc/host_update.c``, built with the machine's C compiler on first use and cached: ``native``)
+does exactly that, in one loop over each thread's range, on ``threads`` threads; where no compiler is found
+the same update runs as torch ops in more passes (``kernel`` says which), with the same numbers.
 
 Every pass, native or not, is counted by the code that makes it (:meth:`HostPasses.count`): what it read
 and wrote, and its seconds, by what it was for (``update``, ``widen``, ``norm``, ``undo``, ...). summary.json
