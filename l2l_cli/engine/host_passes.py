@@ -176,9 +176,7 @@ class HostPasses:
             return
         body = n - n % self.vec  # ATen's vector loop; the rest is its scalar tail's: torch's own kernel
         if body:
-            args = AdamwArgs(
-                mult=1.0 if mult is None else mult, has_mult=int(mult is not None), **hp.scalars()
-            )
+            args = _kernel_args(mult, hp)
             gt, st = _TYPES[g.dtype], (_TYPES[send.dtype] if send is not None else -1)
             ptrs = [t.data_ptr() for t in (w0, m0, v0, w1, m1, v1)]
             gp, sp, ap = g.data_ptr(), (send.data_ptr() if send is not None else None), ctypes.byref(args)
@@ -215,7 +213,7 @@ class HostPasses:
         ``len % vec`` elements) are the caller's."""
         assert self.lib is not None and rows.dtype == torch.int64 and rows.is_contiguous()
         w, m, v = state
-        args = AdamwArgs(mult=1.0 if mult is None else mult, has_mult=int(mult is not None), **hp.scalars())
+        args = _kernel_args(mult, hp)
         gt, st = _TYPES[g.dtype], _TYPES[send.dtype]
         ptrs = [t.data_ptr() for t in (g, w, m, v, send, rows)]
         ap, lib = ctypes.byref(args), self.lib
@@ -262,7 +260,7 @@ class HostPasses:
         assert w.dtype == torch.float32 and cm.dtype == cv.dtype == torch.uint8
         assert all(t.is_contiguous() for t in (g, w, cm, cv, am, av))
         total = w.numel()
-        args = AdamwArgs(mult=1.0 if mult is None else mult, has_mult=int(mult is not None), **hp.scalars())
+        args = _kernel_args(mult, hp)
         gt, st = _TYPES[g.dtype], (_TYPES[send.dtype] if send is not None else -1)
         ptrs = [t.data_ptr() for t in (w, cm, cv, am, av)]
         gp, sp = g.data_ptr(), (send.data_ptr() if send is not None else None)
@@ -297,6 +295,11 @@ class HostPasses:
 
 
 _EXACT: dict[int, bool] = {}
+
+
+def _kernel_args(mult: float | None, hp: AdamwStep) -> AdamwArgs:
+    """What every element of one native update shares: the factor (None: none, no multiply) and ``hp``."""
+    return AdamwArgs(mult=1.0 if mult is None else mult, has_mult=int(mult is not None), **hp.scalars())
 
 
 def _matches_torch(passes: HostPasses) -> bool:

@@ -112,7 +112,6 @@ static void narrow(const float *w, void *send, int send_type, int64_t at, int64_
         (w1k) = p_ + (neg_ss * m_) / denom_;                                                               \
     } while (0)
 
-
 /* The element at ``at`` of a buffer of ``type`` (FP32 4 bytes, a half type 2; no buffer: NULL). */
 static inline void *elem(const void *p, int type, int64_t at) {
     return p ? (char *)p + at * (type == T_F32 ? 4 : 2) : NULL;
