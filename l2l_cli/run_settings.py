@@ -37,6 +37,7 @@ def step_settings(cfg: Any, steps: int) -> StepSettings:
         eager_reduce=bool(cfg.dist.eager_reduce),
         sync_timers=bool(cfg.profile.sync_timers),
         recompute=recompute_settings(cfg),
+        cuda_graphs=cfg.mode.cuda_graphs,
     )
 
 

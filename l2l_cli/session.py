@@ -24,7 +24,8 @@ from l2l_cli.data.batches import TrainStream
 from l2l_cli.data.loading import load_task
 from l2l_cli.data.tasks import TaskData
 from l2l_cli.dev_eval import DevEvaluator
-from l2l_cli.engine.device import Accelerator, make_accelerator
+from l2l_cli.engine.accelerators import make_accelerator
+from l2l_cli.engine.device import Accelerator
 from l2l_cli.engine.dist import DistContext
 from l2l_cli.engine.dist import from_env as dist_from_env
 from l2l_cli.engine.optim import OptimSettings

@@ -388,7 +388,7 @@ def install_in_rank(pretend_nccl: bool) -> StrictDist:
     ``pretend_nccl``, the default group declared NCCL as ``dist.backend=auto`` makes it on CUDA (the
     product reads its backend from ``dist.get_backend()``, so its groups follow)."""
     from l2l_cli import session
-    from l2l_cli.engine import device as device_mod
+    from l2l_cli.engine import accelerators
 
     tags = DeviceTags()
     modes = [_Propagate(tags), _Moves(tags)]
@@ -397,7 +397,7 @@ def install_in_rank(pretend_nccl: bool) -> StrictDist:
     shim = StrictDist(tags, pretend_nccl)
     shim.install()
     strict_stage_outputs()
-    make = device_mod.make_accelerator
+    make = accelerators.make_accelerator
 
     def make_accelerator(kind: str, **kwargs: Any) -> Any:
         acc = make(kind, **kwargs)

@@ -18,7 +18,7 @@ from l2l_cli.compose import compose
 from l2l_cli.config.validate import validate
 from l2l_cli.engine import adamw8bit as a8
 from l2l_cli.engine import host_passes
-from l2l_cli.engine.device import make_accelerator
+from l2l_cli.engine.accelerators import make_accelerator
 from l2l_cli.engine.flat import FlatLayout
 from l2l_cli.engine.host_passes import AdamwStep, HostPasses
 from l2l_cli.engine.layer_state import LayerState

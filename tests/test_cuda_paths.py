@@ -435,7 +435,7 @@ def test_only_link_buffers_are_pinned_and_to_their_exact_size(monkeypatch: pytes
     send copy and receive buffer under CMP; the master and gradient themselves in FP32), and pinning
     registers exactly the buffer's bytes (torch's pinned allocator would round 50.4 MB up to 64 MB)."""
     from l2l_cli.engine import device
-    from l2l_cli.engine.device import make_accelerator
+    from l2l_cli.engine.accelerators import make_accelerator
     from l2l_cli.engine.flat import FlatLayout
     from l2l_cli.engine.layer_state import LayerState
     from l2l_cli.engine.optim import OptimSettings
@@ -578,7 +578,7 @@ def test_more_ranks_than_gpus_is_refused_in_one_line(monkeypatch: pytest.MonkeyP
     then fails at its first collective, "Duplicate GPU detected"); the config check names ``dist.nproc``
     and the GPU count, and a rank without a GPU of its own (torchrun's count) is refused too."""
     from l2l_cli.config.validate import validate
-    from l2l_cli.engine import device as device_mod
+    from l2l_cli.engine import accelerators
     from l2l_cli.problems import ConfigError
 
     FakeCuda(monkeypatch, count=1)
@@ -591,11 +591,11 @@ def test_more_ranks_than_gpus_is_refused_in_one_line(monkeypatch: pytest.MonkeyP
     assert validate(tiny_cfg("mode=l2l", "dist.nproc=1"), check_files=False) == []
     made: list[int] = []
     monkeypatch.setattr(
-        device_mod, "CudaAccelerator", lambda index, memory_gb=None: made.append(index) or SimpleNamespace()
+        accelerators, "CudaAccelerator", lambda index, memory_gb=None: made.append(index) or SimpleNamespace()
     )
-    device_mod.make_accelerator("cuda", local_rank=0)
+    accelerators.make_accelerator("cuda", local_rank=0)
     with pytest.raises(ConfigError, match=r"dist.nproc: local rank 1 has no GPU of its own: 1 visible"):
-        device_mod.make_accelerator("cuda", local_rank=1)
+        accelerators.make_accelerator("cuda", local_rank=1)
     assert made == [0]
 
 
@@ -758,7 +758,7 @@ def test_device_memory_gb_caps_cudas_allocator(monkeypatch: pytest.MonkeyPatch) 
     """``device.memory_gb`` (issue 51's 24 GiB budget) on CUDA: the caching allocator is capped at that share
     of the card (``set_per_process_memory_fraction``), so a larger card runs as a smaller one; the free
     memory the runner plans activations with stays under the budget."""
-    from l2l_cli.engine import device as device_mod
+    from l2l_cli.engine import accelerators
 
     FakeCuda(monkeypatch, count=1)
     caps: list[tuple[float, object]] = []
@@ -774,10 +774,10 @@ def test_device_memory_gb_caps_cudas_allocator(monkeypatch: pytest.MonkeyPatch) 
         "get_device_name": lambda device=None: "NVIDIA H100 80GB HBM3",
     }.items():
         monkeypatch.setattr(torch.cuda, name, fn)
-    acc = device_mod.make_accelerator("cuda", memory_gb=24)
+    acc = accelerators.make_accelerator("cuda", memory_gb=24)
     assert caps == [(24 / 80, torch.device("cuda", 0))] and acc.budget_bytes == 24 * 2**30
     assert acc.free_bytes() == 14 * 2**30  # the budget less what is allocated (the card has 62 GiB free)
     assert acc.describe() == "cuda:0 (NVIDIA H100 80GB HBM3, 24 GiB of it: device.memory_gb)"
     caps.clear()
-    whole = device_mod.make_accelerator("cuda")
+    whole = accelerators.make_accelerator("cuda")
     assert caps == [] and whole.budget_bytes is None and whole.free_bytes() == 62 * 2**30

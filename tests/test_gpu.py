@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from tests.util import assert_same_weights, batches, built, tiny_cfg, train
+from tests.util import assert_same_weights, batches, built, tiny_cfg, train, weights
 
 pytestmark = [
     pytest.mark.gpu,
@@ -184,3 +184,30 @@ def test_the_product_runs_on_the_gpu(tmp_path, name: str) -> None:
     result = gpu_check.run_case(case, tmp_path, steps=6)
     assert result["ok"], result
     assert str(result["device"]).startswith("cuda"), result  # summary.json: the accelerator it ran on
+
+
+@pytest.mark.parametrize(
+    "case",
+    [["mode=l2l", "model.dropout=0.1"], ["mode=l2l_p", "precision=cmp", "mode.stash=cpu"]],
+    ids=["l2l-fp32-dropout", "l2l_p-cmp"],
+)
+def test_cuda_graphs_train_to_the_eager_blocks_weights_bit_for_bit(case: list[str]) -> None:
+    """``mode.cuda_graphs=on``: every block's forward and recompute-and-backward replayed from its CUDA
+    graph (dropout from the graph-safe generator) gives the eager blocks' losses and weights bit for bit,
+    every graph passed its capture-time check, and the replays outnumber the captures."""
+    over = [*CUDA, *case, "task.pad_to_max=true", "batch.ubatch_size=2"]
+
+    def run(graphs: str) -> tuple[dict[str, torch.Tensor], list[float], dict | None]:
+        cfg = tiny_cfg(*over, f"mode.cuda_graphs={graphs}")
+        with built(cfg) as runner:
+            it = batches(cfg)
+            losses = [runner.step(next(it)).loss for _ in range(3)]
+            return weights(runner), losses, runner.sections().get("cuda_graphs")
+
+    eager_w, eager_loss, _ = run("off")
+    graph_w, graph_loss, section = run("on")
+    print("cuda graphs:", section)
+    assert section is not None and section["off_reason"] is None, section
+    assert section["replays"] > 10 * section["captured"] > 0
+    assert graph_loss == eager_loss
+    assert all(torch.equal(eager_w[k], graph_w[k]) for k in eager_w)

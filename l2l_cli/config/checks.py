@@ -113,9 +113,35 @@ def _mode_group(cfg: Config, check_files: bool) -> list[Problem]:
                 p.append(
                     Problem(f"mode.{key}", f"applies to the L2L modes ({with_rc}), not mode={mode.name}")
                 )
+    one_of(p, "mode.cuda_graphs", mode.cuda_graphs, ("auto", "on", "off"))
+    if mode.cuda_graphs == "on":
+        p.extend(_graphs_on(cfg, spec))
     if spec.validate is not None:
         p.extend(spec.validate(cfg))
     return p
+
+
+def _graphs_on(cfg: Config, spec: ModeSpec) -> list[Problem]:
+    """``mode.cuda_graphs=on``: the blocks of one L2L runner (not a pipeline's stages) on a CUDA device."""
+    key = "mode.cuda_graphs"
+    if not spec.recompute:
+        with_rc = ", ".join(m.name for m in MODES.values() if m.recompute)
+        return [
+            Problem(key, f"on applies to the L2L modes ({with_rc}), not mode={spec.name}; allowed: auto, off")
+        ]
+    if cfg.dist.pipeline > 1:
+        return [
+            Problem(key, "on: a pipeline's L2L stages run their blocks eagerly; allowed there: auto, off")
+        ]
+    from l2l_cli.engine import graphs
+    from l2l_cli.engine.device import cuda_available
+
+    name = cfg.device.name
+    kind = "cuda" if name == "cuda" or (name == "auto" and cuda_available()) else name
+    if graphs.supported(kind):
+        return []
+    where = "the CPU (no GPU visible)" if kind == "auto" else f"device={kind}"
+    return [Problem(key, f"on needs a CUDA device; this run's is {where}; allowed here: auto, off")]
 
 
 @check("precision")

@@ -73,6 +73,7 @@ class ModeConfig:
     activation_budget_gb: float | None = (
         None  # recompute auto on a CPU device: GiB (unset: half the free RAM)
     )
+    cuda_graphs: str = "auto"  # L2L modes: blocks as CUDA graphs: on | off | auto (CUDA, small micro-batches)
 
 
 @dataclass

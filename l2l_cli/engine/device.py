@@ -5,24 +5,22 @@ copy engines, seed dropout through it, and measure with its meter.
 
 - ``cpu``: the device tier is the CPU itself; copies are done inline; a storage meter measures memory.
 - ``cuda``: a side stream per copy direction with events; pinned host buffers; the allocator's statistics.
-- ``sim``: compute on the CPU, but the storage meter enforces a device-memory budget (exceeding it is an
-  out-of-memory, like CUDA's) and host<->device copies go through copy-engine threads, one per direction
-  like a GPU's, each taking ``bytes / link bandwidth``, so prefetch overlap and exposed transfer are real.
+- ``sim`` (engine/accelerators.py, which also picks a run's accelerator): compute on the CPU under an
+  enforced device-memory budget, copies at a link's rate.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext, suppress
 from typing import Any
 
 import torch
 
-from l2l_cli.engine.copies import AllOf, CopyEngine, CopyHandle, LinkCopyEngine, same_dtype
+from l2l_cli.engine.copies import AllOf, CopyEngine, CopyHandle, same_dtype
 from l2l_cli.engine.host_passes import HostPasses, compute_threads
-from l2l_cli.problems import ConfigError, Problem
-from l2l_cli.profiling.memory import CudaMeter, DeviceOutOfMemory, MemoryMeter, StorageMeter
+from l2l_cli.profiling.memory import CudaMeter, DeviceOutOfMemory, MemoryMeter
 
 # ---- torch.cuda, in one place: the CPU, sim and CUDA paths differ here (tests/test_architecture.py) ------
 
@@ -95,6 +93,29 @@ def set_cuda_rng_state(state: torch.Tensor, device: torch.device | None = None) 
     index = own_cuda_index(device)
     if index is not None:
         torch.cuda.set_rng_state(state, index)
+
+
+# CUDA graphs (engine/graphs.py): one pool for a run's graphs; a capture thread-local (the relay's and the
+# EPS's threads go on copying and waiting meanwhile); warm-up on a side stream
+
+
+def graph_pool() -> Any:
+    return torch.cuda.graph_pool_handle()
+
+
+def capture_graph(fn: Callable[[], Any], pool: Any) -> tuple[Callable[[], None], Any]:
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = fn()
+    return graph.replay, out
+
+
+def on_side_stream(device: torch.device, fn: Callable[[], Any]) -> None:
+    main, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        fn()
+    main.wait_stream(side)
 
 
 class CudaAllocator:
@@ -291,23 +312,6 @@ class Accelerator:
         return "cpu" + (f" ({self.budget_bytes / 2**30:g} GiB device budget)" if self.budget_bytes else "")
 
 
-class SimAccelerator(Accelerator):
-    kind = "sim"
-
-    def __init__(self, memory_gb: float, link_gbps: float):
-        super().__init__(
-            torch.device("cpu"),
-            StorageMeter(budget_bytes=int(memory_gb * 2**30)),
-            LinkCopyEngine(link_gbps, "h2d"),
-            LinkCopyEngine(link_gbps, "d2h"),
-            memory_gb,
-        )
-        self.memory_gb, self.link_gbps = memory_gb, link_gbps
-
-    def describe(self) -> str:
-        return f"sim ({self.memory_gb:g} GiB device budget, {self.link_gbps:g} GB/s link per direction)"
-
-
 def pin_exact(t: torch.Tensor) -> torch.Tensor:
     """Page-lock ``t``'s memory where it is (``cudaHostRegister``), so copies to and from the device are
     asynchronous DMA. torch's pinned allocator (``pin_memory=True``) rounds every buffer up to a power of
@@ -408,43 +412,3 @@ class CudaAccelerator(Accelerator):
     def describe(self) -> str:
         cap = f", {self.budget_bytes / 2**30:g} GiB of it: device.memory_gb" if self.budget_bytes else ""
         return f"cuda:{self.device.index} ({torch.cuda.get_device_name(self.device)}{cap})"
-
-
-def make_accelerator(
-    kind: str,
-    *,
-    local_rank: int = 0,
-    memory_gb: float | None = None,
-    sim_memory_gb: float = 16.0,
-    sim_link_gbps: float = 16.0,
-    measure_memory: bool = True,
-    sample_memory: bool = True,
-    eps_threads: int = 0,
-    update_kernel: str = "auto",
-) -> Accelerator:
-    """The accelerator for ``device=kind`` (auto = CUDA when present, else the CPU). ``measure_memory``
-    (profile.memory) turns the CPU's storage meter on, ``sample_memory`` (profile.memory_sample) lets it
-    skip the op-by-op count in steps that repeat a metered one; the simulator always meters every op (it
-    enforces a budget), as does the CPU under ``memory_gb`` (device.memory_gb; CUDA: the allocator's cap).
-    ``eps_threads``, ``update_kernel``: the EPS's host update (``eps.*``)."""
-    if kind == "auto":
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
-    acc: Accelerator
-    if kind == "cuda":
-        if local_rank >= (gpus := cuda_device_count()):  # never two ranks on one GPU (torchrun's count)
-            why = f"local rank {local_rank} has no GPU of its own: {gpus} visible; allowed: at most {gpus}"
-            why += " ranks"
-            raise ConfigError([Problem("dist.nproc", f"{why} per machine (or torchrun --nproc-per-node)")])
-        acc = CudaAccelerator(local_rank, memory_gb)
-    elif kind == "sim":
-        acc = SimAccelerator(sim_memory_gb, sim_link_gbps)
-    else:
-        budget = None if memory_gb is None else int(memory_gb * 2**30)  # enforced on every op, as the sim's
-        meter = (
-            StorageMeter(budget, sample_memory and budget is None)
-            if measure_memory or budget
-            else MemoryMeter()
-        )
-        acc = Accelerator(torch.device("cpu"), meter, CopyEngine(), CopyEngine(), memory_gb)
-    acc.eps_threads, acc.update_kernel = eps_threads, update_kernel
-    return acc

@@ -90,6 +90,12 @@ class ModelSpec(ABC):
 
     # ---- running ---------------------------------------------------------------------------------
 
+    def block_variant(self, index: int) -> Any:
+        """What block ``index``'s code reads of its index beyond its weights (a sliding-window layer's mask):
+        blocks of one variant run the same code, so a CUDA graph of one serves the others
+        (engine/graphs.py)."""
+        return None
+
     @abstractmethod
     def side_inputs(self, ub: Any, dtype: torch.dtype) -> Any:
         """What every block of a micro-batch reads besides the hidden states (BERT: the attention mask)."""

@@ -114,6 +114,9 @@ class LlamaSpec(DecoderSpec):
     def sliding_window(self) -> int | None:
         return _window(self)[0]
 
+    def block_variant(self, index: int) -> Any:
+        return (index - 1) in _window(self)[1]  # whether it reads the sliding window's mask
+
     def run_block(self, layer: nn.Module, index: int, x: torch.Tensor, side: DecoderSide) -> torch.Tensor:
         sliding = side.window_mask is not None and (index - 1) in _window(self)[1]
         mask = side.window_mask if sliding else side.mask

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
+from torch import nn
 
 from l2l_cli.checkpoint import ModuleState, module_state_files
 from l2l_cli.data.batches import Batch
@@ -57,6 +58,7 @@ class StepSettings:
     eager_reduce: bool = True  # EPS: reduce each layer's gradient as it lands
     sync_timers: bool = False
     recompute: RecomputeSettings = field(default_factory=RecomputeSettings)  # the L2L modes
+    cuda_graphs: str = "off"  # the L2L modes' blocks as CUDA graphs: auto | on | off (engine/graphs.py)
 
 
 @dataclass(frozen=True)
@@ -395,3 +397,25 @@ class DeviceResident(RunnerBase):
         # drop DDP while its process group is alive: a Reducer that outlives the group tears the group
         # down itself, holding the GIL, and can deadlock against gloo's worker threads
         self.net = self.model
+
+
+def run_head(
+    r: RunnerBase, layer: nn.Module, head: int, x: list[Any], ubatches: list[Batch], div: list[float]
+) -> tuple[list[Any], torch.Tensor]:
+    """The head's forward and backward per micro-batch (``head``: its index in the model, for the dropout
+    seed): dLoss/d(last block output) per micro-batch and the minibatch's loss (each micro-batch's mean
+    divided by its ``div``, see ``RunnerBase.loss_divisors``), summed on the device (no host sync per
+    micro-batch). Shared by L2L and the pipeline's L2L stages."""
+    n = len(ubatches)
+    g: list[Any] = [None] * n
+    loss = torch.zeros((), device=r.acc.device)
+    for u, ub in enumerate(ubatches):
+        x_in = x[u].detach().requires_grad_()
+        r.seed_dropout(head, u)
+        with r.timer("forward"), r.acc.meter.part("activations"), r.precision.autocast():
+            loss_u, _ = r.spec.run_head(layer, x_in, ub)
+        with r.timer("backward"), r.acc.meter.part("workspace"):
+            r.precision.scaler.scale_loss(loss_u / div[u]).backward()
+        g[u], x[u] = x_in.grad, None
+        loss += loss_u.detach().float() / div[u]
+    return g, loss

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from l2l_cli.data.batches import Batch
+from l2l_cli.engine import graphs as cuda_graphs
 from l2l_cli.engine.decode import LayeredDecoder
 from l2l_cli.engine.eps import EagerParamServer
 from l2l_cli.engine.recompute import (
@@ -39,10 +40,10 @@ from l2l_cli.engine.relay import Relay
 from l2l_cli.engine.speculative import Speculation
 from l2l_cli.engine.stash import CpuStash, DeviceStash
 from l2l_cli.engine.trailing import TrailingUpdate, finish_updates
-from l2l_cli.models.base import POST
+from l2l_cli.models.base import BLOCK, POST
 from l2l_cli.models.decoder import DecoderSpec
 from l2l_cli.models.lora import lora_of, summary_section
-from l2l_cli.modes.base import DurableState, LayerFiles, RunnerArgs, RunnerBase, StepReport
+from l2l_cli.modes.base import DurableState, LayerFiles, RunnerArgs, RunnerBase, StepReport, run_head
 from l2l_cli.modes.registry import ModeSpec, UpdateSchedule, update_schedule
 
 if TYPE_CHECKING:
@@ -85,6 +86,11 @@ class L2LRunner(RunnerBase):
             else DeviceStash(acc, self.timer)
         )
         self.head = spec.num_layers + 1  # layer indices: 0 = embeddings, 1..N = blocks, N+1 = head
+        tokens = self.settings.ubatch_size * self.settings.recompute.seq_len  # (the longest micro-batch)
+        flops = 2 * tokens * (self.relay.numel[BLOCK] + self.relay.frozen_numel[BLOCK])
+        self.block_graphs = cuda_graphs.for_runner(
+            self.settings.cuda_graphs, acc, flops, spec, self.precision
+        )
         self.recompute = self.plan_recompute()
         for slot in self.relay.slots:  # the head's shells run its loss as the plan says
             if POST in slot.shells:
@@ -99,9 +105,12 @@ class L2LRunner(RunnerBase):
         self.traffic_steps = 0
 
     def run_layer(
-        self, layer: nn.Module, i: int, x: torch.Tensor | None, ub: Batch, side: Any
+        self, layer: nn.Module, i: int, x: torch.Tensor | None, ub: Batch, side: Any, graph: bool = False
     ) -> torch.Tensor:
-        """Layer i's forward on one micro-batch (embeddings read the token ids, blocks the hidden states)."""
+        """Layer i's forward on one micro-batch (embeddings read the token ids, blocks the hidden states;
+        with ``graph``, the forward pass's, a block as its CUDA graph where ``mode.cuda_graphs`` made them)."""
+        if graph and self.block_graphs is not None and x is not None:
+            return self.block_graphs.forward(layer, i, x, side)
         with self.precision.autocast():
             return self.spec.run_layer(layer, i, x, ub, side)
 
@@ -197,7 +206,7 @@ class L2LRunner(RunnerBase):
                     self.stash.put(i, u, x[u])  # the input of layer i (the output of layer i-1)
                 self.seed_dropout(i, u)
                 with self.timer("forward"), torch.no_grad(), self.acc.meter.part("activations"):
-                    x[u] = self.run_layer(layer, i, x[u], ub, masks[u])
+                    x[u] = self.run_layer(layer, i, x[u], ub, masks[u], graph=True)
         return x
 
     def run_graph(
@@ -249,6 +258,10 @@ class L2LRunner(RunnerBase):
                 elif i > 1:
                     self.stash.prefetch(i - 1, 0)
             self.seed_dropout(i, u)  # the same dropout masks as in the forward pass
+            if self.block_graphs is not None and x_in is not None:  # recompute and backward: one graph
+                with self.timer("backward"), self.acc.meter.part("workspace"):
+                    g[u] = self.block_graphs.backward(layer, i, x_in, masks[u], g[u])
+                continue
             with self.timer("recompute"), self.acc.meter.part("workspace"):
                 y = self.run_layer(layer, i, x_in, ub, masks[u])
             with self.timer("backward"), self.acc.meter.part("workspace"):
@@ -313,6 +326,8 @@ class L2LRunner(RunnerBase):
         """summary.json's ``optimizer`` section (below) and ``recompute``: the policy, kept layers, the
         bytes they hold for backward."""
         out = {**self.optimizer_section(), "recompute": self.recompute.section(), "eps": self.eps_section()}
+        if self.block_graphs is not None:
+            out["cuda_graphs"] = self.block_graphs.section()
         if self.speculation is not None:  # how a clipped step's speculative updates were redone
             spec = self.speculation
             out["speculation"] = {"clip_redo": self.eps.tier.clip_redo, "replayed_steps": spec.replays}
@@ -424,25 +439,3 @@ class L2LRunner(RunnerBase):
             self.finish_updates()
         finally:
             self.eps.close()
-
-
-def run_head(
-    r: RunnerBase, layer: nn.Module, head: int, x: list[Any], ubatches: list[Batch], div: list[float]
-) -> tuple[list[Any], torch.Tensor]:
-    """The head's forward and backward per micro-batch (``head``: its index in the model, for the dropout
-    seed): dLoss/d(last block output) per micro-batch and the minibatch's loss (each micro-batch's mean
-    divided by its ``div``, see ``RunnerBase.loss_divisors``), summed on the device (no host sync per
-    micro-batch). Shared by L2L and the pipeline's L2L stages."""
-    n = len(ubatches)
-    g: list[Any] = [None] * n
-    loss = torch.zeros((), device=r.acc.device)
-    for u, ub in enumerate(ubatches):
-        x_in = x[u].detach().requires_grad_()
-        r.seed_dropout(head, u)
-        with r.timer("forward"), r.acc.meter.part("activations"), r.precision.autocast():
-            loss_u, _ = r.spec.run_head(layer, x_in, ub)
-        with r.timer("backward"), r.acc.meter.part("workspace"):
-            r.precision.scaler.scale_loss(loss_u / div[u]).backward()
-        g[u], x[u] = x_in.grad, None
-        loss += loss_u.detach().float() / div[u]
-    return g, loss

@@ -44,8 +44,7 @@ from l2l_cli.engine.relay import Relay
 from l2l_cli.engine.speculative import Speculation
 from l2l_cli.engine.stash import CpuStash, DeviceStash
 from l2l_cli.engine.trailing import TrailingUpdate, finish_updates
-from l2l_cli.modes.base import RunnerArgs, RunnerBase, StepReport
-from l2l_cli.modes.l2l import run_head
+from l2l_cli.modes.base import RunnerArgs, RunnerBase, StepReport, run_head
 from l2l_cli.modes.registry import ModeSpec, update_schedule
 from l2l_cli.parallel.pipeline.bubble import (
     StageTimes,
