@@ -108,7 +108,8 @@ class L2LRunner(RunnerBase):
         self, layer: nn.Module, i: int, x: torch.Tensor | None, ub: Batch, side: Any, graph: bool = False
     ) -> torch.Tensor:
         """Layer i's forward on one micro-batch (embeddings read the token ids, blocks the hidden states;
-        with ``graph``, the forward pass's, a block as its CUDA graph where ``mode.cuda_graphs`` made them)."""
+        with ``graph`` (the forward pass), a block through its CUDA graph where ``mode.cuda_graphs`` made
+        them)."""
         if graph and self.block_graphs is not None and x is not None:
             return self.block_graphs.forward(layer, i, x, side)
         with self.precision.autocast():
