@@ -118,9 +118,10 @@ class Block(nn.Module):
         return self.drop(torch.tanh(self.lin(x))) * mask
 
 
-def test_one_graph_per_shape_up_to_the_cap_then_eager_blocks() -> None:
-    """Each new shape is captured until ``MAX_SHAPES``; later shapes run eagerly; every call's results
-    (output, input gradient, accumulated parameter gradients) equal the eager block's."""
+def test_one_graph_per_shape_up_to_the_cap_then_eager_blocks(caplog: pytest.LogCaptureFixture) -> None:
+    """Each new shape is captured until ``MAX_SHAPES``; later shapes run eagerly (said once); every call's
+    results (output, input gradient, accumulated parameter gradients) equal the eager block's."""
+    caplog.set_level("INFO", logger="l2l")
     torch.manual_seed(0)
     block = Block()
     for p in block.parameters():
@@ -151,7 +152,7 @@ def test_one_graph_per_shape_up_to_the_cap_then_eager_blocks() -> None:
         assert all(torch.equal(p.grad, q.grad) for p, q in zip(block.parameters(), ref.parameters()))
     assert bg.captured == 2 * graphs.MAX_SHAPES  # shapes 1-4, forward and backward; 5 and 6 eager
     assert bg.replays == 2 * 2  # the second 1 and 2; the second 6 is past the cap
-    assert bg.off_reason is None
+    assert bg.off_reason is None and caplog.text.count("blocks of other shapes run eagerly") == 1
 
 
 def test_blocks_whose_code_reads_their_index_get_graphs_of_their_own() -> None:

@@ -37,7 +37,6 @@ from l2l_cli.engine.device import (
 
 log = logging.getLogger("l2l")
 
-CHOICES = ("auto", "on", "off")  # mode.cuda_graphs
 # auto: graphs where a block's forward on a micro-batch is at most this many FLOPs (2 x tokens x its weights):
 # ~0.5 ms on an H100-class GPU, where a block's few dozen launches (~5 us each) are a share worth taking back
 # (BERT-Large at 8 x 512 tokens: 1.0e11; a Llama-3-8B block at 2048 tokens: 8.9e11, compute-bound, and its
@@ -196,8 +195,13 @@ class BlockGraphs:
             return False, self.graphs[key]
         mine = sum(1 for k in self.graphs if k[:3] == key[:3])
         if mine >= MAX_SHAPES:
+            if None not in self.graphs.values():  # (said once a run)
+                log.info(
+                    "cuda graphs: %d shapes captured per relay slot and pass; blocks of other shapes run "
+                    "eagerly (task.pad_to_max=true keeps one shape)",
+                    MAX_SHAPES,
+                )
             self.graphs[key] = None
-            log.info("cuda graphs: a %s of a new shape runs eagerly (%d shapes captured)", key[0], mine)
             return False, None
         return True, None
 
