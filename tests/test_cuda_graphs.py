@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from l2l_cli.config.validate import validate
-from l2l_cli.data.batches import Batch
 from l2l_cli.engine import graphs
+from tests.test_adapters import lm_batches
 from tests.util import batches, built, tiny_cfg, weights
 
 
@@ -28,16 +28,6 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr(graphs, "supported", lambda kind: True)
     monkeypatch.setattr(graphs, "backend_for", lambda kind, device: made["backend"]())
     return made
-
-
-def lm_batches(cfg: Any, n: int) -> list[Batch]:
-    g = torch.Generator().manual_seed(3)
-    b, s = cfg.batch.size, cfg.task.max_seq_len
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, cfg.model.vocab_size, (b, s), generator=g)
-        out.append(Batch(ids, torch.zeros_like(ids), torch.ones_like(ids), ids.clone()))
-    return out
 
 
 def run(cfg: Any, steps: int = 3) -> tuple[dict[str, torch.Tensor], list[float], dict[str, Any] | None]:

@@ -107,7 +107,7 @@ def _mode_group(cfg: Config, check_files: bool) -> list[Problem]:
         with_stash = ", ".join(m.name for m in MODES.values() if m.stash)
         p.append(Problem("mode.stash", f"applies to the L2L modes ({with_stash}), not mode={mode.name}"))
     if not spec.recompute:
-        with_rc = ", ".join(m.name for m in MODES.values() if m.recompute)
+        with_rc = _recomputing_modes()
         for key, unset in (("recompute", "full"), ("keep_layers", None), ("activation_budget_gb", None)):
             if getattr(mode, key, unset) != unset:
                 p.append(
@@ -121,13 +121,18 @@ def _mode_group(cfg: Config, check_files: bool) -> list[Problem]:
     return p
 
 
+def _recomputing_modes() -> str:
+    """The modes that relay and recompute layers (the L2L modes), as a config line lists them."""
+    return ", ".join(m.name for m in MODES.values() if m.recompute)
+
+
 def _graphs_on(cfg: Config, spec: ModeSpec) -> list[Problem]:
     """``mode.cuda_graphs=on``: the blocks of one L2L runner (not a pipeline's stages) on a CUDA device."""
     key = "mode.cuda_graphs"
     if not spec.recompute:
-        with_rc = ", ".join(m.name for m in MODES.values() if m.recompute)
+        modes = _recomputing_modes()
         return [
-            Problem(key, f"on applies to the L2L modes ({with_rc}), not mode={spec.name}; allowed: auto, off")
+            Problem(key, f"on applies to the L2L modes ({modes}), not mode={spec.name}; allowed: auto, off")
         ]
     if cfg.dist.pipeline > 1:
         return [

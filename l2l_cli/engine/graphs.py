@@ -124,7 +124,8 @@ def wanted(setting: str, kind: str, block_flops: float) -> bool:
 
 
 def leaves(obj: Any) -> list[torch.Tensor]:
-    """The tensors in a tensor, a tuple or list, or a dataclass of them (a block's side inputs)."""
+    """The tensors in a tensor, a tuple or list, or a dataclass of them (a block's side inputs: torch's
+    pytree walks a dataclass only once registered, and ``DecoderSide``'s module stays free of torch)."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, (tuple, list)):
@@ -237,7 +238,7 @@ class BlockGraphs:
         if graph is not None:
             self.replays += 1
             return graph(x, side, gy)
-        params = [p for p in layer.parameters() if p.requires_grad]
+        params = [p for p in layer.parameters() if p.requires_grad] if new else []
         if not new or any(p.grad is None for p in params):  # (a gradient not bound in place: eager)
             return _eager_backward(self.run, layer, i, x, side, gy)
         rng = self.generator.get_state()
