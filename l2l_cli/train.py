@@ -148,10 +148,8 @@ def write_outcome(session: Session, wall_s: float) -> None:
         return
     if started:
         console.print(summary_table(summary))
-    if summary.status == "interrupted":
-        console.print(f"[bold yellow]l2l: {summary.error}[/]\n  resume with: {summary.resume_with}")
-    elif summary.status == "oom":
-        console.print(f"[bold red]l2l: oom[/]: {summary.error}  (see {summary.run_dir}/train.log)")
+    if summary.status in ("interrupted", "oom"):
+        print_stop(summary)
     elif summary.status != "ok":
         where = (
             "" if bad_input else f"{'traceback in' if session.crashed else 'see'} {summary.run_dir}/train.log"
@@ -165,6 +163,22 @@ def _write_file(files: RunFiles, name: str, obj: dict) -> None:
         files.write(name, obj)
     except WriteFailed as e:
         log.error("%s not written: %s", name, e)
+
+
+def print_stop(summary: Summary) -> None:
+    """An interrupted run's line and the command that resumes it, or an oom's line: never wrapped at the
+    terminal's width (the command and the paths are copied from them), the error's text taken as it is
+    (a path with brackets is no markup)."""
+    from rich.markup import escape
+
+    if summary.status == "interrupted":
+        resume = escape(summary.resume_with or "")
+        text = f"[bold yellow]l2l: {escape(summary.error or '')}[/]\n  resume with: {resume}"
+    else:
+        text = (
+            f"[bold red]l2l: oom[/]: {escape(summary.error or '')}  (see {escape(summary.run_dir)}/train.log)"
+        )
+    console.print(text, soft_wrap=True)
 
 
 def _error_lines(summary: Summary, problems: list[str], where: str) -> None:

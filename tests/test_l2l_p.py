@@ -187,7 +187,9 @@ def test_run_files_and_report_carry_rollbacks_and_the_hidden_share(tmp_path) -> 
     summary = json.loads((run / "summary.json").read_text())
     assert summary["l2l_p"]["rollbacks"] == 1 and summary["l2l_p"]["rolled_back_layer_updates"] == 4
     opt = summary["optimizer"]
-    assert opt["hidden_share"] == pytest.approx(1 - opt["optimizer_exposed_s"] / opt["optimizer_s"])
+    # (clamped to [0, 1]: on a loaded host the compute thread's wait can outlast the update it waits for)
+    hidden = 1 - opt["optimizer_exposed_s"] / opt["optimizer_s"]
+    assert opt["hidden_share"] == pytest.approx(min(1.0, max(0.0, hidden)))
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(r["optimizer_s"] > 0 and r["optimizer_exposed_s"] >= 0 for r in rows[1:])
     assert rows[0]["rollback"] == 1 and "rollback" not in rows[1]

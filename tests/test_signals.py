@@ -76,6 +76,32 @@ def test_sigterm_stops_at_a_step_boundary_saves_and_says_how_to_resume(tmp_path)
     assert _logged_steps(tmp_path) == list(range(1, stopped + 3))
 
 
+def test_the_resume_command_and_an_ooms_path_print_whole_at_any_terminal_width(monkeypatch) -> None:
+    """A run dir longer than the terminal (80 columns where stdout is no terminal, as under a scheduler):
+    the resume command is printed on one line, whole, and a bracket in a path is text, not markup."""
+    import io
+
+    from rich.console import Console
+
+    from l2l_cli import train
+    from l2l_cli.runfiles import Summary
+
+    out = io.StringIO()
+    monkeypatch.setattr(train, "console", Console(file=out, width=40, color_system=None))
+    run = "/scratch/" + "a-long-directory-name/" * 4 + "[sweep 3]"
+    command = f"l2l train trainer.resume={run}"
+    train.print_stop(
+        Summary(status="interrupted", run_dir=run, error="stopped by SIGTERM", resume_with=command)
+    )
+    train.print_stop(Summary(status="oom", run_dir=run, error="out of memory at layer 3"))
+    lines = out.getvalue().splitlines()
+    assert lines == [
+        "l2l: stopped by SIGTERM",
+        f"  resume with: {command}",
+        f"l2l: oom: out of memory at layer 3  (see {run}/train.log)",
+    ]
+
+
 @pytest.mark.slow  # the step-boundary SIGTERM is the default one
 def test_a_second_signal_exits_at_once(tmp_path) -> None:
     proc = _start(
