@@ -4,9 +4,11 @@ command line's overrides parsed as Hydra does and checked key by key against the
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import cache
 from typing import Any
 
 from hydra import compose as hydra_compose
@@ -93,11 +95,54 @@ def compose(overrides: list[str] | tuple[str, ...] = (), *, hydra: bool = False)
         return hydra_compose("config", overrides=list(overrides), return_hydra_config=hydra)
 
 
+class JobComposer:
+    """Composes a sweep's jobs as :func:`compose` would, each group choice once: a job's config is the
+    config of its group choices (``mode=l2l``, ``recipe=...``), composed once per distinct set of them, with
+    its other overrides applied to a copy by Hydra's own step for them (``ConfigLoaderImpl.
+    _apply_overrides_to_config``, which Hydra runs after merging the defaults). A recipe's 40 jobs then
+    cost a few composes (~0.2 s each) instead of 40. A job that names Hydra's own keys, or a Hydra without
+    that step, is composed whole."""
+
+    def __init__(self) -> None:
+        self._by_groups: dict[tuple[str, ...], DictConfig] = {}
+        try:
+            from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+            self._apply = ConfigLoaderImpl._apply_overrides_to_config
+        except (ImportError, AttributeError):  # (a Hydra whose internals moved: every job composed whole)
+            self._apply = None
+
+    def __call__(self, job: list[str]) -> DictConfig:
+        parsed = OverridesParser.create().parse_overrides(job)
+        if self._apply is None or any(ov.key_or_group.startswith("hydra") for ov in parsed):
+            return compose(job)
+        groups = tuple(ov.input_line for ov in parsed if _is_group(ov))
+        if groups not in self._by_groups:
+            self._by_groups[groups] = compose(list(groups))
+        cfg = copy.deepcopy(self._by_groups[groups])
+        self._apply([ov for ov in parsed if not _is_group(ov)], cfg)
+        return cfg
+
+
+def _is_group(ov: Override) -> bool:
+    """A config-group override (``mode=l2l``, ``+recipe=x``, ``model@x=y``), not a key's value."""
+    return ov.package is not None or "/" in ov.key_or_group or ov.key_or_group in GROUPS
+
+
 # --------------------------------------------------------------------------------------------------
 
 
+@cache
+def _schema() -> DictConfig:
+    """The schema as a config, made once (~25 ms each) and read-only: every key of a command line and
+    every job of a sweep is checked against it."""
+    node = OmegaConf.structured(L2LConfig)
+    OmegaConf.set_readonly(node, True)
+    return node
+
+
 def _schema_node(key: str) -> tuple[bool, Any]:
-    node: Any = OmegaConf.structured(L2LConfig)
+    node: Any = _schema()
     for part in key.split("."):
         if not isinstance(node, DictConfig) or part not in node:
             return False, node
@@ -106,15 +151,19 @@ def _schema_node(key: str) -> tuple[bool, Any]:
 
 
 def _unknown_key(key: str) -> Problem:
-    parent = key.rsplit(".", 1)[0] if "." in key else ""
-    ok, node = _schema_node(parent) if parent else (True, OmegaConf.structured(L2LConfig))
-    allowed = ", ".join(node.keys()) if ok and isinstance(node, DictConfig) else ""
-    where = f" in {parent}" if parent else ""
-    return Problem(key, f"unknown key; allowed{where}: {allowed}")
+    """The key, and the keys allowed where it was meant: in its nearest parent the schema has."""
+    parts = key.split(".")
+    for n in range(len(parts) - 1, 0, -1):
+        parent = ".".join(parts[:n])
+        ok, node = _schema_node(parent)
+        if ok and isinstance(node, DictConfig):
+            return Problem(key, f"unknown key; allowed in {parent}: {', '.join(node.keys())}")
+    return Problem(key, f"unknown key; allowed: {', '.join(_schema().keys())}")
 
 
 def _type_check(key: str, raw: str) -> Problem | None:
-    probe = OmegaConf.structured(L2LConfig)
+    probe = copy.deepcopy(_schema())
+    OmegaConf.set_readonly(probe, False)
     try:
         value = OverridesParser.create().parse_override(f"{key}={raw}").value()
         OmegaConf.update(probe, key, value, merge=True)
@@ -178,7 +227,7 @@ def check_overrides(overrides: list[str]) -> tuple[list[Problem], list[Override]
 
 def extra_keys(cfg: DictConfig) -> list[Problem]:
     """Keys that are in the composed config but not in the schema (a recipe's typo, say)."""
-    schema = OmegaConf.structured(L2LConfig)
+    schema = _schema()
     out = []
 
     def walk(node: Any, ref: Any, path: str) -> None:

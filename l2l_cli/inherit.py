@@ -191,10 +191,10 @@ def explicit_keys(overrides: list[str]) -> set[str]:
             keys.add(key)  # every key of the group (prefix match below)
         else:
             keys.add(key)
+    schema = leaves(compose([]))  # (the defaults: every key, each composed once)
     if groups:
-        base, chosen = leaves(compose([])), leaves(compose(groups))
-        keys |= {k for k, v in chosen.items() if base.get(k) != v}
-    schema = leaves(compose([]))
+        chosen = leaves(compose(groups))
+        keys |= {k for k, v in chosen.items() if schema.get(k) != v}
     return {k for k in schema if k in keys or any(k.startswith(p + ".") for p in keys)}
 
 

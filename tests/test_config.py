@@ -106,6 +106,8 @@ def messages(*overrides: str, multirun: bool = False) -> str:
         (["batch.foo=1"], "batch.foo: unknown key; allowed in batch: size, ubatch_size, eval_size"),
         (["+batch.foo=1"], "batch.foo: unknown key"),
         (["+foo=1"], "foo: unknown key; allowed: model, mode"),
+        (["foo.bar=1"], "foo.bar: unknown key; allowed: model, mode"),  # (its nearest known parent: the root)
+        (["batch.size.x=1"], "batch.size.x: unknown key; allowed in batch: size, ubatch_size"),
         (["model=bert-giant"], "model: unknown option 'bert-giant'; allowed: bert-base"),
         (["mode=l3l"], "mode: unknown option 'l3l'; allowed: baseline, baseline_ag, l2l"),
         (["batch.size=0"], "batch.size: got 0; must be >= 1"),
@@ -193,6 +195,59 @@ def test_sweep_validates_every_job() -> None:
     assert "mode=baseline runs the whole minibatch" in out and "job: " in out
     # problems every job shares are errors at once
     assert "batch.foo: unknown key" in messages("batch.foo=1", "batch.size=8,16", multirun=True)
+
+
+def _jobs_both_ways(line: list[str], monkeypatch: pytest.MonkeyPatch) -> tuple[int, int]:
+    """Every job of ``line``'s sweep composed by preflight's JobComposer and by Hydra whole: equal value for
+    value (a job that fails, with the same first line). Returns (jobs, composes the JobComposer made)."""
+    from omegaconf import OmegaConf
+
+    import l2l_cli.compose as c
+    from l2l_cli.preflight import _sweep_jobs
+
+    def outcome(make, job: list[str]) -> str:
+        try:
+            return OmegaConf.to_yaml(make(job))
+        except Exception as e:
+            return f"error: {str(e).splitlines()[0]}"
+
+    _, parsed = c.check_overrides(line)
+    fixed = [ov.input_line for ov in parsed if not ov.is_sweep_override()]
+    try:
+        sweeper = dict(OmegaConf.select(c.compose(fixed, hydra=True), "hydra.sweeper.params") or {})
+    except Exception:  # (a line no job of which composes: its jobs' errors are compared below)
+        sweeper = {}
+    jobs = list(_sweep_jobs(parsed, sweeper))
+    whole = [outcome(c.compose, job) for job in jobs]
+    calls = []
+    real = c.compose
+    monkeypatch.setattr(c, "compose", lambda *a, **k: calls.append(a) or real(*a, **k))
+    composer = c.JobComposer()
+    assert [outcome(composer, job) for job in jobs] == whole
+    return len(jobs), len(calls)
+
+
+def test_a_sweeps_jobs_compose_as_hydra_composes_each_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """preflight composes a sweep once per set of group choices and applies each job's other overrides as
+    Hydra does after its defaults: every job equals Hydra's compose of it whole (an added key, a deleted
+    one, a recipe's own sweep), composed once per set of group choices."""
+    line = ["mode=l2l,baseline_ag", "precision=fp32,cmp", "model.num_layers=2,3", "batch.size=8", "+extra=1"]
+    assert _jobs_both_ways(line, monkeypatch) == (8, 4)
+    assert _jobs_both_ways(["mode=l2l", "~batch.size", "batch.ubatch_size=2,4"], monkeypatch)[0] == 2
+    # Table 5's micro-batch sweep: four jobs, one set of group choices
+    assert _jobs_both_ways(["recipe=l2l_v1_table5", "scale=cpu", "trainer.max_steps=3"], monkeypatch) == (
+        4,
+        1,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scale", ["cpu", "paper"])
+def test_every_recipes_jobs_compose_as_hydra_composes_each_whole(scale: str, monkeypatch) -> None:
+    from l2l_cli.compose import group_options
+
+    for name in group_options("recipe"):
+        _jobs_both_ways([f"recipe={name}", f"scale={scale}"], monkeypatch)
 
 
 def test_cli_config_errors_exit_2_without_traceback() -> None:
