@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
@@ -90,38 +91,70 @@ def _hydra() -> Iterator[None]:
 
 
 def compose(overrides: list[str] | tuple[str, ...] = (), *, hydra: bool = False) -> DictConfig:
-    """The composed config for ``overrides`` (as ``l2l train`` would see it), without running anything."""
+    """The composed config for ``overrides`` (as ``l2l train`` would see it), without running anything.
+    Without Hydra's node it is built by :data:`COMPOSER`: the config of the line's group choices, composed
+    once per process, with the other overrides applied to a copy (what a whole compose does after merging
+    the defaults); Hydra's node depends on every override, so ``hydra=True`` composes the line whole."""
+    if hydra:
+        return _compose_whole(overrides, hydra=True)
+    return COMPOSER(list(overrides))
+
+
+def _compose_whole(overrides: list[str] | tuple[str, ...], hydra: bool = False) -> DictConfig:
     with _hydra():
         return hydra_compose("config", overrides=list(overrides), return_hydra_config=hydra)
 
 
 class JobComposer:
-    """Composes a sweep's jobs as :func:`compose` would, each group choice once: a job's config is the
-    config of its group choices (``mode=l2l``, ``recipe=...``), composed once per distinct set of them, with
-    its other overrides applied to a copy by Hydra's own step for them (``ConfigLoaderImpl.
-    _apply_overrides_to_config``, which Hydra runs after merging the defaults). Table 4's recipe (3 modes
-    by 4 depths) then composes 3 times (~0.2 s each), not 12. A job that names Hydra's own keys, or a Hydra
-    without that step, is composed whole."""
+    """Composes command lines as Hydra composes each whole, each set of group choices once: a line's
+    config is the config of its group choices (``mode=l2l``, ``recipe=...``), composed once per distinct
+    set of them, with its other overrides applied to a copy by Hydra's own step for them
+    (``ConfigLoaderImpl._apply_overrides_to_config``, which Hydra runs after merging the defaults, which
+    plain keys cannot change). Table 4's recipe (3 modes by 4 depths) then composes 3 times (~0.2 s
+    each), not 12; a copy and the overrides take ~0.02 s. A line that names Hydra's own keys or a sweep,
+    or a Hydra without that step, is composed whole. The composed configs are kept for the last
+    ``keep`` sets of choices, and forgotten when a file of ``conf/`` changes."""
 
-    def __init__(self) -> None:
-        self._by_groups: dict[tuple[str, ...], DictConfig] = {}
+    def __init__(self, keep: int = 32) -> None:
+        self._by_groups: OrderedDict[tuple[str, ...], DictConfig] = OrderedDict()
+        self._keep = keep
+        self._conf = _conf_files()
         try:
             from hydra._internal.config_loader_impl import ConfigLoaderImpl
 
             self._apply = ConfigLoaderImpl._apply_overrides_to_config
-        except (ImportError, AttributeError):  # (a Hydra whose internals moved: every job composed whole)
+        except (ImportError, AttributeError):  # (a Hydra whose internals moved: every line composed whole)
             self._apply = None
 
     def __call__(self, job: list[str]) -> DictConfig:
         parsed = OverridesParser.create().parse_overrides(job)
-        if self._apply is None or any(ov.key_or_group.startswith("hydra") for ov in parsed):
-            return compose(job)
+        if self._apply is None or any(
+            ov.key_or_group.startswith("hydra") or ov.is_sweep_override() for ov in parsed
+        ):
+            return _compose_whole(job)
+        if (conf := _conf_files()) != self._conf:
+            self._by_groups.clear()
+            self._conf = conf
         groups = tuple(ov.input_line for ov in parsed if _is_group(ov))
         if groups not in self._by_groups:
-            self._by_groups[groups] = compose(list(groups))
+            self._by_groups[groups] = _compose_whole(list(groups))
+            if len(self._by_groups) > self._keep:
+                self._by_groups.popitem(last=False)
+        self._by_groups.move_to_end(groups)
         cfg = copy.deepcopy(self._by_groups[groups])
         self._apply([ov for ov in parsed if not _is_group(ov)], cfg)
         return cfg
+
+
+def _conf_files() -> tuple[int, int]:
+    """How many YAML files ``conf/`` holds and the newest one's mtime: a changed file shows in either."""
+    count, newest = 0, 0
+    for path in conf_dir().rglob("*.yaml"):
+        count, newest = count + 1, max(newest, path.stat().st_mtime_ns)
+    return count, newest
+
+
+COMPOSER = JobComposer()
 
 
 def _is_group(ov: Override) -> bool:

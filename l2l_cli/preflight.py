@@ -19,7 +19,7 @@ from hydra.core.override_parser.types import Override
 from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from l2l_cli.compose import JobComposer, check_overrides, compose, extra_keys, resolution_problem, values
+from l2l_cli.compose import check_overrides, compose, extra_keys, resolution_problem, values
 from l2l_cli.config.validate import validate
 from l2l_cli.inherit import NoSavedConfig, inherit, resume_problems, saved_config
 from l2l_cli.problems import Problem
@@ -82,10 +82,9 @@ def preflight(
             else:
                 info["run_dir"] = str(OmegaConf.select(base, "hydra.run.dir"))
     failing: list[tuple[list[str], list[Problem]]] = []
-    compose_job = JobComposer()
     for job in jobs:
         try:
-            cfg = base if job == plain else compose_job(job)  # a single job: the config composed above
+            cfg = base if job == plain else compose(job)  # a single job: the config composed above
         except Exception as e:
             found = [Problem("config", f"{str(e).splitlines()[0]}")]
         else:

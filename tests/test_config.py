@@ -198,7 +198,7 @@ def test_sweep_validates_every_job() -> None:
 
 
 def _jobs_both_ways(line: list[str], monkeypatch: pytest.MonkeyPatch) -> tuple[int, int]:
-    """Every job of ``line``'s sweep composed by preflight's JobComposer and by Hydra whole: equal value for
+    """Every job of ``line``'s sweep composed by a JobComposer (what ``compose`` runs) and by Hydra whole: equal value for
     value (a job that fails, with the same first line). Returns (jobs, composes the JobComposer made)."""
     from omegaconf import OmegaConf
 
@@ -218,10 +218,10 @@ def _jobs_both_ways(line: list[str], monkeypatch: pytest.MonkeyPatch) -> tuple[i
     except Exception:  # (a line no job of which composes: its jobs' errors are compared below)
         sweeper = {}
     jobs = list(_sweep_jobs(parsed, sweeper))
-    whole = [outcome(c.compose, job) for job in jobs]
+    whole = [outcome(c._compose_whole, job) for job in jobs]
     calls = []
-    real = c.compose
-    monkeypatch.setattr(c, "compose", lambda *a, **k: calls.append(a) or real(*a, **k))
+    real = c._compose_whole
+    monkeypatch.setattr(c, "_compose_whole", lambda *a, **k: calls.append(a) or real(*a, **k))
     composer = c.JobComposer()
     assert [outcome(composer, job) for job in jobs] == whole
     return len(jobs), len(calls)
@@ -239,6 +239,33 @@ def test_a_sweeps_jobs_compose_as_hydra_composes_each_whole(monkeypatch: pytest.
         4,
         1,
     )
+
+
+def test_compose_reuses_a_set_of_group_choices_until_a_conf_file_changes(monkeypatch) -> None:
+    """``compose`` composes each set of group choices once and hands out copies: a caller's edit does not
+    reach the next line's config, and a changed file under conf/ is read again."""
+    import l2l_cli.compose as c
+
+    calls = []
+    real = c._compose_whole
+    monkeypatch.setattr(c, "_compose_whole", lambda *a, **k: calls.append(a) or real(*a, **k))
+    composer = c.JobComposer()
+    a = composer(["mode=l2l", "batch.size=8"])
+    a.model.num_layers = 99
+    b = composer(["mode=l2l", "batch.size=16", "model.hidden_size=64"])
+    assert (a.batch.size, b.batch.size, b.model.hidden_size) == (8, 16, 64)
+    assert b.model.num_layers == real(["mode=l2l"]).model.num_layers != 99
+    assert len(calls) == 1  # one set of group choices: composed once
+    composer(["mode=l2l_p", "batch.size=8"])
+    assert len(calls) == 2
+    monkeypatch.setattr(c, "_conf_files", lambda: (0, 0))  # as if a file of conf/ had changed
+    composer(["mode=l2l", "batch.size=8"])
+    assert len(calls) == 3
+    # a sweep or Hydra's own keys: composed whole each time, as Hydra refuses or applies them
+    composer(["mode=l2l", "hydra.job.chdir=false"])
+    assert len(calls) == 4 and calls[-1][0] == ["mode=l2l", "hydra.job.chdir=false"]
+    with pytest.raises(Exception, match="Ambiguous value"):
+        composer(["mode=l2l", "batch.size=8,16"])
 
 
 @pytest.mark.slow
