@@ -9,6 +9,7 @@ validate it a second time (:func:`l2l_cli.config.validate.validate` returns at o
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -47,12 +48,11 @@ def settings(cfg: Config) -> L2LConfig:
 
 
 def digest(cfg: Config) -> str:
-    """A config's identity: its resolved values without Hydra's node (what validation reads)."""
-    if isinstance(cfg, DictConfig):  # each group resolved on its own: Hydra's node may not resolve here
-        plain = {k: _plain(cfg[k]) for k in cfg if k != "hydra"}
-        text = OmegaConf.to_yaml(OmegaConf.create(plain))
-    else:
-        text = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    """A config's identity: its resolved values without Hydra's node (what validation reads), as sorted
+    JSON (a few ms; YAML of a config made from them took ten times as long, once per validation)."""
+    node = cfg if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg)
+    plain = {k: _plain(node[k]) for k in node if k != "hydra"}  # each group resolved on its own: Hydra's
+    text = json.dumps(plain, sort_keys=True, default=repr)  # node may not resolve here; enums as repr
     return hashlib.sha256(text.encode()).hexdigest()
 
 
