@@ -6,11 +6,12 @@ without paying the imports again (seconds per command on two cores).
 
     python -m tests.cliserver        (started by ``tests.util.l2l``; one request at a time)
 
-Requests arrive as JSON lines on stdin ({"argv", "cwd", "env", "out", "err"}); for each the server replies
+Requests arrive as JSON lines on stdin ({"argv", "cwd", "env", "out", "err"}, and "script" for ``python
+SCRIPT ARGS``: a repository example or benchmark, which imports what the CLI does); for each the server replies
 with a line {"pid": N} once the command has started, then {"returncode": N} (negative: killed by that
 signal) once it has ended. Like ``tests/forkrun.py``, the server only imports: no torch op runs before a
-fork. Commands whose environment changes what a module reads at import (``env=`` in ``tests.util.l2l``)
-run in a fresh interpreter instead.
+fork (composing the default config is not one). Commands whose environment changes what a module reads at
+import (``env=`` in ``tests.util.l2l``) run in a fresh interpreter instead.
 """
 
 from __future__ import annotations
@@ -67,10 +68,14 @@ def _child(req: dict, ctl: tuple[int, int]) -> None:
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
-        sys.argv = ["-m", *req["argv"]]
-        sys.path[0] = req["cwd"]  # `python -m`: the working directory first on the path
+        script = req.get("script")
+        sys.argv = [script or "-m", *req["argv"]]
+        sys.path[0] = os.path.dirname(script) if script else req["cwd"]  # as `python SCRIPT` / `python -m`
         try:
-            runpy.run_module("l2l_cli", run_name="__main__", alter_sys=True)
+            if script:
+                runpy.run_path(script, run_name="__main__")
+            else:
+                runpy.run_module("l2l_cli", run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as e:
             code = e.code
@@ -102,6 +107,9 @@ def main() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     for name in PRELOAD:
         importlib.import_module(name)
+    from l2l_cli.compose import compose
+
+    compose([])  # the schema, the recipes and the default config, registered and composed once
     ctl_in, ctl_out = os.dup(0), os.dup(1)  # the control channel; fds 0-2 are left to the children
     requests = os.fdopen(ctl_in, "r")
     replies = os.fdopen(ctl_out, "w", buffering=1)

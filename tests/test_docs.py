@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.util import GLUE, REPO, l2l
+from tests.util import GLUE, REPO, l2l, python
 
 DOCS = sorted((REPO / "docs").glob("*.md"))
 PAGES = [REPO / "README.md", *DOCS]
@@ -85,9 +85,8 @@ def sandbox(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "".join(json.dumps({"text": f"chat {i}: hello there, friend {i}."}) + "\n" for i in range(64))
     )
     (box / "prompts.txt").write_text("The court ruled that\nThe jury\n")
-    subprocess.run(
-        [sys.executable, str(REPO / "examples/make_tiny_chat.py"), str(box / "chat-demo")], check=True
-    )
+    made = python(REPO / "examples/make_tiny_chat.py", str(box / "chat-demo"))
+    assert made.returncode == 0, made.stderr[-2000:]
     runs = {
         "clf": [
             "task=csv",
@@ -172,10 +171,10 @@ def test_every_documented_command_runs(
     monkeypatch.chdir(cwd)
     argv = shlex.split(_substitute(command, sandbox))
     if argv[0] == "python" and argv[1].startswith("examples/"):
-        r = subprocess.run([sys.executable, str(REPO / argv[1]), *argv[2:]], capture_output=True, text=True)
+        r = python(REPO / argv[1], *argv[2:], cwd=Path(cwd))
         assert r.returncode == 0, r.stderr[-2000:]
     elif argv[0] == "python" and argv[1].startswith("benchmarks/"):
-        r = subprocess.run([sys.executable, str(REPO / argv[1]), "--help"], capture_output=True, text=True)
+        r = python(REPO / argv[1], "--help", cwd=Path(cwd))
         assert r.returncode == 0, r.stderr[-2000:]  # a benchmark runs alone on the machine: its flags parse
     elif argv[0] == "torchrun":
         assert argv[argv.index("-m") + 1 : argv.index("-m") + 3] == ["l2l_cli", "train"]

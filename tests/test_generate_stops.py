@@ -4,23 +4,20 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from l2l_cli.engine.stops import config_eos, cut_at_strings, end_of_turn, stop_ids
-from tests.util import REPO, l2l
+from tests.util import REPO, l2l, python
 
 
 @pytest.fixture(scope="module")
 def chat_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     box = tmp_path_factory.mktemp("stops")
-    subprocess.run(
-        [sys.executable, str(REPO / "examples/make_tiny_chat.py"), str(box)], check=True, capture_output=True
-    )
+    made = python(REPO / "examples/make_tiny_chat.py", str(box))
+    assert made.returncode == 0, made.stderr[-2000:]
     r = l2l(
         "train",
         "task=chat",

@@ -144,6 +144,19 @@ def l2l(
     )
 
 
+def python(
+    script: Path, *args: str, timeout: float = 300, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGS`` (an example or a benchmark of the repository) as a process of its own, forked
+    from ``tests.cliserver`` as :func:`l2l` commands are (without seconds of imports per script); with
+    ``L2L_TEST_FRESH=1`` in the environment, a new interpreter."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if os.environ.get("L2L_TEST_FRESH") != "1":
+        return _SERVER.run(list(args), timeout, cwd or REPO, env, script=str(script))
+    argv = [sys.executable, str(script), *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO, env=env)
+
+
 class _CliServer:
     """The client of ``tests.cliserver`` (started at the first command, one per test session)."""
 
@@ -183,7 +196,7 @@ class _CliServer:
         return self.proc
 
     def run(
-        self, argv: list[str], timeout: float, cwd: Path, env: dict[str, str]
+        self, argv: list[str], timeout: float, cwd: Path, env: dict[str, str], script: str | None = None
     ) -> subprocess.CompletedProcess:
         import tempfile
 
@@ -191,7 +204,14 @@ class _CliServer:
         assert proc.stdin is not None
         with tempfile.TemporaryDirectory(prefix="l2l-cli-") as tmp:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-            req = {"argv": argv, "cwd": str(cwd), "env": env, "out": str(out), "err": str(err)}
+            req = {
+                "argv": argv,
+                "cwd": str(cwd),
+                "env": env,
+                "out": str(out),
+                "err": str(err),
+                "script": script,
+            }
             proc.stdin.write(json.dumps(req).encode() + b"\n")
             proc.stdin.flush()
             pid = (self._line() or {})["pid"]
@@ -200,7 +220,7 @@ class _CliServer:
                 os.kill(pid, 9)
                 self._line()
             stdout, stderr = (p.read_text(errors="replace") if p.exists() else "" for p in (out, err))
-        cmd = [sys.executable, "-m", "l2l_cli", *argv]
+        cmd = [sys.executable, *([script] if script else ["-m", "l2l_cli"]), *argv]
         if done is None:
             raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
         return subprocess.CompletedProcess(cmd, done["returncode"], stdout, stderr)
