@@ -118,7 +118,7 @@ class JobComposer:
     def __init__(self, keep: int = 32) -> None:
         self._by_groups: OrderedDict[tuple[str, ...], DictConfig] = OrderedDict()
         self._keep = keep
-        self._conf = _conf_files()
+        self._conf: tuple[int, int] | None = None  # (read at the first line, not at import)
         try:
             from hydra._internal.config_loader_impl import ConfigLoaderImpl
 

@@ -7,9 +7,9 @@ without paying the imports again (seconds per command on two cores).
     python -m tests.cliserver        (started by ``tests.util.l2l``; one request at a time)
 
 Requests arrive as JSON lines on stdin ({"argv", "cwd", "env", "out", "err"}, and "script" for ``python
-SCRIPT ARGS``: a repository example or benchmark, which imports what the CLI does); for each the server replies
-with a line {"pid": N} once the command has started, then {"returncode": N} (negative: killed by that
-signal) once it has ended. Like ``tests/forkrun.py``, the server only imports: no torch op runs before a
+SCRIPT ARGS``: a repository example or benchmark, which imports what the CLI does); for each the server
+replies with a line {"pid": N} once the command has started, then {"returncode": N} (negative: killed by
+that signal) once it has ended. Like ``tests/forkrun.py``, the server only imports: no torch op runs before a
 fork (composing the default config is not one). Commands whose environment changes what a module reads at
 import (``env=`` in ``tests.util.l2l``) run in a fresh interpreter instead.
 """
@@ -35,11 +35,23 @@ PRELOAD = [
     "l2l_cli.export",
     "l2l_cli.report",
     "l2l_cli.plan.cli",
+    "l2l_cli.engine.tiers.disk.format",
     "transformers.models.bert.modeling_bert",
     "transformers.models.gpt2.modeling_gpt2",
     "transformers.models.llama.modeling_llama",
     "torch.utils.tensorboard",
 ]
+
+
+def _read_faults() -> None:
+    """What the package read at import from the variables of ``tests.util.SERVER_ENV``, read again from the
+    command's environment (as its modules would have read it, imported in a fresh interpreter)."""
+    from l2l_cli import problems
+    from l2l_cli.engine.tiers.disk import format as disk_format
+
+    problems._FAULT = os.environ.get("L2L_FAULT_ENOSPC", "")
+    problems._FAULT_EIO = os.environ.get("L2L_FAULT_EIO", "")
+    disk_format._CRASH = os.environ.get("L2L_EPS_CRASH", "")
 
 
 def _child(req: dict, ctl: tuple[int, int]) -> None:
@@ -68,6 +80,7 @@ def _child(req: dict, ctl: tuple[int, int]) -> None:
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
+        _read_faults()
         script = req.get("script")
         sys.argv = [script or "-m", *req["argv"]]
         sys.path[0] = os.path.dirname(script) if script else req["cwd"]  # as `python SCRIPT` / `python -m`

@@ -198,8 +198,9 @@ def test_sweep_validates_every_job() -> None:
 
 
 def _jobs_both_ways(line: list[str], monkeypatch: pytest.MonkeyPatch) -> tuple[int, int]:
-    """Every job of ``line``'s sweep composed by a JobComposer (what ``compose`` runs) and by Hydra whole: equal value for
-    value (a job that fails, with the same first line). Returns (jobs, composes the JobComposer made)."""
+    """Every job of ``line``'s sweep composed by a JobComposer (what ``compose`` runs) and by Hydra whole:
+    equal value for value (a job that fails, with the same first line). Returns (jobs, composes the
+    JobComposer made)."""
     from omegaconf import OmegaConf
 
     import l2l_cli.compose as c

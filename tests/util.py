@@ -120,6 +120,12 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
         torch.testing.assert_close(x, y, rtol=rtol, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
+# variables the package reads at import that ``tests.cliserver``'s child sets again from its own environment
+# (the write faults of l2l_cli.problems and the disk EPS's crash points): a command given only these is
+# forked from the server too
+SERVER_ENV = {"L2L_FAULT_ENOSPC", "L2L_FAULT_EIO", "L2L_EPS_CRASH"}
+
+
 def l2l(
     *args: str,
     timeout: float = 300,
@@ -130,9 +136,11 @@ def l2l(
     """The real CLI as a process of its own (``python -m l2l_cli``, so it runs wherever the tests run).
     It is forked from ``tests.cliserver``, which has paid the imports once; with ``fresh``, with ``env``
     (variables a module may read at import) or with ``L2L_TEST_FRESH=1`` in the environment, a new
-    interpreter runs it instead (what a user's shell starts: the imports, their warnings, the startup)."""
+    interpreter runs it instead (what a user's shell starts: the imports, their warnings, the startup);
+    except for the fault injections of :data:`SERVER_ENV`, which the server's child reads again itself."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    if not fresh and env is None and os.environ.get("L2L_TEST_FRESH") != "1":
+    served = env is None or set(env) <= SERVER_ENV
+    if not fresh and served and os.environ.get("L2L_TEST_FRESH") != "1":
         return _SERVER.run(list(args), timeout, cwd or REPO, full_env)
     return subprocess.run(
         [sys.executable, "-m", "l2l_cli", *args],
