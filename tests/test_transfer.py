@@ -22,11 +22,14 @@ SHAPE = [
 
 
 def exposed_transfer(num_ubatches: int, *extra: str) -> tuple[float, float]:
-    """Median exposed transfer and compute per step (first step excluded)."""
-    r = train(tiny_cfg(*SHAPE, f"batch.size={4 * num_ubatches}", *extra), steps=4)
-    phases = [rep.phases for rep in r["reports"][1:]]
+    """Median exposed transfer and least compute per step (the first two steps excluded: a process's first
+    steps of a shape are slower, and one step's compute is stretched by whatever else the host runs; as a
+    median of steps 2-4, one micro-batch's compute varied 0.09-0.33 s between runs on a 2-core Xeon, model
+    207, and failed 2 of the asserts below 1 run in 4)."""
+    r = train(tiny_cfg(*SHAPE, f"batch.size={4 * num_ubatches}", *extra), steps=6)
+    phases = [rep.phases for rep in r["reports"][2:]]
     transfer = statistics.median(p.get("transfer", 0.0) for p in phases)
-    compute = statistics.median(p["forward"] + p["recompute"] + p["backward"] for p in phases)
+    compute = min(p["forward"] + p["recompute"] + p["backward"] for p in phases)
     return transfer, compute
 
 
@@ -40,7 +43,7 @@ def test_exposed_transfer_falls_as_ubatches_grow() -> None:
     # (t1 / t4 was 1.28-1.59 on a 2-core virtual machine, the low end with c1 at its slowest)
     assert t1 > 1.15 * t4 and t4 > t16
     assert t16 < t1 / 2
-    assert c16 > 4 * c1  # the work grew; the exposed copy time did not
+    assert c16 > 4 * c1  # the work grew (10-21x measured as below), the exposed copy time did not
 
 
 def test_without_prefetch_copies_are_fully_exposed() -> None:
