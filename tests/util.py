@@ -6,7 +6,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -138,18 +138,8 @@ def l2l(
     (variables a module may read at import) or with ``L2L_TEST_FRESH=1`` in the environment, a new
     interpreter runs it instead (what a user's shell starts: the imports, their warnings, the startup);
     except for the fault injections of :data:`SERVER_ENV`, which the server's child reads again itself."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    served = env is None or set(env) <= SERVER_ENV
-    if not fresh and served and os.environ.get("L2L_TEST_FRESH") != "1":
-        return _SERVER.run(list(args), timeout, cwd or REPO, full_env)
-    return subprocess.run(
-        [sys.executable, "-m", "l2l_cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=cwd or REPO,
-        env=full_env,
-    )
+    served = not fresh and (env is None or set(env) <= SERVER_ENV)
+    return _run(None, args, timeout, cwd, env, served)
 
 
 def python(
@@ -158,11 +148,28 @@ def python(
     """``python SCRIPT ARGS`` (an example or a benchmark of the repository) as a process of its own, forked
     from ``tests.cliserver`` as :func:`l2l` commands are (without seconds of imports per script); with
     ``L2L_TEST_FRESH=1`` in the environment, a new interpreter."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if os.environ.get("L2L_TEST_FRESH") != "1":
-        return _SERVER.run(list(args), timeout, cwd or REPO, env, script=str(script))
-    argv = [sys.executable, str(script), *args]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO, env=env)
+    return _run(str(script), args, timeout, cwd, None, True)
+
+
+def _argv(script: str | None, args: Sequence[str]) -> list[str]:
+    """``python SCRIPT ARGS``, or ``python -m l2l_cli ARGS`` without a script."""
+    return [sys.executable, *([script] if script else ["-m", "l2l_cli"]), *args]
+
+
+def _run(
+    script: str | None,
+    args: Sequence[str],
+    timeout: float,
+    cwd: Path | None,
+    env: dict[str, str] | None,
+    served: bool,
+) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    if served and os.environ.get("L2L_TEST_FRESH") != "1":
+        return _SERVER.run(list(args), timeout, cwd or REPO, full_env, script=script)
+    return subprocess.run(
+        _argv(script, args), capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO, env=full_env
+    )
 
 
 class _CliServer:
@@ -228,7 +235,7 @@ class _CliServer:
                 os.kill(pid, 9)
                 self._line()
             stdout, stderr = (p.read_text(errors="replace") if p.exists() else "" for p in (out, err))
-        cmd = [sys.executable, *([script] if script else ["-m", "l2l_cli"]), *argv]
+        cmd = _argv(script, argv)
         if done is None:
             raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
         return subprocess.CompletedProcess(cmd, done["returncode"], stdout, stderr)
