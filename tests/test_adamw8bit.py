@@ -254,7 +254,8 @@ def test_load_state_dict_keeps_the_codes_uint8() -> None:
 def test_the_native_update_equals_the_torch_ops_bit_for_bit() -> None:
     """Where the C kernels build, 8-bit AdamW's update runs in them (one pass per block of 256) and gives
     the torch-ops update's weights, codes, absmaxes and send copy bit for bit: a half gradient times a
-    factor, a partial last block, a tensor whose size leaves torch's fused kernel a scalar tail."""
+    factor, a partial last block, a tensor whose size leaves torch's fused kernel a scalar tail, and a NaN
+    in one block's gradient (its absmaxes NaN and its codes 255, as torch.amax and bucketize give)."""
     assert host_passes.QBLOCK == a8.BLOCK == QBLOCK == 256  # the kernel's block is the state's
     assert a8.MIN_8BIT == MIN_8BIT
     passes = HostPasses(1)
@@ -262,9 +263,11 @@ def test_the_native_update_equals_the_torch_ops_bit_for_bit() -> None:
         pytest.skip(f"no native kernels here: {passes.why}")
     assert a8._native_maps(passes) is not None  # checked against the torch ops, and used
     gen = torch.Generator().manual_seed(5)
-    for n in (20 * 256, 20 * 256 + 77):
+    for n, nan_at in ((20 * 256, None), (20 * 256 + 77, None), (20 * 256, 3 * 256 + 5)):
         w0 = torch.randn(n, generator=gen) * 0.02
         grads = [(torch.randn(n, generator=gen) * torch.logspace(-6, 0, n)).bfloat16() for _ in range(4)]
+        if nan_at is not None:
+            grads[2][nan_at] = float("nan")
         out = []
         for native in (True, False):
             w = w0.clone()
@@ -279,15 +282,25 @@ def test_the_native_update_equals_the_torch_ops_bit_for_bit() -> None:
                     opt.update(w, g, st, hp, 0.25, send)
                 else:
                     a8.update_torch(w, g, st, hp, 0.25, send, maps)
-                assert torch.equal(g, kept)  # the gradient is left as it arrived
+                assert same_bits(g, kept)  # the gradient is left as it arrived
             out.append((w, send, st))
         (w, send, st), (w_ref, send_ref, st_ref) = out
-        assert torch.equal(w, w_ref) and torch.equal(send, send_ref) and not torch.equal(w, w0)
-        assert all(torch.equal(st[k], st_ref[k]) for k in st), n
+        assert same_bits(w, w_ref) and same_bits(send, send_ref) and not torch.equal(w, w0)
+        assert all(same_bits(st[k], st_ref[k]) for k in st), n
+        if nan_at is not None:
+            assert st["exp_avg_absmax"][3].isnan() and (st["exp_avg"][3 * 256 : 4 * 256] == 255).all()
+            assert not st["exp_avg_absmax"][2].isnan() and w[: 3 * 256].isfinite().all()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal, NaNs where the other has a NaN (any payload) counted equal."""
+    nan = a.isnan() if a.is_floating_point() else torch.zeros_like(a, dtype=torch.bool)
+    bnan = b.isnan() if b.is_floating_point() else nan
+    return torch.equal(nan, bnan) and torch.equal(a[~nan], b[~nan])
 
 
 def test_the_native_quantizer_gives_bucketizes_codes_at_every_midpoint() -> None:
-    """The kernel's quantizer (a table on the float's top bits and one integer comparison) against the
+    """The kernel's quantizer (a table on the float's top bits and a few integer operations) against the
     binary search (``torch.bucketize``, right=True) on every midpoint of both maps, the floats a few ulps
     either side, and 0, -0, tiny, 1, above 1, infinities and NaN: the same code for each."""
     passes = HostPasses(1)
