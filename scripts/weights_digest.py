@@ -1,5 +1,6 @@
 """Digest of the final weights of every mode x precision after 3 steps on the bert-tiny synthetic config,
-plus the disk tier, the GPT-2 and Llama decoders (task=lm), 2-rank data parallel and the modular pipeline.
+plus LAMB and 8-bit AdamW, the disk tier, the GPT-2 and Llama decoders (task=lm), 2-rank data parallel and
+the modular pipeline.
 
 A change that should not change numbers must leave these bit-identical (torchtitan's rule): record the
 digests on the commit before the change, then check after it, on the same machine.
@@ -37,6 +38,8 @@ def combos() -> list[tuple[str, list[str]]]:
             out.append((f"{mode}/{prec}", [f"mode={mode}", f"precision={prec}", *extra]))
     out.append(("l2l/fp32/lamb", ["mode=l2l", "optim=lamb"]))
     out.append(("baseline_ag/fp32/lamb", ["mode=baseline_ag", "optim=lamb"]))
+    for mode, prec in (("l2l", "fp32"), ("l2l_p", "cmp"), ("baseline_ag", "fp32")):
+        out.append((f"{mode}/{prec}/adamw8bit", [f"mode={mode}", f"precision={prec}", "optim=adamw8bit"]))
     # the disk tier, the decoders, data parallel and the modular pipeline (2 ranks each)
     out.append(("l2l/fp32/disk", ["mode=l2l", "eps.tier=disk"]))
     out.append(("l2l_p/cmp/disk", ["mode=l2l_p", "precision=cmp", "eps.tier=disk"]))
