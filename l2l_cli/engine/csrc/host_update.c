@@ -343,11 +343,11 @@ void l2l_triad(float *restrict a, const float *restrict b, const float *restrict
  * below it + 1 and f = the midpoint's low 16 bits (its top 16 are the slot's own); for y < 0, low is their
  * complement and f = 0xFFFF minus the midpoint's, so that |y| <= |mid| reads the same way. A slot with no
  * midpoint has f = 0 and c its count. The codes of 64 elements are packed to bytes at once (two packs
- * and a permute, not four narrowing moves). Gathers
- * are slow on the CPUs measured (~0.25 ns per element on a 2-core Emerald Rapids: half of the quantizer's
- * time); the table in registers instead (as the dequantizer's) would take more permutes than it saves.
- * The result is the same integer as the binary search's for every float, NaN included (code 255, as
- * bucketize gives), on the vector path and the scalar one alike. */
+ * and a permute, not four narrowing moves). Gathers are slow on the CPUs measured (~0.25 ns per element
+ * on a 2-core Emerald Rapids: half of the quantizer's time); the table in registers instead (as the
+ * dequantizer's) would take more permutes than it saves. The result is the same integer as the binary
+ * search's for every float, NaN included (code 255, as bucketize gives), on the vector path and the
+ * scalar one alike. */
 
 #include <float.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -474,7 +474,9 @@ static float absmax_block(const float *x, int64_t n) {
     return mx > 0x7F800000u ? NAN : from_bits(mx);
 }
 
-/* codes[k] = the code of x[k] / scale */
+/* The codes of x[0:16] / s, one per int32 lane. The slot: |y|'s top 16 bits less KMIN, saturating at 0
+ * (16-bit lanes: the top half of each is 0 - KMIN, also 0), at most the last slot; y < 0 reads the table's
+ * second half. */
 static inline __attribute__((always_inline)) __m512i quantize16(const float *x, const __m512 s,
                                                                 const uint32_t *base) {
     const __m512i absmask = _mm512_set1_epi32(0x7FFFFFFF), kmin = _mm512_set1_epi16((short)KMIN);
@@ -491,6 +493,7 @@ static inline __attribute__((always_inline)) __m512i quantize16(const float *x, 
     return _mm512_sub_epi32(_mm512_and_si512(e, count), _mm512_srli_epi32(t, 31));
 }
 
+/* codes[k] = the code of x[k] / scale */
 static void quantize_block(const float *x, float scale, const qmap_t *q, uint8_t *codes, int64_t n) {
     int64_t k = 0;
 #ifdef L2L_AVX512
