@@ -43,15 +43,23 @@ PRELOAD = [
 ]
 
 
-def _read_faults() -> None:
-    """What the package read at import from the variables of ``tests.util.SERVER_ENV``, read again from the
-    command's environment (as its modules would have read it, imported in a fresh interpreter)."""
-    from l2l_cli import problems
-    from l2l_cli.engine.tiers.disk import format as disk_format
+# variables the package reads at import into a module's attribute (the write faults of l2l_cli.problems and
+# the disk EPS's crash points), which the child sets again from the command's environment: a command given
+# only these is forked from the server too (``tests.util.SERVER_ENV``)
+FAULTS = {
+    "L2L_FAULT_ENOSPC": ("l2l_cli.problems", "_FAULT"),
+    "L2L_FAULT_EIO": ("l2l_cli.problems", "_FAULT_EIO"),
+    "L2L_EPS_CRASH": ("l2l_cli.engine.tiers.disk.format", "_CRASH"),
+}
 
-    problems._FAULT = os.environ.get("L2L_FAULT_ENOSPC", "")
-    problems._FAULT_EIO = os.environ.get("L2L_FAULT_EIO", "")
-    disk_format._CRASH = os.environ.get("L2L_EPS_CRASH", "")
+
+def _read_faults() -> None:
+    """What the package read at import from the variables of :data:`FAULTS`, read again from the command's
+    environment (as its modules would have read it, imported in a fresh interpreter)."""
+    import importlib
+
+    for var, (module, attr) in FAULTS.items():
+        setattr(importlib.import_module(module), attr, os.environ.get(var, ""))
 
 
 def _child(req: dict, ctl: tuple[int, int]) -> None:

@@ -23,6 +23,7 @@ from l2l_cli.data.tasks import TASKS, TaskData
 from l2l_cli.models import FAMILIES, ModelSpec
 from l2l_cli.modes import Runner
 from l2l_cli.session import build
+from tests.cliserver import FAULTS
 
 REPO = Path(__file__).resolve().parent.parent
 GLUE = REPO.parent / "shared" / "data" / "glue"
@@ -120,10 +121,9 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
         torch.testing.assert_close(x, y, rtol=rtol, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
-# variables the package reads at import that ``tests.cliserver``'s child sets again from its own environment
-# (the write faults of l2l_cli.problems and the disk EPS's crash points): a command given only these is
-# forked from the server too
-SERVER_ENV = {"L2L_FAULT_ENOSPC", "L2L_FAULT_EIO", "L2L_EPS_CRASH"}
+# variables the package reads at import that ``tests.cliserver``'s child sets again from its own environment:
+# a command given only these is forked from the server too
+SERVER_ENV = frozenset(FAULTS)
 
 
 def l2l(
